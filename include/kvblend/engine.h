@@ -1,0 +1,72 @@
+// kvblend: the engine runs our own forward (built from ggml ops) over a model
+// and a dense KV cache: prefill in micro-batches, then token-by-token decode.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvblend/kv_cache.h"
+#include "kvblend/model.h"
+#include "kvblend/sampler.h"
+
+namespace kvblend {
+
+struct engine_params {
+    int32_t   n_threads = 2;
+    int64_t   n_ctx     = 4096;  // KV capacity in tokens (clamped to the model's trained context)
+    int64_t   n_ubatch  = 512;   // tokens per prefill micro-batch
+    ggml_type type_k    = GGML_TYPE_F16;
+    ggml_type type_v    = GGML_TYPE_F16;
+};
+
+engine_params engine_default_params();
+
+struct generate_result {
+    std::vector<llama_token> tokens;  // generated, without the prompt
+    std::string text;
+    int64_t n_prompt = 0;
+    double prefill_ms = 0;
+    double decode_ms = 0;
+};
+
+class engine {
+  public:
+    engine(std::shared_ptr<const model> m, const engine_params & params);
+    ~engine();
+    engine(const engine &) = delete;
+    engine & operator=(const engine &) = delete;
+
+    const model & mdl() const { return *model_; }
+    const engine_params & params() const { return params_; }
+    kv_cache & cache() { return *cache_; }
+
+    // run tokens at positions [n_past, n_past + n) through every layer, write
+    // their K/V into the cache and advance n_past. logits: all_logits ? every
+    // token's row : only the last token's, each row n_vocab floats.
+    // throws kvblend::error when the cache would overflow.
+    std::vector<float> eval(const std::vector<llama_token> & tokens, bool all_logits = false);
+
+    // clear the cache, prefill the prompt, then sample up to n_predict tokens
+    // (stops at end-of-generation). on_token, when set, sees each new piece and
+    // may return false to stop.
+    generate_result generate(const std::vector<llama_token> & prompt, int32_t n_predict, const sampler_params & sp,
+                             const std::function<bool(const std::string &)> & on_token = {});
+
+    // continue generating from the current cache whose last logits are given
+    generate_result generate_from(std::vector<float> last_logits, int32_t n_predict, const sampler_params & sp,
+                                  const std::function<bool(const std::string &)> & on_token = {});
+
+    void set_n_threads(int32_t n);
+
+  private:
+    struct impl;
+    std::unique_ptr<impl> impl_;
+    std::shared_ptr<const model> model_;
+    engine_params params_;
+    std::unique_ptr<kv_cache> cache_;
+};
+
+}  // namespace kvblend

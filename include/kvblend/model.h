@@ -1,0 +1,119 @@
+// kvblend: GGUF model loading (weights on a ggml backend, hyper-parameters).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "kvblend/common.h"
+
+namespace kvblend {
+
+enum model_arch {
+    MODEL_ARCH_LLAMA,  // llama, mistral (no biases, NORM rope)
+    MODEL_ARCH_QWEN2,  // q/k/v biases, NEOX rope
+    MODEL_ARCH_QWEN3,  // q/k RMS norm per head, NEOX rope
+};
+
+const char * model_arch_name(model_arch arch);
+
+struct model_hparams {
+    model_arch arch = MODEL_ARCH_LLAMA;
+    std::string arch_name;  // as written in general.architecture
+
+    int64_t n_vocab     = 0;
+    int64_t n_ctx_train = 0;
+    int64_t n_embd      = 0;
+    int64_t n_layer     = 0;
+    int64_t n_head      = 0;
+    int64_t n_head_kv   = 0;
+    int64_t head_dim    = 0;  // per-head size of q and k (== v for the supported archs)
+    int64_t n_ff        = 0;
+    int64_t n_rot       = 0;  // rotated dims per head
+
+    float rms_eps    = 1e-5f;
+    float rope_base  = 10000.0f;
+    float rope_scale = 1.0f;  // frequency scale (1 / linear scaling factor)
+    int   rope_mode  = 0;     // GGML_ROPE_TYPE_NORMAL or GGML_ROPE_TYPE_NEOX
+
+    bool tied_output = false;  // output projection shares token_embd
+    bool qkv_bias    = false;
+    bool qk_norm     = false;
+
+    int64_t n_embd_q() const { return head_dim * n_head; }
+    int64_t n_embd_kv() const { return head_dim * n_head_kv; }  // K or V row per token
+};
+
+struct model_layer {
+    ggml_tensor * attn_norm = nullptr;  // [n_embd]
+    ggml_tensor * wq = nullptr;         // [n_embd, n_embd_q]
+    ggml_tensor * wk = nullptr;         // [n_embd, n_embd_kv]
+    ggml_tensor * wv = nullptr;         // [n_embd, n_embd_kv]
+    ggml_tensor * wo = nullptr;         // [n_embd_q, n_embd]
+    ggml_tensor * bq = nullptr;         // [n_embd_q]   qwen2
+    ggml_tensor * bk = nullptr;         // [n_embd_kv]  qwen2
+    ggml_tensor * bv = nullptr;         // [n_embd_kv]  qwen2
+    ggml_tensor * q_norm = nullptr;     // [head_dim]   qwen3
+    ggml_tensor * k_norm = nullptr;     // [head_dim]   qwen3
+    ggml_tensor * ffn_norm = nullptr;   // [n_embd]
+    ggml_tensor * ffn_gate = nullptr;   // [n_embd, n_ff]
+    ggml_tensor * ffn_up   = nullptr;   // [n_embd, n_ff]
+    ggml_tensor * ffn_down = nullptr;   // [n_ff, n_embd]
+};
+
+struct model_params {
+    bool use_mmap = true;   // map the file instead of reading it (CPU only)
+    bool use_gpu  = true;   // put weights on the first GPU device when one is built in
+};
+
+model_params model_default_params();
+
+class vocab;
+
+// a loaded model: hyper-parameters, weights in a backend buffer, the vocabulary
+// (through libllama) and the backend the weights live on. immutable after load;
+// any number of engines can share it.
+class model {
+  public:
+    // throws kvblend::error with one line naming the problem; nothing leaks.
+    static std::shared_ptr<model> load(const std::string & path, const model_params & params = model_default_params());
+    ~model();
+
+    const model_hparams & hparams() const { return hp_; }
+    const std::string & path() const { return path_; }
+    const vocab & tokens() const { return *vocab_; }
+
+    // hex digest of the architecture, every tensor's name/type/shape and a
+    // sample of every tensor's bytes (first, middle and last 4 KiB): two
+    // models, or two quantizations of one, get different fingerprints.
+    const std::string & fingerprint() const { return fingerprint_; }
+
+    // the device the weights live on (CPU, or the first GPU when built with
+    // one); engines create their own backend instances on it.
+    ggml_backend_dev_t device() const { return device_; }
+    bool on_gpu() const;
+    size_t weights_bytes() const { return weights_bytes_; }
+    std::string describe() const;  // one line: arch, shape, weight type, size
+
+    ggml_tensor * tok_embd = nullptr;     // [n_embd, n_vocab]
+    ggml_tensor * output_norm = nullptr;  // [n_embd]
+    ggml_tensor * output = nullptr;       // [n_embd, n_vocab] (== tok_embd when tied)
+    ggml_tensor * rope_freqs = nullptr;   // [n_rot/2] optional per-frequency factors (llama 3)
+    std::vector<model_layer> layers;
+
+  private:
+    model() = default;
+    struct impl;
+    std::unique_ptr<impl> impl_;
+    model_hparams hp_;
+    std::string path_;
+    std::string fingerprint_;
+    std::unique_ptr<vocab> vocab_;
+    ggml_backend_dev_t device_ = nullptr;
+    size_t weights_bytes_ = 0;
+};
+
+}  // namespace kvblend

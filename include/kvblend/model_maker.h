@@ -1,0 +1,60 @@
+// kvblend: synthetic GGUF models of real shapes (random weights, a real
+// vocabulary copied from a vocab-only GGUF) for tests and benchmarks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ggml.h"
+#include "kvblend/model.h"
+
+namespace kvblend {
+
+struct model_spec {
+    model_arch arch     = MODEL_ARCH_LLAMA;
+    int64_t n_layer     = 2;
+    int64_t n_embd      = 64;
+    int64_t n_head      = 4;
+    int64_t n_head_kv   = 2;
+    int64_t head_dim    = 16;
+    int64_t n_ff        = 128;
+    int64_t n_ctx_train = 2048;
+    float   rope_base   = 10000.0f;
+    float   rms_eps     = 1e-5f;
+    bool    tied_output = false;
+    bool    qkv_bias    = false;  // qwen2
+    bool    qk_norm     = false;  // qwen3
+};
+
+// named real shapes: tiny (small llama), tiny-qwen2, tiny-qwen3,
+// qwen3-0.6b, qwen2-0.5b, llama-1b. throws kvblend::error for an unknown name.
+model_spec model_spec_preset(const std::string & name);
+std::vector<std::string> model_spec_preset_names();
+
+struct make_model_params {
+    ggml_type   wtype = GGML_TYPE_F16;  // type of the 2-D weight matrices; norms and biases stay f32
+    std::string vocab_from;             // vocab-only GGUF whose tokenizer keys are copied
+    uint64_t    seed  = 42;
+    std::string name  = "kvblend-synthetic";
+};
+
+struct make_model_result {
+    int64_t  n_vocab    = 0;  // tokens copied from the vocab file
+    int64_t  n_tensors  = 0;
+    uint64_t file_bytes = 0;  // size of the written file
+};
+
+// write OUT.gguf (through OUT.gguf.tmp and a rename); the vocabulary size is the
+// vocab file's token count. streams tensor data so memory stays small for big
+// presets. the same spec, params and seed give a byte-identical file (with one
+// build of kvblend; the thread count does not matter).
+// throws kvblend::error (bad vocab file, inconsistent spec, a weight type whose
+// block size does not divide a row, a failed write).
+make_model_result make_model(const model_spec & spec, const make_model_params & params, const std::string & out_path);
+
+// parse a weight type name (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k,
+// q3_k, q4_k, q5_k, q6_k); throws kvblend::error for anything else.
+ggml_type parse_weight_type(const std::string & name);
+
+}  // namespace kvblend

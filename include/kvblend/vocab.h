@@ -1,0 +1,49 @@
+// kvblend: tokenizer, detokenizer, special tokens and chat templates, all from
+// libllama (a vocab-only load of the same GGUF).
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "llama.h"
+
+namespace kvblend {
+
+struct chat_message {
+    std::string role;  // system | user | assistant
+    std::string content;
+};
+
+class vocab {
+  public:
+    explicit vocab(const std::string & gguf_path);  // throws kvblend::error
+    ~vocab();
+    vocab(const vocab &) = delete;
+    vocab & operator=(const vocab &) = delete;
+
+    // add_special: BOS/EOS as the model's tokenizer config asks;
+    // parse_special: turn "<|im_start|>"-style text into special tokens.
+    std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special = false) const;
+    std::string token_to_piece(llama_token tok) const;
+    std::string detokenize(const std::vector<llama_token> & toks) const;
+
+    int32_t n_tokens() const;
+    llama_token bos() const;
+    llama_token eos() const;
+    bool is_eog(llama_token tok) const;
+    bool add_bos() const;
+
+    bool has_chat_template() const;
+    // render messages with the model's own chat template; add_assistant opens
+    // the assistant turn. throws when the model ships no template.
+    std::string apply_chat_template(const std::vector<chat_message> & msgs, bool add_assistant) const;
+
+    const llama_vocab * raw() const { return vocab_; }
+
+  private:
+    llama_model * model_ = nullptr;  // vocab-only
+    const llama_vocab * vocab_ = nullptr;
+};
+
+}  // namespace kvblend

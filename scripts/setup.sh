@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# set up a fresh Debian 12 machine for kvblend and build it into build/.
+# idempotent: installs only missing packages, fetches the pinned llama.cpp
+# source once, and lets cmake/ninja rebuild only what changed.
+#
+# environment knobs:
+#   KVBLEND_BUILD_DIR   build folder (default: build)
+#   KVBLEND_CUDA=1      build the CUDA backend too (needs the CUDA toolkit)
+#   KVBLEND_NATIVE=0    do not tune for this CPU (GGML_NATIVE off)
+#   KVBLEND_JOBS        parallel build jobs (default: number of cores)
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+LLAMA_NPM_PKG="node-llama-cpp@3.21.1"
+LLAMA_COMMIT="80fb11ac73e66d89eae2c6a91d8a77428fa733ed"
+LLAMA_DIR="$root/third_party/llama.cpp"
+BUILD_DIR="${KVBLEND_BUILD_DIR:-build}"
+JOBS="${KVBLEND_JOBS:-$(nproc)}"
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# --- debian packages -------------------------------------------------------
+pkgs=(build-essential cmake ninja-build git ca-certificates libgtest-dev nlohmann-json3-dev npm)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+# npm may come from a non-debian node install: accept it when it runs
+if [[ " ${missing[*]} " == *" npm "* ]] && command -v npm >/dev/null 2>&1; then
+  missing=("${missing[@]/npm/}")
+fi
+read -r -a missing <<<"${missing[*]:-}"
+if ((${#missing[@]})); then
+  log "installing: ${missing[*]}"
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  log "debian packages present"
+fi
+
+# --- pinned llama.cpp source (from the npm package's git bundle) -----------
+have_commit() { [[ -d "$LLAMA_DIR/.git" ]] && [[ $(git -C "$LLAMA_DIR" rev-parse HEAD 2>/dev/null) == "$LLAMA_COMMIT" ]]; }
+if have_commit; then
+  log "llama.cpp $LLAMA_COMMIT present"
+else
+  log "fetching llama.cpp from $LLAMA_NPM_PKG"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  (cd "$tmp" && npm pack --silent "$LLAMA_NPM_PKG" >/dev/null)
+  tar -xzf "$tmp"/node-llama-cpp-*.tgz -C "$tmp" package/llama/gitRelease.bundle
+  rm -rf "$LLAMA_DIR"
+  mkdir -p "$(dirname "$LLAMA_DIR")"
+  git clone -q "$tmp/package/llama/gitRelease.bundle" "$LLAMA_DIR"
+  git -C "$LLAMA_DIR" -c advice.detachedHead=false checkout -q "$LLAMA_COMMIT"
+  have_commit || { echo "llama.cpp bundle is not at the pinned commit $LLAMA_COMMIT" >&2; exit 1; }
+  git -C "$LLAMA_DIR" fsck --no-dangling --no-progress >/dev/null 2>&1 || { echo "llama.cpp bundle failed git fsck" >&2; exit 1; }
+  log "llama.cpp verified at $LLAMA_COMMIT"
+fi
+
+# --- build -----------------------------------------------------------------
+cmake_args=(-S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release)
+[[ "${KVBLEND_NATIVE:-1}" == 0 ]] && cmake_args+=(-DGGML_NATIVE=OFF) || cmake_args+=(-DGGML_NATIVE=ON)
+[[ "${KVBLEND_CUDA:-0}" == 1 ]] && cmake_args+=(-DKVBLEND_CUDA=ON) || cmake_args+=(-DKVBLEND_CUDA=OFF)
+log "configuring $BUILD_DIR"
+cmake "${cmake_args[@]}" >/dev/null
+log "building ($JOBS jobs)"
+cmake --build "$BUILD_DIR" -j "$JOBS"
+log "done: binaries in $BUILD_DIR/bin"

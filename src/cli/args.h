@@ -1,0 +1,110 @@
+// kvblend CLI: a small flag parser. every bad flag is a message, not a crash.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvblend/common.h"
+
+namespace kvblend::cli {
+
+// walks "--flag value" / "-f value" / "--switch" arguments. a value that is
+// missing, malformed or out of range throws kvblend::error naming the flag.
+class args {
+  public:
+    args(int argc, char ** argv, int first) {
+        for (int i = first; i < argc; ++i) items_.emplace_back(argv[i]);
+    }
+
+    bool done() const { return pos_ >= items_.size(); }
+    const std::string & peek() const { return items_[pos_]; }
+
+    // true (and consumes it) when the next item is one of the names
+    bool match(std::initializer_list<const char *> names) {
+        if (done()) return false;
+        for (const char * n : names) {
+            if (items_[pos_] == n) {
+                flag_ = n;
+                ++pos_;
+                return true;
+            }
+        }
+        return false;
+    }
+
+    std::string str() {
+        if (done()) throw error("missing value after " + flag_);
+        return items_[pos_++];
+    }
+
+    int64_t integer(int64_t lo, int64_t hi) {
+        const std::string s = str();
+        size_t n = 0;
+        long long v = 0;
+        try {
+            v = std::stoll(s, &n);
+        } catch (...) {
+            n = 0;
+        }
+        if (n != s.size() || s.empty()) throw error(flag_ + " expects an integer, got '" + s + "'");
+        if (v < lo || v > hi)
+            throw error(flag_ + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + s);
+        return v;
+    }
+
+    double real(double lo, double hi) {
+        const std::string s = str();
+        size_t n = 0;
+        double v = 0;
+        try {
+            v = std::stod(s, &n);
+        } catch (...) {
+            n = 0;
+        }
+        if (n != s.size() || s.empty() || !(v >= lo && v <= hi))
+            throw error(flag_ + " expects a number in [" + fmt(lo) + ", " + fmt(hi) + "], got '" + s + "'");
+        return v;
+    }
+
+    // comma-separated integers, each in [lo, hi]
+    std::vector<int64_t> integers(int64_t lo, int64_t hi) {
+        const std::string s = str();
+        std::vector<int64_t> out;
+        size_t start = 0;
+        while (start <= s.size()) {
+            size_t end = s.find(',', start);
+            if (end == std::string::npos) end = s.size();
+            const std::string part = s.substr(start, end - start);
+            size_t n = 0;
+            long long v = 0;
+            try {
+                v = std::stoll(part, &n);
+            } catch (...) {
+                n = 0;
+            }
+            if (part.empty() || n != part.size() || v < lo || v > hi)
+                throw error(flag_ + " expects comma-separated integers in [" + std::to_string(lo) + ", " +
+                            std::to_string(hi) + "], got '" + s + "'");
+            out.push_back(v);
+            start = end + 1;
+        }
+        return out;
+    }
+
+    [[noreturn]] void unknown() const { throw error("unknown argument '" + items_[pos_] + "' (see --help)"); }
+
+  private:
+    static std::string fmt(double v) {
+        std::string s = std::to_string(v);
+        s.erase(s.find_last_not_of('0') + 1);
+        if (!s.empty() && s.back() == '.') s.pop_back();
+        return s;
+    }
+
+    std::vector<std::string> items_;
+    size_t pos_ = 0;
+    std::string flag_;
+};
+
+}  // namespace kvblend::cli

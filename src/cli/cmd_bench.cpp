@@ -1,0 +1,186 @@
+// kvblend bench: measured side by side with libllama in the same run.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "cli/args.h"
+#include "cli/cli_util.h"
+#include "cli/commands.h"
+#include "kvblend/engine.h"
+#include "ref/llama_ref.h"
+
+namespace kvblend::cli {
+
+namespace {
+
+const char * k_help = R"(usage: kvblend bench prefill -m MODEL [options]
+
+Full prefill and decode speed of our forward next to libllama's on the same
+model, same threads, same KV type, in the same run.
+
+  -m, --model FILE      GGUF model
+  --tokens LIST         prompt lengths, comma-separated (default 512,2048)
+  --n-gen N             decode steps timed after each prefill (default 32)
+  -r, --reps N          repetitions per measurement; the median is kept (default 3)
+  -t, --threads N       CPU threads (default 2)
+  -b, --ubatch N        micro-batch for both (default 512)
+  --cache-type T        f16 (default) or f32
+  --peer none|llama     time libllama too (default llama); 'none' also reports peak RSS
+  --json                print one JSON object instead of the table
+)";
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+double peak_rss_mb() {
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_maxrss / 1024.0;  // linux reports KiB
+}
+
+int bench_prefill(args & a) {
+    std::string model_path;
+    std::vector<int64_t> lens = {512, 2048};
+    int64_t n_gen = 32, reps = 3;
+    bool json = false, peer = true;
+    engine_params ep = engine_default_params();
+    while (!a.done()) {
+        if (a.match({"-h", "--help"})) {
+            std::fputs(k_help, stdout);
+            return 0;
+        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        else if (a.match({"--tokens"})) lens = a.integers(1, 1 << 20);
+        else if (a.match({"--n-gen"})) n_gen = a.integer(0, 4096);
+        else if (a.match({"-r", "--reps"})) reps = a.integer(1, 100);
+        else if (a.match({"-t", "--threads"})) ep.n_threads = (int32_t) a.integer(1, 1024);
+        else if (a.match({"-b", "--ubatch"})) ep.n_ubatch = a.integer(1, 1 << 16);
+        else if (a.match({"--cache-type"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
+        else if (a.match({"--peer"})) {
+            const std::string p = a.str();
+            if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");
+            peer = p == "llama";
+        } else if (a.match({"--json"})) json = true;
+        else a.unknown();
+    }
+    if (model_path.empty()) throw error("missing -m MODEL (see --help)");
+
+    auto m = model::load(model_path);
+    const int64_t n_max = *std::max_element(lens.begin(), lens.end()) + n_gen;
+    if (n_max > m->hparams().n_ctx_train)
+        throw error("longest prompt plus --n-gen (" + std::to_string(n_max) + ") exceeds the model's context of " +
+                    std::to_string(m->hparams().n_ctx_train));
+    ep.n_ctx = n_max;
+    engine eng(m, ep);
+
+    std::unique_ptr<ref::llama_ref> lr;
+    if (peer) {
+        ref::llama_ref_params rp;
+        rp.n_threads = ep.n_threads;
+        rp.n_ctx = n_max;
+        rp.n_batch = std::max<int64_t>(n_max, 512);
+        rp.n_ubatch = ep.n_ubatch;
+        rp.type_k = ep.type_k;
+        rp.type_v = ep.type_v;
+        lr = std::make_unique<ref::llama_ref>(model_path, rp);
+    }
+
+    std::mt19937 rng(1234);
+    std::uniform_int_distribution<int> tok_dist(0, (int) m->hparams().n_vocab - 1);
+
+    // one untimed pass each so page faults of mapped weights are not measured
+    {
+        std::vector<llama_token> warm(std::min<int64_t>(64, lens[0]));
+        for (auto & t : warm) t = tok_dist(rng);
+        eng.cache().clear();
+        eng.eval(warm);
+        if (lr) lr->clear(), lr->eval(warm, false);
+    }
+
+    nlohmann::json rows = nlohmann::json::array();
+    for (int64_t n : lens) {
+        std::vector<llama_token> toks(n);
+        for (auto & t : toks) t = tok_dist(rng);
+        std::vector<double> ours_pp, ours_tg, ref_pp, ref_tg;
+        for (int64_t r = 0; r < reps; ++r) {
+            eng.cache().clear();
+            double t0 = time_ms();
+            std::vector<float> lg = eng.eval(toks);
+            ours_pp.push_back(time_ms() - t0);
+            t0 = time_ms();
+            for (int64_t i = 0; i < n_gen; ++i) lg = eng.eval({tok_dist(rng)});
+            if (n_gen) ours_tg.push_back(time_ms() - t0);
+            if (lr) {
+                lr->clear();
+                t0 = time_ms();
+                lg = lr->eval(toks, false);
+                ref_pp.push_back(time_ms() - t0);
+                t0 = time_ms();
+                for (int64_t i = 0; i < n_gen; ++i) lg = lr->eval({tok_dist(rng)}, false);
+                if (n_gen) ref_tg.push_back(time_ms() - t0);
+            }
+        }
+        nlohmann::json row = {{"n_prompt", n}, {"ours_prefill_ms", median(ours_pp)},
+                              {"ours_prefill_tps", n / (median(ours_pp) / 1000.0)}};
+        if (n_gen) row["ours_decode_tps"] = n_gen / (median(ours_tg) / 1000.0);
+        if (lr) {
+            row["llama_prefill_ms"] = median(ref_pp);
+            row["llama_prefill_tps"] = n / (median(ref_pp) / 1000.0);
+            row["prefill_ratio"] = median(ref_pp) / median(ours_pp);
+            if (n_gen) {
+                row["llama_decode_tps"] = n_gen / (median(ref_tg) / 1000.0);
+                row["decode_ratio"] = median(ref_tg) / median(ours_tg);
+            }
+        }
+        rows.push_back(row);
+    }
+
+    nlohmann::json out = {{"model", model_path},
+                          {"model_desc", m->describe()},
+                          {"threads", ep.n_threads},
+                          {"ubatch", ep.n_ubatch},
+                          {"cache_type", ggml_type_name(ep.type_k)},
+                          {"n_gen", n_gen},
+                          {"reps", reps},
+                          {"weights_mb", m->weights_bytes() / 1048576.0},
+                          {"kv_mb", eng.cache().bytes() / 1048576.0},
+                          {"rows", rows}};
+    if (!lr) out["peak_rss_mb"] = peak_rss_mb();
+    if (json) {
+        std::printf("%s\n", out.dump(2).c_str());
+        return 0;
+    }
+    std::printf("model: %s\n%s, threads %d, ubatch %lld, KV %s, median of %lld\n\n", model_path.c_str(),
+                m->describe().c_str(), ep.n_threads, (long long) ep.n_ubatch, ggml_type_name(ep.type_k), (long long) reps);
+    std::printf("| prompt | ours pp tok/s | llama pp tok/s | pp ratio | ours tg tok/s | llama tg tok/s | tg ratio |\n");
+    std::printf("|-------:|--------------:|---------------:|---------:|--------------:|---------------:|---------:|\n");
+    for (const auto & r : rows) {
+        auto f = [&](const char * k) { return r.contains(k) ? r[k].get<double>() : 0.0; };
+        std::printf("| %6lld | %13.1f | %14.1f | %8.3f | %13.2f | %14.2f | %8.3f |\n", (long long) r["n_prompt"].get<int64_t>(),
+                    f("ours_prefill_tps"), f("llama_prefill_tps"), f("prefill_ratio"), f("ours_decode_tps"),
+                    f("llama_decode_tps"), f("decode_ratio"));
+    }
+    if (!lr)
+        std::printf("\npeak RSS %.1f MB (weights %.1f MB + KV %.1f MB)\n", out["peak_rss_mb"].get<double>(),
+                    out["weights_mb"].get<double>(), out["kv_mb"].get<double>());
+    return 0;
+}
+
+}  // namespace
+
+int cmd_bench(int argc, char ** argv) {
+    if (argc < 2 || std::string(argv[1]) == "-h" || std::string(argv[1]) == "--help") {
+        std::fputs(k_help, argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    const std::string what = argv[1];
+    args a(argc, argv, 2);
+    if (what == "prefill") return bench_prefill(a);
+    throw error("unknown benchmark '" + what + "' (available: prefill)");
+}
+
+}  // namespace kvblend::cli

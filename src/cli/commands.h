@@ -1,0 +1,10 @@
+// kvblend CLI: one function per sub-command; argv[0] is the sub-command name.
+#pragma once
+
+namespace kvblend::cli {
+
+int cmd_generate(int argc, char ** argv);
+int cmd_make_model(int argc, char ** argv);
+int cmd_bench(int argc, char ** argv);
+
+}  // namespace kvblend::cli

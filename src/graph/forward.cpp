@@ -1,0 +1,116 @@
+#include "graph/forward.h"
+
+#include <cmath>
+
+namespace kvblend::graph {
+
+ggml_tensor * build_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, float eps) {
+    return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
+}
+
+qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
+    const model_hparams & hp = m.hparams();
+    const model_layer & L = m.layers[il];
+    const int64_t n_tok = x->ne[1];
+
+    ggml_tensor * q = ggml_mul_mat(ctx, L.wq, x);  // [n_embd_q, n_tok]
+    ggml_tensor * k = ggml_mul_mat(ctx, L.wk, x);  // [n_embd_kv, n_tok]
+    ggml_tensor * v = ggml_mul_mat(ctx, L.wv, x);  // [n_embd_kv, n_tok]
+    if (L.bq) q = ggml_add(ctx, q, L.bq);
+    if (L.bk) k = ggml_add(ctx, k, L.bk);
+    if (L.bv) v = ggml_add(ctx, v, L.bv);
+
+    q = ggml_reshape_3d(ctx, q, hp.head_dim, hp.n_head, n_tok);     // [head_dim, n_head, n_tok]
+    k = ggml_reshape_3d(ctx, k, hp.head_dim, hp.n_head_kv, n_tok);  // [head_dim, n_head_kv, n_tok]
+    v = ggml_reshape_3d(ctx, v, hp.head_dim, hp.n_head_kv, n_tok);  // [head_dim, n_head_kv, n_tok]
+    if (L.q_norm) q = build_norm(ctx, q, L.q_norm, hp.rms_eps);
+    if (L.k_norm) k = build_norm(ctx, k, L.k_norm, hp.rms_eps);
+
+    // no yarn: ext_factor 0 makes beta_fast/beta_slow irrelevant
+    q = ggml_rope_ext(ctx, q, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base,
+                      hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+    k = ggml_rope_ext(ctx, k, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base,
+                      hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+    return {q, k, v};
+}
+
+kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, ggml_tensor * k_store,
+                        ggml_tensor * v_store, const attn_inputs & in) {
+    const model_hparams & hp = m.hparams();
+    const int64_t n_tok = cur.k->ne[2];
+    const int64_t n_embd_kv = hp.n_embd_kv();
+
+    ggml_tensor * k_rows = ggml_reshape_2d(ctx, cur.k, n_embd_kv, n_tok);  // [n_embd_kv, n_tok]
+    ggml_tensor * v_rows = ggml_reshape_2d(ctx, cur.v, n_embd_kv, n_tok);  // [n_embd_kv, n_tok]
+    ggml_tensor * k_w = ggml_set_rows(ctx, k_store, k_rows, in.kv_idx);   // view of k_store
+    ggml_tensor * v_w = ggml_set_rows(ctx, v_store, v_rows, in.kv_idx);   // view of v_store
+
+    // viewing the set_rows results (not the stores) orders the reads after the writes
+    kv_views out;
+    out.k = ggml_view_3d(ctx, k_w, hp.head_dim, hp.n_head_kv, in.n_kv, ggml_row_size(k_store->type, hp.head_dim),
+                         ggml_row_size(k_store->type, n_embd_kv), 0);
+    out.v = ggml_view_3d(ctx, v_w, hp.head_dim, hp.n_head_kv, in.n_kv, ggml_row_size(v_store->type, hp.head_dim),
+                         ggml_row_size(v_store->type, n_embd_kv), 0);
+    return out;
+}
+
+ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_tensor * q, const kv_views & kv,
+                             ggml_tensor * kq_mask) {
+    const model_hparams & hp = m.hparams();
+    const int64_t n_tok = q->ne[2];
+    const float scale = 1.0f / std::sqrt((float) hp.head_dim);
+
+    ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);     // [head_dim, n_tok, n_head]
+    ggml_tensor * kp = ggml_permute(ctx, kv.k, 0, 2, 1, 3);  // [head_dim, n_kv, n_head_kv]
+    ggml_tensor * vp = ggml_permute(ctx, kv.v, 0, 2, 1, 3);  // [head_dim, n_kv, n_head_kv]
+    ggml_tensor * o = ggml_flash_attn_ext(ctx, qp, kp, vp, kq_mask, scale, 0.0f, 0.0f);  // [head_dim, n_head, n_tok]
+    ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
+    o = ggml_reshape_2d(ctx, o, hp.n_embd_q(), n_tok);         // [n_embd_q, n_tok]
+    return ggml_mul_mat(ctx, m.layers[il].wo, o);              // [n_embd, n_tok]
+}
+
+ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
+    const model_layer & L = m.layers[il];
+    ggml_tensor * gate = ggml_mul_mat(ctx, L.ffn_gate, x);  // [n_ff, n_tok]
+    ggml_tensor * up = ggml_mul_mat(ctx, L.ffn_up, x);      // [n_ff, n_tok]
+    ggml_tensor * h = ggml_swiglu_split(ctx, gate, up);     // silu(gate) * up
+    return ggml_mul_mat(ctx, L.ffn_down, h);                // [n_embd, n_tok]
+}
+
+ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
+                          ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in, ggml_tensor * out_rows) {
+    const model_hparams & hp = m.hparams();
+    const model_layer & L = m.layers[il];
+
+    ggml_tensor * cur = build_norm(ctx, x, L.attn_norm, hp.rms_eps);
+    const qkv t = build_qkv(ctx, m, il, cur, in.pos);
+    const kv_views kv = build_kv_write(ctx, m, t, k_store, v_store, in);
+    ggml_build_forward_expand(gf, kv.k);
+    ggml_build_forward_expand(gf, kv.v);
+
+    cur = build_attn_out(ctx, m, il, t.q, kv, in.kq_mask);  // [n_embd, n_tok]
+    ggml_tensor * resid = x;
+    if (out_rows) {
+        cur = ggml_get_rows(ctx, cur, out_rows);      // [n_embd, n_out]
+        resid = ggml_get_rows(ctx, resid, out_rows);  // [n_embd, n_out]
+    }
+    ggml_tensor * ffn_in = ggml_add(ctx, cur, resid);
+    cur = build_ffn(ctx, m, il, build_norm(ctx, ffn_in, L.ffn_norm, hp.rms_eps));
+    return ggml_add(ctx, cur, ffn_in);
+}
+
+ggml_tensor * build_logits(ggml_context * ctx, const model & m, ggml_tensor * x) {
+    ggml_tensor * h = build_norm(ctx, x, m.output_norm, m.hparams().rms_eps);
+    return ggml_mul_mat(ctx, m.output, h);  // [n_vocab, n]
+}
+
+void fill_causal_mask(ggml_fp16_t * dst, const int32_t * kpos, int64_t n_kv, const int32_t * qpos, int64_t n_q) {
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f);
+    const ggml_fp16_t ninf = ggml_fp32_to_fp16(-INFINITY);
+    for (int64_t i = 0; i < n_q; ++i) {
+        ggml_fp16_t * row = dst + i * n_kv;
+        for (int64_t j = 0; j < n_kv; ++j) row[j] = (kpos[j] >= 0 && kpos[j] <= qpos[i]) ? zero : ninf;
+    }
+}
+
+}  // namespace kvblend::graph

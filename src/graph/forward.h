@@ -1,0 +1,68 @@
+// the transformer forward, built from ggml ops, one layer at a time. every path
+// (prefill, decode, and later collect and fuse) is built from these helpers:
+// a layer takes the hidden states of the tokens that run it, their positions,
+// and a K/V store to write their fresh K/V into and attend over.
+#pragma once
+
+#include <cstdint>
+
+#include "ggml.h"
+#include "kvblend/model.h"
+
+namespace kvblend::graph {
+
+// upper bound of nodes in one graph (28 layers need ~1000)
+constexpr int64_t k_max_nodes = 8192;
+
+struct qkv {
+    ggml_tensor * q;  // F32 [head_dim, n_head,    n_tok] post-RoPE
+    ggml_tensor * k;  // F32 [head_dim, n_head_kv, n_tok] post-RoPE
+    ggml_tensor * v;  // F32 [head_dim, n_head_kv, n_tok]
+};
+
+// the attention inputs of one layer run
+struct attn_inputs {
+    ggml_tensor * pos     = nullptr;  // I32 [n_tok] positions of the tokens
+    ggml_tensor * kv_idx  = nullptr;  // I64 [n_tok] store rows that receive the fresh K/V
+    ggml_tensor * kq_mask = nullptr;  // F16 [n_kv, n_tok] 0 = visible, -inf = hidden
+    int64_t       n_kv    = 0;        // attend over store rows [0, n_kv)
+};
+
+// RMS norm times weight over ne[0]
+ggml_tensor * build_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, float eps);
+
+// x: F32 [n_embd, n_tok] (already normed) -> q, k, v of those tokens
+qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos);
+
+// write k/v rows into the layer's store (F16/F32 [n_embd_kv, n_rows]) at
+// in.kv_idx and return views of the store rows [0, n_kv) that depend on the write
+struct kv_views {
+    ggml_tensor * k;  // [head_dim, n_head_kv, n_kv]
+    ggml_tensor * v;  // [head_dim, n_head_kv, n_kv]
+};
+kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, ggml_tensor * k_store,
+                        ggml_tensor * v_store, const attn_inputs & in);
+
+// softmax(q k^T * scale + mask) v, then the output projection -> F32 [n_embd, n_tok]
+ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_tensor * q, const kv_views & kv,
+                             ggml_tensor * kq_mask);
+
+// SwiGLU feed-forward on normed input
+ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x);
+
+// one whole layer. out_rows (I32 [n_out], optional) keeps only those rows
+// after attention (the last layer computes FFN only for rows whose logits are
+// wanted). the K/V writes are expanded into gf so they run even when the
+// returned hidden states are unused.
+ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
+                          ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in,
+                          ggml_tensor * out_rows = nullptr);
+
+// final norm and the output projection: F32 [n_embd, n] -> F32 [n_vocab, n]
+ggml_tensor * build_logits(ggml_context * ctx, const model & m, ggml_tensor * x);
+
+// causal mask by position: key j visible to query i iff kpos[j] <= qpos[i]
+// (and kpos[j] >= 0; use -1 for empty rows). fills n_kv * n_q F16 values.
+void fill_causal_mask(ggml_fp16_t * dst, const int32_t * kpos, int64_t n_kv, const int32_t * qpos, int64_t n_q);
+
+}  // namespace kvblend::graph

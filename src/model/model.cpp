@@ -1,0 +1,417 @@
+// GGUF model loading: validate the file, read hyper-parameters, place the
+// weights in a backend buffer (mmap on CPU) and open the vocabulary.
+#include "kvblend/model.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "ggml-backend.h"
+#include "ggml-cpp.h"
+#include "ggml-cpu.h"
+#include "gguf.h"
+#include "kvblend/vocab.h"
+
+namespace kvblend {
+
+const char * model_arch_name(model_arch arch) {
+    switch (arch) {
+        case MODEL_ARCH_LLAMA: return "llama";
+        case MODEL_ARCH_QWEN2: return "qwen2";
+        case MODEL_ARCH_QWEN3: return "qwen3";
+    }
+    return "?";
+}
+
+model_params model_default_params() { return model_params{}; }
+
+namespace {
+
+// a read-only file descriptor that closes itself
+struct fd_owner {
+    int fd = -1;
+    ~fd_owner() {
+        if (fd >= 0) close(fd);
+    }
+};
+
+std::string shape_str(const int64_t * ne, int n) {
+    std::string s = "[";
+    for (int i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(ne[i]);
+    return s + "]";
+}
+
+// typed access to the GGUF key/value section with messages that name the key
+class kv_reader {
+  public:
+    kv_reader(const gguf_context * g, std::string path) : g_(g), path_(std::move(path)) {}
+
+    bool has(const std::string & key) const { return gguf_find_key(g_, key.c_str()) >= 0; }
+
+    // any integer type; arrays are accepted when all their values agree
+    int64_t integer(const std::string & key, int64_t def, bool required) const {
+        const int64_t id = gguf_find_key(g_, key.c_str());
+        if (id < 0) {
+            if (required) fail("missing key " + key);
+            return def;
+        }
+        const gguf_type t = gguf_get_kv_type(g_, id);
+        if (t == GGUF_TYPE_ARRAY) {
+            const gguf_type at = gguf_get_arr_type(g_, id);
+            const size_t n = gguf_get_arr_n(g_, id);
+            if (n == 0) fail("key " + key + " is an empty array");
+            const char * data = (const char *) gguf_get_arr_data(g_, id);
+            int64_t first = 0;
+            for (size_t i = 0; i < n; ++i) {
+                const int64_t v = scalar(at, data + i * int_size(at, key), key);
+                if (i == 0) first = v;
+                else if (v != first) fail("key " + key + " varies per layer, which kvblend does not support");
+            }
+            return first;
+        }
+        return scalar(t, gguf_get_val_data(g_, id), key);
+    }
+
+    double real(const std::string & key, double def, bool required) const {
+        const int64_t id = gguf_find_key(g_, key.c_str());
+        if (id < 0) {
+            if (required) fail("missing key " + key);
+            return def;
+        }
+        switch (gguf_get_kv_type(g_, id)) {
+            case GGUF_TYPE_FLOAT32: return gguf_get_val_f32(g_, id);
+            case GGUF_TYPE_FLOAT64: return gguf_get_val_f64(g_, id);
+            default: return (double) integer(key, 0, true);
+        }
+    }
+
+    std::string str(const std::string & key) const {
+        const int64_t id = gguf_find_key(g_, key.c_str());
+        if (id < 0 || gguf_get_kv_type(g_, id) != GGUF_TYPE_STRING) return {};
+        return gguf_get_val_str(g_, id);
+    }
+
+    [[noreturn]] void fail(const std::string & what) const { throw error("'" + path_ + "': " + what); }
+
+  private:
+    size_t int_size(gguf_type t, const std::string & key) const {
+        switch (t) {
+            case GGUF_TYPE_UINT8: case GGUF_TYPE_INT8: return 1;
+            case GGUF_TYPE_UINT16: case GGUF_TYPE_INT16: return 2;
+            case GGUF_TYPE_UINT32: case GGUF_TYPE_INT32: return 4;
+            case GGUF_TYPE_UINT64: case GGUF_TYPE_INT64: return 8;
+            default: fail("key " + key + " is not an integer array");
+        }
+    }
+
+    int64_t scalar(gguf_type t, const void * p, const std::string & key) const {
+        switch (t) {
+            case GGUF_TYPE_UINT8: return *(const uint8_t *) p;
+            case GGUF_TYPE_INT8: return *(const int8_t *) p;
+            case GGUF_TYPE_UINT16: return *(const uint16_t *) p;
+            case GGUF_TYPE_INT16: return *(const int16_t *) p;
+            case GGUF_TYPE_UINT32: return *(const uint32_t *) p;
+            case GGUF_TYPE_INT32: return *(const int32_t *) p;
+            case GGUF_TYPE_UINT64: return (int64_t) * (const uint64_t *) p;
+            case GGUF_TYPE_INT64: return *(const int64_t *) p;
+            default: fail("key " + key + " is not an integer");
+        }
+    }
+
+    const gguf_context * g_;
+    std::string path_;
+};
+
+// 64-bit FNV-1a, used twice with different offsets for a 128-bit digest
+struct fnv128 {
+    uint64_t a = 0xcbf29ce484222325ull, b = 0x84222325cbf29ce4ull;
+    void add(const void * data, size_t n) {
+        const auto * p = (const uint8_t *) data;
+        for (size_t i = 0; i < n; ++i) {
+            a = (a ^ p[i]) * 0x100000001b3ull;
+            b = (b ^ p[i]) * 0x100000001b3ull + 0x9e3779b97f4a7c15ull;
+        }
+    }
+    void add(const std::string & s) { add(s.data(), s.size() + 1); }
+    std::string hex() const {
+        char buf[33];
+        std::snprintf(buf, sizeof(buf), "%016llx%016llx", (unsigned long long) a, (unsigned long long) b);
+        return buf;
+    }
+};
+
+}  // namespace
+
+struct model::impl {
+    gguf_context_ptr gguf;
+    ggml_context_ptr meta;     // tensor descriptors; data points into buf
+    ggml_context_ptr weights;  // without mmap: the descriptors buf was allocated for
+    ggml_backend_buffer_ptr buf;
+    void * map = nullptr;
+    size_t map_size = 0;
+
+    ~impl() {
+        buf.reset();  // the buffer may point into the mapping: free it first
+        if (map) munmap(map, map_size);
+    }
+};
+
+model::~model() = default;
+
+bool model::on_gpu() const { return device_ && ggml_backend_dev_type(device_) != GGML_BACKEND_DEVICE_TYPE_CPU; }
+
+std::string model::describe() const {
+    std::ostringstream os;
+    const ggml_type wt = layers.empty() ? tok_embd->type : layers[0].wq->type;
+    os << hp_.arch_name << ", " << hp_.n_layer << " layers, n_embd " << hp_.n_embd << ", heads " << hp_.n_head << "/"
+       << hp_.n_head_kv << " x " << hp_.head_dim << ", ff " << hp_.n_ff << ", vocab " << hp_.n_vocab << ", "
+       << ggml_type_name(wt) << ", " << (weights_bytes_ / (1024.0 * 1024.0)) << " MiB";
+    return os.str();
+}
+
+std::shared_ptr<model> model::load(const std::string & path, const model_params & params) {
+    backend_init();
+
+    // --- the file itself --------------------------------------------------
+    fd_owner f;
+    f.fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (f.fd < 0) throw error("cannot open model file '" + path + "': " + std::strerror(errno));
+    struct stat st {};
+    if (fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode)) throw error("cannot open model file '" + path + "': not a regular file");
+    const size_t file_size = (size_t) st.st_size;
+    char magic[4] = {};
+    if (file_size < 4 || pread(f.fd, magic, 4, 0) != 4 || std::memcmp(magic, "GGUF", 4) != 0)
+        throw error("'" + path + "' is not a GGUF file (bad magic)");
+
+    std::shared_ptr<model> m(new model());
+    m->path_ = path;
+    m->impl_ = std::make_unique<impl>();
+    impl & im = *m->impl_;
+
+    ggml_context * meta = nullptr;
+    im.gguf.reset(gguf_init_from_file(path.c_str(), {/*no_alloc =*/true, /*ctx =*/&meta}));
+    if (!im.gguf) throw error("'" + path + "' is corrupt or truncated: its GGUF header could not be parsed");
+    im.meta.reset(meta);
+    const gguf_context * g = im.gguf.get();
+    kv_reader kv(g, path);
+
+    // --- architecture and hyper-parameters --------------------------------
+    model_hparams & hp = m->hp_;
+    hp.arch_name = kv.str("general.architecture");
+    if (hp.arch_name.empty()) kv.fail("no general.architecture key: not a model file");
+    if (hp.arch_name == "llama") hp.arch = MODEL_ARCH_LLAMA;
+    else if (hp.arch_name == "qwen2") hp.arch = MODEL_ARCH_QWEN2;
+    else if (hp.arch_name == "qwen3") hp.arch = MODEL_ARCH_QWEN3;
+    else kv.fail("unsupported architecture '" + hp.arch_name + "' (supported: llama, qwen2, qwen3)");
+
+    const std::string a = hp.arch_name + ".";
+    const int64_t n_expert = kv.integer(a + "expert_count", 0, false);
+    if (n_expert > 0) kv.fail("mixture-of-experts models are not supported (" + a + "expert_count = " + std::to_string(n_expert) + ")");
+
+    hp.n_ctx_train = kv.integer(a + "context_length", 0, true);
+    hp.n_embd = kv.integer(a + "embedding_length", 0, true);
+    hp.n_layer = kv.integer(a + "block_count", 0, true);
+    hp.n_ff = kv.integer(a + "feed_forward_length", 0, true);
+    hp.n_head = kv.integer(a + "attention.head_count", 0, true);
+    hp.n_head_kv = kv.integer(a + "attention.head_count_kv", hp.n_head, false);
+    const int64_t swa = kv.integer(a + "attention.sliding_window", 0, false);
+    if (swa > 0 && swa < hp.n_ctx_train)
+        kv.fail("sliding-window attention is not supported (" + a + "attention.sliding_window = " + std::to_string(swa) + ")");
+
+    auto inconsistent = [&](const std::string & why) { kv.fail("inconsistent hyper-parameters: " + why); };
+    if (hp.n_layer <= 0) inconsistent("block_count must be positive, got " + std::to_string(hp.n_layer));
+    if (hp.n_embd <= 0) inconsistent("embedding_length must be positive, got " + std::to_string(hp.n_embd));
+    if (hp.n_ff <= 0) inconsistent("feed_forward_length must be positive, got " + std::to_string(hp.n_ff));
+    if (hp.n_ctx_train <= 0) inconsistent("context_length must be positive, got " + std::to_string(hp.n_ctx_train));
+    if (hp.n_head <= 0 || hp.n_head_kv <= 0) inconsistent("attention head counts must be positive");
+    if (hp.n_head % hp.n_head_kv != 0)
+        inconsistent("attention.head_count (" + std::to_string(hp.n_head) + ") is not a multiple of attention.head_count_kv (" +
+                     std::to_string(hp.n_head_kv) + ")");
+    const int64_t def_head_dim = hp.n_embd % hp.n_head == 0 ? hp.n_embd / hp.n_head : 0;
+    hp.head_dim = kv.integer(a + "attention.key_length", def_head_dim, def_head_dim == 0);
+    const int64_t head_dim_v = kv.integer(a + "attention.value_length", hp.head_dim, false);
+    if (hp.head_dim <= 0) inconsistent("attention.key_length must be positive");
+    if (head_dim_v != hp.head_dim)
+        inconsistent("attention.value_length (" + std::to_string(head_dim_v) + ") differs from key_length (" +
+                     std::to_string(hp.head_dim) + ")");
+    hp.n_rot = kv.integer(a + "rope.dimension_count", hp.head_dim, false);
+    if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0)
+        inconsistent("rope.dimension_count (" + std::to_string(hp.n_rot) + ") must be even and at most the head size (" +
+                     std::to_string(hp.head_dim) + ")");
+    hp.rms_eps = (float) kv.real(a + "attention.layer_norm_rms_epsilon", 0.0, true);
+    if (!(hp.rms_eps > 0.0f) || !std::isfinite(hp.rms_eps)) inconsistent("attention.layer_norm_rms_epsilon must be positive");
+    hp.rope_base = (float) kv.real(a + "rope.freq_base", 10000.0, false);
+    if (!(hp.rope_base > 0.0f) || !std::isfinite(hp.rope_base)) inconsistent("rope.freq_base must be positive");
+
+    const std::string scaling = kv.str(a + "rope.scaling.type");
+    if (scaling == "linear") {
+        const double factor = kv.real(a + "rope.scaling.factor", 1.0, false);
+        if (!(factor > 0.0)) inconsistent("rope.scaling.factor must be positive");
+        hp.rope_scale = (float) (1.0 / factor);
+    } else if (!scaling.empty() && scaling != "none") {
+        kv.fail("rope scaling '" + scaling + "' is not supported (supported: none, linear)");
+    }
+    hp.rope_mode = hp.arch == MODEL_ARCH_LLAMA ? GGML_ROPE_TYPE_NORMAL : GGML_ROPE_TYPE_NEOX;
+    hp.qkv_bias = hp.arch == MODEL_ARCH_QWEN2;
+    hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3;
+
+    // --- tensors ------------------------------------------------------------
+    const size_t data_offset = gguf_get_data_offset(g);
+    std::vector<ggml_tensor *> used;
+    auto find = [&](const std::string & name, bool required) -> ggml_tensor * {
+        ggml_tensor * t = ggml_get_tensor(meta, name.c_str());
+        if (!t) {
+            if (required) kv.fail("missing tensor '" + name + "'");
+            return nullptr;
+        }
+        return t;
+    };
+    auto check = [&](ggml_tensor * t, std::initializer_list<int64_t> shape, bool matrix) -> ggml_tensor * {
+        if (!t) return nullptr;
+        int64_t want[GGML_MAX_DIMS] = {1, 1, 1, 1};
+        int n = 0;
+        for (int64_t d : shape) want[n++] = d;
+        bool ok = true;
+        for (int i = 0; i < GGML_MAX_DIMS; ++i) ok = ok && t->ne[i] == want[i];
+        if (!ok)
+            kv.fail("tensor '" + std::string(t->name) + "' has shape " + shape_str(t->ne, ggml_n_dims(t)) + ", expected " +
+                    shape_str(want, n));
+        if (!matrix && t->type != GGML_TYPE_F32)
+            kv.fail("tensor '" + std::string(t->name) + "' has type " + ggml_type_name(t->type) + ", expected f32");
+        if (matrix && ggml_is_quantized(t->type) && t->ne[0] % ggml_blck_size(t->type) != 0)
+            kv.fail("tensor '" + std::string(t->name) + "' rows do not fill whole " + ggml_type_name(t->type) + " blocks");
+        const int64_t id = gguf_find_tensor(g, t->name);
+        const size_t end = data_offset + gguf_get_tensor_offset(g, id) + ggml_nbytes(t);
+        if (end > file_size)
+            throw error("'" + path + "' is truncated: tensor '" + t->name + "' needs bytes up to " + std::to_string(end) +
+                        ", the file has " + std::to_string(file_size));
+        used.push_back(t);
+        return t;
+    };
+
+    const int64_t n_embd = hp.n_embd, n_q = hp.n_embd_q(), n_kv = hp.n_embd_kv();
+    ggml_tensor * embd = find("token_embd.weight", true);
+    hp.n_vocab = embd->ne[1];
+    if (hp.n_vocab <= 0) inconsistent("token_embd.weight has no rows");
+    m->tok_embd = check(embd, {n_embd, hp.n_vocab}, true);
+    m->output_norm = check(find("output_norm.weight", true), {n_embd}, false);
+    m->output = check(find("output.weight", false), {n_embd, hp.n_vocab}, true);
+    hp.tied_output = m->output == nullptr;
+    if (hp.tied_output) m->output = m->tok_embd;
+    m->rope_freqs = check(find("rope_freqs.weight", false), {hp.n_rot / 2}, false);
+
+    m->layers.resize(hp.n_layer);
+    for (int64_t il = 0; il < hp.n_layer; ++il) {
+        model_layer & L = m->layers[il];
+        auto name = [&](const char * what) { return "blk." + std::to_string(il) + "." + what; };
+        L.attn_norm = check(find(name("attn_norm.weight"), true), {n_embd}, false);
+        L.wq = check(find(name("attn_q.weight"), true), {n_embd, n_q}, true);
+        L.wk = check(find(name("attn_k.weight"), true), {n_embd, n_kv}, true);
+        L.wv = check(find(name("attn_v.weight"), true), {n_embd, n_kv}, true);
+        L.wo = check(find(name("attn_output.weight"), true), {n_q, n_embd}, true);
+        if (hp.qkv_bias) {
+            L.bq = check(find(name("attn_q.bias"), true), {n_q}, false);
+            L.bk = check(find(name("attn_k.bias"), true), {n_kv}, false);
+            L.bv = check(find(name("attn_v.bias"), true), {n_kv}, false);
+        }
+        if (hp.qk_norm) {
+            L.q_norm = check(find(name("attn_q_norm.weight"), true), {hp.head_dim}, false);
+            L.k_norm = check(find(name("attn_k_norm.weight"), true), {hp.head_dim}, false);
+        }
+        L.ffn_norm = check(find(name("ffn_norm.weight"), true), {n_embd}, false);
+        L.ffn_gate = check(find(name("ffn_gate.weight"), true), {n_embd, hp.n_ff}, true);
+        L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, hp.n_ff}, true);
+        L.ffn_down = check(find(name("ffn_down.weight"), true), {hp.n_ff, n_embd}, true);
+    }
+
+    // --- weights into a backend buffer ---------------------------------------
+    ggml_backend_dev_t gpu = params.use_gpu ? ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) : nullptr;
+    m->device_ = gpu ? gpu : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (!m->device_) throw error("no ggml CPU device is registered");
+
+    const bool can_map = !gpu && params.use_mmap && (data_offset % 32) == 0;
+    if (can_map) {
+        im.map = mmap(nullptr, file_size, PROT_READ, MAP_SHARED, f.fd, 0);
+        if (im.map == MAP_FAILED) {
+            im.map = nullptr;
+        } else {
+            im.map_size = file_size;
+            char * base = (char *) im.map + data_offset;
+            im.buf.reset(ggml_backend_cpu_buffer_from_ptr(base, file_size - data_offset));
+            for (ggml_tensor * t : used) {
+                const int64_t id = gguf_find_tensor(g, t->name);
+                if (t->data == nullptr) ggml_backend_tensor_alloc(im.buf.get(), t, base + gguf_get_tensor_offset(g, id));
+            }
+        }
+    }
+    if (!im.buf) {
+        ggml_backend_buffer_type_t buft = gpu ? ggml_backend_dev_buffer_type(gpu) : ggml_backend_cpu_buffer_type();
+        // allocate only what we use: move used tensors into their own context
+        ggml_init_params ip = {ggml_tensor_overhead() * (used.size() + 1), nullptr, true};
+        ggml_context_ptr wctx(ggml_init(ip));
+        std::vector<std::pair<ggml_tensor *, ggml_tensor *>> pairs;  // (meta, weight)
+        for (ggml_tensor * t : used) {
+            bool seen = false;
+            for (auto & p : pairs) seen = seen || p.first == t;
+            if (seen) continue;
+            ggml_tensor * w = ggml_dup_tensor(wctx.get(), t);
+            ggml_set_name(w, t->name);
+            pairs.emplace_back(t, w);
+        }
+        im.buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(wctx.get(), buft));
+        if (!im.buf) throw error("cannot allocate " + std::to_string(file_size >> 20) + " MiB for the weights of '" + path + "'");
+        ggml_backend_buffer_set_usage(im.buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        std::vector<char> tmp;
+        for (auto & [t, w] : pairs) {
+            const int64_t id = gguf_find_tensor(g, t->name);
+            const size_t nb = ggml_nbytes(t);
+            const bool host = ggml_backend_buffer_is_host(im.buf.get());
+            char * dst = host ? (char *) w->data : (tmp.resize(nb), tmp.data());
+            size_t done = 0;
+            while (done < nb) {
+                const ssize_t r = pread(f.fd, dst + done, nb - done, (off_t) (data_offset + gguf_get_tensor_offset(g, id) + done));
+                if (r <= 0) throw error("'" + path + "': read error in tensor '" + t->name + "'");
+                done += (size_t) r;
+            }
+            if (!host) ggml_backend_tensor_set(w, dst, 0, nb);
+            // the model's pointers are the meta descriptors: point them at the data
+            t->buffer = w->buffer;
+            t->data = w->data;
+        }
+        im.weights = std::move(wctx);
+    }
+    for (ggml_tensor * t : used) m->weights_bytes_ += ggml_nbytes(t);
+    if (hp.tied_output) m->weights_bytes_ -= ggml_nbytes(m->tok_embd);
+
+    // --- fingerprint ----------------------------------------------------------
+    fnv128 h;
+    h.add(hp.arch_name);
+    for (ggml_tensor * t : used) {
+        h.add(std::string(t->name));
+        h.add(&t->type, sizeof(t->type));
+        h.add(t->ne, sizeof(t->ne));
+        const int64_t id = gguf_find_tensor(g, t->name);
+        const size_t nb = ggml_nbytes(t), off = data_offset + gguf_get_tensor_offset(g, id);
+        char sample[4096];
+        for (size_t at : {size_t(0), nb / 2, nb > sizeof(sample) ? nb - sizeof(sample) : size_t(0)}) {
+            const size_t n = std::min(sizeof(sample), nb - std::min(nb, at));
+            if (n && pread(f.fd, sample, n, (off_t) (off + at)) == (ssize_t) n) h.add(sample, n);
+        }
+    }
+    m->fingerprint_ = h.hex();
+
+    // --- vocabulary (libllama, vocab only) ------------------------------------
+    m->vocab_ = std::make_unique<vocab>(path);
+    if (m->vocab_->n_tokens() != hp.n_vocab)
+        inconsistent("the tokenizer has " + std::to_string(m->vocab_->n_tokens()) + " tokens but token_embd.weight has " +
+                     std::to_string(hp.n_vocab) + " rows");
+    return m;
+}
+
+}  // namespace kvblend

@@ -1,0 +1,378 @@
+// kvblend: synthetic GGUF models of real shapes (random weights, real vocab).
+#include "kvblend/model_maker.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <thread>
+
+#include "ggml-cpp.h"
+#include "gguf.h"
+#include "kvblend/common.h"
+
+namespace kvblend {
+
+namespace {
+
+struct preset {
+    const char * name;
+    model_spec spec;
+};
+
+model_spec spec_of(model_arch arch, int64_t n_layer, int64_t n_embd, int64_t n_head, int64_t n_head_kv,
+                   int64_t head_dim, int64_t n_ff, int64_t n_ctx_train, float rope_base, float rms_eps,
+                   bool tied) {
+    model_spec s;
+    s.arch        = arch;
+    s.n_layer     = n_layer;
+    s.n_embd      = n_embd;
+    s.n_head      = n_head;
+    s.n_head_kv   = n_head_kv;
+    s.head_dim    = head_dim;
+    s.n_ff        = n_ff;
+    s.n_ctx_train = n_ctx_train;
+    s.rope_base   = rope_base;
+    s.rms_eps     = rms_eps;
+    s.tied_output = tied;
+    s.qkv_bias    = arch == MODEL_ARCH_QWEN2;
+    s.qk_norm     = arch == MODEL_ARCH_QWEN3;
+    return s;
+}
+
+const std::vector<preset> & presets() {
+    static const std::vector<preset> p = {
+        {"tiny",       spec_of(MODEL_ARCH_LLAMA, 4, 128, 4, 2, 32, 256, 2048, 10000.0f, 1e-5f, false)},
+        {"tiny-qwen2", spec_of(MODEL_ARCH_QWEN2, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-6f, true)},
+        {"tiny-qwen3", spec_of(MODEL_ARCH_QWEN3, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-6f, true)},
+        {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true)},
+        {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true)},
+        {"llama-1b",   spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true)},
+    };
+    return p;
+}
+
+std::string join(const std::vector<std::string> & v) {
+    std::string out;
+    for (const auto & s : v) out += (out.empty() ? "" : ", ") + s;
+    return out;
+}
+
+// the string general.architecture holds for each arch (what libllama expects)
+const char * gguf_arch_name(model_arch arch) {
+    switch (arch) {
+        case MODEL_ARCH_LLAMA: return "llama";
+        case MODEL_ARCH_QWEN2: return "qwen2";
+        case MODEL_ARCH_QWEN3: return "qwen3";
+    }
+    return "llama";
+}
+
+// --- random numbers -----------------------------------------------------------
+
+uint64_t splitmix64(uint64_t & state) {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+uint64_t hash_name(const std::string & s) {
+    uint64_t h = 0xCBF29CE484222325ull;  // fnv-1a
+    for (unsigned char c : s) h = (h ^ c) * 0x100000001B3ull;
+    return h;
+}
+
+// every row has its own stream, so rows can be filled in parallel and the
+// file does not depend on the thread count
+void fill_row(float * dst, int64_t n, uint64_t tensor_seed, int64_t row, float center, float half_width) {
+    uint64_t state = tensor_seed ^ (uint64_t(row) * 0xD1B54A32D192ED03ull);
+    splitmix64(state);
+    for (int64_t i = 0; i < n; ++i) {
+        const float u = float(splitmix64(state) >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+        dst[i] = center + half_width * (2.0f * u - 1.0f);
+    }
+}
+
+// --- tensor plan --------------------------------------------------------------
+
+struct tensor_plan {
+    std::string name;
+    int n_dims = 1;
+    int64_t ne0 = 0;  // row length
+    int64_t ne1 = 1;  // rows (1 for vectors)
+    ggml_type type = GGML_TYPE_F32;
+    float center = 0.0f;
+    float half_width = 0.0f;  // values are center + U(-half_width, half_width)
+};
+
+// uniform with this standard deviation around 0
+tensor_plan plan_matrix(const std::string & name, int64_t ne0, int64_t ne1, ggml_type type, float std) {
+    return {name, 2, ne0, ne1, type, 0.0f, std * std::sqrt(3.0f)};
+}
+
+// norms and biases stay f32
+tensor_plan plan_vector(const std::string & name, int64_t ne0, float center, float half_width) {
+    return {name, 1, ne0, 1, GGML_TYPE_F32, center, half_width};
+}
+
+std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggml_type wtype) {
+    const int64_t n_embd_q  = s.head_dim * s.n_head;
+    const int64_t n_embd_kv = s.head_dim * s.n_head_kv;
+    const float in_embd = 1.0f / std::sqrt(float(s.n_embd));
+    // output rows of this std give logits of std ~3 from a unit-rms hidden
+    // state, so greedy decoding is not decided by near-ties
+    const float logit_std = 3.0f * in_embd;
+
+    std::vector<tensor_plan> t;
+    t.push_back(plan_matrix("token_embd.weight", s.n_embd, n_vocab, wtype, logit_std));  // [n_embd, n_vocab]
+    t.push_back(plan_vector("output_norm.weight", s.n_embd, 1.0f, 0.1f));                 // [n_embd]
+    if (!s.tied_output) t.push_back(plan_matrix("output.weight", s.n_embd, n_vocab, wtype, logit_std));  // [n_embd, n_vocab]
+
+    for (int64_t il = 0; il < s.n_layer; ++il) {
+        const std::string p = "blk." + std::to_string(il) + ".";
+        t.push_back(plan_vector(p + "attn_norm.weight", s.n_embd, 1.0f, 0.1f));                      // [n_embd]
+        t.push_back(plan_matrix(p + "attn_q.weight", s.n_embd, n_embd_q, wtype, in_embd));           // [n_embd, n_embd_q]
+        t.push_back(plan_matrix(p + "attn_k.weight", s.n_embd, n_embd_kv, wtype, in_embd));          // [n_embd, n_embd_kv]
+        t.push_back(plan_matrix(p + "attn_v.weight", s.n_embd, n_embd_kv, wtype, in_embd));          // [n_embd, n_embd_kv]
+        t.push_back(plan_matrix(p + "attn_output.weight", n_embd_q, s.n_embd, wtype,
+                           1.0f / std::sqrt(float(n_embd_q))));                                 // [n_embd_q, n_embd]
+        if (s.qkv_bias) {
+            t.push_back(plan_vector(p + "attn_q.bias", n_embd_q, 0.0f, 0.35f));                      // [n_embd_q]
+            t.push_back(plan_vector(p + "attn_k.bias", n_embd_kv, 0.0f, 0.35f));                     // [n_embd_kv]
+            t.push_back(plan_vector(p + "attn_v.bias", n_embd_kv, 0.0f, 0.35f));                     // [n_embd_kv]
+        }
+        if (s.qk_norm) {
+            t.push_back(plan_vector(p + "attn_q_norm.weight", s.head_dim, 1.0f, 0.1f));              // [head_dim]
+            t.push_back(plan_vector(p + "attn_k_norm.weight", s.head_dim, 1.0f, 0.1f));              // [head_dim]
+        }
+        t.push_back(plan_vector(p + "ffn_norm.weight", s.n_embd, 1.0f, 0.1f));                       // [n_embd]
+        t.push_back(plan_matrix(p + "ffn_gate.weight", s.n_embd, s.n_ff, wtype, in_embd));           // [n_embd, n_ff]
+        t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, s.n_ff, wtype, in_embd));             // [n_embd, n_ff]
+        t.push_back(plan_matrix(p + "ffn_down.weight", s.n_ff, s.n_embd, wtype,
+                           1.0f / std::sqrt(float(s.n_ff))));                                   // [n_ff, n_embd]
+    }
+    return t;
+}
+
+void check_spec(const model_spec & s) {
+    auto bad = [](const std::string & what) { throw error("make-model: inconsistent model spec: " + what); };
+    if (s.n_layer < 1) bad("n_layer must be >= 1");
+    if (s.n_embd < 1 || s.n_head < 1 || s.n_head_kv < 1 || s.head_dim < 1 || s.n_ff < 1 || s.n_ctx_train < 1)
+        bad("every size must be >= 1");
+    if (s.n_head % s.n_head_kv != 0) bad("n_head_kv must divide n_head");
+    if (s.head_dim % 2 != 0) bad("head_dim must be even (rope)");
+    // libllama's qwen2 loader expects square q and output projections
+    if (s.arch == MODEL_ARCH_QWEN2 && s.head_dim * s.n_head != s.n_embd)
+        bad("qwen2 needs head_dim * n_head == n_embd");
+}
+
+// --- output file --------------------------------------------------------------
+
+struct file_closer {
+    void operator()(FILE * f) const { std::fclose(f); }
+};
+
+// removes the temporary file unless the write was committed
+struct temp_file_guard {
+    std::string path;
+    bool keep = false;
+    ~temp_file_guard() {
+        if (!keep) {
+            std::error_code ec;
+            std::filesystem::remove(path, ec);
+        }
+    }
+};
+
+void write_all(FILE * f, const void * data, size_t n, const std::string & path) {
+    if (n > 0 && std::fwrite(data, 1, n, f) != n) throw error("make-model: cannot write '" + path + "' (disk full?)");
+}
+
+void write_zeros(FILE * f, size_t n, const std::string & path) {
+    static const char zeros[256] = {};
+    while (n > 0) {
+        const size_t k = std::min(n, sizeof(zeros));
+        write_all(f, zeros, k, path);
+        n -= k;
+    }
+}
+
+// generate, convert and write one tensor in row chunks (bounded memory)
+void write_tensor(FILE * f, const tensor_plan & t, uint64_t seed, const std::string & path) {
+    const size_t row_bytes = ggml_row_size(t.type, t.ne0);
+    const uint64_t tensor_seed = [&] {
+        uint64_t s = seed ^ hash_name(t.name);
+        return splitmix64(s);
+    }();
+
+    const int64_t max_chunk_elems = int64_t(8) << 20;  // 32 MiB of f32 per chunk
+    const int64_t rows_per_chunk = std::max<int64_t>(1, max_chunk_elems / t.ne0);
+    const int n_threads = int(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1u, 16u));
+
+    std::vector<float> src(size_t(std::min(rows_per_chunk, t.ne1) * t.ne0));
+    std::vector<uint8_t> dst(size_t(std::min(rows_per_chunk, t.ne1)) * row_bytes);
+
+    for (int64_t r0 = 0; r0 < t.ne1; r0 += rows_per_chunk) {
+        const int64_t nr = std::min(rows_per_chunk, t.ne1 - r0);
+        auto work = [&](int64_t a, int64_t b) {  // rows [a, b) of this chunk
+            for (int64_t r = a; r < b; ++r)
+                fill_row(src.data() + r * t.ne0, t.ne0, tensor_seed, r0 + r, t.center, t.half_width);
+            // each row converts independently, so threads may split at row boundaries
+            ggml_quantize_chunk(t.type, src.data(), dst.data(), a * t.ne0, b - a, t.ne0, nullptr);
+        };
+        const int nt = int(std::min<int64_t>(n_threads, std::max<int64_t>(1, nr * t.ne0 / (1 << 16))));
+        if (nt <= 1) {
+            work(0, nr);
+        } else {
+            std::vector<std::thread> threads;
+            const int64_t per = (nr + nt - 1) / nt;
+            for (int i = 0; i < nt; ++i) {
+                const int64_t a = i * per, b = std::min(nr, a + per);
+                if (a < b) threads.emplace_back(work, a, b);
+            }
+            for (auto & th : threads) th.join();
+        }
+        write_all(f, dst.data(), size_t(nr) * row_bytes, path);
+    }
+}
+
+}  // namespace
+
+std::vector<std::string> model_spec_preset_names() {
+    std::vector<std::string> names;
+    for (const auto & p : presets()) names.emplace_back(p.name);
+    return names;
+}
+
+model_spec model_spec_preset(const std::string & name) {
+    for (const auto & p : presets())
+        if (name == p.name) return p.spec;
+    throw error("unknown model preset '" + name + "' (valid: " + join(model_spec_preset_names()) + ")");
+}
+
+ggml_type parse_weight_type(const std::string & name) {
+    static const std::pair<const char *, ggml_type> k_types[] = {
+        {"f32", GGML_TYPE_F32},   {"f16", GGML_TYPE_F16},   {"bf16", GGML_TYPE_BF16}, {"q8_0", GGML_TYPE_Q8_0},
+        {"q4_0", GGML_TYPE_Q4_0}, {"q4_1", GGML_TYPE_Q4_1}, {"q5_0", GGML_TYPE_Q5_0}, {"q5_1", GGML_TYPE_Q5_1},
+        {"q2_k", GGML_TYPE_Q2_K}, {"q3_k", GGML_TYPE_Q3_K}, {"q4_k", GGML_TYPE_Q4_K}, {"q5_k", GGML_TYPE_Q5_K},
+        {"q6_k", GGML_TYPE_Q6_K},
+    };
+    std::string lower = name;
+    std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+    std::vector<std::string> valid;
+    for (const auto & [n, t] : k_types) {
+        if (lower == n) return t;
+        valid.emplace_back(n);
+    }
+    throw error("unknown weight type '" + name + "' (valid: " + join(valid) + ")");
+}
+
+make_model_result make_model(const model_spec & spec, const make_model_params & params, const std::string & out_path) {
+    check_spec(spec);
+    if (out_path.empty()) throw error("make-model: no output path");
+
+    // --- vocabulary ---
+    gguf_init_params vparams = {/*no_alloc =*/true, /*ctx =*/nullptr};
+    gguf_context_ptr vocab(gguf_init_from_file(params.vocab_from.c_str(), vparams));
+    if (!vocab) throw error("make-model: cannot read vocab GGUF '" + params.vocab_from + "' (missing or not a GGUF)");
+    const int64_t tokens_id = gguf_find_key(vocab.get(), "tokenizer.ggml.tokens");
+    if (tokens_id < 0 || gguf_get_kv_type(vocab.get(), tokens_id) != GGUF_TYPE_ARRAY ||
+        gguf_get_arr_type(vocab.get(), tokens_id) != GGUF_TYPE_STRING || gguf_get_arr_n(vocab.get(), tokens_id) == 0)
+        throw error("make-model: '" + params.vocab_from + "' has no tokenizer.ggml.tokens");
+    const int64_t n_vocab = int64_t(gguf_get_arr_n(vocab.get(), tokens_id));
+
+    // --- tensors: check every type fits before anything is written ---
+    const std::vector<tensor_plan> plan = plan_tensors(spec, n_vocab, params.wtype);
+    for (const auto & t : plan) {
+        if (t.ne0 % ggml_blck_size(t.type) != 0)
+            throw error("make-model: tensor '" + t.name + "' has rows of " + std::to_string(t.ne0) +
+                        " values, not a multiple of " + ggml_type_name(t.type) + "'s block size " +
+                        std::to_string(ggml_blck_size(t.type)));
+    }
+
+    // --- metadata ---
+    gguf_context_ptr out(gguf_init_empty());
+    gguf_context * g = out.get();
+    const std::string arch = gguf_arch_name(spec.arch);
+    auto key = [&](const char * suffix) { return arch + "." + suffix; };
+    gguf_set_val_str(g, "general.architecture", arch.c_str());
+    gguf_set_val_str(g, "general.name", params.name.c_str());
+    gguf_set_val_u32(g, key("context_length").c_str(), uint32_t(spec.n_ctx_train));
+    gguf_set_val_u32(g, key("embedding_length").c_str(), uint32_t(spec.n_embd));
+    gguf_set_val_u32(g, key("block_count").c_str(), uint32_t(spec.n_layer));
+    gguf_set_val_u32(g, key("feed_forward_length").c_str(), uint32_t(spec.n_ff));
+    gguf_set_val_u32(g, key("attention.head_count").c_str(), uint32_t(spec.n_head));
+    gguf_set_val_u32(g, key("attention.head_count_kv").c_str(), uint32_t(spec.n_head_kv));
+    gguf_set_val_u32(g, key("attention.key_length").c_str(), uint32_t(spec.head_dim));
+    gguf_set_val_u32(g, key("attention.value_length").c_str(), uint32_t(spec.head_dim));
+    gguf_set_val_f32(g, key("rope.freq_base").c_str(), spec.rope_base);
+    gguf_set_val_f32(g, key("attention.layer_norm_rms_epsilon").c_str(), spec.rms_eps);
+    gguf_set_val_u32(g, key("rope.dimension_count").c_str(), uint32_t(spec.head_dim));
+    gguf_set_val_u32(g, key("vocab_size").c_str(), uint32_t(n_vocab));
+
+    // copy the tokenizer.* keys (arrays included) through a filtered copy
+    {
+        gguf_context_ptr tok(gguf_init_empty());
+        gguf_set_kv(tok.get(), vocab.get());
+        for (int64_t i = gguf_get_n_kv(tok.get()) - 1; i >= 0; --i) {
+            const std::string k = gguf_get_key(tok.get(), i);
+            if (k.rfind("tokenizer.", 0) != 0) gguf_remove_key(tok.get(), k.c_str());
+        }
+        gguf_set_kv(g, tok.get());
+    }
+    vocab.reset();
+
+    ggml_init_params cparams = {/*mem_size =*/ggml_tensor_overhead() * (plan.size() + 1), /*mem_buffer =*/nullptr,
+                                /*no_alloc =*/true};
+    ggml_context_ptr meta_ctx(ggml_init(cparams));
+    if (!meta_ctx) throw error("make-model: out of memory");
+    for (const auto & t : plan) {
+        ggml_tensor * x = t.n_dims == 1 ? ggml_new_tensor_1d(meta_ctx.get(), t.type, t.ne0)
+                                        : ggml_new_tensor_2d(meta_ctx.get(), t.type, t.ne0, t.ne1);
+        ggml_set_name(x, t.name.c_str());
+        gguf_add_tensor(g, x);
+    }
+
+    // --- write: metadata, then each tensor at its offset in the data section ---
+    make_model_result result;
+    result.n_vocab = n_vocab;
+    result.n_tensors = int64_t(plan.size());
+
+    const std::string tmp_path = out_path + ".tmp";
+    temp_file_guard guard{tmp_path};
+    {
+        std::unique_ptr<FILE, file_closer> f(std::fopen(tmp_path.c_str(), "wb"));
+        if (!f) throw error("make-model: cannot create '" + tmp_path + "': " + std::strerror(errno));
+
+        std::vector<uint8_t> meta(gguf_get_meta_size(g));
+        gguf_get_meta_data(g, meta.data());
+        write_all(f.get(), meta.data(), meta.size(), tmp_path);
+
+        const size_t align = gguf_get_alignment(g);
+        size_t written = 0;  // bytes into the data section
+        for (size_t i = 0; i < plan.size(); ++i) {
+            const size_t offset = gguf_get_tensor_offset(g, int64_t(i));
+            write_zeros(f.get(), offset - written, tmp_path);
+            write_tensor(f.get(), plan[i], params.seed, tmp_path);
+            written = offset + gguf_get_tensor_size(g, int64_t(i));
+        }
+        write_zeros(f.get(), GGML_PAD(written, align) - written, tmp_path);
+        result.file_bytes = meta.size() + GGML_PAD(written, align);
+
+        if (std::fflush(f.get()) != 0) throw error("make-model: cannot write '" + tmp_path + "' (disk full?)");
+        if (std::fclose(f.release()) != 0) throw error("make-model: cannot write '" + tmp_path + "' (disk full?)");
+    }
+
+    std::error_code ec;
+    std::filesystem::rename(tmp_path, out_path, ec);
+    if (ec) throw error("make-model: cannot rename '" + tmp_path + "' to '" + out_path + "': " + ec.message());
+    guard.keep = true;
+    return result;
+}
+
+}  // namespace kvblend

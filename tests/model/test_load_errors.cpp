@@ -1,0 +1,212 @@
+// model::load on crafted bad files: every one is refused with a kvblend::error
+// that names the problem, never a crash.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ggml-cpp.h"
+#include "gguf.h"
+#include "kvblend/common.h"
+#include "kvblend/model.h"
+#include "test_util.h"
+
+namespace {
+
+using namespace kvblend;
+using kvblend::test::make_test_model;
+using kvblend::test::temp_dir;
+using kvblend::test::vocab_path;
+
+// how to turn a good GGUF into a bad one
+struct gguf_edit {
+    std::function<void(gguf_context *)> kv;                // change, add or remove keys
+    std::set<std::string> drop;                            // tensors to leave out
+    std::map<std::string, std::vector<int64_t>> reshape;   // tensor -> new shape (same type, zero data)
+};
+
+// copies src to dst through gguf, with the edit applied
+void rewrite_gguf(const std::string & src, const std::string & dst, const gguf_edit & e) {
+    ggml_context * data_raw = nullptr;
+    gguf_context_ptr in(gguf_init_from_file(src.c_str(), {/*no_alloc =*/false, /*ctx =*/&data_raw}));
+    ggml_context_ptr data(data_raw);
+    ASSERT_TRUE(in) << src;
+
+    gguf_context_ptr out(gguf_init_empty());
+    gguf_set_kv(out.get(), in.get());
+    if (e.kv) e.kv(out.get());
+
+    size_t extra = ggml_tensor_overhead() * (e.reshape.size() + 1);
+    for (const auto & [name, shape] : e.reshape) {
+        ggml_tensor * t = ggml_get_tensor(data.get(), name.c_str());
+        ASSERT_NE(t, nullptr) << name;
+        size_t n = 1;
+        for (int64_t d : shape) n *= size_t(d);
+        extra += ggml_row_size(t->type, int64_t(n)) + 64;
+    }
+    ggml_context_ptr fresh(ggml_init({/*mem_size =*/extra, /*mem_buffer =*/nullptr, /*no_alloc =*/false}));
+
+    for (int64_t i = 0; i < gguf_get_n_tensors(in.get()); ++i) {
+        const std::string name = gguf_get_tensor_name(in.get(), i);
+        if (e.drop.count(name)) continue;
+        ggml_tensor * t = ggml_get_tensor(data.get(), name.c_str());
+        ASSERT_NE(t, nullptr) << name;
+        auto it = e.reshape.find(name);
+        if (it != e.reshape.end()) {
+            const auto & s = it->second;
+            ggml_tensor * r = ggml_new_tensor(fresh.get(), t->type, int(s.size()), s.data());
+            ggml_set_name(r, name.c_str());
+            std::memset(r->data, 0, ggml_nbytes(r));
+            t = r;
+        }
+        gguf_add_tensor(out.get(), t);
+    }
+    ASSERT_TRUE(gguf_write_to_file(out.get(), dst.c_str(), /*only_meta =*/false)) << dst;
+}
+
+// the first `n` bytes of src
+void truncate_copy(const std::string & src, const std::string & dst, size_t n) {
+    std::ifstream in(src, std::ios::binary);
+    std::vector<char> buf(n);
+    in.read(buf.data(), std::streamsize(n));
+    ASSERT_EQ(size_t(in.gcount()), n);
+    std::ofstream(dst, std::ios::binary).write(buf.data(), std::streamsize(n));
+}
+
+size_t data_offset_of(const std::string & path) {
+    gguf_context_ptr g(gguf_init_from_file(path.c_str(), {/*no_alloc =*/true, /*ctx =*/nullptr}));
+    return g ? gguf_get_data_offset(g.get()) : 0;
+}
+
+// the message of the kvblend::error model::load throws, or why there was none
+std::string load_error(const std::string & path) {
+    try {
+        model::load(path);
+    } catch (const kvblend::error & e) {
+        return e.what();
+    } catch (const std::exception & e) {
+        return std::string("wrong exception type: ") + e.what();
+    }
+    return "loaded without an error";
+}
+
+#define EXPECT_LOAD_ERROR(path, substr)                                               \
+    do {                                                                              \
+        const std::string msg_ = load_error(path);                                    \
+        EXPECT_NE(msg_.find(substr), std::string::npos) << "message: " << msg_;       \
+    } while (0)
+
+// small, fast sources: the llama-spm vocab (32000 tokens), f32 weights
+std::string tiny_llama() { return make_test_model("tiny", GGML_TYPE_F32, vocab_path("llama-spm")); }
+std::string tiny_qwen2() { return make_test_model("tiny-qwen2", GGML_TYPE_F32, vocab_path("llama-spm")); }
+
+class load_errors : public ::testing::Test {
+  protected:
+    temp_dir dir{"load-errors"};
+};
+
+TEST_F(load_errors, control_the_unmodified_models_load) {
+    EXPECT_NO_THROW(model::load(tiny_llama()));
+    EXPECT_NO_THROW(model::load(tiny_qwen2()));
+    // a plain gguf rewrite changes nothing that matters
+    rewrite_gguf(tiny_llama(), dir.file("same.gguf"), {});
+    EXPECT_NO_THROW(model::load(dir.file("same.gguf")));
+}
+
+TEST_F(load_errors, missing_file) { EXPECT_LOAD_ERROR(dir.file("nope.gguf"), "cannot open"); }
+
+TEST_F(load_errors, text_file) {
+    std::ofstream(dir.file("text.gguf")) << "this is a text file, not a model\n";
+    EXPECT_LOAD_ERROR(dir.file("text.gguf"), "not a GGUF");
+}
+
+TEST_F(load_errors, empty_file) {
+    std::ofstream(dir.file("empty.gguf")).flush();
+    EXPECT_LOAD_ERROR(dir.file("empty.gguf"), "not a GGUF");
+}
+
+TEST_F(load_errors, data_cut_in_half) {
+    const std::string src = tiny_llama();
+    const size_t size = std::filesystem::file_size(src);
+    ASSERT_GT(size / 2, data_offset_of(src)) << "half the file must keep the header";
+    truncate_copy(src, dir.file("half.gguf"), size / 2);
+    EXPECT_LOAD_ERROR(dir.file("half.gguf"), "truncated");
+}
+
+TEST_F(load_errors, data_missing_last_bytes) {
+    const std::string src = tiny_llama();
+    truncate_copy(src, dir.file("short.gguf"), std::filesystem::file_size(src) - 1000);
+    EXPECT_LOAD_ERROR(dir.file("short.gguf"), "truncated");
+}
+
+TEST_F(load_errors, header_cut) {
+    const std::string src = tiny_llama();
+    const size_t off = data_offset_of(src);
+    ASSERT_GT(off, 64u);
+    for (size_t n : {size_t(8), size_t(24), off / 2, off - 8}) {
+        truncate_copy(src, dir.file("head.gguf"), n);
+        const std::string msg = load_error(dir.file("head.gguf"));
+        EXPECT_TRUE(msg.find("truncated") != std::string::npos || msg.find("corrupt") != std::string::npos)
+            << n << " bytes: " << msg;
+    }
+}
+
+TEST_F(load_errors, unsupported_architecture) {
+    rewrite_gguf(tiny_llama(), dir.file("gpt2.gguf"),
+                 {[](gguf_context * g) { gguf_set_val_str(g, "general.architecture", "gpt2"); }, {}, {}});
+    EXPECT_LOAD_ERROR(dir.file("gpt2.gguf"), "unsupported architecture 'gpt2'");
+}
+
+TEST_F(load_errors, no_architecture) {
+    rewrite_gguf(tiny_llama(), dir.file("noarch.gguf"),
+                 {[](gguf_context * g) { gguf_remove_key(g, "general.architecture"); }, {}, {}});
+    EXPECT_LOAD_ERROR(dir.file("noarch.gguf"), "general.architecture");
+}
+
+TEST_F(load_errors, mixture_of_experts) {
+    rewrite_gguf(tiny_llama(), dir.file("moe.gguf"), {[](gguf_context * g) {
+                     gguf_set_val_u32(g, "llama.expert_count", 8);
+                     gguf_set_val_u32(g, "llama.expert_used_count", 2);
+                 }, {}, {}});
+    EXPECT_LOAD_ERROR(dir.file("moe.gguf"), "mixture-of-experts");
+}
+
+TEST_F(load_errors, sliding_window) {
+    rewrite_gguf(tiny_qwen2(), dir.file("swa.gguf"), {[](gguf_context * g) {
+                     gguf_set_val_u32(g, "qwen2.context_length", 2048);
+                     gguf_set_val_u32(g, "qwen2.attention.sliding_window", 64);
+                 }, {}, {}});
+    EXPECT_LOAD_ERROR(dir.file("swa.gguf"), "sliding-window");
+}
+
+TEST_F(load_errors, missing_tensor) {
+    rewrite_gguf(tiny_llama(), dir.file("missing.gguf"), {nullptr, {"blk.1.ffn_up.weight"}, {}});
+    EXPECT_LOAD_ERROR(dir.file("missing.gguf"), "missing tensor 'blk.1.ffn_up.weight'");
+}
+
+TEST_F(load_errors, misshaped_tensor) {
+    rewrite_gguf(tiny_llama(), dir.file("shape.gguf"), {nullptr, {}, {{"blk.0.attn_q.weight", {128, 64}}}});
+    const std::string msg = load_error(dir.file("shape.gguf"));
+    EXPECT_NE(msg.find("blk.0.attn_q.weight"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("shape"), std::string::npos) << msg;
+}
+
+TEST_F(load_errors, kv_heads_do_not_divide_heads) {
+    rewrite_gguf(tiny_llama(), dir.file("gqa.gguf"),
+                 {[](gguf_context * g) { gguf_set_val_u32(g, "llama.attention.head_count_kv", 3); }, {}, {}});
+    EXPECT_LOAD_ERROR(dir.file("gqa.gguf"), "inconsistent");
+}
+
+TEST_F(load_errors, zero_layers) {
+    rewrite_gguf(tiny_llama(), dir.file("nolayers.gguf"),
+                 {[](gguf_context * g) { gguf_set_val_u32(g, "llama.block_count", 0); }, {}, {}});
+    EXPECT_LOAD_ERROR(dir.file("nolayers.gguf"), "inconsistent");
+}
+
+}  // namespace

@@ -1,0 +1,438 @@
+// tests for the synthetic model maker: file layout, libllama loads and runs it,
+// determinism, and the errors a user can cause.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "ggml-cpp.h"
+#include "gguf.h"
+#include "kvblend/common.h"
+#include "kvblend/model_maker.h"
+#include "llama.h"
+#include "test_util.h"
+
+namespace {
+
+using namespace kvblend;
+using kvblend::test::make_test_model;
+using kvblend::test::temp_dir;
+using kvblend::test::vocab_path;
+
+std::string read_bytes(const std::string & path) {
+    std::ifstream f(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+gguf_context_ptr open_gguf(const std::string & path) {
+    gguf_init_params p = {/*no_alloc =*/true, /*ctx =*/nullptr};
+    return gguf_context_ptr(gguf_init_from_file(path.c_str(), p));
+}
+
+uint32_t get_u32(const gguf_context * g, const std::string & key) {
+    const int64_t id = gguf_find_key(g, key.c_str());
+    EXPECT_GE(id, 0) << key;
+    if (id < 0) return 0;
+    EXPECT_EQ(gguf_get_kv_type(g, id), GGUF_TYPE_UINT32) << key;
+    return gguf_get_val_u32(g, id);
+}
+
+float get_f32(const gguf_context * g, const std::string & key) {
+    const int64_t id = gguf_find_key(g, key.c_str());
+    EXPECT_GE(id, 0) << key;
+    if (id < 0) return 0.0f;
+    EXPECT_EQ(gguf_get_kv_type(g, id), GGUF_TYPE_FLOAT32) << key;
+    return gguf_get_val_f32(g, id);
+}
+
+// expects tensor `name` with this type and shape (ggml order)
+void expect_tensor(const gguf_context * g, const std::string & name, ggml_type type, std::vector<int64_t> shape) {
+    const int64_t id = gguf_find_tensor(g, name.c_str());
+    ASSERT_GE(id, 0) << "missing " << name;
+    EXPECT_EQ(gguf_get_tensor_type(g, id), type) << name;
+    const int64_t * ne = gguf_get_tensor_ne(g, id);
+    for (int d = 0; d < GGML_MAX_DIMS; ++d)
+        EXPECT_EQ(ne[d], d < int(shape.size()) ? shape[d] : 1) << name << " dim " << d;
+}
+
+template <typename F>
+std::string error_of(F && f) {
+    try {
+        f();
+    } catch (const kvblend::error & e) {
+        return e.what();
+    } catch (const std::exception & e) {
+        return std::string("wrong exception type: ") + e.what();
+    }
+    return "no error";
+}
+
+// --- presets and names -------------------------------------------------------
+
+TEST(model_maker, presets_have_real_shapes) {
+    const auto names = model_spec_preset_names();
+    EXPECT_EQ(names.size(), 6u);
+
+    const model_spec q3 = model_spec_preset("qwen3-0.6b");
+    EXPECT_EQ(q3.arch, MODEL_ARCH_QWEN3);
+    EXPECT_EQ(q3.n_layer, 28);
+    EXPECT_EQ(q3.n_embd, 1024);
+    EXPECT_EQ(q3.n_head, 16);
+    EXPECT_EQ(q3.n_head_kv, 8);
+    EXPECT_EQ(q3.head_dim, 128);
+    EXPECT_EQ(q3.n_ff, 3072);
+    EXPECT_EQ(q3.n_ctx_train, 40960);
+    EXPECT_TRUE(q3.tied_output && q3.qk_norm && !q3.qkv_bias);
+
+    const model_spec q2 = model_spec_preset("qwen2-0.5b");
+    EXPECT_EQ(q2.n_embd, q2.n_head * q2.head_dim);
+    EXPECT_TRUE(q2.qkv_bias && q2.tied_output);
+
+    const model_spec l1 = model_spec_preset("llama-1b");
+    EXPECT_EQ(l1.n_layer, 16);
+    EXPECT_EQ(l1.rope_base, 500000.0f);
+    EXPECT_EQ(l1.n_ctx_train, 131072);
+
+    EXPECT_FALSE(model_spec_preset("tiny").tied_output);
+    EXPECT_EQ(model_spec_preset("tiny").n_layer, 4);
+    EXPECT_EQ(model_spec_preset("tiny-qwen2").n_layer, 3);
+    EXPECT_EQ(model_spec_preset("tiny-qwen3").arch, MODEL_ARCH_QWEN3);
+}
+
+TEST(model_maker, unknown_preset_lists_valid_names) {
+    const std::string msg = error_of([] { model_spec_preset("qwen9-7b"); });
+    EXPECT_NE(msg.find("qwen9-7b"), std::string::npos) << msg;
+    for (const auto & n : model_spec_preset_names()) EXPECT_NE(msg.find(n), std::string::npos) << msg;
+}
+
+TEST(model_maker, parse_weight_type) {
+    EXPECT_EQ(parse_weight_type("f32"), GGML_TYPE_F32);
+    EXPECT_EQ(parse_weight_type("F16"), GGML_TYPE_F16);
+    EXPECT_EQ(parse_weight_type("bf16"), GGML_TYPE_BF16);
+    EXPECT_EQ(parse_weight_type("Q8_0"), GGML_TYPE_Q8_0);
+    EXPECT_EQ(parse_weight_type("q4_0"), GGML_TYPE_Q4_0);
+    EXPECT_EQ(parse_weight_type("q4_K"), GGML_TYPE_Q4_K);
+    EXPECT_EQ(parse_weight_type("q6_k"), GGML_TYPE_Q6_K);
+    const std::string msg = error_of([] { parse_weight_type("q4_k_m"); });
+    EXPECT_NE(msg.find("q4_k_m"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("q8_0"), std::string::npos) << msg;
+}
+
+// --- made files --------------------------------------------------------------
+
+struct made_case {
+    const char * preset;
+    ggml_type wtype;
+};
+
+class model_maker_file : public ::testing::TestWithParam<made_case> {};
+
+TEST_P(model_maker_file, gguf_layout_and_metadata) {
+    const made_case c = GetParam();
+    const model_spec s = model_spec_preset(c.preset);
+    const std::string vocab = test::default_vocab_for(c.preset);
+    const std::string path = make_test_model(c.preset, c.wtype);
+
+    gguf_context_ptr v = open_gguf(vocab);
+    ASSERT_TRUE(v);
+    const int64_t v_tokens = gguf_find_key(v.get(), "tokenizer.ggml.tokens");
+    ASSERT_GE(v_tokens, 0);
+    const int64_t n_vocab = int64_t(gguf_get_arr_n(v.get(), v_tokens));
+
+    gguf_context_ptr g = open_gguf(path);
+    ASSERT_TRUE(g) << path;
+    const gguf_context * m = g.get();
+
+    const std::string arch = s.arch == MODEL_ARCH_LLAMA ? "llama" : s.arch == MODEL_ARCH_QWEN2 ? "qwen2" : "qwen3";
+    const int64_t arch_id = gguf_find_key(m, "general.architecture");
+    ASSERT_GE(arch_id, 0);
+    EXPECT_EQ(std::string(gguf_get_val_str(m, arch_id)), arch);
+    EXPECT_GE(gguf_find_key(m, "general.name"), 0);
+
+    EXPECT_EQ(get_u32(m, arch + ".context_length"), uint32_t(s.n_ctx_train));
+    EXPECT_EQ(get_u32(m, arch + ".embedding_length"), uint32_t(s.n_embd));
+    EXPECT_EQ(get_u32(m, arch + ".block_count"), uint32_t(s.n_layer));
+    EXPECT_EQ(get_u32(m, arch + ".feed_forward_length"), uint32_t(s.n_ff));
+    EXPECT_EQ(get_u32(m, arch + ".attention.head_count"), uint32_t(s.n_head));
+    EXPECT_EQ(get_u32(m, arch + ".attention.head_count_kv"), uint32_t(s.n_head_kv));
+    EXPECT_EQ(get_u32(m, arch + ".attention.key_length"), uint32_t(s.head_dim));
+    EXPECT_EQ(get_u32(m, arch + ".attention.value_length"), uint32_t(s.head_dim));
+    EXPECT_EQ(get_u32(m, arch + ".rope.dimension_count"), uint32_t(s.head_dim));
+    EXPECT_EQ(get_u32(m, arch + ".vocab_size"), uint32_t(n_vocab));
+    EXPECT_EQ(get_f32(m, arch + ".rope.freq_base"), s.rope_base);
+    EXPECT_EQ(get_f32(m, arch + ".attention.layer_norm_rms_epsilon"), s.rms_eps);
+
+    // every tokenizer.* key of the vocab file is copied with its type and size; nothing else from it
+    int64_t n_tok_keys = 0;
+    for (int64_t i = 0; i < gguf_get_n_kv(v.get()); ++i) {
+        const std::string k = gguf_get_key(v.get(), i);
+        const int64_t id = gguf_find_key(m, k.c_str());
+        if (k.rfind("tokenizer.", 0) != 0) continue;
+        ++n_tok_keys;
+        ASSERT_GE(id, 0) << k;
+        EXPECT_EQ(gguf_get_kv_type(m, id), gguf_get_kv_type(v.get(), i)) << k;
+        if (gguf_get_kv_type(m, id) == GGUF_TYPE_ARRAY) {
+            EXPECT_EQ(gguf_get_arr_type(m, id), gguf_get_arr_type(v.get(), i)) << k;
+            EXPECT_EQ(gguf_get_arr_n(m, id), gguf_get_arr_n(v.get(), i)) << k;
+        }
+    }
+    EXPECT_GE(n_tok_keys, 3);
+    // nothing else: general.architecture, general.name and the 12 arch keys checked above
+    EXPECT_EQ(gguf_get_n_kv(m), n_tok_keys + 14);
+    const int64_t m_tokens = gguf_find_key(m, "tokenizer.ggml.tokens");
+    ASSERT_GE(m_tokens, 0);
+    for (size_t i : {size_t(0), size_t(n_vocab / 2), size_t(n_vocab - 1)})
+        EXPECT_STREQ(gguf_get_arr_str(m, m_tokens, i), gguf_get_arr_str(v.get(), v_tokens, i));
+
+    // tensors: names, types, shapes
+    const int64_t n_q = s.head_dim * s.n_head, n_kv = s.head_dim * s.n_head_kv;
+    expect_tensor(m, "token_embd.weight", c.wtype, {s.n_embd, n_vocab});
+    expect_tensor(m, "output_norm.weight", GGML_TYPE_F32, {s.n_embd});
+    EXPECT_EQ(gguf_find_tensor(m, "output.weight") >= 0, !s.tied_output);
+    if (!s.tied_output) expect_tensor(m, "output.weight", c.wtype, {s.n_embd, n_vocab});
+    int64_t n_expected = 2 + (s.tied_output ? 0 : 1);
+    for (int64_t il = 0; il < s.n_layer; ++il) {
+        const std::string p = "blk." + std::to_string(il) + ".";
+        expect_tensor(m, p + "attn_norm.weight", GGML_TYPE_F32, {s.n_embd});
+        expect_tensor(m, p + "attn_q.weight", c.wtype, {s.n_embd, n_q});
+        expect_tensor(m, p + "attn_k.weight", c.wtype, {s.n_embd, n_kv});
+        expect_tensor(m, p + "attn_v.weight", c.wtype, {s.n_embd, n_kv});
+        expect_tensor(m, p + "attn_output.weight", c.wtype, {n_q, s.n_embd});
+        expect_tensor(m, p + "ffn_norm.weight", GGML_TYPE_F32, {s.n_embd});
+        expect_tensor(m, p + "ffn_gate.weight", c.wtype, {s.n_embd, s.n_ff});
+        expect_tensor(m, p + "ffn_up.weight", c.wtype, {s.n_embd, s.n_ff});
+        expect_tensor(m, p + "ffn_down.weight", c.wtype, {s.n_ff, s.n_embd});
+        n_expected += 9;
+        EXPECT_EQ(gguf_find_tensor(m, (p + "attn_q.bias").c_str()) >= 0, s.qkv_bias);
+        EXPECT_EQ(gguf_find_tensor(m, (p + "attn_q_norm.weight").c_str()) >= 0, s.qk_norm);
+        if (s.qkv_bias) {
+            expect_tensor(m, p + "attn_q.bias", GGML_TYPE_F32, {n_q});
+            expect_tensor(m, p + "attn_k.bias", GGML_TYPE_F32, {n_kv});
+            expect_tensor(m, p + "attn_v.bias", GGML_TYPE_F32, {n_kv});
+            n_expected += 3;
+        }
+        if (s.qk_norm) {
+            expect_tensor(m, p + "attn_q_norm.weight", GGML_TYPE_F32, {s.head_dim});
+            expect_tensor(m, p + "attn_k_norm.weight", GGML_TYPE_F32, {s.head_dim});
+            n_expected += 2;
+        }
+    }
+    EXPECT_EQ(gguf_get_n_tensors(m), n_expected);
+
+    // the data section holds every tensor at its aligned offset, and nothing more
+    const size_t align = gguf_get_alignment(m);
+    const int64_t last = gguf_get_n_tensors(m) - 1;
+    const size_t data_end = gguf_get_data_offset(m) + gguf_get_tensor_offset(m, last) + gguf_get_tensor_size(m, last);
+    EXPECT_EQ(std::filesystem::file_size(path), GGML_PAD(data_end, align));
+    EXPECT_EQ(gguf_get_data_offset(m) % align, 0u);
+}
+
+// libllama is the reference: it must load the file and compute finite logits with a useful spread
+TEST_P(model_maker_file, libllama_loads_and_decodes) {
+    const made_case c = GetParam();
+    const model_spec s = model_spec_preset(c.preset);
+    const std::string path = make_test_model(c.preset, c.wtype);
+    kvblend::backend_init();
+
+    llama_model_params mp = llama_model_default_params();
+    // the pinned ggml's AMX repack kernels (an extra buffer type) run with an
+    // invalid tile config when gcc builds them natively (SIGILL on tilezero,
+    // llama.cpp PR #26954): keep quantized weights in plain CPU buffers
+    mp.use_extra_bufts = false;
+    std::unique_ptr<llama_model, decltype(&llama_model_free)> model(llama_model_load_from_file(path.c_str(), mp),
+                                                                     &llama_model_free);
+    ASSERT_TRUE(model) << "libllama refused " << path;
+    EXPECT_EQ(llama_model_n_layer(model.get()), s.n_layer);
+    EXPECT_EQ(llama_model_n_embd(model.get()), s.n_embd);
+    EXPECT_EQ(llama_model_n_head(model.get()), s.n_head);
+    EXPECT_EQ(llama_model_n_head_kv(model.get()), s.n_head_kv);
+    EXPECT_EQ(llama_model_n_ctx_train(model.get()), s.n_ctx_train);
+    const llama_vocab * vocab = llama_model_get_vocab(model.get());
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = 256;
+    cp.n_batch = 256;
+    cp.n_threads = 2;
+    cp.n_threads_batch = 2;
+    std::unique_ptr<llama_context, decltype(&llama_free)> ctx(llama_init_from_model(model.get(), cp), &llama_free);
+    ASSERT_TRUE(ctx);
+
+    std::vector<llama_token> tokens = {1, 100, 2000, 345, 17, 9000, 42};
+    ASSERT_EQ(llama_decode(ctx.get(), llama_batch_get_one(tokens.data(), int32_t(tokens.size()))), 0);
+    const float * logits = llama_get_logits_ith(ctx.get(), -1);
+    ASSERT_NE(logits, nullptr);
+    double sum = 0, sum2 = 0;
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        ASSERT_TRUE(std::isfinite(logits[i])) << "logit " << i;
+        sum += logits[i];
+        sum2 += double(logits[i]) * logits[i];
+    }
+    const double mean = sum / n_vocab;
+    const double sd = std::sqrt(std::max(0.0, sum2 / n_vocab - mean * mean));
+    // spread of a few units: greedy decoding is not decided by near-ties
+    EXPECT_GT(sd, 1.0);
+    EXPECT_LT(sd, 10.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(presets, model_maker_file,
+                         ::testing::Values(made_case{"tiny", GGML_TYPE_F32}, made_case{"tiny-qwen2", GGML_TYPE_F32},
+                                           made_case{"tiny-qwen3", GGML_TYPE_F32}, made_case{"tiny", GGML_TYPE_Q8_0},
+                                           made_case{"tiny-qwen2", GGML_TYPE_Q4_0},
+                                           made_case{"tiny-qwen3", GGML_TYPE_Q8_0},
+                                           made_case{"tiny-qwen3", GGML_TYPE_F16}),
+                         [](const ::testing::TestParamInfo<made_case> & info) {
+                             std::string n = std::string(info.param.preset) + "_" + ggml_type_name(info.param.wtype);
+                             for (char & ch : n)
+                                 if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                             return n;
+                         });
+
+// --- determinism -------------------------------------------------------------
+
+TEST(model_maker, same_seed_same_bytes_other_seed_other_bytes) {
+    temp_dir dir("maker");
+    model_spec spec = model_spec_preset("tiny");
+    spec.n_layer = 2;
+    make_model_params p;
+    p.wtype = GGML_TYPE_Q8_0;
+    p.vocab_from = vocab_path("llama-spm");
+    p.seed = 7;
+    const make_model_result r = make_model(spec, p, dir.file("a.gguf"));
+    make_model(spec, p, dir.file("b.gguf"));
+    p.seed = 8;
+    make_model(spec, p, dir.file("c.gguf"));
+
+    EXPECT_EQ(r.n_vocab, 32000);
+    EXPECT_EQ(r.file_bytes, std::filesystem::file_size(dir.file("a.gguf")));
+    const std::string a = read_bytes(dir.file("a.gguf"));
+    const std::string b = read_bytes(dir.file("b.gguf"));
+    const std::string c = read_bytes(dir.file("c.gguf"));
+    ASSERT_FALSE(a.empty());
+    EXPECT_TRUE(a == b) << "same seed gave different files";
+    ASSERT_EQ(a.size(), c.size());
+    EXPECT_FALSE(a == c) << "another seed gave the same file";
+
+    // only the weights differ: metadata is the same, and every tensor changed
+    gguf_context_ptr ga = open_gguf(dir.file("a.gguf"));
+    ASSERT_TRUE(ga);
+    const size_t data = gguf_get_data_offset(ga.get());
+    EXPECT_EQ(a.compare(0, data, c, 0, data), 0);
+    for (int64_t i = 0; i < gguf_get_n_tensors(ga.get()); ++i) {
+        const size_t off = data + gguf_get_tensor_offset(ga.get(), i), n = gguf_get_tensor_size(ga.get(), i);
+        EXPECT_NE(a.compare(off, n, c, off, n), 0) << gguf_get_tensor_name(ga.get(), i);
+    }
+    EXPECT_FALSE(std::filesystem::exists(dir.file("a.gguf.tmp")));
+}
+
+TEST(model_maker, tied_override_and_layers) {
+    temp_dir dir("maker");
+    model_spec spec = model_spec_preset("tiny");
+    spec.tied_output = true;
+    spec.n_layer = 1;
+    make_model_params p;
+    p.wtype = GGML_TYPE_F16;
+    p.vocab_from = vocab_path("llama-spm");
+    make_model(spec, p, dir.file("t.gguf"));
+    gguf_context_ptr g = open_gguf(dir.file("t.gguf"));
+    ASSERT_TRUE(g);
+    EXPECT_LT(gguf_find_tensor(g.get(), "output.weight"), 0);
+    EXPECT_LT(gguf_find_tensor(g.get(), "blk.1.attn_q.weight"), 0);
+    EXPECT_EQ(get_u32(g.get(), "llama.block_count"), 1u);
+    expect_tensor(g.get(), "blk.0.attn_q.weight", GGML_TYPE_F16, {128, 128});
+}
+
+// --- errors ------------------------------------------------------------------
+
+TEST(model_maker, bad_vocab_file) {
+    kvblend::backend_init();  // quiet gguf's own log lines
+    temp_dir dir("maker");
+    make_model_params p;
+    p.vocab_from = dir.file("no-such-vocab.gguf");
+    std::string msg = error_of([&] { make_model(model_spec_preset("tiny"), p, dir.file("out.gguf")); });
+    EXPECT_NE(msg.find("no-such-vocab.gguf"), std::string::npos) << msg;
+
+    // a text file is not a GGUF
+    {
+        std::ofstream(dir.file("text.gguf")) << "hello, not a gguf\n";
+    }
+    p.vocab_from = dir.file("text.gguf");
+    msg = error_of([&] { make_model(model_spec_preset("tiny"), p, dir.file("out.gguf")); });
+    EXPECT_NE(msg.find("text.gguf"), std::string::npos) << msg;
+
+    // a valid GGUF without a token list
+    {
+        gguf_context_ptr g(gguf_init_empty());
+        gguf_set_val_str(g.get(), "general.architecture", "llama");
+        ASSERT_TRUE(gguf_write_to_file(g.get(), dir.file("notok.gguf").c_str(), false));
+    }
+    p.vocab_from = dir.file("notok.gguf");
+    msg = error_of([&] { make_model(model_spec_preset("tiny"), p, dir.file("out.gguf")); });
+    EXPECT_NE(msg.find("tokenizer.ggml.tokens"), std::string::npos) << msg;
+
+    EXPECT_FALSE(std::filesystem::exists(dir.file("out.gguf")));
+    EXPECT_FALSE(std::filesystem::exists(dir.file("out.gguf.tmp")));
+}
+
+TEST(model_maker, indivisible_quant_names_tensor_and_type) {
+    temp_dir dir("maker");
+    make_model_params p;
+    p.vocab_from = vocab_path("llama-spm");
+    p.wtype = GGML_TYPE_Q4_K;  // blocks of 256, tiny rows are 128
+    const std::string msg = error_of([&] { make_model(model_spec_preset("tiny"), p, dir.file("out.gguf")); });
+    EXPECT_NE(msg.find("token_embd.weight"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("q4_K"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("256"), std::string::npos) << msg;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("out.gguf")));
+    EXPECT_FALSE(std::filesystem::exists(dir.file("out.gguf.tmp")));
+}
+
+TEST(model_maker, inconsistent_spec_and_unwritable_output) {
+    temp_dir dir("maker");
+    make_model_params p;
+    p.vocab_from = vocab_path("llama-spm");
+    model_spec spec = model_spec_preset("tiny");
+    spec.n_head_kv = 3;
+    EXPECT_NE(error_of([&] { make_model(spec, p, dir.file("out.gguf")); }).find("n_head_kv"), std::string::npos);
+    spec = model_spec_preset("tiny");
+    spec.n_layer = 0;
+    EXPECT_NE(error_of([&] { make_model(spec, p, dir.file("out.gguf")); }).find("n_layer"), std::string::npos);
+
+    const std::string msg =
+        error_of([&] { make_model(model_spec_preset("tiny"), p, dir.file("no/such/dir/out.gguf")); });
+    EXPECT_NE(msg.find("cannot create"), std::string::npos) << msg;
+}
+
+// the CLI sub-command writes the same file as the library call
+TEST(model_maker, cli_make_model) {
+    if (!std::filesystem::exists(KVBLEND_CLI)) GTEST_SKIP() << "no CLI binary at " << KVBLEND_CLI;
+    temp_dir dir("maker");
+    const std::string out = dir.file("cli.gguf");
+    const std::string cmd = std::string(KVBLEND_CLI) + " make-model --preset tiny --type q8_0 --layers 2 --seed 7 " +
+                            "--vocab-from " + vocab_path("llama-spm") + " -o " + out + " > " + dir.file("log.txt") +
+                            " 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << read_bytes(dir.file("log.txt"));
+    const std::string log = read_bytes(dir.file("log.txt"));
+    EXPECT_NE(log.find(out), std::string::npos) << log;
+    EXPECT_NE(log.find("32000"), std::string::npos) << log;
+
+    model_spec spec = model_spec_preset("tiny");
+    spec.n_layer = 2;
+    make_model_params p;
+    p.wtype = GGML_TYPE_Q8_0;
+    p.vocab_from = vocab_path("llama-spm");
+    p.seed = 7;
+    make_model(spec, p, dir.file("lib.gguf"));
+    EXPECT_TRUE(read_bytes(out) == read_bytes(dir.file("lib.gguf")));
+
+    const std::string bad = std::string(KVBLEND_CLI) + " make-model --preset nope --vocab-from x -o y > " +
+                            dir.file("bad.txt") + " 2>&1";
+    EXPECT_NE(std::system(bad.c_str()), 0);
+    EXPECT_NE(read_bytes(dir.file("bad.txt")).find("error: unknown model preset 'nope'"), std::string::npos);
+}
+
+}  // namespace

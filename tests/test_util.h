@@ -1,0 +1,89 @@
+// kvblend tests: shared helpers (temporary folders, vocab files, cached synthetic models).
+#pragma once
+
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "ggml.h"
+#include "kvblend/model_maker.h"
+
+namespace kvblend::test {
+
+// a fresh folder under the system temp dir, removed with everything in it on destruction
+class temp_dir {
+  public:
+    explicit temp_dir(const std::string & tag = "tmp") {
+        static int counter = 0;
+        const auto base = std::filesystem::temp_directory_path();
+        for (;;) {
+            path_ = base / ("kvblend-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+            if (std::filesystem::create_directories(path_)) break;
+        }
+    }
+    ~temp_dir() {
+        std::error_code ec;
+        std::filesystem::remove_all(path_, ec);
+    }
+    temp_dir(const temp_dir &) = delete;
+    temp_dir & operator=(const temp_dir &) = delete;
+
+    const std::filesystem::path & path() const { return path_; }
+    std::string file(const std::string & name) const { return (path_ / name).string(); }
+
+  private:
+    std::filesystem::path path_;
+};
+
+// one folder per test process for things worth keeping across tests (made models)
+inline const temp_dir & process_dir() {
+    static temp_dir dir("models");
+    return dir;
+}
+
+// a vocab-only GGUF of the pinned llama.cpp: name is e.g. "qwen2", "llama-spm", "llama-bpe"
+inline std::string vocab_path(const std::string & name) {
+    return std::string(KVBLEND_LLAMA_DIR) + "/models/ggml-vocab-" + name + ".gguf";
+}
+
+// the vocabulary a preset's family ships with: llama-spm (32000 tokens, small) for
+// llama presets, qwen2 (151936 tokens) for the qwen presets
+inline std::string default_vocab_for(const std::string & preset) {
+    return model_spec_preset(preset).arch == MODEL_ARCH_LLAMA ? vocab_path("llama-spm") : vocab_path("qwen2");
+}
+
+// path of a synthetic model of a preset, made once per test process and cached
+// (process_dir()). vocab_file "" picks default_vocab_for(preset); n_layer 0 keeps
+// the preset's layer count. throws kvblend::error like make_model.
+inline std::string make_test_model(const std::string & preset, ggml_type wtype = GGML_TYPE_F32,
+                                   const std::string & vocab_file = "", uint64_t seed = 42, int64_t n_layer = 0) {
+    static std::mutex mtx;
+    static std::map<std::string, std::string> cache;
+
+    const std::string vocab = vocab_file.empty() ? default_vocab_for(preset) : vocab_file;
+    const std::string key = preset + "|" + ggml_type_name(wtype) + "|" + vocab + "|" + std::to_string(seed) + "|" +
+                            std::to_string(n_layer);
+    std::lock_guard<std::mutex> lock(mtx);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+
+    model_spec spec = model_spec_preset(preset);
+    if (n_layer > 0) spec.n_layer = n_layer;
+    make_model_params params;
+    params.wtype = wtype;
+    params.vocab_from = vocab;
+    params.seed = seed;
+
+    const std::string stem = std::filesystem::path(vocab).stem().string();
+    const std::string out = process_dir().file(preset + "-" + ggml_type_name(wtype) + "-" + stem + "-s" +
+                                               std::to_string(seed) + "-l" + std::to_string(n_layer) + ".gguf");
+    make_model(spec, params, out);
+    cache.emplace(key, out);
+    return out;
+}
+
+}  // namespace kvblend::test
