@@ -29,6 +29,7 @@ model, same threads, same KV type, in the same run.
   -b, --ubatch N        micro-batch for both (default 512)
   --cache-type T        f16 (default) or f32
   --peer none|llama     time libllama too (default llama); 'none' also reports peak RSS
+  --mmap                map the model file instead of reading the weights into memory
   --json                print one JSON object instead of the table
 )";
 
@@ -48,6 +49,7 @@ int bench_prefill(args & a) {
     std::vector<int64_t> lens = {512, 2048};
     int64_t n_gen = 32, reps = 3;
     bool json = false, peer = true;
+    model_params mp = model_default_params();
     engine_params ep = engine_default_params();
     while (!a.done()) {
         if (a.match({"-h", "--help"})) {
@@ -65,11 +67,12 @@ int bench_prefill(args & a) {
             if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");
             peer = p == "llama";
         } else if (a.match({"--json"})) json = true;
+        else if (a.match({"--mmap"})) mp.use_mmap = true;
         else a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
 
-    auto m = model::load(model_path);
+    auto m = model::load(model_path, mp);
     const int64_t n_max = *std::max_element(lens.begin(), lens.end()) + n_gen;
     if (n_max > m->hparams().n_ctx_train)
         throw error("longest prompt plus --n-gen (" + std::to_string(n_max) + ") exceeds the model's context of " +

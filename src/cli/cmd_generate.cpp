@@ -29,7 +29,7 @@ const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
   --cache-type T        KV cache type: f16 (default) or f32
   --chat                wrap the prompt in the model's chat template (user turn)
   --system TEXT         system message for --chat
-  --no-mmap             read the weights instead of mapping the file
+  --mmap                map the model file instead of reading the weights into memory
   --json                print one JSON object: text, n_prompt, n_gen, prefill_ms, decode_ms
   -v, --verbose         show ggml's and libllama's logs
 )";
@@ -55,7 +55,7 @@ std::string read_text_file(const std::string & path) {
 
 int cmd_generate(int argc, char ** argv) {
     std::string model_path, prompt, system;
-    bool have_prompt = false, chat = false, json = false, mmap = true;
+    bool have_prompt = false, chat = false, json = false, mmap = false;
     int64_t n_predict = 64, n_ctx = 0;
     sampler_params sp = sampler_default_params();
     engine_params ep = engine_default_params();
@@ -80,7 +80,7 @@ int cmd_generate(int argc, char ** argv) {
         else if (a.match({"--cache-type"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
         else if (a.match({"--chat"})) chat = true;
         else if (a.match({"--system"})) system = a.str();
-        else if (a.match({"--no-mmap"})) mmap = false;
+        else if (a.match({"--mmap"})) mmap = true;
         else if (a.match({"--json"})) json = true;
         else if (a.match({"-v", "--verbose"})) log_set_verbose(true);
         else a.unknown();

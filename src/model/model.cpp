@@ -387,7 +387,6 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         im.weights = std::move(wctx);
     }
     for (ggml_tensor * t : used) m->weights_bytes_ += ggml_nbytes(t);
-    if (hp.tied_output) m->weights_bytes_ -= ggml_nbytes(m->tok_embd);
 
     // --- fingerprint ----------------------------------------------------------
     fnv128 h;
