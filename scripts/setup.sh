@@ -53,7 +53,7 @@ else
   tar -xzf "$tmp"/node-llama-cpp-*.tgz -C "$tmp" package/llama/gitRelease.bundle
   rm -rf "$LLAMA_DIR"
   mkdir -p "$(dirname "$LLAMA_DIR")"
-  git clone -q "$tmp/package/llama/gitRelease.bundle" "$LLAMA_DIR"
+  git -c advice.detachedHead=false clone -q "$tmp/package/llama/gitRelease.bundle" "$LLAMA_DIR"
   git -C "$LLAMA_DIR" -c advice.detachedHead=false checkout -q "$LLAMA_COMMIT"
   have_commit || { echo "llama.cpp bundle is not at the pinned commit $LLAMA_COMMIT" >&2; exit 1; }
   git -C "$LLAMA_DIR" fsck --no-dangling --no-progress >/dev/null 2>&1 || { echo "llama.cpp bundle failed git fsck" >&2; exit 1; }
