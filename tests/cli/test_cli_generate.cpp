@@ -60,6 +60,17 @@ TEST(cli_generate, seeded_sampling_is_reproducible) {
     EXPECT_EQ(nlohmann::json::parse(a.out)["text"], nlohmann::json::parse(b.out)["text"]);
 }
 
+TEST(cli_generate, chat_template_wraps_the_prompt) {
+    const std::string path = test::make_test_model("tiny-qwen3");  // carries qwen2's chat template
+    const run_result plain = run_cli("generate -m " + path + " -p hi -n 4 --json");
+    const run_result chat = run_cli("generate -m " + path + " -p hi -n 4 --chat --system 'be brief' --json");
+    ASSERT_EQ(plain.status, 0) << plain.err;
+    ASSERT_EQ(chat.status, 0) << chat.err;
+    // system turn, user turn and the opened assistant turn add their markers
+    EXPECT_GE(nlohmann::json::parse(chat.out)["n_prompt"].get<int>(),
+              nlohmann::json::parse(plain.out)["n_prompt"].get<int>() + 10);
+}
+
 TEST(cli_generate, bad_input_is_one_error_line) {
     struct bad_case {
         std::string args;

@@ -186,3 +186,53 @@ INSTANTIATE_TEST_SUITE_P(models, forward_equiv,
 
 }  // namespace
 }  // namespace kvblend
+
+namespace kvblend {
+namespace {
+
+// more weight types on a shape whose rows fill k-quant blocks (256 wide):
+// same attention kernels as libllama (f16 KV, flash attention), so logits must
+// agree to rounding, and the greedy continuation must be identical
+TEST(forward_equiv_types, kquants_and_bf16_match_libllama) {
+    model_spec spec;
+    spec.arch = MODEL_ARCH_LLAMA;
+    spec.n_layer = 2;
+    spec.n_embd = 256;
+    spec.n_head = 4;
+    spec.n_head_kv = 2;
+    spec.head_dim = 64;
+    spec.n_ff = 512;
+    for (const char * tname : {"bf16", "q4_k", "q6_k"}) {
+        make_model_params mp;
+        mp.wtype = parse_weight_type(tname);
+        mp.vocab_from = test::vocab_path("llama-spm");
+        const std::string path = test::process_dir().file(std::string("wide-") + tname + ".gguf");
+        make_model(spec, mp, path);
+
+        auto m = model::load(path);
+        const std::vector<llama_token> prompt = prompt_for(*m, false, 64);
+        engine_params ep;
+        ep.n_ctx = 128;
+        engine eng(m, ep);
+        const std::vector<float> ours = eng.eval(prompt, true);
+        ref::llama_ref_params rp;
+        rp.n_ctx = 128;
+        rp.extra_bufts = false;
+        ref::llama_ref lr(path, rp);
+        const std::vector<float> theirs = lr.eval(prompt, true);
+        const logit_diff d = compare(ours, theirs);
+        std::printf("[ wide:%s ] f16 KV: relative %.3g\n", tname, d.rel());
+        EXPECT_LE(d.rel(), 1e-6) << tname;
+
+        sampler_params greedy;
+        greedy.temp = 0;
+        const int64_t nv = m->hparams().n_vocab;
+        const generate_result gen = eng.generate_from(std::vector<float>(ours.end() - nv, ours.end()), 16, greedy);
+        const std::vector<llama_token> ref_toks = lr.greedy(std::vector<float>(theirs.end() - nv, theirs.end()), 16);
+        ASSERT_FALSE(gen.tokens.empty()) << tname;
+        for (size_t i = 0; i < gen.tokens.size(); ++i) EXPECT_EQ(gen.tokens[i], ref_toks[i]) << tname << " token " << i;
+    }
+}
+
+}  // namespace
+}  // namespace kvblend
