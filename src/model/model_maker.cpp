@@ -62,16 +62,6 @@ std::string join(const std::vector<std::string> & v) {
     return out;
 }
 
-// the string general.architecture holds for each arch (what libllama expects)
-const char * gguf_arch_name(model_arch arch) {
-    switch (arch) {
-        case MODEL_ARCH_LLAMA: return "llama";
-        case MODEL_ARCH_QWEN2: return "qwen2";
-        case MODEL_ARCH_QWEN3: return "qwen3";
-    }
-    return "llama";
-}
-
 // --- random numbers -----------------------------------------------------------
 
 uint64_t splitmix64(uint64_t & state) {
@@ -298,7 +288,7 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     // --- metadata ---
     gguf_context_ptr out(gguf_init_empty());
     gguf_context * g = out.get();
-    const std::string arch = gguf_arch_name(spec.arch);
+    const std::string arch = model_arch_name(spec.arch);
     auto key = [&](const char * suffix) { return arch + "." + suffix; };
     gguf_set_val_str(g, "general.architecture", arch.c_str());
     gguf_set_val_str(g, "general.name", params.name.c_str());
