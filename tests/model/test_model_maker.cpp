@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -128,6 +129,9 @@ struct made_case {
     const char * preset;
     ggml_type wtype;
 };
+
+// readable parameter in test listings (ctest names)
+void PrintTo(const made_case & c, std::ostream * os) { *os << c.preset << ":" << ggml_type_name(c.wtype); }
 
 class model_maker_file : public ::testing::TestWithParam<made_case> {};
 
