@@ -47,7 +47,9 @@ class engine {
     // their K/V into the cache and advance n_past. logits: all_logits ? every
     // token's row : only the last token's, each row n_vocab floats.
     // throws kvblend::error when the cache would overflow.
-    std::vector<float> eval(const std::vector<llama_token> & tokens, bool all_logits = false);
+    // pos_shift moves the positions (not the rows): row r holds position
+    // r + pos_shift, as when a chunk is collected at an offset in isolation.
+    std::vector<float> eval(const std::vector<llama_token> & tokens, bool all_logits = false, int64_t pos_shift = 0);
 
     // clear the cache, prefill the prompt, then sample up to n_predict tokens
     // (stops at end-of-generation). on_token, when set, sees each new piece and
@@ -60,6 +62,12 @@ class engine {
                                   const std::function<bool(const std::string &)> & on_token = {});
 
     void set_n_threads(int32_t n);
+
+    // low level, for paths built from graph/forward.h (blend): build a graph in
+    // a fresh no_alloc context, allocate it on this engine's scheduler, let
+    // set_inputs fill its inputs, then compute. throws kvblend::error.
+    using graph_builder = std::function<void(ggml_context *, ggml_cgraph *)>;
+    void run_graph(const graph_builder & build, const std::function<void()> & set_inputs);
 
   private:
     struct impl;

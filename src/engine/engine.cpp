@@ -55,7 +55,19 @@ void engine::set_n_threads(int32_t n) {
     ggml_backend_cpu_set_n_threads(impl_->cpu, n);
 }
 
-std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool all_logits) {
+void engine::run_graph(const graph_builder & build, const std::function<void()> & set_inputs) {
+    ggml_init_params ip = {impl_->meta_buf.size(), impl_->meta_buf.data(), true};
+    ggml_context_ptr ctx(ggml_init(ip));
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx.get(), graph::k_max_nodes, false);
+    build(ctx.get(), gf);
+    ggml_backend_sched_t sched = impl_->sched.get();
+    ggml_backend_sched_reset(sched);
+    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw error("cannot allocate the compute graph");
+    set_inputs();
+    if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
+}
+
+std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool all_logits, int64_t pos_shift) {
     const model & m = *model_;
     const model_hparams & hp = m.hparams();
     const int64_t n = (int64_t) tokens.size();
@@ -77,65 +89,59 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
         const bool last_ub = b0 + n_tok == n;
         const int64_t n_out = all_logits ? n_tok : (last_ub ? 1 : 0);
 
-        ggml_init_params ip = {impl_->meta_buf.size(), impl_->meta_buf.data(), true};
-        ggml_context_ptr ctx(ggml_init(ip));
-        ggml_context * c = ctx.get();
-        ggml_cgraph * gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
-
-        ggml_tensor * inp_tok = ggml_new_tensor_1d(c, GGML_TYPE_I32, n_tok);
-        graph::attn_inputs in;
-        in.pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, n_tok);
-        in.kv_idx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n_tok);
-        in.kq_mask = ggml_new_tensor_2d(c, GGML_TYPE_F16, n_kv, n_tok);
-        in.n_kv = n_kv;
-        ggml_tensor * out_rows = n_out > 0 && n_out < n_tok ? ggml_new_tensor_1d(c, GGML_TYPE_I32, n_out) : nullptr;
-        for (ggml_tensor * t : {inp_tok, in.pos, in.kv_idx, in.kq_mask}) ggml_set_input(t);
-        if (out_rows) ggml_set_input(out_rows);
-
-        ggml_tensor * x = ggml_get_rows(c, m.tok_embd, inp_tok);  // [n_embd, n_tok]
+        ggml_tensor * inp_tok = nullptr;
+        ggml_tensor * out_rows = nullptr;
         ggml_tensor * logits_t = nullptr;
-        for (int il = 0; il < hp.n_layer; ++il) {
-            const bool last = il == hp.n_layer - 1;
-            if (last && n_out == 0) {
-                // no logits wanted from this micro-batch: the last layer only writes its K/V
-                ggml_tensor * h = graph::build_norm(c, x, m.layers[il].attn_norm, hp.rms_eps);
-                const graph::qkv t = graph::build_qkv(c, m, il, h, in.pos);
-                const graph::kv_views kv = graph::build_kv_write(c, m, t, cache_->k(il), cache_->v(il), in);
-                ggml_build_forward_expand(gf, kv.k);
-                ggml_build_forward_expand(gf, kv.v);
-                break;
+        graph::attn_inputs in;
+        auto build = [&](ggml_context * c, ggml_cgraph * gf) {
+            inp_tok = ggml_new_tensor_1d(c, GGML_TYPE_I32, n_tok);
+            in.pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, n_tok);
+            in.kv_idx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n_tok);
+            in.kq_mask = ggml_new_tensor_2d(c, GGML_TYPE_F16, n_kv, n_tok);
+            in.n_kv = n_kv;
+            out_rows = n_out > 0 && n_out < n_tok ? ggml_new_tensor_1d(c, GGML_TYPE_I32, n_out) : nullptr;
+            for (ggml_tensor * t : {inp_tok, in.pos, in.kv_idx, in.kq_mask}) ggml_set_input(t);
+            if (out_rows) ggml_set_input(out_rows);
+
+            ggml_tensor * x = ggml_get_rows(c, m.tok_embd, inp_tok);  // [n_embd, n_tok]
+            for (int il = 0; il < hp.n_layer; ++il) {
+                const bool last = il == hp.n_layer - 1;
+                if (last && n_out == 0) {
+                    // no logits wanted from this micro-batch: the last layer only writes its K/V
+                    ggml_tensor * h = graph::build_norm(c, x, m.layers[il].attn_norm, hp.rms_eps);
+                    const graph::qkv t = graph::build_qkv(c, m, il, h, in.pos);
+                    const graph::kv_views kv = graph::build_kv_write(c, m, t, cache_->k(il), cache_->v(il), in);
+                    ggml_build_forward_expand(gf, kv.k);
+                    ggml_build_forward_expand(gf, kv.v);
+                    break;
+                }
+                x = graph::build_layer(c, gf, m, il, x, cache_->k(il), cache_->v(il), in, last ? out_rows : nullptr);
             }
-            x = graph::build_layer(c, gf, m, il, x, cache_->k(il), cache_->v(il), in, last ? out_rows : nullptr);
-        }
-        if (n_out > 0) {
-            logits_t = graph::build_logits(c, m, x);  // [n_vocab, n_out]
-            ggml_set_output(logits_t);
-            ggml_build_forward_expand(gf, logits_t);
-        }
-
-        ggml_backend_sched_t sched = impl_->sched.get();
-        ggml_backend_sched_reset(sched);
-        if (!ggml_backend_sched_alloc_graph(sched, gf)) throw error("cannot allocate the compute graph");
-
-        std::vector<int32_t> tok(tokens.begin() + b0, tokens.begin() + b0 + n_tok);
-        std::vector<int32_t> pos(n_tok);
-        std::vector<int64_t> idx(n_tok);
-        for (int64_t i = 0; i < n_tok; ++i) pos[i] = (int32_t) (n_past + i), idx[i] = n_past + i;
-        std::vector<int32_t> kpos(n_kv);
-        for (int64_t j = 0; j < n_kv; ++j) kpos[j] = (int32_t) j;
-        std::vector<ggml_fp16_t> mask(n_kv * n_tok);
-        graph::fill_causal_mask(mask.data(), kpos.data(), n_kv, pos.data(), n_tok);
-
-        ggml_backend_tensor_set(inp_tok, tok.data(), 0, ggml_nbytes(inp_tok));
-        ggml_backend_tensor_set(in.pos, pos.data(), 0, ggml_nbytes(in.pos));
-        ggml_backend_tensor_set(in.kv_idx, idx.data(), 0, ggml_nbytes(in.kv_idx));
-        ggml_backend_tensor_set(in.kq_mask, mask.data(), 0, ggml_nbytes(in.kq_mask));
-        if (out_rows) {
-            std::vector<int32_t> rows = {(int32_t) (n_tok - 1)};
-            ggml_backend_tensor_set(out_rows, rows.data(), 0, ggml_nbytes(out_rows));
-        }
-
-        if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
+            if (n_out > 0) {
+                logits_t = graph::build_logits(c, m, x);  // [n_vocab, n_out]
+                ggml_set_output(logits_t);
+                ggml_build_forward_expand(gf, logits_t);
+            }
+        };
+        auto set_inputs = [&] {
+            std::vector<int32_t> tok(tokens.begin() + b0, tokens.begin() + b0 + n_tok);
+            std::vector<int32_t> pos(n_tok);
+            std::vector<int64_t> idx(n_tok);
+            for (int64_t i = 0; i < n_tok; ++i) pos[i] = (int32_t) (n_past + i + pos_shift), idx[i] = n_past + i;
+            std::vector<int32_t> kpos(n_kv);
+            for (int64_t j = 0; j < n_kv; ++j) kpos[j] = (int32_t) (j + pos_shift);
+            std::vector<ggml_fp16_t> mask(n_kv * n_tok);
+            graph::fill_causal_mask(mask.data(), kpos.data(), n_kv, pos.data(), n_tok);
+            ggml_backend_tensor_set(inp_tok, tok.data(), 0, ggml_nbytes(inp_tok));
+            ggml_backend_tensor_set(in.pos, pos.data(), 0, ggml_nbytes(in.pos));
+            ggml_backend_tensor_set(in.kv_idx, idx.data(), 0, ggml_nbytes(in.kv_idx));
+            ggml_backend_tensor_set(in.kq_mask, mask.data(), 0, ggml_nbytes(in.kq_mask));
+            if (out_rows) {
+                const int32_t row = (int32_t) (n_tok - 1);
+                ggml_backend_tensor_set(out_rows, &row, 0, sizeof(row));
+            }
+        };
+        run_graph(build, set_inputs);
         cache_->set_n_past(n_kv);
 
         if (logits_t) {

@@ -8,30 +8,40 @@ ggml_tensor * build_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, f
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
 
-qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
+namespace {
+
+// q or k: projection, bias, per-head RMS norm (qwen3), RoPE at pos
+ggml_tensor * build_rotated(ggml_context * ctx, const model & m, ggml_tensor * w, ggml_tensor * b, ggml_tensor * norm,
+                            int64_t n_head, ggml_tensor * x, ggml_tensor * pos) {
+    const model_hparams & hp = m.hparams();
+    ggml_tensor * t = ggml_mul_mat(ctx, w, x);  // [head_dim * n_head, n_tok]
+    if (b) t = ggml_add(ctx, t, b);
+    t = ggml_reshape_3d(ctx, t, hp.head_dim, n_head, x->ne[1]);  // [head_dim, n_head, n_tok]
+    if (norm) t = build_norm(ctx, t, norm, hp.rms_eps);
+    // no yarn: ext_factor 0 makes beta_fast/beta_slow irrelevant
+    return ggml_rope_ext(ctx, t, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base,
+                         hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+}
+
+}  // namespace
+
+ggml_tensor * build_k(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
+    const model_layer & L = m.layers[il];
+    return build_rotated(ctx, m, L.wk, L.bk, L.k_norm, m.hparams().n_head_kv, x, pos);
+}
+
+ggml_tensor * build_v(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
     const model_hparams & hp = m.hparams();
     const model_layer & L = m.layers[il];
-    const int64_t n_tok = x->ne[1];
-
-    ggml_tensor * q = ggml_mul_mat(ctx, L.wq, x);  // [n_embd_q, n_tok]
-    ggml_tensor * k = ggml_mul_mat(ctx, L.wk, x);  // [n_embd_kv, n_tok]
     ggml_tensor * v = ggml_mul_mat(ctx, L.wv, x);  // [n_embd_kv, n_tok]
-    if (L.bq) q = ggml_add(ctx, q, L.bq);
-    if (L.bk) k = ggml_add(ctx, k, L.bk);
     if (L.bv) v = ggml_add(ctx, v, L.bv);
+    return ggml_reshape_3d(ctx, v, hp.head_dim, hp.n_head_kv, x->ne[1]);  // [head_dim, n_head_kv, n_tok]
+}
 
-    q = ggml_reshape_3d(ctx, q, hp.head_dim, hp.n_head, n_tok);     // [head_dim, n_head, n_tok]
-    k = ggml_reshape_3d(ctx, k, hp.head_dim, hp.n_head_kv, n_tok);  // [head_dim, n_head_kv, n_tok]
-    v = ggml_reshape_3d(ctx, v, hp.head_dim, hp.n_head_kv, n_tok);  // [head_dim, n_head_kv, n_tok]
-    if (L.q_norm) q = build_norm(ctx, q, L.q_norm, hp.rms_eps);
-    if (L.k_norm) k = build_norm(ctx, k, L.k_norm, hp.rms_eps);
-
-    // no yarn: ext_factor 0 makes beta_fast/beta_slow irrelevant
-    q = ggml_rope_ext(ctx, q, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base,
-                      hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
-    k = ggml_rope_ext(ctx, k, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base,
-                      hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
-    return {q, k, v};
+qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
+    const model_layer & L = m.layers[il];
+    ggml_tensor * q = build_rotated(ctx, m, L.wq, L.bq, L.q_norm, m.hparams().n_head, x, pos);
+    return {q, build_k(ctx, m, il, x, pos), build_v(ctx, m, il, x)};
 }
 
 kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, ggml_tensor * k_store,
@@ -39,19 +49,22 @@ kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, gg
     const model_hparams & hp = m.hparams();
     const int64_t n_tok = cur.k->ne[2];
     const int64_t n_embd_kv = hp.n_embd_kv();
+    // rows [0, n_kv) of a store, seen through src (the store or a write into it)
+    auto rows = [&](ggml_tensor * src, const ggml_tensor * store) {
+        return ggml_view_3d(ctx, src, hp.head_dim, hp.n_head_kv, in.n_kv, ggml_row_size(store->type, hp.head_dim),
+                            ggml_row_size(store->type, n_embd_kv), 0);  // [head_dim, n_head_kv, n_kv]
+    };
+    if (!in.kv_idx) return {rows(k_store, k_store), rows(v_store, v_store)};  // nothing to write
 
     ggml_tensor * k_rows = ggml_reshape_2d(ctx, cur.k, n_embd_kv, n_tok);  // [n_embd_kv, n_tok]
     ggml_tensor * v_rows = ggml_reshape_2d(ctx, cur.v, n_embd_kv, n_tok);  // [n_embd_kv, n_tok]
-    ggml_tensor * k_w = ggml_set_rows(ctx, k_store, k_rows, in.kv_idx);   // view of k_store
-    ggml_tensor * v_w = ggml_set_rows(ctx, v_store, v_rows, in.kv_idx);   // view of v_store
-
+    if (in.write_rows) {
+        k_rows = ggml_get_rows(ctx, k_rows, in.write_rows);  // [n_embd_kv, n_write]
+        v_rows = ggml_get_rows(ctx, v_rows, in.write_rows);  // [n_embd_kv, n_write]
+    }
     // viewing the set_rows results (not the stores) orders the reads after the writes
-    kv_views out;
-    out.k = ggml_view_3d(ctx, k_w, hp.head_dim, hp.n_head_kv, in.n_kv, ggml_row_size(k_store->type, hp.head_dim),
-                         ggml_row_size(k_store->type, n_embd_kv), 0);
-    out.v = ggml_view_3d(ctx, v_w, hp.head_dim, hp.n_head_kv, in.n_kv, ggml_row_size(v_store->type, hp.head_dim),
-                         ggml_row_size(v_store->type, n_embd_kv), 0);
-    return out;
+    return {rows(ggml_set_rows(ctx, k_store, k_rows, in.kv_idx), k_store),
+            rows(ggml_set_rows(ctx, v_store, v_rows, in.kv_idx), v_store)};
 }
 
 ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_tensor * q, const kv_views & kv,

@@ -23,9 +23,12 @@ struct qkv {
 // the attention inputs of one layer run
 struct attn_inputs {
     ggml_tensor * pos     = nullptr;  // I32 [n_tok] positions of the tokens
-    ggml_tensor * kv_idx  = nullptr;  // I64 [n_tok] store rows that receive the fresh K/V
+    ggml_tensor * kv_idx  = nullptr;  // I64 [n_tok] store rows that receive the fresh K/V (nullptr: no write)
     ggml_tensor * kq_mask = nullptr;  // F16 [n_kv, n_tok] 0 = visible, -inf = hidden
     int64_t       n_kv    = 0;        // attend over store rows [0, n_kv)
+    // optional I32 [n_write]: only these token rows write their fresh K/V (to
+    // kv_idx, which then has n_write entries); the others keep what the store holds
+    ggml_tensor * write_rows = nullptr;
 };
 
 // RMS norm times weight over ne[0]
@@ -33,6 +36,9 @@ ggml_tensor * build_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, f
 
 // x: F32 [n_embd, n_tok] (already normed) -> q, k, v of those tokens
 qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos);
+// the single projections, as build_qkv makes them (k, q post-RoPE)
+ggml_tensor * build_k(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos);
+ggml_tensor * build_v(ggml_context * ctx, const model & m, int il, ggml_tensor * x);
 
 // write k/v rows into the layer's store (F16/F32 [n_embd_kv, n_rows]) at
 // in.kv_idx and return views of the store rows [0, n_kv) that depend on the write

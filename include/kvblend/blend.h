@@ -1,0 +1,98 @@
+// kvblend: CacheBlend fusion. Each chunk of a prompt [c_0, c_1 … c_k, query] is
+// collected alone (its KV computed with only itself in view) and stored
+// position-independently; a blend places the chunks' KV at their offsets,
+// runs the first layers on every token, picks at the check layer the
+// document tokens whose V (or K) moved most, and recomputes only those (and
+// every query token) in the deeper layers. See DESIGN.md, "CacheBlend, precisely".
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvblend/engine.h"
+
+namespace kvblend {
+
+// one chunk's K and V for every layer. K rows are post-RoPE at positions
+// pos0, pos0 + 1, …: placing the chunk at offset s rotates them by s - pos0
+// (RoPE rotations compose). V rows do not depend on the position.
+struct chunk_kv {
+    std::vector<llama_token> tokens;
+    int64_t   pos0      = 0;  // position of the first token when collected
+    int64_t   n_layer   = 0;
+    int64_t   n_embd_kv = 0;  // values per row (head_dim * n_head_kv)
+    ggml_type type      = GGML_TYPE_F16;  // element type of the rows (the engine's cache type)
+    std::vector<std::vector<uint8_t>> k, v;  // [n_layer] of [n_embd_kv, n_tokens] rows
+
+    int64_t n_tokens() const { return (int64_t) tokens.size(); }
+    size_t  bytes() const;  // payload bytes of all layers
+};
+
+enum blend_score {
+    BLEND_SCORE_V,   // ||V_fresh - V_chunk||^2 (the paper's choice)
+    BLEND_SCORE_K,   // ||K_fresh - K_chunk||^2
+    BLEND_SCORE_KV,  // the sum of both
+};
+
+enum blend_method {
+    BLEND_METHOD_GRADUAL,  // only selected tokens run the layers from the check layer on
+    BLEND_METHOD_DENSE,    // every token runs every layer; non-selected keep their chunk K/V (reference)
+};
+
+struct blend_params {
+    float        recomp_ratio = 0.15f;  // share of document tokens refreshed, in [0, 1]
+    int          check_layer  = 1;      // layer whose deviation picks the tokens
+    blend_score  score        = BLEND_SCORE_V;
+    blend_method method       = BLEND_METHOD_GRADUAL;
+    // optional multi-step filtering: (layer, ratio) pairs with increasing
+    // layers and non-increasing ratios; when set it replaces check_layer and
+    // recomp_ratio (the first pair is the check layer)
+    std::vector<std::pair<int, float>> schedule;
+    int          recompute_chunk_head = 0;  // always refresh the first K tokens of each document (EPIC)
+};
+
+blend_params blend_default_params();
+
+struct blend_stats {
+    int64_t n_tokens     = 0;  // N, all positions
+    int64_t n_doc_tokens = 0;  // tokens of chunks 1 … k (chunk 0 is the prefix)
+    int64_t n_selected   = 0;  // tokens recomputed by the deepest layers (query included)
+    double  deep_frac    = 0;  // share of the N tokens that the deepest layers ran
+    double  place_ms     = 0;  // chunk KV placed at its offsets
+    double  early_ms     = 0;  // layers before the check layer, all tokens
+    double  check_ms     = 0;  // check layer(s): scoring and selection
+    double  deep_ms      = 0;  // the remaining layers on the selection, and the logits
+    double  total_ms     = 0;
+};
+
+struct blend_result {
+    std::vector<float>   logits;    // last token's, n_vocab
+    std::vector<int64_t> selected;  // positions refreshed by the deepest layers, ascending
+    blend_stats          stats;
+};
+
+// prefill tokens alone at positions pos0 … in the engine's cache (which it
+// clears) and keep every layer's K/V. with a prefix, the prefix runs first
+// and the chunk sees it (collect_with_prefix); the chunk then starts at
+// position prefix.n_tokens() and only its own rows are kept.
+chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t pos0 = 0);
+chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens);
+
+// write chunks' K/V for layers [layer0, n_layer) into the engine's cache rows
+// at consecutive offsets starting at 0; returns the total number of tokens.
+int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int layer0 = 0);
+
+// fuse: chunks[0] is the prefix c_0, the rest are documents, then the query.
+// leaves a decode-ready cache of N positions (n_past = N). chunks are not
+// modified: the same chunk KVs serve any number of blends.
+blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks, const std::vector<llama_token> & query,
+                   const blend_params & params);
+
+// blend, then decode n_predict tokens after position N with the ordinary path
+generate_result blend_generate(engine & eng, const std::vector<const chunk_kv *> & chunks,
+                               const std::vector<llama_token> & query, const blend_params & params, int32_t n_predict,
+                               const sampler_params & sp, blend_result * out = nullptr);
+
+}  // namespace kvblend
