@@ -26,7 +26,8 @@ class vocab {
     // parse_special: turn "<|im_start|>"-style text into special tokens.
     std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special = false) const;
     std::string token_to_piece(llama_token tok) const;
-    std::string detokenize(const std::vector<llama_token> & toks) const;
+    // special: write special tokens as their text ("<|im_end|>") instead of dropping them
+    std::string detokenize(const std::vector<llama_token> & toks, bool special = false) const;
 
     int32_t n_tokens() const;
     llama_token bos() const;

@@ -72,7 +72,7 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
     kv_cache & cache = eng.cache();
     int64_t n = 0;
     for (const chunk_kv * c : chunks) {
-        if (!c || c->n_tokens() == 0) throw error("cannot place an empty chunk");
+        if (!c) throw error("null chunk");
         if (c->n_layer != hp.n_layer || c->n_embd_kv != hp.n_embd_kv())
             throw error("chunk KV shape (" + std::to_string(c->n_layer) + " layers x " + std::to_string(c->n_embd_kv) +
                         ") does not match the model (" + std::to_string(hp.n_layer) + " x " +
@@ -301,12 +301,19 @@ class fuser {
 
 }  // namespace
 
-blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks, const std::vector<llama_token> & query,
-                   const blend_params & params) {
+blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in,
+                   const std::vector<llama_token> & query, const blend_params & params) {
+    // an empty prefix leaves the first document at position 0, where its
+    // chunk KV is exact: it takes the prefix's role
+    std::vector<const chunk_kv *> chunks;
+    for (const chunk_kv * c : chunks_in) {
+        if (!c) throw error("null chunk");
+        if (c->n_tokens() > 0) chunks.push_back(c);
+    }
     const model & m = eng.mdl();
     const model_hparams & hp = m.hparams();
     const double t_start = time_ms();
-    if (chunks.empty()) throw error("blend needs at least one chunk (the prefix)");
+    if (chunks.empty()) throw error("blend needs at least one non-empty chunk");
     if (query.empty()) throw error("blend needs a non-empty query");
 
     std::vector<std::pair<int, float>> steps = params.schedule;
@@ -325,7 +332,6 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks, c
     std::vector<llama_token> tokens;
     std::vector<int64_t> chunk_start;
     for (const chunk_kv * c : chunks) {
-        if (!c) throw error("null chunk");
         chunk_start.push_back((int64_t) tokens.size());
         tokens.insert(tokens.end(), c->tokens.begin(), c->tokens.end());
     }

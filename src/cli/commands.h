@@ -6,5 +6,6 @@ namespace kvblend::cli {
 int cmd_generate(int argc, char ** argv);
 int cmd_make_model(int argc, char ** argv);
 int cmd_bench(int argc, char ** argv);
+int cmd_blend(int argc, char ** argv);
 
 }  // namespace kvblend::cli

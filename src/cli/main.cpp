@@ -16,8 +16,9 @@ struct command {
 
 const command k_commands[] = {
     {"generate", kvblend::cli::cmd_generate, "prefill a prompt with our forward and print the continuation"},
+    {"blend", kvblend::cli::cmd_blend, "answer a question over documents with CacheBlend prefill"},
     {"make-model", kvblend::cli::cmd_make_model, "write a synthetic GGUF of a real shape (random weights, real vocab)"},
-    {"bench", kvblend::cli::cmd_bench, "benchmarks: prefill (ours vs libllama)"},
+    {"bench", kvblend::cli::cmd_bench, "benchmarks: prefill (ours vs libllama), blend"},
 };
 
 void usage(FILE * out) {

@@ -40,12 +40,12 @@ std::string vocab::token_to_piece(llama_token tok) const {
     return n >= 0 ? big.substr(0, n) : std::string();
 }
 
-std::string vocab::detokenize(const std::vector<llama_token> & toks) const {
+std::string vocab::detokenize(const std::vector<llama_token> & toks, bool special) const {
     std::string out(toks.size() * 8 + 16, '\0');
-    int32_t n = llama_detokenize(vocab_, toks.data(), (int32_t) toks.size(), out.data(), (int32_t) out.size(), false, false);
+    int32_t n = llama_detokenize(vocab_, toks.data(), (int32_t) toks.size(), out.data(), (int32_t) out.size(), false, special);
     if (n < 0) {
         out.resize(-n);
-        n = llama_detokenize(vocab_, toks.data(), (int32_t) toks.size(), out.data(), (int32_t) out.size(), false, false);
+        n = llama_detokenize(vocab_, toks.data(), (int32_t) toks.size(), out.data(), (int32_t) out.size(), false, special);
     }
     out.resize(n < 0 ? 0 : n);
     return out;

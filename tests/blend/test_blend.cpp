@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "blend/fidelity.h"
 #include "kvblend/blend.h"
 #include "kvblend/vocab.h"
 #include "test_util.h"
@@ -58,22 +59,6 @@ double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
         mx = std::max(mx, (double) std::fabs(b[i]));
     }
     return mx > 0 ? d / mx : d;
-}
-
-// KL(p || q) of the softmax distributions of two logit rows
-double kl(const std::vector<float> & lp, const std::vector<float> & lq) {
-    auto logsoftmax = [](const std::vector<float> & l) {
-        const double mx = *std::max_element(l.begin(), l.end());
-        double s = 0;
-        for (float x : l) s += std::exp(x - mx);
-        std::vector<double> out(l.size());
-        for (size_t i = 0; i < l.size(); ++i) out[i] = l[i] - mx - std::log(s);
-        return out;
-    };
-    const auto a = logsoftmax(lp), b = logsoftmax(lq);
-    double k = 0;
-    for (size_t i = 0; i < a.size(); ++i) k += std::exp(a[i]) * (a[i] - b[i]);
-    return k;
 }
 
 engine_params f32_params(int64_t n_ctx = 512) {
@@ -248,7 +233,8 @@ TEST(blend, kl_to_full_prefill_falls_as_the_ratio_grows) {
         for (size_t r = 0; r < ratios.size(); ++r) {
             blend_params bp;
             bp.recomp_ratio = ratios[r];
-            mean_kl[r] += kl(full, blend(e, ptrs, p.query, bp).logits) / n_prompts;
+            const std::vector<float> fused = blend(e, ptrs, p.query, bp).logits;
+            mean_kl[r] += kl_divergence(full.data(), fused.data(), (int64_t) full.size()) / n_prompts;
         }
     }
     for (size_t r = 0; r < ratios.size(); ++r) std::printf("ratio %.2f: mean KL %.6f\n", ratios[r], mean_kl[r]);

@@ -7,43 +7,23 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "cli_run.h"
 #include "test_util.h"
 
 namespace kvblend {
 namespace {
 
-struct run_result {
-    int status = -1;  // exit status; 128 + signal when killed
-    std::string out;  // stdout
-    std::string err;  // stderr
-};
-
-run_result run_cli(const std::string & args) {
-    test::temp_dir dir("cli");
-    const std::string cmd = std::string(KVBLEND_CLI) + " " + args + " > " + dir.file("out") + " 2> " + dir.file("err");
-    const int rc = std::system(cmd.c_str());
-    run_result r;
-    r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + WTERMSIG(rc);
-    auto slurp = [](const std::string & p) {
-        std::ifstream f(p, std::ios::binary);
-        return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    };
-    r.out = slurp(dir.file("out"));
-    r.err = slurp(dir.file("err"));
-    return r;
-}
-
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
 TEST(cli_generate, prints_the_known_continuation) {
-    const run_result r = run_cli("generate -m " + k_stories + " -p 'Once upon a time' -n 20");
+    const test::run_result r = test::run_cli("generate -m " + k_stories + " -p 'Once upon a time' -n 20");
     ASSERT_EQ(r.status, 0) << r.err;
     // libllama's greedy continuation of this prompt on this model (shared/models/README.md)
     EXPECT_EQ(r.out.rfind(", there was a little girl named Lily. She loved to play", 0), 0u) << r.out;
 }
 
 TEST(cli_generate, json_has_the_documented_fields) {
-    const run_result r = run_cli("generate -m " + k_stories + " -p 'Once upon a time' -n 12 --json");
+    const test::run_result r = test::run_cli("generate -m " + k_stories + " -p 'Once upon a time' -n 12 --json");
     ASSERT_EQ(r.status, 0) << r.err;
     const nlohmann::json j = nlohmann::json::parse(r.out);
     for (const char * k : {"text", "n_prompt", "n_gen", "prefill_ms", "decode_ms"}) EXPECT_TRUE(j.contains(k)) << k;
@@ -55,15 +35,15 @@ TEST(cli_generate, json_has_the_documented_fields) {
 
 TEST(cli_generate, seeded_sampling_is_reproducible) {
     const std::string args = "generate -m " + k_stories + " -p 'Once upon a time' -n 24 --temp 0.9 --seed 11 --json";
-    const run_result a = run_cli(args), b = run_cli(args);
+    const test::run_result a = test::run_cli(args), b = test::run_cli(args);
     ASSERT_EQ(a.status, 0) << a.err;
     EXPECT_EQ(nlohmann::json::parse(a.out)["text"], nlohmann::json::parse(b.out)["text"]);
 }
 
 TEST(cli_generate, chat_template_wraps_the_prompt) {
     const std::string path = test::make_test_model("tiny-qwen3");  // carries qwen2's chat template
-    const run_result plain = run_cli("generate -m " + path + " -p hi -n 4 --json");
-    const run_result chat = run_cli("generate -m " + path + " -p hi -n 4 --chat --system 'be brief' --json");
+    const test::run_result plain = test::run_cli("generate -m " + path + " -p hi -n 4 --json");
+    const test::run_result chat = test::run_cli("generate -m " + path + " -p hi -n 4 --chat --system 'be brief' --json");
     ASSERT_EQ(plain.status, 0) << plain.err;
     ASSERT_EQ(chat.status, 0) << chat.err;
     // system turn, user turn and the opened assistant turn add their markers
@@ -90,7 +70,7 @@ TEST(cli_generate, bad_input_is_one_error_line) {
         {"frobnicate", "unknown command"},
     };
     for (const auto & c : cases) {
-        const run_result r = run_cli(c.args);
+        const test::run_result r = test::run_cli(c.args);
         EXPECT_TRUE(r.status == 1 || r.status == 2) << c.args << " -> status " << r.status;
         EXPECT_NE(r.err.find("error: "), std::string::npos) << c.args << " -> " << r.err;
         EXPECT_NE(r.err.find(c.expect), std::string::npos) << c.args << " -> " << r.err;

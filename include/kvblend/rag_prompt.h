@@ -1,0 +1,28 @@
+// kvblend: lay out a RAG prompt [prefix, doc_0 … doc_k, query] as token
+// chunks, each document its own chunk, with or without the model's chat template.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kvblend/vocab.h"
+
+namespace kvblend {
+
+struct rag_prompt {
+    // chunks[0] is the prefix (BOS, system turn, the user turn's opening);
+    // empty when there is nothing before the first document
+    std::vector<std::vector<llama_token>> chunks;
+    std::vector<llama_token> query;  // the question and, with chat, the turn ends and the assistant opening
+
+    std::vector<llama_token> all() const;  // every token in prompt order
+};
+
+// chat: render the model's chat template with a system message and one user
+// message holding the documents (separated by blank lines) and the question,
+// then cut it at the documents' boundaries. without chat: prefix = BOS (when
+// the tokenizer adds one) + system text, documents and question as plain text.
+rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const std::vector<std::string> & docs,
+                            const std::string & question, bool chat);
+
+}  // namespace kvblend

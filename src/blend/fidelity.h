@@ -1,0 +1,21 @@
+// fidelity metrics: how close an approximate prefill is to the full one
+// (DESIGN.md, "Fidelity metrics").
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "llama.h"
+
+namespace kvblend {
+
+// KL(p || q) of the softmax distributions of two logit rows, in nats
+double kl_divergence(const float * logits_p, const float * logits_q, int64_t n);
+
+// the same argmax
+bool top1_agree(const float * logits_p, const float * logits_q, int64_t n);
+
+// share of positions where two greedy continuations agree, over the longer one
+double greedy_agreement(const std::vector<llama_token> & a, const std::vector<llama_token> & b);
+
+}  // namespace kvblend

@@ -1,0 +1,52 @@
+#include "kvblend/rag_prompt.h"
+
+#include "kvblend/common.h"
+
+namespace kvblend {
+
+std::vector<llama_token> rag_prompt::all() const {
+    std::vector<llama_token> t;
+    for (const auto & c : chunks) t.insert(t.end(), c.begin(), c.end());
+    t.insert(t.end(), query.begin(), query.end());
+    return t;
+}
+
+rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const std::vector<std::string> & docs,
+                            const std::string & question, bool chat) {
+    rag_prompt p;
+    if (!chat) {
+        p.chunks.push_back(v.tokenize(system, true));
+        for (const auto & d : docs) p.chunks.push_back(v.tokenize(d + "\n\n", false));
+        p.query = v.tokenize(question, false);
+        return p;
+    }
+    // render once with markers where the documents go, then cut there: the
+    // template's own text is tokenized with special tokens, documents without
+    const std::string mark = "\x1e@kvblend-doc@\x1e";
+    std::string user;
+    for (size_t i = 0; i < docs.size(); ++i) user += mark;
+    user += question;
+    std::vector<chat_message> msgs;
+    if (!system.empty()) msgs.push_back({"system", system});
+    msgs.push_back({"user", user});
+    const std::string rendered = v.apply_chat_template(msgs, true);
+
+    if (docs.empty()) {
+        p.chunks.push_back(v.tokenize("", true));  // BOS when the tokenizer adds one
+        p.query = v.tokenize(rendered, false, true);
+        return p;
+    }
+    const size_t at = rendered.find(mark);
+    if (at == std::string::npos) throw error("the chat template dropped the documents");
+    p.chunks.push_back(v.tokenize(rendered.substr(0, at), true, true));
+    std::string tail = rendered.substr(at);
+    for (const auto & d : docs) {
+        if (tail.compare(0, mark.size(), mark) != 0) throw error("the chat template reordered the documents");
+        tail = tail.substr(mark.size());
+        p.chunks.push_back(v.tokenize(d + "\n\n", false, false));
+    }
+    p.query = v.tokenize(tail, false, true);
+    return p;
+}
+
+}  // namespace kvblend

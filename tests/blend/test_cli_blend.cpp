@@ -1,0 +1,98 @@
+// kvblend blend from the command line, and the RAG prompt layout it uses.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "cli_run.h"
+#include "kvblend/model.h"
+#include "kvblend/rag_prompt.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+
+struct doc_files {
+    test::temp_dir dir{"docs"};
+    std::vector<std::string> paths;
+    doc_files() {
+        const char * texts[] = {
+            "Tom had a red ball. He liked to throw it high in the sky. One day the ball went over the fence.",
+            "Sue found a little cat in the garden. The cat was hungry, so Sue gave it some milk.",
+            "Lily had a big box of crayons. She drew a house, a tree and a dog for her dad.",
+        };
+        for (int i = 0; i < 3; ++i) {
+            paths.push_back(dir.file("doc" + std::to_string(i) + ".txt"));
+            std::ofstream(paths.back()) << texts[i];
+        }
+    }
+    std::string args() const {
+        std::string a;
+        for (const auto & p : paths) a += " --doc " + p;
+        return a;
+    }
+};
+
+TEST(cli_blend, compare_full_reports_fidelity_and_speed) {
+    doc_files docs;
+    const test::run_result r = test::run_cli("blend -m " + k_stories + " --system 'Some stories.'" + docs.args() +
+                                             " --query 'Once upon a time, Tom and Sue' -n 8 --compare-full --json");
+    ASSERT_EQ(r.status, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    for (const char * k : {"text", "n_tokens", "n_selected", "kl", "top1_agree", "greedy_agree_32", "full_ms", "blend_ms",
+                           "speedup", "collect_ms"})
+        EXPECT_TRUE(j.contains(k)) << k;
+    EXPECT_GT(j["n_tokens"].get<int>(), j["n_selected"].get<int>());
+    EXPECT_GE(j["kl"].get<double>(), 0.0);
+    EXPECT_LE(j["greedy_agree_32"].get<double>(), 1.0);
+
+    // ratio 1 recomputes every document token: the fused prefill is the full one
+    const test::run_result r1 = test::run_cli("blend -m " + k_stories + " --system 'Some stories.'" + docs.args() +
+                                              " --query 'Once upon a time' -n 4 --recomp-ratio 1 --compare-full --json");
+    ASSERT_EQ(r1.status, 0) << r1.err;
+    const auto j1 = nlohmann::json::parse(r1.out);
+    EXPECT_LE(j1["kl"].get<double>(), 1e-4);
+    EXPECT_TRUE(j1["top1_agree"].get<bool>());
+    EXPECT_DOUBLE_EQ(j1["greedy_agree_32"].get<double>(), 1.0);
+}
+
+TEST(cli_blend, bad_flags_are_errors) {
+    doc_files docs;
+    const std::vector<std::pair<std::string, std::string>> cases = {
+        {"blend -m " + k_stories + docs.args() + " --query q --recomp-ratio 2", "--recomp-ratio expects a number in [0, 1]"},
+        {"blend -m " + k_stories + docs.args() + " --query q --check-layer 9", "--check-layer must be below"},
+        {"blend -m " + k_stories + docs.args() + " --query q --method fast", "--method must be gradual or dense"},
+        {"blend -m " + k_stories + docs.args() + " --query q --score z", "--score must be v, k or kv"},
+        {"blend -m " + k_stories + docs.args(), "missing --query"},
+        {"blend -m " + k_stories + " --doc /nonexistent.txt --query q", "cannot open '/nonexistent.txt'"},
+    };
+    for (const auto & [args, expect] : cases) {
+        const test::run_result r = test::run_cli(args);
+        EXPECT_EQ(r.status, 1) << args;
+        EXPECT_NE(r.err.find(expect), std::string::npos) << args << " -> " << r.err;
+    }
+}
+
+TEST(rag_prompt, chat_layout_keeps_documents_as_their_own_chunks) {
+    auto m = model::load(test::make_test_model("tiny-qwen3"));  // qwen2 vocab with its chat template
+    const vocab & v = m->tokens();
+    const std::vector<std::string> docs = {"First document.", "Second document."};
+    const rag_prompt p = rag_prompt_build(v, "You answer briefly.", docs, "What is in them?", true);
+    ASSERT_EQ(p.chunks.size(), 3u);
+    EXPECT_EQ(v.detokenize(p.chunks[1]), "First document.\n\n");
+    EXPECT_EQ(v.detokenize(p.chunks[2]), "Second document.\n\n");
+    // the pieces in order render exactly the chat template's text
+    const std::string rendered =
+        v.apply_chat_template({{"system", "You answer briefly."}, {"user", "First document.\n\nSecond document.\n\nWhat is in them?"}},
+                              true);
+    std::string joined;
+    for (const auto & c : p.chunks) joined += v.detokenize(c, true);
+    joined += v.detokenize(p.query, true);
+    EXPECT_EQ(joined, rendered);
+    EXPECT_NE(v.detokenize(p.chunks[0]).find("You answer briefly."), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvblend
