@@ -69,13 +69,8 @@ class args {
 
     // comma-separated integers, each in [lo, hi]
     std::vector<int64_t> integers(int64_t lo, int64_t hi) {
-        const std::string s = str();
         std::vector<int64_t> out;
-        size_t start = 0;
-        while (start <= s.size()) {
-            size_t end = s.find(',', start);
-            if (end == std::string::npos) end = s.size();
-            const std::string part = s.substr(start, end - start);
+        for (const std::string & part : list("integers in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]")) {
             size_t n = 0;
             long long v = 0;
             try {
@@ -83,11 +78,25 @@ class args {
             } catch (...) {
                 n = 0;
             }
-            if (part.empty() || n != part.size() || v < lo || v > hi)
-                throw error(flag_ + " expects comma-separated integers in [" + std::to_string(lo) + ", " +
-                            std::to_string(hi) + "], got '" + s + "'");
+            if (part.empty() || n != part.size() || v < lo || v > hi) bad_list();
             out.push_back(v);
-            start = end + 1;
+        }
+        return out;
+    }
+
+    // comma-separated numbers, each in [lo, hi]
+    std::vector<double> reals(double lo, double hi) {
+        std::vector<double> out;
+        for (const std::string & part : list("numbers in [" + fmt(lo) + ", " + fmt(hi) + "]")) {
+            size_t n = 0;
+            double v = 0;
+            try {
+                v = std::stod(part, &n);
+            } catch (...) {
+                n = 0;
+            }
+            if (part.empty() || n != part.size() || !(v >= lo && v <= hi)) bad_list();
+            out.push_back(v);
         }
         return out;
     }
@@ -95,6 +104,25 @@ class args {
     [[noreturn]] void unknown() const { throw error("unknown argument '" + items_[pos_] + "' (see --help)"); }
 
   private:
+    // the next value split at commas; remembers what a bad list gets told
+    std::vector<std::string> list(const std::string & what) {
+        list_value_ = str();
+        list_what_ = what;
+        std::vector<std::string> parts;
+        size_t start = 0;
+        while (start <= list_value_.size()) {
+            size_t end = list_value_.find(',', start);
+            if (end == std::string::npos) end = list_value_.size();
+            parts.push_back(list_value_.substr(start, end - start));
+            start = end + 1;
+        }
+        return parts;
+    }
+
+    [[noreturn]] void bad_list() const {
+        throw error(flag_ + " expects comma-separated " + list_what_ + ", got '" + list_value_ + "'");
+    }
+
     static std::string fmt(double v) {
         std::string s = std::to_string(v);
         s.erase(s.find_last_not_of('0') + 1);
@@ -105,6 +133,7 @@ class args {
     std::vector<std::string> items_;
     size_t pos_ = 0;
     std::string flag_;
+    std::string list_value_, list_what_;
 };
 
 }  // namespace kvblend::cli

@@ -16,7 +16,9 @@ namespace kvblend::cli {
 
 namespace {
 
-const char * k_help = R"(usage: kvblend bench prefill -m MODEL [options]
+const char * k_help = R"(usage: kvblend bench prefill|blend -m MODEL [options]   (kvblend bench blend --help)
+
+kvblend bench prefill -m MODEL [options]
 
 Full prefill and decode speed of our forward next to libllama's on the same
 model, same threads, same KV type, in the same run.
@@ -183,7 +185,8 @@ int cmd_bench(int argc, char ** argv) {
     const std::string what = argv[1];
     args a(argc, argv, 2);
     if (what == "prefill") return bench_prefill(a);
-    throw error("unknown benchmark '" + what + "' (available: prefill)");
+    if (what == "blend") return bench_blend(a);
+    throw error("unknown benchmark '" + what + "' (available: prefill, blend)");
 }
 
 }  // namespace kvblend::cli

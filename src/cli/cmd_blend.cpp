@@ -39,19 +39,6 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   -v, --verbose           show ggml's and libllama's logs
 )";
 
-blend_score parse_score(const std::string & s) {
-    if (s == "v") return BLEND_SCORE_V;
-    if (s == "k") return BLEND_SCORE_K;
-    if (s == "kv") return BLEND_SCORE_KV;
-    throw error("--score must be v, k or kv, got '" + s + "'");
-}
-
-blend_method parse_method(const std::string & s) {
-    if (s == "gradual") return BLEND_METHOD_GRADUAL;
-    if (s == "dense") return BLEND_METHOD_DENSE;
-    throw error("--method must be gradual or dense, got '" + s + "'");
-}
-
 }  // namespace
 
 int cmd_blend(int argc, char ** argv) {
@@ -74,8 +61,8 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--query"})) query = a.str(), have_query = true;
         else if (a.match({"--recomp-ratio"})) bp.recomp_ratio = (float) a.real(0.0, 1.0);
         else if (a.match({"--check-layer"})) bp.check_layer = (int) a.integer(0, 4096);
-        else if (a.match({"--score"})) bp.score = parse_score(a.str());
-        else if (a.match({"--method"})) bp.method = parse_method(a.str());
+        else if (a.match({"--score"})) bp.score = parse_blend_score(a.str());
+        else if (a.match({"--method"})) bp.method = parse_blend_method(a.str());
         else if (a.match({"--chunk-head"})) bp.recompute_chunk_head = (int) a.integer(0, 1 << 20);
         else if (a.match({"--collect-with-prefix"})) with_prefix = true;
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);

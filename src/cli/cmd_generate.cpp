@@ -42,6 +42,19 @@ ggml_type parse_cache_type(const std::string & s) {
     throw error("--cache-type must be f16 or f32, got '" + s + "'");
 }
 
+blend_score parse_blend_score(const std::string & s) {
+    if (s == "v") return BLEND_SCORE_V;
+    if (s == "k") return BLEND_SCORE_K;
+    if (s == "kv") return BLEND_SCORE_KV;
+    throw error("--score must be v, k or kv, got '" + s + "'");
+}
+
+blend_method parse_blend_method(const std::string & s) {
+    if (s == "gradual") return BLEND_METHOD_GRADUAL;
+    if (s == "dense") return BLEND_METHOD_DENSE;
+    throw error("--method must be gradual or dense, got '" + s + "'");
+}
+
 std::string read_text_file(const std::string & path) {
     FILE * f = std::fopen(path.c_str(), "rb");
     if (!f) throw error("cannot open '" + path + "'");

@@ -1,0 +1,350 @@
+// kvblend bench blend: time to first token of a fused prefill next to full
+// prefills (ours and libllama's, same run), and the fidelity table over ratios.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+
+#include "blend/fidelity.h"
+#include "cli/args.h"
+#include "cli/cli_util.h"
+#include "cli/commands.h"
+#include "kvblend/blend.h"
+#include "kvblend/rag_prompt.h"
+#include "ref/llama_ref.h"
+
+namespace kvblend::cli {
+
+namespace {
+
+const char * k_help = R"(usage: kvblend bench blend -m MODEL [options]
+
+Speed (default): per context length, chunks are collected beforehand, then a
+full prefill (ours and libllama's) and a blend of the same tokens are timed.
+
+  --context LIST        prompt lengths (default 1024,2048,4096)
+  --ratio R             recompute ratio (default 0.15)
+  --chunk N             document chunk size in tokens (default 512)
+  --check-layer L       check layer (default 1)
+  -r, --reps N          repetitions, the median is kept (default 1)
+  --peer none|llama     time libllama's full prefill too (default llama)
+
+Fidelity (--ratios): mean KL to the full prefill, top-1 and greedy agreement
+over --prompts multi-document prompts (built-in short stories: use a model
+trained on such text, e.g. stories260K), plus rows for the recompute-chunk-head
+and collect-with-prefix variants.
+
+  --ratios LIST         ratios, e.g. 0,0.15,0.3,1
+  --prompts N           number of prompts (default 24)
+  --docs N              documents per prompt (default 4)
+  --score v|k|kv        deviation used for the selection (default v)
+
+Both:
+  -t, --threads N       CPU threads (default 2)
+  --json FILE           write the results as JSON
+  --plot FILE.png       plot them with gnuplot (speedup vs context, or KL vs ratio)
+)";
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+void write_json(const std::string & path, const nlohmann::json & j) {
+    if (path.empty()) return;
+    std::ofstream f(path);
+    if (!f) throw error("cannot write '" + path + "'");
+    f << j.dump(2) << "\n";
+}
+
+// gnuplot from Debian (gnuplot-nox) draws the PNG; data goes through a temp file
+void plot(const std::string & png, const std::string & data, const std::string & script) {
+    if (png.empty()) return;
+    const std::string dat = png + ".dat", gp = png + ".gp";
+    std::ofstream(dat) << data;
+    std::ofstream(gp) << "set terminal pngcairo size 900,540 font ',11'\nset output '" << png << "'\nset grid\n"
+                      << script;
+    const int rc = std::system(("gnuplot '" + gp + "' 2>&1").c_str());
+    std::remove(gp.c_str());
+    std::remove(dat.c_str());
+    if (rc != 0) throw error("gnuplot failed (install gnuplot-nox, or drop --plot)");
+}
+
+int bench_speed(const std::string & model_path, const std::vector<int64_t> & contexts, float ratio, int64_t chunk,
+                int check_layer, int64_t reps, bool peer, int32_t threads, const std::string & json_path,
+                const std::string & png) {
+    auto m = model::load(model_path);
+    const model_hparams & hp = m->hparams();
+    const int64_t n_max = *std::max_element(contexts.begin(), contexts.end());
+    if (n_max > hp.n_ctx_train) throw error("--context exceeds the model's context of " + std::to_string(hp.n_ctx_train));
+    engine_params ep = engine_default_params();
+    ep.n_threads = threads;
+    ep.n_ctx = n_max;
+    engine eng(m, ep);
+    std::unique_ptr<ref::llama_ref> lr;
+    if (peer) {
+        ref::llama_ref_params rp;
+        rp.n_threads = threads;
+        rp.n_ctx = n_max;
+        rp.n_batch = n_max;
+        lr = std::make_unique<ref::llama_ref>(model_path, rp);
+    }
+    std::mt19937 rng(99);
+    std::uniform_int_distribution<int> tok(0, (int) hp.n_vocab - 1);
+    auto random_tokens = [&](int64_t n) {
+        std::vector<llama_token> t(n);
+        for (auto & x : t) x = tok(rng);
+        return t;
+    };
+    blend_params bp = blend_default_params();
+    bp.recomp_ratio = ratio;
+    bp.check_layer = check_layer;
+
+    nlohmann::json rows = nlohmann::json::array();
+    std::string dat;
+    for (int64_t N : contexts) {
+        // [prefix 32 | documents of `chunk` tokens | query 32]
+        const int64_t n_prefix = 32, n_query = 32;
+        if (N < n_prefix + n_query + 1) throw error("--context values must be at least 65");
+        std::vector<std::vector<llama_token>> parts = {random_tokens(n_prefix)};
+        for (int64_t left = N - n_prefix - n_query; left > 0; left -= chunk) parts.push_back(random_tokens(std::min(chunk, left)));
+        const std::vector<llama_token> query = random_tokens(n_query);
+        std::vector<llama_token> all;
+        for (const auto & p : parts) all.insert(all.end(), p.begin(), p.end());
+        all.insert(all.end(), query.begin(), query.end());
+
+        std::vector<chunk_kv> kv;
+        for (const auto & p : parts) kv.push_back(collect(eng, p));
+        std::vector<const chunk_kv *> ptrs;
+        for (const auto & c : kv) ptrs.push_back(&c);
+
+        std::vector<double> t_full, t_ref, t_blend, t_sel;
+        std::vector<float> full, fused;
+        blend_result br;
+        for (int64_t r = 0; r < reps; ++r) {
+            eng.cache().clear();
+            double t0 = time_ms();
+            full = eng.eval(all);
+            t_full.push_back(time_ms() - t0);
+            if (lr) {
+                lr->clear();
+                t0 = time_ms();
+                lr->eval(all, false);
+                t_ref.push_back(time_ms() - t0);
+            }
+            br = blend(eng, ptrs, query, bp);
+            t_blend.push_back(br.stats.total_ms);
+            // the deep layers' own cost: n_selected tokens appended at depth N - n_selected
+            eng.cache().set_n_past(N - br.stats.n_selected);
+            t0 = time_ms();
+            eng.eval(std::vector<llama_token>(all.end() - br.stats.n_selected, all.end()));
+            t_sel.push_back(time_ms() - t0);
+        }
+        fused = br.logits;
+        const double full_ms = median(t_full), blend_ms = median(t_blend), sel_ms = median(t_sel);
+        const double L = (double) hp.n_layer, early = (double) (check_layer + 1);
+        // DESIGN.md's matmul-only cost model with the measured deep share
+        const double ideal = 1.0 / (early / L + (1.0 - early / L) * br.stats.deep_frac);
+        // the same model with measured times: early layers cost their share of a
+        // full prefill, deep layers cost the selected tokens at their depth
+        const double bound = full_ms / (full_ms * early / L + sel_ms * (L - early) / L);
+        nlohmann::json row = {{"n_tokens", N},
+                              {"full_ms", full_ms},
+                              {"blend_ms", blend_ms},
+                              {"speedup_vs_ours", full_ms / blend_ms},
+                              {"ideal_speedup", ideal},
+                              {"bound_speedup", bound},
+                              {"share_of_bound", (full_ms / blend_ms) / bound},
+                              {"deep_token_pct", 100.0 * br.stats.deep_frac},
+                              {"n_selected", br.stats.n_selected},
+                              {"place_ms", br.stats.place_ms},
+                              {"early_ms", br.stats.early_ms},
+                              {"check_ms", br.stats.check_ms},
+                              {"deep_ms", br.stats.deep_ms},
+                              {"kl", kl_divergence(full.data(), fused.data(), hp.n_vocab)}};
+        if (lr) {
+            row["llama_full_ms"] = median(t_ref);
+            row["speedup_vs_llama"] = median(t_ref) / blend_ms;
+        }
+        rows.push_back(row);
+        dat += std::to_string(N) + " " + std::to_string(full_ms / blend_ms) + " " +
+               std::to_string(lr ? median(t_ref) / blend_ms : 0.0) + " " + std::to_string(ideal) + " " +
+               std::to_string(bound) + "\n";
+    }
+    const nlohmann::json out = {{"model", model_path},   {"model_desc", m->describe()}, {"threads", threads},
+                                {"ratio", ratio},        {"chunk", chunk},              {"check_layer", check_layer},
+                                {"reps", reps},          {"rows", rows}};
+    write_json(json_path, out);
+    plot(png, dat,
+         "set title 'CacheBlend speedup over full prefill (" + m->describe() + ")' noenhanced\n"
+         "set xlabel 'prompt tokens'\nset ylabel 'speedup (x)'\nset key top left\nset yrange [0:*]\n"
+         "plot '" + png + ".dat' u 1:2 w lp lw 2 t 'vs our full prefill', '' u 1:3 w lp lw 2 t 'vs libllama full prefill', "
+         "'' u 1:5 w l dt 2 t 'bound from measured times', '' u 1:4 w l dt 3 t 'matmul-only ideal'\n");
+
+    std::printf("model: %s\n%s, threads %d, ratio %.2f, chunk %lld, check layer %d, median of %lld\n\n",
+                model_path.c_str(), m->describe().c_str(), threads, ratio, (long long) chunk, check_layer, (long long) reps);
+    std::printf("| tokens | full ms (ours) | full ms (llama) | blend ms | speedup vs ours | vs llama | ideal | bound | share of bound | deep tokens | KL |\n");
+    std::printf("|-------:|---------------:|----------------:|---------:|----------------:|---------:|------:|------:|---------------:|------------:|---:|\n");
+    for (const auto & r : rows) {
+        std::printf("| %6lld | %14.0f | %15.0f | %8.0f | %14.2fx | %7.2fx | %4.2fx | %4.2fx | %13.0f%% | %10.1f%% | %.4f |\n",
+                    (long long) r["n_tokens"].get<int64_t>(), r["full_ms"].get<double>(),
+                    r.contains("llama_full_ms") ? r["llama_full_ms"].get<double>() : 0.0, r["blend_ms"].get<double>(),
+                    r["speedup_vs_ours"].get<double>(), r.contains("speedup_vs_llama") ? r["speedup_vs_llama"].get<double>() : 0.0,
+                    r["ideal_speedup"].get<double>(), r["bound_speedup"].get<double>(), 100.0 * r["share_of_bound"].get<double>(),
+                    r["deep_token_pct"].get<double>(), r["kl"].get<double>());
+    }
+    return 0;
+}
+
+// short stories in the style stories260K was trained on: documents of the fidelity prompts
+const char * k_story_docs[] = {
+    "Tom had a red ball. He liked to throw it high in the sky. One day the ball went over the fence and Tom was sad.",
+    "Sue found a little cat in the garden. The cat was hungry, so Sue gave it some milk. They became best friends.",
+    "The sun was hot and Ben wanted to swim. His mom took him to the lake. Ben splashed and laughed all day.",
+    "Lily had a big box of crayons. She drew a house, a tree and a dog. She showed her picture to her dad.",
+    "A small bird could not fly. Max helped the bird and kept it warm. Soon the bird was strong and flew away.",
+    "Anna and her brother built a tall tower of blocks. The dog ran past and the tower fell down. They built it again.",
+    "Sam lost his blue hat in the snow. His sister helped him look for it. They found it under a big white hill.",
+    "Mia baked a cake with her grandma. They put red berries on top. Everyone said it was the best cake ever.",
+    "A little fish lived in a pond. It wanted to see the sea. One day the rain came and the fish swam to the river.",
+    "Jack saw a big truck in the street. The truck was full of toys. The man gave Jack a small yellow car.",
+    "Emma planted a seed in the yard. She gave it water every day. Soon a pretty flower grew and Emma was proud.",
+    "The old dog liked to sleep in the sun. A cat came and sat next to him. The dog and the cat slept together.",
+};
+const char * k_story_queries[] = {
+    "Once upon a time, the friends met in the park and",
+    "The next day, the little girl went outside and",
+    "Then mom said it was time to go home, so",
+    "After that, everyone was happy because",
+    "One day, a boy named Tim found",
+    "Later, the children sat under a tree and",
+};
+
+int bench_fidelity(const std::string & model_path, const std::vector<double> & ratios, int64_t n_prompts,
+                   int64_t n_docs, int check_layer, blend_score score, int32_t threads, const std::string & json_path,
+                   const std::string & png) {
+    auto m = model::load(model_path);
+    const int64_t nv = m->hparams().n_vocab;
+    engine_params ep = engine_default_params();
+    ep.n_threads = threads;
+    ep.type_k = ep.type_v = GGML_TYPE_F32;  // measure the fusion, not KV rounding
+    ep.n_ctx = std::min<int64_t>(m->hparams().n_ctx_train, 1024);
+    engine eng(m, ep);
+    std::mt19937 rng(5);
+    const int n_story = (int) (sizeof(k_story_docs) / sizeof(k_story_docs[0]));
+    const int n_query = (int) (sizeof(k_story_queries) / sizeof(k_story_queries[0]));
+
+    struct variant {
+        std::string name;
+        double ratio;
+        int head;
+        bool with_prefix;
+    };
+    std::vector<variant> variants;
+    for (double r : ratios) variants.push_back({"ratio " + std::to_string(r).substr(0, 4), r, 0, false});
+    variants.push_back({"0.15 + recompute_chunk_head 4", 0.15, 4, false});
+    variants.push_back({"0.15 + collect_with_prefix", 0.15, 0, true});
+    std::vector<double> kl(variants.size()), top1(variants.size()), greedy(variants.size());
+
+    sampler_params gs;
+    gs.temp = 0;
+    for (int64_t pi = 0; pi < n_prompts; ++pi) {
+        // another subset and order of the documents for every prompt, and a new question
+        std::vector<int> order(n_story);
+        std::iota(order.begin(), order.end(), 0);
+        std::shuffle(order.begin(), order.end(), rng);
+        std::vector<std::string> docs;
+        for (int64_t d = 0; d < n_docs; ++d) docs.push_back(k_story_docs[order[d % n_story]]);
+        const rag_prompt p =
+            rag_prompt_build(m->tokens(), "Here are some stories.", docs, k_story_queries[pi % n_query], false);
+        const std::vector<llama_token> all = p.all();
+        if ((int64_t) all.size() + 32 > ep.n_ctx) throw error("fidelity prompt too long for the model's context");
+
+        eng.cache().clear();
+        const std::vector<float> full = eng.eval(all);
+        const std::vector<llama_token> g_full = eng.generate_from(full, 32, gs).tokens;
+
+        std::vector<chunk_kv> alone, behind;
+        for (size_t i = 0; i < p.chunks.size(); ++i) {
+            alone.push_back(collect(eng, p.chunks[i]));
+            behind.push_back(i == 0 ? alone.back() : collect_after(eng, p.chunks[0], p.chunks[i]));
+        }
+        for (size_t vi = 0; vi < variants.size(); ++vi) {
+            const variant & v = variants[vi];
+            std::vector<const chunk_kv *> ptrs;
+            for (size_t i = 0; i < p.chunks.size(); ++i) ptrs.push_back(v.with_prefix ? &behind[i] : &alone[i]);
+            blend_params bp = blend_default_params();
+            bp.recomp_ratio = (float) v.ratio;
+            bp.check_layer = check_layer;
+            bp.recompute_chunk_head = v.head;
+            bp.score = score;
+            const blend_result br = blend(eng, ptrs, p.query, bp);
+            const std::vector<llama_token> g = eng.generate_from(br.logits, 32, gs).tokens;
+            kl[vi] += kl_divergence(full.data(), br.logits.data(), nv) / n_prompts;
+            top1[vi] += (top1_agree(full.data(), br.logits.data(), nv) ? 1.0 : 0.0) / n_prompts;
+            greedy[vi] += greedy_agreement(g_full, g) / n_prompts;
+        }
+    }
+    nlohmann::json rows = nlohmann::json::array();
+    std::string dat;
+    std::printf("model: %s\n%s, %lld prompts x %lld documents, check layer %d, f32 KV\n\n", model_path.c_str(),
+                m->describe().c_str(), (long long) n_prompts, (long long) n_docs, check_layer);
+    std::printf("| variant | mean KL | top-1 agreement | greedy agreement (32) |\n|---|---:|---:|---:|\n");
+    for (size_t vi = 0; vi < variants.size(); ++vi) {
+        rows.push_back({{"variant", variants[vi].name}, {"ratio", variants[vi].ratio}, {"recompute_chunk_head", variants[vi].head},
+                        {"collect_with_prefix", variants[vi].with_prefix}, {"kl", kl[vi]}, {"top1_agree", top1[vi]},
+                        {"greedy_agree_32", greedy[vi]}});
+        std::printf("| %s | %.6f | %.3f | %.3f |\n", variants[vi].name.c_str(), kl[vi], top1[vi], greedy[vi]);
+        if (vi < ratios.size()) dat += std::to_string(variants[vi].ratio) + " " + std::to_string(kl[vi]) + "\n";
+    }
+    write_json(json_path, {{"model", model_path}, {"prompts", n_prompts}, {"docs", n_docs}, {"check_layer", check_layer}, {"rows", rows}});
+    plot(png, dat,
+         "set title 'KL(full prefill || blend) vs recompute ratio (" + m->describe() + ")' noenhanced\n"
+         "set xlabel 'recompute ratio'\nset ylabel 'mean KL (nats)'\nset key off\n"
+         "plot '" + png + ".dat' u 1:2 w lp lw 2 pt 7\n");
+    return 0;
+}
+
+}  // namespace
+
+int bench_blend(args & a) {
+    std::string model_path, json_path, png;
+    std::vector<int64_t> contexts = {1024, 2048, 4096};
+    std::vector<double> ratios;
+    float ratio = 0.15f;
+    int64_t chunk = 512, reps = 1, n_prompts = 24, n_docs = 4;
+    int check_layer = 1;
+    blend_score score = BLEND_SCORE_V;
+    int32_t threads = 2;
+    bool peer = true;
+    while (!a.done()) {
+        if (a.match({"-h", "--help"})) {
+            std::fputs(k_help, stdout);
+            return 0;
+        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        else if (a.match({"--context"})) contexts = a.integers(1, 1 << 20);
+        else if (a.match({"--ratio"})) ratio = (float) a.real(0.0, 1.0);
+        else if (a.match({"--ratios"})) ratios = a.reals(0.0, 1.0);
+        else if (a.match({"--chunk"})) chunk = a.integer(1, 1 << 20);
+        else if (a.match({"--check-layer"})) check_layer = (int) a.integer(0, 4096);
+        else if (a.match({"--score"})) score = parse_blend_score(a.str());
+        else if (a.match({"-r", "--reps"})) reps = a.integer(1, 100);
+        else if (a.match({"--prompts"})) n_prompts = a.integer(1, 10000);
+        else if (a.match({"--docs"})) n_docs = a.integer(1, 64);
+        else if (a.match({"-t", "--threads"})) threads = (int32_t) a.integer(1, 1024);
+        else if (a.match({"--json"})) json_path = a.str();
+        else if (a.match({"--plot"})) png = a.str();
+        else if (a.match({"--peer"})) {
+            const std::string p = a.str();
+            if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");
+            peer = p == "llama";
+        } else a.unknown();
+    }
+    if (model_path.empty()) throw error("missing -m MODEL (see --help)");
+    if (!ratios.empty()) return bench_fidelity(model_path, ratios, n_prompts, n_docs, check_layer, score, threads, json_path, png);
+    return bench_speed(model_path, contexts, ratio, chunk, check_layer, reps, peer, threads, json_path, png);
+}
+
+}  // namespace kvblend::cli
