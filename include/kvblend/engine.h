@@ -63,6 +63,9 @@ class engine {
 
     void set_n_threads(int32_t n);
 
+    // bytes of the scheduler's compute buffers (they grow to the largest graph run so far)
+    size_t compute_buffer_bytes() const;
+
     // low level, for paths built from graph/forward.h (blend): build a graph in
     // a fresh no_alloc context, allocate it on this engine's scheduler, let
     // set_inputs fill its inputs, then compute. throws kvblend::error.

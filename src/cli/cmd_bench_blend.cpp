@@ -83,6 +83,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
     ep.n_threads = threads;
     ep.n_ctx = n_max;
     engine eng(m, ep);
+    engine eng_blend(m, ep);  // its own scheduler: compute buffers of a blend alone
     std::unique_ptr<ref::llama_ref> lr;
     if (peer) {
         ref::llama_ref_params rp;
@@ -116,7 +117,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
         all.insert(all.end(), query.begin(), query.end());
 
         std::vector<chunk_kv> kv;
-        for (const auto & p : parts) kv.push_back(collect(eng, p));
+        for (const auto & p : parts) kv.push_back(collect(eng_blend, p));
         std::vector<const chunk_kv *> ptrs;
         for (const auto & c : kv) ptrs.push_back(&c);
 
@@ -134,7 +135,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
                 lr->eval(all, false);
                 t_ref.push_back(time_ms() - t0);
             }
-            br = blend(eng, ptrs, query, bp);
+            br = blend(eng_blend, ptrs, query, bp);
             t_blend.push_back(br.stats.total_ms);
             // the deep layers' own cost: n_selected tokens appended at depth N - n_selected
             eng.cache().set_n_past(N - br.stats.n_selected);
@@ -143,6 +144,8 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
             t_sel.push_back(time_ms() - t0);
         }
         fused = br.logits;
+        size_t chunk_bytes = 0;
+        for (const auto & c : kv) chunk_bytes += c.bytes();
         const double full_ms = median(t_full), blend_ms = median(t_blend), sel_ms = median(t_sel);
         const double L = (double) hp.n_layer, early = (double) (check_layer + 1);
         // DESIGN.md's matmul-only cost model with the measured deep share
@@ -163,7 +166,14 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
                               {"early_ms", br.stats.early_ms},
                               {"check_ms", br.stats.check_ms},
                               {"deep_ms", br.stats.deep_ms},
-                              {"kl", kl_divergence(full.data(), fused.data(), hp.n_vocab)}};
+                              {"kl", kl_divergence(full.data(), fused.data(), hp.n_vocab)},
+                              // memory beyond weights and KV cache: compute buffers (largest graph so
+                              // far; blend's own engine also ran the collects), the blend's host copy
+                              // of hidden states, and the chunk KVs it reads
+                              {"full_compute_mb", eng.compute_buffer_bytes() / 1048576.0},
+                              {"blend_compute_mb", eng_blend.compute_buffer_bytes() / 1048576.0},
+                              {"blend_hidden_mb", N * hp.n_embd * 4 / 1048576.0},
+                              {"chunk_kv_mb", chunk_bytes / 1048576.0}};
         if (lr) {
             row["llama_full_ms"] = median(t_ref);
             row["speedup_vs_llama"] = median(t_ref) / blend_ms;
@@ -176,13 +186,6 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
     const nlohmann::json out = {{"model", model_path},   {"model_desc", m->describe()}, {"threads", threads},
                                 {"ratio", ratio},        {"chunk", chunk},              {"check_layer", check_layer},
                                 {"reps", reps},          {"rows", rows}};
-    write_json(json_path, out);
-    plot(png, dat,
-         "set title 'CacheBlend speedup over full prefill (" + m->describe() + ")' noenhanced\n"
-         "set xlabel 'prompt tokens'\nset ylabel 'speedup (x)'\nset key top left\nset yrange [0:*]\n"
-         "plot '" + png + ".dat' u 1:2 w lp lw 2 t 'vs our full prefill', '' u 1:3 w lp lw 2 t 'vs libllama full prefill', "
-         "'' u 1:5 w l dt 2 t 'bound from measured times', '' u 1:4 w l dt 3 t 'matmul-only ideal'\n");
-
     std::printf("model: %s\n%s, threads %d, ratio %.2f, chunk %lld, check layer %d, median of %lld\n\n",
                 model_path.c_str(), m->describe().c_str(), threads, ratio, (long long) chunk, check_layer, (long long) reps);
     std::printf("| tokens | full ms (ours) | full ms (llama) | blend ms | speedup vs ours | vs llama | ideal | bound | share of bound | deep tokens | KL |\n");
@@ -195,6 +198,22 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
                     r["ideal_speedup"].get<double>(), r["bound_speedup"].get<double>(), 100.0 * r["share_of_bound"].get<double>(),
                     r["deep_token_pct"].get<double>(), r["kl"].get<double>());
     }
+    std::printf("\n| tokens | full prefill compute MB | blend compute MB | blend hidden states MB | chunk KV MB |\n");
+    std::printf("|-------:|------------------------:|-----------------:|-----------------------:|------------:|\n");
+    for (const auto & r : rows)
+        std::printf("| %6lld | %23.1f | %16.1f | %22.1f | %11.1f |\n", (long long) r["n_tokens"].get<int64_t>(),
+                    r["full_compute_mb"].get<double>(), r["blend_compute_mb"].get<double>(),
+                    r["blend_hidden_mb"].get<double>(), r["chunk_kv_mb"].get<double>());
+    write_json(json_path, out);
+    const std::string base = model_path.substr(model_path.find_last_of('/') + 1);
+    plot(png, dat,
+         "set title 'CacheBlend speedup over a full prefill: " + base + ", ratio " + std::to_string(ratio).substr(0, 4) +
+             ", " + std::to_string(threads) + " threads' noenhanced\n"
+             "set xlabel 'prompt tokens'\nset ylabel 'speedup (x)'\nset key bottom right\nset yrange [0:*]\n"
+             "plot '" + png + ".dat' u 1:2 w lp lw 2 pt 7 t 'vs our full prefill'" +
+             (lr ? std::string(", '' u 1:3 w lp lw 2 pt 5 t 'vs libllama full prefill'") : std::string()) +
+             ", '' u 1:5 w l lw 2 dt 2 t 'bound from measured times', '' u 1:4 w l lw 2 dt 3 t 'matmul-only ideal'\n");
+
     return 0;
 }
 
@@ -301,7 +320,8 @@ int bench_fidelity(const std::string & model_path, const std::vector<double> & r
     }
     write_json(json_path, {{"model", model_path}, {"prompts", n_prompts}, {"docs", n_docs}, {"check_layer", check_layer}, {"rows", rows}});
     plot(png, dat,
-         "set title 'KL(full prefill || blend) vs recompute ratio (" + m->describe() + ")' noenhanced\n"
+         "set title 'KL(full prefill || blend) vs recompute ratio: " +
+             model_path.substr(model_path.find_last_of('/') + 1) + "' noenhanced\n"
          "set xlabel 'recompute ratio'\nset ylabel 'mean KL (nats)'\nset key off\n"
          "plot '" + png + ".dat' u 1:2 w lp lw 2 pt 7\n");
     return 0;

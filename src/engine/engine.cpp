@@ -55,6 +55,12 @@ void engine::set_n_threads(int32_t n) {
     ggml_backend_cpu_set_n_threads(impl_->cpu, n);
 }
 
+size_t engine::compute_buffer_bytes() const {
+    size_t n = 0;
+    for (auto & b : impl_->backends) n += ggml_backend_sched_get_buffer_size(impl_->sched.get(), b.get());
+    return n;
+}
+
 void engine::run_graph(const graph_builder & build, const std::function<void()> & set_inputs) {
     ggml_init_params ip = {impl_->meta_buf.size(), impl_->meta_buf.data(), true};
     ggml_context_ptr ctx(ggml_init(ip));

@@ -96,3 +96,42 @@ TEST(rag_prompt, chat_layout_keeps_documents_as_their_own_chunks) {
 
 }  // namespace
 }  // namespace kvblend
+
+namespace kvblend {
+namespace {
+
+TEST(cli_bench_blend, fidelity_table_runs_and_reports_each_variant) {
+    test::temp_dir dir("bench");
+    const std::string json = dir.file("fid.json");
+    const test::run_result r = test::run_cli("bench blend -m " + k_stories + " --ratios 0,1 --prompts 3 --docs 2 --json " + json);
+    ASSERT_EQ(r.status, 0) << r.err;
+    std::ifstream f(json);
+    const auto j = nlohmann::json::parse(f);
+    ASSERT_EQ(j["rows"].size(), 4u);  // two ratios + chunk-head and with-prefix variants
+    EXPECT_GT(j["rows"][0]["kl"].get<double>(), j["rows"][1]["kl"].get<double>());
+    EXPECT_LE(j["rows"][1]["kl"].get<double>(), 1e-5);  // ratio 1 == full prefill
+    EXPECT_DOUBLE_EQ(j["rows"][1]["greedy_agree_32"].get<double>(), 1.0);
+}
+
+TEST(cli_bench_blend, speed_rows_on_a_small_model) {
+    const std::string model = test::make_test_model("tiny", GGML_TYPE_F16);
+    test::temp_dir dir("bench");
+    const std::string json = dir.file("speed.json");
+    const test::run_result r =
+        test::run_cli("bench blend -m " + model + " --context 300,600 --chunk 128 --json " + json);
+    ASSERT_EQ(r.status, 0) << r.err;
+    std::ifstream f(json);
+    const auto j = nlohmann::json::parse(f);
+    ASSERT_EQ(j["rows"].size(), 2u);
+    for (const auto & row : j["rows"]) {
+        EXPECT_GT(row["blend_ms"].get<double>(), 0.0);
+        EXPECT_GT(row["llama_full_ms"].get<double>(), 0.0);
+        EXPECT_LT(row["deep_token_pct"].get<double>(), 50.0);
+    }
+    const test::run_result bad = test::run_cli("bench blend -m " + model + " --ratios 0,2");
+    EXPECT_EQ(bad.status, 1);
+    EXPECT_NE(bad.err.find("--ratios expects comma-separated numbers in [0, 1]"), std::string::npos) << bad.err;
+}
+
+}  // namespace
+}  // namespace kvblend
