@@ -29,11 +29,12 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   --chunk-head K          always recompute the first K tokens of each document (default 0)
   --collect-with-prefix   collect each document behind the prefix chunk
   -n, --n-predict N       tokens to generate (default 64)
-  --temp T, --seed S      sampling (default greedy)
+  --temp T, --seed S      sampling (default greedy); also --top-k, --top-p, --min-p
   --chat                  use the model's chat template (documents in the user turn)
   --compare-full          also run a full prefill of the same tokens and report
                           kl, top1_agree, greedy_agree_32, full_ms, blend_ms, speedup
   -t, --threads N         CPU threads (default 2)
+  -b, --ubatch N          micro-batch (default 512)
   --cache-type f16|f32    KV cache type (default f16)
   --json                  print one JSON object
   -v, --verbose           show ggml's and libllama's logs
@@ -66,12 +67,9 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--chunk-head"})) bp.recompute_chunk_head = (int) a.integer(0, 1 << 20);
         else if (a.match({"--collect-with-prefix"})) with_prefix = true;
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
-        else if (a.match({"--temp"})) sp.temp = (float) a.real(0.0, 100.0);
-        else if (a.match({"--seed"})) sp.seed = (uint32_t) a.integer(0, UINT32_MAX);
+        else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep)) continue;
         else if (a.match({"--chat"})) chat = true;
         else if (a.match({"--compare-full"})) compare = true;
-        else if (a.match({"-t", "--threads"})) ep.n_threads = (int32_t) a.integer(1, 1024);
-        else if (a.match({"--cache-type"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
         else if (a.match({"--json"})) json = true;
         else if (a.match({"-v", "--verbose"})) log_set_verbose(true);
         else a.unknown();

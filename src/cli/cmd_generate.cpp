@@ -55,6 +55,24 @@ blend_method parse_blend_method(const std::string & s) {
     throw error("--method must be gradual or dense, got '" + s + "'");
 }
 
+bool match_sampling_flag(args & a, sampler_params & sp) {
+    if (a.match({"--temp"})) sp.temp = (float) a.real(0.0, 100.0);
+    else if (a.match({"--top-k"})) sp.top_k = (int32_t) a.integer(0, 1 << 24);
+    else if (a.match({"--top-p"})) sp.top_p = (float) a.real(0.0, 1.0);
+    else if (a.match({"--min-p"})) sp.min_p = (float) a.real(0.0, 1.0);
+    else if (a.match({"--seed"})) sp.seed = (uint32_t) a.integer(0, UINT32_MAX);
+    else return false;
+    return true;
+}
+
+bool match_engine_flag(args & a, engine_params & ep) {
+    if (a.match({"-t", "--threads"})) ep.n_threads = (int32_t) a.integer(1, 1024);
+    else if (a.match({"-b", "--ubatch"})) ep.n_ubatch = a.integer(1, 1 << 16);
+    else if (a.match({"--cache-type"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
+    else return false;
+    return true;
+}
+
 std::string read_text_file(const std::string & path) {
     FILE * f = std::fopen(path.c_str(), "rb");
     if (!f) throw error("cannot open '" + path + "'");
@@ -82,15 +100,8 @@ int cmd_generate(int argc, char ** argv) {
         else if (a.match({"-p", "--prompt"})) prompt = a.str(), have_prompt = true;
         else if (a.match({"-f", "--file"})) prompt = read_text_file(a.str()), have_prompt = true;
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
-        else if (a.match({"--temp"})) sp.temp = (float) a.real(0.0, 100.0);
-        else if (a.match({"--top-k"})) sp.top_k = (int32_t) a.integer(0, 1 << 24);
-        else if (a.match({"--top-p"})) sp.top_p = (float) a.real(0.0, 1.0);
-        else if (a.match({"--min-p"})) sp.min_p = (float) a.real(0.0, 1.0);
-        else if (a.match({"--seed"})) sp.seed = (uint32_t) a.integer(0, UINT32_MAX);
-        else if (a.match({"-t", "--threads"})) ep.n_threads = (int32_t) a.integer(1, 1024);
+        else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep)) continue;
         else if (a.match({"-c", "--ctx-size"})) n_ctx = a.integer(1, 1 << 24);
-        else if (a.match({"-b", "--ubatch"})) ep.n_ubatch = a.integer(1, 1 << 16);
-        else if (a.match({"--cache-type"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
         else if (a.match({"--chat"})) chat = true;
         else if (a.match({"--system"})) system = a.str();
         else if (a.match({"--mmap"})) mmap = true;
