@@ -22,7 +22,8 @@ JOBS="${KVBLEND_JOBS:-$(nproc)}"
 log() { printf '[setup] %s\n' "$*"; }
 
 # --- debian packages -------------------------------------------------------
-pkgs=(build-essential cmake ninja-build git ca-certificates libgtest-dev nlohmann-json3-dev npm gnuplot-nox)
+pkgs=(build-essential cmake ninja-build git ca-certificates libgtest-dev nlohmann-json3-dev npm gnuplot-nox
+      libxxhash-dev libhiredis-dev redis-server)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -22,6 +22,10 @@ struct rag_prompt {
 // message holding the documents (separated by blank lines) and the question,
 // then cut it at the documents' boundaries. without chat: prefix = BOS (when
 // the tokenizer adds one) + system text, documents and question as plain text.
+// the tokens of one document chunk, as every layout (and the store) cuts it:
+// the text and a blank line, no BOS, special-token text kept as plain text
+std::vector<llama_token> rag_doc_tokens(const vocab & v, const std::string & doc);
+
 rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const std::vector<std::string> & docs,
                             const std::string & question, bool chat);
 

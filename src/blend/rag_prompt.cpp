@@ -11,12 +11,16 @@ std::vector<llama_token> rag_prompt::all() const {
     return t;
 }
 
+std::vector<llama_token> rag_doc_tokens(const vocab & v, const std::string & doc) {
+    return v.tokenize(doc + "\n\n", false, false);
+}
+
 rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const std::vector<std::string> & docs,
                             const std::string & question, bool chat) {
     rag_prompt p;
     if (!chat) {
         p.chunks.push_back(v.tokenize(system, true));
-        for (const auto & d : docs) p.chunks.push_back(v.tokenize(d + "\n\n", false));
+        for (const auto & d : docs) p.chunks.push_back(rag_doc_tokens(v, d));
         p.query = v.tokenize(question, false);
         return p;
     }
@@ -43,7 +47,7 @@ rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const s
     for (const auto & d : docs) {
         if (tail.compare(0, mark.size(), mark) != 0) throw error("the chat template reordered the documents");
         tail = tail.substr(mark.size());
-        p.chunks.push_back(v.tokenize(d + "\n\n", false, false));
+        p.chunks.push_back(rag_doc_tokens(v, d));
     }
     p.query = v.tokenize(tail, false, true);
     return p;

@@ -13,13 +13,14 @@ namespace kvblend::cli {
 ggml_type parse_cache_type(const std::string & s);  // f16 | f32
 std::string read_text_file(const std::string & path);
 
-int bench_blend(args & a);
+int bench_blend(args & a);  // kvblend bench blend …
+int bench_store(args & a);  // kvblend bench store …
 
 // flags shared by the commands that generate; true when one was consumed
 bool match_sampling_flag(args & a, sampler_params & sp);  // --temp --top-k --top-p --min-p --seed
 bool match_engine_flag(args & a, engine_params & ep);     // -t --threads, -b --ubatch, --cache-type
 
 blend_score parse_blend_score(const std::string & s);    // v | k | kv
-blend_method parse_blend_method(const std::string & s);  // gradual | dense  // kvblend bench blend …
+blend_method parse_blend_method(const std::string & s);  // gradual | dense
 
 }  // namespace kvblend::cli

@@ -16,7 +16,7 @@ namespace kvblend::cli {
 
 namespace {
 
-const char * k_help = R"(usage: kvblend bench prefill|blend -m MODEL [options]   (kvblend bench blend --help)
+const char * k_help = R"(usage: kvblend bench prefill|blend|store -m MODEL [options]   (kvblend bench blend --help, …)
 
 kvblend bench prefill -m MODEL [options]
 
@@ -186,7 +186,8 @@ int cmd_bench(int argc, char ** argv) {
     args a(argc, argv, 2);
     if (what == "prefill") return bench_prefill(a);
     if (what == "blend") return bench_blend(a);
-    throw error("unknown benchmark '" + what + "' (available: prefill, blend)");
+    if (what == "store") return bench_store(a);
+    throw error("unknown benchmark '" + what + "' (available: prefill, blend, store)");
 }
 
 }  // namespace kvblend::cli

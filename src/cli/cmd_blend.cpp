@@ -8,6 +8,7 @@
 #include "cli/commands.h"
 #include "kvblend/blend.h"
 #include "kvblend/rag_prompt.h"
+#include "kvblend/store.h"
 
 namespace kvblend::cli {
 
@@ -28,6 +29,9 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   --method gradual|dense  gradual (default) or the dense reference
   --chunk-head K          always recompute the first K tokens of each document (default 0)
   --collect-with-prefix   collect each document behind the prefix chunk
+  --store URI             chunk store (dir:PATH, a path, or redis://HOST:PORT[/DB]):
+                          hits are loaded, misses collected and put
+  --store-max-gb X        size budget of a dir store
   -n, --n-predict N       tokens to generate (default 64)
   --temp T, --seed S      sampling (default greedy); also --top-k, --top-p, --min-p
   --chat                  use the model's chat template (documents in the user turn)
@@ -50,6 +54,8 @@ int cmd_blend(int argc, char ** argv) {
     blend_params bp = blend_default_params();
     sampler_params sp = sampler_default_params();
     engine_params ep = engine_default_params();
+    std::string store_uri;
+    store_options so;
 
     args a(argc, argv, 1);
     while (!a.done()) {
@@ -66,6 +72,8 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--method"})) bp.method = parse_blend_method(a.str());
         else if (a.match({"--chunk-head"})) bp.recompute_chunk_head = (int) a.integer(0, 1 << 20);
         else if (a.match({"--collect-with-prefix"})) with_prefix = true;
+        else if (a.match({"--store"})) store_uri = a.str();
+        else if (a.match({"--store-max-gb"})) so.max_bytes = (uint64_t) (a.real(0.0, 1e6) * 1073741824.0);
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
         else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep)) continue;
         else if (a.match({"--chat"})) chat = true;
@@ -90,15 +98,16 @@ int cmd_blend(int argc, char ** argv) {
     ep.n_ctx = need;
     engine eng(m, ep);
 
-    // collect every chunk alone (or behind the prefix)
-    double t0 = time_ms();
+    // every chunk's KV: from the store, or collected alone (or behind the prefix)
+    std::unique_ptr<store> st = store_uri.empty() ? nullptr : store_open(store_uri, so);
+    chunk_fetch_stats fs;
     std::vector<chunk_kv> kv;
     for (size_t i = 0; i < rp.chunks.size(); ++i) {
         if (rp.chunks[i].empty()) continue;
-        kv.push_back(with_prefix && i > 0 && !rp.chunks[0].empty() ? collect_after(eng, rp.chunks[0], rp.chunks[i])
-                                                                   : collect(eng, rp.chunks[i]));
+        const bool behind = with_prefix && i > 0 && !rp.chunks[0].empty();
+        kv.push_back(chunk_get_or_collect(st.get(), eng, behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i], fs));
     }
-    const double collect_ms = time_ms() - t0;
+    const double collect_ms = fs.collect_ms;
     std::vector<const chunk_kv *> ptrs;
     for (const auto & c : kv) ptrs.push_back(&c);
 
@@ -112,6 +121,9 @@ int cmd_blend(int argc, char ** argv) {
                         {"n_selected", br.stats.n_selected},
                         {"deep_frac", br.stats.deep_frac},
                         {"collect_ms", collect_ms},
+                        {"load_ms", fs.load_ms},
+                        {"store_hits", fs.hits},
+                        {"store_misses", fs.misses},
                         {"blend_ms", br.stats.total_ms},
                         {"place_ms", br.stats.place_ms},
                         {"early_ms", br.stats.early_ms},
@@ -124,7 +136,7 @@ int cmd_blend(int argc, char ** argv) {
         eng.cache().set_n_past(N);  // back to the fused cache: rows past N get rewritten
         const generate_result g_blend = eng.generate_from(br.logits, (int32_t) n_greedy, greedy);
         eng.cache().clear();
-        t0 = time_ms();
+        const double t0 = time_ms();
         const std::vector<float> full = eng.eval(all);
         const double full_ms = time_ms() - t0;
         const generate_result g_full = eng.generate_from(full, (int32_t) n_greedy, greedy);
@@ -144,6 +156,8 @@ int cmd_blend(int argc, char ** argv) {
     std::fprintf(stderr, "[%lld tokens (%lld in documents), %lld recomputed; blend %.1f ms, collect %.1f ms",
                  (long long) N, (long long) br.stats.n_doc_tokens, (long long) br.stats.n_selected, br.stats.total_ms,
                  collect_ms);
+    if (st)
+        std::fprintf(stderr, "; store %lld hits (%.1f ms), %lld misses", (long long) fs.hits, fs.load_ms, (long long) fs.misses);
     if (compare)
         std::fprintf(stderr, "; full prefill %.1f ms, speedup %.2fx, KL %.4g, top-1 %s, greedy agreement %.2f",
                      j["full_ms"].get<double>(), j["speedup"].get<double>(), j["kl"].get<double>(),

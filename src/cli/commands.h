@@ -7,5 +7,7 @@ int cmd_generate(int argc, char ** argv);
 int cmd_make_model(int argc, char ** argv);
 int cmd_bench(int argc, char ** argv);
 int cmd_blend(int argc, char ** argv);
+int cmd_ingest(int argc, char ** argv);
+int cmd_store(int argc, char ** argv);
 
 }  // namespace kvblend::cli

@@ -1,0 +1,84 @@
+// kvblend: the persistent chunk-KV store. Content-addressed: a chunk's key
+// hashes everything that changes its KV (model fingerprint, KV layout and
+// codec, token ids, the prefix it was collected behind). Entries are
+// self-describing and checksummed (docs/STORE_FORMAT.md). Backends by URI:
+// "dir:PATH" or a bare path (the embedded default), "redis://HOST:PORT[/DB]".
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvblend/blend.h"
+
+namespace kvblend {
+
+struct store_entry_info {
+    std::string key;
+    uint64_t    bytes     = 0;
+    int64_t     last_used = 0;  // unix seconds (0 where the backend does not track it)
+};
+
+struct store_stats {
+    uint64_t n_entries = 0;
+    uint64_t bytes     = 0;
+    uint64_t max_bytes = 0;  // 0: no budget
+    std::string backend;     // "dir:PATH" or "redis://…"
+};
+
+struct store_options {
+    uint64_t max_bytes = 0;  // size budget (dir: LRU eviction on put); 0 = none
+};
+
+// raw key -> bytes storage. every method throws kvblend::error on I/O failure
+// (an unreachable server, a full disk); a missing key is not an error.
+class store {
+  public:
+    virtual ~store() = default;
+    virtual void put(const std::string & key, const std::vector<uint8_t> & bytes) = 0;
+    virtual std::optional<std::vector<uint8_t>> get(const std::string & key) = 0;  // marks it used
+    virtual bool contains(const std::string & key) = 0;
+    virtual bool erase(const std::string & key) = 0;  // true when something was removed
+    virtual std::vector<store_entry_info> list() = 0;
+    virtual store_stats stats() = 0;
+    // enforce the budget now (LRU first) and drop leftovers of interrupted writes;
+    // returns the number of entries removed
+    virtual uint64_t gc() = 0;
+    virtual std::string uri() const = 0;
+};
+
+// open a store by URI; throws kvblend::error for a malformed URI or an unreachable backend
+std::unique_ptr<store> store_open(const std::string & uri, const store_options & opts = {});
+
+// --- chunk entries -----------------------------------------------------------
+
+// the key of a chunk: 32 hex digits (XXH3-128) over the model fingerprint, the
+// KV layout (element type, codec), the prefix token ids (collect_with_prefix)
+// and the chunk's token ids
+std::string chunk_key(const model & m, ggml_type type, const std::string & codec, const std::vector<llama_token> & prefix,
+                      const std::vector<llama_token> & tokens);
+
+// the entry bytes of a chunk (docs/STORE_FORMAT.md)
+std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std::vector<llama_token> & prefix);
+
+// parse and verify an entry: magic, version, checksum, the model fingerprint
+// and every shape against m. throws kvblend::error naming what is wrong.
+chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes);
+
+// what is wrong with an entry ("" when nothing): structure and checksum, and
+// with a model also the fingerprint and shapes
+std::string chunk_entry_check(const std::vector<uint8_t> & bytes, const model * m);
+
+// get a chunk's KV from the store, or collect it on the engine and put it.
+// a corrupt, truncated or mismatched entry is a miss: it is removed, a
+// warning goes to stderr, and the chunk is collected again.
+struct chunk_fetch_stats {
+    int64_t hits = 0, misses = 0;
+    double  load_ms = 0, collect_ms = 0;
+};
+chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
+                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats);
+
+}  // namespace kvblend

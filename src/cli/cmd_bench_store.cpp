@@ -1,0 +1,155 @@
+// kvblend bench store: loading a chunk's KV from a store vs collecting it.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "cli/args.h"
+#include "cli/cli_util.h"
+#include "kvblend/store.h"
+
+namespace kvblend::cli {
+
+namespace {
+
+const char * k_help = R"(usage: kvblend bench store -m MODEL [options]
+
+Per store: collect --n chunks of --chunk tokens (timed), put them, then load
+each back (get + verify + decode), with the page cache warm and, for a dir
+store, cold (the entry's cached pages dropped first).
+
+  -m, --model FILE      GGUF model
+  --chunk N             tokens per chunk (default 512)
+  --n N                 chunks (default 4)
+  --store URI           a store to measure (repeatable; default: a fresh temp dir store)
+  -r, --reps N          loads per chunk, the median is kept (default 3)
+  -t, --threads N       CPU threads (default 2)
+  --cache-type f16|f32  KV element type (default f16)
+  --json FILE           write the results as JSON
+)";
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// the dir backend's entry path (docs/STORE_FORMAT.md), for dropping its cached pages
+std::string dir_entry_path(const std::string & uri, const std::string & key) {
+    const std::string root = uri.rfind("dir:", 0) == 0 ? uri.substr(4) : uri;
+    return root + "/entries/" + key.substr(0, 2) + "/" + key + ".kvb";
+}
+
+bool drop_page_cache(const std::string & path) {
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    fdatasync(fd);
+    const bool ok = posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0;
+    close(fd);
+    return ok;
+}
+
+}  // namespace
+
+int bench_store(args & a) {
+    std::string model_path, json_path;
+    std::vector<std::string> uris;
+    int64_t chunk = 512, n = 4, reps = 3;
+    engine_params ep = engine_default_params();
+    while (!a.done()) {
+        if (a.match({"-h", "--help"})) {
+            std::fputs(k_help, stdout);
+            return 0;
+        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        else if (a.match({"--chunk"})) chunk = a.integer(1, 1 << 20);
+        else if (a.match({"--n"})) n = a.integer(1, 1000);
+        else if (a.match({"--store"})) uris.push_back(a.str());
+        else if (a.match({"-r", "--reps"})) reps = a.integer(1, 100);
+        else if (a.match({"--json"})) json_path = a.str();
+        else if (match_engine_flag(a, ep)) continue;
+        else a.unknown();
+    }
+    if (model_path.empty()) throw error("missing -m MODEL (see --help)");
+    auto m = model::load(model_path);
+    if (chunk > m->hparams().n_ctx_train) throw error("--chunk exceeds the model's context");
+    ep.n_ctx = chunk;
+    engine eng(m, ep);
+
+    std::string tmp_dir;
+    if (uris.empty()) {
+        tmp_dir = (std::filesystem::temp_directory_path() / ("kvblend-bench-store-" + std::to_string(getpid()))).string();
+        uris.push_back("dir:" + tmp_dir);
+    }
+
+    // the chunks, collected once (timed) and kept for every store
+    std::mt19937 rng(11);
+    std::uniform_int_distribution<int> tok(0, (int) m->hparams().n_vocab - 1);
+    std::vector<std::vector<llama_token>> toks(n, std::vector<llama_token>(chunk));
+    std::vector<std::vector<uint8_t>> entries;
+    std::vector<double> t_collect;
+    for (auto & t : toks) {
+        for (auto & x : t) x = tok(rng);
+        const double t0 = time_ms();
+        const chunk_kv c = collect(eng, t);
+        t_collect.push_back(time_ms() - t0);
+        entries.push_back(chunk_encode(*m, c, {}));
+    }
+    const double collect_ms = median(t_collect);
+    const double entry_mb = entries[0].size() / 1e6;
+
+    nlohmann::json rows = nlohmann::json::array();
+    std::printf("model: %s\n%s, chunk %lld tokens, entry %.1f MB (%s KV), %lld chunks, threads %d\n\n", model_path.c_str(),
+                m->describe().c_str(), (long long) chunk, entry_mb, ggml_type_name(ep.type_k), (long long) n, ep.n_threads);
+    std::printf("collect (prefill of one chunk): %.1f ms\n\n", collect_ms);
+    std::printf("| store | cache | load ms | GB/s | collect / load |\n|---|---|---:|---:|---:|\n");
+    for (const std::string & uri : uris) {
+        auto st = store_open(uri);
+        std::vector<std::string> keys;
+        for (int64_t i = 0; i < n; ++i) {
+            keys.push_back(chunk_key(*m, ep.type_k, "raw", {}, toks[i]));
+            st->put(keys.back(), entries[i]);
+        }
+        const bool is_dir = uri.rfind("redis://", 0) != 0;
+        for (const char * cache : {"warm", "cold"}) {
+            const bool cold = std::string(cache) == "cold";
+            if (cold && !is_dir) continue;
+            std::vector<double> t_load;
+            bool dropped = true;
+            for (int64_t r = 0; r < reps; ++r) {
+                for (int64_t i = 0; i < n; ++i) {
+                    if (cold) dropped = drop_page_cache(dir_entry_path(uri, keys[i])) && dropped;
+                    const double t0 = time_ms();
+                    const auto bytes = st->get(keys[i]);
+                    if (!bytes) throw error("entry vanished from " + uri);
+                    const chunk_kv c = chunk_decode(*m, *bytes);
+                    t_load.push_back(time_ms() - t0);
+                    if (c.tokens != toks[i]) throw error("store returned another chunk");
+                }
+            }
+            if (cold && !dropped) {
+                std::printf("| %s | cold | (could not drop the page cache) | | |\n", uri.c_str());
+                continue;
+            }
+            const double load_ms = median(t_load);
+            const double gbps = entries[0].size() / (load_ms / 1000.0) / 1e9;
+            rows.push_back({{"store", uri}, {"cache", cache}, {"load_ms", load_ms}, {"gb_per_s", gbps},
+                            {"collect_ms", collect_ms}, {"speedup", collect_ms / load_ms}, {"entry_bytes", entries[0].size()}});
+            std::printf("| %s | %s | %.2f | %.2f | %.0fx |\n", uri.c_str(), cache, load_ms, gbps, collect_ms / load_ms);
+        }
+        for (const auto & k : keys) st->erase(k);
+    }
+    if (!tmp_dir.empty()) std::filesystem::remove_all(tmp_dir);
+    if (!json_path.empty()) {
+        std::ofstream f(json_path);
+        f << nlohmann::json({{"model", model_path}, {"chunk", chunk}, {"n", n}, {"collect_ms", collect_ms}, {"rows", rows}}).dump(2)
+          << "\n";
+        if (!f) throw error("cannot write '" + json_path + "'");
+    }
+    return 0;
+}
+
+}  // namespace kvblend::cli

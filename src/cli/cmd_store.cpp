@@ -1,0 +1,244 @@
+// kvblend ingest (collect and store every chunk of some files) and
+// kvblend store stats|ls|verify|gc.
+#include <unistd.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "cli/args.h"
+#include "cli/cli_util.h"
+#include "cli/commands.h"
+#include "kvblend/rag_prompt.h"
+#include "kvblend/store.h"
+
+namespace kvblend::cli {
+
+namespace {
+
+const char * k_ingest_help = R"(usage: kvblend ingest -m MODEL --store URI [options] FILE…
+
+Collects every chunk of the files and puts its KV in the store; chunks already
+stored are skipped. By default each file is one chunk, cut exactly as
+`kvblend blend --doc FILE` cuts it, so a later blend finds it.
+
+  -m, --model FILE        GGUF model
+  --store URI             dir:PATH (or a bare path) or redis://HOST:PORT[/DB]
+  --chunk-size N          cut each file into chunks of N tokens instead
+  --split paragraph       one chunk per paragraph (blank-line separated) instead
+  --collect-with-prefix   collect each chunk behind the prefix chunk (as blend's option)
+  --system TEXT, --chat   the prefix chunk, as blend would build it (with --collect-with-prefix)
+  --store-max-gb X        size budget of a dir store (least recently used go first)
+  -t, --threads N         CPU threads (default 2)
+  --cache-type f16|f32    KV element type (default f16; part of the key)
+)";
+
+const char * k_store_help = R"(usage: kvblend store stats|ls|verify|gc --store URI [options]
+
+  stats      entries, bytes and budget
+  ls         one line per entry: key, bytes, last use
+  verify     read every entry and check it (structure, checksum; with -m also
+             that it belongs to MODEL); unusable entries are removed
+  gc         enforce the size budget (least recently used first) and clean up
+
+  --store URI        dir:PATH (or a bare path) or redis://HOST:PORT[/DB]
+  -m, --model FILE   (verify) also check entries against this model
+  --store-max-gb X   (gc) the size budget
+  --json             machine-readable output
+)";
+
+std::vector<std::string> split_paragraphs(const std::string & text) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    while (start < text.size()) {
+        size_t end = text.find("\n\n", start);
+        if (end == std::string::npos) end = text.size();
+        std::string para = text.substr(start, end - start);
+        const size_t a = para.find_first_not_of(" \t\r\n"), b = para.find_last_not_of(" \t\r\n");
+        if (a != std::string::npos) out.push_back(para.substr(a, b - a + 1));
+        start = end + 2;
+    }
+    return out;
+}
+
+// a progress bar on a terminal, plain lines otherwise
+class progress {
+  public:
+    explicit progress(size_t total) : total_(total), tty_(isatty(STDERR_FILENO)), t0_(time_ms()) {}
+    void update(size_t done, int64_t tokens) {
+        const double s = (time_ms() - t0_) / 1000.0;
+        const double tps = s > 0 ? tokens / s : 0.0;
+        const double eta = done > 0 ? s / done * (total_ - done) : 0.0;
+        if (tty_) {
+            const int width = 30, fill = total_ ? (int) (width * done / total_) : width;
+            std::fprintf(stderr, "\r[%.*s%.*s] %zu/%zu chunks  %.0f tok/s  ETA %d:%02d ", fill,
+                         "==============================", width - fill, "                              ", done, total_, tps,
+                         (int) eta / 60, (int) eta % 60);
+            if (done == total_) std::fputc('\n', stderr);
+        } else {
+            std::fprintf(stderr, "ingest: %zu/%zu chunks, %.0f tok/s, ETA %.0f s\n", done, total_, tps, eta);
+        }
+        std::fflush(stderr);
+    }
+
+  private:
+    size_t total_;
+    bool tty_;
+    double t0_;
+};
+
+int64_t parse_budget(args & a) { return (int64_t) (a.real(0.0, 1e6) * 1024.0 * 1024.0 * 1024.0); }
+
+}  // namespace
+
+int cmd_ingest(int argc, char ** argv) {
+    std::string model_path, uri, system, split;
+    std::vector<std::string> files;
+    int64_t chunk_size = 0;
+    bool with_prefix = false, chat = false;
+    store_options so;
+    engine_params ep = engine_default_params();
+    args a(argc, argv, 1);
+    while (!a.done()) {
+        if (a.match({"-h", "--help"})) {
+            std::fputs(k_ingest_help, stdout);
+            return 0;
+        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        else if (a.match({"--store"})) uri = a.str();
+        else if (a.match({"--chunk-size"})) chunk_size = a.integer(1, 1 << 20);
+        else if (a.match({"--split"})) {
+            split = a.str();
+            if (split != "paragraph") throw error("--split must be 'paragraph', got '" + split + "'");
+        } else if (a.match({"--collect-with-prefix"})) with_prefix = true;
+        else if (a.match({"--system"})) system = a.str();
+        else if (a.match({"--chat"})) chat = true;
+        else if (a.match({"--store-max-gb"})) so.max_bytes = (uint64_t) parse_budget(a);
+        else if (match_engine_flag(a, ep)) continue;
+        else if (!a.peek().empty() && a.peek()[0] == '-') a.unknown();
+        else files.push_back(a.str());
+    }
+    if (model_path.empty()) throw error("missing -m MODEL (see --help)");
+    if (uri.empty()) throw error("missing --store URI (see --help)");
+    if (files.empty()) throw error("no files to ingest");
+    if (chunk_size > 0 && !split.empty()) throw error("--chunk-size and --split exclude each other");
+
+    // read everything first: a missing file fails before any work
+    std::vector<std::string> texts;
+    for (const auto & f : files) texts.push_back(read_text_file(f));
+
+    auto m = model::load(model_path);
+    auto st = store_open(uri, so);
+    const vocab & v = m->tokens();
+    std::vector<llama_token> prefix;
+    if (with_prefix) prefix = rag_prompt_build(v, system, {"."}, ".", chat).chunks[0];
+
+    std::vector<std::vector<llama_token>> chunks;
+    for (const auto & text : texts) {
+        if (!split.empty()) {
+            for (const auto & p : split_paragraphs(text)) chunks.push_back(rag_doc_tokens(v, p));
+        } else if (chunk_size > 0) {
+            const std::vector<llama_token> t = rag_doc_tokens(v, text);
+            for (size_t i = 0; i < t.size(); i += chunk_size)
+                chunks.emplace_back(t.begin() + i, t.begin() + std::min(t.size(), i + (size_t) chunk_size));
+        } else {
+            chunks.push_back(rag_doc_tokens(v, text));
+        }
+    }
+    int64_t longest = 0;
+    for (const auto & c : chunks) longest = std::max<int64_t>(longest, (int64_t) c.size());
+    ep.n_ctx = std::max<int64_t>(1, longest + (int64_t) prefix.size());
+    if (ep.n_ctx > m->hparams().n_ctx_train)
+        throw error("a chunk of " + std::to_string(longest) + " tokens exceeds the model's context of " +
+                    std::to_string(m->hparams().n_ctx_train) + " (use --chunk-size)");
+    engine eng(m, ep);
+
+    chunk_fetch_stats fs;
+    progress bar(chunks.size());
+    int64_t tokens = 0, skipped = 0;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+        if (chunks[i].empty()) continue;
+        const std::string key = chunk_key(*m, ep.type_k, "raw", prefix, chunks[i]);
+        if (st->contains(key)) {
+            ++skipped;
+        } else {
+            chunk_get_or_collect(st.get(), eng, prefix, chunks[i], fs);
+            tokens += (int64_t) chunks[i].size();
+        }
+        bar.update(i + 1, tokens);
+    }
+    std::printf("ingested %zu chunks into %s: %lld collected (%lld tokens, %.1f s), %lld already stored\n", chunks.size(),
+                st->uri().c_str(), (long long) fs.misses, (long long) tokens, fs.collect_ms / 1000.0, (long long) skipped);
+    return 0;
+}
+
+int cmd_store(int argc, char ** argv) {
+    if (argc < 2 || std::string(argv[1]) == "-h" || std::string(argv[1]) == "--help") {
+        std::fputs(k_store_help, argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    const std::string what = argv[1];
+    if (what != "stats" && what != "ls" && what != "verify" && what != "gc")
+        throw error("unknown store command '" + what + "' (stats, ls, verify, gc)");
+    std::string uri, model_path;
+    bool json = false;
+    store_options so;
+    args a(argc, argv, 2);
+    while (!a.done()) {
+        if (a.match({"-h", "--help"})) {
+            std::fputs(k_store_help, stdout);
+            return 0;
+        } else if (a.match({"--store"})) uri = a.str();
+        else if (a.match({"-m", "--model"})) model_path = a.str();
+        else if (a.match({"--store-max-gb"})) so.max_bytes = (uint64_t) parse_budget(a);
+        else if (a.match({"--json"})) json = true;
+        else a.unknown();
+    }
+    if (uri.empty()) throw error("missing --store URI (see --help)");
+    auto st = store_open(uri, so);
+
+    if (what == "stats") {
+        const store_stats s = st->stats();
+        if (json) {
+            std::printf("%s\n", nlohmann::json({{"backend", s.backend}, {"entries", s.n_entries}, {"bytes", s.bytes},
+                                                {"max_bytes", s.max_bytes}}).dump().c_str());
+        } else {
+            std::printf("%s: %llu entries, %.1f MB", s.backend.c_str(), (unsigned long long) s.n_entries, s.bytes / 1e6);
+            if (s.max_bytes) std::printf(" of a %.1f MB budget", s.max_bytes / 1e6);
+            std::printf("\n");
+        }
+    } else if (what == "ls") {
+        nlohmann::json rows = nlohmann::json::array();
+        for (const auto & e : st->list()) {
+            if (json) rows.push_back({{"key", e.key}, {"bytes", e.bytes}, {"last_used", e.last_used}});
+            else std::printf("%s %12llu %lld\n", e.key.c_str(), (unsigned long long) e.bytes, (long long) e.last_used);
+        }
+        if (json) std::printf("%s\n", rows.dump().c_str());
+    } else if (what == "verify") {
+        std::shared_ptr<model> m;
+        if (!model_path.empty()) m = model::load(model_path);
+        uint64_t ok = 0, bad = 0;
+        for (const auto & e : st->list()) {
+            const auto bytes = st->get(e.key);
+            if (!bytes) continue;  // removed meanwhile
+            const std::string why = chunk_entry_check(*bytes, m.get());
+            if (why.empty()) {
+                ++ok;
+                continue;
+            }
+            ++bad;
+            st->erase(e.key);
+            std::fprintf(stderr, "removed %s: %s\n", e.key.c_str(), why.c_str());
+        }
+        if (json) std::printf("%s\n", nlohmann::json({{"ok", ok}, {"removed", bad}}).dump().c_str());
+        else std::printf("verified %llu entries: %llu ok, %llu removed\n", (unsigned long long) (ok + bad),
+                         (unsigned long long) ok, (unsigned long long) bad);
+    } else {
+        const uint64_t removed = st->gc();
+        const store_stats s = st->stats();
+        if (json) std::printf("%s\n", nlohmann::json({{"removed", removed}, {"entries", s.n_entries}, {"bytes", s.bytes}}).dump().c_str());
+        else std::printf("gc: removed %llu, %llu entries left (%.1f MB)\n", (unsigned long long) removed,
+                         (unsigned long long) s.n_entries, s.bytes / 1e6);
+    }
+    return 0;
+}
+
+}  // namespace kvblend::cli

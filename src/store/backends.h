@@ -1,0 +1,17 @@
+// store backends behind store_open (include/kvblend/store.h).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "kvblend/store.h"
+
+namespace kvblend {
+
+// the embedded default: one file per entry plus an index, in a directory
+std::unique_ptr<store> dir_store_open(const std::string & path, const store_options & opts);
+
+// redis://HOST:PORT[/DB], through hiredis; entries live under "kvblend:chunk:<key>"
+std::unique_ptr<store> redis_store_open(const std::string & uri, const store_options & opts);
+
+}  // namespace kvblend

@@ -1,0 +1,234 @@
+// chunk entries: keys, the self-describing entry format (docs/STORE_FORMAT.md),
+// and the get-or-collect path every caller of the store uses.
+#include <cstdio>
+#include <cstring>
+
+#include "kvblend/store.h"
+#include "store/backends.h"
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace kvblend {
+
+namespace {
+
+constexpr char     k_magic[8]        = {'K', 'V', 'B', 'C', 'H', 'U', 'N', 'K'};
+constexpr uint32_t k_version         = 1;
+constexpr uint32_t k_pos_k_rope_pos0 = 1;  // K post-RoPE at pos0 + i; V position-free
+constexpr size_t   k_fixed_header    = 104;
+constexpr size_t   k_checksum_bytes  = 16;
+const char *       k_codec_raw       = "raw";
+
+// sequential writes into a buffer sized beforehand
+struct writer {
+    uint8_t * p;
+    void raw(const void * src, size_t n) {
+        std::memcpy(p, src, n);
+        p += n;
+    }
+    void u32(uint32_t v) { raw(&v, 4); }
+    void i64(int64_t v) { raw(&v, 8); }
+};
+uint32_t get_u32(const uint8_t * p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+std::string hex128(XXH128_hash_t h) {
+    char buf[33];
+    std::snprintf(buf, sizeof(buf), "%016llx%016llx", (unsigned long long) h.high64, (unsigned long long) h.low64);
+    return buf;
+}
+
+// the parsed fixed part of an entry
+struct entry_header {
+    std::string fingerprint;
+    uint32_t n_layer, n_head_kv, head_dim, n_tokens, dtype, convention, n_prefix;
+    std::string codec;
+    int64_t pos0;
+    size_t header_bytes, payload_bytes;
+};
+
+// structure and checksum; the model is not needed for these
+entry_header parse(const std::vector<uint8_t> & b) {
+    if (b.size() < k_fixed_header + k_checksum_bytes) throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
+    if (std::memcmp(b.data(), k_magic, 8) != 0) throw error("not a kvblend chunk entry (bad magic)");
+    const uint32_t version = get_u32(&b[8]);
+    if (version != k_version) throw error("entry format version " + std::to_string(version) + " is not supported");
+    entry_header h;
+    h.header_bytes = get_u32(&b[12]);
+    h.fingerprint.assign((const char *) &b[16], 32);
+    h.n_layer = get_u32(&b[48]);
+    h.n_head_kv = get_u32(&b[52]);
+    h.head_dim = get_u32(&b[56]);
+    h.n_tokens = get_u32(&b[60]);
+    h.dtype = get_u32(&b[64]);
+    h.codec.assign((const char *) &b[68], strnlen((const char *) &b[68], 16));
+    h.convention = get_u32(&b[84]);
+    std::memcpy(&h.pos0, &b[88], 8);
+    h.n_prefix = get_u32(&b[96]);
+    if (h.dtype != GGML_TYPE_F32 && h.dtype != GGML_TYPE_F16) throw error("entry element type " + std::to_string(h.dtype) + " is not supported");
+    if (h.codec != k_codec_raw) throw error("entry codec '" + h.codec + "' is not supported");
+    if (h.convention != k_pos_k_rope_pos0) throw error("entry position convention " + std::to_string(h.convention) + " is unknown");
+    if (h.n_tokens == 0 || h.n_layer == 0 || h.n_head_kv == 0 || h.head_dim == 0) throw error("entry has an empty shape");
+    const uint64_t want_header = k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens);
+    if (h.header_bytes != want_header) throw error("entry header size is inconsistent");
+    h.payload_bytes = (size_t) h.n_layer * 2 * h.n_tokens * h.n_head_kv * h.head_dim * ggml_type_size((ggml_type) h.dtype);
+    const uint64_t want = want_header + h.payload_bytes + k_checksum_bytes;
+    if (b.size() < want) throw error("entry is truncated (" + std::to_string(b.size()) + " of " + std::to_string(want) + " bytes)");
+    if (b.size() > want) throw error("entry has " + std::to_string(b.size() - want) + " trailing bytes");
+    const XXH128_hash_t sum = XXH3_128bits(b.data(), b.size() - k_checksum_bytes);
+    uint64_t stored[2];
+    std::memcpy(stored, &b[b.size() - k_checksum_bytes], 16);
+    if (stored[0] != sum.low64 || stored[1] != sum.high64) throw error("entry checksum mismatch (corrupt bytes)");
+    return h;
+}
+
+void check_against(const entry_header & h, const model & m) {
+    const model_hparams & hp = m.hparams();
+    if (h.fingerprint != m.fingerprint()) throw error("entry belongs to another model (fingerprint " + h.fingerprint + ")");
+    if (h.n_layer != hp.n_layer || h.n_head_kv != hp.n_head_kv || h.head_dim != hp.head_dim)
+        throw error("entry shape does not match the model");
+}
+
+}  // namespace
+
+std::string chunk_key(const model & m, ggml_type type, const std::string & codec, const std::vector<llama_token> & prefix,
+                      const std::vector<llama_token> & tokens) {
+    XXH3_state_t * st = XXH3_createState();
+    XXH3_128bits_reset(st);
+    auto add = [&](const void * p, size_t n) { XXH3_128bits_update(st, p, n); };
+    const std::string tag = "kvblend-chunk-key-v1";
+    add(tag.data(), tag.size());
+    add(m.fingerprint().data(), m.fingerprint().size());
+    const uint32_t t = (uint32_t) type, np = (uint32_t) prefix.size(), nt = (uint32_t) tokens.size();
+    add(&t, 4);
+    add(codec.c_str(), codec.size() + 1);
+    add(&np, 4);
+    add(prefix.data(), prefix.size() * sizeof(llama_token));
+    add(&nt, 4);
+    add(tokens.data(), tokens.size() * sizeof(llama_token));
+    const XXH128_hash_t h = XXH3_128bits_digest(st);
+    XXH3_freeState(st);
+    return hex128(h);
+}
+
+std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std::vector<llama_token> & prefix) {
+    const model_hparams & hp = m.hparams();
+    if (c.n_layer != hp.n_layer || c.n_embd_kv != hp.n_embd_kv()) throw error("chunk KV does not match the model");
+    if (m.fingerprint().size() != 32) throw error("model fingerprint has an unexpected size");
+    size_t payload = 0;
+    for (int64_t il = 0; il < c.n_layer; ++il) payload += c.k[il].size() + c.v[il].size();
+    const size_t header = k_fixed_header + 4 * (prefix.size() + c.tokens.size());
+    std::vector<uint8_t> b(header + payload + k_checksum_bytes);
+    writer w{b.data()};
+    w.raw(k_magic, 8);
+    w.u32(k_version);
+    w.u32((uint32_t) header);
+    w.raw(m.fingerprint().data(), 32);
+    w.u32((uint32_t) hp.n_layer);
+    w.u32((uint32_t) hp.n_head_kv);
+    w.u32((uint32_t) hp.head_dim);
+    w.u32((uint32_t) c.tokens.size());
+    w.u32((uint32_t) c.type);
+    char codec[16] = {};
+    std::strncpy(codec, k_codec_raw, sizeof(codec) - 1);
+    w.raw(codec, 16);
+    w.u32(k_pos_k_rope_pos0);
+    w.i64(c.pos0);
+    w.u32((uint32_t) prefix.size());
+    w.u32(0);  // reserved
+    w.raw(prefix.data(), 4 * prefix.size());
+    w.raw(c.tokens.data(), 4 * c.tokens.size());
+    for (int64_t il = 0; il < c.n_layer; ++il) {
+        w.raw(c.k[il].data(), c.k[il].size());
+        w.raw(c.v[il].data(), c.v[il].size());
+    }
+    const XXH128_hash_t sum = XXH3_128bits(b.data(), b.size() - k_checksum_bytes);
+    const uint64_t words[2] = {sum.low64, sum.high64};
+    w.raw(words, 16);
+    return b;
+}
+
+std::string chunk_entry_check(const std::vector<uint8_t> & bytes, const model * m) {
+    try {
+        const entry_header h = parse(bytes);
+        if (m) check_against(h, *m);
+        return {};
+    } catch (const error & e) {
+        return e.what();
+    }
+}
+
+chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & b) {
+    const entry_header h = parse(b);
+    check_against(h, m);
+    chunk_kv c;
+    c.pos0 = h.pos0;
+    c.n_layer = h.n_layer;
+    c.n_embd_kv = (int64_t) h.n_head_kv * h.head_dim;
+    c.type = (ggml_type) h.dtype;
+    const uint8_t * p = &b[k_fixed_header + 4ull * h.n_prefix];
+    c.tokens.resize(h.n_tokens);
+    std::memcpy(c.tokens.data(), p, 4ull * h.n_tokens);
+    p = &b[h.header_bytes];
+    const size_t rows = ggml_row_size(c.type, c.n_embd_kv) * h.n_tokens;
+    c.k.resize(c.n_layer);
+    c.v.resize(c.n_layer);
+    for (int64_t il = 0; il < c.n_layer; ++il) {
+        c.k[il].assign(p, p + rows);
+        p += rows;
+        c.v[il].assign(p, p + rows);
+        p += rows;
+    }
+    return c;
+}
+
+chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
+                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats) {
+    const model & m = eng.mdl();
+    const std::string key = chunk_key(m, eng.cache().type_k(), k_codec_raw, prefix, tokens);
+    if (st) {
+        const double t0 = time_ms();
+        std::optional<std::vector<uint8_t>> bytes = st->get(key);
+        if (bytes) {
+            try {
+                chunk_kv c = chunk_decode(m, *bytes);
+                if (c.tokens != tokens) throw error("entry holds other tokens than its key says");
+                stats.hits++;
+                stats.load_ms += time_ms() - t0;
+                return c;
+            } catch (const error & e) {
+                // never loaded, never a crash: drop it and collect again
+                std::fprintf(stderr, "warning: store entry %s is unusable (%s): removed, collecting again\n", key.c_str(),
+                             e.what());
+                st->erase(key);
+            }
+        }
+    }
+    const double t0 = time_ms();
+    chunk_kv c = prefix.empty() ? collect(eng, tokens) : collect_after(eng, prefix, tokens);
+    stats.misses++;
+    stats.collect_ms += time_ms() - t0;
+    if (st) {
+        try {
+            st->put(key, chunk_encode(m, c, prefix));
+        } catch (const error & e) {
+            // the blend goes on without caching this chunk
+            std::fprintf(stderr, "warning: could not store chunk %s: %s\n", key.c_str(), e.what());
+        }
+    }
+    return c;
+}
+
+std::unique_ptr<store> store_open(const std::string & uri, const store_options & opts) {
+    if (uri.rfind("redis://", 0) == 0) return redis_store_open(uri, opts);
+    if (uri.rfind("dir:", 0) == 0) return dir_store_open(uri.substr(4), opts);
+    if (uri.find("://") != std::string::npos) throw error("unknown store URI scheme in '" + uri + "' (use dir:PATH or redis://HOST:PORT)");
+    if (uri.empty()) throw error("empty store URI");
+    return dir_store_open(uri, opts);
+}
+
+}  // namespace kvblend

@@ -1,0 +1,553 @@
+// redis store backend: entries are plain strings under "kvblend:chunk:<key>",
+// so several machines share one cache. sizes are kept beside them in the hash
+// "kvblend:bytes" (key -> byte count): STRLEN would refresh a key's LRU clock,
+// and list()/stats() must not disturb the order gc() evicts in.
+#include <hiredis/hiredis.h>
+#include <pthread.h>
+#include <sys/time.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <mutex>
+#include <unordered_set>
+
+#include "kvblend/common.h"
+#include "store/backends.h"
+
+namespace kvblend {
+
+namespace {
+
+const char * const key_prefix = "kvblend:chunk:";
+const char * const scan_match = "kvblend:chunk:*";
+const char * const sizes_hash = "kvblend:bytes";
+constexpr int scan_count = 1000;                       // SCAN hint, and the most keys per pipelined batch
+constexpr uint64_t proto_max_bulk_len = 512ull << 20;  // redis' default limit on one value
+constexpr timeval connect_timeout{2, 0};
+// per socket read/write; generous so a slow link can still move 100+ MB values
+constexpr timeval command_timeout{10, 0};
+
+struct reply_deleter {
+    void operator()(redisReply * r) const { freeReplyObject(r); }
+};
+using reply_ptr = std::unique_ptr<redisReply, reply_deleter>;
+
+struct context_deleter {
+    void operator()(redisContext * c) const { redisFree(c); }
+};
+using context_ptr = std::unique_ptr<redisContext, context_deleter>;
+
+// the connection failed (as opposed to the server answering with an error):
+// worth one reconnect and retry
+class io_error : public error {
+  public:
+    using error::error;
+};
+
+// hiredis sends with write(2): a server that went away raises SIGPIPE, which
+// would kill the process. block it on this thread while we talk to the server
+// and swallow one we caused (the write then fails with EPIPE instead).
+class sigpipe_guard {
+  public:
+    sigpipe_guard() {
+        sigset_t pending;
+        sigemptyset(&pending);
+        sigpending(&pending);
+        was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+        sigset_t block;
+        sigemptyset(&block);
+        sigaddset(&block, SIGPIPE);
+        pthread_sigmask(SIG_BLOCK, &block, &old_);
+    }
+    ~sigpipe_guard() {
+        if (!was_pending_) {
+            sigset_t pending;
+            sigemptyset(&pending);
+            sigpending(&pending);
+            if (sigismember(&pending, SIGPIPE) == 1) {
+                sigset_t only;
+                sigemptyset(&only);
+                sigaddset(&only, SIGPIPE);
+                const timespec zero{0, 0};
+                while (sigtimedwait(&only, nullptr, &zero) == -1 && errno == EINTR) {
+                }
+            }
+        }
+        pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+    }
+    sigpipe_guard(const sigpipe_guard &) = delete;
+    sigpipe_guard & operator=(const sigpipe_guard &) = delete;
+
+  private:
+    sigset_t old_;
+    bool was_pending_ = false;
+};
+
+struct redis_address {
+    std::string host;
+    int port = 6379;
+    int db = 0;
+};
+
+bool all_digits(const std::string & s) {
+    return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// redis://HOST[:PORT][/DB]; HOST a name or IPv4 address
+redis_address parse_uri(const std::string & uri) {
+    auto bad = [&](const std::string & why) {
+        return error("malformed redis URI '" + uri + "': " + why + " (expected redis://HOST:PORT[/DB])");
+    };
+    const std::string scheme = "redis://";
+    if (uri.compare(0, scheme.size(), scheme) != 0) throw bad("it does not start with redis://");
+    std::string rest = uri.substr(scheme.size());
+
+    redis_address a;
+    const size_t slash = rest.find('/');
+    if (slash != std::string::npos) {
+        const std::string db = rest.substr(slash + 1);
+        rest.resize(slash);
+        // "redis://h:1/" is the default database, as in redis-cli
+        if (!db.empty()) {
+            if (!all_digits(db) || db.size() > 9) throw bad("database '" + db + "' is not a non-negative integer");
+            a.db = std::atoi(db.c_str());
+        }
+    }
+    const size_t colon = rest.find(':');
+    a.host = rest.substr(0, colon);
+    if (colon != std::string::npos) {
+        const std::string port = rest.substr(colon + 1);
+        if (!all_digits(port) || port.size() > 5) throw bad("port '" + port + "' is not a number in 1..65535");
+        a.port = std::atoi(port.c_str());
+        if (a.port < 1 || a.port > 65535) throw bad("port " + port + " is not in 1..65535");
+    }
+    if (a.host.empty()) throw bad("no host");
+    const bool host_ok = std::all_of(a.host.begin(), a.host.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-' ||
+               c == '_';
+    });
+    if (!host_ok) throw bad("host '" + a.host + "' is not a host name or IPv4 address");
+    return a;
+}
+
+// one command's words, binary-safe
+class command {
+  public:
+    // words are not copied: each must outlive the command (literals, locals);
+    // temporaries are kept by the command
+    command & arg(const char * s) { return arg(s, std::strlen(s)); }
+    command & arg(const std::string & s) { return arg(s.data(), s.size()); }
+    command & arg(std::string && s) {
+        owned_.push_back(std::make_unique<std::string>(std::move(s)));
+        return arg(*owned_.back());
+    }
+    command & arg(const void * p, size_t n) {
+        argv_.push_back(static_cast<const char *>(p));
+        argvlen_.push_back(n);
+        return *this;
+    }
+    int argc() const { return (int) argv_.size(); }
+    const char ** argv() { return argv_.data(); }
+    const size_t * argvlen() const { return argvlen_.data(); }
+
+  private:
+    std::vector<const char *> argv_;
+    std::vector<size_t> argvlen_;
+    std::vector<std::unique_ptr<std::string>> owned_;  // temporaries passed to arg(), at stable addresses
+};
+
+struct entry_scan {
+    store_entry_info info;
+    int64_t idle = -1;  // seconds since last use; -1 where the server does not say
+};
+
+class redis_store : public store {
+  public:
+    redis_store(std::string uri, redis_address addr, const store_options & opts)
+        : uri_(std::move(uri)), addr_(std::move(addr)), opts_(opts) {
+        std::lock_guard<std::mutex> lock(mtx_);
+        sigpipe_guard guard;
+        connect();
+    }
+
+    void put(const std::string & key, const std::vector<uint8_t> & bytes) override {
+        retrying([&] {
+            const std::string k = key_prefix + key;
+            // one transaction, so a reader never sees a value without its size
+            command multi, set, hset, exec;
+            multi.arg("MULTI");
+            set.arg("SET").arg(k).arg(bytes.data(), bytes.size());
+            hset.arg("HSET").arg(sizes_hash).arg(key).arg(std::to_string(bytes.size()));
+            exec.arg("EXEC");
+            for (command * c : {&multi, &set, &hset, &exec}) append(*c);
+            std::vector<reply_ptr> r;
+            try {
+                r = read_replies(4);
+            } catch (const io_error & e) {
+                // the server drops a client that sends a value over its limit; no use retrying
+                if (bytes.size() > proto_max_bulk_len) {
+                    throw error(std::string(e.what()) + " (a " + std::to_string(bytes.size()) +
+                                "-byte value: redis refuses values over proto-max-bulk-len, 512 MB by default)");
+                }
+                throw;
+            }
+            for (int i = 0; i < 3; ++i) expect_ok(r[i].get(), "SET");
+            check_exec(r[3].get(), 2, "SET");
+        });
+    }
+
+    std::optional<std::vector<uint8_t>> get(const std::string & key) override {
+        return retrying([&]() -> std::optional<std::vector<uint8_t>> {
+            // GET refreshes the key's LRU clock: that is our "last used"
+            reply_ptr r = run(command().arg("GET").arg(key_prefix + key));
+            if (r->type == REDIS_REPLY_NIL) return std::nullopt;
+            if (r->type != REDIS_REPLY_STRING) throw unexpected("GET", r.get());
+            const auto * p = reinterpret_cast<const uint8_t *>(r->str);
+            return std::vector<uint8_t>(p, p + r->len);
+        });
+    }
+
+    bool contains(const std::string & key) override {
+        // EXISTS does not touch the LRU clock: looking is not using
+        return retrying(
+            [&] { return integer(run(command().arg("EXISTS").arg(key_prefix + key)).get(), "EXISTS") > 0; });
+    }
+
+    bool erase(const std::string & key) override {
+        return retrying([&] { return remove(key); });
+    }
+
+    std::vector<store_entry_info> list() override {
+        return retrying([&] {
+            std::vector<store_entry_info> out;
+            for (auto & e : scan()) out.push_back(std::move(e.info));
+            return out;
+        });
+    }
+
+    store_stats stats() override {
+        return retrying([&] {
+            store_stats s;
+            for (const auto & e : scan()) {
+                s.n_entries += 1;
+                s.bytes += e.info.bytes;
+            }
+            s.max_bytes = opts_.max_bytes;
+            s.backend = uri_;
+            return s;
+        });
+    }
+
+    uint64_t gc() override {
+        return retrying([&] {
+            drop_stale_sizes();
+            if (opts_.max_bytes == 0) return uint64_t(0);
+            std::vector<entry_scan> entries = scan();
+            uint64_t total = 0;
+            for (const auto & e : entries) total += e.info.bytes;
+            if (total <= opts_.max_bytes) return uint64_t(0);
+            // least recently used first; entries whose idle time is unknown (an
+            // LFU maxmemory-policy) count as just used
+            std::stable_sort(entries.begin(), entries.end(),
+                             [](const entry_scan & a, const entry_scan & b) { return a.idle > b.idle; });
+            uint64_t removed = 0;
+            for (const auto & e : entries) {
+                if (total <= opts_.max_bytes) break;
+                if (remove(e.info.key)) removed += 1;
+                total -= e.info.bytes;  // gone either way, maybe by another process
+            }
+            return removed;
+        });
+    }
+
+    std::string uri() const override { return uri_; }
+
+  private:
+    std::string uri_;
+    redis_address addr_;
+    store_options opts_;
+    std::mutex mtx_;  // one connection, one command stream at a time
+    context_ptr ctx_;
+    size_t pending_ = 0;  // commands sent whose replies are not read yet
+
+    std::string where() const { return addr_.host + ":" + std::to_string(addr_.port); }
+
+    void connect() {
+        pending_ = 0;
+        ctx_.reset(redisConnectWithTimeout(addr_.host.c_str(), addr_.port, connect_timeout));
+        if (!ctx_) throw error("cannot reach redis at " + where() + ": out of memory");
+        if (ctx_->err) {
+            const std::string why = ctx_->errstr;
+            disconnect();
+            throw error("cannot reach redis at " + where() + ": " + why);
+        }
+        if (redisSetTimeout(ctx_.get(), command_timeout) != REDIS_OK || redisEnableKeepAlive(ctx_.get()) != REDIS_OK) {
+            const std::string why = ctx_->errstr;
+            disconnect();
+            throw error("cannot reach redis at " + where() + ": " + why);
+        }
+        try {
+            expect_ok(run(command().arg("SELECT").arg(std::to_string(addr_.db))).get(), "SELECT");
+        } catch (const io_error & e) {
+            disconnect();
+            throw error("cannot reach redis at " + where() + ": " + e.what());
+        } catch (...) {
+            disconnect();
+            throw;
+        }
+    }
+
+    // run op under the lock; when the connection drops, reconnect once and run it again
+    template <typename F>
+    auto retrying(F && op) -> decltype(op()) {
+        std::lock_guard<std::mutex> lock(mtx_);
+        sigpipe_guard guard;
+        try {
+            if (!ctx_) connect();
+            return op();
+        } catch (const io_error &) {
+            disconnect();
+        } catch (...) {
+            // an error midway through a pipeline leaves replies unread: start afresh
+            if (pending_ > 0) disconnect();
+            throw;
+        }
+        connect();
+        try {
+            return op();
+        } catch (const io_error &) {
+            disconnect();
+            throw;
+        } catch (...) {
+            if (pending_ > 0) disconnect();
+            throw;
+        }
+    }
+
+    void disconnect() {
+        ctx_.reset();
+        pending_ = 0;
+    }
+
+    [[noreturn]] void lost() {
+        const std::string why = ctx_ && ctx_->errstr[0] ? ctx_->errstr : "connection lost";
+        throw io_error("redis at " + where() + ": " + why);
+    }
+
+    void append(command & c) {
+        if (redisAppendCommandArgv(ctx_.get(), c.argc(), c.argv(), c.argvlen()) != REDIS_OK) lost();
+        pending_ += 1;
+    }
+
+    reply_ptr read_reply() {
+        void * raw = nullptr;
+        if (redisGetReply(ctx_.get(), &raw) != REDIS_OK || raw == nullptr) lost();
+        pending_ -= 1;
+        return reply_ptr(static_cast<redisReply *>(raw));
+    }
+
+    // all replies of a pipeline before looking at any, so the stream stays in step
+    std::vector<reply_ptr> read_replies(size_t n) {
+        std::vector<reply_ptr> out;
+        for (size_t i = 0; i < n; ++i) out.push_back(read_reply());
+        return out;
+    }
+
+    // one command; a reply error becomes a kvblend::error with the server's message
+    reply_ptr run(command & c) {
+        append(c);
+        reply_ptr r = read_reply();
+        if (r->type == REDIS_REPLY_ERROR) throw server_error(c, r.get());
+        return r;
+    }
+
+    error server_error(const std::string & what, const redisReply * r) const {
+        return error("redis at " + where() + ": " + what + ": " + std::string(r->str ? r->str : "?", r->len));
+    }
+    error server_error(command & c, const redisReply * r) const {
+        return server_error(std::string(c.argv()[0], c.argvlen()[0]), r);
+    }
+    error unexpected(const std::string & what, const redisReply * r) const {
+        if (r->type == REDIS_REPLY_ERROR) return server_error(what, r);
+        return error("redis at " + where() + ": unexpected reply type " + std::to_string(r->type) + " to " + what);
+    }
+
+    void expect_ok(const redisReply * r, const std::string & what) const {
+        if (r->type != REDIS_REPLY_STATUS) throw unexpected(what, r);
+    }
+
+    long long integer(const redisReply * r, const std::string & what) const {
+        if (r->type != REDIS_REPLY_INTEGER) throw unexpected(what, r);
+        return r->integer;
+    }
+
+    // EXEC answers with every queued command's reply, or nil when aborted
+    void check_exec(const redisReply * r, size_t n, const std::string & what) const {
+        if (r->type != REDIS_REPLY_ARRAY || r->elements != n) throw unexpected(what, r);
+        for (size_t i = 0; i < n; ++i) {
+            if (r->element[i] == nullptr) throw error("redis at " + where() + ": empty reply to " + what);
+            if (r->element[i]->type == REDIS_REPLY_ERROR) throw server_error(what, r->element[i]);
+        }
+    }
+
+    bool remove(const std::string & key) {
+        command multi, del, hdel, exec;
+        multi.arg("MULTI");
+        del.arg("DEL").arg(key_prefix + key);
+        hdel.arg("HDEL").arg(sizes_hash).arg(key);
+        exec.arg("EXEC");
+        for (command * c : {&multi, &del, &hdel, &exec}) append(*c);
+        std::vector<reply_ptr> r = read_replies(4);
+        for (int i = 0; i < 3; ++i) expect_ok(r[i].get(), "DEL");
+        check_exec(r[3].get(), 2, "DEL");
+        return integer(r[3]->element[0], "DEL") > 0;
+    }
+
+    // every entry with its size and idle time, touching none of them
+    std::vector<entry_scan> scan() {
+        std::vector<entry_scan> out;
+        std::unordered_set<std::string> seen;  // SCAN may return a key twice
+        const int64_t now = (int64_t) std::time(nullptr);
+        const size_t n_pref = std::string(key_prefix).size();
+        std::string cursor = "0";
+        do {
+            reply_ptr r = run(command()
+                                  .arg("SCAN")
+                                  .arg(cursor)
+                                  .arg("MATCH")
+                                  .arg(scan_match)
+                                  .arg("COUNT")
+                                  .arg(std::to_string(scan_count)));
+            if (r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_STRING ||
+                r->element[1]->type != REDIS_REPLY_ARRAY) {
+                throw unexpected("SCAN", r.get());
+            }
+            cursor.assign(r->element[0]->str, r->element[0]->len);
+            std::vector<std::string> keys;
+            const redisReply * batch = r->element[1];
+            for (size_t i = 0; i < batch->elements; ++i) {
+                const redisReply * k = batch->element[i];
+                if (k->type != REDIS_REPLY_STRING || k->len < n_pref) continue;
+                std::string key(k->str + n_pref, k->len - n_pref);
+                if (seen.insert(key).second) keys.push_back(std::move(key));
+            }
+            if (!keys.empty()) scan_batch(keys, now, out);
+        } while (cursor != "0");
+        return out;
+    }
+
+    // idle times (OBJECT IDLETIME does not touch) and sizes (from the sizes hash)
+    // of one SCAN batch, pipelined
+    void scan_batch(const std::vector<std::string> & keys, int64_t now, std::vector<entry_scan> & out) {
+        for (const auto & key : keys) {
+            command c;
+            c.arg("OBJECT").arg("IDLETIME").arg(key_prefix + key);
+            append(c);
+        }
+        command hmget;
+        hmget.arg("HMGET").arg(sizes_hash);
+        for (const auto & key : keys) hmget.arg(key);
+        append(hmget);
+
+        std::vector<reply_ptr> idle = read_replies(keys.size());
+        reply_ptr sizes = read_reply();
+        if (sizes->type != REDIS_REPLY_ARRAY || sizes->elements != keys.size()) throw unexpected("HMGET", sizes.get());
+
+        std::vector<size_t> unsized;  // entries written without a size (or whose size was lost)
+        for (size_t i = 0; i < keys.size(); ++i) {
+            if (idle[i]->type == REDIS_REPLY_NIL) continue;  // removed since SCAN
+            entry_scan e;
+            e.info.key = keys[i];
+            if (idle[i]->type == REDIS_REPLY_INTEGER) {
+                e.idle = idle[i]->integer;
+                e.info.last_used = now - e.idle;
+            }
+            const redisReply * s = sizes->element[i];
+            if (s->type == REDIS_REPLY_STRING) {
+                e.info.bytes = std::strtoull(std::string(s->str, s->len).c_str(), nullptr, 10);
+            } else {
+                unsized.push_back(out.size());
+            }
+            out.push_back(std::move(e));
+        }
+        if (!unsized.empty()) measure(unsized, out);
+    }
+
+    // STRLEN the entries the sizes hash lacks and record them there, so this
+    // (which refreshes their LRU clock) happens once per entry
+    void measure(const std::vector<size_t> & idx, std::vector<entry_scan> & out) {
+        for (size_t i : idx) {
+            command c;
+            c.arg("STRLEN").arg(key_prefix + out[i].info.key);
+            append(c);
+        }
+        std::vector<bool> drop(out.size(), false);
+        command hset;
+        hset.arg("HSET").arg(sizes_hash);
+        for (size_t i : idx) {
+            reply_ptr r = read_reply();
+            // not a string: something else wrote there; not ours to list
+            if (r->type != REDIS_REPLY_INTEGER) {
+                drop[i] = true;
+                continue;
+            }
+            out[i].info.bytes = (uint64_t) r->integer;
+            hset.arg(out[i].info.key).arg(std::to_string(r->integer));
+        }
+        if (hset.argc() > 2) run(hset);
+        size_t w = 0;
+        for (size_t i = 0; i < out.size(); ++i) {
+            if (drop[i]) continue;
+            if (w != i) out[w] = std::move(out[i]);
+            w += 1;
+        }
+        out.resize(w);
+    }
+
+    // sizes of entries that are gone (deleted by hand, evicted by redis' own
+    // maxmemory policy): the leftovers gc() is asked to clean up
+    void drop_stale_sizes() {
+        std::string cursor = "0";
+        do {
+            reply_ptr r =
+                run(command().arg("HSCAN").arg(sizes_hash).arg(cursor).arg("COUNT").arg(std::to_string(scan_count)));
+            if (r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_STRING ||
+                r->element[1]->type != REDIS_REPLY_ARRAY) {
+                throw unexpected("HSCAN", r.get());
+            }
+            cursor.assign(r->element[0]->str, r->element[0]->len);
+            const redisReply * kv = r->element[1];  // field, value, field, value, ...
+            std::vector<std::string> fields;
+            for (size_t i = 0; i + 1 < kv->elements; i += 2) {
+                if (kv->element[i]->type == REDIS_REPLY_STRING) {
+                    fields.emplace_back(kv->element[i]->str, kv->element[i]->len);
+                }
+            }
+            for (const auto & f : fields) {
+                command c;
+                c.arg("EXISTS").arg(key_prefix + f);
+                append(c);
+            }
+            command hdel;
+            hdel.arg("HDEL").arg(sizes_hash);
+            for (const auto & f : fields) {
+                reply_ptr e = read_reply();
+                if (e->type == REDIS_REPLY_INTEGER && e->integer == 0) hdel.arg(f);
+            }
+            if (hdel.argc() > 2) run(hdel);
+        } while (cursor != "0");
+    }
+};
+
+}  // namespace
+
+std::unique_ptr<store> redis_store_open(const std::string & uri, const store_options & opts) {
+    redis_address addr = parse_uri(uri);
+    return std::make_unique<redis_store>(uri, std::move(addr), opts);
+}
+
+}  // namespace kvblend

@@ -1,0 +1,211 @@
+// kvblend tests: a real redis-server on a free loopback port, started for a
+// test and killed with it. No hiredis here: the harness speaks just enough
+// RESP over a plain socket to wait for PING and send a raw command.
+#pragma once
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "test_util.h"
+
+namespace kvblend::test {
+
+// the redis-server binary: /usr/bin/redis-server, else the first one on PATH; "" when none
+inline std::string redis_server_binary() {
+    auto runnable = [](const std::string & p) { return ::access(p.c_str(), X_OK) == 0; };
+    if (runnable("/usr/bin/redis-server")) return "/usr/bin/redis-server";
+    const char * path = std::getenv("PATH");
+    std::string dirs = path ? path : "";
+    size_t start = 0;
+    while (start <= dirs.size()) {
+        const size_t end = std::min(dirs.find(':', start), dirs.size());
+        const std::string dir = dirs.substr(start, end - start);
+        if (!dir.empty() && runnable(dir + "/redis-server")) return dir + "/redis-server";
+        start = end + 1;
+    }
+    return "";
+}
+
+// a loopback TCP port nobody listens on right now (the kernel's pick for port 0)
+inline int free_loopback_port() {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) throw std::runtime_error("socket() failed");
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = 0;
+    socklen_t len = sizeof(a);
+    const bool ok = ::bind(fd, (sockaddr *) &a, sizeof(a)) == 0 && ::getsockname(fd, (sockaddr *) &a, &len) == 0;
+    ::close(fd);
+    if (!ok) throw std::runtime_error("cannot bind a loopback port");
+    return ntohs(a.sin_port);
+}
+
+// send one command to 127.0.0.1:port and return the first line of the reply
+// ("+PONG", ":1", "-ERR ..."); "" when nothing answers within timeout_ms
+inline std::string redis_raw_command(int port, const std::vector<std::string> & args, int timeout_ms = 1000) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return "";
+    struct closer {
+        int fd;
+        ~closer() { ::close(fd); }
+    } close_fd{fd};
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons((uint16_t) port);
+    if (::connect(fd, (sockaddr *) &a, sizeof(a)) != 0) return "";
+
+    std::string req = "*" + std::to_string(args.size()) + "\r\n";
+    for (const auto & s : args) req += "$" + std::to_string(s.size()) + "\r\n" + s + "\r\n";
+    for (size_t off = 0; off < req.size();) {
+        const ssize_t n = ::send(fd, req.data() + off, req.size() - off, MSG_NOSIGNAL);
+        if (n <= 0) return "";
+        off += (size_t) n;
+    }
+    std::string reply;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (reply.find("\r\n") == std::string::npos) {
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+        pollfd p{fd, POLLIN, 0};
+        if (left <= 0 || ::poll(&p, 1, (int) left) <= 0) return "";
+        char buf[512];
+        const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+        if (n <= 0) return "";
+        reply.append(buf, (size_t) n);
+    }
+    return reply.substr(0, reply.find("\r\n"));
+}
+
+// a redis-server child process on 127.0.0.1, answering PING once constructed;
+// throws std::runtime_error (naming scripts/setup.sh when redis is missing)
+class redis_server {
+  public:
+    // on a free port (0) or on the given one (a restart, for tests)
+    explicit redis_server(int port = 0) : dir_("redis") {
+        binary_ = redis_server_binary();
+        if (binary_.empty()) {
+            throw std::runtime_error(
+                "redis-server not found (not /usr/bin/redis-server, not on PATH): "
+                "run scripts/setup.sh to install it");
+        }
+        // another process may take the port between our pick and redis' bind: pick again
+        std::string why;
+        for (int attempt = 0; attempt < (port ? 1 : 5); ++attempt) {
+            port_ = port ? port : free_loopback_port();
+            if (start(why)) return;
+        }
+        throw std::runtime_error("redis-server did not start: " + why);
+    }
+    ~redis_server() { stop(); }
+    redis_server(const redis_server &) = delete;
+    redis_server & operator=(const redis_server &) = delete;
+
+    int port() const { return port_; }
+    std::string uri(int db = 0) const {
+        return "redis://127.0.0.1:" + std::to_string(port_) + "/" + std::to_string(db);
+    }
+
+    // kill and reap the server now (a dropped connection, for tests)
+    void stop() {
+        if (pid_ <= 0) return;
+        ::kill(pid_, SIGKILL);
+        int status = 0;
+        while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+        }
+        pid_ = -1;
+    }
+
+    // the first line of the server's reply to a raw command (see redis_raw_command)
+    std::string command(const std::vector<std::string> & args) const { return redis_raw_command(port_, args); }
+
+  private:
+    temp_dir dir_;  // redis' working dir and its log
+    std::string binary_;
+    int port_ = 0;
+    pid_t pid_ = -1;
+
+    std::string log() const {
+        std::ifstream f(dir_.file("redis.log"));
+        return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    }
+
+    bool start(std::string & why) {
+        const std::string port = std::to_string(port_);
+        const std::string dir = dir_.path().string();
+        const std::vector<std::pair<std::string, std::string>> opts = {
+            {"--port", port},      {"--bind", "127.0.0.1"}, {"--save", ""},    {"--appendonly", "no"},
+            {"--daemonize", "no"}, {"--dir", dir},          {"--logfile", ""},
+        };
+        std::vector<std::string> args = {binary_};
+        for (const auto & [k, v] : opts) {
+            args.push_back(k);
+            args.push_back(v);
+        }
+        std::vector<char *> argv;
+        for (auto & a : args) argv.push_back(a.data());
+        argv.push_back(nullptr);
+        const std::string logfile = dir_.file("redis.log");
+
+        const pid_t parent = ::getpid();
+        pid_ = ::fork();
+        if (pid_ < 0) {
+            pid_ = -1;
+            why = std::string("fork failed: ") + std::strerror(errno);
+            return false;
+        }
+        if (pid_ == 0) {
+            // the child: only async-signal-safe calls until exec. it dies with
+            // the test process, even one that crashes before our destructor runs
+            ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+            if (::getppid() != parent) ::_exit(127);
+            const int in = ::open("/dev/null", O_RDONLY);
+            const int out = ::open(logfile.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            if (in < 0 || out < 0) ::_exit(127);
+            ::dup2(in, 0);
+            ::dup2(out, 1);
+            ::dup2(out, 2);
+            ::execv(binary_.c_str(), argv.data());
+            ::_exit(127);
+        }
+
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (std::chrono::steady_clock::now() < deadline) {
+            int status = 0;
+            if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+                pid_ = -1;
+                why = "it exited early; its log:\n" + log();
+                return false;
+            }
+            if (redis_raw_command(port_, {"PING"}, 200) == "+PONG") return true;
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        stop();
+        why = "no answer to PING on 127.0.0.1:" + port + " within 5 s; its log:\n" + log();
+        return false;
+    }
+};
+
+}  // namespace kvblend::test

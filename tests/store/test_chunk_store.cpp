@@ -1,0 +1,280 @@
+// the chunk store with its embedded directory backend: bit-exact roundtrips,
+// corruption caught, LRU eviction, concurrent writers, blends from hits.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cli_run.h"
+#include "kvblend/rag_prompt.h"
+#include "kvblend/store.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+
+std::vector<llama_token> doc_tokens(const model & m, int i) {
+    const char * docs[] = {
+        "Tom had a red ball. He liked to throw it high in the sky.",
+        "Sue found a little cat in the garden. The cat was hungry.",
+        "Lily had a big box of crayons. She drew a house and a tree.",
+        "A small bird could not fly. Max helped the bird and kept it warm.",
+    };
+    return rag_doc_tokens(m.tokens(), docs[i % 4]);
+}
+
+fs::path entry_file(const test::temp_dir & d, const std::string & key) {
+    return d.path() / "entries" / key.substr(0, 2) / (key + ".kvb");
+}
+
+void expect_same_chunk(const chunk_kv & a, const chunk_kv & b) {
+    EXPECT_EQ(a.tokens, b.tokens);
+    EXPECT_EQ(a.pos0, b.pos0);
+    EXPECT_EQ(a.type, b.type);
+    EXPECT_EQ(a.k, b.k);  // bit-exact
+    EXPECT_EQ(a.v, b.v);
+}
+
+TEST(chunk_store, dir_roundtrip_is_bit_exact) {
+    auto m = model::load(k_stories);
+    engine eng(m, engine_default_params());
+    test::temp_dir d("store");
+    auto st = store_open("dir:" + d.path().string());
+    for (int i = 0; i < 3; ++i) {
+        const chunk_kv c = collect(eng, doc_tokens(*m, i));
+        const std::string key = chunk_key(*m, c.type, "raw", {}, c.tokens);
+        EXPECT_EQ(key.size(), 32u);
+        st->put(key, chunk_encode(*m, c, {}));
+        EXPECT_TRUE(st->contains(key));
+        const auto bytes = st->get(key);
+        ASSERT_TRUE(bytes.has_value());
+        expect_same_chunk(chunk_decode(*m, *bytes), c);
+    }
+    EXPECT_EQ(st->stats().n_entries, 3u);
+    EXPECT_EQ(st->list().size(), 3u);
+    // a bare path opens the same store
+    EXPECT_EQ(store_open(d.path().string())->stats().n_entries, 3u);
+}
+
+TEST(chunk_store, keys_separate_models_types_prefixes_and_tokens) {
+    auto m = model::load(k_stories);
+    auto other = model::load(test::make_test_model("tiny"));
+    const std::vector<llama_token> t = doc_tokens(*m, 0);
+    const std::string base = chunk_key(*m, GGML_TYPE_F16, "raw", {}, t);
+    EXPECT_NE(base, chunk_key(*other, GGML_TYPE_F16, "raw", {}, t));
+    EXPECT_NE(base, chunk_key(*m, GGML_TYPE_F32, "raw", {}, t));
+    EXPECT_NE(base, chunk_key(*m, GGML_TYPE_F16, "raw", {1}, t));
+    EXPECT_NE(base, chunk_key(*m, GGML_TYPE_F16, "q8_0", {}, t));
+    std::vector<llama_token> t2 = t;
+    t2.back() ^= 1;
+    EXPECT_NE(base, chunk_key(*m, GGML_TYPE_F16, "raw", {}, t2));
+    EXPECT_EQ(base, chunk_key(*m, GGML_TYPE_F16, "raw", {}, t));
+    // two quantizations of one synthetic model differ in fingerprint
+    auto q8 = model::load(test::make_test_model("tiny", GGML_TYPE_Q8_0));
+    EXPECT_NE(other->fingerprint(), q8->fingerprint());
+}
+
+TEST(chunk_store, corrupt_truncated_and_foreign_entries_are_misses) {
+    auto m = model::load(k_stories);
+    engine eng(m, engine_default_params());
+    const std::vector<llama_token> toks = doc_tokens(*m, 1);
+    const chunk_kv good = collect(eng, toks);
+    const std::vector<uint8_t> bytes = chunk_encode(*m, good, {});
+
+    auto expect_bad = [&](std::vector<uint8_t> b, const std::string & what) {
+        EXPECT_NE(chunk_entry_check(b, m.get()).find(what), std::string::npos) << chunk_entry_check(b, m.get());
+        EXPECT_THROW(chunk_decode(*m, b), error);
+    };
+    std::vector<uint8_t> flipped = bytes;
+    flipped[bytes.size() / 2] ^= 0x40;
+    expect_bad(flipped, "checksum");
+    expect_bad(std::vector<uint8_t>(bytes.begin(), bytes.begin() + bytes.size() / 2), "truncated");
+    expect_bad(std::vector<uint8_t>(bytes.begin(), bytes.begin() + 20), "truncated");
+    std::vector<uint8_t> magic = bytes;
+    magic[0] = 'X';
+    expect_bad(magic, "magic");
+    // an entry of another model: well formed, but not ours
+    auto other = model::load(test::make_test_model("tiny"));
+    engine eng2(other, engine_default_params());
+    const std::vector<uint8_t> foreign = chunk_encode(*other, collect(eng2, {1, 2, 3, 4}), {});
+    EXPECT_EQ(chunk_entry_check(foreign, nullptr), "");
+    expect_bad(foreign, "another model");
+
+    // through the store: the bad entry is removed and the chunk collected again
+    test::temp_dir d("store");
+    auto st = store_open(d.path().string());
+    const std::string key = chunk_key(*m, good.type, "raw", {}, toks);
+    for (const auto & bad : {flipped, std::vector<uint8_t>(bytes.begin(), bytes.begin() + 1000), foreign}) {
+        st->put(key, bad);
+        chunk_fetch_stats fs;
+        const chunk_kv c = chunk_get_or_collect(st.get(), eng, {}, toks, fs);
+        EXPECT_EQ(fs.misses, 1);
+        EXPECT_EQ(fs.hits, 0);
+        expect_same_chunk(c, good);
+        // and the store now holds a good entry again
+        EXPECT_EQ(chunk_entry_check(*st->get(key), m.get()), "");
+    }
+    // a file truncated on disk behind the store's back
+    fs::resize_file(entry_file(d, key), 100);
+    chunk_fetch_stats fs;
+    expect_same_chunk(chunk_get_or_collect(st.get(), eng, {}, toks, fs), good);
+    EXPECT_EQ(fs.misses, 1);
+}
+
+TEST(chunk_store, lru_eviction_under_a_budget) {
+    test::temp_dir d("store");
+    const std::vector<uint8_t> blob(1000, 7);
+    store_options so;
+    so.max_bytes = 3500;  // room for three entries
+    auto st = store_open(d.path().string(), so);
+    const std::vector<std::string> keys = {"aaaa0000aaaa0000", "bbbb0000bbbb0000", "cccc0000cccc0000", "dddd0000dddd0000",
+                                           "eeee0000eeee0000"};
+    // age entries explicitly: a, b, c written at t = 100, 200, 300
+    for (int i = 0; i < 3; ++i) {
+        st->put(keys[i], blob);
+        const timeval tv[2] = {{100 * (i + 1), 0}, {100 * (i + 1), 0}};
+        utimes(entry_file(d, keys[i]).c_str(), tv);
+    }
+    st->get(keys[0]);  // a is used now: the least recently used is b
+    st->put(keys[3], blob);
+    EXPECT_TRUE(st->contains(keys[0]));
+    EXPECT_FALSE(st->contains(keys[1]));
+    EXPECT_TRUE(st->contains(keys[2]));
+    EXPECT_TRUE(st->contains(keys[3]));
+    st->put(keys[4], blob);  // now c (t = 300) is the oldest
+    EXPECT_FALSE(st->contains(keys[2]));
+    EXPECT_EQ(st->stats().n_entries, 3u);
+    EXPECT_LE(st->stats().bytes, so.max_bytes);
+
+    // gc with a smaller budget evicts more, oldest first
+    store_options tight;
+    tight.max_bytes = 1500;
+    EXPECT_EQ(store_open(d.path().string(), tight)->gc(), 2u);
+    EXPECT_EQ(st->list().size(), 1u);
+}
+
+TEST(chunk_store, bad_uris_and_keys_are_errors) {
+    EXPECT_THROW(store_open(""), error);
+    EXPECT_THROW(store_open("ftp://x"), error);
+    EXPECT_THROW(store_open("dir:/proc/kvblend-cannot-create"), error);
+    test::temp_dir d("store");
+    auto st = store_open(d.path().string());
+    EXPECT_THROW(st->put("../../etc/passwd", {1}), error);
+    EXPECT_THROW(st->get("not hex!"), error);
+    EXPECT_FALSE(st->get("0123456789abcdef").has_value());
+    EXPECT_FALSE(st->erase("0123456789abcdef"));
+}
+
+TEST(chunk_store, blend_from_store_hits_equals_blend_from_fresh_collects) {
+    auto m = model::load(k_stories);
+    engine eng(m, engine_default_params());
+    const rag_prompt p = rag_prompt_build(m->tokens(), "Stories:", {"Tom had a red ball.", "Sue found a cat.", "Ben swam."},
+                                          "Once upon a time", false);
+    test::temp_dir d("store");
+    auto st = store_open(d.path().string());
+
+    auto run = [&](store * s, chunk_fetch_stats & fs) {
+        std::vector<chunk_kv> kv;
+        for (const auto & c : p.chunks) kv.push_back(chunk_get_or_collect(s, eng, {}, c, fs));
+        std::vector<const chunk_kv *> ptrs;
+        for (const auto & c : kv) ptrs.push_back(&c);
+        return blend(eng, ptrs, p.query, blend_default_params()).logits;
+    };
+    chunk_fetch_stats fresh, first, second;
+    const std::vector<float> a = run(nullptr, fresh);
+    const std::vector<float> b = run(st.get(), first);
+    const std::vector<float> c = run(st.get(), second);
+    EXPECT_EQ(first.misses, 4);
+    EXPECT_EQ(second.hits, 4);
+    EXPECT_EQ(second.misses, 0);
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(a, c);  // bit-exact
+}
+
+TEST(chunk_store, two_processes_ingesting_at_once_lose_nothing) {
+    test::temp_dir docs("docs"), d("store");
+    std::vector<std::string> files;
+    for (int i = 0; i < 12; ++i) {
+        files.push_back(docs.file("d" + std::to_string(i) + ".txt"));
+        std::ofstream(files.back()) << "Story number " << i << ". A child named Kim " << (i % 2 ? "ran" : "sang")
+                                    << " in the park with a dog " << i * 7 << " times.\n\nThe end " << i << ".";
+    }
+    std::string args;
+    for (const auto & f : files) args += " " + f;
+    const std::string cmd = "ingest -m " + k_stories + " --store " + d.path().string() + " --split paragraph" + args;
+    test::run_result r1, r2;
+    std::thread t1([&] { r1 = test::run_cli(cmd); });
+    std::thread t2([&] { r2 = test::run_cli(cmd); });
+    t1.join();
+    t2.join();
+    ASSERT_EQ(r1.status, 0) << r1.err;
+    ASSERT_EQ(r2.status, 0) << r2.err;
+
+    // 24 distinct paragraphs, each stored once, every entry whole and valid
+    auto m = model::load(k_stories);
+    auto st = store_open(d.path().string());
+    EXPECT_EQ(st->list().size(), 24u);
+    EXPECT_EQ(st->stats().n_entries, 24u);  // the index agrees with the entries
+    for (const auto & e : st->list()) EXPECT_EQ(chunk_entry_check(*st->get(e.key), m.get()), "") << e.key;
+    EXPECT_TRUE(fs::is_empty(d.path() / "tmp"));  // no leftovers of the writes
+
+    // a third ingest finds everything stored
+    const test::run_result r3 = test::run_cli(cmd);
+    ASSERT_EQ(r3.status, 0) << r3.err;
+    EXPECT_NE(r3.out.find("0 collected"), std::string::npos) << r3.out;
+    EXPECT_NE(r3.out.find("24 already stored"), std::string::npos) << r3.out;
+}
+
+TEST(chunk_store, cli_blend_uses_the_store_and_store_commands_work) {
+    test::temp_dir docs("docs"), d("store");
+    const std::string f1 = docs.file("a.txt"), f2 = docs.file("b.txt");
+    std::ofstream(f1) << "Tom had a red ball. He liked to throw it high in the sky.";
+    std::ofstream(f2) << "Sue found a little cat in the garden. The cat was hungry.";
+    const test::run_result ing = test::run_cli("ingest -m " + k_stories + " --store dir:" + d.path().string() + " " + f1 + " " + f2);
+    ASSERT_EQ(ing.status, 0) << ing.err;
+    const std::string blend_cmd = "blend -m " + k_stories + " --store " + d.path().string() + " --system 'Stories:' --doc " + f1 +
+                                  " --doc " + f2 + " --query 'Once upon a time' -n 4 --json";
+    const test::run_result b = test::run_cli(blend_cmd);
+    ASSERT_EQ(b.status, 0) << b.err;
+    const auto j = nlohmann::json::parse(b.out);
+    EXPECT_EQ(j["store_hits"].get<int>(), 2);    // both documents were ingested
+    EXPECT_EQ(j["store_misses"].get<int>(), 1);  // the prefix chunk was not
+    EXPECT_TRUE(j.contains("load_ms"));
+    EXPECT_EQ(nlohmann::json::parse(test::run_cli(blend_cmd).out)["store_misses"].get<int>(), 0);
+
+    const test::run_result stats = test::run_cli("store stats --json --store " + d.path().string());
+    ASSERT_EQ(stats.status, 0) << stats.err;
+    EXPECT_EQ(nlohmann::json::parse(stats.out)["entries"].get<int>(), 3);
+    EXPECT_EQ(test::run_cli("store ls --store " + d.path().string()).status, 0);
+
+    // corrupt one entry on disk: verify finds and removes it
+    auto st = store_open(d.path().string());
+    const std::string key = st->list()[0].key;
+    {
+        std::fstream f(entry_file(d, key), std::ios::in | std::ios::out | std::ios::binary);
+        f.seekp(200);
+        f.put('\x5a');
+    }
+    const test::run_result v = test::run_cli("store verify -m " + k_stories + " --json --store " + d.path().string());
+    ASSERT_EQ(v.status, 0) << v.err;
+    EXPECT_EQ(nlohmann::json::parse(v.out)["removed"].get<int>(), 1);
+    EXPECT_NE(v.err.find(key), std::string::npos);
+    EXPECT_EQ(st->list().size(), 2u);
+    const test::run_result gc = test::run_cli("store gc --store-max-gb 0.0000001 --json --store " + d.path().string());
+    ASSERT_EQ(gc.status, 0) << gc.err;
+    EXPECT_EQ(st->list().size(), 0u);  // a budget of ~100 bytes holds no entry
+
+    EXPECT_EQ(test::run_cli("store frob --store " + d.path().string()).status, 1);
+    EXPECT_EQ(test::run_cli("ingest -m " + k_stories + " --store " + d.path().string() + " /nonexistent").status, 1);
+}
+
+}  // namespace
+}  // namespace kvblend

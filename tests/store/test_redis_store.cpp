@@ -1,0 +1,328 @@
+// the redis store backend against a real redis-server (tests/store/redis_server.h):
+// raw key -> bytes storage, sharing between connections, LRU gc, bad URIs and
+// a server that goes away. chunk entries themselves are tested elsewhere.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <ctime>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvblend/common.h"
+#include "kvblend/store.h"
+#include "store/backends.h"
+#include "store/redis_server.h"
+
+namespace {
+
+using namespace kvblend;
+using kvblend::test::redis_server;
+
+std::vector<uint8_t> random_bytes(size_t n, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<uint8_t> out(n);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const uint64_t r = rng();
+        std::memcpy(out.data() + i, &r, 8);
+    }
+    for (; i < n; ++i) out[i] = (uint8_t) rng();
+    return out;
+}
+
+// the entries of a listing by key
+std::map<std::string, store_entry_info> by_key(const std::vector<store_entry_info> & list) {
+    std::map<std::string, store_entry_info> out;
+    for (const auto & e : list) out[e.key] = e;
+    return out;
+}
+
+// what a kvblend::error thrown by f says; "" when f does not throw one
+template <typename F>
+std::string error_of(F && f) {
+    try {
+        f();
+    } catch (const kvblend::error & e) {
+        return e.what();
+    }
+    return "";
+}
+
+class RedisStore : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        try {
+            server_ = std::make_unique<redis_server>();
+        } catch (const std::exception & e) {
+            FAIL() << e.what();
+        }
+    }
+
+    std::unique_ptr<store> open(uint64_t max_bytes = 0, int db = 0) {
+        store_options opts;
+        opts.max_bytes = max_bytes;
+        return redis_store_open(server_->uri(db), opts);
+    }
+
+    std::unique_ptr<redis_server> server_;
+};
+
+TEST_F(RedisStore, RoundtripIsBitExact) {
+    auto st = open();
+    std::map<std::string, std::vector<uint8_t>> values = {
+        {"empty", {}},
+        {"one-zero", {0}},
+        {"zeros", std::vector<uint8_t>(4096, 0)},
+        {"crlf", {'\r', '\n', '$', '-', '1', '\r', '\n', 0, '*'}},  // protocol bytes in the payload
+        {"random-small", random_bytes(1000, 1)},
+        {"random-odd", random_bytes(123457, 2)},
+        {"random-64mb", random_bytes(64u << 20, 3)},
+    };
+    std::vector<uint8_t> all(256);
+    for (int i = 0; i < 256; ++i) all[i] = (uint8_t) i;
+    values["every-byte"] = all;
+
+    for (const auto & [k, v] : values) st->put(k, v);
+    for (const auto & [k, v] : values) {
+        auto got = st->get(k);
+        ASSERT_TRUE(got.has_value()) << k;
+        EXPECT_EQ(got->size(), v.size()) << k;
+        EXPECT_TRUE(*got == v) << k << ": bytes differ";
+    }
+    EXPECT_FALSE(st->get("missing").has_value());
+
+    // a put replaces the value, and its size
+    st->put("random-small", random_bytes(10, 4));
+    EXPECT_TRUE(*st->get("random-small") == random_bytes(10, 4));
+    EXPECT_EQ(by_key(st->list())["random-small"].bytes, 10u);
+
+    // entries live under kvblend:chunk:<key>
+    EXPECT_EQ(server_->command({"EXISTS", "kvblend:chunk:zeros"}), ":1");
+    EXPECT_EQ(server_->command({"STRLEN", "kvblend:chunk:random-64mb"}), ":" + std::to_string(64u << 20));
+}
+
+TEST_F(RedisStore, ContainsAndErase) {
+    auto st = open();
+    EXPECT_FALSE(st->contains("a"));
+    EXPECT_FALSE(st->erase("a"));
+    st->put("a", {1, 2, 3});
+    EXPECT_TRUE(st->contains("a"));
+    EXPECT_TRUE(st->erase("a"));
+    EXPECT_FALSE(st->contains("a"));
+    EXPECT_FALSE(st->get("a").has_value());
+    EXPECT_FALSE(st->erase("a"));
+    EXPECT_EQ(st->stats().n_entries, 0u);
+}
+
+TEST_F(RedisStore, ListAndStatsCountOurEntries) {
+    auto st = open(12345);
+    // keys that are not ours are not listed
+    ASSERT_EQ(server_->command({"SET", "unrelated", "xyz"}), "+OK");
+    ASSERT_EQ(server_->command({"SET", "kvblend:other", "xyz"}), "+OK");
+
+    std::map<std::string, size_t> sizes;
+    uint64_t total = 0;
+    for (int i = 0; i < 25; ++i) {
+        const std::string key = "k" + std::to_string(i);
+        sizes[key] = (size_t) (i * 37);
+        total += sizes[key];
+        st->put(key, random_bytes(sizes[key], i));
+    }
+    const int64_t now = (int64_t) std::time(nullptr);
+    auto listed = by_key(st->list());
+    ASSERT_EQ(listed.size(), sizes.size());
+    for (const auto & [k, n] : sizes) {
+        ASSERT_EQ(listed.count(k), 1u) << k;
+        EXPECT_EQ(listed[k].bytes, n) << k;
+        EXPECT_GE(listed[k].last_used, now - 5) << k;
+        EXPECT_LE(listed[k].last_used, now + 1) << k;
+    }
+
+    const store_stats s = st->stats();
+    EXPECT_EQ(s.n_entries, sizes.size());
+    EXPECT_EQ(s.bytes, total);
+    EXPECT_EQ(s.max_bytes, 12345u);
+    EXPECT_EQ(s.backend, server_->uri());
+    EXPECT_EQ(st->uri(), server_->uri());
+}
+
+TEST_F(RedisStore, ManyEntriesSpanScanBatches) {
+    auto st = open();
+    const int n = 2500;  // more than one SCAN batch of 1000
+    for (int i = 0; i < n; ++i) st->put("e" + std::to_string(i), {(uint8_t) i, (uint8_t) (i >> 8)});
+    const auto listed = by_key(st->list());
+    EXPECT_EQ(listed.size(), (size_t) n);
+    const store_stats s = st->stats();
+    EXPECT_EQ(s.n_entries, (uint64_t) n);
+    EXPECT_EQ(s.bytes, 2u * n);
+}
+
+TEST_F(RedisStore, SecondConnectionSeesEntries) {
+    auto a = open();
+    auto b = open();  // as a second server process would
+    const auto v = random_bytes(100000, 7);
+    a->put("shared", v);
+    EXPECT_TRUE(b->contains("shared"));
+    auto got = b->get("shared");
+    ASSERT_TRUE(got.has_value());
+    EXPECT_TRUE(*got == v);
+    EXPECT_EQ(b->stats().n_entries, 1u);
+    EXPECT_EQ(b->stats().bytes, v.size());
+
+    EXPECT_TRUE(b->erase("shared"));
+    EXPECT_FALSE(a->contains("shared"));
+    EXPECT_EQ(a->list().size(), 0u);
+}
+
+TEST_F(RedisStore, DatabasesAreSeparate) {
+    auto db0 = open(0, 0);
+    auto db3 = open(0, 3);
+    db0->put("x", {1});
+    EXPECT_FALSE(db3->contains("x"));
+    EXPECT_EQ(db3->stats().n_entries, 0u);
+    db3->put("x", {2, 2});
+    EXPECT_TRUE(*db0->get("x") == std::vector<uint8_t>{1});
+    EXPECT_TRUE(*db3->get("x") == (std::vector<uint8_t>{2, 2}));
+}
+
+TEST_F(RedisStore, GcEvictsLeastRecentlyUsedFirst) {
+    const auto value = random_bytes(1000, 9);
+    auto st = open(3500);
+
+    // idle times have one-second steps: space the uses out
+    st->put("a", value);
+    st->put("b", value);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1600));
+    st->put("c", value);
+    st->put("d", value);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1600));
+    ASSERT_TRUE(st->get("a").has_value());  // a is now the most recently used, b the least
+
+    // looking does not count as using
+    EXPECT_TRUE(st->contains("b"));
+    EXPECT_EQ(st->stats().bytes, 4000u);
+    auto listed = by_key(st->list());
+    ASSERT_EQ(listed.size(), 4u);
+    EXPECT_LT(listed["b"].last_used, listed["c"].last_used);
+    EXPECT_LT(listed["c"].last_used, listed["a"].last_used);
+
+    // 4000 bytes over a 3500 budget: only b goes
+    EXPECT_EQ(st->gc(), 1u);
+    EXPECT_FALSE(st->contains("b"));
+    EXPECT_TRUE(st->contains("a"));
+    EXPECT_TRUE(st->contains("c"));
+    EXPECT_TRUE(st->contains("d"));
+    EXPECT_EQ(st->stats().bytes, 3000u);
+    EXPECT_EQ(st->gc(), 0u);  // under budget now
+
+    // a tighter budget takes c and d, the older ones, and keeps a
+    auto tight = open(1500);
+    EXPECT_EQ(tight->gc(), 2u);
+    EXPECT_TRUE(tight->contains("a"));
+    EXPECT_FALSE(tight->contains("c"));
+    EXPECT_FALSE(tight->contains("d"));
+    EXPECT_EQ(tight->stats().bytes, 1000u);
+}
+
+TEST_F(RedisStore, GcWithoutBudgetKeepsEverything) {
+    auto st = open(0);
+    for (int i = 0; i < 10; ++i) st->put("k" + std::to_string(i), random_bytes(5000, i));
+    EXPECT_EQ(st->gc(), 0u);
+    EXPECT_EQ(st->stats().n_entries, 10u);
+}
+
+TEST_F(RedisStore, EntriesWithoutSizeRecordAreMeasured) {
+    auto st = open();
+    st->put("ours", random_bytes(300, 1));
+    // written by something else (or the size record was lost)
+    ASSERT_EQ(server_->command({"SET", "kvblend:chunk:foreign", "abcde"}), "+OK");
+    ASSERT_EQ(server_->command({"DEL", "kvblend:bytes"}), ":1");
+
+    auto listed = by_key(st->list());
+    ASSERT_EQ(listed.size(), 2u);
+    EXPECT_EQ(listed["ours"].bytes, 300u);
+    EXPECT_EQ(listed["foreign"].bytes, 5u);
+    EXPECT_EQ(st->stats().bytes, 305u);
+    // and they are recorded for next time
+    EXPECT_EQ(server_->command({"HEXISTS", "kvblend:bytes", "foreign"}), ":1");
+}
+
+TEST_F(RedisStore, GcDropsSizeRecordsOfVanishedEntries) {
+    auto st = open();
+    st->put("gone", {1, 2, 3});
+    st->put("kept", {4});
+    ASSERT_EQ(server_->command({"DEL", "kvblend:chunk:gone"}), ":1");  // as redis' own eviction would
+    EXPECT_EQ(server_->command({"HEXISTS", "kvblend:bytes", "gone"}), ":1");
+    EXPECT_EQ(st->gc(), 0u);  // a size record is not an entry
+    EXPECT_EQ(server_->command({"HEXISTS", "kvblend:bytes", "gone"}), ":0");
+    EXPECT_EQ(server_->command({"HEXISTS", "kvblend:bytes", "kept"}), ":1");
+    EXPECT_EQ(st->stats().n_entries, 1u);
+}
+
+TEST_F(RedisStore, WrongTypeIsAnErrorNotACrash) {
+    auto st = open();
+    ASSERT_EQ(server_->command({"HSET", "kvblend:chunk:odd", "f", "v"}), ":1");
+    const std::string msg = error_of([&] { st->get("odd"); });
+    EXPECT_NE(msg.find("WRONGTYPE"), std::string::npos) << msg;
+    // not a string, so not listed; the store stays usable
+    EXPECT_EQ(st->list().size(), 0u);
+    st->put("fine", {7});
+    EXPECT_TRUE(*st->get("fine") == std::vector<uint8_t>{7});
+}
+
+TEST_F(RedisStore, ServerGoneIsAnError) {
+    auto st = open();
+    st->put("a", {1});
+    server_->stop();
+    // a large write to a closed socket must not kill us with SIGPIPE
+    const std::string put_msg = error_of([&] { st->put("big", random_bytes(8u << 20, 5)); });
+    EXPECT_NE(put_msg.find("127.0.0.1:" + std::to_string(server_->port())), std::string::npos) << put_msg;
+    EXPECT_NE(error_of([&] { st->get("a"); }), "");
+    EXPECT_NE(error_of([&] { st->list(); }), "");
+    EXPECT_NE(error_of([&] { st->gc(); }), "");
+}
+
+TEST_F(RedisStore, ReconnectsAfterServerRestart) {
+    auto st = open();
+    st->put("a", {1});
+    // the server restarts on the same port (as after a crash), empty
+    const int port = server_->port();
+    server_.reset();
+    try {
+        server_ = std::make_unique<redis_server>(port);
+    } catch (const std::exception & e) {
+        FAIL() << e.what();
+    }
+    EXPECT_FALSE(st->get("a").has_value());  // the dropped connection is reopened once
+    st->put("b", {2});
+    EXPECT_TRUE(*st->get("b") == std::vector<uint8_t>{2});
+}
+
+TEST(RedisStoreUri, MalformedUrisAreErrors) {
+    for (const std::string uri : {"redis://", "redis://host:notaport", "redis://h:70000", "redis://h:1/x",
+                                  "redis://h:0", "redis://h:", "redis://:6379", "redis://h:1/-1", "http://h:1",
+                                  "redis://user@h:1", "redis://h:1:2", "redis://h:99999999999999999999"}) {
+        const std::string msg = error_of([&] { redis_store_open(uri, {}); });
+        EXPECT_NE(msg.find("'" + uri + "'"), std::string::npos) << uri << " -> " << msg;
+    }
+}
+
+TEST(RedisStoreUri, UnreachableServerIsAnError) {
+    const int port = kvblend::test::free_loopback_port();  // nobody listens there
+    const std::string msg = error_of([&] { redis_store_open("redis://127.0.0.1:" + std::to_string(port), {}); });
+    EXPECT_NE(msg.find("cannot reach redis at 127.0.0.1:" + std::to_string(port)), std::string::npos) << msg;
+}
+
+TEST(RedisStoreUri, DefaultPortIs6379) {
+    if (kvblend::test::redis_raw_command(6379, {"PING"}, 200) == "+PONG") GTEST_SKIP() << "a redis answers on 6379";
+    const std::string msg = error_of([&] { redis_store_open("redis://127.0.0.1", {}); });
+    EXPECT_NE(msg.find("cannot reach redis at 127.0.0.1:6379"), std::string::npos) << msg;
+}
+
+}  // namespace
