@@ -24,10 +24,19 @@ struct chunk_kv {
     int64_t   n_layer   = 0;
     int64_t   n_embd_kv = 0;  // values per row (head_dim * n_head_kv)
     ggml_type type      = GGML_TYPE_F16;  // element type of the rows (the engine's cache type)
-    std::vector<std::vector<uint8_t>> k, v;  // [n_layer] of [n_embd_kv, n_tokens] rows
+    // layer by layer, K rows then V rows ([n_embd_kv, n_tokens] each), from
+    // data_offset on: the payload layout of a store entry, so a decoded entry
+    // keeps its bytes where they were read
+    std::vector<uint8_t> data;
+    size_t               data_offset = 0;
 
     int64_t n_tokens() const { return (int64_t) tokens.size(); }
-    size_t  bytes() const;  // payload bytes of all layers
+    size_t  layer_bytes() const { return ggml_row_size(type, n_embd_kv) * tokens.size(); }  // K (or V) of one layer
+    size_t  bytes() const { return 2 * (size_t) n_layer * layer_bytes(); }                  // payload of all layers
+    const uint8_t * k(int64_t il) const { return data.data() + data_offset + 2 * il * layer_bytes(); }
+    const uint8_t * v(int64_t il) const { return k(il) + layer_bytes(); }
+    uint8_t * k(int64_t il) { return data.data() + data_offset + 2 * il * layer_bytes(); }
+    uint8_t * v(int64_t il) { return k(il) + layer_bytes(); }
 };
 
 enum blend_score {

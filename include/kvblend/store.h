@@ -66,6 +66,7 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
 // parse and verify an entry: magic, version, checksum, the model fingerprint
 // and every shape against m. throws kvblend::error naming what is wrong.
 chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes);
+chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && bytes);  // keeps the bytes: no copy of the KV
 
 // what is wrong with an entry ("" when nothing): structure and checksum, and
 // with a model also the fingerprint and shapes

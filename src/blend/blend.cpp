@@ -13,22 +13,7 @@ namespace kvblend {
 
 blend_params blend_default_params() { return blend_params{}; }
 
-size_t chunk_kv::bytes() const {
-    size_t n = 0;
-    for (const auto & r : k) n += r.size();
-    for (const auto & r : v) n += r.size();
-    return n;
-}
-
 namespace {
-
-// rows [p0, p0 + n) of a cache tensor as raw bytes
-std::vector<uint8_t> read_raw(const ggml_tensor * t, int64_t p0, int64_t n) {
-    const size_t row = ggml_row_size(t->type, t->ne[0]);
-    std::vector<uint8_t> out(row * n);
-    ggml_backend_tensor_get(t, out.data(), row * p0, row * n);
-    return out;
-}
 
 chunk_kv read_chunk(engine & eng, const std::vector<llama_token> & tokens, int64_t row0, int64_t pos0) {
     kv_cache & cache = eng.cache();
@@ -38,9 +23,11 @@ chunk_kv read_chunk(engine & eng, const std::vector<llama_token> & tokens, int64
     c.n_layer = cache.n_layer();
     c.n_embd_kv = cache.n_embd_kv();
     c.type = cache.type_k();
+    c.data.resize(c.bytes());
+    const size_t row = ggml_row_size(c.type, c.n_embd_kv);
     for (int il = 0; il < c.n_layer; ++il) {
-        c.k.push_back(read_raw(cache.k(il), row0, c.n_tokens()));
-        c.v.push_back(read_raw(cache.v(il), row0, c.n_tokens()));
+        ggml_backend_tensor_get(cache.k(il), c.k(il), row * row0, c.layer_bytes());
+        ggml_backend_tensor_get(cache.v(il), c.v(il), row * row0, c.layer_bytes());
     }
     return c;
 }
@@ -101,8 +88,8 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
         // V rows do not depend on the position: copy them straight into the cache
         int64_t s = 0;
         for (const chunk_kv * c : chunks) {
-            ggml_backend_tensor_set(cache.v(il), c->v[il].data(), row * s, c->v[il].size());
-            if (!rotate) ggml_backend_tensor_set(cache.k(il), c->k[il].data(), row * s, c->k[il].size());
+            ggml_backend_tensor_set(cache.v(il), c->v(il), row * s, c->layer_bytes());
+            if (!rotate) ggml_backend_tensor_set(cache.k(il), c->k(il), row * s, c->layer_bytes());
             s += c->n_tokens();
         }
         if (!rotate) continue;
@@ -122,7 +109,7 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
             [&] {
                 int64_t at = 0;
                 for (const chunk_kv * c : chunks) {
-                    ggml_backend_tensor_set(k_in, c->k[il].data(), row * at, c->k[il].size());
+                    ggml_backend_tensor_set(k_in, c->k(il), row * at, c->layer_bytes());
                     at += c->n_tokens();
                 }
                 std::vector<int64_t> rows(n);

@@ -117,10 +117,10 @@ std::string chunk_key(const model & m, ggml_type type, const std::string & codec
 
 std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std::vector<llama_token> & prefix) {
     const model_hparams & hp = m.hparams();
-    if (c.n_layer != hp.n_layer || c.n_embd_kv != hp.n_embd_kv()) throw error("chunk KV does not match the model");
+    if (c.n_layer != hp.n_layer || c.n_embd_kv != hp.n_embd_kv() || c.data.size() < c.data_offset + c.bytes())
+        throw error("chunk KV does not match the model");
     if (m.fingerprint().size() != 32) throw error("model fingerprint has an unexpected size");
-    size_t payload = 0;
-    for (int64_t il = 0; il < c.n_layer; ++il) payload += c.k[il].size() + c.v[il].size();
+    const size_t payload = c.bytes();
     const size_t header = k_fixed_header + 4 * (prefix.size() + c.tokens.size());
     std::vector<uint8_t> b(header + payload + k_checksum_bytes);
     writer w{b.data()};
@@ -142,10 +142,7 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     w.u32(0);  // reserved
     w.raw(prefix.data(), 4 * prefix.size());
     w.raw(c.tokens.data(), 4 * c.tokens.size());
-    for (int64_t il = 0; il < c.n_layer; ++il) {
-        w.raw(c.k[il].data(), c.k[il].size());
-        w.raw(c.v[il].data(), c.v[il].size());
-    }
+    w.raw(c.k(0), payload);  // the payload layout is the chunk's own
     const XXH128_hash_t sum = XXH3_128bits(b.data(), b.size() - k_checksum_bytes);
     const uint64_t words[2] = {sum.low64, sum.high64};
     w.raw(words, 16);
@@ -162,7 +159,7 @@ std::string chunk_entry_check(const std::vector<uint8_t> & bytes, const model * 
     }
 }
 
-chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & b) {
+chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && b) {
     const entry_header h = parse(b);
     check_against(h, m);
     chunk_kv c;
@@ -170,20 +167,16 @@ chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & b) {
     c.n_layer = h.n_layer;
     c.n_embd_kv = (int64_t) h.n_head_kv * h.head_dim;
     c.type = (ggml_type) h.dtype;
-    const uint8_t * p = &b[k_fixed_header + 4ull * h.n_prefix];
     c.tokens.resize(h.n_tokens);
-    std::memcpy(c.tokens.data(), p, 4ull * h.n_tokens);
-    p = &b[h.header_bytes];
-    const size_t rows = ggml_row_size(c.type, c.n_embd_kv) * h.n_tokens;
-    c.k.resize(c.n_layer);
-    c.v.resize(c.n_layer);
-    for (int64_t il = 0; il < c.n_layer; ++il) {
-        c.k[il].assign(p, p + rows);
-        p += rows;
-        c.v[il].assign(p, p + rows);
-        p += rows;
-    }
+    std::memcpy(c.tokens.data(), &b[k_fixed_header + 4ull * h.n_prefix], 4ull * h.n_tokens);
+    // the payload stays where it was read: no copy of the KV
+    c.data = std::move(b);
+    c.data_offset = h.header_bytes;
     return c;
+}
+
+chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes) {
+    return chunk_decode(m, std::vector<uint8_t>(bytes));
 }
 
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
@@ -195,7 +188,7 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
         std::optional<std::vector<uint8_t>> bytes = st->get(key);
         if (bytes) {
             try {
-                chunk_kv c = chunk_decode(m, *bytes);
+                chunk_kv c = chunk_decode(m, std::move(*bytes));
                 if (c.tokens != tokens) throw error("entry holds other tokens than its key says");
                 stats.hits++;
                 stats.load_ms += time_ms() - t0;

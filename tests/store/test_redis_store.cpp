@@ -16,6 +16,7 @@
 
 #include "kvblend/common.h"
 #include "kvblend/store.h"
+#include "kvblend/vocab.h"
 #include "store/backends.h"
 #include "store/redis_server.h"
 
@@ -326,3 +327,37 @@ TEST(RedisStoreUri, DefaultPortIs6379) {
 }
 
 }  // namespace
+
+// chunk entries through store_open's redis:// routing: a blend from redis hits
+// equals one from fresh collects, and a corrupt value is a miss
+TEST_F(RedisStore, ChunkEntriesThroughStoreOpen) {
+    auto m = model::load(std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf");
+    engine eng(m, engine_default_params());
+    auto st = store_open(server_->uri(0));
+    const std::vector<std::vector<llama_token>> chunks = {m->tokens().tokenize("Stories:", true),
+                                                          m->tokens().tokenize(" Tom had a red ball.", false),
+                                                          m->tokens().tokenize(" Sue found a little cat.", false)};
+    const std::vector<llama_token> query = m->tokens().tokenize(" Once upon a time", false);
+    auto run = [&](store * s, chunk_fetch_stats & fs) {
+        std::vector<chunk_kv> kv;
+        for (const auto & c : chunks) kv.push_back(chunk_get_or_collect(s, eng, {}, c, fs));
+        std::vector<const chunk_kv *> ptrs;
+        for (const auto & c : kv) ptrs.push_back(&c);
+        return blend(eng, ptrs, query, blend_default_params()).logits;
+    };
+    chunk_fetch_stats fresh, first, second;
+    const std::vector<float> a = run(nullptr, fresh), b = run(st.get(), first), c = run(st.get(), second);
+    EXPECT_EQ(first.misses, 3);
+    EXPECT_EQ(second.hits, 3);
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(a, c);
+
+    const std::string key = chunk_key(*m, GGML_TYPE_F16, "raw", {}, chunks[1]);
+    std::vector<uint8_t> bytes = *st->get(key);
+    bytes[bytes.size() / 3] ^= 1;
+    st->put(key, bytes);
+    chunk_fetch_stats third;
+    EXPECT_EQ(run(st.get(), third), a);
+    EXPECT_EQ(third.misses, 1);
+    EXPECT_EQ(chunk_entry_check(*st->get(key), m.get()), "");  // replaced by a good entry
+}
