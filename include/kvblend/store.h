@@ -60,8 +60,12 @@ std::unique_ptr<store> store_open(const std::string & uri, const store_options &
 std::string chunk_key(const model & m, ggml_type type, const std::string & codec, const std::vector<llama_token> & prefix,
                       const std::vector<llama_token> & tokens);
 
-// the entry bytes of a chunk (docs/STORE_FORMAT.md)
-std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std::vector<llama_token> & prefix);
+class codec;
+
+// the entry bytes of a chunk (docs/STORE_FORMAT.md); cd: the codec of the
+// payload (nullptr: the rows as they are, "raw")
+std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std::vector<llama_token> & prefix,
+                                  const codec * cd = nullptr);
 
 // parse and verify an entry: magic, version, checksum, the model fingerprint
 // and every shape against m. throws kvblend::error naming what is wrong.
@@ -79,7 +83,11 @@ struct chunk_fetch_stats {
     int64_t hits = 0, misses = 0;
     double  load_ms = 0, collect_ms = 0;
 };
+// codec: how the entry stores the KV (include/kvblend/codec.h; part of the key).
+// with a lossy codec a miss returns the chunk as a later hit will (encoded and
+// decoded), so a repeat request gives the same answer as the first.
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
-                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats);
+                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
+                              const std::string & codec = "raw");
 
 }  // namespace kvblend

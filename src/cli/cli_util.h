@@ -15,6 +15,11 @@ std::string read_text_file(const std::string & path);
 
 int bench_blend(args & a);  // kvblend bench blend …
 int bench_store(args & a);  // kvblend bench store …
+int bench_codec(args & a);  // kvblend bench codec …
+
+// draw a PNG with gnuplot (Debian's gnuplot-nox) from data rows and a plot script
+// that reads them from PNG.dat; nothing when png is empty
+void plot_png(const std::string & png, const std::string & data, const std::string & script);
 
 // flags shared by the commands that generate; true when one was consumed
 bool match_sampling_flag(args & a, sampler_params & sp);  // --temp --top-k --top-p --min-p --seed

@@ -16,7 +16,7 @@ namespace kvblend::cli {
 
 namespace {
 
-const char * k_help = R"(usage: kvblend bench prefill|blend|store -m MODEL [options]   (kvblend bench blend --help, …)
+const char * k_help = R"(usage: kvblend bench prefill|blend|store|codec -m MODEL [options]   (kvblend bench blend --help, …)
 
 kvblend bench prefill -m MODEL [options]
 
@@ -187,7 +187,8 @@ int cmd_bench(int argc, char ** argv) {
     if (what == "prefill") return bench_prefill(a);
     if (what == "blend") return bench_blend(a);
     if (what == "store") return bench_store(a);
-    throw error("unknown benchmark '" + what + "' (available: prefill, blend, store)");
+    if (what == "codec") return bench_codec(a);
+    throw error("unknown benchmark '" + what + "' (available: prefill, blend, store, codec)");
 }
 
 }  // namespace kvblend::cli

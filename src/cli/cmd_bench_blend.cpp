@@ -10,6 +10,7 @@
 #include "blend/fidelity.h"
 #include "cli/args.h"
 #include "cli/cli_util.h"
+#include "cli/bench_corpus.h"
 #include "cli/commands.h"
 #include "kvblend/blend.h"
 #include "kvblend/rag_prompt.h"
@@ -57,19 +58,6 @@ void write_json(const std::string & path, const nlohmann::json & j) {
     std::ofstream f(path);
     if (!f) throw error("cannot write '" + path + "'");
     f << j.dump(2) << "\n";
-}
-
-// gnuplot from Debian (gnuplot-nox) draws the PNG; data goes through a temp file
-void plot(const std::string & png, const std::string & data, const std::string & script) {
-    if (png.empty()) return;
-    const std::string dat = png + ".dat", gp = png + ".gp";
-    std::ofstream(dat) << data;
-    std::ofstream(gp) << "set terminal pngcairo size 900,540 font ',11'\nset output '" << png << "'\nset grid\n"
-                      << script;
-    const int rc = std::system(("gnuplot '" + gp + "' 2>&1").c_str());
-    std::remove(gp.c_str());
-    std::remove(dat.c_str());
-    if (rc != 0) throw error("gnuplot failed (install gnuplot-nox, or drop --plot)");
 }
 
 int bench_speed(const std::string & model_path, const std::vector<int64_t> & contexts, float ratio, int64_t chunk,
@@ -206,7 +194,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
                     r["blend_hidden_mb"].get<double>(), r["chunk_kv_mb"].get<double>());
     write_json(json_path, out);
     const std::string base = model_path.substr(model_path.find_last_of('/') + 1);
-    plot(png, dat,
+    plot_png(png, dat,
          "set title 'CacheBlend speedup over a full prefill: " + base + ", ratio " + std::to_string(ratio).substr(0, 4) +
              ", " + std::to_string(threads) + " threads' noenhanced\n"
              "set xlabel 'prompt tokens'\nset ylabel 'speedup (x)'\nset key bottom right\nset yrange [0:*]\n"
@@ -216,30 +204,6 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
 
     return 0;
 }
-
-// short stories in the style stories260K was trained on: documents of the fidelity prompts
-const char * k_story_docs[] = {
-    "Tom had a red ball. He liked to throw it high in the sky. One day the ball went over the fence and Tom was sad.",
-    "Sue found a little cat in the garden. The cat was hungry, so Sue gave it some milk. They became best friends.",
-    "The sun was hot and Ben wanted to swim. His mom took him to the lake. Ben splashed and laughed all day.",
-    "Lily had a big box of crayons. She drew a house, a tree and a dog. She showed her picture to her dad.",
-    "A small bird could not fly. Max helped the bird and kept it warm. Soon the bird was strong and flew away.",
-    "Anna and her brother built a tall tower of blocks. The dog ran past and the tower fell down. They built it again.",
-    "Sam lost his blue hat in the snow. His sister helped him look for it. They found it under a big white hill.",
-    "Mia baked a cake with her grandma. They put red berries on top. Everyone said it was the best cake ever.",
-    "A little fish lived in a pond. It wanted to see the sea. One day the rain came and the fish swam to the river.",
-    "Jack saw a big truck in the street. The truck was full of toys. The man gave Jack a small yellow car.",
-    "Emma planted a seed in the yard. She gave it water every day. Soon a pretty flower grew and Emma was proud.",
-    "The old dog liked to sleep in the sun. A cat came and sat next to him. The dog and the cat slept together.",
-};
-const char * k_story_queries[] = {
-    "Once upon a time, the friends met in the park and",
-    "The next day, the little girl went outside and",
-    "Then mom said it was time to go home, so",
-    "After that, everyone was happy because",
-    "One day, a boy named Tim found",
-    "Later, the children sat under a tree and",
-};
 
 int bench_fidelity(const std::string & model_path, const std::vector<double> & ratios, int64_t n_prompts,
                    int64_t n_docs, int check_layer, blend_score score, int32_t threads, const std::string & json_path,
@@ -319,7 +283,7 @@ int bench_fidelity(const std::string & model_path, const std::vector<double> & r
         if (vi < ratios.size()) dat += std::to_string(variants[vi].ratio) + " " + std::to_string(kl[vi]) + "\n";
     }
     write_json(json_path, {{"model", model_path}, {"prompts", n_prompts}, {"docs", n_docs}, {"check_layer", check_layer}, {"rows", rows}});
-    plot(png, dat,
+    plot_png(png, dat,
          "set title 'KL(full prefill || blend) vs recompute ratio: " +
              model_path.substr(model_path.find_last_of('/') + 1) + "' noenhanced\n"
          "set xlabel 'recompute ratio'\nset ylabel 'mean KL (nats)'\nset key off\n"
@@ -328,6 +292,19 @@ int bench_fidelity(const std::string & model_path, const std::vector<double> & r
 }
 
 }  // namespace
+
+// gnuplot from Debian (gnuplot-nox) draws the PNG; data goes through a temp file
+void plot_png(const std::string & png, const std::string & data, const std::string & script) {
+    if (png.empty()) return;
+    const std::string dat = png + ".dat", gp = png + ".gp";
+    std::ofstream(dat) << data;
+    std::ofstream(gp) << "set terminal pngcairo size 900,540 font ',11'\nset output '" << png << "'\nset grid\n"
+                      << script;
+    const int rc = std::system(("gnuplot '" + gp + "' 2>&1").c_str());
+    std::remove(gp.c_str());
+    std::remove(dat.c_str());
+    if (rc != 0) throw error("gnuplot failed (install gnuplot-nox, or drop --plot)");
+}
 
 int bench_blend(args & a) {
     std::string model_path, json_path, png;

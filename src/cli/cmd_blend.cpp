@@ -7,6 +7,7 @@
 #include "cli/cli_util.h"
 #include "cli/commands.h"
 #include "kvblend/blend.h"
+#include "kvblend/codec.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 
@@ -32,6 +33,8 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   --store URI             chunk store (dir:PATH, a path, or redis://HOST:PORT[/DB]):
                           hits are loaded, misses collected and put
   --store-max-gb X        size budget of a dir store
+  --codec NAME            how stored chunks hold their KV: raw (default), f16,
+                          q8_0, q4_0, kivi2, kivi4 (part of the store key)
   -n, --n-predict N       tokens to generate (default 64)
   --temp T, --seed S      sampling (default greedy); also --top-k, --top-p, --min-p
   --chat                  use the model's chat template (documents in the user turn)
@@ -54,7 +57,7 @@ int cmd_blend(int argc, char ** argv) {
     blend_params bp = blend_default_params();
     sampler_params sp = sampler_default_params();
     engine_params ep = engine_default_params();
-    std::string store_uri;
+    std::string store_uri, codec_name = "raw";
     store_options so;
 
     args a(argc, argv, 1);
@@ -73,6 +76,7 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--chunk-head"})) bp.recompute_chunk_head = (int) a.integer(0, 1 << 20);
         else if (a.match({"--collect-with-prefix"})) with_prefix = true;
         else if (a.match({"--store"})) store_uri = a.str();
+        else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();
         else if (a.match({"--store-max-gb"})) so.max_bytes = (uint64_t) (a.real(0.0, 1e6) * 1073741824.0);
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
         else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep)) continue;
@@ -105,7 +109,8 @@ int cmd_blend(int argc, char ** argv) {
     for (size_t i = 0; i < rp.chunks.size(); ++i) {
         if (rp.chunks[i].empty()) continue;
         const bool behind = with_prefix && i > 0 && !rp.chunks[0].empty();
-        kv.push_back(chunk_get_or_collect(st.get(), eng, behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i], fs));
+        kv.push_back(chunk_get_or_collect(st.get(), eng, behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i], fs,
+                                          codec_name));
     }
     const double collect_ms = fs.collect_ms;
     std::vector<const chunk_kv *> ptrs;

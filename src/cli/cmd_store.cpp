@@ -8,6 +8,7 @@
 #include "cli/args.h"
 #include "cli/cli_util.h"
 #include "cli/commands.h"
+#include "kvblend/codec.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 
@@ -28,6 +29,7 @@ stored are skipped. By default each file is one chunk, cut exactly as
   --collect-with-prefix   collect each chunk behind the prefix chunk (as blend's option)
   --system TEXT, --chat   the prefix chunk, as blend would build it (with --collect-with-prefix)
   --store-max-gb X        size budget of a dir store (least recently used go first)
+  --codec NAME            how entries hold the KV: raw (default), f16, q8_0, q4_0, kivi2, kivi4
   -t, --threads N         CPU threads (default 2)
   --cache-type f16|f32    KV element type (default f16; part of the key)
 )";
@@ -91,7 +93,7 @@ int64_t parse_budget(args & a) { return (int64_t) (a.real(0.0, 1e6) * 1024.0 * 1
 }  // namespace
 
 int cmd_ingest(int argc, char ** argv) {
-    std::string model_path, uri, system, split;
+    std::string model_path, uri, system, split, codec_name = "raw";
     std::vector<std::string> files;
     int64_t chunk_size = 0;
     bool with_prefix = false, chat = false;
@@ -112,6 +114,7 @@ int cmd_ingest(int argc, char ** argv) {
         else if (a.match({"--system"})) system = a.str();
         else if (a.match({"--chat"})) chat = true;
         else if (a.match({"--store-max-gb"})) so.max_bytes = (uint64_t) parse_budget(a);
+        else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();
         else if (match_engine_flag(a, ep)) continue;
         else if (!a.peek().empty() && a.peek()[0] == '-') a.unknown();
         else files.push_back(a.str());
@@ -156,11 +159,11 @@ int cmd_ingest(int argc, char ** argv) {
     int64_t tokens = 0, skipped = 0;
     for (size_t i = 0; i < chunks.size(); ++i) {
         if (chunks[i].empty()) continue;
-        const std::string key = chunk_key(*m, ep.type_k, "raw", prefix, chunks[i]);
+        const std::string key = chunk_key(*m, ep.type_k, codec_name, prefix, chunks[i]);
         if (st->contains(key)) {
             ++skipped;
         } else {
-            chunk_get_or_collect(st.get(), eng, prefix, chunks[i], fs);
+            chunk_get_or_collect(st.get(), eng, prefix, chunks[i], fs, codec_name);
             tokens += (int64_t) chunks[i].size();
         }
         bar.update(i + 1, tokens);

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "kvblend/codec.h"
 #include "kvblend/store.h"
 #include "store/backends.h"
 
@@ -70,15 +71,20 @@ entry_header parse(const std::vector<uint8_t> & b) {
     std::memcpy(&h.pos0, &b[88], 8);
     h.n_prefix = get_u32(&b[96]);
     if (h.dtype != GGML_TYPE_F32 && h.dtype != GGML_TYPE_F16) throw error("entry element type " + std::to_string(h.dtype) + " is not supported");
-    if (h.codec != k_codec_raw) throw error("entry codec '" + h.codec + "' is not supported");
+    if (h.codec.empty()) throw error("entry names no codec");
     if (h.convention != k_pos_k_rope_pos0) throw error("entry position convention " + std::to_string(h.convention) + " is unknown");
     if (h.n_tokens == 0 || h.n_layer == 0 || h.n_head_kv == 0 || h.head_dim == 0) throw error("entry has an empty shape");
     const uint64_t want_header = k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens);
     if (h.header_bytes != want_header) throw error("entry header size is inconsistent");
-    h.payload_bytes = (size_t) h.n_layer * 2 * h.n_tokens * h.n_head_kv * h.head_dim * ggml_type_size((ggml_type) h.dtype);
-    const uint64_t want = want_header + h.payload_bytes + k_checksum_bytes;
-    if (b.size() < want) throw error("entry is truncated (" + std::to_string(b.size()) + " of " + std::to_string(want) + " bytes)");
-    if (b.size() > want) throw error("entry has " + std::to_string(b.size() - want) + " trailing bytes");
+    if (b.size() < want_header + k_checksum_bytes) throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
+    // raw rows have a size fixed by the shape; a codec's payload checks its own
+    h.payload_bytes = b.size() - want_header - k_checksum_bytes;
+    if (h.codec == k_codec_raw) {
+        const uint64_t want = want_header + (uint64_t) h.n_layer * 2 * h.n_tokens * h.n_head_kv * h.head_dim *
+                                                ggml_type_size((ggml_type) h.dtype) + k_checksum_bytes;
+        if (b.size() < want) throw error("entry is truncated (" + std::to_string(b.size()) + " of " + std::to_string(want) + " bytes)");
+        if (b.size() > want) throw error("entry has " + std::to_string(b.size() - want) + " trailing bytes");
+    }
     const XXH128_hash_t sum = XXH3_128bits(b.data(), b.size() - k_checksum_bytes);
     uint64_t stored[2];
     std::memcpy(stored, &b[b.size() - k_checksum_bytes], 16);
@@ -115,12 +121,17 @@ std::string chunk_key(const model & m, ggml_type type, const std::string & codec
     return hex128(h);
 }
 
-std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std::vector<llama_token> & prefix) {
+std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std::vector<llama_token> & prefix,
+                                  const codec * cd) {
     const model_hparams & hp = m.hparams();
     if (c.n_layer != hp.n_layer || c.n_embd_kv != hp.n_embd_kv() || c.data.size() < c.data_offset + c.bytes())
         throw error("chunk KV does not match the model");
     if (m.fingerprint().size() != 32) throw error("model fingerprint has an unexpected size");
-    const size_t payload = c.bytes();
+    const bool raw = !cd || cd->name() == k_codec_raw;
+    const std::vector<uint8_t> coded = raw ? std::vector<uint8_t>() : cd->encode(c);
+    const std::string codec_name = raw ? k_codec_raw : cd->name();
+    if (codec_name.size() >= 16) throw error("codec name too long: " + codec_name);
+    const size_t payload = raw ? c.bytes() : coded.size();
     const size_t header = k_fixed_header + 4 * (prefix.size() + c.tokens.size());
     std::vector<uint8_t> b(header + payload + k_checksum_bytes);
     writer w{b.data()};
@@ -134,7 +145,7 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     w.u32((uint32_t) c.tokens.size());
     w.u32((uint32_t) c.type);
     char codec[16] = {};
-    std::strncpy(codec, k_codec_raw, sizeof(codec) - 1);
+    std::memcpy(codec, codec_name.data(), codec_name.size());
     w.raw(codec, 16);
     w.u32(k_pos_k_rope_pos0);
     w.i64(c.pos0);
@@ -142,7 +153,7 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     w.u32(0);  // reserved
     w.raw(prefix.data(), 4 * prefix.size());
     w.raw(c.tokens.data(), 4 * c.tokens.size());
-    w.raw(c.k(0), payload);  // the payload layout is the chunk's own
+    w.raw(raw ? c.k(0) : coded.data(), payload);  // raw: the payload layout is the chunk's own
     const XXH128_hash_t sum = XXH3_128bits(b.data(), b.size() - k_checksum_bytes);
     const uint64_t words[2] = {sum.low64, sum.high64};
     w.raw(words, 16);
@@ -169,9 +180,14 @@ chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && b) {
     c.type = (ggml_type) h.dtype;
     c.tokens.resize(h.n_tokens);
     std::memcpy(c.tokens.data(), &b[k_fixed_header + 4ull * h.n_prefix], 4ull * h.n_tokens);
-    // the payload stays where it was read: no copy of the KV
-    c.data = std::move(b);
-    c.data_offset = h.header_bytes;
+    if (h.codec == k_codec_raw) {
+        // the payload stays where it was read: no copy of the KV
+        c.data = std::move(b);
+        c.data_offset = h.header_bytes;
+        return c;
+    }
+    c.data.resize(c.bytes());
+    codec_by_name(h.codec)->decode(&b[h.header_bytes], h.payload_bytes, c);
     return c;
 }
 
@@ -180,9 +196,11 @@ chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes) {
 }
 
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
-                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats) {
+                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
+                              const std::string & codec_name) {
     const model & m = eng.mdl();
-    const std::string key = chunk_key(m, eng.cache().type_k(), k_codec_raw, prefix, tokens);
+    const std::unique_ptr<codec> cd = codec_by_name(codec_name);
+    const std::string key = chunk_key(m, eng.cache().type_k(), cd->name(), prefix, tokens);
     if (st) {
         const double t0 = time_ms();
         std::optional<std::vector<uint8_t>> bytes = st->get(key);
@@ -205,9 +223,13 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
     chunk_kv c = prefix.empty() ? collect(eng, tokens) : collect_after(eng, prefix, tokens);
     stats.misses++;
     stats.collect_ms += time_ms() - t0;
+    std::vector<uint8_t> entry = chunk_encode(m, c, prefix, cd.get());
+    // with a lossy codec, return what a later hit returns: a first request and
+    // a repeat give the same answer
+    if (cd->name() != k_codec_raw) c = chunk_decode(m, entry);
     if (st) {
         try {
-            st->put(key, chunk_encode(m, c, prefix));
+            st->put(key, entry);
         } catch (const error & e) {
             // the blend goes on without caching this chunk
             std::fprintf(stderr, "warning: could not store chunk %s: %s\n", key.c_str(), e.what());

@@ -1,0 +1,36 @@
+// kvblend: KV compression codecs for stored chunks. A codec turns a chunk's
+// K/V rows into bytes and back; what comes back is rows of the chunk's element
+// type (f16 or f32) again, ready to place. Byte accounting is always the real
+// encoded size. The store writes the codec's name into the entry and its key.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvblend/blend.h"
+
+namespace kvblend {
+
+class codec {
+  public:
+    virtual ~codec() = default;
+    virtual std::string name() const = 0;
+    // the encoded payload of every layer's K and V (self-describing: its own
+    // parameters are inside). deterministic: the same chunk gives the same bytes.
+    virtual std::vector<uint8_t> encode(const chunk_kv & c) const = 0;
+    // fill out.data (from out.data_offset, out.bytes() bytes) from a payload;
+    // out's shape and type are set by the caller. throws kvblend::error for
+    // bytes that are truncated, corrupt or of another shape.
+    virtual void decode(const uint8_t * p, size_t n, chunk_kv & out) const = 0;
+};
+
+// raw (f16/f32 as collected), f16, q8_0, q4_0, kivi2, kivi4; throws kvblend::error otherwise
+std::unique_ptr<codec> codec_by_name(const std::string & name);
+std::vector<std::string> codec_names();
+
+// decode in place of a chunk: a chunk whose rows went through the codec
+chunk_kv codec_roundtrip(const codec & cd, const chunk_kv & c, size_t * encoded_bytes = nullptr);
+
+}  // namespace kvblend

@@ -1,0 +1,31 @@
+// kvblend benchmarks: a built-in corpus of short stories in the style
+// stories260K was trained on, for multi-document fidelity prompts.
+#pragma once
+
+namespace kvblend::cli {
+
+// short stories in the style stories260K was trained on: documents of the fidelity prompts
+inline const char * k_story_docs[] = {
+    "Tom had a red ball. He liked to throw it high in the sky. One day the ball went over the fence and Tom was sad.",
+    "Sue found a little cat in the garden. The cat was hungry, so Sue gave it some milk. They became best friends.",
+    "The sun was hot and Ben wanted to swim. His mom took him to the lake. Ben splashed and laughed all day.",
+    "Lily had a big box of crayons. She drew a house, a tree and a dog. She showed her picture to her dad.",
+    "A small bird could not fly. Max helped the bird and kept it warm. Soon the bird was strong and flew away.",
+    "Anna and her brother built a tall tower of blocks. The dog ran past and the tower fell down. They built it again.",
+    "Sam lost his blue hat in the snow. His sister helped him look for it. They found it under a big white hill.",
+    "Mia baked a cake with her grandma. They put red berries on top. Everyone said it was the best cake ever.",
+    "A little fish lived in a pond. It wanted to see the sea. One day the rain came and the fish swam to the river.",
+    "Jack saw a big truck in the street. The truck was full of toys. The man gave Jack a small yellow car.",
+    "Emma planted a seed in the yard. She gave it water every day. Soon a pretty flower grew and Emma was proud.",
+    "The old dog liked to sleep in the sun. A cat came and sat next to him. The dog and the cat slept together.",
+};
+inline const char * k_story_queries[] = {
+    "Once upon a time, the friends met in the park and",
+    "The next day, the little girl went outside and",
+    "Then mom said it was time to go home, so",
+    "After that, everyone was happy because",
+    "One day, a boy named Tim found",
+    "Later, the children sat under a tree and",
+};
+
+}  // namespace kvblend::cli
