@@ -14,9 +14,13 @@ namespace kvblend {
 
 class model;
 
+// element types a KV cache can hold: f32, f16, and ggml's q8_0 / q4_0 blocks
+// (attended by flash attention without dequantizing the cache)
+bool kv_cache_type_supported(ggml_type t);
+
 class kv_cache {
   public:
-    // type_k / type_v: GGML_TYPE_F16 (default) or GGML_TYPE_F32
+    // type_k / type_v: f16 (default), f32, q8_0 or q4_0 (kv_cache_type_supported)
     kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v);
     ~kv_cache();
     kv_cache(const kv_cache &) = delete;

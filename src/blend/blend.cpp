@@ -101,7 +101,9 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
                 pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
                 idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
                 for (ggml_tensor * t : {k_in, pos, idx}) ggml_set_input(t);
-                ggml_tensor * kr = ggml_rope_ext(ctx, k_in, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode,
+                // RoPE takes f32/f16: a quantized cache's rows are dequantized first
+                ggml_tensor * kf = ggml_is_quantized(k_in->type) ? ggml_cast(ctx, k_in, GGML_TYPE_F32) : k_in;
+                ggml_tensor * kr = ggml_rope_ext(ctx, kf, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode,
                                                  (int) hp.n_ctx_train, hp.rope_base, hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
                 kr = ggml_reshape_2d(ctx, kr, hp.n_embd_kv(), n);  // [n_embd_kv, n]
                 ggml_build_forward_expand(gf, ggml_set_rows(ctx, cache.k(il), kr, idx));

@@ -10,7 +10,7 @@
 
 namespace kvblend::cli {
 
-ggml_type parse_cache_type(const std::string & s);  // f16 | f32
+ggml_type parse_cache_type(const std::string & s);  // f16 | f32 | q8_0 | q4_0
 std::string read_text_file(const std::string & path);
 
 int bench_blend(args & a);  // kvblend bench blend …
@@ -23,7 +23,7 @@ void plot_png(const std::string & png, const std::string & data, const std::stri
 
 // flags shared by the commands that generate; true when one was consumed
 bool match_sampling_flag(args & a, sampler_params & sp);  // --temp --top-k --top-p --min-p --seed
-bool match_engine_flag(args & a, engine_params & ep);     // -t --threads, -b --ubatch, --cache-type
+bool match_engine_flag(args & a, engine_params & ep);     // -t, -b, --cache-type[-k|-v]
 
 blend_score parse_blend_score(const std::string & s);    // v | k | kv
 blend_method parse_blend_method(const std::string & s);  // gradual | dense

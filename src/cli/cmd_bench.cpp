@@ -29,7 +29,7 @@ model, same threads, same KV type, in the same run.
   -r, --reps N          repetitions per measurement; the median is kept (default 3)
   -t, --threads N       CPU threads (default 2)
   -b, --ubatch N        micro-batch for both (default 512)
-  --cache-type T        f16 (default) or f32
+  --cache-type T        f16 (default), f32, q8_0 or q4_0 (both K and V)
   --peer none|llama     time libllama too (default llama); 'none' also reports peak RSS
   --mmap                map the model file instead of reading the weights into memory
   --json                print one JSON object instead of the table
@@ -63,7 +63,7 @@ int bench_prefill(args & a) {
         else if (a.match({"-r", "--reps"})) reps = a.integer(1, 100);
         else if (a.match({"-t", "--threads"})) ep.n_threads = (int32_t) a.integer(1, 1024);
         else if (a.match({"-b", "--ubatch"})) ep.n_ubatch = a.integer(1, 1 << 16);
-        else if (a.match({"--cache-type"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
+        else if (a.match({"--cache-type", "--cache-type-k", "--cache-type-v"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
         else if (a.match({"--peer"})) {
             const std::string p = a.str();
             if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");

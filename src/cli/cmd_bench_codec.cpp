@@ -119,8 +119,9 @@ int bench_codec(args & a) {
             cd.decode(enc.data(), enc.size(), dec);
             x.dec_ms += time_ms() - t0;
             x.enc_bytes += (double) enc.size();
-            x.f16_bytes += (double) head.bytes() * 2.0 / ggml_type_size(head.type);
-            x.values += (double) head.bytes() / ggml_type_size(head.type);
+            const double values = 2.0 * (double) head.n_layer * head.n_tokens() * head.n_embd_kv;
+            x.f16_bytes += values * 2.0;
+            x.values += values;
             x.tokens += (double) head.n_tokens();
 
             eng.cache().clear();

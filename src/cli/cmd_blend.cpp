@@ -42,7 +42,8 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
                           kl, top1_agree, greedy_agree_32, full_ms, blend_ms, speedup
   -t, --threads N         CPU threads (default 2)
   -b, --ubatch N          micro-batch (default 512)
-  --cache-type f16|f32    KV cache type (default f16)
+  --cache-type T          KV cache type: f16 (default), f32, q8_0, q4_0
+                          (--cache-type-k / --cache-type-v must then agree)
   --json                  print one JSON object
   -v, --verbose           show ggml's and libllama's logs
 )";

@@ -26,7 +26,8 @@ const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
   -t, --threads N       CPU threads (default 2)
   -c, --ctx-size N      KV cache size in tokens (default: prompt + n, at most the trained context)
   -b, --ubatch N        prefill micro-batch (default 512)
-  --cache-type T        KV cache type: f16 (default) or f32
+  --cache-type T        KV cache type for K and V: f16 (default), f32, q8_0, q4_0
+  --cache-type-k T      K cache type only (-ctk); --cache-type-v T: V only (-ctv)
   --chat                wrap the prompt in the model's chat template (user turn)
   --system TEXT         system message for --chat
   --mmap                map the model file instead of reading the weights into memory
@@ -37,9 +38,9 @@ const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
 }  // namespace
 
 ggml_type parse_cache_type(const std::string & s) {
-    if (s == "f16") return GGML_TYPE_F16;
-    if (s == "f32") return GGML_TYPE_F32;
-    throw error("--cache-type must be f16 or f32, got '" + s + "'");
+    for (ggml_type t : {GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0})
+        if (s == ggml_type_name(t)) return t;
+    throw error("KV cache type must be f16, f32, q8_0 or q4_0, got '" + s + "'");
 }
 
 blend_score parse_blend_score(const std::string & s) {
@@ -69,6 +70,8 @@ bool match_engine_flag(args & a, engine_params & ep) {
     if (a.match({"-t", "--threads"})) ep.n_threads = (int32_t) a.integer(1, 1024);
     else if (a.match({"-b", "--ubatch"})) ep.n_ubatch = a.integer(1, 1 << 16);
     else if (a.match({"--cache-type"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
+    else if (a.match({"--cache-type-k", "-ctk"})) ep.type_k = parse_cache_type(a.str());
+    else if (a.match({"--cache-type-v", "-ctv"})) ep.type_v = parse_cache_type(a.str());
     else return false;
     return true;
 }

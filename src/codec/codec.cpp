@@ -19,7 +19,7 @@ std::vector<float> rows_f32(const chunk_kv & c, int64_t il, int kv) {
     const size_t n = (size_t) c.n_tokens() * c.n_embd_kv;
     std::vector<float> out(n);
     if (c.type == GGML_TYPE_F32) std::memcpy(out.data(), src, n * sizeof(float));
-    else ggml_fp16_to_fp32_row((const ggml_fp16_t *) src, out.data(), (int64_t) n);
+    else ggml_get_type_traits(c.type)->to_float(src, out.data(), (int64_t) n);  // f16 or a quantized cache type
     return out;
 }
 
@@ -27,7 +27,8 @@ void store_rows(chunk_kv & c, int64_t il, int kv, const float * x) {
     uint8_t * dst = kv ? c.v(il) : c.k(il);
     const size_t n = (size_t) c.n_tokens() * c.n_embd_kv;
     if (c.type == GGML_TYPE_F32) std::memcpy(dst, x, n * sizeof(float));
-    else ggml_fp32_to_fp16_row(x, (ggml_fp16_t *) dst, (int64_t) n);
+    else if (c.type == GGML_TYPE_F16) ggml_fp32_to_fp16_row(x, (ggml_fp16_t *) dst, (int64_t) n);
+    else ggml_quantize_chunk(c.type, x, dst, 0, c.n_tokens(), c.n_embd_kv, nullptr);  // a quantized cache type
 }
 
 // sequential reads that fail cleanly on short input

@@ -11,8 +11,14 @@ namespace kvblend {
 kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v) : n_ctx_(n_ctx) {
     const model_hparams & hp = m.hparams();
     if (n_ctx <= 0) throw error("KV cache size must be positive");
-    for (ggml_type t : {type_k, type_v})
-        if (t != GGML_TYPE_F16 && t != GGML_TYPE_F32) throw error(std::string("unsupported KV cache type ") + ggml_type_name(t));
+    for (ggml_type t : {type_k, type_v}) {
+        if (!kv_cache_type_supported(t))
+            throw error(std::string("unsupported KV cache type ") + ggml_type_name(t) + " (f32, f16, q8_0, q4_0)");
+        // each head's row is viewed on its own: it must fill whole blocks
+        if (hp.head_dim % ggml_blck_size(t) != 0)
+            throw error(std::string("a ") + ggml_type_name(t) + " KV cache needs a head size that is a multiple of " +
+                        std::to_string(ggml_blck_size(t)) + "; this model's is " + std::to_string(hp.head_dim));
+    }
 
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer + 1), nullptr, true};
     ctx_ = ggml_init(ip);
@@ -37,6 +43,10 @@ kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type t
 kv_cache::~kv_cache() {
     ggml_backend_buffer_free(buf_);
     ggml_free(ctx_);
+}
+
+bool kv_cache_type_supported(ggml_type t) {
+    return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0;
 }
 
 void kv_cache::set_n_past(int64_t n) {

@@ -70,7 +70,8 @@ entry_header parse(const std::vector<uint8_t> & b) {
     h.convention = get_u32(&b[84]);
     std::memcpy(&h.pos0, &b[88], 8);
     h.n_prefix = get_u32(&b[96]);
-    if (h.dtype != GGML_TYPE_F32 && h.dtype != GGML_TYPE_F16) throw error("entry element type " + std::to_string(h.dtype) + " is not supported");
+    if (h.dtype >= GGML_TYPE_COUNT || !kv_cache_type_supported((ggml_type) h.dtype))
+        throw error("entry element type " + std::to_string(h.dtype) + " is not supported");
     if (h.codec.empty()) throw error("entry names no codec");
     if (h.convention != k_pos_k_rope_pos0) throw error("entry position convention " + std::to_string(h.convention) + " is unknown");
     if (h.n_tokens == 0 || h.n_layer == 0 || h.n_head_kv == 0 || h.head_dim == 0) throw error("entry has an empty shape");
@@ -80,8 +81,9 @@ entry_header parse(const std::vector<uint8_t> & b) {
     // raw rows have a size fixed by the shape; a codec's payload checks its own
     h.payload_bytes = b.size() - want_header - k_checksum_bytes;
     if (h.codec == k_codec_raw) {
-        const uint64_t want = want_header + (uint64_t) h.n_layer * 2 * h.n_tokens * h.n_head_kv * h.head_dim *
-                                                ggml_type_size((ggml_type) h.dtype) + k_checksum_bytes;
+        const uint64_t want = want_header + (uint64_t) h.n_layer * 2 * h.n_tokens *
+                                                ggml_row_size((ggml_type) h.dtype, (int64_t) h.n_head_kv * h.head_dim) +
+                                            k_checksum_bytes;
         if (b.size() < want) throw error("entry is truncated (" + std::to_string(b.size()) + " of " + std::to_string(want) + " bytes)");
         if (b.size() > want) throw error("entry has " + std::to_string(b.size() - want) + " trailing bytes");
     }

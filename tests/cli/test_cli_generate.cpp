@@ -51,6 +51,18 @@ TEST(cli_generate, chat_template_wraps_the_prompt) {
               nlohmann::json::parse(plain.out)["n_prompt"].get<int>() + 10);
 }
 
+TEST(cli_generate, quantized_kv_cache_types) {
+    const std::string path = test::make_test_model("tiny");
+    const test::run_result r = test::run_cli("generate -m " + path + " -p hello -n 6 -ctk q8_0 -ctv q4_0 --json");
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_EQ(nlohmann::json::parse(r.out)["n_gen"].get<int>() > 0, true);
+    const test::run_result bad = test::run_cli("generate -m " + k_stories + " -p hi --cache-type q8_0");
+    EXPECT_EQ(bad.status, 1);
+    EXPECT_NE(bad.err.find("multiple of 32"), std::string::npos) << bad.err;
+    const test::run_result bad2 = test::run_cli("generate -m " + path + " -p hi --cache-type q9");
+    EXPECT_NE(bad2.err.find("KV cache type must be f16, f32, q8_0 or q4_0"), std::string::npos) << bad2.err;
+}
+
 TEST(cli_generate, bad_input_is_one_error_line) {
     struct bad_case {
         std::string args;
@@ -61,7 +73,7 @@ TEST(cli_generate, bad_input_is_one_error_line) {
         {"generate -m " + k_stories + " -p hi -n -3", "-n must be in"},
         {"generate -m " + k_stories + " -p hi --temp abc", "--temp expects a number"},
         {"generate -m " + k_stories + " -p hi -t", "missing value after -t"},
-        {"generate -m " + k_stories + " -p hi --cache-type q9", "--cache-type must be"},
+        {"generate -m " + k_stories + " -p hi --cache-type q9", "KV cache type must be"},
         {"generate -m " + k_stories + " -p hi --bogus", "unknown argument '--bogus'"},
         {"generate -m " + k_stories, "missing -p"},
         {"generate -m " + k_stories + " -p hi -n 1000000", "exceeds the context"},
