@@ -2,6 +2,8 @@
 // its KV cache) and KIVI-style asymmetric quantization.
 #include "kvblend/codec.h"
 
+#include "codec/cachegen.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -11,25 +13,30 @@
 
 namespace kvblend {
 
-namespace {
-
-// one layer's K (kv = 0) or V (kv = 1) rows of a chunk as f32 [n_tokens][n_embd_kv]
-std::vector<float> rows_f32(const chunk_kv & c, int64_t il, int kv) {
+void codec_rows_f32(const chunk_kv & c, int64_t il, int kv, float * out) {
     const uint8_t * src = kv ? c.v(il) : c.k(il);
     const size_t n = (size_t) c.n_tokens() * c.n_embd_kv;
-    std::vector<float> out(n);
-    if (c.type == GGML_TYPE_F32) std::memcpy(out.data(), src, n * sizeof(float));
-    else ggml_get_type_traits(c.type)->to_float(src, out.data(), (int64_t) n);  // f16 or a quantized cache type
-    return out;
+    if (c.type == GGML_TYPE_F32) std::memcpy(out, src, n * sizeof(float));
+    else ggml_get_type_traits(c.type)->to_float(src, out, (int64_t) n);  // f16 or a quantized cache type
 }
 
-void store_rows(chunk_kv & c, int64_t il, int kv, const float * x) {
+void codec_store_rows(chunk_kv & c, int64_t il, int kv, const float * x) {
     uint8_t * dst = kv ? c.v(il) : c.k(il);
     const size_t n = (size_t) c.n_tokens() * c.n_embd_kv;
     if (c.type == GGML_TYPE_F32) std::memcpy(dst, x, n * sizeof(float));
     else if (c.type == GGML_TYPE_F16) ggml_fp32_to_fp16_row(x, (ggml_fp16_t *) dst, (int64_t) n);
     else ggml_quantize_chunk(c.type, x, dst, 0, c.n_tokens(), c.n_embd_kv, nullptr);  // a quantized cache type
 }
+
+namespace {
+
+std::vector<float> rows_f32(const chunk_kv & c, int64_t il, int kv) {
+    std::vector<float> out((size_t) c.n_tokens() * c.n_embd_kv);
+    codec_rows_f32(c, il, kv, out.data());
+    return out;
+}
+
+void store_rows(chunk_kv & c, int64_t il, int kv, const float * x) { codec_store_rows(c, il, kv, x); }
 
 // sequential reads that fail cleanly on short input
 struct reader {
@@ -212,7 +219,7 @@ class kivi_codec : public codec {
 
 }  // namespace
 
-std::vector<std::string> codec_names() { return {"raw", "f16", "q8_0", "q4_0", "kivi2", "kivi4"}; }
+std::vector<std::string> codec_names() { return {"raw", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "cachegen"}; }
 
 std::unique_ptr<codec> codec_by_name(const std::string & name) {
     if (name == "raw") return std::make_unique<raw_codec>();
@@ -221,6 +228,7 @@ std::unique_ptr<codec> codec_by_name(const std::string & name) {
     if (name == "q4_0") return std::make_unique<ggml_codec>(GGML_TYPE_Q4_0);
     if (name == "kivi2") return std::make_unique<kivi_codec>(2, 32, 32);
     if (name == "kivi4") return std::make_unique<kivi_codec>(4, 32, 32);
+    if (name == "cachegen") return cachegen_codec_make();
     std::string all;
     for (const auto & n : codec_names()) all += (all.empty() ? "" : ", ") + n;
     throw error("unknown codec '" + name + "' (available: " + all + ")");

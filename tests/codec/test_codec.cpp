@@ -109,6 +109,24 @@ TEST(codec, kivi_error_is_within_one_step_of_each_group) {
     }
 }
 
+TEST(codec, cachegen_is_deterministic_bounded_and_smaller_than_q4_0) {
+    const chunk_kv c = random_chunk(GGML_TYPE_F16, 230, 128, 6);
+    const auto cg = codec_by_name("cachegen");
+    EXPECT_EQ(cg->encode(c), cg->encode(c));
+    size_t bytes = 0, q4 = 0;
+    const chunk_kv y = codec_roundtrip(*cg, c, &bytes);
+    codec_roundtrip(*codec_by_name("q4_0"), c, &q4);
+    const std::vector<float> a = all_f32(c), b = all_f32(y);
+    double err = 0, mx = 0;
+    for (size_t i = 0; i < a.size(); ++i) err = std::max(err, (double) std::fabs(a[i] - b[i])), mx = std::max(mx, (double) std::fabs(a[i]));
+    std::printf("cachegen: %.2f bits per value (q4_0 %.2f), max error %.3g of max |x|\n",
+                8.0 * bytes / (a.size()), 8.0 * q4 / a.size(), err / mx);
+    // anchors at 6 bits (half a step: 1/62 of the row's max), deltas at 3-4 bits
+    // of each channel's largest delta (half a step: 1/6 of it, deltas reach 2x max)
+    EXPECT_LE(err, 0.4 * mx);
+    EXPECT_LT(bytes, q4);  // random data has little structure: still smaller
+}
+
 TEST(codec, truncated_or_corrupt_payloads_are_errors) {
     const chunk_kv c = random_chunk(GGML_TYPE_F16);
     for (const std::string & name : codec_names()) {
@@ -189,6 +207,7 @@ TEST(codec, fidelity_orders_with_precision_on_stories260K) {
     EXPECT_LT(kl["q8_0"], kl["q4_0"]);
     EXPECT_LT(kl["kivi4"], kl["kivi2"]);
     EXPECT_GT(kl["kivi2"], 10 * kl["raw"]);  // most tokens really were quantized
+    EXPECT_LT(kl["cachegen"], kl["q4_0"]);
 }
 
 }  // namespace
