@@ -69,13 +69,16 @@ void put_stream(byte_writer & w, const std::vector<uint8_t> & sym) {
     w.raw(coded.data(), coded.size());
 }
 
-void get_stream(byte_reader & r, std::vector<uint8_t> & sym) {
+// symbols above max_sym cannot be decoded: checked once on the table, so the
+// dequantizing loops need no checks
+void get_stream(byte_reader & r, std::vector<uint8_t> & sym, int max_sym) {
     const int lo = r.get<uint8_t>();
     const int span = r.get<uint8_t>();
-    if (lo + span > 255) throw error("cachegen payload is corrupt (symbol range)");
+    if (lo + span > max_sym) throw error("cachegen payload is corrupt (symbol range)");
     std::array<uint16_t, 256> freq{};
     for (int s = lo; s <= lo + span; ++s) freq[s] = r.get<uint16_t>();
-    const rans::table t = rans::table::from_freqs(freq);
+    static thread_local rans::table t;  // 16 KiB: reused, not rebuilt from scratch per stream
+    t.set_freqs(freq);
     const uint32_t n = r.get<uint32_t>();
     const uint8_t * bytes = r.skip(n);
     rans::decode(bytes, n, t, sym.data(), sym.size());
@@ -166,23 +169,22 @@ class cachegen_codec : public codec {
                     const int64_t c1 = std::min(d, c0 + k_chan_group), w = c1 - c0;
                     // anchors
                     sym.resize((size_t) n_anchor * w);
-                    get_stream(r, sym);
+                    get_stream(r, sym, 2 * k_anchor_qmax);
                     for (int64_t a = 0; a < n_anchor; ++a)
                         for (int64_t ch = 0; ch < w; ++ch)
                             x[a * k_group * d + c0 + ch] = a_scale[a] * (float) ((int) sym[a * w + ch] - k_anchor_qmax);
                     // deltas
                     sym.resize((size_t) (n - n_anchor) * w);
-                    get_stream(r, sym);
+                    get_stream(r, sym, 2 * qmax);
                     size_t at = 0;
                     for (int64_t t = 0; t < n; ++t) {
                         if (t % k_group == 0) continue;
                         const float * base = &x[(t - t % k_group) * d + c0];
                         float * dst = &x[t * d + c0];
-                        for (int64_t ch = 0; ch < w; ++ch, ++at) {
-                            const int q = (int) sym[at] - qmax;
-                            if (q > qmax) throw error("cachegen payload is corrupt (symbol)");
-                            dst[ch] = base[ch] + d_step[c0 + ch] * (float) q;
-                        }
+                        const uint8_t * q = &sym[at];
+                        const float * st = &d_step[c0];
+                        for (int64_t ch = 0; ch < w; ++ch) dst[ch] = base[ch] + st[ch] * (float) ((int) q[ch] - qmax);
+                        at += w;
                     }
                 }
                 codec_store_rows(out, il, kv, x.data());

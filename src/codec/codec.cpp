@@ -17,14 +17,15 @@ void codec_rows_f32(const chunk_kv & c, int64_t il, int kv, float * out) {
     const uint8_t * src = kv ? c.v(il) : c.k(il);
     const size_t n = (size_t) c.n_tokens() * c.n_embd_kv;
     if (c.type == GGML_TYPE_F32) std::memcpy(out, src, n * sizeof(float));
-    else ggml_get_type_traits(c.type)->to_float(src, out, (int64_t) n);  // f16 or a quantized cache type
+    else if (c.type == GGML_TYPE_F16) ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) src, out, (int64_t) n);  // vectorized
+    else ggml_get_type_traits(c.type)->to_float(src, out, (int64_t) n);  // a quantized cache type
 }
 
 void codec_store_rows(chunk_kv & c, int64_t il, int kv, const float * x) {
     uint8_t * dst = kv ? c.v(il) : c.k(il);
     const size_t n = (size_t) c.n_tokens() * c.n_embd_kv;
     if (c.type == GGML_TYPE_F32) std::memcpy(dst, x, n * sizeof(float));
-    else if (c.type == GGML_TYPE_F16) ggml_fp32_to_fp16_row(x, (ggml_fp16_t *) dst, (int64_t) n);
+    else if (c.type == GGML_TYPE_F16) ggml_cpu_fp32_to_fp16(x, (ggml_fp16_t *) dst, (int64_t) n);  // vectorized
     else ggml_quantize_chunk(c.type, x, dst, 0, c.n_tokens(), c.n_embd_kv, nullptr);  // a quantized cache type
 }
 

@@ -1,6 +1,9 @@
 // a byte-oriented rANS entropy coder (Duda, "Asymmetric numeral systems").
-// 32-bit state, 12-bit probabilities; symbols are bytes. Encoding runs
-// backwards over the symbols so decoding runs forwards.
+// 32-bit states, 12-bit probabilities, 16-bit renormalization (at most one
+// read per symbol, so the decoder needs no loop there); symbols are bytes. Four states take
+// turns (symbol i goes to state i % 4) so the decoder's dependency chains
+// overlap; they share one byte stream. Encoding runs backwards over the
+// symbols so decoding runs forwards.
 #pragma once
 
 #include <array>
@@ -13,18 +16,21 @@ namespace kvblend::rans {
 
 constexpr uint32_t k_prob_bits = 12;
 constexpr uint32_t k_prob_scale = 1u << k_prob_bits;
-constexpr uint32_t k_lower = 1u << 23;  // state stays in [k_lower, k_lower << 8)
+constexpr uint32_t k_lower = 1u << 16;  // state stays in [k_lower, k_lower << 16): renormalized 16 bits at a time
 
 // symbol frequencies summing to k_prob_scale; every symbol that occurs has >= 1
 struct table {
     std::array<uint16_t, 256> freq{};
     std::array<uint16_t, 256> start{};
-    std::array<uint8_t, k_prob_scale> slot_symbol{};
+    // per slot: symbol (bits 0-7), its frequency (8-20) and start (20-32) packed, one load per decoded symbol
+    std::array<uint32_t, k_prob_scale> slot{};
 
     // from counts of the symbols to code (at least one non-zero)
     static table from_counts(const std::array<uint32_t, 256> & counts);
     // from stored frequencies (validated: they must sum to k_prob_scale)
     static table from_freqs(const std::array<uint16_t, 256> & freq);
+    // the same, reusing this table's memory (decoders set up thousands of tables)
+    void set_freqs(const std::array<uint16_t, 256> & freq);
 };
 
 // encode symbols; returns the coded bytes (state flushed at the front)
