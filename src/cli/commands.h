@@ -9,5 +9,6 @@ int cmd_bench(int argc, char ** argv);
 int cmd_blend(int argc, char ** argv);
 int cmd_ingest(int argc, char ** argv);
 int cmd_store(int argc, char ** argv);
+int cmd_serve(int argc, char ** argv);
 
 }  // namespace kvblend::cli

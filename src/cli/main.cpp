@@ -17,6 +17,7 @@ struct command {
 const command k_commands[] = {
     {"generate", kvblend::cli::cmd_generate, "prefill a prompt with our forward and print the continuation"},
     {"blend", kvblend::cli::cmd_blend, "answer a question over documents with CacheBlend prefill"},
+    {"serve", kvblend::cli::cmd_serve, "OpenAI-compatible server with CacheBlend prefill over stored chunks"},
     {"ingest", kvblend::cli::cmd_ingest, "collect document chunks and put their KV in a store"},
     {"store", kvblend::cli::cmd_store, "inspect a chunk store: stats, ls, verify, gc"},
     {"make-model", kvblend::cli::cmd_make_model, "write a synthetic GGUF of a real shape (random weights, real vocab)"},

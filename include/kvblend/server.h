@@ -1,0 +1,50 @@
+// kvblend: an OpenAI-compatible HTTP server with CacheBlend prefill. Requests
+// may carry "documents": each is its own chunk, whose KV comes from the chunk
+// store (collected and put on a miss) and is fused with the question.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kvblend/blend.h"
+
+namespace kvblend {
+
+struct server_params {
+    std::string host            = "127.0.0.1";  // loopback unless asked otherwise
+    int         port            = 8080;         // 0: any free port (see server::port())
+    std::string store_uri;                      // empty: chunks are collected per request, not kept
+    std::string codec           = "raw";
+    int64_t     n_ctx           = 4096;         // per slot
+    int         parallel        = 1;            // slots: requests computed at once
+    int         max_queue       = 64;           // waiting requests beyond the slots; more get 503
+    float       recomp_ratio    = 0.15f;
+    int         check_layer     = 1;
+    int64_t     chunk_size      = 256;          // plain long prompts: chunk length
+    int64_t     min_fuse_tokens = 1024;         // plain prompts at least this long are chunked and fused
+    std::string api_key;                        // empty: no authentication
+    int32_t     n_threads       = 2;
+    ggml_type   type_k          = GGML_TYPE_F16;
+    ggml_type   type_v          = GGML_TYPE_F16;
+};
+
+class server {
+  public:
+    server(std::shared_ptr<const model> m, const server_params & params);  // throws kvblend::error
+    ~server();
+    server(const server &) = delete;
+    server & operator=(const server &) = delete;
+
+    // bind and serve until stop(); returns false when the address cannot be bound
+    bool listen();
+    void stop();
+    bool wait_ready(int timeout_ms) const;  // true once listening
+    int port() const;                       // the bound port (after listen() started)
+
+  private:
+    struct impl;
+    std::unique_ptr<impl> impl_;
+};
+
+}  // namespace kvblend

@@ -1,0 +1,96 @@
+// kvblend serve: the OpenAI-compatible server.
+#include <csignal>
+#include <thread>
+#include <cstdio>
+
+#include "cli/args.h"
+#include "cli/cli_util.h"
+#include "cli/commands.h"
+#include "kvblend/server.h"
+
+namespace kvblend::cli {
+
+namespace {
+
+const char * k_help = R"(usage: kvblend serve -m MODEL [options]
+
+OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
+"documents" field: each document its own chunk, fused with CacheBlend),
+/v1/completions, /v1/models, /health, /tokenize, /detokenize.
+
+  -m, --model FILE          GGUF model
+  --host H                  address to listen on (default 127.0.0.1)
+  --port N                  port (default 8080)
+  --store URI               chunk store (dir:PATH, a path, or redis://HOST:PORT[/DB])
+  --codec NAME              how stored chunks hold their KV (default raw)
+  -c, --ctx-size N          context per slot (default 4096)
+  --parallel N              slots computing at once (default 1)
+  --queue N                 requests waiting beyond the slots; more get 503 (default 64)
+  --recomp-ratio R          default share of document tokens recomputed (default 0.15)
+  --check-layer L           CacheBlend check layer (default 1)
+  --chunk-size N            plain long prompts: chunk length (default 256)
+  --min-fuse-tokens N       plain prompts at least this long are chunked and fused (default 1024)
+  --api-key KEY             require "Authorization: Bearer KEY"
+  --api-key-file F          the same, the key read from a file
+  -t, --threads N           CPU threads per slot (default 2)
+  --cache-type T            KV cache type for K and V: f16 (default), f32, q8_0, q4_0
+)";
+
+server * g_server = nullptr;
+
+void on_signal(int) {
+    if (g_server) g_server->stop();
+}
+
+}  // namespace
+
+int cmd_serve(int argc, char ** argv) {
+    std::string model_path;
+    server_params sp;
+    args a(argc, argv, 1);
+    while (!a.done()) {
+        if (a.match({"-h", "--help"})) {
+            std::fputs(k_help, stdout);
+            return 0;
+        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        else if (a.match({"--host"})) sp.host = a.str();
+        else if (a.match({"--port"})) sp.port = (int) a.integer(0, 65535);
+        else if (a.match({"--store"})) sp.store_uri = a.str();
+        else if (a.match({"--codec"})) sp.codec = a.str();
+        else if (a.match({"-c", "--ctx-size"})) sp.n_ctx = a.integer(16, 1 << 24);
+        else if (a.match({"--parallel", "-np"})) sp.parallel = (int) a.integer(1, 256);
+        else if (a.match({"--queue"})) sp.max_queue = (int) a.integer(0, 1 << 20);
+        else if (a.match({"--recomp-ratio"})) sp.recomp_ratio = (float) a.real(0.0, 1.0);
+        else if (a.match({"--check-layer"})) sp.check_layer = (int) a.integer(0, 4096);
+        else if (a.match({"--chunk-size"})) sp.chunk_size = a.integer(1, 1 << 20);
+        else if (a.match({"--min-fuse-tokens"})) sp.min_fuse_tokens = a.integer(1, 1 << 24);
+        else if (a.match({"--api-key"})) sp.api_key = a.str();
+        else if (a.match({"--api-key-file"})) {
+            std::string k = read_text_file(a.str());
+            while (!k.empty() && (k.back() == '\n' || k.back() == '\r' || k.back() == ' ')) k.pop_back();
+            if (k.empty()) throw error("--api-key-file holds no key");
+            sp.api_key = k;
+        } else if (a.match({"-t", "--threads"})) sp.n_threads = (int32_t) a.integer(1, 1024);
+        else if (a.match({"--cache-type"})) sp.type_k = sp.type_v = parse_cache_type(a.str());
+        else a.unknown();
+    }
+    if (model_path.empty()) throw error("missing -m MODEL (see --help)");
+    auto m = model::load(model_path);
+    sp.n_ctx = std::min(sp.n_ctx, m->hparams().n_ctx_train);
+    server srv(m, sp);
+    g_server = &srv;
+    std::signal(SIGINT, on_signal);
+    std::signal(SIGTERM, on_signal);
+    std::thread announce([&] {
+        if (srv.wait_ready(10000))
+            std::fprintf(stderr, "kvblend serve: %s on http://%s:%d (%d slot%s, context %lld)\n", m->describe().c_str(),
+                         sp.host.c_str(), srv.port(), sp.parallel, sp.parallel > 1 ? "s" : "", (long long) sp.n_ctx);
+    });
+    const bool ok = srv.listen();
+    announce.join();
+    g_server = nullptr;
+    if (!ok) throw error("cannot listen on " + sp.host + ":" + std::to_string(sp.port));
+    return 0;
+}
+
+}  // namespace kvblend::cli

@@ -1,0 +1,561 @@
+// the OpenAI-compatible server: HTTP threads parse and validate requests and
+// queue them; one worker per slot owns an engine and runs prefill (CacheBlend
+// over stored document chunks, or a plain prefill) and decoding; tokens flow
+// back through the job, to the response or to a server-sent-event stream.
+#include "kvblend/server.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "httplib.h"
+#include "kvblend/codec.h"
+#include "kvblend/rag_prompt.h"
+#include "kvblend/store.h"
+#include "kvblend/vocab.h"
+
+namespace kvblend {
+
+using json = nlohmann::json;
+
+namespace {
+
+// the store shared by the slots: one call at a time (backends keep per-object state)
+class locked_store : public store {
+  public:
+    explicit locked_store(std::unique_ptr<store> s) : s_(std::move(s)) {}
+    void put(const std::string & k, const std::vector<uint8_t> & b) override { std::lock_guard l(m_); s_->put(k, b); }
+    std::optional<std::vector<uint8_t>> get(const std::string & k) override { std::lock_guard l(m_); return s_->get(k); }
+    bool contains(const std::string & k) override { std::lock_guard l(m_); return s_->contains(k); }
+    bool erase(const std::string & k) override { std::lock_guard l(m_); return s_->erase(k); }
+    std::vector<store_entry_info> list() override { std::lock_guard l(m_); return s_->list(); }
+    store_stats stats() override { std::lock_guard l(m_); return s_->stats(); }
+    uint64_t gc() override { std::lock_guard l(m_); return s_->gc(); }
+    std::string uri() const override { return s_->uri(); }
+
+  private:
+    std::mutex m_;
+    std::unique_ptr<store> s_;
+};
+
+// a user's mistake in a request: answered with an OpenAI-shaped error
+struct request_error {
+    int status;
+    std::string message, type, code;
+};
+
+[[noreturn]] void bad_request(const std::string & msg, const std::string & code = "invalid_request") {
+    throw request_error{400, msg, "invalid_request_error", code};
+}
+
+std::string error_body(const std::string & message, const std::string & type, const std::string & code) {
+    return json{{"error", {{"message", message}, {"type", type}, {"code", code}}}}.dump();
+}
+
+struct job {
+    // what to compute
+    bool fuse = false;
+    rag_prompt prompt;                // fuse: chunks + query
+    std::vector<llama_token> tokens;  // every prompt token in order
+    int32_t max_tokens = 0;
+    sampler_params sp;
+    std::vector<std::string> stop;
+    float recomp_ratio = 0.15f;
+
+    // what comes back (guarded by mu)
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::string> pieces;
+    bool done = false;
+    std::string error;
+    std::string finish_reason = "stop";
+    int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0;
+    double prefill_ms = 0;
+    std::atomic<bool> cancelled{false};
+
+    void emit(std::string piece) {
+        std::lock_guard l(mu);
+        pieces.push_back(std::move(piece));
+        cv.notify_all();
+    }
+    void finish(const std::string & err = {}) {
+        std::lock_guard l(mu);
+        error = err;
+        done = true;
+        cv.notify_all();
+    }
+};
+
+std::string message_text(const json & content) {
+    if (content.is_string()) return content.get<std::string>();
+    if (content.is_array()) {  // [{"type": "text", "text": …}, …]
+        std::string out;
+        for (const auto & part : content) {
+            if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+                bad_request("only text content parts are supported");
+            out += part["text"].get<std::string>();
+        }
+        return out;
+    }
+    if (content.is_null()) return {};
+    bad_request("message content must be a string or an array of text parts");
+}
+
+}  // namespace
+
+struct server::impl {
+    std::shared_ptr<const model> m;
+    server_params p;
+    std::unique_ptr<store> st;
+    std::string model_id;
+    httplib::Server http;
+    std::atomic<int> bound_port{0};
+
+    std::mutex qmu;
+    std::condition_variable qcv;
+    std::deque<std::shared_ptr<job>> queue;
+    bool stopping = false;
+    std::vector<std::thread> workers;
+
+    impl(std::shared_ptr<const model> mm, const server_params & pp) : m(std::move(mm)), p(pp) {
+        if (p.parallel < 1) throw error("--parallel must be at least 1");
+        codec_by_name(p.codec);  // a bad codec name fails at start
+        if (!p.store_uri.empty()) st = std::make_unique<locked_store>(store_open(p.store_uri));
+        model_id = m->path().substr(m->path().find_last_of('/') + 1);
+        for (int i = 0; i < p.parallel; ++i) {
+            engine_params ep = engine_default_params();
+            ep.n_ctx = p.n_ctx;
+            ep.n_threads = p.n_threads;
+            ep.type_k = p.type_k;
+            ep.type_v = p.type_v;
+            auto eng = std::make_shared<engine>(m, ep);  // allocate every slot before serving
+            workers.emplace_back([this, eng] { worker(*eng); });
+        }
+        routes();
+    }
+
+    ~impl() {
+        {
+            std::lock_guard l(qmu);
+            stopping = true;
+        }
+        qcv.notify_all();
+        for (auto & w : workers) w.join();
+    }
+
+    // --- slots ----------------------------------------------------------------
+    void worker(engine & eng) {
+        for (;;) {
+            std::shared_ptr<job> j;
+            {
+                std::unique_lock l(qmu);
+                qcv.wait(l, [&] { return stopping || !queue.empty(); });
+                if (stopping && queue.empty()) return;
+                j = queue.front();
+                queue.pop_front();
+            }
+            try {
+                run(eng, *j);
+                j->finish();
+            } catch (const std::exception & e) {
+                j->finish(e.what());
+            }
+        }
+    }
+
+    void run(engine & eng, job & j) {
+        const vocab & v = m->tokens();
+        const int64_t nv = m->hparams().n_vocab;
+        std::vector<float> logits;
+        const double t0 = time_ms();
+        if (j.fuse) {
+            chunk_fetch_stats fs;
+            std::vector<chunk_kv> kv;
+            for (const auto & c : j.prompt.chunks)
+                if (!c.empty()) kv.push_back(chunk_get_or_collect(st.get(), eng, {}, c, fs, p.codec));
+            std::vector<const chunk_kv *> ptrs;
+            for (const auto & c : kv) ptrs.push_back(&c);
+            blend_params bp = blend_default_params();
+            bp.recomp_ratio = j.recomp_ratio;
+            bp.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
+            blend_result br = blend(eng, ptrs, j.prompt.query, bp);
+            logits = std::move(br.logits);
+            j.n_fused = br.stats.n_tokens;
+            j.n_recomputed = br.stats.n_selected;
+            j.store_hits = fs.hits;
+        } else {
+            eng.cache().clear();
+            logits = eng.eval(j.tokens);
+        }
+        j.prefill_ms = time_ms() - t0;
+
+        sampler smp(j.sp);
+        std::string text;       // everything generated, for stop strings
+        size_t sent = 0;        // bytes of text already emitted
+        size_t hold = 0;        // longest stop string - 1: a tail that may still become one
+        for (const auto & s : j.stop) hold = std::max(hold, s.size() ? s.size() - 1 : 0);
+        j.finish_reason = "length";
+        for (int32_t i = 0; i < j.max_tokens; ++i) {
+            if (j.cancelled) return;
+            const llama_token tok = smp.sample(logits.data() + logits.size() - nv, (int32_t) nv);
+            if (v.is_eog(tok)) {
+                j.finish_reason = "stop";
+                break;
+            }
+            j.n_gen++;
+            text += v.token_to_piece(tok);
+            size_t cut = std::string::npos;
+            for (const auto & s : j.stop) {
+                const size_t at = s.empty() ? std::string::npos : text.find(s, sent > s.size() ? sent - s.size() : 0);
+                if (at != std::string::npos) cut = std::min(cut, at);
+            }
+            if (cut != std::string::npos) {
+                if (cut > sent) j.emit(text.substr(sent, cut - sent));
+                sent = text.size();
+                j.finish_reason = "stop";
+                break;
+            }
+            // emit what can no longer be the start of a stop string; keep whole UTF-8 characters
+            size_t upto = text.size() > hold ? text.size() - hold : 0;
+            while (upto > sent && upto < text.size() && ((unsigned char) text[upto] & 0xc0) == 0x80) --upto;
+            if (upto > sent) {
+                j.emit(text.substr(sent, upto - sent));
+                sent = upto;
+            }
+            if (eng.cache().n_past() >= eng.cache().n_ctx()) break;
+            if (i + 1 < j.max_tokens) logits = eng.eval({tok});
+        }
+        if (sent < text.size()) j.emit(text.substr(sent));  // the held-back tail held no stop string
+    }
+
+    // queue a job; false when the queue is full
+    bool submit(const std::shared_ptr<job> & j) {
+        {
+            std::lock_guard l(qmu);
+            if ((int) queue.size() >= p.max_queue) return false;
+            queue.push_back(j);
+        }
+        qcv.notify_one();
+        return true;
+    }
+
+    // --- requests -------------------------------------------------------------
+    json parse_body(const httplib::Request & req) const {
+        try {
+            json b = json::parse(req.body);
+            if (!b.is_object()) bad_request("the request body must be a JSON object");
+            return b;
+        } catch (const json::exception & e) {
+            bad_request(std::string("malformed JSON: ") + e.what(), "invalid_json");
+        }
+    }
+
+    // sampling fields shared by both completion endpoints
+    void read_sampling(const json & b, job & j, int64_t n_prompt) const {
+        auto num = [&](const char * k, double lo, double hi, double def) {
+            if (!b.contains(k) || b[k].is_null()) return def;
+            if (!b[k].is_number()) bad_request(std::string("'") + k + "' must be a number");
+            const double x = b[k].get<double>();
+            if (!(x >= lo && x <= hi)) bad_request(std::string("'") + k + "' is out of range");
+            return x;
+        };
+        const int64_t room = p.n_ctx - n_prompt;
+        if (room < 1)
+            bad_request("the prompt has " + std::to_string(n_prompt) + " tokens, more than the context of " +
+                            std::to_string(p.n_ctx) + " allows",
+                        "context_length_exceeded");
+        j.max_tokens = (int32_t) num("max_tokens", 0, 1e9, (double) std::min<int64_t>(room, 256));
+        if (b.contains("max_completion_tokens")) j.max_tokens = (int32_t) num("max_completion_tokens", 0, 1e9, 0);
+        j.max_tokens = (int32_t) std::min<int64_t>(j.max_tokens, room);
+        j.sp.temp = (float) num("temperature", 0, 100, 1.0);
+        j.sp.top_p = (float) num("top_p", 0, 1, 1.0);
+        j.sp.top_k = 0;
+        j.sp.min_p = 0;
+        if (b.contains("seed") && !b["seed"].is_null()) j.sp.seed = (uint32_t) num("seed", 0, 4294967295.0, 0);
+        j.recomp_ratio = (float) num("recomp_ratio", 0, 1, p.recomp_ratio);
+        if (b.contains("stop") && !b["stop"].is_null()) {
+            const json & s = b["stop"];
+            if (s.is_string()) j.stop.push_back(s.get<std::string>());
+            else if (s.is_array()) {
+                for (const auto & x : s) {
+                    if (!x.is_string()) bad_request("'stop' must be a string or an array of strings");
+                    j.stop.push_back(x.get<std::string>());
+                }
+            } else bad_request("'stop' must be a string or an array of strings");
+        }
+    }
+
+    // plain prompts long enough are cut into chunks that the store can find again at any offset
+    void plain_or_chunked(job & j, std::vector<llama_token> tokens) const {
+        j.tokens = std::move(tokens);
+        const int64_t n = (int64_t) j.tokens.size();
+        if (n < p.min_fuse_tokens || n <= p.chunk_size) return;
+        j.fuse = true;
+        int64_t at = 0;
+        for (; at + p.chunk_size < n; at += p.chunk_size)
+            j.prompt.chunks.emplace_back(j.tokens.begin() + at, j.tokens.begin() + at + p.chunk_size);
+        j.prompt.query.assign(j.tokens.begin() + at, j.tokens.end());
+    }
+
+    std::shared_ptr<job> chat_job(const json & b) const {
+        if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty())
+            bad_request("'messages' must be a non-empty array");
+        std::vector<chat_message> msgs;
+        for (const auto & m : b["messages"]) {
+            if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) bad_request("every message needs a string 'role'");
+            const std::string role = m["role"].get<std::string>();
+            if (role != "system" && role != "user" && role != "assistant" && role != "developer")
+                bad_request("unknown message role '" + role + "'");
+            msgs.push_back({role == "developer" ? "system" : role, message_text(m.value("content", json()))});
+        }
+        auto j = std::make_shared<job>();
+        const vocab & v = m->tokens();
+        if (b.contains("documents") && !b["documents"].is_null()) {
+            const json & d = b["documents"];
+            if (!d.is_array()) bad_request("'documents' must be an array");
+            std::vector<std::string> docs;
+            for (const auto & x : d) {
+                if (x.is_string()) docs.push_back(x.get<std::string>());
+                else if (x.is_object() && x.contains("text") && x["text"].is_string()) docs.push_back(x["text"].get<std::string>());
+                else bad_request("every document must be {\"text\": string}");
+            }
+            // the system messages and the last user message frame the documents
+            std::string system, question;
+            for (const auto & mm : msgs) {
+                if (mm.role == "system") system += (system.empty() ? "" : "\n") + mm.content;
+                else if (mm.role == "assistant") bad_request("documents with an earlier conversation are not supported yet");
+                else question = mm.content;
+            }
+            if (question.empty()) bad_request("a request with documents needs a user message");
+            j->fuse = true;
+            j->prompt = rag_prompt_build(v, system, docs, question, v.has_chat_template());
+            j->tokens = j->prompt.all();
+        } else {
+            const std::string text = v.has_chat_template() ? v.apply_chat_template(msgs, true) : [&] {
+                std::string t;
+                for (const auto & mm : msgs) t += mm.content + "\n";
+                return t;
+            }();
+            plain_or_chunked(*j, v.tokenize(text, true, v.has_chat_template()));
+        }
+        if (j->tokens.empty()) bad_request("the prompt is empty");
+        read_sampling(b, *j, (int64_t) j->tokens.size());
+        return j;
+    }
+
+    std::shared_ptr<job> completion_job(const json & b) const {
+        std::string prompt;
+        if (b.contains("prompt") && b["prompt"].is_string()) prompt = b["prompt"].get<std::string>();
+        else if (b.contains("prompt") && b["prompt"].is_array() && b["prompt"].size() == 1 && b["prompt"][0].is_string())
+            prompt = b["prompt"][0].get<std::string>();
+        else bad_request("'prompt' must be a string");
+        auto j = std::make_shared<job>();
+        plain_or_chunked(*j, m->tokens().tokenize(prompt, true, false));
+        if (j->tokens.empty()) bad_request("the prompt is empty");
+        read_sampling(b, *j, (int64_t) j->tokens.size());
+        return j;
+    }
+
+    json usage_of(const job & j) const {
+        return {{"prompt_tokens", (int64_t) j.tokens.size()},
+                {"completion_tokens", j.n_gen},
+                {"total_tokens", (int64_t) j.tokens.size() + j.n_gen}};
+    }
+
+    json kvblend_of(const job & j) const {
+        return {{"n_prompt", (int64_t) j.tokens.size()},
+                {"n_fused", j.n_fused},
+                {"n_recomputed", j.n_recomputed},
+                {"store_hits", j.store_hits},
+                {"prefill_ms", j.prefill_ms}};
+    }
+
+    static std::string new_id(const char * prefix) {
+        static std::atomic<uint64_t> counter{0};
+        return std::string(prefix) + std::to_string((uint64_t) time(nullptr)) + "-" + std::to_string(counter++);
+    }
+
+    // run a job to the end or stream it; chat: chat.completion(.chunk), else text_completion
+    void respond(const std::shared_ptr<job> & j, bool chat, bool stream, httplib::Response & res) {
+        if (!submit(j)) throw request_error{503, "the server is overloaded: every slot is busy and the queue is full",
+                                            "server_error", "overloaded"};
+        const std::string id = new_id(chat ? "chatcmpl-" : "cmpl-");
+        const int64_t created = (int64_t) time(nullptr);
+        if (!stream) {
+            std::string text;
+            std::unique_lock l(j->mu);
+            j->cv.wait(l, [&] { return j->done; });
+            for (auto & s : j->pieces) text += s;
+            if (!j->error.empty()) throw request_error{500, j->error, "server_error", "internal_error"};
+            json out = {{"id", id}, {"created", created}, {"model", model_id}, {"usage", usage_of(*j)}, {"kvblend", kvblend_of(*j)}};
+            if (chat) {
+                out["object"] = "chat.completion";
+                out["choices"] = json::array({{{"index", 0},
+                                               {"message", {{"role", "assistant"}, {"content", text}}},
+                                               {"finish_reason", j->finish_reason}}});
+            } else {
+                out["object"] = "text_completion";
+                out["choices"] = json::array({{{"index", 0}, {"text", text}, {"finish_reason", j->finish_reason}}});
+            }
+            res.set_content(out.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+            return;
+        }
+        auto chunk = [=](const json & delta_or_text, const json & finish) {
+            json c = {{"id", id}, {"created", created}, {"model", model_id}};
+            if (chat) {
+                c["object"] = "chat.completion.chunk";
+                c["choices"] = json::array({{{"index", 0}, {"delta", delta_or_text}, {"finish_reason", finish}}});
+            } else {
+                c["object"] = "text_completion";
+                c["choices"] = json::array({{{"index", 0}, {"text", delta_or_text}, {"finish_reason", finish}}});
+            }
+            return "data: " + c.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+        };
+        auto started = std::make_shared<bool>(false);
+        res.set_chunked_content_provider(
+            "text/event-stream",
+            [=](size_t, httplib::DataSink & sink) {
+                std::string out;
+                bool finished = false;
+                {
+                    std::unique_lock l(j->mu);
+                    j->cv.wait(l, [&] { return j->done || !j->pieces.empty(); });
+                    if (!*started && chat) out += chunk({{"role", "assistant"}, {"content", ""}}, nullptr);
+                    *started = true;
+                    while (!j->pieces.empty()) {
+                        out += chunk(chat ? json{{"content", j->pieces.front()}} : json(j->pieces.front()), nullptr);
+                        j->pieces.pop_front();
+                    }
+                    if (j->done) {
+                        finished = true;
+                        if (!j->error.empty()) {
+                            out += "data: " + error_body(j->error, "server_error", "internal_error") + "\n\n";
+                        } else {
+                            json last = json::parse(chunk(chat ? json::object() : json(""), j->finish_reason).substr(6));
+                            last["usage"] = usage_of(*j);
+                            last["kvblend"] = kvblend_of(*j);
+                            out += "data: " + last.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+                        }
+                        out += "data: [DONE]\n\n";
+                    }
+                }
+                if (!sink.write(out.data(), out.size())) {
+                    j->cancelled = true;  // the client went away: stop its work
+                    return false;
+                }
+                if (finished) sink.done();
+                return true;
+            },
+            [j](bool success) {
+                if (!success) j->cancelled = true;
+            });
+    }
+
+    // --- routes -----------------------------------------------------------------
+    template <typename F>
+    auto guarded(F && f) {
+        return [this, f](const httplib::Request & req, httplib::Response & res) {
+            try {
+                f(req, res);
+            } catch (const request_error & e) {
+                res.status = e.status;
+                res.set_content(error_body(e.message, e.type, e.code), "application/json");
+            } catch (const error & e) {
+                res.status = 400;
+                res.set_content(error_body(e.what(), "invalid_request_error", "invalid_request"), "application/json");
+            } catch (const std::exception & e) {
+                res.status = 500;
+                res.set_content(error_body(e.what(), "server_error", "internal_error"), "application/json");
+            }
+        };
+    }
+
+    void routes() {
+        http.new_task_queue = [this] { return new httplib::ThreadPool((size_t) std::max(8, p.parallel + p.max_queue / 4)); };
+        http.set_pre_routing_handler([this](const httplib::Request & req, httplib::Response & res) {
+            if (p.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+            if (req.get_header_value("Authorization") == "Bearer " + p.api_key) return httplib::Server::HandlerResponse::Unhandled;
+            res.status = 401;
+            res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"), "application/json");
+            return httplib::Server::HandlerResponse::Handled;
+        });
+        http.set_error_handler([](const httplib::Request &, httplib::Response & res) {
+            if (res.status == 404 && res.body.empty())
+                res.set_content(error_body("unknown route", "invalid_request_error", "not_found"), "application/json");
+        });
+        http.Get("/health", [](const httplib::Request &, httplib::Response & res) {
+            res.set_content(json{{"status", "ok"}}.dump(), "application/json");
+        });
+        http.Get("/v1/models", [this](const httplib::Request &, httplib::Response & res) {
+            res.set_content(json{{"object", "list"},
+                                 {"data", json::array({{{"id", model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "kvblend"}}})}}
+                                .dump(),
+                            "application/json");
+        });
+        http.Post("/v1/chat/completions", guarded([this](const httplib::Request & req, httplib::Response & res) {
+                      const json b = parse_body(req);
+                      respond(chat_job(b), true, b.value("stream", false), res);
+                  }));
+        http.Post("/v1/completions", guarded([this](const httplib::Request & req, httplib::Response & res) {
+                      const json b = parse_body(req);
+                      respond(completion_job(b), false, b.value("stream", false), res);
+                  }));
+        http.Post("/tokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {
+                      const json b = parse_body(req);
+                      if (!b.contains("content") || !b["content"].is_string()) bad_request("'content' must be a string");
+                      const auto t = m->tokens().tokenize(b["content"].get<std::string>(), b.value("add_special", false),
+                                                          b.value("parse_special", true));
+                      res.set_content(json{{"tokens", t}}.dump(), "application/json");
+                  }));
+        http.Post("/detokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {
+                      const json b = parse_body(req);
+                      if (!b.contains("tokens") || !b["tokens"].is_array()) bad_request("'tokens' must be an array");
+                      std::vector<llama_token> t;
+                      for (const auto & x : b["tokens"]) {
+                          if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= m->hparams().n_vocab)
+                              bad_request("token ids must be integers in [0, " + std::to_string(m->hparams().n_vocab) + ")");
+                          t.push_back((llama_token) x.get<int64_t>());
+                      }
+                      res.set_content(json{{"content", m->tokens().detokenize(t)}}.dump(-1, ' ', false, json::error_handler_t::replace),
+                                      "application/json");
+                  }));
+    }
+};
+
+server::server(std::shared_ptr<const model> m, const server_params & params) : impl_(std::make_unique<impl>(std::move(m), params)) {}
+
+server::~server() {
+    stop();
+}
+
+bool server::listen() {
+    impl & s = *impl_;
+    if (s.p.port == 0) {
+        const int port = s.http.bind_to_any_port(s.p.host);
+        if (port < 0) return false;
+        s.bound_port = port;
+    } else {
+        if (!s.http.bind_to_port(s.p.host, s.p.port)) return false;
+        s.bound_port = s.p.port;
+    }
+    return s.http.listen_after_bind();
+}
+
+void server::stop() {
+    if (impl_) impl_->http.stop();
+}
+
+bool server::wait_ready(int timeout_ms) const {
+    for (int waited = 0; waited < timeout_ms; waited += 10) {
+        if (impl_->http.is_running()) return true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return impl_->http.is_running();
+}
+
+int server::port() const { return impl_->bound_port; }
+
+}  // namespace kvblend

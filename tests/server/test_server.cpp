@@ -1,0 +1,255 @@
+// the OpenAI-compatible server, in process on a free loopback port, driven
+// over HTTP: chat and completions, streaming, documents from the store,
+// errors in OpenAI's shape, auth, concurrency without mixed-up answers.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "httplib.h"
+#include "kvblend/server.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+using json = nlohmann::json;
+const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+
+class running_server {
+  public:
+    running_server(server_params p, const std::string & model_path = k_stories) {
+        p.port = 0;
+        srv_ = std::make_unique<server>(model::load(model_path), p);
+        thread_ = std::thread([this] { srv_->listen(); });
+        EXPECT_TRUE(srv_->wait_ready(10000));
+    }
+    ~running_server() {
+        srv_->stop();
+        thread_.join();
+    }
+    httplib::Client client() const {
+        httplib::Client c("127.0.0.1", srv_->port());
+        c.set_read_timeout(60, 0);
+        return c;
+    }
+
+  private:
+    std::unique_ptr<server> srv_;
+    std::thread thread_;
+};
+
+json post(httplib::Client & c, const std::string & path, const json & body, int expect_status = 200) {
+    auto r = c.Post(path, body.dump(), "application/json");
+    EXPECT_TRUE(r) << path;
+    if (!r) return json();
+    EXPECT_EQ(r->status, expect_status) << path << ": " << r->body;
+    return json::parse(r->body);
+}
+
+server_params small_params() {
+    server_params p;
+    p.n_ctx = 512;
+    return p;
+}
+
+TEST(server, health_models_chat_and_completions) {
+    running_server s(small_params());
+    auto c = s.client();
+    EXPECT_EQ(json::parse(c.Get("/health")->body)["status"], "ok");
+    EXPECT_EQ(json::parse(c.Get("/v1/models")->body)["data"][0]["id"], "stories260K.gguf");
+
+    const json chat = post(c, "/v1/chat/completions",
+                           {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}}, {"max_tokens", 12}, {"temperature", 0}});
+    EXPECT_EQ(chat["object"], "chat.completion");
+    EXPECT_EQ(chat["choices"][0]["message"]["role"], "assistant");
+    EXPECT_FALSE(chat["choices"][0]["message"]["content"].get<std::string>().empty());
+    EXPECT_EQ(chat["usage"]["completion_tokens"], 12);
+    EXPECT_EQ(chat["choices"][0]["finish_reason"], "length");
+
+    const json comp = post(c, "/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 10}, {"temperature", 0}});
+    EXPECT_EQ(comp["object"], "text_completion");
+    // the model's known greedy continuation (shared/models/README.md)
+    EXPECT_EQ(comp["choices"][0]["text"].get<std::string>().rfind(", there was a little girl named Lily", 0), 0u)
+        << comp["choices"][0]["text"];
+
+    // stop strings end the text before them
+    const json stopped = post(c, "/v1/completions",
+                              {{"prompt", "Once upon a time"}, {"max_tokens", 30}, {"temperature", 0}, {"stop", {"Lily"}}});
+    EXPECT_EQ(stopped["choices"][0]["text"], ", there was a little girl named ");
+    EXPECT_EQ(stopped["choices"][0]["finish_reason"], "stop");
+
+    const json tok = post(c, "/tokenize", {{"content", "Once upon a time"}});
+    const json detok = post(c, "/detokenize", {{"tokens", tok["tokens"]}});
+    EXPECT_EQ(detok["content"], "Once upon a time");
+}
+
+TEST(server, streaming_sends_chunks_and_done) {
+    running_server s(small_params());
+    auto c = s.client();
+    std::string body;
+    auto r = c.Post("/v1/chat/completions",
+                    json{{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}}, {"max_tokens", 8}, {"temperature", 0}, {"stream", true}}
+                        .dump(),
+                    "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+    EXPECT_NE(r->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
+    std::string text;
+    int chunks = 0;
+    bool done = false;
+    std::istringstream in(r->body);
+    for (std::string line; std::getline(in, line);) {
+        if (line.rfind("data: ", 0) != 0) continue;
+        const std::string data = line.substr(6);
+        if (data == "[DONE]") {
+            done = true;
+            continue;
+        }
+        const json ch = json::parse(data);
+        EXPECT_EQ(ch["object"], "chat.completion.chunk");
+        if (ch["choices"][0]["delta"].contains("content")) text += ch["choices"][0]["delta"]["content"].get<std::string>();
+        ++chunks;
+    }
+    EXPECT_TRUE(done);
+    EXPECT_GE(chunks, 3);
+    // the same text as without streaming
+    const json plain = post(c, "/v1/chat/completions",
+                            {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}}, {"max_tokens", 8}, {"temperature", 0}});
+    EXPECT_EQ(text, plain["choices"][0]["message"]["content"]);
+}
+
+TEST(server, documents_come_back_from_the_store_in_another_order) {
+    test::temp_dir d("srvstore");
+    server_params p = small_params();
+    p.store_uri = d.path().string();
+    running_server s(p);
+    auto c = s.client();
+    const json docs1 = {{{"text", "Tom had a red ball."}}, {{"text", "Sue found a little cat."}}, {{"text", "Ben swam in the lake."}}};
+    const json docs2 = {{{"text", "Ben swam in the lake."}}, {{"text", "Tom had a red ball."}}};
+    const json r1 = post(c, "/v1/chat/completions",
+                         {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "Once upon a time"}}}},
+                          {"documents", docs1}, {"max_tokens", 8}, {"temperature", 0}});
+    EXPECT_EQ(r1["kvblend"]["store_hits"], 0);
+    EXPECT_GT(r1["kvblend"]["n_fused"].get<int>(), 0);
+    EXPECT_LT(r1["kvblend"]["n_recomputed"].get<int>(), r1["kvblend"]["n_fused"].get<int>());
+    // a new question over a subset in another order: every chunk is a hit
+    const json r2 = post(c, "/v1/chat/completions",
+                         {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "The next day"}}}},
+                          {"documents", docs2}, {"max_tokens", 8}, {"temperature", 0}, {"recomp_ratio", 0.3}});
+    EXPECT_EQ(r2["kvblend"]["store_hits"], 3);  // the prefix and both documents
+    EXPECT_EQ(r2["usage"]["prompt_tokens"], r2["kvblend"]["n_prompt"]);
+}
+
+TEST(server, errors_have_openai_shape_and_status) {
+    server_params p = small_params();
+    p.api_key = "sekret";
+    running_server s(p);
+    auto c = s.client();
+    // no key, wrong key
+    auto r = c.Post("/v1/completions", R"({"prompt": "hi"})", "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 401);
+    EXPECT_EQ(json::parse(r->body)["error"]["type"], "authentication_error");
+    c.set_bearer_token_auth("wrong");
+    EXPECT_EQ(c.Post("/v1/completions", R"({"prompt": "hi"})", "application/json")->status, 401);
+    EXPECT_EQ(c.Get("/health")->status, 200);  // health needs no key
+    c.set_bearer_token_auth("sekret");
+
+    struct bad {
+        std::string path, body, code;
+        int status;
+    };
+    const std::vector<bad> cases = {
+        {"/v1/chat/completions", "{not json", "invalid_json", 400},
+        {"/v1/chat/completions", "[1, 2]", "invalid_request", 400},
+        {"/v1/chat/completions", R"({"messages": []})", "invalid_request", 400},
+        {"/v1/chat/completions", R"({"messages": [{"role": "wizard", "content": "x"}]})", "invalid_request", 400},
+        {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"})", "invalid_request", 400},
+        {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "top_p": 7})", "invalid_request", 400},
+        {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "documents": [3]})", "invalid_request", 400},
+        {"/v1/completions", R"({"prompt": 42})", "invalid_request", 400},
+        {"/detokenize", R"({"tokens": [1, 99999]})", "invalid_request", 400},
+    };
+    for (const auto & b : cases) {
+        auto rr = c.Post(b.path, b.body, "application/json");
+        ASSERT_TRUE(rr) << b.body;
+        EXPECT_EQ(rr->status, b.status) << b.body << " -> " << rr->body;
+        const json e = json::parse(rr->body);
+        ASSERT_TRUE(e.contains("error")) << rr->body;
+        EXPECT_EQ(e["error"]["code"], b.code) << b.body;
+        EXPECT_TRUE(e["error"]["message"].is_string());
+    }
+    // a prompt longer than the context
+    std::string longp;
+    for (int i = 0; i < 400; ++i) longp += "Once upon a time ";
+    auto rl = c.Post("/v1/completions", json{{"prompt", longp}}.dump(), "application/json");
+    EXPECT_EQ(rl->status, 400);
+    EXPECT_EQ(json::parse(rl->body)["error"]["code"], "context_length_exceeded");
+    auto r404 = c.Get("/v2/nothing");
+    EXPECT_EQ(r404->status, 404);
+    EXPECT_EQ(json::parse(r404->body)["error"]["code"], "not_found");
+}
+
+TEST(server, concurrent_requests_get_their_own_answers) {
+    server_params p = small_params();
+    p.parallel = 2;
+    running_server s(p);
+    const std::vector<std::string> prompts = {"Once upon a time", "Tom had a red ball", "The sun was hot", "Sue found a cat"};
+    // the answers one at a time first
+    std::vector<std::string> want;
+    {
+        auto c = s.client();
+        for (const auto & pr : prompts)
+            want.push_back(post(c, "/v1/completions", {{"prompt", pr}, {"max_tokens", 12}, {"temperature", 0}})["choices"][0]["text"]);
+    }
+    std::vector<std::thread> th;
+    std::atomic<int> wrong{0}, failed{0};
+    for (int t = 0; t < 4; ++t) {
+        th.emplace_back([&, t] {
+            auto c = s.client();
+            for (int i = 0; i < 6; ++i) {
+                const size_t k = (t + i) % prompts.size();
+                auto r = c.Post("/v1/completions",
+                                json{{"prompt", prompts[k]}, {"max_tokens", 12}, {"temperature", 0}, {"stream", i % 2 == 1}}.dump(),
+                                "application/json");
+                if (!r || r->status != 200) {
+                    failed++;
+                    continue;
+                }
+                std::string text;
+                if (i % 2 == 1) {
+                    std::istringstream in(r->body);
+                    for (std::string line; std::getline(in, line);)
+                        if (line.rfind("data: {", 0) == 0) text += json::parse(line.substr(6))["choices"][0]["text"].get<std::string>();
+                } else {
+                    text = json::parse(r->body)["choices"][0]["text"];
+                }
+                if (text != want[k]) wrong++;
+            }
+        });
+    }
+    for (auto & x : th) x.join();
+    EXPECT_EQ(failed, 0);
+    EXPECT_EQ(wrong, 0);
+}
+
+TEST(server, a_client_that_disconnects_mid_stream_cancels_its_work) {
+    running_server s(small_params());
+    {
+        auto c = s.client();
+        int got = 0;
+        // read two events of a long generation, then hang up
+        c.Post("/v1/completions", httplib::Headers{}, json{{"prompt", "Once upon a time"}, {"max_tokens", 400}, {"stream", true}}.dump(),
+               "application/json", [&](const char *, size_t) { return ++got < 2; });
+    }
+    // the slot is free again: a short request is answered promptly
+    auto c = s.client();
+    const double t0 = time_ms();
+    const json r = post(c, "/v1/completions", {{"prompt", "Hi"}, {"max_tokens", 4}, {"temperature", 0}});
+    EXPECT_EQ(r["usage"]["completion_tokens"], 4);
+    EXPECT_LT(time_ms() - t0, 30000.0);
+}
+
+}  // namespace
+}  // namespace kvblend
