@@ -28,5 +28,9 @@ std::vector<llama_token> rag_doc_tokens(const vocab & v, const std::string & doc
 
 rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const std::vector<std::string> & docs,
                             const std::string & question, bool chat);
+// the same with documents already cut into tokens (rag_doc_tokens), e.g. from the store
+rag_prompt rag_prompt_build_tokens(const vocab & v, const std::string & system,
+                                   const std::vector<std::vector<llama_token>> & docs, const std::string & question,
+                                   bool chat);
 
 }  // namespace kvblend

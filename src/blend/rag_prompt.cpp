@@ -17,10 +17,18 @@ std::vector<llama_token> rag_doc_tokens(const vocab & v, const std::string & doc
 
 rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const std::vector<std::string> & docs,
                             const std::string & question, bool chat) {
+    std::vector<std::vector<llama_token>> toks;
+    for (const auto & d : docs) toks.push_back(rag_doc_tokens(v, d));
+    return rag_prompt_build_tokens(v, system, toks, question, chat);
+}
+
+rag_prompt rag_prompt_build_tokens(const vocab & v, const std::string & system,
+                                   const std::vector<std::vector<llama_token>> & docs, const std::string & question,
+                                   bool chat) {
     rag_prompt p;
     if (!chat) {
         p.chunks.push_back(v.tokenize(system, true));
-        for (const auto & d : docs) p.chunks.push_back(rag_doc_tokens(v, d));
+        for (const auto & d : docs) p.chunks.push_back(d);
         p.query = v.tokenize(question, false);
         return p;
     }
@@ -47,7 +55,7 @@ rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const s
     for (const auto & d : docs) {
         if (tail.compare(0, mark.size(), mark) != 0) throw error("the chat template reordered the documents");
         tail = tail.substr(mark.size());
-        p.chunks.push_back(rag_doc_tokens(v, d));
+        p.chunks.push_back(d);
     }
     p.query = v.tokenize(tail, false, true);
     return p;

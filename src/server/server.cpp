@@ -56,7 +56,10 @@ std::string error_body(const std::string & message, const std::string & type, co
 }
 
 struct job {
-    // what to compute
+    // what to compute: a completion, or (ingest) only collecting and storing chunks
+    bool ingest = false;
+    std::vector<std::vector<llama_token>> ingest_docs;
+    std::vector<std::string> ingest_keys;  // out: the documents' ids
     bool fuse = false;
     rag_prompt prompt;                // fuse: chunks + query
     std::vector<llama_token> tokens;  // every prompt token in order
@@ -72,8 +75,9 @@ struct job {
     bool done = false;
     std::string error;
     std::string finish_reason = "stop";
-    int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0;
+    int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
     double prefill_ms = 0;
+    double t_submit = 0, ttft_ms = -1;  // time to the first generated token, queueing included
     std::atomic<bool> cancelled{false};
 
     void emit(std::string piece) {
@@ -113,6 +117,65 @@ struct server::impl {
     std::string model_id;
     httplib::Server http;
     std::atomic<int> bound_port{0};
+
+    // Prometheus counters (GET /metrics)
+    struct metrics_t {
+        std::mutex mu;
+        int64_t requests = 0, errors = 0, prompt_tokens = 0, completion_tokens = 0, fused_tokens = 0, recomputed_tokens = 0,
+                store_hits = 0, store_misses = 0;
+        static constexpr double bounds[9] = {0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};  // seconds
+        int64_t ttft_buckets[10] = {};
+        double ttft_sum = 0;
+        int64_t ttft_count = 0;
+    } metrics;
+
+    void record(const job & j) {
+        std::lock_guard l(metrics.mu);
+        metrics.requests++;
+        if (!j.error.empty()) metrics.errors++;
+        metrics.prompt_tokens += (int64_t) j.tokens.size();
+        metrics.completion_tokens += j.n_gen;
+        metrics.fused_tokens += j.n_fused;
+        metrics.recomputed_tokens += j.n_recomputed;
+        metrics.store_hits += j.store_hits;
+        metrics.store_misses += j.store_misses;
+        if (j.ttft_ms >= 0) {
+            const double sec = j.ttft_ms / 1000.0;
+            int b = 0;
+            while (b < 9 && sec > metrics_t::bounds[b]) ++b;
+            metrics.ttft_buckets[b]++;
+            metrics.ttft_sum += sec;
+            metrics.ttft_count++;
+        }
+    }
+
+    std::string metrics_text() {
+        std::lock_guard l(metrics.mu);
+        std::string out;
+        auto counter = [&](const char * name, const char * help, int64_t v) {
+            out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " counter\n" + name + " " +
+                   std::to_string(v) + "\n";
+        };
+        counter("kvblend_requests_total", "completion requests answered", metrics.requests);
+        counter("kvblend_request_errors_total", "completion requests that failed in a slot", metrics.errors);
+        counter("kvblend_prompt_tokens_total", "prompt tokens", metrics.prompt_tokens);
+        counter("kvblend_completion_tokens_total", "generated tokens", metrics.completion_tokens);
+        counter("kvblend_fused_tokens_total", "prompt tokens prefilled by CacheBlend fusion", metrics.fused_tokens);
+        counter("kvblend_recomputed_tokens_total", "fused tokens recomputed by the deep layers", metrics.recomputed_tokens);
+        counter("kvblend_store_hits_total", "chunks loaded from the store", metrics.store_hits);
+        counter("kvblend_store_misses_total", "chunks collected (not in the store)", metrics.store_misses);
+        out += "# HELP kvblend_time_to_first_token_seconds time from a request's arrival to its first token\n";
+        out += "# TYPE kvblend_time_to_first_token_seconds histogram\n";
+        int64_t cum = 0;
+        for (int b = 0; b < 10; ++b) {
+            cum += metrics.ttft_buckets[b];
+            const std::string le = b < 9 ? std::to_string(metrics_t::bounds[b]) : "+Inf";
+            out += "kvblend_time_to_first_token_seconds_bucket{le=\"" + le + "\"} " + std::to_string(cum) + "\n";
+        }
+        out += "kvblend_time_to_first_token_seconds_sum " + std::to_string(metrics.ttft_sum) + "\n";
+        out += "kvblend_time_to_first_token_seconds_count " + std::to_string(metrics.ttft_count) + "\n";
+        return out;
+    }
 
     std::mutex qmu;
     std::condition_variable qcv;
@@ -158,12 +221,28 @@ struct server::impl {
                 queue.pop_front();
             }
             try {
-                run(eng, *j);
+                if (j->ingest) run_ingest(eng, *j);
+                else run(eng, *j);
                 j->finish();
             } catch (const std::exception & e) {
                 j->finish(e.what());
             }
+            if (!j->ingest) record(*j);
         }
+    }
+
+    // POST /v1/documents: collect (or find) every document's chunk; its key is its id
+    void run_ingest(engine & eng, job & j) {
+        chunk_fetch_stats fs;
+        for (const auto & d : j.ingest_docs) {
+            if ((int64_t) d.size() > eng.cache().n_ctx())
+                throw error("a document of " + std::to_string(d.size()) + " tokens exceeds the context of " +
+                            std::to_string(eng.cache().n_ctx()));
+            chunk_get_or_collect(st.get(), eng, {}, d, fs, p.codec);
+            j.ingest_keys.push_back(chunk_key(*m, eng.cache().type_k(), codec_by_name(p.codec)->name(), {}, d));
+        }
+        j.store_hits = fs.hits;
+        j.store_misses = fs.misses;
     }
 
     void run(engine & eng, job & j) {
@@ -186,6 +265,7 @@ struct server::impl {
             j.n_fused = br.stats.n_tokens;
             j.n_recomputed = br.stats.n_selected;
             j.store_hits = fs.hits;
+            j.store_misses = fs.misses;
         } else {
             eng.cache().clear();
             logits = eng.eval(j.tokens);
@@ -206,6 +286,7 @@ struct server::impl {
                 break;
             }
             j.n_gen++;
+            if (j.ttft_ms < 0) j.ttft_ms = time_ms() - j.t_submit;
             text += v.token_to_piece(tok);
             size_t cut = std::string::npos;
             for (const auto & s : j.stop) {
@@ -233,6 +314,7 @@ struct server::impl {
 
     // queue a job; false when the queue is full
     bool submit(const std::shared_ptr<job> & j) {
+        j->t_submit = time_ms();
         {
             std::lock_guard l(qmu);
             if ((int) queue.size() >= p.max_queue) return false;
@@ -316,11 +398,13 @@ struct server::impl {
         if (b.contains("documents") && !b["documents"].is_null()) {
             const json & d = b["documents"];
             if (!d.is_array()) bad_request("'documents' must be an array");
-            std::vector<std::string> docs;
+            std::vector<std::vector<llama_token>> docs;
             for (const auto & x : d) {
-                if (x.is_string()) docs.push_back(x.get<std::string>());
-                else if (x.is_object() && x.contains("text") && x["text"].is_string()) docs.push_back(x["text"].get<std::string>());
-                else bad_request("every document must be {\"text\": string}");
+                if (x.is_string()) docs.push_back(rag_doc_tokens(v, x.get<std::string>()));
+                else if (x.is_object() && x.contains("text") && x["text"].is_string())
+                    docs.push_back(rag_doc_tokens(v, x["text"].get<std::string>()));
+                else if (x.is_object() && x.contains("id") && x["id"].is_string()) docs.push_back(stored_doc(x["id"].get<std::string>()));
+                else bad_request("every document must be {\"text\": string} or {\"id\": string}");
             }
             // the system messages and the last user message frame the documents
             std::string system, question;
@@ -331,7 +415,7 @@ struct server::impl {
             }
             if (question.empty()) bad_request("a request with documents needs a user message");
             j->fuse = true;
-            j->prompt = rag_prompt_build(v, system, docs, question, v.has_chat_template());
+            j->prompt = rag_prompt_build_tokens(v, system, docs, question, v.has_chat_template());
             j->tokens = j->prompt.all();
         } else {
             const std::string text = v.has_chat_template() ? v.apply_chat_template(msgs, true) : [&] {
@@ -344,6 +428,21 @@ struct server::impl {
         if (j->tokens.empty()) bad_request("the prompt is empty");
         read_sampling(b, *j, (int64_t) j->tokens.size());
         return j;
+    }
+
+    // a document added with POST /v1/documents: its tokens are in its store entry
+    std::vector<llama_token> stored_doc(const std::string & id) const {
+        if (!st) bad_request("documents by id need a server started with --store");
+        const bool hex = id.size() == 32 && id.find_first_not_of("0123456789abcdef") == std::string::npos;
+        std::optional<std::vector<uint8_t>> bytes = hex ? st->get(id) : std::nullopt;
+        if (!bytes) throw request_error{404, "unknown document id '" + id + "'", "invalid_request_error", "document_not_found"};
+        try {
+            return chunk_decode(*m, std::move(*bytes)).tokens;
+        } catch (const error & e) {
+            st->erase(id);
+            throw request_error{404, "document '" + id + "' is no longer usable (" + e.what() + ")", "invalid_request_error",
+                                "document_not_found"};
+        }
     }
 
     std::shared_ptr<job> completion_job(const json & b) const {
@@ -502,6 +601,32 @@ struct server::impl {
         http.Post("/v1/completions", guarded([this](const httplib::Request & req, httplib::Response & res) {
                       const json b = parse_body(req);
                       respond(completion_job(b), false, b.value("stream", false), res);
+                  }));
+        http.Get("/metrics", [this](const httplib::Request &, httplib::Response & res) {
+            res.set_content(metrics_text(), "text/plain; version=0.0.4");
+        });
+        http.Post("/v1/documents", guarded([this](const httplib::Request & req, httplib::Response & res) {
+                      if (!st) bad_request("POST /v1/documents needs a server started with --store");
+                      const json b = parse_body(req);
+                      if (!b.contains("documents") || !b["documents"].is_array() || b["documents"].empty())
+                          bad_request("'documents' must be a non-empty array of texts or {\"text\": string}");
+                      auto j = std::make_shared<job>();
+                      j->ingest = true;
+                      for (const auto & x : b["documents"]) {
+                          if (x.is_string()) j->ingest_docs.push_back(rag_doc_tokens(m->tokens(), x.get<std::string>()));
+                          else if (x.is_object() && x.contains("text") && x["text"].is_string())
+                              j->ingest_docs.push_back(rag_doc_tokens(m->tokens(), x["text"].get<std::string>()));
+                          else bad_request("every document must be a string or {\"text\": string}");
+                      }
+                      if (!submit(j)) throw request_error{503, "the server is overloaded", "server_error", "overloaded"};
+                      std::unique_lock l(j->mu);
+                      j->cv.wait(l, [&] { return j->done; });
+                      if (!j->error.empty()) bad_request(j->error);
+                      json data = json::array();
+                      for (size_t i = 0; i < j->ingest_keys.size(); ++i)
+                          data.push_back({{"id", j->ingest_keys[i]}, {"object", "document"}, {"n_tokens", (int64_t) j->ingest_docs[i].size()}});
+                      res.set_content(json{{"object", "list"}, {"data", data}, {"store_hits", j->store_hits}, {"store_misses", j->store_misses}}.dump(),
+                                      "application/json");
                   }));
         http.Post("/tokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {
                       const json b = parse_body(req);

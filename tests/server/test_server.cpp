@@ -253,3 +253,51 @@ TEST(server, a_client_that_disconnects_mid_stream_cancels_its_work) {
 
 }  // namespace
 }  // namespace kvblend
+
+namespace kvblend {
+namespace {
+
+TEST(server, documents_endpoint_ids_and_metrics) {
+    test::temp_dir d("srvstore");
+    server_params p = small_params();
+    p.store_uri = d.path().string();
+    running_server s(p);
+    auto c = s.client();
+    const json added = post(c, "/v1/documents", {{"documents", {"Tom had a red ball.", {{"text", "Sue found a little cat."}}}}});
+    ASSERT_EQ(added["data"].size(), 2u);
+    EXPECT_EQ(added["store_misses"], 2);
+    const std::string id0 = added["data"][0]["id"], id1 = added["data"][1]["id"];
+    EXPECT_EQ(id0.size(), 32u);
+    // adding them again finds them stored
+    EXPECT_EQ(post(c, "/v1/documents", {{"documents", {"Tom had a red ball."}}})["store_hits"], 1);
+
+    // by id and by text mixed: both documents are store hits
+    const json r = post(c, "/v1/chat/completions",
+                        {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}},
+                         {"documents", {{{"id", id1}}, {{"text", "Tom had a red ball."}}}},
+                         {"max_tokens", 6},
+                         {"temperature", 0}});
+    EXPECT_GE(r["kvblend"]["store_hits"].get<int>(), 2);
+    auto miss = c.Post("/v1/chat/completions",
+                       json{{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"documents", {{{"id", "0123456789abcdef0123456789abcdef"}}}}}
+                           .dump(),
+                       "application/json");
+    EXPECT_EQ(miss->status, 404);
+    EXPECT_EQ(json::parse(miss->body)["error"]["code"], "document_not_found");
+
+    const std::string m = c.Get("/metrics")->body;
+    for (const char * k : {"kvblend_requests_total 1", "kvblend_fused_tokens_total", "kvblend_recomputed_tokens_total",
+                           "kvblend_store_hits_total", "kvblend_store_misses_total",
+                           "kvblend_time_to_first_token_seconds_bucket{le=\"+Inf\"} 1", "kvblend_time_to_first_token_seconds_count 1"})
+        EXPECT_NE(m.find(k), std::string::npos) << k << "\n" << m;
+}
+
+TEST(server, documents_endpoint_needs_a_store) {
+    running_server s(small_params());
+    auto c = s.client();
+    auto r = c.Post("/v1/documents", R"({"documents": ["x"]})", "application/json");
+    EXPECT_EQ(r->status, 400);
+}
+
+}  // namespace
+}  // namespace kvblend
