@@ -61,6 +61,15 @@ else
   log "llama.cpp verified at $LLAMA_COMMIT"
 fi
 
+# --- the official openai client, for the server tests (npm) -----------------
+client_dir="$root/tests/server/node"
+if [[ -f "$client_dir/node_modules/openai/package.json" ]] && grep -q '"version": "6.30.1"' "$client_dir/node_modules/openai/package.json"; then
+  log "openai npm client present"
+else
+  log "installing the openai npm client"
+  (cd "$client_dir" && npm install --silent --no-audit --no-fund --no-package-lock >/dev/null)
+fi
+
 # --- build -----------------------------------------------------------------
 cmake_args=(-S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release)
 [[ "${KVBLEND_NATIVE:-1}" == 0 ]] && cmake_args+=(-DGGML_NATIVE=OFF) || cmake_args+=(-DGGML_NATIVE=ON)

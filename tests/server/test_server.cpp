@@ -2,7 +2,9 @@
 // over HTTP: chat and completions, streaming, documents from the store,
 // errors in OpenAI's shape, auth, concurrency without mixed-up answers.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -28,6 +30,7 @@ class running_server {
         srv_->stop();
         thread_.join();
     }
+    int port() const { return srv_->port(); }
     httplib::Client client() const {
         httplib::Client c("127.0.0.1", srv_->port());
         c.set_read_timeout(60, 0);
@@ -297,6 +300,85 @@ TEST(server, documents_endpoint_needs_a_store) {
     auto c = s.client();
     auto r = c.Post("/v1/documents", R"({"documents": ["x"]})", "application/json");
     EXPECT_EQ(r->status, 400);
+}
+
+}  // namespace
+}  // namespace kvblend
+
+namespace kvblend {
+namespace {
+
+// resident memory of this process in kB (the server runs in it)
+int64_t rss_kb() {
+    std::ifstream f("/proc/self/status");
+    for (std::string line; std::getline(f, line);)
+        if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+    return -1;
+}
+
+TEST(server, the_official_openai_client_works_against_it) {
+    const std::string dir = std::string(KVBLEND_SOURCE_DIR) + "/tests/server/node";
+    ASSERT_TRUE(std::ifstream(dir + "/node_modules/openai/package.json").good())
+        << "the openai npm client is missing: run scripts/setup.sh";
+    test::temp_dir d("srvstore");
+    server_params p = small_params();
+    p.store_uri = d.path().string();
+    p.api_key = "test-key";
+    p.parallel = 2;
+    running_server s(p);
+    const std::string cmd = "node " + dir + "/openai_client.mjs http://127.0.0.1:" + std::to_string(s.port()) +
+                            "/v1 test-key 2>&1";
+    FILE * f = popen(cmd.c_str(), "r");
+    ASSERT_NE(f, nullptr);
+    std::string out;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof(buf), f)) out.append(buf, n);
+    const int rc = pclose(f);
+    EXPECT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 0) << out;
+    EXPECT_NE(out.find("all checks passed"), std::string::npos) << out;
+}
+
+TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
+    server_params p = small_params();
+    p.parallel = 2;
+    p.max_queue = 256;
+    running_server s(p);
+    const std::vector<std::string> prompts = {"Once upon a time", "Tom had a red ball", "The sun was hot", "Sue found a cat"};
+    std::atomic<int> ok{0}, failed{0}, hung_up{0};
+    auto round = [&](int n_requests) {
+        std::vector<std::thread> th;
+        std::atomic<int> next{0};
+        for (int t = 0; t < 8; ++t) {
+            th.emplace_back([&] {
+                auto c = s.client();
+                for (int i; (i = next++) < n_requests;) {
+                    const json body = {{"prompt", prompts[i % prompts.size()]}, {"max_tokens", 8 + i % 24}, {"stream", i % 3 != 0}};
+                    if (i % 7 == 0) {  // read one event, then disconnect
+                        c.Post("/v1/completions", httplib::Headers{}, body.dump(), "application/json",
+                               [](const char *, size_t) { return false; });
+                        hung_up++;
+                        continue;
+                    }
+                    auto r = c.Post("/v1/completions", body.dump(), "application/json");
+                    if (r && r->status == 200 && r->body.find("\"error\"") == std::string::npos) ok++;
+                    else failed++;
+                }
+            });
+        }
+        for (auto & x : th) x.join();
+    };
+    round(200);
+    const int64_t rss1 = rss_kb();
+    round(200);
+    const int64_t rss2 = rss_kb();
+    std::printf("400 requests: %d ok, %d hung up early, %d failed; RSS %lld kB -> %lld kB\n", ok.load(), hung_up.load(),
+                failed.load(), (long long) rss1, (long long) rss2);
+    EXPECT_EQ(failed, 0);
+    EXPECT_EQ(ok + hung_up, 400);
+    EXPECT_LE(rss2, rss1 + rss1 / 10 + 8192);  // a second round leaves memory where the first did
+    auto c = s.client();
+    EXPECT_EQ(json::parse(c.Get("/health")->body)["status"], "ok");
+    EXPECT_NE(c.Get("/metrics")->body.find("kvblend_requests_total"), std::string::npos);
 }
 
 }  // namespace
