@@ -76,6 +76,7 @@ struct job {
     std::string error;
     std::string finish_reason = "stop";
     int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
+    int64_t n_cached = 0;  // prompt tokens whose KV the slot still held from its previous request
     double prefill_ms = 0;
     double t_submit = 0, ttft_ms = -1;  // time to the first generated token, queueing included
     std::atomic<bool> cancelled{false};
@@ -195,7 +196,10 @@ struct server::impl {
             ep.type_k = p.type_k;
             ep.type_v = p.type_v;
             auto eng = std::make_shared<engine>(m, ep);  // allocate every slot before serving
-            workers.emplace_back([this, eng] { worker(*eng); });
+            workers.emplace_back([this, eng] {
+                std::vector<llama_token> cached;  // the exact tokens whose KV the slot's cache holds
+                worker(*eng, cached);
+            });
         }
         routes();
     }
@@ -210,7 +214,7 @@ struct server::impl {
     }
 
     // --- slots ----------------------------------------------------------------
-    void worker(engine & eng) {
+    void worker(engine & eng, std::vector<llama_token> & cached) {
         for (;;) {
             std::shared_ptr<job> j;
             {
@@ -221,10 +225,11 @@ struct server::impl {
                 queue.pop_front();
             }
             try {
-                if (j->ingest) run_ingest(eng, *j);
-                else run(eng, *j);
+                if (j->ingest) run_ingest(eng, *j), cached.clear();
+                else run(eng, *j, cached);
                 j->finish();
             } catch (const std::exception & e) {
+                cached.clear();
                 j->finish(e.what());
             }
             if (!j->ingest) record(*j);
@@ -245,7 +250,7 @@ struct server::impl {
         j.store_misses = fs.misses;
     }
 
-    void run(engine & eng, job & j) {
+    void run(engine & eng, job & j, std::vector<llama_token> & cached) {
         const vocab & v = m->tokens();
         const int64_t nv = m->hparams().n_vocab;
         std::vector<float> logits;
@@ -266,9 +271,15 @@ struct server::impl {
             j.n_recomputed = br.stats.n_selected;
             j.store_hits = fs.hits;
             j.store_misses = fs.misses;
+            cached.clear();  // a fused cache is not the exact KV of its tokens: never reused as a prefix
         } else {
-            eng.cache().clear();
-            logits = eng.eval(j.tokens);
+            // a prompt that extends what the slot computed last keeps that prefix (at least one token runs, for logits)
+            size_t keep = 0;
+            while (keep < cached.size() && keep + 1 < j.tokens.size() && cached[keep] == j.tokens[keep]) ++keep;
+            eng.cache().set_n_past((int64_t) keep);
+            j.n_cached = (int64_t) keep;
+            logits = eng.eval(std::vector<llama_token>(j.tokens.begin() + keep, j.tokens.end()));
+            cached = j.tokens;
         }
         j.prefill_ms = time_ms() - t0;
 
@@ -279,7 +290,10 @@ struct server::impl {
         for (const auto & s : j.stop) hold = std::max(hold, s.size() ? s.size() - 1 : 0);
         j.finish_reason = "length";
         for (int32_t i = 0; i < j.max_tokens; ++i) {
-            if (j.cancelled) return;
+            if (j.cancelled) {
+                cached.resize(std::min<size_t>(cached.size(), (size_t) eng.cache().n_past()));
+                return;
+            }
             const llama_token tok = smp.sample(logits.data() + logits.size() - nv, (int32_t) nv);
             if (v.is_eog(tok)) {
                 j.finish_reason = "stop";
@@ -307,7 +321,10 @@ struct server::impl {
                 sent = upto;
             }
             if (eng.cache().n_past() >= eng.cache().n_ctx()) break;
-            if (i + 1 < j.max_tokens) logits = eng.eval({tok});
+            if (i + 1 < j.max_tokens) {
+                logits = eng.eval({tok});
+                if (!j.fuse) cached.push_back(tok);
+            }
         }
         if (sent < text.size()) j.emit(text.substr(sent));  // the held-back tail held no stop string
     }
@@ -469,6 +486,7 @@ struct server::impl {
                 {"n_fused", j.n_fused},
                 {"n_recomputed", j.n_recomputed},
                 {"store_hits", j.store_hits},
+                {"n_cached", j.n_cached},
                 {"prefill_ms", j.prefill_ms}};
     }
 

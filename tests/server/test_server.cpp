@@ -383,3 +383,25 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
 
 }  // namespace
 }  // namespace kvblend
+
+namespace kvblend {
+namespace {
+
+TEST(server, a_prompt_that_extends_the_last_one_reuses_its_prefix) {
+    running_server s(small_params());  // one slot: consecutive requests share its cache
+    auto c = s.client();
+    const std::string first = "Once upon a time";
+    const json r1 = post(c, "/v1/completions", {{"prompt", first}, {"max_tokens", 10}, {"temperature", 0}});
+    EXPECT_EQ(r1["kvblend"]["n_cached"], 0);
+    const std::string second = first + r1["choices"][0]["text"].get<std::string>() + " She";
+    const json r2 = post(c, "/v1/completions", {{"prompt", second}, {"max_tokens", 8}, {"temperature", 0}});
+    EXPECT_GE(r2["kvblend"]["n_cached"].get<int>(), 10);  // the first prompt and its answer were still there
+    // an unrelated prompt in between: nothing to reuse, and the same answer from scratch
+    post(c, "/v1/completions", {{"prompt", "The sun was hot"}, {"max_tokens", 4}, {"temperature", 0}});
+    const json r3 = post(c, "/v1/completions", {{"prompt", second}, {"max_tokens", 8}, {"temperature", 0}});
+    EXPECT_LE(r3["kvblend"]["n_cached"].get<int>(), 1);
+    EXPECT_EQ(r2["choices"][0]["text"], r3["choices"][0]["text"]);
+}
+
+}  // namespace
+}  // namespace kvblend
