@@ -2,6 +2,14 @@
 // stories260K was trained on, for multi-document fidelity prompts.
 #pragma once
 
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvblend/rag_prompt.h"
+
 namespace kvblend::cli {
 
 // short stories in the style stories260K was trained on: documents of the fidelity prompts
@@ -27,5 +35,18 @@ inline const char * k_story_queries[] = {
     "One day, a boy named Tim found",
     "Later, the children sat under a tree and",
 };
+
+// prompt i of a fidelity set: n_docs stories in a fresh random subset and
+// order (retrieval brings documents back in other orders), and a question
+inline rag_prompt story_prompt(const vocab & v, std::mt19937 & rng, int64_t n_docs, int64_t i) {
+    const int n_story = (int) (sizeof(k_story_docs) / sizeof(k_story_docs[0]));
+    const int n_query = (int) (sizeof(k_story_queries) / sizeof(k_story_queries[0]));
+    std::vector<int> order(n_story);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<std::string> docs;
+    for (int64_t d = 0; d < n_docs; ++d) docs.push_back(k_story_docs[order[d % n_story]]);
+    return rag_prompt_build(v, "Here are some stories.", docs, k_story_queries[i % n_query], false);
+}
 
 }  // namespace kvblend::cli

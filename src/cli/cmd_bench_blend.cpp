@@ -216,8 +216,6 @@ int bench_fidelity(const std::string & model_path, const std::vector<double> & r
     ep.n_ctx = std::min<int64_t>(m->hparams().n_ctx_train, 1024);
     engine eng(m, ep);
     std::mt19937 rng(5);
-    const int n_story = (int) (sizeof(k_story_docs) / sizeof(k_story_docs[0]));
-    const int n_query = (int) (sizeof(k_story_queries) / sizeof(k_story_queries[0]));
 
     struct variant {
         std::string name;
@@ -234,14 +232,7 @@ int bench_fidelity(const std::string & model_path, const std::vector<double> & r
     sampler_params gs;
     gs.temp = 0;
     for (int64_t pi = 0; pi < n_prompts; ++pi) {
-        // another subset and order of the documents for every prompt, and a new question
-        std::vector<int> order(n_story);
-        std::iota(order.begin(), order.end(), 0);
-        std::shuffle(order.begin(), order.end(), rng);
-        std::vector<std::string> docs;
-        for (int64_t d = 0; d < n_docs; ++d) docs.push_back(k_story_docs[order[d % n_story]]);
-        const rag_prompt p =
-            rag_prompt_build(m->tokens(), "Here are some stories.", docs, k_story_queries[pi % n_query], false);
+        const rag_prompt p = story_prompt(m->tokens(), rng, n_docs, pi);
         const std::vector<llama_token> all = p.all();
         if ((int64_t) all.size() + 32 > ep.n_ctx) throw error("fidelity prompt too long for the model's context");
 

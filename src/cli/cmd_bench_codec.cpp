@@ -78,8 +78,6 @@ int bench_codec(args & a) {
     ep.n_ctx = std::min<int64_t>(m->hparams().n_ctx_train, 2048);
     engine eng(m, ep);
     std::mt19937 rng(5);
-    const int n_story = (int) (sizeof(k_story_docs) / sizeof(k_story_docs[0]));
-    const int n_query = (int) (sizeof(k_story_queries) / sizeof(k_story_queries[0]));
 
     struct acc {
         double enc_bytes = 0, f16_bytes = 0, values = 0, tokens = 0;
@@ -92,12 +90,7 @@ int bench_codec(args & a) {
     bp.recomp_ratio = ratio;
 
     for (int64_t pi = 0; pi < n_prompts; ++pi) {
-        std::vector<int> order(n_story);
-        std::iota(order.begin(), order.end(), 0);
-        std::shuffle(order.begin(), order.end(), rng);
-        std::vector<std::string> docs;
-        for (int64_t d = 0; d < n_docs; ++d) docs.push_back(k_story_docs[order[d % n_story]]);
-        const rag_prompt p = rag_prompt_build(m->tokens(), "Here are some stories.", docs, k_story_queries[pi % n_query], false);
+        const rag_prompt p = story_prompt(m->tokens(), rng, n_docs, pi);
         const std::vector<llama_token> all = p.all();
         if ((int64_t) all.size() > ep.n_ctx) throw error("benchmark prompt longer than the context");
 
