@@ -16,7 +16,7 @@ namespace kvblend::cli {
 
 namespace {
 
-const char * k_help = R"(usage: kvblend bench prefill|blend|store|codec -m MODEL [options]   (kvblend bench blend --help, …)
+const char * k_help = R"(usage: kvblend bench prefill|blend|store|codec|serve -m MODEL [options]   (kvblend bench blend --help, …)
 
 kvblend bench prefill -m MODEL [options]
 
@@ -188,7 +188,8 @@ int cmd_bench(int argc, char ** argv) {
     if (what == "blend") return bench_blend(a);
     if (what == "store") return bench_store(a);
     if (what == "codec") return bench_codec(a);
-    throw error("unknown benchmark '" + what + "' (available: prefill, blend, store, codec)");
+    if (what == "serve") return bench_serve(a);
+    throw error("unknown benchmark '" + what + "' (available: prefill, blend, store, codec, serve)");
 }
 
 }  // namespace kvblend::cli

@@ -197,7 +197,7 @@ struct server::impl {
             ep.type_v = p.type_v;
             auto eng = std::make_shared<engine>(m, ep);  // allocate every slot before serving
             workers.emplace_back([this, eng] {
-                std::vector<llama_token> cached;  // the exact tokens whose KV the slot's cache holds
+                std::vector<llama_token> cached;  // the tokens whose KV the slot's cache holds (fused or exact)
                 worker(*eng, cached);
             });
         }
@@ -255,7 +255,13 @@ struct server::impl {
         const int64_t nv = m->hparams().n_vocab;
         std::vector<float> logits;
         const double t0 = time_ms();
-        if (j.fuse) {
+        // what the slot computed last and this prompt share (at least one token runs, for logits)
+        size_t keep = 0;
+        while (keep < cached.size() && keep + 1 < j.tokens.size() && cached[keep] == j.tokens[keep]) ++keep;
+        // a fused prompt whose documents all sit in that prefix (the same documents in the
+        // same order) extends a cached prefix: the ordinary path, as a prefix cache would do
+        const bool extends = j.fuse && keep + j.prompt.query.size() >= j.tokens.size();
+        if (j.fuse && !extends) {
             chunk_fetch_stats fs;
             std::vector<chunk_kv> kv;
             for (const auto & c : j.prompt.chunks)
@@ -271,16 +277,12 @@ struct server::impl {
             j.n_recomputed = br.stats.n_selected;
             j.store_hits = fs.hits;
             j.store_misses = fs.misses;
-            cached.clear();  // a fused cache is not the exact KV of its tokens: never reused as a prefix
         } else {
-            // a prompt that extends what the slot computed last keeps that prefix (at least one token runs, for logits)
-            size_t keep = 0;
-            while (keep < cached.size() && keep + 1 < j.tokens.size() && cached[keep] == j.tokens[keep]) ++keep;
             eng.cache().set_n_past((int64_t) keep);
             j.n_cached = (int64_t) keep;
             logits = eng.eval(std::vector<llama_token>(j.tokens.begin() + keep, j.tokens.end()));
-            cached = j.tokens;
         }
+        cached = j.tokens;
         j.prefill_ms = time_ms() - t0;
 
         sampler smp(j.sp);
@@ -323,7 +325,7 @@ struct server::impl {
             if (eng.cache().n_past() >= eng.cache().n_ctx()) break;
             if (i + 1 < j.max_tokens) {
                 logits = eng.eval({tok});
-                if (!j.fuse) cached.push_back(tok);
+                cached.push_back(tok);
             }
         }
         if (sent < text.size()) j.emit(text.substr(sent));  // the held-back tail held no stop string

@@ -405,3 +405,33 @@ TEST(server, a_prompt_that_extends_the_last_one_reuses_its_prefix) {
 
 }  // namespace
 }  // namespace kvblend
+
+namespace kvblend {
+namespace {
+
+TEST(server, same_documents_in_the_same_order_extend_the_cached_prefix) {
+    test::temp_dir d("srvstore");
+    server_params p = small_params();
+    p.store_uri = d.path().string();
+    running_server s(p);
+    auto c = s.client();
+    const json docs = {{{"text", "Tom had a red ball."}}, {{"text", "Sue found a little cat."}}};
+    auto ask = [&](const std::string & q, const json & ds) {
+        return post(c, "/v1/chat/completions",
+                    {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", q}}}},
+                     {"documents", ds}, {"max_tokens", 4}, {"temperature", 0}});
+    };
+    const json r1 = ask("Once upon a time", docs);
+    EXPECT_GT(r1["kvblend"]["n_fused"].get<int>(), 0);
+    // a new question over the same documents in the same order: the slot still holds them
+    const json r2 = ask("The next day", docs);
+    EXPECT_EQ(r2["kvblend"]["n_fused"], 0);
+    EXPECT_GE(r2["kvblend"]["n_cached"].get<int>(), r1["kvblend"]["n_fused"].get<int>() - 8);
+    // another order: fused again, from the store
+    const json r3 = ask("The next day", json::array({docs[1], docs[0]}));
+    EXPECT_GT(r3["kvblend"]["n_fused"].get<int>(), 0);
+    EXPECT_EQ(r3["kvblend"]["store_hits"], 3);
+}
+
+}  // namespace
+}  // namespace kvblend

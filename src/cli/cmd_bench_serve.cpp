@@ -1,0 +1,164 @@
+// kvblend bench serve: time to first token of RAG requests against a running
+// kvblend server, next to a peer (llama-server) given the same documents
+// inlined in the user message.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "cli/args.h"
+#include "cli/cli_util.h"
+#include "httplib.h"
+#include "kvblend/model.h"
+#include "kvblend/vocab.h"
+
+namespace kvblend::cli {
+
+namespace {
+
+const char * k_help = R"(usage: kvblend bench serve -m MODEL --url URL [--peer URL] [options]
+
+Time to first token (a request for one token, timed end to end) of RAG chat
+requests: the first one (documents not stored yet), a new question over the
+same documents in the same order (what a prefix cache also serves), and a new
+question over a subset in another order (what only chunk reuse serves).
+kvblend gets the documents in its "documents" field; the peer gets the same
+texts inlined in the user message, in the same order.
+
+  -m, --model FILE      the model both servers run (for making documents)
+  --url URL             kvblend serve, e.g. http://127.0.0.1:8080
+  --peer URL            llama-server on the same model, e.g. http://127.0.0.1:8081
+  --docs N              documents (default 4)
+  --doc-tokens N        tokens per document (default 512)
+  -r, --reps N          repetitions of the whole sequence with fresh documents (default 2)
+  --json FILE           write the results as JSON
+)";
+
+struct endpoint {
+    std::string host;
+    int port = 0;
+};
+
+endpoint parse_url(const std::string & url) {
+    const std::string p = "http://";
+    if (url.rfind(p, 0) != 0) throw error("only http:// URLs are supported, got '" + url + "'");
+    const std::string rest = url.substr(p.size());
+    const size_t colon = rest.rfind(':');
+    if (colon == std::string::npos) throw error("URL '" + url + "' needs a port");
+    endpoint e;
+    e.host = rest.substr(0, colon);
+    try {
+        e.port = std::stoi(rest.substr(colon + 1));
+    } catch (...) {
+        throw error("bad port in '" + url + "'");
+    }
+    return e;
+}
+
+// one chat request for a single token; returns the wall time in ms
+double ttft_ms(const endpoint & e, const nlohmann::json & body) {
+    httplib::Client c(e.host, e.port);
+    c.set_read_timeout(600, 0);
+    const double t0 = time_ms();
+    auto r = c.Post("/v1/chat/completions", body.dump(), "application/json");
+    const double ms = time_ms() - t0;
+    if (!r) throw error("no answer from " + e.host + ":" + std::to_string(e.port));
+    if (r->status != 200) throw error("HTTP " + std::to_string(r->status) + ": " + r->body.substr(0, 300));
+    return ms;
+}
+
+}  // namespace
+
+int bench_serve(args & a) {
+    std::string model_path, url, peer_url, json_path;
+    int64_t n_docs = 4, doc_tokens = 512, reps = 2;
+    while (!a.done()) {
+        if (a.match({"-h", "--help"})) {
+            std::fputs(k_help, stdout);
+            return 0;
+        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        else if (a.match({"--url"})) url = a.str();
+        else if (a.match({"--peer"})) peer_url = a.str();
+        else if (a.match({"--docs"})) n_docs = a.integer(2, 64);
+        else if (a.match({"--doc-tokens"})) doc_tokens = a.integer(8, 1 << 16);
+        else if (a.match({"-r", "--reps"})) reps = a.integer(1, 100);
+        else if (a.match({"--json"})) json_path = a.str();
+        else a.unknown();
+    }
+    if (model_path.empty() || url.empty()) throw error("missing -m MODEL or --url URL (see --help)");
+    const endpoint ours = parse_url(url);
+    const bool have_peer = !peer_url.empty();
+    const endpoint peer = have_peer ? parse_url(peer_url) : endpoint{};
+    const vocab voc(model_path);
+
+    // documents of about doc_tokens tokens: words of the vocabulary (pieces of
+    // ASCII letters, so every document is valid UTF-8 text)
+    std::vector<std::string> words;
+    for (llama_token t = 0; t < voc.n_tokens() && words.size() < 20000; ++t) {
+        const std::string w = voc.token_to_piece(t);
+        const size_t start = !w.empty() && w[0] == ' ' ? 1 : 0;
+        if (w.size() < start + 3) continue;
+        if (std::all_of(w.begin() + start, w.end(), [](char ch) { return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z'); }))
+            words.push_back(w.substr(start));
+    }
+    if (words.empty()) throw error("the vocabulary has no plain words to make documents from");
+    std::mt19937 rng(77);
+    std::uniform_int_distribution<size_t> pick(0, words.size() - 1);
+    auto make_doc = [&] {
+        std::string text;
+        while ((int64_t) voc.tokenize(text, false).size() < doc_tokens) {
+            for (int i = 0; i < 32; ++i) text += (text.empty() ? "" : " ") + words[pick(rng)];
+        }
+        return text;
+    };
+    const char * questions[] = {"What do these documents have in common?", "Which document is the longest, and why?",
+                                "Summarize the second document in one sentence."};
+    auto body_ours = [&](const std::vector<std::string> & docs, const std::string & q) {
+        nlohmann::json d = nlohmann::json::array();
+        for (const auto & x : docs) d.push_back({{"text", x}});
+        return nlohmann::json{{"messages", {{{"role", "system"}, {"content", "Answer from the documents."}}, {{"role", "user"}, {"content", q}}}},
+                              {"documents", d}, {"max_tokens", 1}, {"temperature", 0}};
+    };
+    auto body_peer = [&](const std::vector<std::string> & docs, const std::string & q) {
+        std::string user;
+        for (const auto & x : docs) user += x + "\n\n";  // the layout kvblend's chat template path builds
+        user += q;
+        return nlohmann::json{{"messages", {{{"role", "system"}, {"content", "Answer from the documents."}}, {{"role", "user"}, {"content", user}}}},
+                              {"max_tokens", 1}, {"temperature", 0}, {"cache_prompt", true}};
+    };
+
+    const char * names[] = {"first request (nothing cached)", "new question, same documents, same order",
+                            "new question, subset in another order"};
+    std::vector<std::vector<double>> t_ours(3), t_peer(3);
+    for (int64_t r = 0; r < reps; ++r) {
+        std::vector<std::string> docs;
+        for (int64_t i = 0; i < n_docs; ++i) docs.push_back(make_doc());
+        std::vector<std::string> other(docs.rbegin(), docs.rend() - 1);  // reversed, first document dropped
+        const std::vector<std::pair<std::vector<std::string>, std::string>> seq = {
+            {docs, questions[0]}, {docs, questions[1]}, {other, questions[2]}};
+        for (int s = 0; s < 3; ++s) {
+            t_ours[s].push_back(ttft_ms(ours, body_ours(seq[s].first, seq[s].second)));
+            if (have_peer) t_peer[s].push_back(ttft_ms(peer, body_peer(seq[s].first, seq[s].second)));
+        }
+    }
+    auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+    };
+    nlohmann::json rows = nlohmann::json::array();
+    std::printf("%lld documents x %lld tokens, median of %lld\n\n", (long long) n_docs, (long long) doc_tokens, (long long) reps);
+    std::printf("| request | kvblend TTFT ms | llama-server TTFT ms | ratio |\n|---|---:|---:|---:|\n");
+    for (int s = 0; s < 3; ++s) {
+        const double o = median(t_ours[s]), p = have_peer ? median(t_peer[s]) : 0.0;
+        rows.push_back({{"request", names[s]}, {"kvblend_ms", o}, {"peer_ms", p}, {"ratio", have_peer ? p / o : 0.0}});
+        std::printf("| %s | %.0f | %.0f | %.2fx |\n", names[s], o, p, have_peer ? p / o : 0.0);
+    }
+    if (!json_path.empty()) {
+        std::ofstream f(json_path);
+        f << nlohmann::json({{"docs", n_docs}, {"doc_tokens", doc_tokens}, {"reps", reps}, {"rows", rows}}).dump(2) << "\n";
+    }
+    return 0;
+}
+
+}  // namespace kvblend::cli
