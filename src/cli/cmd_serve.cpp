@@ -34,6 +34,7 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --api-key-file F          the same, the key read from a file
   -t, --threads N           CPU threads per slot (default 2)
   --cache-type T            KV cache type for K and V: f16 (default), f32, q8_0, q4_0
+  --cache-type-k T          K only (-ctk); --cache-type-v T: V only (-ctv). Documents need K and V alike
 )";
 
 server * g_server = nullptr;
@@ -72,6 +73,8 @@ int cmd_serve(int argc, char ** argv) {
             sp.api_key = k;
         } else if (a.match({"-t", "--threads"})) sp.n_threads = (int32_t) a.integer(1, 1024);
         else if (a.match({"--cache-type"})) sp.type_k = sp.type_v = parse_cache_type(a.str());
+        else if (a.match({"--cache-type-k", "-ctk"})) sp.type_k = parse_cache_type(a.str());
+        else if (a.match({"--cache-type-v", "-ctv"})) sp.type_v = parse_cache_type(a.str());
         else a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
