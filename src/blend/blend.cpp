@@ -134,10 +134,8 @@ void set_input(ggml_tensor * t, const void * data) {
 // row p of the cache is position p throughout.
 class fuser {
   public:
-    fuser(engine & eng, const std::vector<llama_token> & tokens) : eng_(eng), m_(eng.mdl()), tokens_(tokens) {
-        n_ = (int64_t) tokens.size();
-        x_.resize((size_t) (n_ * m_.hparams().n_embd));
-    }
+    fuser(engine & eng, const std::vector<llama_token> & tokens)
+        : eng_(eng), m_(eng.mdl()), tokens_(tokens), x_(tokens.size() * (size_t) m_.hparams().n_embd) {}
 
     // run layers [l0, l1) for the tokens at `run` (ascending positions), in
     // micro-batches. write[p]: position p writes its fresh K/V (else keeps the
@@ -284,7 +282,6 @@ class fuser {
     engine & eng_;
     const model & m_;
     const std::vector<llama_token> & tokens_;
-    int64_t n_ = 0;
     std::vector<float> x_;  // [N, n_embd] hidden states by position
 };
 

@@ -167,7 +167,10 @@ class dir_store : public store {
         return removed;
     }
 
-    std::vector<store_entry_info> list() override {
+    std::vector<store_entry_info> list() override { return scan(); }
+
+    // the entry files themselves: the truth the index summarises
+    std::vector<store_entry_info> scan() const {
         std::vector<store_entry_info> out;
         std::error_code ec;
         for (auto it = fs::recursive_directory_iterator(root_ / "entries", ec); !ec && it != fs::recursive_directory_iterator();
@@ -204,7 +207,7 @@ class dir_store : public store {
         }
         // rebuild the index from the entries themselves (repairs any drift)
         std::map<std::string, uint64_t> idx;
-        for (const auto & e : list()) idx[e.key] = e.bytes;
+        for (const auto & e : scan()) idx[e.key] = e.bytes;
         removed += enforce_budget(idx, "");
         write_index(idx);
         return removed;
@@ -223,7 +226,7 @@ class dir_store : public store {
         std::string line;
         if (!f || !std::getline(f, line) || line != "kvblend-store-index v1") {
             // missing or unreadable: the entries are the truth, rebuild from them
-            for (const auto & e : const_cast<dir_store *>(this)->list()) idx[e.key] = e.bytes;
+            for (const auto & e : scan()) idx[e.key] = e.bytes;
             return idx;
         }
         std::string key;
