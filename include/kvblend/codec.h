@@ -26,7 +26,9 @@ class codec {
     virtual void decode(const uint8_t * p, size_t n, chunk_kv & out) const = 0;
 };
 
-// raw (f16/f32 as collected), f16, q8_0, q4_0, kivi2, kivi4; throws kvblend::error otherwise
+// raw (f16/f32 as collected), f16, q8_0, q4_0, kivi2, kivi4, cachegen,
+// minicache[:start=S][:t=T][:thr=G], turboquantB[+qjl] with B in 2, 2.5, 3,
+// 3.5, 4; throws kvblend::error otherwise
 std::unique_ptr<codec> codec_by_name(const std::string & name);
 std::vector<std::string> codec_names();
 

@@ -220,7 +220,12 @@ class kivi_codec : public codec {
 
 }  // namespace
 
-std::vector<std::string> codec_names() { return {"raw", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "cachegen"}; }
+std::vector<std::string> codec_names() {
+    return {"raw",           "f16",         "q8_0",          "q4_0",        "kivi2",
+            "kivi4",         "cachegen",    "minicache",     "turboquant2", "turboquant2.5",
+            "turboquant3",   "turboquant3.5", "turboquant4", "turboquant3+qjl", "turboquant3.5+qjl",
+            "turboquant4+qjl"};
+}
 
 std::unique_ptr<codec> codec_by_name(const std::string & name) {
     if (name == "raw") return std::make_unique<raw_codec>();
@@ -230,9 +235,13 @@ std::unique_ptr<codec> codec_by_name(const std::string & name) {
     if (name == "kivi2") return std::make_unique<kivi_codec>(2, 32, 32);
     if (name == "kivi4") return std::make_unique<kivi_codec>(4, 32, 32);
     if (name == "cachegen") return cachegen_codec_make();
+    if (auto mc = minicache_codec_make(name)) return mc;
+    tq::params tp;
+    if (tq::parse_name(name, tp)) return turboquant_codec_make(tp);
     std::string all;
     for (const auto & n : codec_names()) all += (all.empty() ? "" : ", ") + n;
-    throw error("unknown codec '" + name + "' (available: " + all + ")");
+    throw error("unknown codec '" + name + "' (available: " + all +
+                "; minicache takes :start=S:t=T:thr=G, turboquant any of 2, 2.5, 3, 3.5, 4 bits with or without +qjl)");
 }
 
 chunk_kv codec_roundtrip(const codec & cd, const chunk_kv & c, size_t * encoded_bytes) {
