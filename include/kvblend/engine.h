@@ -14,12 +14,17 @@
 
 namespace kvblend {
 
+class live_kv;
+
 struct engine_params {
     int32_t   n_threads = 2;
     int64_t   n_ctx     = 4096;  // KV capacity in tokens (clamped to the model's trained context)
     int64_t   n_ubatch  = 512;   // tokens per prefill micro-batch
     ggml_type type_k    = GGML_TYPE_F16;
     ggml_type type_v    = GGML_TYPE_F16;
+    // a live compressed cache instead of ggml rows: turboquantB[+qjl] or
+    // minicache[:…] (CPU only; an append-only cache that blend cannot fuse into)
+    std::string kv_codec;
 };
 
 engine_params engine_default_params();
@@ -63,6 +68,14 @@ class engine {
 
     void set_n_threads(int32_t n);
 
+    // the live compressed cache, when params().kv_codec selects one
+    const live_kv * live() const { return live_.get(); }
+    // bytes the cache really holds for its n_past positions, and what a dense f16 cache would
+    size_t kv_bytes_held() const;
+    size_t kv_bytes_f16() const;
+    // throws kvblend::error naming `what` when the cache is a live compressed one
+    void require_dense_cache(const char * what) const;
+
     // bytes of the scheduler's compute buffers (they grow to the largest graph run so far)
     size_t compute_buffer_bytes() const;
 
@@ -78,6 +91,7 @@ class engine {
     std::shared_ptr<const model> model_;
     engine_params params_;
     std::unique_ptr<kv_cache> cache_;
+    std::unique_ptr<live_kv> live_;
 };
 
 }  // namespace kvblend

@@ -20,8 +20,10 @@ bool kv_cache_type_supported(ggml_type t);
 
 class kv_cache {
   public:
-    // type_k / type_v: f16 (default), f32, q8_0 or q4_0 (kv_cache_type_supported)
-    kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v);
+    // type_k / type_v: f16 (default), f32, q8_0 or q4_0 (kv_cache_type_supported).
+    // n_alloc: rows allocated (default n_ctx); fewer when another store holds
+    // the rows (a live compressed cache) and this one only counts positions
+    kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v, int64_t n_alloc = -1);
     ~kv_cache();
     kv_cache(const kv_cache &) = delete;
     kv_cache & operator=(const kv_cache &) = delete;

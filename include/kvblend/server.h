@@ -27,6 +27,10 @@ struct server_params {
     int32_t     n_threads       = 2;
     ggml_type   type_k          = GGML_TYPE_F16;
     ggml_type   type_v          = GGML_TYPE_F16;
+    // a live compressed cache per slot (turboquantB[+qjl], minicache[:…]):
+    // prompts are prefilled whole (no fusion) and documents are refused, as
+    // they are fused into a dense cache
+    std::string kv_codec;
 };
 
 class server {

@@ -37,6 +37,7 @@ chunk_kv read_chunk(engine & eng, const std::vector<llama_token> & tokens, int64
 chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t pos0) {
     if (tokens.empty()) throw error("cannot collect an empty chunk");
     if (pos0 < 0) throw error("chunk position must not be negative");
+    eng.require_dense_cache("collecting a chunk");
     if (eng.cache().type_k() != eng.cache().type_v()) throw error("chunk collection needs the same K and V cache type");
     eng.cache().clear();
     eng.eval(tokens, false, pos0);
@@ -45,6 +46,7 @@ chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t 
 
 chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens) {
     if (tokens.empty()) throw error("cannot collect an empty chunk");
+    eng.require_dense_cache("collecting a chunk");
     if (eng.cache().type_k() != eng.cache().type_v()) throw error("chunk collection needs the same K and V cache type");
     eng.cache().clear();
     if (!prefix.empty()) eng.eval(prefix, false);
@@ -54,6 +56,7 @@ chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, co
 }
 
 int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int layer0) {
+    eng.require_dense_cache("placing chunks");
     const model & m = eng.mdl();
     const model_hparams & hp = m.hparams();
     kv_cache & cache = eng.cache();
@@ -289,6 +292,7 @@ class fuser {
 
 blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in,
                    const std::vector<llama_token> & query, const blend_params & params) {
+    eng.require_dense_cache("a blend");
     // an empty prefix leaves the first document at position 0, where its
     // chunk KV is exact: it takes the prefix's role
     std::vector<const chunk_kv *> chunks;

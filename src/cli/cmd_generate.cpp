@@ -5,6 +5,8 @@
 #include "cli/args.h"
 #include "cli/cli_util.h"
 #include "cli/commands.h"
+#include "kv/live_kv.h"
+#include "kvblend/codec.h"
 #include "kvblend/engine.h"
 #include "kvblend/vocab.h"
 
@@ -28,6 +30,9 @@ const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
   -b, --ubatch N        prefill micro-batch (default 512)
   --cache-type T        KV cache type for K and V: f16 (default), f32, q8_0, q4_0
   --cache-type-k T      K cache type only (-ctk); --cache-type-v T: V only (-ctv)
+  --kv-codec NAME       a live compressed cache instead: turboquant2 … turboquant4 (2.5, 3.5 too;
+                        +qjl for the keys' QJL sketch) or minicache[:thr=G]; CPU only, tiles
+                        dequantized on the fly
   --chat                wrap the prompt in the model's chat template (user turn)
   --system TEXT         system message for --chat
   --mmap                map the model file instead of reading the weights into memory
@@ -72,7 +77,13 @@ bool match_engine_flag(args & a, engine_params & ep) {
     else if (a.match({"--cache-type"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
     else if (a.match({"--cache-type-k", "-ctk"})) ep.type_k = parse_cache_type(a.str());
     else if (a.match({"--cache-type-v", "-ctv"})) ep.type_v = parse_cache_type(a.str());
-    else return false;
+    else if (a.match({"--kv-codec"})) {
+        ep.kv_codec = a.str();
+        if (!live_kv::is_live_name(ep.kv_codec))
+            throw error("--kv-codec takes turboquantB[+qjl] (B: 2, 2.5, 3, 3.5, 4) or minicache[:start=S:t=T:thr=G], not '" +
+                        ep.kv_codec + "'");
+        std::unique_ptr<codec> check = codec_by_name(ep.kv_codec);  // validates the options (minicache:thr=…)
+    } else return false;
     return true;
 }
 
@@ -152,12 +163,15 @@ int cmd_generate(int argc, char ** argv) {
                             {"n_prompt", r.n_prompt},
                             {"n_gen", (int64_t) r.tokens.size()},
                             {"prefill_ms", r.prefill_ms},
-                            {"decode_ms", r.decode_ms}};
+                            {"decode_ms", r.decode_ms},
+                            {"kv_bytes", eng.kv_bytes_held()},
+                            {"kv_bytes_f16", eng.kv_bytes_f16()}};
         std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     } else {
         std::printf("\n");
-        std::fprintf(stderr, "[%lld prompt tokens in %.1f ms, %zu generated in %.1f ms]\n", (long long) r.n_prompt,
-                     r.prefill_ms, r.tokens.size(), r.decode_ms);
+        std::fprintf(stderr, "[%lld prompt tokens in %.1f ms, %zu generated in %.1f ms; KV %.2f MB held (f16: %.2f MB)]\n",
+                     (long long) r.n_prompt, r.prefill_ms, r.tokens.size(), r.decode_ms, eng.kv_bytes_held() / 1e6,
+                     eng.kv_bytes_f16() / 1e6);
     }
     return 0;
 }

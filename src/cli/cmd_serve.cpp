@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "cli/args.h"
+#include "kv/live_kv.h"
 #include "cli/cli_util.h"
 #include "cli/commands.h"
 #include "kvblend/server.h"
@@ -35,6 +36,8 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   -t, --threads N           CPU threads per slot (default 2)
   --cache-type T            KV cache type for K and V: f16 (default), f32, q8_0, q4_0
   --cache-type-k T          K only (-ctk); --cache-type-v T: V only (-ctv). Documents need K and V alike
+  --kv-codec NAME           live compressed slot caches: turboquantB[+qjl] or minicache[:thr=G] (CPU
+                            only). prompts are prefilled whole; requests with documents get a 400
 )";
 
 server * g_server = nullptr;
@@ -75,7 +78,12 @@ int cmd_serve(int argc, char ** argv) {
         else if (a.match({"--cache-type"})) sp.type_k = sp.type_v = parse_cache_type(a.str());
         else if (a.match({"--cache-type-k", "-ctk"})) sp.type_k = parse_cache_type(a.str());
         else if (a.match({"--cache-type-v", "-ctv"})) sp.type_v = parse_cache_type(a.str());
-        else a.unknown();
+        else if (a.match({"--kv-codec"})) {
+            sp.kv_codec = a.str();
+            if (!live_kv::is_live_name(sp.kv_codec))
+                throw error("--kv-codec takes turboquantB[+qjl] (B: 2, 2.5, 3, 3.5, 4) or minicache[:start=S:t=T:thr=G], not '" +
+                            sp.kv_codec + "'");
+        } else a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     auto m = model::load(model_path);

@@ -9,6 +9,7 @@
 #include "ggml-cpp.h"
 #include "ggml-cpu.h"
 #include "graph/forward.h"
+#include "kv/live_kv.h"
 #include "kvblend/vocab.h"
 
 namespace kvblend {
@@ -29,7 +30,13 @@ engine::engine(std::shared_ptr<const model> m, const engine_params & params)
     if (params_.n_ubatch <= 0) throw error("micro-batch size must be positive");
     if (params_.n_ctx <= 0) throw error("context size must be positive");
     params_.n_ctx = std::min(params_.n_ctx, hp.n_ctx_train);
-    cache_ = std::make_unique<kv_cache>(*model_, params_.n_ctx, params_.type_k, params_.type_v);
+    if (!params_.kv_codec.empty()) {
+        live_ = live_kv::make(*model_, params_.kv_codec, params_.n_ctx);
+        // the live cache holds the rows; the ggml cache keeps the positions (one row allocated)
+        cache_ = std::make_unique<kv_cache>(*model_, params_.n_ctx, GGML_TYPE_F16, GGML_TYPE_F16, 1);
+    } else {
+        cache_ = std::make_unique<kv_cache>(*model_, params_.n_ctx, params_.type_k, params_.type_v);
+    }
 
     if (model_->on_gpu()) {
         ggml_backend_t gpu = ggml_backend_dev_init(model_->device(), nullptr);
@@ -48,6 +55,24 @@ engine::engine(std::shared_ptr<const model> m, const engine_params & params)
 }
 
 engine::~engine() = default;
+
+size_t engine::kv_bytes_held() const {
+    const int64_t n = cache_->n_past();
+    if (live_) return live_->bytes_held(n);
+    const model_hparams & hp = model_->hparams();
+    return (size_t) hp.n_layer * n * (ggml_row_size(cache_->type_k(), hp.n_embd_kv()) + ggml_row_size(cache_->type_v(), hp.n_embd_kv()));
+}
+
+size_t engine::kv_bytes_f16() const {
+    const model_hparams & hp = model_->hparams();
+    return (size_t) hp.n_layer * cache_->n_past() * 2 * hp.n_embd_kv() * 2;
+}
+
+void engine::require_dense_cache(const char * what) const {
+    if (live_)
+        throw error(std::string(what) + " needs a dense KV cache; this engine holds a live " + live_->name() +
+                    " cache (--kv-codec), which only appends tokens");
+}
 
 void engine::set_n_threads(int32_t n) {
     if (n <= 0) throw error("thread count must be positive");
@@ -105,6 +130,7 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
             in.kv_idx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n_tok);
             in.kq_mask = ggml_new_tensor_2d(c, GGML_TYPE_F16, n_kv, n_tok);
             in.n_kv = n_kv;
+            in.hook = live_.get();
             out_rows = n_out > 0 && n_out < n_tok ? ggml_new_tensor_1d(c, GGML_TYPE_I32, n_out) : nullptr;
             for (ggml_tensor * t : {inp_tok, in.pos, in.kv_idx, in.kq_mask}) ggml_set_input(t);
             if (out_rows) ggml_set_input(out_rows);
@@ -116,9 +142,7 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
                     // no logits wanted from this micro-batch: the last layer only writes its K/V
                     ggml_tensor * h = graph::build_norm(c, x, m.layers[il].attn_norm, hp.rms_eps);
                     const graph::qkv t = graph::build_qkv(c, m, il, h, in.pos);
-                    const graph::kv_views kv = graph::build_kv_write(c, m, t, cache_->k(il), cache_->v(il), in);
-                    ggml_build_forward_expand(gf, kv.k);
-                    ggml_build_forward_expand(gf, kv.v);
+                    graph::build_kv(c, gf, m, il, t, cache_->k(il), cache_->v(il), in);
                     break;
                 }
                 x = graph::build_layer(c, gf, m, il, x, cache_->k(il), cache_->v(il), in, last ? out_rows : nullptr);

@@ -67,6 +67,14 @@ kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, gg
             rows(ggml_set_rows(ctx, v_store, v_rows, in.kv_idx), v_store)};
 }
 
+kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, const qkv & cur,
+                  ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in) {
+    const kv_views kv = in.hook ? in.hook->build(ctx, gf, m, il, cur, in) : build_kv_write(ctx, m, cur, k_store, v_store, in);
+    ggml_build_forward_expand(gf, kv.k);
+    ggml_build_forward_expand(gf, kv.v);
+    return kv;
+}
+
 ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_tensor * q, const kv_views & kv,
                              ggml_tensor * kq_mask) {
     const model_hparams & hp = m.hparams();
@@ -97,9 +105,7 @@ ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m,
 
     ggml_tensor * cur = build_norm(ctx, x, L.attn_norm, hp.rms_eps);
     const qkv t = build_qkv(ctx, m, il, cur, in.pos);
-    const kv_views kv = build_kv_write(ctx, m, t, k_store, v_store, in);
-    ggml_build_forward_expand(gf, kv.k);
-    ggml_build_forward_expand(gf, kv.v);
+    const kv_views kv = build_kv(ctx, gf, m, il, t, k_store, v_store, in);
 
     cur = build_attn_out(ctx, m, il, t.q, kv, in.kq_mask);  // [n_embd, n_tok]
     ggml_tensor * resid = x;

@@ -20,6 +20,8 @@ struct qkv {
     ggml_tensor * v;  // F32 [head_dim, n_head_kv, n_tok]
 };
 
+struct kv_store_hook;
+
 // the attention inputs of one layer run
 struct attn_inputs {
     ggml_tensor * pos     = nullptr;  // I32 [n_tok] positions of the tokens
@@ -29,6 +31,8 @@ struct attn_inputs {
     // optional I32 [n_write]: only these token rows write their fresh K/V (to
     // kv_idx, which then has n_write entries); the others keep what the store holds
     ggml_tensor * write_rows = nullptr;
+    // a store other than the layer's K/V tensors (a live compressed cache)
+    kv_store_hook * hook = nullptr;
 };
 
 // RMS norm times weight over ne[0]
@@ -48,6 +52,19 @@ struct kv_views {
 };
 kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, ggml_tensor * k_store,
                         ggml_tensor * v_store, const attn_inputs & in);
+
+// a K/V store that is not a pair of ggml tensors (kv/live_kv.h): builds the
+// write of layer il's fresh rows into gf and returns F16 views of its rows
+// [0, in.n_kv) with the fresh rows at the end
+struct kv_store_hook {
+    virtual ~kv_store_hook() = default;
+    virtual kv_views build(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, const qkv & cur,
+                           const attn_inputs & in) = 0;
+};
+
+// the K/V views of layer il after its write: through in.hook when set, else build_kv_write
+kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, const qkv & cur,
+                  ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in);
 
 // softmax(q k^T * scale + mask) v, then the output projection -> F32 [n_embd, n_tok]
 ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_tensor * q, const kv_views & kv,

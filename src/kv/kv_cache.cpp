@@ -1,5 +1,6 @@
 #include "kvblend/kv_cache.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "ggml-cpp.h"
@@ -8,7 +9,7 @@
 
 namespace kvblend {
 
-kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v) : n_ctx_(n_ctx) {
+kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v, int64_t n_alloc) : n_ctx_(n_ctx) {
     const model_hparams & hp = m.hparams();
     if (n_ctx <= 0) throw error("KV cache size must be positive");
     for (ggml_type t : {type_k, type_v}) {
@@ -20,11 +21,12 @@ kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type t
                         std::to_string(ggml_blck_size(t)) + "; this model's is " + std::to_string(hp.head_dim));
     }
 
+    const int64_t rows = n_alloc < 0 ? n_ctx : std::min(n_alloc, n_ctx);
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer + 1), nullptr, true};
     ctx_ = ggml_init(ip);
     for (int64_t il = 0; il < hp.n_layer; ++il) {
-        ggml_tensor * k = ggml_new_tensor_2d(ctx_, type_k, hp.n_embd_kv(), n_ctx);  // [n_embd_kv, n_ctx]
-        ggml_tensor * v = ggml_new_tensor_2d(ctx_, type_v, hp.n_embd_kv(), n_ctx);  // [n_embd_kv, n_ctx]
+        ggml_tensor * k = ggml_new_tensor_2d(ctx_, type_k, hp.n_embd_kv(), rows);  // [n_embd_kv, rows]
+        ggml_tensor * v = ggml_new_tensor_2d(ctx_, type_v, hp.n_embd_kv(), rows);  // [n_embd_kv, rows]
         ggml_format_name(k, "cache_k_l%d", (int) il);
         ggml_format_name(v, "cache_v_l%d", (int) il);
         k_.push_back(k);

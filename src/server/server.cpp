@@ -187,6 +187,7 @@ struct server::impl {
     impl(std::shared_ptr<const model> mm, const server_params & pp) : m(std::move(mm)), p(pp) {
         if (p.parallel < 1) throw error("--parallel must be at least 1");
         codec_by_name(p.codec);  // a bad codec name fails at start
+        if (!p.kv_codec.empty()) codec_by_name(p.kv_codec);  // … and a bad live cache name (its options too)
         if (!p.store_uri.empty()) st = std::make_unique<locked_store>(store_open(p.store_uri));
         model_id = m->path().substr(m->path().find_last_of('/') + 1);
         for (int i = 0; i < p.parallel; ++i) {
@@ -195,6 +196,7 @@ struct server::impl {
             ep.n_threads = p.n_threads;
             ep.type_k = p.type_k;
             ep.type_v = p.type_v;
+            ep.kv_codec = p.kv_codec;
             auto eng = std::make_shared<engine>(m, ep);  // allocate every slot before serving
             workers.emplace_back([this, eng] {
                 std::vector<llama_token> cached;  // the tokens whose KV the slot's cache holds (fused or exact)
@@ -389,11 +391,19 @@ struct server::impl {
         }
     }
 
+    // documents are fused into (and collected from) a dense cache
+    void require_dense_slots() const {
+        if (!p.kv_codec.empty())
+            bad_request("documents need a dense KV cache to be fused; this server's slots hold live " + p.kv_codec +
+                        " caches (--kv-codec), which only append tokens");
+    }
+
     // plain prompts long enough are cut into chunks that the store can find again at any offset
     void plain_or_chunked(job & j, std::vector<llama_token> tokens) const {
         j.tokens = std::move(tokens);
         const int64_t n = (int64_t) j.tokens.size();
-        if (n < p.min_fuse_tokens || n <= p.chunk_size) return;
+        // a live compressed cache only appends: its slots prefill every prompt whole
+        if (!p.kv_codec.empty() || n < p.min_fuse_tokens || n <= p.chunk_size) return;
         j.fuse = true;
         int64_t at = 0;
         for (; at + p.chunk_size < n; at += p.chunk_size)
@@ -415,6 +425,7 @@ struct server::impl {
         auto j = std::make_shared<job>();
         const vocab & v = m->tokens();
         if (b.contains("documents") && !b["documents"].is_null()) {
+            require_dense_slots();
             const json & d = b["documents"];
             if (!d.is_array()) bad_request("'documents' must be an array");
             std::vector<std::vector<llama_token>> docs;
@@ -605,8 +616,11 @@ struct server::impl {
             if (res.status == 404 && res.body.empty())
                 res.set_content(error_body("unknown route", "invalid_request_error", "not_found"), "application/json");
         });
-        http.Get("/health", [](const httplib::Request &, httplib::Response & res) {
-            res.set_content(json{{"status", "ok"}}.dump(), "application/json");
+        http.Get("/health", [this](const httplib::Request &, httplib::Response & res) {
+            const std::string kv = !p.kv_codec.empty() ? p.kv_codec
+                                   : p.type_k == p.type_v ? ggml_type_name(p.type_k)
+                                                          : std::string(ggml_type_name(p.type_k)) + "/" + ggml_type_name(p.type_v);
+            res.set_content(json{{"status", "ok"}, {"kv_cache", kv}, {"fusion", p.kv_codec.empty()}}.dump(), "application/json");
         });
         http.Get("/v1/models", [this](const httplib::Request &, httplib::Response & res) {
             res.set_content(json{{"object", "list"},
@@ -627,6 +641,7 @@ struct server::impl {
         });
         http.Post("/v1/documents", guarded([this](const httplib::Request & req, httplib::Response & res) {
                       if (!st) bad_request("POST /v1/documents needs a server started with --store");
+                      require_dense_slots();
                       const json b = parse_body(req);
                       if (!b.contains("documents") || !b["documents"].is_array() || b["documents"].empty())
                           bad_request("'documents' must be a non-empty array of texts or {\"text\": string}");

@@ -435,3 +435,30 @@ TEST(server, same_documents_in_the_same_order_extend_the_cached_prefix) {
 
 }  // namespace
 }  // namespace kvblend
+
+namespace kvblend {
+namespace {
+
+TEST(server, live_compressed_slots_say_so_and_refuse_documents) {
+    server_params p = small_params();
+    p.kv_codec = "turboquant4";
+    running_server s(p);
+    auto c = s.client();
+    const json h = json::parse(c.Get("/health")->body);
+    EXPECT_EQ(h["kv_cache"], "turboquant4");
+    EXPECT_EQ(h["fusion"], false);
+    const json comp = post(c, "/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 8}, {"temperature", 0}});
+    EXPECT_FALSE(comp["choices"][0]["text"].get<std::string>().empty());
+    const json err = post(c, "/v1/chat/completions",
+                          {{"messages", {{{"role", "user"}, {"content", "What did Tom have?"}}}},
+                           {"documents", {"Tom had a red ball."}}, {"max_tokens", 4}},
+                          400);
+    EXPECT_NE(err["error"]["message"].get<std::string>().find("turboquant4"), std::string::npos);
+    // a dense server says what it holds too
+    running_server d(small_params());
+    auto dc = d.client();
+    EXPECT_EQ(json::parse(dc.Get("/health")->body)["kv_cache"], "f16");
+}
+
+}  // namespace
+}  // namespace kvblend

@@ -1,0 +1,136 @@
+// live compressed decode caches (--kv-codec): a lossless setting equals the
+// dense cache; the lossy ones equal a dense cache whose rows went through the
+// same codec; bytes are what is held; paths that need a dense cache refuse.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "blend/fidelity.h"
+#include "codec/cachegen.h"
+#include "kv/live_kv.h"
+#include "kvblend/blend.h"
+#include "kvblend/codec.h"
+#include "kvblend/vocab.h"
+
+namespace kvblend {
+namespace {
+
+const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+
+std::vector<llama_token> story(const model & m) {
+    return m.tokens().tokenize(
+        "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
+        "friends. One day, she saw a big red ball under a tree and she ran to get it. The ball was",
+        true);
+}
+
+// the next-token logits after prompt[:-1] is cached by `eng` and the last token runs over it
+std::vector<float> last_logits(engine & eng, const std::vector<llama_token> & prompt) {
+    eng.cache().clear();
+    eng.eval(std::vector<llama_token>(prompt.begin(), prompt.end() - 1));
+    return eng.eval({prompt.back()});
+}
+
+double max_rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
+    double d = 0, mx = 0;
+    for (size_t i = 0; i < a.size(); ++i) d = std::max(d, (double) std::fabs(a[i] - b[i])), mx = std::max(mx, (double) std::fabs(b[i]));
+    return d / mx;
+}
+
+engine_params live_params(const std::string & name) {
+    engine_params ep;
+    ep.n_ctx = 256;
+    ep.kv_codec = name;
+    return ep;
+}
+
+TEST(live_kv, minicache_retaining_everything_equals_the_dense_cache) {
+    auto m = model::load(k_stories);
+    const std::vector<llama_token> prompt = story(*m);
+    engine dense(m, live_params(""));
+    engine live(m, live_params("minicache:thr=-1"));
+    const std::vector<float> a = last_logits(dense, prompt), b = last_logits(live, prompt);
+    EXPECT_LE(max_rel_diff(b, a), 1e-6);
+    // and greedy decoding agrees token for token
+    sampler_params sp;
+    sp.temp = 0;
+    EXPECT_EQ(dense.generate(prompt, 24, sp).tokens, live.generate(prompt, 24, sp).tokens);
+    EXPECT_EQ(live.live()->retained_share(live.cache().n_past()), 1.0);
+}
+
+// a dense cache holding the prompt's rows after a codec roundtrip: what a live cache of that codec attends over
+std::vector<float> dense_through_codec(engine & eng, const std::vector<llama_token> & prompt, const std::string & name) {
+    const std::vector<llama_token> head(prompt.begin(), prompt.end() - 1);
+    const chunk_kv c = collect(eng, head);
+    const chunk_kv y = codec_roundtrip(*codec_by_name(name), c);
+    eng.cache().clear();
+    place(eng, {&y});
+    eng.cache().set_n_past(y.n_tokens());
+    return eng.eval({prompt.back()});
+}
+
+TEST(live_kv, lossy_live_caches_equal_their_codec_on_a_dense_cache) {
+    auto m = model::load(k_stories);
+    const std::vector<llama_token> prompt = story(*m);
+    const int64_t nv = m->hparams().n_vocab;
+    engine_params dp = live_params("");
+    dp.type_k = dp.type_v = GGML_TYPE_F32;  // the live cache encodes the fresh f32 rows
+    engine dense(m, dp);
+    const std::vector<float> exact = last_logits(dense, prompt);
+    for (const std::string name : {"turboquant3", "turboquant3.5", "turboquant4+qjl", "minicache:thr=1"}) {
+        engine live(m, live_params(name));
+        const std::vector<float> l = last_logits(live, prompt);
+        const std::vector<float> ref = dense_through_codec(dense, prompt, name);
+        const double kl_same = kl_divergence(ref.data(), l.data(), nv), kl_exact = kl_divergence(exact.data(), l.data(), nv);
+        std::printf("%-16s KL to its codec on a dense cache %.2e, to the exact cache %.2e\n", name.c_str(), kl_same, kl_exact);
+        // the same rows up to f16 rounding of the attended tiles: far closer to each other than to the exact cache
+        EXPECT_LE(kl_same, 1e-3) << name;
+        EXPECT_LT(kl_same * 20, kl_exact) << name;
+    }
+}
+
+TEST(live_kv, bytes_are_what_is_held) {
+    auto m = model::load(k_stories);
+    const std::vector<llama_token> prompt = story(*m);
+    engine dense(m, live_params(""));
+    engine tq(m, live_params("turboquant3.5"));
+    engine mc(m, live_params("minicache:thr=1"));
+    sampler_params sp;
+    sp.temp = 0;
+    for (engine * e : {&dense, &tq, &mc}) e->generate(prompt, 8, sp);
+    const int64_t n = dense.cache().n_past();
+    EXPECT_EQ(tq.cache().n_past(), n);
+    const model_hparams & hp = m->hparams();
+    EXPECT_EQ(dense.kv_bytes_held(), (size_t) n * hp.n_layer * 2 * hp.n_embd_kv() * 2);
+    EXPECT_EQ(tq.kv_bytes_f16(), dense.kv_bytes_held());
+    // 32-value rows: 16 values at 4 bits and 16 at 3, a 16-bit norm and an 8-bit split angle; the outlier masks
+    const size_t tq_expect = (size_t) n * hp.n_layer * 2 * (2 + 1 + 14) + hp.n_layer * 2 * hp.n_embd_kv();
+    EXPECT_EQ(tq.kv_bytes_held(), tq_expect);
+    EXPECT_LT(tq.kv_bytes_held() * 3, dense.kv_bytes_held());
+    // minicache merging every token of the pair (2, 3): one direction and two norms instead of two rows
+    const size_t pair_f16 = (size_t) n * 2 * 2 * hp.n_embd_kv() * 2;
+    EXPECT_EQ(dense.kv_bytes_held() - mc.kv_bytes_held(), pair_f16 - (size_t) n * 2 * (hp.n_embd_kv() * 2 + 8 + 4));
+    EXPECT_EQ(mc.live()->retained_share(n), 0.0);
+}
+
+TEST(live_kv, paths_that_need_a_dense_cache_refuse) {
+    auto m = model::load(k_stories);
+    engine live(m, live_params("turboquant4"));
+    const std::vector<llama_token> t = story(*m);
+    EXPECT_THROW(collect(live, t), error);
+    chunk_kv c;
+    EXPECT_THROW(place(live, {&c}), error);
+    EXPECT_THROW(live_kv::make(*m, "turboquant5", 64), error);
+    EXPECT_FALSE(live_kv::is_live_name("q8_0"));
+    EXPECT_TRUE(live_kv::is_live_name("turboquant2.5+qjl"));
+    // the cache survives a truncation and goes on appending (server slots reuse prefixes)
+    sampler_params sp;
+    sp.temp = 0;
+    const std::vector<llama_token> a = live.generate(t, 6, sp).tokens;
+    live.cache().set_n_past(5);
+    live.eval(std::vector<llama_token>(t.begin() + 5, t.end()));
+    EXPECT_EQ(live.cache().n_past(), (int64_t) t.size());
+}
+
+}  // namespace
+}  // namespace kvblend
