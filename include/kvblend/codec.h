@@ -17,6 +17,9 @@ class codec {
   public:
     virtual ~codec() = default;
     virtual std::string name() const = 0;
+    // what a store entry records (under 16 characters): the codec's family
+    // when its settings are in the payload, which decode then follows
+    virtual std::string entry_name() const { return name(); }
     // the encoded payload of every layer's K and V (self-describing: its own
     // parameters are inside). deterministic: the same chunk gives the same bytes.
     virtual std::vector<uint8_t> encode(const chunk_kv & c) const = 0;

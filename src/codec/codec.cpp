@@ -237,7 +237,7 @@ std::unique_ptr<codec> codec_by_name(const std::string & name) {
     if (name == "cachegen") return cachegen_codec_make();
     if (auto mc = minicache_codec_make(name)) return mc;
     tq::params tp;
-    if (tq::parse_name(name, tp)) return turboquant_codec_make(tp);
+    if (name == "turboquant" || tq::parse_name(name, tp)) return turboquant_codec_make(tp);  // the family: 3.5 bits
     std::string all;
     for (const auto & n : codec_names()) all += (all.empty() ? "" : ", ") + n;
     throw error("unknown codec '" + name + "' (available: " + all +

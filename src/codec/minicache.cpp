@@ -151,6 +151,7 @@ class minicache_codec : public codec {
   public:
     explicit minicache_codec(const mc::params & p) : p_(p) {}
     std::string name() const override { return mc::name_of(p_); }
+    std::string entry_name() const override { return "minicache"; }
 
     std::vector<uint8_t> encode(const chunk_kv & c) const override {
         const int64_t d = c.n_embd_kv, n = c.n_tokens();
@@ -210,10 +211,13 @@ class minicache_codec : public codec {
         mc_cursor r{p, p + n_bytes};
         const mc_header h = read_header(r);
         const int64_t d = out.n_embd_kv, n = out.n_tokens();
-        if (h.start != p_.start || h.t != p_.t || h.threshold != p_.threshold)
-            throw error("minicache payload was written by another setting than " + name());
+        // the payload's own settings rule (the merged rows need none of them to decode)
+        if (!(h.start >= 0 && h.start <= 1) || !(h.t >= 0 && h.t <= 1) || !(h.threshold <= 1))
+            throw error("minicache payload has a corrupt header");
+        mc::params pp;
+        pp.start = h.start;
         if ((int64_t) h.n_tokens != n || (int64_t) h.n_embd != d || (int64_t) h.n_layer != out.n_layer ||
-            (int64_t) h.first != mc::first_merged_layer(p_, out.n_layer))
+            (int64_t) h.first != mc::first_merged_layer(pp, out.n_layer))
             throw error("minicache payload does not match the chunk's shape");
         const size_t esz = h.elem ? 4 : 2;
         std::vector<float> xa((size_t) n * d), xb((size_t) n * d);

@@ -48,11 +48,29 @@ void put_code(uint8_t * dst, int64_t i, int bits, uint32_t code) {
         if (code >> b & 1) dst[(bit + b) >> 3] |= (uint8_t) (1u << ((bit + b) & 7));
 }
 
-uint32_t get_code(const uint8_t * src, int64_t i, int bits) {
-    const int64_t bit = i * bits;
-    uint32_t code = 0;
-    for (int b = 0; b < bits; ++b) code |= (uint32_t) (src[(bit + b) >> 3] >> ((bit + b) & 7) & 1) << b;
-    return code;
+// the n codes of a subset (packed low bits first) as their levels
+void unpack_levels(const uint8_t * src, int64_t n, int bits, const float * lv, float * y) {
+    if (bits == 4) {
+        for (int64_t i = 0; i < n; i += 2) y[i] = lv[src[i >> 1] & 15], y[i + 1] = lv[src[i >> 1] >> 4];
+    } else if (bits == 2) {
+        for (int64_t i = 0; i < n; i += 4) {
+            const uint8_t b = src[i >> 2];
+            y[i] = lv[b & 3], y[i + 1] = lv[b >> 2 & 3], y[i + 2] = lv[b >> 4 & 3], y[i + 3] = lv[b >> 6];
+        }
+    } else if (bits == 3 && n % 8 == 0) {
+        for (int64_t i = 0; i < n; i += 8) {  // 8 codes in 3 bytes
+            const uint8_t * q = src + i / 8 * 3;
+            const uint32_t w = (uint32_t) q[0] | (uint32_t) q[1] << 8 | (uint32_t) q[2] << 16;
+            for (int k = 0; k < 8; ++k) y[i + k] = lv[w >> (3 * k) & 7];
+        }
+    } else {
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t bit = i * bits;
+            uint32_t code = 0;
+            for (int b = 0; b < bits; ++b) code |= (uint32_t) (src[(bit + b) >> 3] >> ((bit + b) & 7) & 1) << b;
+            y[i] = lv[code];
+        }
+    }
 }
 
 float load_f16(const uint8_t * p) {
@@ -329,7 +347,7 @@ void row_coder::decode(const uint8_t * in, float * x) const {
         for (int j = 0; j < n_sub_; ++j) {
             const subset & sb = sub_[b * n_sub_ + j];
             const std::vector<float> & lv = *sb.levels;
-            for (int64_t i = 0; i < s; ++i) y[i] = lv[get_code(p, i, sb.bits)];
+            unpack_levels(p, s, sb.bits, lv.data(), y);
             if (qjl) {
                 const uint8_t * q = p + (sb.bits * s + 7) / 8;
                 const float rn = load_f16(q);
@@ -403,14 +421,21 @@ class turboquant_codec : public codec {
         return b;
     }
 
+    std::string entry_name() const override { return "turboquant"; }
+
+    // the payload's own settings (rate, QJL, seed) rule: any turboquant codec decodes any turboquant payload
     void decode(const uint8_t * p, size_t n_bytes, chunk_kv & out) const override {
         tq_header h;
         if (n_bytes < sizeof(h)) throw error("turboquant payload is truncated");
         std::memcpy(&h, p, sizeof(h));
         const int64_t d = out.n_embd_kv, n = out.n_tokens();
         if (h.magic != k_tq_magic) throw error("turboquant payload has a bad magic");
-        if (h.bits_x2 != p_.bits_x2 || h.qjl != (uint8_t) p_.qjl || h.seed != p_.seed)
-            throw error("turboquant payload was written by another turboquant setting than " + name());
+        if (h.bits_x2 < 4 || h.bits_x2 > 8 || h.qjl > 1 || h.reserved != 0)
+            throw error("turboquant payload has a corrupt header");
+        tq::params pp;
+        pp.bits_x2 = h.bits_x2;
+        pp.qjl = h.qjl != 0;
+        pp.seed = h.seed;
         if ((int64_t) h.n_tokens != n || (int64_t) h.n_embd != d || (int64_t) h.n_layer != out.n_layer ||
             (int64_t) h.block != tq::pick_block(d))
             throw error("turboquant payload does not match the chunk's shape");
@@ -418,7 +443,7 @@ class turboquant_codec : public codec {
         std::vector<float> x((size_t) n * d);
         for (int64_t il = 0; il < out.n_layer; ++il)
             for (int kv = 0; kv < 2; ++kv) {
-                tq::row_coder rc(d, h.block, p_, kv == 0, (uint64_t) (2 * il + kv));
+                tq::row_coder rc(d, h.block, pp, kv == 0, (uint64_t) (2 * il + kv));
                 if (rc.fractional()) {
                     const size_t mb = (size_t) (d + 7) / 8;
                     if (n_bytes - at < mb) throw error("turboquant payload is truncated");

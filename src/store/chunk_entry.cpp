@@ -131,7 +131,7 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     if (m.fingerprint().size() != 32) throw error("model fingerprint has an unexpected size");
     const bool raw = !cd || cd->name() == k_codec_raw;
     const std::vector<uint8_t> coded = raw ? std::vector<uint8_t>() : cd->encode(c);
-    const std::string codec_name = raw ? k_codec_raw : cd->name();
+    const std::string codec_name = raw ? k_codec_raw : cd->entry_name();
     if (codec_name.size() >= 16) throw error("codec name too long: " + codec_name);
     const size_t payload = raw ? c.bytes() : coded.size();
     const size_t header = k_fixed_header + 4 * (prefix.size() + c.tokens.size());

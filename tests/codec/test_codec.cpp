@@ -154,7 +154,8 @@ TEST(codec, store_entries_carry_their_codec_and_stay_verified) {
     const std::vector<llama_token> toks = m->tokens().tokenize(" Tom had a red ball and a blue kite in the park.", false);
     test::temp_dir d("store");
     auto st = store_open(d.path().string());
-    for (const std::string name : {"q8_0", "kivi4"}) {
+    // the last two have names too long for an entry's codec field: it records their family
+    for (const std::string name : {"q8_0", "kivi4", "turboquant3.5+qjl", "minicache:thr=0.45"}) {
         chunk_fetch_stats a, b;
         const chunk_kv first = chunk_get_or_collect(st.get(), eng, {}, toks, a, name);
         const chunk_kv again = chunk_get_or_collect(st.get(), eng, {}, toks, b, name);
