@@ -31,7 +31,16 @@ uint64_t mix(uint64_t a, uint64_t b) {
 }
 
 void fwht(float * x, int n) {
-    for (int len = 1; len < n; len <<= 1)
+    int len = 1;
+    if (n >= 4) {  // the first two stages, four values at a time
+        for (int i = 0; i < n; i += 4) {
+            const float s0 = x[i] + x[i + 1], d0 = x[i] - x[i + 1];
+            const float s1 = x[i + 2] + x[i + 3], d1 = x[i + 2] - x[i + 3];
+            x[i] = s0 + s1, x[i + 1] = d0 + d1, x[i + 2] = s0 - s1, x[i + 3] = d0 - d1;
+        }
+        len = 4;
+    }
+    for (; len < n; len <<= 1)
         for (int i = 0; i < n; i += 2 * len)
             for (int j = i; j < i + len; ++j) {
                 const float a = x[j], b = x[j + len];
@@ -42,10 +51,24 @@ void fwht(float * x, int n) {
 
 bool pow2(int64_t n) { return n > 0 && (n & (n - 1)) == 0; }
 
-void put_code(uint8_t * dst, int64_t i, int bits, uint32_t code) {
-    const int64_t bit = i * bits;
-    for (int b = 0; b < bits; ++b)
-        if (code >> b & 1) dst[(bit + b) >> 3] |= (uint8_t) (1u << ((bit + b) & 7));
+// n codes of `bits` bits, packed low bits first into a zeroed dst
+void pack_codes(const uint8_t * code, int64_t n, int bits, uint8_t * dst) {
+    if (bits == 4) {
+        for (int64_t i = 0; i < n; i += 2) dst[i >> 1] = (uint8_t) (code[i] | code[i + 1] << 4);
+    } else if (bits == 2) {
+        for (int64_t i = 0; i < n; i += 4)
+            dst[i >> 2] = (uint8_t) (code[i] | code[i + 1] << 2 | code[i + 2] << 4 | code[i + 3] << 6);
+    } else if (bits == 3 && n % 8 == 0) {
+        for (int64_t i = 0; i < n; i += 8) {
+            uint32_t w = 0;
+            for (int k = 0; k < 8; ++k) w |= (uint32_t) code[i + k] << (3 * k);
+            dst[i / 8 * 3] = (uint8_t) w, dst[i / 8 * 3 + 1] = (uint8_t) (w >> 8), dst[i / 8 * 3 + 2] = (uint8_t) (w >> 16);
+        }
+    } else {
+        for (int64_t i = 0; i < n; ++i)
+            for (int b = 0; b < bits; ++b)
+                if (code[i] >> b & 1) dst[(i * bits + b) >> 3] |= (uint8_t) (1u << ((i * bits + b) & 7));
+    }
 }
 
 // the n codes of a subset (packed low bits first) as their levels
@@ -121,7 +144,7 @@ const std::vector<float> & lloyd_max_levels(int dim, int bits) {
 
     // the density of one coordinate of a random unit vector, on a fine grid
     // over its practical support
-    const int n_grid = 1 << 15;
+    const int n_grid = 1 << 13;
     const double lim = std::min(1.0, 12.0 / std::sqrt((double) dim));
     std::vector<double> xs(n_grid), ws(n_grid);
     double wsum = 0;
@@ -158,7 +181,7 @@ const std::vector<float> & lloyd_max_levels(int dim, int bits) {
             moved = std::max(moved, std::fabs(c - lv[j]));
             lv[j] = c;
         }
-        if (moved < 1e-10) break;
+        if (moved < 1e-8) break;
     }
     // the law is symmetric: make the levels exactly so
     std::vector<float> out(n);
@@ -305,12 +328,12 @@ void row_coder::encode(const float * x, uint8_t * out) const {
             for (int64_t i = 0; i < s; ++i) u[i] = x[ch[j * s + i]] * inv;
             rht_forward(u, sb.signs.data(), (int) s);
             const std::vector<float> & lv = *sb.levels;
-            for (int64_t i = 0; i < s; ++i) {
-                const uint32_t c = (uint32_t) (std::upper_bound(sb.thresholds.begin(), sb.thresholds.end(), u[i]) -
-                                               sb.thresholds.begin());
-                put_code(p, i, sb.bits, c);
-                r[i] = u[i] - lv[c];
-            }
+            // a code counts the thresholds below its value (sorted thresholds: the nearest level)
+            uint8_t code[k_max_sub] = {};
+            for (float t : sb.thresholds)
+                for (int64_t i = 0; i < s; ++i) code[i] += u[i] > t;
+            pack_codes(code, s, sb.bits, p);
+            for (int64_t i = 0; i < s; ++i) r[i] = u[i] - lv[code[i]];
             if (qjl) {
                 uint8_t * q = p + (sb.bits * s + 7) / 8;
                 double rn = 0;

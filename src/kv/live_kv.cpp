@@ -25,6 +25,18 @@ const float * fresh_row(const ggml_tensor * t, int64_t r) {  // F32 [head_dim, n
 
 ggml_fp16_t * dst_row(ggml_tensor * t, int64_t r) { return (ggml_fp16_t *) ((char *) t->data + r * t->nb[2]); }
 
+// rows [r0, r1) of a fresh F32 tensor rounded through f16, as a dense f16
+// cache would hold them: a live cache encodes exactly what a stored chunk's codec sees
+void rows_via_f16(const ggml_tensor * t, int64_t r0, int64_t r1, int64_t n_embd, std::vector<float> & out) {
+    thread_local std::vector<ggml_fp16_t> h;
+    h.resize(n_embd);
+    out.resize((size_t) (r1 - r0) * n_embd);
+    for (int64_t r = r0; r < r1; ++r) {
+        ggml_cpu_fp32_to_fp16(fresh_row(t, r), h.data(), n_embd);
+        ggml_cpu_fp16_to_fp32(h.data(), &out[(r - r0) * n_embd], n_embd);
+    }
+}
+
 // --- TurboQuant rows ---------------------------------------------------------
 
 class tq_live : public live_kv {
@@ -102,14 +114,15 @@ class tq_live : public live_kv {
         const int64_t n_new = dst->src[0]->ne[2];
         const bool pick = o.n_stored == 0 && self.lanes_[o.lane].rc->fractional();
         if (pick && ith != 0) return;  // the first batch after a clear picks the outlier channels: one thread
+        int64_t r0 = 0, r1 = n_new;
+        if (!pick) thread_rows(n_new, ith, nth, r0, r1);
+        thread_local std::vector<float> x;
         for (int kv = 0; kv < 2; ++kv) {
             lane & l = self.lanes_[o.lane + kv];
-            const ggml_tensor * src = dst->src[kv];
-            if (pick) l.rc->pick_outliers(fresh_row(src, 0), n_new);
-            int64_t r0 = 0, r1 = n_new;
-            if (!pick) thread_rows(n_new, ith, nth, r0, r1);
+            rows_via_f16(dst->src[kv], r0, r1, self.n_embd_, x);
+            if (pick) l.rc->pick_outliers(x.data(), n_new);
             for (int64_t r = r0; r < r1; ++r)
-                l.rc->encode(fresh_row(src, r), l.rows.data() + l.rc->row_bytes() * (o.n_stored + r));
+                l.rc->encode(&x[(r - r0) * self.n_embd_], l.rows.data() + l.rc->row_bytes() * (o.n_stored + r));
         }
     }
 
@@ -257,9 +270,12 @@ class mc_live : public live_kv {
                 l.pool[1].clear();
                 std::fill(l.slot.begin(), l.slot.end(), -1);
             }
+            std::vector<float> xa, xb;
+            rows_via_f16(dst->src[kv], 0, n_new, d, xa);
+            rows_via_f16(dst->src[2 + kv], 0, n_new, d, xb);
             for (int64_t r = 0; r < n_new; ++r) {
-                const float * a = fresh_row(dst->src[kv], r);
-                const float * b = fresh_row(dst->src[2 + kv], r);
+                const float * a = &xa[r * d];
+                const float * b = &xb[r * d];
                 const int64_t row = o.n_stored + r;
                 float na, nb;
                 if (mc::merge(a, b, d, self.p_, dir.data(), na, nb)) {
