@@ -103,6 +103,14 @@ class args {
 
     [[noreturn]] void unknown() const { throw error("unknown argument '" + items_[pos_] + "' (see --help)"); }
 
+    // the next value split at commas, each part non-empty (codec names, …)
+    std::vector<std::string> names() {
+        std::vector<std::string> out = list("names");
+        for (const std::string & n : out)
+            if (n.empty()) bad_list();
+        return out;
+    }
+
   private:
     // the next value split at commas; remembers what a bad list gets told
     std::vector<std::string> list(const std::string & what) {

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "cli/args.h"
+#include "cli/cli_util.h"
 #include "kvblend/rag_prompt.h"
 
 namespace kvblend::cli {
@@ -47,6 +49,29 @@ inline rag_prompt story_prompt(const vocab & v, std::mt19937 & rng, int64_t n_do
     std::vector<std::string> docs;
     for (int64_t d = 0; d < n_docs; ++d) docs.push_back(k_story_docs[order[d % n_story]]);
     return rag_prompt_build(v, "Here are some stories.", docs, k_story_queries[i % n_query], false);
+}
+
+// the options of the benchmarks that run codecs over the story prompts
+struct codec_bench_opts {
+    std::string model_path, json_path, png;
+    std::vector<std::string> codecs;
+    int64_t n_prompts = 24, n_docs = 4;
+    float ratio = 0.15f;  // CacheBlend's recompute ratio
+    engine_params ep = engine_default_params();
+};
+
+// -m, --codecs, --prompts, --docs, --ratio, --json, --plot and the engine
+// flags; true when one was consumed
+inline bool match_codec_bench_flag(args & a, codec_bench_opts & o) {
+    if (a.match({"-m", "--model"})) o.model_path = a.str();
+    else if (a.match({"--codecs"})) o.codecs = a.names();
+    else if (a.match({"--prompts"})) o.n_prompts = a.integer(1, 10000);
+    else if (a.match({"--docs"})) o.n_docs = a.integer(1, 64);
+    else if (a.match({"--ratio"})) o.ratio = (float) a.real(0.0, 1.0);
+    else if (a.match({"--json"})) o.json_path = a.str();
+    else if (a.match({"--plot"})) o.png = a.str();
+    else return match_engine_flag(a, o.ep);
+    return true;
 }
 
 }  // namespace kvblend::cli

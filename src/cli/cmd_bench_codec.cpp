@@ -35,41 +35,24 @@ trained on such text, e.g. stories260K).
   --plot FILE.png     bits per value vs KL
 )";
 
-std::vector<std::string> split_list(const std::string & s) {
-    std::vector<std::string> out;
-    size_t start = 0;
-    while (start <= s.size()) {
-        size_t end = s.find(',', start);
-        if (end == std::string::npos) end = s.size();
-        out.push_back(s.substr(start, end - start));
-        start = end + 1;
-    }
-    return out;
-}
-
 }  // namespace
 
 int bench_codec(args & a) {
-    std::string model_path, json_path, png;
-    std::vector<std::string> names = {"f16", "q8_0", "q4_0", "kivi2", "kivi4"};
-    int64_t n_prompts = 24, n_docs = 4;
-    float ratio = 0.15f;
-    engine_params ep = engine_default_params();
+    codec_bench_opts o;
+    o.codecs = {"f16", "q8_0", "q4_0", "kivi2", "kivi4"};
     while (!a.done()) {
         if (a.match({"-h", "--help"})) {
             std::fputs(k_help, stdout);
             return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"--codecs"})) names = split_list(a.str());
-        else if (a.match({"--prompts"})) n_prompts = a.integer(1, 10000);
-        else if (a.match({"--docs"})) n_docs = a.integer(1, 64);
-        else if (a.match({"--ratio"})) ratio = (float) a.real(0.0, 1.0);
-        else if (a.match({"--json"})) json_path = a.str();
-        else if (a.match({"--plot"})) png = a.str();
-        else if (match_engine_flag(a, ep)) continue;
-        else a.unknown();
+        } else if (!match_codec_bench_flag(a, o)) a.unknown();
     }
-    if (model_path.empty()) throw error("missing -m MODEL (see --help)");
+    if (o.model_path.empty()) throw error("missing -m MODEL (see --help)");
+    const std::string & model_path = o.model_path;
+    const std::vector<std::string> & names = o.codecs;
+    const std::string & json_path = o.json_path, & png = o.png;
+    const int64_t n_prompts = o.n_prompts, n_docs = o.n_docs;
+    const float ratio = o.ratio;
+    engine_params & ep = o.ep;
     std::vector<std::unique_ptr<codec>> codecs;
     for (const auto & n : names) codecs.push_back(codec_by_name(n));  // a bad name fails before any work
 
