@@ -16,13 +16,21 @@ void fill_slots(table & t) {
     for (int s = 0; s < 256; ++s) {
         const uint32_t f = t.freq[s];
         t.start[s] = (uint16_t) at;
+        if (f == 0) continue;
         if (f == k_prob_scale) {  // 4096 does not fit the slot's 12 bits; decoded without slots
             t.lone = s;
             return;
         }
+        // four slots a time (one vector store), running past the run's end into
+        // the next symbol's run (written after) or the table's slack
         const uint32_t packed = (uint32_t) s | (f << 8);
         uint32_t * slot = t.slot.data() + at;
-        for (uint32_t j = 0; j < f; ++j) slot[j] = packed | (j << 20);
+        for (uint32_t j = 0; j < f; j += 4) {
+            slot[j] = packed | (j << 20);
+            slot[j + 1] = packed | ((j + 1) << 20);
+            slot[j + 2] = packed | ((j + 2) << 20);
+            slot[j + 3] = packed | ((j + 3) << 20);
+        }
         at += f;
     }
 }
@@ -114,9 +122,8 @@ struct lanes {
     const uint8_t * end;
     const uint32_t * slots;
     int             lone;
-    uint8_t *       out;
-    size_t          n;
-    size_t          i;
+    uint8_t *       out;      // the next symbol's place
+    uint8_t *       out_end;
 };
 
 lanes lanes_open(const stream & s) {
@@ -126,34 +133,43 @@ lanes lanes_open(const stream & s) {
     for (int w = 0; w < k_ways; ++w, p += 4) x[w] = ((uint32_t) p[0] << 24) | ((uint32_t) p[1] << 16) | ((uint32_t) p[2] << 8) | p[3];
     for (int w = 0; w < k_ways; ++w)
         if (x[w] < k_lower) throw error("rANS stream is corrupt");
-    return lanes{x[0], x[1], x[2], x[3], p, s.bytes + s.n_bytes, s.t->slot.data(), s.t->lone, s.out, s.n, 0};
+    return lanes{x[0], x[1], x[2], x[3], p, s.bytes + s.n_bytes, s.t->slot.data(), s.t->lone, s.out, s.out + s.n};
 }
 
 // steps the fast path can take unchecked: a step decodes four symbols and
 // reads at most eight bytes (one 16-bit word each); checked once per run of steps
-inline size_t lanes_steps(const lanes & d) { return std::min((d.n - d.i) / k_ways, (size_t) (d.end - d.q) / (2 * k_ways)); }
+inline size_t lanes_steps(const lanes & d) { return std::min((size_t) (d.out_end - d.out) / k_ways, (size_t) (d.end - d.q) / (2 * k_ways)); }
 
 // one symbol of one state: a table load, a multiply and an add, then the
 // renormalization without a branch: whether a state takes a word is data that
-// a predictor cannot learn (a mispredict every few symbols), and compilers turn
-// a select into such a branch, hence a shift by 0 or 16 and a mask. the cost is
-// a chain through the shared read position, which decode2 overlaps
+// a predictor cannot learn (a mispredict every few symbols). compilers turn a
+// select into that branch, hence two conditional moves spelled out on x86-64
+// and a shift by 0 or 16 and a mask elsewhere. the cost is a chain through the
+// shared read position, which decode2 overlaps
 inline void lanes_step1(uint32_t & x, const uint32_t * slots, const uint8_t *& q, uint8_t * out) {
     const uint32_t e = slots[x & (k_prob_scale - 1)];
     *out = (uint8_t) e;
     x = ((e >> 8) & 0xfff) * (x >> k_prob_bits) + (e >> 20);
+#if defined(__GNUC__) && defined(__x86_64__)
+    const uint32_t  y = (x << 16) | read16(q);
+    const uint8_t * q2 = q + 2;
+    __asm__("cmpl %[lo], %[x]\n\tcmovb %[y], %[x]\n\tcmovb %[q2], %[q]"
+            : [x] "+r"(x), [q] "+r"(q)
+            : [y] "r"(y), [q2] "r"(q2), [lo] "i"(k_lower)
+            : "cc");
+#else
     const uint32_t need = x < k_lower, w = read16(q);
     x = (x << (need << 4)) | (w & (0u - need));
     q += 2 * need;
+#endif
 }
 
 inline void lanes_step(lanes & d) {
-    uint8_t * out = d.out + d.i;
-    lanes_step1(d.x0, d.slots, d.q, out);
-    lanes_step1(d.x1, d.slots, d.q, out + 1);
-    lanes_step1(d.x2, d.slots, d.q, out + 2);
-    lanes_step1(d.x3, d.slots, d.q, out + 3);
-    d.i += k_ways;
+    lanes_step1(d.x0, d.slots, d.q, d.out);
+    lanes_step1(d.x1, d.slots, d.q, d.out + 1);
+    lanes_step1(d.x2, d.slots, d.q, d.out + 2);
+    lanes_step1(d.x3, d.slots, d.q, d.out + 3);
+    d.out += k_ways;
 }
 
 // the rest of the stream, checking every byte, and the checks of a clean end
@@ -161,9 +177,10 @@ void lanes_close(lanes & d) {
     uint32_t x[k_ways] = {d.x0, d.x1, d.x2, d.x3};
     const uint8_t * p = d.q;
     if (d.lone >= 0) {  // a lone symbol leaves the states as they are and reads nothing
-        std::memset(d.out, d.lone, d.n);
+        std::memset(d.out, d.lone, d.out_end - d.out);
     } else {
-        for (size_t i = d.i; i < d.n; ++i) {
+        // the fast path stops after a whole step: the tail starts at state 0
+        for (size_t i = 0; d.out + i < d.out_end; ++i) {
             uint32_t & xs = x[i % k_ways];
             if (xs < k_lower) throw error("rANS stream is corrupt");
             const uint32_t e = d.slots[xs & (k_prob_scale - 1)];

@@ -29,7 +29,8 @@ struct table {
     int lone = -1;
     // per slot: symbol (bits 0-7), its frequency (8-19) and the slot's offset
     // from the symbol's start (20-31), so a decode step is one load, a multiply and an add
-    std::array<uint32_t, k_prob_scale> slot{};
+    // (and 3 slots of slack: the table is filled four slots at a time)
+    std::array<uint32_t, k_prob_scale + 3> slot{};
 
     // from counts of the symbols to code (at least one non-zero)
     static table from_counts(const std::array<uint32_t, 256> & counts);
