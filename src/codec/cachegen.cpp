@@ -69,19 +69,50 @@ void put_stream(byte_writer & w, const std::vector<uint8_t> & sym) {
     w.raw(coded.data(), coded.size());
 }
 
+// a coded stream's place in the payload: every stream of a layer is found
+// before any is decoded, so that they can be decoded two at a time
+struct stream_at {
+    int             lo;       // first symbol with a frequency
+    int             span;     // frequencies stored: span + 1 (u16)
+    const uint8_t * freq;
+    const uint8_t * bytes;
+    uint32_t        n_bytes;
+    uint8_t *       out;      // where its symbols go
+    size_t          n;        // symbols
+};
+
 // symbols above max_sym cannot be decoded: checked once on the table, so the
 // dequantizing loops need no checks
-void get_stream(byte_reader & r, std::vector<uint8_t> & sym, int max_sym) {
-    const int lo = r.get<uint8_t>();
-    const int span = r.get<uint8_t>();
-    if (lo + span > max_sym) throw error("cachegen payload is corrupt (symbol range)");
+stream_at get_stream(byte_reader & r, int max_sym, uint8_t * out, size_t n) {
+    stream_at s;
+    s.lo = r.get<uint8_t>();
+    s.span = r.get<uint8_t>();
+    if (s.lo + s.span > max_sym) throw error("cachegen payload is corrupt (symbol range)");
+    s.freq = r.skip(2 * (size_t) (s.span + 1));
+    s.n_bytes = r.get<uint32_t>();
+    s.bytes = r.skip(s.n_bytes);
+    s.out = out;
+    s.n = n;
+    return s;
+}
+
+rans::stream stream_table(const stream_at & s, rans::table & t) {
     std::array<uint16_t, 256> freq{};
-    for (int s = lo; s <= lo + span; ++s) freq[s] = r.get<uint16_t>();
-    static thread_local rans::table t;  // 16 KiB: reused, not rebuilt from scratch per stream
+    std::memcpy(&freq[s.lo], s.freq, 2 * (size_t) (s.span + 1));
     t.set_freqs(freq);
-    const uint32_t n = r.get<uint32_t>();
-    const uint8_t * bytes = r.skip(n);
-    rans::decode(bytes, n, t, sym.data(), sym.size());
+    return {s.bytes, s.n_bytes, &t, s.out, s.n};
+}
+
+// pairs of streams run interleaved: one stream's four rANS states leave the
+// CPU idle between dependent steps
+void decode_streams(const std::vector<stream_at> & ss) {
+    static thread_local rans::table t[2];  // 16 KiB each: reused, not rebuilt from scratch per stream
+    size_t i = 0;
+    for (; i + 1 < ss.size(); i += 2) rans::decode2(stream_table(ss[i], t[0]), stream_table(ss[i + 1], t[1]));
+    if (i < ss.size()) {
+        const rans::stream s = stream_table(ss[i], t[0]);
+        rans::decode(s.bytes, s.n_bytes, *s.t, s.out, s.n);
+    }
 }
 
 class cachegen_codec : public codec {
@@ -155,36 +186,48 @@ class cachegen_codec : public codec {
         if (r.get<uint32_t>() != k_magic) throw error("cachegen payload has a bad magic");
         if (r.get<uint32_t>() != (uint32_t) n || r.get<uint32_t>() != (uint32_t) d || r.get<uint32_t>() != (uint32_t) out.n_layer)
             throw error("cachegen payload does not match the chunk's shape");
-        const int64_t n_anchor = (n + k_group - 1) / k_group;
-        std::vector<float> x((size_t) n * d), a_scale(n_anchor), d_step(d);
-        std::vector<uint8_t> sym;
+        const int64_t n_anchor = (n + k_group - 1) / k_group, n_delta = n - n_anchor;
+        std::vector<float> x((size_t) n * d), a_scale(2 * n_anchor), d_step(2 * d);
+        // a layer's symbols, K then V, each by channel group: anchors [n_anchor][w], deltas [n_delta][w]
+        std::vector<uint8_t> sym_a((size_t) (2 * n_anchor * d)), sym_d((size_t) (2 * n_delta * d));
+        std::vector<stream_at> anchors, deltas;
         for (int64_t il = 0; il < out.n_layer; ++il) {
+            int qmax[2];
+            anchors.clear();
+            deltas.clear();
             for (int kv = 0; kv < 2; ++kv) {
                 const int bits = r.get<uint8_t>();
                 if (bits < 2 || bits > 8) throw error("cachegen payload is corrupt (bits)");
-                const int qmax = (1 << (bits - 1)) - 1;
-                for (auto & s : a_scale) s = ggml_fp16_to_fp32(r.get<ggml_fp16_t>());
-                for (auto & s : d_step) s = ggml_fp16_to_fp32(r.get<ggml_fp16_t>());
+                qmax[kv] = (1 << (bits - 1)) - 1;
+                for (int64_t a = 0; a < n_anchor; ++a) a_scale[kv * n_anchor + a] = ggml_fp16_to_fp32(r.get<ggml_fp16_t>());
+                for (int64_t ch = 0; ch < d; ++ch) d_step[kv * d + ch] = ggml_fp16_to_fp32(r.get<ggml_fp16_t>());
                 for (int64_t c0 = 0; c0 < d; c0 += k_chan_group) {
-                    const int64_t c1 = std::min(d, c0 + k_chan_group), w = c1 - c0;
-                    // anchors
-                    sym.resize((size_t) n_anchor * w);
-                    get_stream(r, sym, 2 * k_anchor_qmax);
-                    for (int64_t a = 0; a < n_anchor; ++a)
-                        for (int64_t ch = 0; ch < w; ++ch)
-                            x[a * k_group * d + c0 + ch] = a_scale[a] * (float) ((int) sym[a * w + ch] - k_anchor_qmax);
-                    // deltas
-                    sym.resize((size_t) (n - n_anchor) * w);
-                    get_stream(r, sym, 2 * qmax);
-                    size_t at = 0;
-                    for (int64_t t = 0; t < n; ++t) {
-                        if (t % k_group == 0) continue;
-                        const float * base = &x[(t - t % k_group) * d + c0];
-                        float * dst = &x[t * d + c0];
-                        const uint8_t * q = &sym[at];
-                        const float * st = &d_step[c0];
-                        for (int64_t ch = 0; ch < w; ++ch) dst[ch] = base[ch] + st[ch] * (float) ((int) q[ch] - qmax);
-                        at += w;
+                    const int64_t w = std::min(d, c0 + k_chan_group) - c0;
+                    anchors.push_back(get_stream(r, 2 * k_anchor_qmax, &sym_a[(kv * d + c0) * n_anchor], n_anchor * w));
+                    deltas.push_back(get_stream(r, 2 * qmax[kv], &sym_d[(kv * d + c0) * n_delta], n_delta * w));
+                }
+            }
+            decode_streams(anchors);
+            decode_streams(deltas);
+            for (int kv = 0; kv < 2; ++kv) {
+                const float * as = &a_scale[kv * n_anchor];
+                const float * st0 = &d_step[kv * d];
+                for (int64_t c0 = 0; c0 < d; c0 += k_chan_group) {
+                    const int64_t w = std::min(d, c0 + k_chan_group) - c0;
+                    const uint8_t * qa = &sym_a[(kv * d + c0) * n_anchor];
+                    const uint8_t * qd = &sym_d[(kv * d + c0) * n_delta];
+                    const float * st = st0 + c0;
+                    for (int64_t a = 0; a < n_anchor; ++a) {
+                        // the anchor, then the deltas of its group from it
+                        const int64_t t0 = a * k_group, t1 = std::min(n, t0 + k_group);
+                        float * base = &x[t0 * d + c0];
+                        const float s = as[a];
+                        for (int64_t ch = 0; ch < w; ++ch) base[ch] = s * (float) ((int) qa[a * w + ch] - k_anchor_qmax);
+                        for (int64_t t = t0 + 1; t < t1; ++t) {
+                            float * dst = &x[t * d + c0];
+                            const uint8_t * q = &qd[(t - 1 - a) * w];
+                            for (int64_t ch = 0; ch < w; ++ch) dst[ch] = base[ch] + st[ch] * (float) ((int) q[ch] - qmax[kv]);
+                        }
                     }
                 }
                 codec_store_rows(out, il, kv, x.data());

@@ -1,6 +1,7 @@
 #include "codec/rans.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 namespace kvblend::rans {
@@ -11,13 +12,34 @@ constexpr int k_ways = 4;  // interleaved states
 
 void fill_slots(table & t) {
     uint32_t at = 0;
+    t.lone = -1;
     for (int s = 0; s < 256; ++s) {
+        const uint32_t f = t.freq[s];
         t.start[s] = (uint16_t) at;
-        // freq 4096 (a lone symbol) does not fit 12 bits: stored as 0 and read back as 4096
-        const uint32_t packed = (uint32_t) s | ((t.freq[s] & 0xfffu) << 8) | ((uint32_t) at << 20);
-        std::fill(t.slot.begin() + at, t.slot.begin() + at + t.freq[s], packed);
-        at += t.freq[s];
+        if (f == 0) continue;
+        if (f == k_prob_scale) {  // 4096 does not fit the slot's 12 bits; decoded without slots
+            t.lone = s;
+            return;
+        }
+        // four slots a time (one vector store), running past the run's end into
+        // the next symbol's run (written after) or the table's slack
+        const uint32_t packed = (uint32_t) s | (f << 8);
+        uint32_t * slot = t.slot.data() + at;
+        for (uint32_t j = 0; j < f; j += 4) {
+            slot[j] = packed | (j << 20);
+            slot[j + 1] = packed | ((j + 1) << 20);
+            slot[j + 2] = packed | ((j + 2) << 20);
+            slot[j + 3] = packed | ((j + 3) << 20);
+        }
+        at += f;
     }
+}
+
+// the next 16-bit word of the stream (big-endian)
+inline uint32_t read16(const uint8_t * q) {
+    uint16_t w;
+    std::memcpy(&w, q, 2);
+    return __builtin_bswap16(w);
 }
 
 }  // namespace
@@ -91,55 +113,123 @@ std::vector<uint8_t> encode(const uint8_t * symbols, size_t n, const table & t) 
     return std::vector<uint8_t>(rev.rbegin(), rev.rend());
 }
 
-void decode(const uint8_t * p, size_t n_bytes, const table & t, uint8_t * out, size_t n) {
-    if (n_bytes < 4 * k_ways) throw error("rANS stream is truncated");
-    const uint8_t * end = p + n_bytes;
+namespace {
+
+// one stream being decoded: its four states, where it reads and where it writes
+struct lanes {
+    uint32_t        x0, x1, x2, x3;
+    const uint8_t * q;
+    const uint8_t * end;
+    const uint32_t * slots;
+    int             lone;
+    uint8_t *       out;      // the next symbol's place
+    uint8_t *       out_end;
+};
+
+lanes lanes_open(const stream & s) {
+    if (s.n_bytes < 4 * k_ways) throw error("rANS stream is truncated");
+    const uint8_t * p = s.bytes;
     uint32_t x[k_ways];
     for (int w = 0; w < k_ways; ++w, p += 4) x[w] = ((uint32_t) p[0] << 24) | ((uint32_t) p[1] << 16) | ((uint32_t) p[2] << 8) | p[3];
     for (int w = 0; w < k_ways; ++w)
         if (x[w] < k_lower) throw error("rANS stream is corrupt");
-    const uint32_t mask = k_prob_scale - 1;
-    const uint32_t * slots = t.slot.data();
-    uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
-    const uint8_t * q = p;  // a local whose address is never taken: byte stores cannot alias it
-    size_t i = 0;
-    // fast path: four symbols read at most eight bytes (one 16-bit word each)
-    for (; i + k_ways <= n && end - q >= 2 * k_ways; i += k_ways) {
-        const uint32_t e0 = slots[x0 & mask], e1 = slots[x1 & mask], e2 = slots[x2 & mask], e3 = slots[x3 & mask];
-        auto freq_of = [](uint32_t e) { return ((e >> 8) & 0xfff) ? ((e >> 8) & 0xfff) : k_prob_scale; };
-        x0 = freq_of(e0) * (x0 >> k_prob_bits) + (x0 & mask) - (e0 >> 20);
-        x1 = freq_of(e1) * (x1 >> k_prob_bits) + (x1 & mask) - (e1 >> 20);
-        x2 = freq_of(e2) * (x2 >> k_prob_bits) + (x2 & mask) - (e2 >> 20);
-        x3 = freq_of(e3) * (x3 >> k_prob_bits) + (x3 & mask) - (e3 >> 20);
-        out[i] = (uint8_t) e0;
-        out[i + 1] = (uint8_t) e1;
-        out[i + 2] = (uint8_t) e2;
-        out[i + 3] = (uint8_t) e3;
-        { const uint32_t need = x0 < k_lower, w = ((uint32_t) q[0] << 8) | q[1]; x0 = need ? (x0 << 16) | w : x0; q += 2 * need; }
-        { const uint32_t need = x1 < k_lower, w = ((uint32_t) q[0] << 8) | q[1]; x1 = need ? (x1 << 16) | w : x1; q += 2 * need; }
-        { const uint32_t need = x2 < k_lower, w = ((uint32_t) q[0] << 8) | q[1]; x2 = need ? (x2 << 16) | w : x2; q += 2 * need; }
-        { const uint32_t need = x3 < k_lower, w = ((uint32_t) q[0] << 8) | q[1]; x3 = need ? (x3 << 16) | w : x3; q += 2 * need; }
-    }
-    x[0] = x0, x[1] = x1, x[2] = x2, x[3] = x3;
-    p = q;
-    // the tail, checking every byte
-    for (; i < n; ++i) {
-        uint32_t & xs = x[i % k_ways];
-        if (xs < k_lower) throw error("rANS stream is corrupt");
-        const uint32_t e = slots[xs & mask];
-        const uint32_t f = ((e >> 8) & 0xfff) ? ((e >> 8) & 0xfff) : k_prob_scale;
-        out[i] = (uint8_t) e;
-        xs = f * (xs >> k_prob_bits) + (xs & mask) - (e >> 20);
-        if (xs < k_lower) {
-            if (end - p < 2) throw error("rANS stream is truncated");
-            xs = (xs << 16) | ((uint32_t) p[0] << 8) | p[1];
-            p += 2;
+    return lanes{x[0], x[1], x[2], x[3], p, s.bytes + s.n_bytes, s.t->slot.data(), s.t->lone, s.out, s.out + s.n};
+}
+
+// steps the fast path can take unchecked: a step decodes four symbols and
+// reads at most eight bytes (one 16-bit word each); checked once per run of steps
+inline size_t lanes_steps(const lanes & d) { return std::min((size_t) (d.out_end - d.out) / k_ways, (size_t) (d.end - d.q) / (2 * k_ways)); }
+
+// one symbol of one state: a table load, a multiply and an add, then the
+// renormalization without a branch: whether a state takes a word is data that
+// a predictor cannot learn (a mispredict every few symbols). compilers turn a
+// select into that branch, hence two conditional moves spelled out on x86-64
+// and a shift by 0 or 16 and a mask elsewhere. the cost is a chain through the
+// shared read position, which decode2 overlaps
+inline void lanes_step1(uint32_t & x, const uint32_t * slots, const uint8_t *& q, uint8_t * out) {
+    const uint32_t e = slots[x & (k_prob_scale - 1)];
+    *out = (uint8_t) e;
+    x = ((e >> 8) & 0xfff) * (x >> k_prob_bits) + (e >> 20);
+#if defined(__GNUC__) && defined(__x86_64__)
+    const uint32_t  y = (x << 16) | read16(q);
+    const uint8_t * q2 = q + 2;
+    __asm__("cmpl %[lo], %[x]\n\tcmovb %[y], %[x]\n\tcmovb %[q2], %[q]"
+            : [x] "+r"(x), [q] "+r"(q)
+            : [y] "r"(y), [q2] "r"(q2), [lo] "i"(k_lower)
+            : "cc");
+#else
+    const uint32_t need = x < k_lower, w = read16(q);
+    x = (x << (need << 4)) | (w & (0u - need));
+    q += 2 * need;
+#endif
+}
+
+inline void lanes_step(lanes & d) {
+    lanes_step1(d.x0, d.slots, d.q, d.out);
+    lanes_step1(d.x1, d.slots, d.q, d.out + 1);
+    lanes_step1(d.x2, d.slots, d.q, d.out + 2);
+    lanes_step1(d.x3, d.slots, d.q, d.out + 3);
+    d.out += k_ways;
+}
+
+// the rest of the stream, checking every byte, and the checks of a clean end
+void lanes_close(lanes & d) {
+    uint32_t x[k_ways] = {d.x0, d.x1, d.x2, d.x3};
+    const uint8_t * p = d.q;
+    if (d.lone >= 0) {  // a lone symbol leaves the states as they are and reads nothing
+        std::memset(d.out, d.lone, d.out_end - d.out);
+    } else {
+        // the fast path stops after a whole step: the tail starts at state 0
+        for (size_t i = 0; d.out + i < d.out_end; ++i) {
+            uint32_t & xs = x[i % k_ways];
+            if (xs < k_lower) throw error("rANS stream is corrupt");
+            const uint32_t e = d.slots[xs & (k_prob_scale - 1)];
+            d.out[i] = (uint8_t) e;
+            xs = ((e >> 8) & 0xfff) * (xs >> k_prob_bits) + (e >> 20);
+            if (xs < k_lower) {
+                if (d.end - p < 2) throw error("rANS stream is truncated");
+                xs = (xs << 16) | read16(p);
+                p += 2;
+            }
         }
     }
     // a whole stream ends where the encoder started: the initial states, all bytes used
     for (int w = 0; w < k_ways; ++w)
         if (x[w] != k_lower) throw error("rANS stream is corrupt (does not end cleanly)");
-    if (p != end) throw error("rANS stream is corrupt (trailing bytes)");
+    if (p != d.end) throw error("rANS stream is corrupt (trailing bytes)");
+}
+
+// the fast path on copies that live in registers (lanes passed by reference
+// to the checking code would otherwise be kept in memory)
+lanes lanes_run(lanes d) {
+    if (d.lone < 0)
+        for (size_t k; (k = lanes_steps(d)) > 0;)
+            while (k--) lanes_step(d);
+    return d;
+}
+
+}  // namespace
+
+void decode(const uint8_t * bytes, size_t n_bytes, const table & t, uint8_t * out, size_t n) {
+    lanes d = lanes_run(lanes_open({bytes, n_bytes, &t, out, n}));
+    lanes_close(d);
+}
+
+void decode2(const stream & a, const stream & b) {
+    lanes da = lanes_open(a), db = lanes_open(b);
+    {
+        lanes ra = da, rb = db;
+        if (ra.lone < 0 && rb.lone < 0)
+            for (size_t k; (k = std::min(lanes_steps(ra), lanes_steps(rb))) > 0;)
+                while (k--) {
+                    lanes_step(ra);
+                    lanes_step(rb);
+                }
+        da = lanes_run(ra);
+        db = lanes_run(rb);
+    }
+    lanes_close(da);
+    lanes_close(db);
 }
 
 }  // namespace kvblend::rans

@@ -127,6 +127,34 @@ TEST(codec, cachegen_is_deterministic_bounded_and_smaller_than_q4_0) {
     EXPECT_LT(bytes, q4);  // random data has little structure: still smaller
 }
 
+// the decoder takes a layer's streams two at a time (K's with V's when a row
+// is one channel group): every layout of groups, odd counts and short chunks
+TEST(codec, cachegen_decodes_every_channel_group_layout) {
+    const auto cg = codec_by_name("cachegen");
+    for (int64_t d : {32, 64, 128, 160, 200})
+        for (int64_t n : {1, 7, 10, 123}) {
+            const chunk_kv c = random_chunk(GGML_TYPE_F16, n, d, 3);
+            const std::vector<uint8_t> b = cg->encode(c);
+            chunk_kv y = c, y2 = c;
+            cg->decode(b.data(), b.size(), y);
+            cg->decode(b.data(), b.size(), y2);
+            EXPECT_EQ(y.data, y2.data) << d << "x" << n;
+            const std::vector<float> a = all_f32(c), v = all_f32(y);
+            double err = 0, mx = 0;
+            for (size_t i = 0; i < a.size(); ++i)
+                err = std::max(err, (double) std::fabs(a[i] - v[i])), mx = std::max(mx, (double) std::fabs(a[i]));
+            EXPECT_LE(err, 0.4 * mx) << d << "x" << n;
+            // a flipped byte anywhere in the last stream is refused or decodes to other values
+            std::vector<uint8_t> bad = b;
+            bad[bad.size() - 3] ^= 0x44;
+            try {
+                cg->decode(bad.data(), bad.size(), y2);
+                EXPECT_NE(y.data, y2.data) << d << "x" << n;
+            } catch (const error &) {
+            }
+        }
+}
+
 TEST(codec, truncated_or_corrupt_payloads_are_errors) {
     const chunk_kv c = random_chunk(GGML_TYPE_F16);
     for (const std::string & name : codec_names()) {

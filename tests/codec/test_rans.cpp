@@ -99,5 +99,92 @@ TEST(rans, truncated_or_corrupt_streams_are_errors) {
     EXPECT_THROW(rans::encode(&unseen, 1, t), error);
 }
 
+// streams as the codec makes them: a table from the symbols' counts, the coded bytes
+struct coded_stream {
+    std::vector<uint8_t> sym, bytes;
+    rans::table          t;
+};
+
+coded_stream code(const std::vector<uint8_t> & sym) {
+    std::array<uint32_t, 256> counts{};
+    for (uint8_t s : sym) counts[s]++;
+    if (sym.empty()) counts[0] = 1;
+    coded_stream c{sym, {}, rans::table::from_counts(counts)};
+    c.bytes = rans::encode(sym.data(), sym.size(), c.t);
+    c.t = rans::table::from_freqs(c.t.freq);  // the decoder sees only the stored frequencies
+    return c;
+}
+
+TEST(rans, pairs_decode_bit_exactly_as_single_streams) {
+    std::mt19937 rng(4);
+    std::vector<std::vector<uint8_t>> cases;
+    for (double p : {0.2, 0.6, 0.95}) {  // skewed as quantized deltas are, at several entropies
+        std::geometric_distribution<int> g(p);
+        for (size_t n : {1000, 8640, 8643}) {
+            std::vector<uint8_t> s(n);
+            for (auto & x : s) x = (uint8_t) std::min(g(rng), 62);
+            cases.push_back(s);
+        }
+    }
+    cases.push_back({});                              // empty
+    cases.push_back({5, 6, 7});                       // shorter than the four states
+    cases.push_back(std::vector<uint8_t>(3000, 9));   // a lone symbol: no slots, nothing read
+    {
+        std::vector<uint8_t> s(5000);
+        for (auto & x : s) x = (uint8_t) rng();
+        cases.push_back(s);
+    }
+    std::vector<coded_stream> cs;
+    for (const auto & c : cases) cs.push_back(code(c));
+    for (size_t i = 0; i < cs.size(); ++i)
+        for (size_t j = 0; j < cs.size(); ++j) {
+            std::vector<uint8_t> a(cs[i].sym.size(), 0xee), b(cs[j].sym.size(), 0xee);
+            rans::decode2({cs[i].bytes.data(), cs[i].bytes.size(), &cs[i].t, a.data(), a.size()},
+                          {cs[j].bytes.data(), cs[j].bytes.size(), &cs[j].t, b.data(), b.size()});
+            EXPECT_EQ(a, cs[i].sym) << i << " with " << j;
+            EXPECT_EQ(b, cs[j].sym) << j << " with " << i;
+        }
+}
+
+TEST(rans, pairs_refuse_a_truncated_or_corrupt_stream_on_either_side) {
+    std::mt19937 rng(5);
+    std::geometric_distribution<int> g(0.4);
+    std::vector<uint8_t> sym(9000);
+    for (auto & x : sym) x = (uint8_t) std::min(g(rng), 30);
+    const coded_stream good = code(sym), lone = code(std::vector<uint8_t>(100, 3));
+    std::vector<uint8_t> out_a(sym.size()), out_b(sym.size());
+    auto pair = [&](const std::vector<uint8_t> & bad, size_t n_bad, const coded_stream & other, bool bad_first) {
+        const rans::stream s_bad{bad.data(), n_bad, &good.t, out_a.data(), out_a.size()};
+        const rans::stream s_ok{other.bytes.data(), other.bytes.size(), &other.t, out_b.data(), other.sym.size()};
+        if (bad_first) rans::decode2(s_bad, s_ok);
+        else rans::decode2(s_ok, s_bad);
+    };
+    for (bool first : {true, false}) {
+        EXPECT_THROW(pair(good.bytes, good.bytes.size() / 2, good, first), error);
+        EXPECT_THROW(pair(good.bytes, 3, good, first), error);
+        std::vector<uint8_t> longer = good.bytes;
+        longer.push_back(0);
+        EXPECT_THROW(pair(longer, longer.size(), lone, first), error);
+        std::vector<uint8_t> flipped = good.bytes;
+        flipped[good.bytes.size() / 3] ^= 0x21;
+        try {
+            pair(flipped, flipped.size(), good, first);
+            EXPECT_NE(out_a, sym);  // a flip never decodes silently to the same stream
+        } catch (const error &) {
+        }
+    }
+    // a lone symbol's stream is its initial states only: more bytes or other states are corrupt
+    std::vector<uint8_t> out(100);
+    std::vector<uint8_t> b = lone.bytes;
+    EXPECT_EQ(b.size(), 16u);
+    rans::decode(b.data(), b.size(), lone.t, out.data(), out.size());
+    EXPECT_EQ(out, std::vector<uint8_t>(100, 3));
+    b.push_back(0);
+    EXPECT_THROW(rans::decode(b.data(), b.size(), lone.t, out.data(), out.size()), error);
+    b = lone.bytes;
+    b[5] ^= 1;
+    EXPECT_THROW(rans::decode(b.data(), b.size(), lone.t, out.data(), out.size()), error);
+}
+
 }  // namespace
 }  // namespace kvblend
