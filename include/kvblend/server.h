@@ -27,6 +27,7 @@ struct server_params {
     int32_t     n_threads       = 2;
     ggml_type   type_k          = GGML_TYPE_F16;
     ggml_type   type_v          = GGML_TYPE_F16;
+    evict_params evict;                         // token eviction of each slot's cache after its prompt
 };
 
 class server {

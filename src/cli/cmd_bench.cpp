@@ -16,7 +16,7 @@ namespace kvblend::cli {
 
 namespace {
 
-const char * k_help = R"(usage: kvblend bench prefill|blend|store|codec|serve -m MODEL [options]   (kvblend bench blend --help, …)
+const char * k_help = R"(usage: kvblend bench prefill|blend|store|codec|serve|evict -m MODEL [options]   (kvblend bench blend --help, …)
 
 kvblend bench prefill -m MODEL [options]
 
@@ -189,7 +189,8 @@ int cmd_bench(int argc, char ** argv) {
     if (what == "store") return bench_store(a);
     if (what == "codec") return bench_codec(a);
     if (what == "serve") return bench_serve(a);
-    throw error("unknown benchmark '" + what + "' (available: prefill, blend, store, codec, serve)");
+    if (what == "evict") return bench_evict(a);
+    throw error("unknown benchmark '" + what + "' (available: prefill, blend, store, codec, serve, evict)");
 }
 
 }  // namespace kvblend::cli

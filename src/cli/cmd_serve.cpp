@@ -35,6 +35,9 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   -t, --threads N           CPU threads per slot (default 2)
   --cache-type T            KV cache type for K and V: f16 (default), f32, q8_0, q4_0
   --cache-type-k T          K only (-ctk); --cache-type-v T: V only (-ctv). Documents need K and V alike
+
+Token eviction of every slot's cache after its prompt (plain or fused); an
+evicted slot is reused only by a prompt that extends everything it has seen:
 )";
 
 server * g_server = nullptr;
@@ -52,6 +55,7 @@ int cmd_serve(int argc, char ** argv) {
     while (!a.done()) {
         if (a.match({"-h", "--help"})) {
             std::fputs(k_help, stdout);
+            std::fputs(k_evict_help, stdout);
             return 0;
         } else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--host"})) sp.host = a.str();
@@ -75,9 +79,11 @@ int cmd_serve(int argc, char ** argv) {
         else if (a.match({"--cache-type"})) sp.type_k = sp.type_v = parse_cache_type(a.str());
         else if (a.match({"--cache-type-k", "-ctk"})) sp.type_k = parse_cache_type(a.str());
         else if (a.match({"--cache-type-v", "-ctv"})) sp.type_v = parse_cache_type(a.str());
+        else if (match_evict_flag(a, sp.evict)) continue;
         else a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
+    check_evict_flags(sp.evict);
     auto m = model::load(model_path);
     sp.n_ctx = std::min(sp.n_ctx, m->hparams().n_ctx_train);
     server srv(m, sp);
