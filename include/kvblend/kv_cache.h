@@ -34,8 +34,9 @@ class kv_cache {
 
     int64_t n_ctx() const { return n_ctx_; }     // positions the cache may reach (logical context)
     int64_t n_past() const { return n_past_; }   // positions [0, n_past) have been seen
-    // truncate (or mark rows written by a graph). a sparse cache can only be
-    // cleared (n = 0) or left as it is (n = n_past): anything else throws
+    // truncate (or mark rows written by a graph). a sparse cache can be
+    // cleared (n = 0) or cut back only over rows appended since its last
+    // compaction (positions >= n); cutting into retained rows throws
     void set_n_past(int64_t n);
     void clear();  // empty and dense again, with the full allocation
     uint64_t epoch() const { return epoch_; }  // counts clears: tells a cache's contents apart from earlier ones
@@ -71,8 +72,8 @@ class kv_cache {
     // cache counts rows as positions. throws kvblend::error on bad indices.
     void compact(const std::vector<std::vector<std::vector<int64_t>>> & keep, int64_t reserve);
     // mark rows [0, pos.size()) of every layer as holding these (ascending,
-    // shared) positions, all retained, and the cache as having seen n_past
-    // positions: a blend over evicted chunks leaves such a cache
+    // shared) positions, causal by position, and the cache as having seen
+    // n_past positions: a blend over evicted chunks leaves such a cache
     void set_positions(const std::vector<int32_t> & pos, int64_t n_past);
     // grow the allocation (up to n_ctx rows) so every layer can take n more rows
     void reserve_rows(int64_t n);

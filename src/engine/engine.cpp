@@ -325,7 +325,6 @@ std::vector<float> engine::evict(const std::vector<llama_token> & tail) {
     if (evict_needs_scores(ev.policy)) {
         const int64_t n = cache_->n_past();
         if (tail.empty() || (int64_t) tail.size() > n) throw error("eviction needs the cache's last tokens to score");
-        if (cache_->sparse()) throw error("scoring needs a dense cache: this one was evicted already");
         // what the policy scores among the tail: all of it (h2o) or the window
         const int64_t t0 = std::max<int64_t>(0, evict_score_from(ev, n) - (n - (int64_t) tail.size()));
         const std::vector<llama_token> rerun(tail.begin() + t0, tail.end());

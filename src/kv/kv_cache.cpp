@@ -82,7 +82,27 @@ void kv_cache::set_n_past(int64_t n) {
     if (sparse()) {
         if (n == 0) return clear();
         if (n == n_past_) return;
-        throw error("a sparse (evicted) KV cache cannot be truncated to position " + std::to_string(n));
+        // rows appended since the last compaction sit at the end in position
+        // order: those at positions >= n can be cut; retained ones cannot
+        if (n > n_past_) throw error("KV cache position " + std::to_string(n) + " is past what the cache has seen");
+        std::vector<int64_t> keep_rows(rows_.size());
+        for (size_t il = 0; il < rows_.size(); ++il) {
+            const layer_rows & L = rows_[il];
+            int64_t r = L.n_rows;
+            while (r > L.n_retained && L.pos[(r - 1) * L.n_pos_head] >= n) --r;
+            for (int64_t q = 0; q < r; ++q)
+                for (int64_t h = 0; h < L.n_pos_head; ++h)
+                    if (L.pos[q * L.n_pos_head + h] >= n)
+                        throw error("a sparse (evicted) KV cache cannot be cut back to position " + std::to_string(n) +
+                                    ": it retains a later position");
+            keep_rows[il] = r;
+        }
+        for (size_t il = 0; il < rows_.size(); ++il) {
+            rows_[il].n_rows = keep_rows[il];
+            rows_[il].pos.resize(keep_rows[il] * rows_[il].n_pos_head);
+        }
+        n_past_ = n;
+        return;
     }
     if (n < 0 || n > n_ctx_) throw error("KV cache position " + std::to_string(n) + " is outside [0, " + std::to_string(n_ctx_) + "]");
     n_past_ = n;
@@ -205,8 +225,11 @@ void kv_cache::set_positions(const std::vector<int32_t> & pos, int64_t n_past) {
         throw error("KV cache positions do not fit the cache");
     for (size_t i = 1; i < pos.size(); ++i)
         if (pos[i] <= pos[i - 1]) throw error("KV cache positions must be ascending");
+    // the rows hold real positions, causal like appended rows: a later
+    // truncation (re-scoring a fused cache's tail) can cut them
     layer_rows L;
-    L.n_rows = L.n_retained = (int64_t) pos.size();
+    L.n_rows = (int64_t) pos.size();
+    L.n_retained = 0;
     L.pos = pos;
     rows_.assign(n_layer(), L);
     n_past_ = n_past;

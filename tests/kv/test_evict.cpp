@@ -205,6 +205,15 @@ TEST(evict, appended_tokens_sit_at_their_true_positions) {
     EXPECT_EQ(mp[0], 0);
     EXPECT_EQ(mp[11], 0);
     EXPECT_EQ(mp[12], 50);
+    // rows appended since the compaction can be cut back and written again; retained ones cannot
+    const std::vector<float> again = sparse.eval({cont[4]}, true);
+    sparse.cache().set_n_past(55);
+    EXPECT_EQ(sparse.cache().n_rows(0), 17);
+    EXPECT_EQ(sparse.eval({cont[4]}, true), again);
+    sparse.cache().set_n_past(52);
+    EXPECT_EQ(sparse.cache().n_rows(2), 14);
+    EXPECT_THROW(sparse.cache().set_n_past(keep[0][0].back()), error);
+    EXPECT_EQ(sparse.cache().n_past(), 52);
 }
 
 TEST(evict, per_head_rows_select_per_head) {
