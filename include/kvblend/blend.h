@@ -29,9 +29,14 @@ struct chunk_kv {
     // keeps its bytes where they were read
     std::vector<uint8_t> data;
     size_t               data_offset = 0;
+    // token eviction: the chunk holds only the rows of these token indices
+    // (ascending; empty: every token), the same ones in every layer and head.
+    // placed at offset s, row j is position s + kept[j]
+    std::vector<int32_t> kept;
 
     int64_t n_tokens() const { return (int64_t) tokens.size(); }
-    size_t  layer_bytes() const { return ggml_row_size(type, n_embd_kv) * tokens.size(); }  // K (or V) of one layer
+    int64_t n_rows() const { return kept.empty() ? n_tokens() : (int64_t) kept.size(); }  // rows held per layer
+    size_t  layer_bytes() const { return ggml_row_size(type, n_embd_kv) * n_rows(); }     // K (or V) of one layer
     size_t  bytes() const { return 2 * (size_t) n_layer * layer_bytes(); }                  // payload of all layers
     const uint8_t * k(int64_t il) const { return data.data() + data_offset + 2 * il * layer_bytes(); }
     const uint8_t * v(int64_t il) const { return k(il) + layer_bytes(); }
@@ -88,14 +93,22 @@ struct blend_result {
 // position prefix.n_tokens() and only its own rows are kept.
 chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t pos0 = 0);
 chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens);
+// collect, then keep only the positions an eviction policy picks from the
+// chunk's own prefill (kvblend/evict.h): one selection for every layer and
+// head (scores summed over them), so a blend can place the chunk. streaming,
+// h2o or snapkv; pyramidkv's per-layer budgets do not fit a chunk (an error).
+chunk_kv collect_evicted(engine & eng, const std::vector<llama_token> & tokens, const evict_params & ev);
 
 // write chunks' K/V for layers [layer0, n_layer) into the engine's cache rows
-// at consecutive offsets starting at 0; returns the total number of tokens.
+// at consecutive offsets starting at 0; returns the total number of rows (the
+// tokens, or fewer with evicted chunks, whose positions still count every token).
 int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int layer0 = 0);
 
 // fuse: chunks[0] is the prefix c_0, the rest are documents, then the query.
 // leaves a decode-ready cache of N positions (n_past = N). chunks are not
-// modified: the same chunk KVs serve any number of blends.
+// modified: the same chunk KVs serve any number of blends. evicted chunks
+// (kept rows only) leave a sparse cache: their evicted positions are not
+// there for any layer, and every step runs on the held rows.
 blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks, const std::vector<llama_token> & query,
                    const blend_params & params);
 

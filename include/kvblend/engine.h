@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "kvblend/evict.h"
 #include "kvblend/kv_cache.h"
 #include "kvblend/model.h"
 #include "kvblend/sampler.h"
@@ -25,6 +26,7 @@ struct engine_params {
     // a live compressed cache instead of ggml rows: turboquantB[+qjl] or
     // minicache[:…] (CPU only; an append-only cache that blend cannot fuse into)
     std::string kv_codec;
+    evict_params evict;              // token eviction of prefilled (and fused) caches: none by default
 };
 
 engine_params engine_default_params();
@@ -54,7 +56,27 @@ class engine {
     // throws kvblend::error when the cache would overflow.
     // pos_shift moves the positions (not the rows): row r holds position
     // r + pos_shift, as when a chunk is collected at an offset in isolation.
-    std::vector<float> eval(const std::vector<llama_token> & tokens, bool all_logits = false, int64_t pos_shift = 0);
+    // a sparse cache takes the tokens at rows n_rows(il)… and positions
+    // n_past…; an evicted cache whose policy rolls (streaming, h2o) evicts
+    // again once a layer holds more than budget + slack rows.
+    // scores, when set: the attention of the tokens from score_from on (an
+    // index into tokens) to every row is added to it (kvblend/evict.h).
+    std::vector<float> eval(const std::vector<llama_token> & tokens, bool all_logits = false, int64_t pos_shift = 0,
+                            attn_scores * scores = nullptr, int64_t score_from = 0);
+
+    // eval a prompt, then apply params().evict to the cache (scoring what the
+    // policy needs while prefilling). returns the last token's logits.
+    std::vector<float> prefill(const std::vector<llama_token> & prompt);
+    // apply params().evict now to the cache as it is: to a fused cache, say.
+    // tail: the last tokens the cache holds; policies that score re-run them
+    // (the cache is truncated before them) with scoring on, and the returned
+    // logits are the last one's (empty when nothing was re-run).
+    std::vector<float> evict(const std::vector<llama_token> & tail = {});
+    // the cache holds a subset of the positions it has seen (since the last clear)
+    bool evicted() const { return cache_->sparse(); }
+    // an independent copy of the cache (kv_cache::branch), and taking one back
+    std::unique_ptr<kv_cache> branch_cache(int64_t reserve = 0) const;
+    void set_cache(std::unique_ptr<kv_cache> c);
 
     // clear the cache, prefill the prompt, then sample up to n_predict tokens
     // (stops at end-of-generation). on_token, when set, sees each new piece and
@@ -86,6 +108,8 @@ class engine {
     void run_graph(const graph_builder & build, const std::function<void()> & set_inputs);
 
   private:
+    void apply_evict(const std::vector<int64_t> & budget);
+
     struct impl;
     std::unique_ptr<impl> impl_;
     std::shared_ptr<const model> model_;

@@ -1,6 +1,12 @@
-// kvblend: the dense decode KV cache. One K and one V tensor per layer, rows
-// indexed by position: row p holds the post-RoPE key / value of the token at
-// position p. Rows [0, n_past) are filled.
+// kvblend: the decode KV cache. One K and one V tensor per layer. Dense (the
+// default): row p holds the post-RoPE key / value of the token at position p,
+// rows [0, n_past) are filled. Sparse (after compact(), token eviction): each
+// layer holds a subset of the positions seen so far, gathered to the front
+// (per KV head when the layer is per-head), and the cache keeps the logical
+// offset n_past apart from the rows it holds: new tokens are written at rows
+// n_rows(il)… and rotated at positions n_past…, retained keys keep their own
+// rotation. Retained rows are visible to every later query (all their
+// positions are older); rows appended since are causal by position.
 #pragma once
 
 #include <cstdint>
@@ -20,18 +26,24 @@ bool kv_cache_type_supported(ggml_type t);
 
 class kv_cache {
   public:
-    // type_k / type_v: f16 (default), f32, q8_0 or q4_0 (kv_cache_type_supported).
-    // n_alloc: rows allocated (default n_ctx); fewer when another store holds
-    // the rows (a live compressed cache) and this one only counts positions
-    kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v, int64_t n_alloc = -1);
+    // type_k / type_v: f16 (default), f32, q8_0 or q4_0 (kv_cache_type_supported)
+    kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v);
+    // a cache that only counts positions: another store (a live compressed
+    // cache, kv/live_kv.h) holds the rows; one row stays allocated
+    static std::unique_ptr<kv_cache> positions_only(const model & m, int64_t n_ctx);
+    bool holds_rows() const { return holds_rows_; }
     ~kv_cache();
     kv_cache(const kv_cache &) = delete;
     kv_cache & operator=(const kv_cache &) = delete;
 
-    int64_t n_ctx() const { return n_ctx_; }
-    int64_t n_past() const { return n_past_; }   // positions [0, n_past) are valid
-    void set_n_past(int64_t n);                  // truncate (or mark rows written by a graph)
-    void clear() { n_past_ = 0; }
+    int64_t n_ctx() const { return n_ctx_; }     // positions the cache may reach (logical context)
+    int64_t n_past() const { return n_past_; }   // positions [0, n_past) have been seen
+    // truncate (or mark rows written by a graph). a sparse cache can be
+    // cleared (n = 0) or cut back only over rows appended since its last
+    // compaction (positions >= n); cutting into retained rows throws
+    void set_n_past(int64_t n);
+    void clear();  // empty and dense again, with the full allocation
+    uint64_t epoch() const { return epoch_; }  // counts clears: tells a cache's contents apart from earlier ones
 
     int64_t n_layer() const { return (int64_t) k_.size(); }
     ggml_tensor * k(int il) const { return k_[il]; }  // [n_embd_kv, n_ctx]
@@ -42,16 +54,70 @@ class kv_cache {
 
     size_t bytes() const;  // allocated bytes of all layers
 
+    // --- sparse state (token eviction) ---------------------------------------
+    bool sparse() const { return !rows_.empty(); }
+    int64_t capacity() const { return cap_; }             // rows allocated per layer
+    int64_t n_rows(int il) const;                          // rows held by a layer (dense: n_past)
+    int64_t n_rows_max() const;                            // the most rows any layer holds
+    int64_t n_retained(int il) const;                      // rows kept by the last compaction (dense: 0)
+    bool per_head(int il) const;                           // rows hold other positions per KV head
+    int32_t row_pos(int il, int head, int64_t row) const;  // logical position held by a row of a head
+    // mask positions of a layer's rows [0, n_rows): 0 for retained rows (seen
+    // by every later query), the position for rows appended since
+    void mask_pos(int il, int32_t * dst) const;
+    // bytes really held: the filled rows of every layer and the position arrays
+    size_t bytes_held() const;
+
+    // keep[il][h]: ascending rows of layer il to keep for KV head h; one list
+    // (keep[il].size() == 1) keeps the same rows for every head. all heads of a
+    // layer keep the same count; layers may keep different counts. the kept
+    // rows are gathered to the front (bytes copied as they are: any cache
+    // type) into an allocation of the most rows kept plus `reserve`. a dense
+    // cache counts rows as positions. throws kvblend::error on bad indices.
+    void compact(const std::vector<std::vector<std::vector<int64_t>>> & keep, int64_t reserve);
+    // mark rows [0, pos.size()) of every layer as holding these (ascending,
+    // shared) positions, causal by position, and the cache as having seen
+    // n_past positions: a blend over evicted chunks leaves such a cache
+    void set_positions(const std::vector<int32_t> & pos, int64_t n_past);
+    // grow the allocation (up to n_ctx rows) so every layer can take n more rows
+    void reserve_rows(int64_t n);
+    // after a graph wrote n tokens at rows n_rows(il)… and positions n_past…
+    void advance(int64_t n);
+    // an independent copy of the held rows and state (its allocation: the rows held + reserve)
+    std::unique_ptr<kv_cache> branch(int64_t reserve = 0) const;
+
     // copy rows [p0, p0 + n) of one layer to the host as f32 (tests, store)
     std::vector<float> read_k(int il, int64_t p0, int64_t n) const;
     std::vector<float> read_v(int il, int64_t p0, int64_t n) const;
 
   private:
+    kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v, int64_t cap);
+
+    struct layer_rows {
+        int64_t n_rows = 0;
+        int64_t n_retained = 0;
+        int64_t n_pos_head = 1;    // position entries per row: 1 (shared) or n_head_kv
+        std::vector<int32_t> pos;  // [n_rows][n_pos_head] logical positions
+    };
+    struct storage {
+        ggml_context * ctx = nullptr;
+        ggml_backend_buffer_t buf = nullptr;
+        std::vector<ggml_tensor *> k, v;
+    };
+    storage allocate(int64_t cap) const;  // a fresh, zeroed allocation of cap rows per layer
+    void adopt(storage s, int64_t cap);   // free the current allocation, take s
+
+    const model * m_ = nullptr;
+    ggml_type type_k_, type_v_;
     int64_t n_ctx_ = 0;
     int64_t n_past_ = 0;
+    int64_t cap_ = 0;
+    bool holds_rows_ = true;
+    uint64_t epoch_ = 0;
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
     std::vector<ggml_tensor *> k_, v_;
+    std::vector<layer_rows> rows_;  // empty: dense
 };
 
 }  // namespace kvblend

@@ -31,6 +31,7 @@ struct server_params {
     // prompts are prefilled whole (no fusion) and documents are refused, as
     // they are fused into a dense cache
     std::string kv_codec;
+    evict_params evict;                         // token eviction of each slot's cache after its prompt
 };
 
 class server {

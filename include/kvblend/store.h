@@ -55,10 +55,10 @@ std::unique_ptr<store> store_open(const std::string & uri, const store_options &
 // --- chunk entries -----------------------------------------------------------
 
 // the key of a chunk: 32 hex digits (XXH3-128) over the model fingerprint, the
-// KV layout (element type, codec), the prefix token ids (collect_with_prefix)
-// and the chunk's token ids
+// KV layout (element type, codec), the prefix token ids (collect_with_prefix),
+// the chunk's token ids and, for an evicted chunk, the policy and its knobs
 std::string chunk_key(const model & m, ggml_type type, const std::string & codec, const std::vector<llama_token> & prefix,
-                      const std::vector<llama_token> & tokens);
+                      const std::vector<llama_token> & tokens, const evict_params & ev = {});
 
 class codec;
 
@@ -86,8 +86,10 @@ struct chunk_fetch_stats {
 // codec: how the entry stores the KV (include/kvblend/codec.h; part of the key).
 // with a lossy codec a miss returns the chunk as a later hit will (encoded and
 // decoded), so a repeat request gives the same answer as the first.
+// ev: store only the positions this policy keeps (collect_evicted; raw
+// codec, no prefix); part of the key
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
                               const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
-                              const std::string & codec = "raw");
+                              const std::string & codec = "raw", const evict_params & ev = {});
 
 }  // namespace kvblend

@@ -55,12 +55,53 @@ chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, co
     return read_chunk(eng, tokens, np, np);
 }
 
+chunk_kv collect_evicted(engine & eng, const std::vector<llama_token> & tokens, const evict_params & ev) {
+    if (ev.policy == EVICT_POLICY_NONE) return collect(eng, tokens);
+    if (ev.policy == EVICT_POLICY_PYRAMIDKV)
+        throw error("pyramidkv keeps other positions per layer: a stored chunk keeps one set (use snapkv)");
+    evict_check(ev);
+    if (tokens.empty()) throw error("cannot collect an empty chunk");
+    if (eng.cache().type_k() != eng.cache().type_v()) throw error("chunk collection needs the same K and V cache type");
+    const model_hparams & hp = eng.mdl().hparams();
+    const int64_t n = (int64_t) tokens.size(), nh = hp.n_head_kv;
+    eng.cache().clear();
+    attn_scores sc;
+    const bool scored = evict_needs_scores(ev.policy);
+    if (scored) eng.eval(tokens, false, 0, &sc, evict_score_from(ev, n));
+    else eng.eval(tokens);
+    // one selection for the whole chunk: the attention summed over layers and heads
+    std::vector<float> sum;
+    if (scored) {
+        sum.assign(n * nh, 0.0f);
+        for (const auto & l : sc.s)
+            for (int64_t i = 0; i < n * nh; ++i) sum[i] += l[i];
+    }
+    evict_params one = ev;
+    one.per_head = false;
+    const std::vector<int64_t> rows = evict_select_rows(one, n, evict_budgets(ev, n, 1)[0], scored ? sum.data() : nullptr, nh)[0];
+    chunk_kv c = read_chunk(eng, tokens, 0, 0);
+    if ((int64_t) rows.size() == n) return c;
+    const size_t row = ggml_row_size(c.type, c.n_embd_kv);
+    std::vector<uint8_t> data(2 * c.n_layer * row * rows.size());
+    uint8_t * out = data.data();
+    for (int64_t il = 0; il < c.n_layer; ++il)
+        for (const uint8_t * src : {c.k(il), c.v(il)})
+            for (int64_t r : rows) {
+                std::memcpy(out, src + r * row, row);
+                out += row;
+            }
+    c.data = std::move(data);
+    c.data_offset = 0;
+    c.kept.assign(rows.begin(), rows.end());
+    return c;
+}
+
 int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int layer0) {
     eng.require_dense_cache("placing chunks");
     const model & m = eng.mdl();
     const model_hparams & hp = m.hparams();
     kv_cache & cache = eng.cache();
-    int64_t n = 0;
+    int64_t n = 0, n_pos = 0;
     for (const chunk_kv * c : chunks) {
         if (!c) throw error("null chunk");
         if (c->n_layer != hp.n_layer || c->n_embd_kv != hp.n_embd_kv())
@@ -70,30 +111,35 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
         if (c->type != cache.type_k() || c->type != cache.type_v())
             throw error(std::string("chunk KV type ") + ggml_type_name(c->type) + " differs from the cache type " +
                         ggml_type_name(cache.type_k()));
-        n += c->n_tokens();
+        if (!c->kept.empty() && ((int64_t) c->kept.size() > c->n_tokens() || c->kept.back() >= c->n_tokens()))
+            throw error("chunk keeps rows outside its tokens");
+        n += c->n_rows();
+        n_pos += c->n_tokens();
     }
-    if (n > cache.n_ctx())
-        throw error("chunks of " + std::to_string(n) + " tokens exceed the context of " + std::to_string(cache.n_ctx()));
+    if (n_pos > cache.n_ctx())
+        throw error("chunks of " + std::to_string(n_pos) + " tokens exceed the context of " + std::to_string(cache.n_ctx()));
 
-    // per-row rotation: row j of chunk i moves from position pos0_i + j to s_i + j
+    // per-row rotation: row j of chunk i moves from position pos0_i + t_j to s_i + t_j
+    // (t_j its token index): by s_i - pos0_i, whichever tokens the chunk kept
     std::vector<int32_t> delta(n);
     bool rotate = false;
     {
-        int64_t s = 0;
+        int64_t s = 0, r = 0;
         for (const chunk_kv * c : chunks) {
-            for (int64_t j = 0; j < c->n_tokens(); ++j) delta[s + j] = (int32_t) (s - c->pos0);
+            for (int64_t j = 0; j < c->n_rows(); ++j) delta[r + j] = (int32_t) (s - c->pos0);
             rotate = rotate || s != c->pos0;
             s += c->n_tokens();
+            r += c->n_rows();
         }
     }
     const size_t row = ggml_row_size(cache.type_k(), hp.n_embd_kv());
     for (int il = layer0; il < hp.n_layer; ++il) {
         // V rows do not depend on the position: copy them straight into the cache
-        int64_t s = 0;
+        int64_t r = 0;
         for (const chunk_kv * c : chunks) {
-            ggml_backend_tensor_set(cache.v(il), c->v(il), row * s, c->layer_bytes());
-            if (!rotate) ggml_backend_tensor_set(cache.k(il), c->k(il), row * s, c->layer_bytes());
-            s += c->n_tokens();
+            ggml_backend_tensor_set(cache.v(il), c->v(il), row * r, c->layer_bytes());
+            if (!rotate) ggml_backend_tensor_set(cache.k(il), c->k(il), row * r, c->layer_bytes());
+            r += c->n_rows();
         }
         if (!rotate) continue;
         // K rows: rotate by the offset change (RoPE rotations compose), then scatter
@@ -115,7 +161,7 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
                 int64_t at = 0;
                 for (const chunk_kv * c : chunks) {
                     ggml_backend_tensor_set(k_in, c->k(il), row * at, c->layer_bytes());
-                    at += c->n_tokens();
+                    at += c->n_rows();
                 }
                 std::vector<int64_t> rows(n);
                 std::iota(rows.begin(), rows.end(), 0);
@@ -134,14 +180,15 @@ void set_input(ggml_tensor * t, const void * data) {
 }
 
 // the fused pass over an engine whose cache rows [0, N) hold the placed chunks.
-// row p of the cache is position p throughout.
+// row r of the cache holds position pos[r] (r itself unless chunks were
+// evicted); everything below is indexed by row.
 class fuser {
   public:
-    fuser(engine & eng, const std::vector<llama_token> & tokens)
-        : eng_(eng), m_(eng.mdl()), tokens_(tokens), x_(tokens.size() * (size_t) m_.hparams().n_embd) {}
+    fuser(engine & eng, const std::vector<llama_token> & tokens, const std::vector<int32_t> & pos)
+        : eng_(eng), m_(eng.mdl()), tokens_(tokens), pos_(pos), x_(tokens.size() * (size_t) m_.hparams().n_embd) {}
 
-    // run layers [l0, l1) for the tokens at `run` (ascending positions), in
-    // micro-batches. write[p]: position p writes its fresh K/V (else keeps the
+    // run layers [l0, l1) for the tokens at `run` (ascending rows), in
+    // micro-batches. write[r]: row r writes its fresh K/V (else keeps the
     // store's). from_tokens: the input is the token embedding, else x_ rows.
     // the output hidden states go back into x_ rows; with logits, the last
     // run token's logits are returned.
@@ -196,7 +243,7 @@ class fuser {
                 },
                 [&] {
                     std::vector<int32_t> pos(nt);
-                    for (int64_t i = 0; i < nt; ++i) pos[i] = (int32_t) run[b0 + i];
+                    for (int64_t i = 0; i < nt; ++i) pos[i] = pos_[run[b0 + i]];
                     if (from_tokens) {
                         std::vector<int32_t> tok(nt);
                         for (int64_t i = 0; i < nt; ++i) tok[i] = tokens_[run[b0 + i]];
@@ -208,8 +255,7 @@ class fuser {
                         set_input(inp, xs.data());
                     }
                     set_input(in.pos, pos.data());
-                    std::vector<int32_t> kpos(n_kv);
-                    std::iota(kpos.begin(), kpos.end(), 0);
+                    const std::vector<int32_t> kpos(pos_.begin(), pos_.begin() + n_kv);
                     std::vector<ggml_fp16_t> mask(n_kv * nt);
                     graph::fill_causal_mask(mask.data(), kpos.data(), n_kv, pos.data(), nt);
                     set_input(in.kq_mask, mask.data());
@@ -243,17 +289,19 @@ class fuser {
         const int64_t ub = eng_.params().n_ubatch;
         for (size_t b0 = 0; b0 < rows.size(); b0 += ub) {
             const int64_t nt = std::min<int64_t>(ub, (int64_t) rows.size() - (int64_t) b0);
-            ggml_tensor *x = nullptr, *pos = nullptr, *s = nullptr;
+            ggml_tensor *x = nullptr, *pos = nullptr, *rws = nullptr, *s = nullptr;
             eng_.run_graph(
                 [&](ggml_context * c, ggml_cgraph * gf) {
                     x = ggml_new_tensor_2d(c, GGML_TYPE_F32, n_embd, nt);  // [n_embd, nt]
                     pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, nt);
+                    rws = ggml_new_tensor_1d(c, GGML_TYPE_I32, nt);
                     ggml_set_input(x);
                     ggml_set_input(pos);
+                    ggml_set_input(rws);
                     ggml_tensor * h = graph::build_norm(c, x, m_.layers[il].attn_norm, hp.rms_eps);
                     auto dev_of = [&](ggml_tensor * fresh, ggml_tensor * store) {
                         fresh = ggml_reshape_2d(c, fresh, n_embd_kv, nt);  // [n_embd_kv, nt]
-                        ggml_tensor * held = ggml_get_rows(c, store, pos);  // F32 [n_embd_kv, nt]
+                        ggml_tensor * held = ggml_get_rows(c, store, rws);  // F32 [n_embd_kv, nt]
                         return ggml_sum_rows(c, ggml_sqr(c, ggml_sub(c, fresh, held)));  // [1, nt]
                     };
                     kv_cache & cache = eng_.cache();
@@ -267,13 +315,15 @@ class fuser {
                 },
                 [&] {
                     std::vector<float> xs(nt * n_embd);
-                    std::vector<int32_t> p(nt);
+                    std::vector<int32_t> p(nt), r(nt);
                     for (int64_t i = 0; i < nt; ++i) {
-                        p[i] = (int32_t) rows[b0 + i];
+                        r[i] = (int32_t) rows[b0 + i];
+                        p[i] = pos_[rows[b0 + i]];
                         std::memcpy(&xs[i * n_embd], &x_[rows[b0 + i] * n_embd], n_embd * sizeof(float));
                     }
                     ggml_backend_tensor_set(x, xs.data(), 0, ggml_nbytes(x));
-                    ggml_backend_tensor_set(pos, p.data(), 0, ggml_nbytes(pos));
+                    set_input(pos, p.data());  // positions only feed K's RoPE
+                    set_input(rws, r.data());
                 });
             std::vector<float> sv(nt);
             ggml_backend_tensor_get(s, sv.data(), 0, ggml_nbytes(s));
@@ -284,8 +334,9 @@ class fuser {
   private:
     engine & eng_;
     const model & m_;
-    const std::vector<llama_token> & tokens_;
-    std::vector<float> x_;  // [N, n_embd] hidden states by position
+    const std::vector<llama_token> & tokens_;  // by row
+    const std::vector<int32_t> & pos_;         // position of each row
+    std::vector<float> x_;  // [N, n_embd] hidden states by row
 };
 
 }  // namespace
@@ -318,28 +369,40 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     }
     if (params.recompute_chunk_head < 0) throw error("recompute_chunk_head must not be negative");
 
-    // layout: [c_0 | c_1 … c_k | query]
+    // layout: [c_0 | c_1 … c_k | query], one row per held token (evicted
+    // chunks hold fewer rows than tokens; positions count every token)
     std::vector<llama_token> tokens;
+    std::vector<int32_t> pos;
     std::vector<int64_t> chunk_start;
+    int64_t s = 0;
     for (const chunk_kv * c : chunks) {
         chunk_start.push_back((int64_t) tokens.size());
-        tokens.insert(tokens.end(), c->tokens.begin(), c->tokens.end());
+        for (int64_t j = 0; j < c->n_rows(); ++j) {
+            const int64_t t = c->kept.empty() ? j : c->kept[j];
+            tokens.push_back(c->tokens[t]);
+            pos.push_back((int32_t) (s + t));
+        }
+        s += c->n_tokens();
     }
     const int64_t n_chunk_tok = (int64_t) tokens.size();
-    tokens.insert(tokens.end(), query.begin(), query.end());
-    const int64_t N = (int64_t) tokens.size();
-    if (N > eng.cache().n_ctx())
-        throw error("blend of " + std::to_string(N) + " tokens exceeds the context of " + std::to_string(eng.cache().n_ctx()));
+    for (size_t i = 0; i < query.size(); ++i) {
+        tokens.push_back(query[i]);
+        pos.push_back((int32_t) (s + (int64_t) i));
+    }
+    const int64_t N = (int64_t) tokens.size();               // rows
+    const int64_t N_pos = s + (int64_t) query.size();        // positions
+    if (N_pos > eng.cache().n_ctx())
+        throw error("blend of " + std::to_string(N_pos) + " tokens exceeds the context of " + std::to_string(eng.cache().n_ctx()));
 
     blend_result res;
     blend_stats & st = res.stats;
-    st.n_tokens = N;
-    st.n_doc_tokens = n_chunk_tok - chunks[0]->n_tokens();
+    st.n_tokens = N_pos;
+    st.n_doc_tokens = n_chunk_tok - chunks[0]->n_rows();
 
     // kinds of rows: 0 prefix, 1 document, 2 query; forced rows always refresh
     std::vector<char> is_doc(N, 0), forced(N, 0);
     for (size_t i = 1; i < chunks.size(); ++i) {
-        for (int64_t j = 0; j < chunks[i]->n_tokens(); ++j) {
+        for (int64_t j = 0; j < chunks[i]->n_rows(); ++j) {
             is_doc[chunk_start[i] + j] = 1;
             if (j < params.recompute_chunk_head) forced[chunk_start[i] + j] = 1;
         }
@@ -352,7 +415,7 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     place(eng, chunks, steps[0].first);
     st.place_ms = time_ms() - t0;
 
-    fuser f(eng, tokens);
+    fuser f(eng, tokens, pos);
     std::vector<int64_t> all(N);
     std::iota(all.begin(), all.end(), 0);
     std::vector<char> write(N, 1);  // before the first check every token writes
@@ -395,10 +458,11 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     t0 = time_ms();
     res.logits = f.run_layers(run, write, false, l0, (int) hp.n_layer, true);
     st.deep_ms += time_ms() - t0;
-    eng.cache().set_n_past(N);
+    if (N == N_pos) eng.cache().set_n_past(N);
+    else eng.cache().set_positions(pos, N_pos);  // evicted chunks: a sparse cache
 
     for (int64_t p = 0; p < N; ++p)
-        if (write[p]) res.selected.push_back(p);
+        if (write[p]) res.selected.push_back(pos[p]);
     st.n_selected = (int64_t) res.selected.size();
     st.deep_frac = (double) run.size() / (double) N;
     st.total_ms = time_ms() - t_start;

@@ -18,6 +18,7 @@ int bench_store(args & a);  // kvblend bench store …
 int bench_codec(args & a);  // kvblend bench codec …
 int bench_serve(args & a);  // kvblend bench serve …
 int bench_grid(args & a);   // kvblend bench grid …
+int bench_evict(args & a);  // kvblend bench evict …
 
 // draw a PNG with gnuplot (Debian's gnuplot-nox) from data rows and a plot script
 // that reads them from PNG.dat; nothing when png is empty
@@ -26,6 +27,16 @@ void plot_png(const std::string & png, const std::string & data, const std::stri
 // flags shared by the commands that generate; true when one was consumed
 bool match_sampling_flag(args & a, sampler_params & sp);  // --temp --top-k --top-p --min-p --seed
 bool match_engine_flag(args & a, engine_params & ep);     // -t, -b, --cache-type[-k|-v]
+// --evict POLICY, --kv-budget B, --evict-sinks N, --evict-window N, --evict-shared
+bool match_evict_flag(args & a, evict_params & ev);
+// a budget without a policy, or a policy without a budget: a message
+void check_evict_flags(const evict_params & ev);
+// the help lines of the eviction flags
+extern const char * k_evict_help;
+// stored chunks: --chunk-evict POLICY, --chunk-budget B (checked like the above)
+bool match_chunk_evict_flag(args & a, evict_params & ev);
+void check_chunk_evict_flags(const evict_params & ev);
+extern const char * k_chunk_evict_help;
 
 blend_score parse_blend_score(const std::string & s);    // v | k | kv
 blend_method parse_blend_method(const std::string & s);  // gradual | dense

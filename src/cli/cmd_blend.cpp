@@ -46,6 +46,9 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
                           (--cache-type-k / --cache-type-v must then agree)
   --json                  print one JSON object
   -v, --verbose           show ggml's and libllama's logs
+
+Token eviction of the fused cache (after the blend, before decoding; scoring
+policies re-run the query's last tokens over the fused cache to score):
 )";
 
 }  // namespace
@@ -59,12 +62,16 @@ int cmd_blend(int argc, char ** argv) {
     sampler_params sp = sampler_default_params();
     engine_params ep = engine_default_params();
     std::string store_uri, codec_name = "raw";
+    evict_params chunk_ev;
     store_options so;
 
     args a(argc, argv, 1);
     while (!a.done()) {
         if (a.match({"-h", "--help"})) {
             std::fputs(k_help, stdout);
+            std::fputs(k_evict_help, stdout);
+            std::fputs("\nStored chunks (with or without --store):\n", stdout);
+            std::fputs(k_chunk_evict_help, stdout);
             return 0;
         } else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--system"})) system = a.str();
@@ -80,7 +87,9 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();
         else if (a.match({"--store-max-gb"})) so.max_bytes = (uint64_t) (a.real(0.0, 1e6) * 1073741824.0);
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
-        else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep)) continue;
+        else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep) || match_evict_flag(a, ep.evict) ||
+                 match_chunk_evict_flag(a, chunk_ev))
+            continue;
         else if (a.match({"--chat"})) chat = true;
         else if (a.match({"--compare-full"})) compare = true;
         else if (a.match({"--json"})) json = true;
@@ -89,6 +98,8 @@ int cmd_blend(int argc, char ** argv) {
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (!have_query || query.empty()) throw error("missing --query TEXT (see --help)");
+    check_evict_flags(ep.evict);
+    check_chunk_evict_flags(chunk_ev);
 
     auto m = model::load(model_path);
     if (bp.check_layer >= m->hparams().n_layer)
@@ -110,8 +121,9 @@ int cmd_blend(int argc, char ** argv) {
     for (size_t i = 0; i < rp.chunks.size(); ++i) {
         if (rp.chunks[i].empty()) continue;
         const bool behind = with_prefix && i > 0 && !rp.chunks[0].empty();
+        // the prefix chunk (system text, sinks) is kept whole; documents may be evicted
         kv.push_back(chunk_get_or_collect(st.get(), eng, behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i], fs,
-                                          codec_name));
+                                          codec_name, i > 0 ? chunk_ev : evict_params{}));
     }
     const double collect_ms = fs.collect_ms;
     std::vector<const chunk_kv *> ptrs;
@@ -119,7 +131,16 @@ int cmd_blend(int argc, char ** argv) {
 
     const blend_result br = blend(eng, ptrs, rp.query, bp);
     const int64_t N = br.stats.n_tokens;
-    const generate_result answer = eng.generate_from(br.logits, (int32_t) n_predict, sp);
+    // the fused cache, evicted to the budget; scoring policies re-run the query's tail
+    auto evict_fused = [&] {
+        const double t0 = time_ms();
+        std::vector<float> l = eng.evict(rp.query);
+        return std::pair(l.empty() ? br.logits : l, time_ms() - t0);
+    };
+    const auto [logits, evict_ms] = ep.evict.policy != EVICT_POLICY_NONE ? evict_fused() : std::pair(br.logits, 0.0);
+    const int64_t kv_rows = eng.cache().n_rows_max();
+    const size_t kv_held = eng.cache().bytes_held();
+    const generate_result answer = eng.generate_from(logits, (int32_t) n_predict, sp);
 
     nlohmann::json j = {{"text", answer.text},
                         {"n_tokens", N},
@@ -135,12 +156,23 @@ int cmd_blend(int argc, char ** argv) {
                         {"early_ms", br.stats.early_ms},
                         {"check_ms", br.stats.check_ms},
                         {"deep_ms", br.stats.deep_ms},
-                        {"decode_ms", answer.decode_ms}};
+                        {"decode_ms", answer.decode_ms},
+                        {"evict", evict_policy_name(ep.evict.policy)},
+                        {"evict_ms", evict_ms},
+                        {"kv_rows", kv_rows},
+                        {"kv_bytes_held", kv_held}};
     if (compare) {
         sampler_params greedy;
         greedy.temp = 0;
-        eng.cache().set_n_past(N);  // back to the fused cache: rows past N get rewritten
-        const generate_result g_blend = eng.generate_from(br.logits, (int32_t) n_greedy, greedy);
+        std::vector<float> l = br.logits;
+        if (eng.evicted()) {
+            // an evicted cache cannot be cut back: fuse (and evict) again
+            l = blend(eng, ptrs, rp.query, bp).logits;
+            l = evict_fused().first;
+        } else {
+            eng.cache().set_n_past(N);  // back to the fused cache: rows past N get rewritten
+        }
+        const generate_result g_blend = eng.generate_from(l, (int32_t) n_greedy, greedy);
         eng.cache().clear();
         const double t0 = time_ms();
         const std::vector<float> full = eng.eval(all);
@@ -162,6 +194,9 @@ int cmd_blend(int argc, char ** argv) {
     std::fprintf(stderr, "[%lld tokens (%lld in documents), %lld recomputed; blend %.1f ms, collect %.1f ms",
                  (long long) N, (long long) br.stats.n_doc_tokens, (long long) br.stats.n_selected, br.stats.total_ms,
                  collect_ms);
+    if (ep.evict.policy != EVICT_POLICY_NONE)
+        std::fprintf(stderr, "; %s kept %lld of %lld positions (%.1f ms)", evict_policy_name(ep.evict.policy),
+                     (long long) kv_rows, (long long) N, evict_ms);
     if (st)
         std::fprintf(stderr, "; store %lld hits (%.1f ms), %lld misses", (long long) fs.hits, fs.load_ms, (long long) fs.misses);
     if (compare)

@@ -33,14 +33,61 @@ const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
   --kv-codec NAME       a live compressed cache instead: turboquant2 … turboquant4 (2.5, 3.5 too;
                         +qjl for the keys' QJL sketch) or minicache[:thr=G]; CPU only, tiles
                         dequantized on the fly
-  --chat                wrap the prompt in the model's chat template (user turn)
+%s  --chat                wrap the prompt in the model's chat template (user turn)
   --system TEXT         system message for --chat
   --mmap                map the model file instead of reading the weights into memory
-  --json                print one JSON object: text, n_prompt, n_gen, prefill_ms, decode_ms
+  --json                print one JSON object: text, n_prompt, n_gen, prefill_ms, decode_ms,
+                        kv_rows, kv_bytes_held, kv_bytes_alloc
   -v, --verbose         show ggml's and libllama's logs
 )";
 
 }  // namespace
+
+const char * k_evict_help = R"(  --evict POLICY        token eviction after the prompt: none (default), streaming,
+                        h2o, snapkv, pyramidkv (streaming and h2o keep the budget
+                        while decoding too)
+  --kv-budget B         rows kept per layer: a share (0.25 or 25%) or a token count (512)
+  --evict-sinks N       streaming: attention sinks always kept (default 4)
+  --evict-window N      snapkv, pyramidkv: observation window (default 32)
+  --evict-shared        h2o, snapkv, pyramidkv: one selection for all KV heads
+                        (default: per KV head)
+)";
+
+const char * k_chunk_evict_help = R"(  --chunk-evict POLICY  store only the positions of each chunk that streaming, h2o or
+                        snapkv keeps (scored on the chunk's own prefill; one set for
+                        all layers and heads; raw codec; part of the store key)
+  --chunk-budget B      share (0.5 or 50%) or token count each chunk keeps
+)";
+
+bool match_chunk_evict_flag(args & a, evict_params & ev) {
+    if (a.match({"--chunk-evict"})) ev.policy = evict_policy_parse(a.str());
+    else if (a.match({"--chunk-budget"})) evict_budget_parse(a.str(), ev);
+    else return false;
+    return true;
+}
+
+void check_chunk_evict_flags(const evict_params & ev) {
+    if (ev.policy == EVICT_POLICY_NONE && (ev.budget_share > 0 || ev.budget_tokens > 0))
+        throw error("--chunk-budget needs --chunk-evict POLICY");
+    if (ev.policy == EVICT_POLICY_PYRAMIDKV) throw error("--chunk-evict pyramidkv: a stored chunk keeps one set of positions (use snapkv)");
+    evict_check(ev);
+}
+
+bool match_evict_flag(args & a, evict_params & ev) {
+    if (a.match({"--evict"})) ev.policy = evict_policy_parse(a.str());
+    else if (a.match({"--kv-budget"})) evict_budget_parse(a.str(), ev);
+    else if (a.match({"--evict-sinks"})) ev.n_sink = a.integer(0, 1 << 20);
+    else if (a.match({"--evict-window"})) ev.window = a.integer(1, 1 << 20);
+    else if (a.match({"--evict-shared"})) ev.per_head = false;
+    else return false;
+    return true;
+}
+
+void check_evict_flags(const evict_params & ev) {
+    if (ev.policy == EVICT_POLICY_NONE && (ev.budget_share > 0 || ev.budget_tokens > 0))
+        throw error("--kv-budget needs an eviction policy (--evict streaming|h2o|snapkv|pyramidkv)");
+    evict_check(ev);
+}
 
 ggml_type parse_cache_type(const std::string & s) {
     for (ggml_type t : {GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0})
@@ -108,13 +155,13 @@ int cmd_generate(int argc, char ** argv) {
     args a(argc, argv, 1);
     while (!a.done()) {
         if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
+            std::printf(k_help, k_evict_help);
             return 0;
         } else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"-p", "--prompt"})) prompt = a.str(), have_prompt = true;
         else if (a.match({"-f", "--file"})) prompt = read_text_file(a.str()), have_prompt = true;
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
-        else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep)) continue;
+        else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep) || match_evict_flag(a, ep.evict)) continue;
         else if (a.match({"-c", "--ctx-size"})) n_ctx = a.integer(1, 1 << 24);
         else if (a.match({"--chat"})) chat = true;
         else if (a.match({"--system"})) system = a.str();
@@ -125,6 +172,7 @@ int cmd_generate(int argc, char ** argv) {
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (!have_prompt) throw error("missing -p PROMPT (see --help)");
+    check_evict_flags(ep.evict);
 
     model_params mp = model_default_params();
     mp.use_mmap = mmap;
@@ -164,14 +212,23 @@ int cmd_generate(int argc, char ** argv) {
                             {"n_gen", (int64_t) r.tokens.size()},
                             {"prefill_ms", r.prefill_ms},
                             {"decode_ms", r.decode_ms},
-                            {"kv_bytes", eng.kv_bytes_held()},
+                            {"kv_rows", eng.cache().n_rows_max()},
+                            {"kv_bytes_held", eng.kv_bytes_held()},
+                            {"kv_bytes_alloc", eng.live() ? eng.kv_bytes_held() : eng.cache().bytes()},
                             {"kv_bytes_f16", eng.kv_bytes_f16()}};
         std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     } else {
         std::printf("\n");
-        std::fprintf(stderr, "[%lld prompt tokens in %.1f ms, %zu generated in %.1f ms; KV %.2f MB held (f16: %.2f MB)]\n",
-                     (long long) r.n_prompt, r.prefill_ms, r.tokens.size(), r.decode_ms, eng.kv_bytes_held() / 1e6,
-                     eng.kv_bytes_f16() / 1e6);
+        std::fprintf(stderr, "[%lld prompt tokens in %.1f ms, %zu generated in %.1f ms", (long long) r.n_prompt,
+                     r.prefill_ms, r.tokens.size(), r.decode_ms);
+        if (eng.evicted())
+            std::fprintf(stderr, "; %s kept %lld of %lld positions, KV %.1f KiB held (%.1f KiB allocated)",
+                         evict_policy_name(ep.evict.policy), (long long) eng.cache().n_rows_max(),
+                         (long long) eng.cache().n_past(), eng.cache().bytes_held() / 1024.0, eng.cache().bytes() / 1024.0);
+        if (eng.live())
+            std::fprintf(stderr, "; %s KV %.1f KiB held (f16: %.1f KiB)", ep.kv_codec.c_str(), eng.kv_bytes_held() / 1024.0,
+                         eng.kv_bytes_f16() / 1024.0);
+        std::fprintf(stderr, "]\n");
     }
     return 0;
 }

@@ -38,6 +38,9 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --cache-type-k T          K only (-ctk); --cache-type-v T: V only (-ctv). Documents need K and V alike
   --kv-codec NAME           live compressed slot caches: turboquantB[+qjl] or minicache[:thr=G] (CPU
                             only). prompts are prefilled whole; requests with documents get a 400
+
+Token eviction of every slot's cache after its prompt (plain or fused); an
+evicted slot is reused only by a prompt that extends everything it has seen:
 )";
 
 server * g_server = nullptr;
@@ -55,6 +58,7 @@ int cmd_serve(int argc, char ** argv) {
     while (!a.done()) {
         if (a.match({"-h", "--help"})) {
             std::fputs(k_help, stdout);
+            std::fputs(k_evict_help, stdout);
             return 0;
         } else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--host"})) sp.host = a.str();
@@ -83,9 +87,11 @@ int cmd_serve(int argc, char ** argv) {
             if (!live_kv::is_live_name(sp.kv_codec))
                 throw error("--kv-codec takes turboquantB[+qjl] (B: 2, 2.5, 3, 3.5, 4) or minicache[:start=S:t=T:thr=G], not '" +
                             sp.kv_codec + "'");
-        } else a.unknown();
+        } else if (match_evict_flag(a, sp.evict)) continue;
+        else a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
+    check_evict_flags(sp.evict);
     auto m = model::load(model_path);
     sp.n_ctx = std::min(sp.n_ctx, m->hparams().n_ctx_train);
     server srv(m, sp);

@@ -94,6 +94,7 @@ int64_t parse_budget(args & a) { return (int64_t) (a.real(0.0, 1e6) * 1024.0 * 1
 
 int cmd_ingest(int argc, char ** argv) {
     std::string model_path, uri, system, split, codec_name = "raw";
+    evict_params chunk_ev;
     std::vector<std::string> files;
     int64_t chunk_size = 0;
     bool with_prefix = false, chat = false;
@@ -103,6 +104,7 @@ int cmd_ingest(int argc, char ** argv) {
     while (!a.done()) {
         if (a.match({"-h", "--help"})) {
             std::fputs(k_ingest_help, stdout);
+            std::fputs(k_chunk_evict_help, stdout);
             return 0;
         } else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--store"})) uri = a.str();
@@ -115,6 +117,7 @@ int cmd_ingest(int argc, char ** argv) {
         else if (a.match({"--chat"})) chat = true;
         else if (a.match({"--store-max-gb"})) so.max_bytes = (uint64_t) parse_budget(a);
         else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();
+        else if (match_chunk_evict_flag(a, chunk_ev)) continue;
         else if (match_engine_flag(a, ep)) continue;
         else if (!a.peek().empty() && a.peek()[0] == '-') a.unknown();
         else files.push_back(a.str());
@@ -123,6 +126,7 @@ int cmd_ingest(int argc, char ** argv) {
     if (uri.empty()) throw error("missing --store URI (see --help)");
     if (files.empty()) throw error("no files to ingest");
     if (chunk_size > 0 && !split.empty()) throw error("--chunk-size and --split exclude each other");
+    check_chunk_evict_flags(chunk_ev);
 
     // read everything first: a missing file fails before any work
     std::vector<std::string> texts;
@@ -159,11 +163,11 @@ int cmd_ingest(int argc, char ** argv) {
     int64_t tokens = 0, skipped = 0;
     for (size_t i = 0; i < chunks.size(); ++i) {
         if (chunks[i].empty()) continue;
-        const std::string key = chunk_key(*m, ep.type_k, codec_name, prefix, chunks[i]);
+        const std::string key = chunk_key(*m, ep.type_k, codec_name, prefix, chunks[i], chunk_ev);
         if (st->contains(key)) {
             ++skipped;
         } else {
-            chunk_get_or_collect(st.get(), eng, prefix, chunks[i], fs, codec_name);
+            chunk_get_or_collect(st.get(), eng, prefix, chunks[i], fs, codec_name, chunk_ev);
             tokens += (int64_t) chunks[i].size();
         }
         bar.update(i + 1, tokens);

@@ -9,7 +9,11 @@
 
 namespace kvblend {
 
-kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v, int64_t n_alloc) : n_ctx_(n_ctx) {
+kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v)
+    : kv_cache(m, n_ctx, type_k, type_v, n_ctx) {}
+
+kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v, int64_t cap)
+    : m_(&m), type_k_(type_k), type_v_(type_v), n_ctx_(n_ctx) {
     const model_hparams & hp = m.hparams();
     if (n_ctx <= 0) throw error("KV cache size must be positive");
     for (ggml_type t : {type_k, type_v}) {
@@ -20,26 +24,48 @@ kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type t
             throw error(std::string("a ") + ggml_type_name(t) + " KV cache needs a head size that is a multiple of " +
                         std::to_string(ggml_blck_size(t)) + "; this model's is " + std::to_string(hp.head_dim));
     }
+    cap = std::max<int64_t>(1, std::min(cap, n_ctx));
+    adopt(allocate(cap), cap);
+}
 
-    const int64_t rows = n_alloc < 0 ? n_ctx : std::min(n_alloc, n_ctx);
+std::unique_ptr<kv_cache> kv_cache::positions_only(const model & m, int64_t n_ctx) {
+    std::unique_ptr<kv_cache> c(new kv_cache(m, n_ctx, GGML_TYPE_F16, GGML_TYPE_F16, 1));
+    c->holds_rows_ = false;
+    return c;
+}
+
+kv_cache::storage kv_cache::allocate(int64_t cap) const {
+    const model_hparams & hp = m_->hparams();
+    storage s;
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer + 1), nullptr, true};
-    ctx_ = ggml_init(ip);
+    s.ctx = ggml_init(ip);
     for (int64_t il = 0; il < hp.n_layer; ++il) {
-        ggml_tensor * k = ggml_new_tensor_2d(ctx_, type_k, hp.n_embd_kv(), rows);  // [n_embd_kv, rows]
-        ggml_tensor * v = ggml_new_tensor_2d(ctx_, type_v, hp.n_embd_kv(), rows);  // [n_embd_kv, rows]
+        ggml_tensor * k = ggml_new_tensor_2d(s.ctx, type_k_, hp.n_embd_kv(), cap);  // [n_embd_kv, cap]
+        ggml_tensor * v = ggml_new_tensor_2d(s.ctx, type_v_, hp.n_embd_kv(), cap);  // [n_embd_kv, cap]
         ggml_format_name(k, "cache_k_l%d", (int) il);
         ggml_format_name(v, "cache_v_l%d", (int) il);
-        k_.push_back(k);
-        v_.push_back(v);
+        s.k.push_back(k);
+        s.v.push_back(v);
     }
-    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(m.device());
-    buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
-    if (!buf_) {
-        ggml_free(ctx_);
-        throw error("cannot allocate the KV cache (" + std::to_string(n_ctx) + " tokens)");
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(m_->device());
+    s.buf = ggml_backend_alloc_ctx_tensors_from_buft(s.ctx, buft);
+    if (!s.buf) {
+        ggml_free(s.ctx);
+        throw error("cannot allocate the KV cache (" + std::to_string(cap) + " tokens)");
     }
     // empty rows are masked out, but keep them finite for every backend
-    ggml_backend_buffer_clear(buf_, 0);
+    ggml_backend_buffer_clear(s.buf, 0);
+    return s;
+}
+
+void kv_cache::adopt(storage s, int64_t cap) {
+    ggml_backend_buffer_free(buf_);
+    ggml_free(ctx_);
+    ctx_ = s.ctx;
+    buf_ = s.buf;
+    k_ = std::move(s.k);
+    v_ = std::move(s.v);
+    cap_ = cap;
 }
 
 kv_cache::~kv_cache() {
@@ -51,12 +77,204 @@ bool kv_cache_type_supported(ggml_type t) {
     return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0;
 }
 
+void kv_cache::clear() {
+    ++epoch_;
+    n_past_ = 0;
+    rows_.clear();
+    if (holds_rows_ && cap_ != n_ctx_) adopt(allocate(n_ctx_), n_ctx_);
+}
+
 void kv_cache::set_n_past(int64_t n) {
+    if (sparse()) {
+        if (n == 0) return clear();
+        if (n == n_past_) return;
+        // rows appended since the last compaction sit at the end in position
+        // order: those at positions >= n can be cut; retained ones cannot
+        if (n > n_past_) throw error("KV cache position " + std::to_string(n) + " is past what the cache has seen");
+        std::vector<int64_t> keep_rows(rows_.size());
+        for (size_t il = 0; il < rows_.size(); ++il) {
+            const layer_rows & L = rows_[il];
+            int64_t r = L.n_rows;
+            while (r > L.n_retained && L.pos[(r - 1) * L.n_pos_head] >= n) --r;
+            for (int64_t q = 0; q < r; ++q)
+                for (int64_t h = 0; h < L.n_pos_head; ++h)
+                    if (L.pos[q * L.n_pos_head + h] >= n)
+                        throw error("a sparse (evicted) KV cache cannot be cut back to position " + std::to_string(n) +
+                                    ": it retains a later position");
+            keep_rows[il] = r;
+        }
+        for (size_t il = 0; il < rows_.size(); ++il) {
+            rows_[il].n_rows = keep_rows[il];
+            rows_[il].pos.resize(keep_rows[il] * rows_[il].n_pos_head);
+        }
+        n_past_ = n;
+        return;
+    }
     if (n < 0 || n > n_ctx_) throw error("KV cache position " + std::to_string(n) + " is outside [0, " + std::to_string(n_ctx_) + "]");
     n_past_ = n;
 }
 
 size_t kv_cache::bytes() const { return ggml_backend_buffer_get_size(buf_); }
+
+int64_t kv_cache::n_rows(int il) const { return sparse() ? rows_[il].n_rows : n_past_; }
+
+int64_t kv_cache::n_rows_max() const {
+    int64_t n = 0;
+    for (int il = 0; il < (int) n_layer(); ++il) n = std::max(n, n_rows(il));
+    return n;
+}
+
+int64_t kv_cache::n_retained(int il) const { return sparse() ? rows_[il].n_retained : 0; }
+
+bool kv_cache::per_head(int il) const { return sparse() && rows_[il].n_pos_head > 1; }
+
+int32_t kv_cache::row_pos(int il, int head, int64_t row) const {
+    if (!sparse()) return (int32_t) row;
+    const layer_rows & L = rows_[il];
+    return L.pos[row * L.n_pos_head + (L.n_pos_head > 1 ? head : 0)];
+}
+
+void kv_cache::mask_pos(int il, int32_t * dst) const {
+    const int64_t n = n_rows(il);
+    for (int64_t r = 0; r < n; ++r) dst[r] = r < n_retained(il) ? 0 : row_pos(il, 0, r);
+}
+
+size_t kv_cache::bytes_held() const {
+    size_t b = 0;
+    for (int il = 0; il < (int) n_layer(); ++il) {
+        const int64_t n = n_rows(il);
+        b += ggml_row_size(type_k_, n_embd_kv()) * n + ggml_row_size(type_v_, n_embd_kv()) * n;
+        if (sparse()) b += rows_[il].pos.size() * sizeof(int32_t);
+    }
+    return b;
+}
+
+void kv_cache::advance(int64_t n) {
+    if (n < 0 || n_past_ + n > n_ctx_ || (holds_rows_ && n_rows_max() + n > cap_)) throw error("KV cache advance past its end");
+    if (sparse()) {
+        for (layer_rows & L : rows_) {
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t h = 0; h < L.n_pos_head; ++h) L.pos.push_back((int32_t) (n_past_ + i));
+            L.n_rows += n;
+        }
+    }
+    n_past_ += n;
+}
+
+namespace {
+
+// rows [0, n) of a layer's tensor on the host, as stored
+std::vector<uint8_t> get_raw(const ggml_tensor * t, int64_t n) {
+    std::vector<uint8_t> raw(ggml_row_size(t->type, t->ne[0]) * n);
+    if (n > 0) ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+    return raw;
+}
+
+}  // namespace
+
+void kv_cache::compact(const std::vector<std::vector<std::vector<int64_t>>> & keep, int64_t reserve) {
+    const model_hparams & hp = m_->hparams();
+    const int64_t nl = n_layer(), nh = hp.n_head_kv;
+    if ((int64_t) keep.size() != nl) throw error("eviction: one keep list per layer is needed");
+    if (reserve < 0) throw error("eviction: negative reserve");
+    int64_t n_keep_max = 0;
+    for (int64_t il = 0; il < nl; ++il) {
+        const auto & kl = keep[il];
+        if (kl.size() != 1 && (int64_t) kl.size() != nh)
+            throw error("eviction: layer " + std::to_string(il) + " needs one keep list or one per KV head");
+        for (const auto & rows : kl) {
+            if (rows.size() != kl[0].size()) throw error("eviction: every KV head of a layer must keep the same count");
+            for (size_t i = 0; i < rows.size(); ++i)
+                if (rows[i] < 0 || rows[i] >= n_rows((int) il) || (i > 0 && rows[i] <= rows[i - 1]))
+                    throw error("eviction: keep rows must be ascending and held by the layer");
+        }
+        n_keep_max = std::max<int64_t>(n_keep_max, (int64_t) kl[0].size());
+    }
+    const int64_t cap = std::min(n_ctx_, n_keep_max + reserve);
+    // gather on the host: whole head segments (whole blocks) are copied as they are
+    storage dst;
+    const bool realloc = cap != cap_;
+    if (realloc) dst = allocate(std::max<int64_t>(cap, 1));
+    std::vector<layer_rows> rows(nl);
+    for (int64_t il = 0; il < nl; ++il) {
+        const auto & kl = keep[il];
+        const int64_t n_keep = (int64_t) kl[0].size();
+        for (int kv = 0; kv < 2; ++kv) {
+            ggml_tensor * src = kv == 0 ? k_[il] : v_[il];
+            const std::vector<uint8_t> old = get_raw(src, n_rows((int) il));
+            const size_t row = ggml_row_size(src->type, src->ne[0]), seg = ggml_row_size(src->type, hp.head_dim);
+            std::vector<uint8_t> out(row * n_keep);
+            for (int64_t r = 0; r < n_keep; ++r) {
+                if (kl.size() == 1) {
+                    std::memcpy(&out[r * row], &old[kl[0][r] * row], row);
+                    continue;
+                }
+                for (int64_t h = 0; h < nh; ++h) std::memcpy(&out[r * row + h * seg], &old[kl[h][r] * row + h * seg], seg);
+            }
+            ggml_tensor * to = realloc ? (kv == 0 ? dst.k[il] : dst.v[il]) : src;
+            if (n_keep > 0) ggml_backend_tensor_set(to, out.data(), 0, out.size());
+        }
+        layer_rows & L = rows[il];
+        L.n_rows = L.n_retained = n_keep;
+        L.n_pos_head = kl.size() == 1 && !per_head((int) il) ? 1 : nh;
+        L.pos.resize(n_keep * L.n_pos_head);
+        for (int64_t r = 0; r < n_keep; ++r)
+            for (int64_t h = 0; h < L.n_pos_head; ++h)
+                L.pos[r * L.n_pos_head + h] = row_pos((int) il, (int) h, kl[kl.size() == 1 ? 0 : h][r]);
+    }
+    if (realloc) adopt(std::move(dst), std::max<int64_t>(cap, 1));
+    rows_ = std::move(rows);
+}
+
+void kv_cache::set_positions(const std::vector<int32_t> & pos, int64_t n_past) {
+    if ((int64_t) pos.size() > cap_ || n_past > n_ctx_ || (!pos.empty() && pos.back() >= n_past))
+        throw error("KV cache positions do not fit the cache");
+    for (size_t i = 1; i < pos.size(); ++i)
+        if (pos[i] <= pos[i - 1]) throw error("KV cache positions must be ascending");
+    // the rows hold real positions, causal like appended rows: a later
+    // truncation (re-scoring a fused cache's tail) can cut them
+    layer_rows L;
+    L.n_rows = (int64_t) pos.size();
+    L.n_retained = 0;
+    L.pos = pos;
+    rows_.assign(n_layer(), L);
+    n_past_ = n_past;
+}
+
+void kv_cache::reserve_rows(int64_t n) {
+    const int64_t need = n_rows_max() + n;
+    if (!holds_rows_) {  // the rows live elsewhere: only the context bounds them
+        if (need > n_ctx_) throw error("KV cache overflow: " + std::to_string(need) + " positions exceed the context of " + std::to_string(n_ctx_));
+        return;
+    }
+    if (need <= cap_) return;
+    if (need > n_ctx_)
+        throw error("KV cache overflow: " + std::to_string(need) + " rows exceed the " + std::to_string(std::min(cap_, n_ctx_)) +
+                    " it can hold");
+    // grow by half again, so a decode that outgrows its reserve does not copy every step
+    const int64_t cap = std::min(n_ctx_, std::max(need, cap_ + cap_ / 2));
+    storage dst = allocate(cap);
+    for (int il = 0; il < (int) n_layer(); ++il) {
+        for (int kv = 0; kv < 2; ++kv) {
+            const std::vector<uint8_t> raw = get_raw(kv == 0 ? k_[il] : v_[il], n_rows(il));
+            if (!raw.empty()) ggml_backend_tensor_set(kv == 0 ? dst.k[il] : dst.v[il], raw.data(), 0, raw.size());
+        }
+    }
+    adopt(std::move(dst), cap);
+}
+
+std::unique_ptr<kv_cache> kv_cache::branch(int64_t reserve) const {
+    auto c = std::unique_ptr<kv_cache>(new kv_cache(*m_, n_ctx_, type_k_, type_v_, n_rows_max() + std::max<int64_t>(reserve, 0)));
+    for (int il = 0; il < (int) n_layer(); ++il) {
+        for (int kv = 0; kv < 2; ++kv) {
+            const std::vector<uint8_t> raw = get_raw(kv == 0 ? k_[il] : v_[il], n_rows(il));
+            if (!raw.empty()) ggml_backend_tensor_set(kv == 0 ? c->k_[il] : c->v_[il], raw.data(), 0, raw.size());
+        }
+    }
+    c->n_past_ = n_past_;
+    c->rows_ = rows_;
+    return c;
+}
 
 static std::vector<float> read_rows(const ggml_tensor * t, int64_t p0, int64_t n) {
     const size_t row = ggml_row_size(t->type, t->ne[0]);

@@ -77,6 +77,7 @@ struct job {
     std::string finish_reason = "stop";
     int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
     int64_t n_cached = 0;  // prompt tokens whose KV the slot still held from its previous request
+    int64_t kv_rows = 0;   // rows the slot's cache held after the prompt (fewer than the tokens when evicted)
     double prefill_ms = 0;
     double t_submit = 0, ttft_ms = -1;  // time to the first generated token, queueing included
     std::atomic<bool> cancelled{false};
@@ -197,6 +198,7 @@ struct server::impl {
             ep.type_k = p.type_k;
             ep.type_v = p.type_v;
             ep.kv_codec = p.kv_codec;
+            ep.evict = p.evict;
             auto eng = std::make_shared<engine>(m, ep);  // allocate every slot before serving
             workers.emplace_back([this, eng] {
                 std::vector<llama_token> cached;  // the tokens whose KV the slot's cache holds (fused or exact)
@@ -260,6 +262,9 @@ struct server::impl {
         // what the slot computed last and this prompt share (at least one token runs, for logits)
         size_t keep = 0;
         while (keep < cached.size() && keep + 1 < j.tokens.size() && cached[keep] == j.tokens[keep]) ++keep;
+        // an evicted cache holds a subset of what it saw: no prefix can be cut out
+        // of it, it can only be extended by a prompt that starts with all of it
+        if (eng.evicted() && keep < cached.size()) keep = 0;
         // a fused prompt whose documents all sit in that prefix (the same documents in the
         // same order) extends a cached prefix: the ordinary path, as a prefix cache would do
         const bool extends = j.fuse && keep + j.prompt.query.size() >= j.tokens.size();
@@ -275,6 +280,10 @@ struct server::impl {
             bp.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
             blend_result br = blend(eng, ptrs, j.prompt.query, bp);
             logits = std::move(br.logits);
+            if (p.evict.policy != EVICT_POLICY_NONE) {
+                std::vector<float> l = eng.evict(j.prompt.query);  // the fused cache, to the budget
+                if (!l.empty()) logits = std::move(l);
+            }
             j.n_fused = br.stats.n_tokens;
             j.n_recomputed = br.stats.n_selected;
             j.store_hits = fs.hits;
@@ -282,9 +291,11 @@ struct server::impl {
         } else {
             eng.cache().set_n_past((int64_t) keep);
             j.n_cached = (int64_t) keep;
-            logits = eng.eval(std::vector<llama_token>(j.tokens.begin() + keep, j.tokens.end()));
+            // prefill applies the slot's eviction policy (plain eval without one)
+            logits = eng.prefill(std::vector<llama_token>(j.tokens.begin() + keep, j.tokens.end()));
         }
         cached = j.tokens;
+        j.kv_rows = eng.cache().n_rows_max();
         j.prefill_ms = time_ms() - t0;
 
         sampler smp(j.sp);
@@ -500,6 +511,7 @@ struct server::impl {
                 {"n_recomputed", j.n_recomputed},
                 {"store_hits", j.store_hits},
                 {"n_cached", j.n_cached},
+                {"kv_rows", j.kv_rows},
                 {"prefill_ms", j.prefill_ms}};
     }
 

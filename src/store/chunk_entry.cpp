@@ -15,7 +15,8 @@ namespace kvblend {
 namespace {
 
 constexpr char     k_magic[8]        = {'K', 'V', 'B', 'C', 'H', 'U', 'N', 'K'};
-constexpr uint32_t k_version         = 1;
+constexpr uint32_t k_version         = 1;  // every token's rows
+constexpr uint32_t k_version_sparse  = 2;  // only the kept tokens' rows (token eviction)
 constexpr uint32_t k_pos_k_rope_pos0 = 1;  // K post-RoPE at pos0 + i; V position-free
 constexpr size_t   k_fixed_header    = 104;
 constexpr size_t   k_checksum_bytes  = 16;
@@ -46,7 +47,7 @@ std::string hex128(XXH128_hash_t h) {
 // the parsed fixed part of an entry
 struct entry_header {
     std::string fingerprint;
-    uint32_t n_layer, n_head_kv, head_dim, n_tokens, dtype, convention, n_prefix;
+    uint32_t version, n_layer, n_head_kv, head_dim, n_tokens, dtype, convention, n_prefix, n_kept;
     std::string codec;
     int64_t pos0;
     size_t header_bytes, payload_bytes;
@@ -57,8 +58,10 @@ entry_header parse(const std::vector<uint8_t> & b) {
     if (b.size() < k_fixed_header + k_checksum_bytes) throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
     if (std::memcmp(b.data(), k_magic, 8) != 0) throw error("not a kvblend chunk entry (bad magic)");
     const uint32_t version = get_u32(&b[8]);
-    if (version != k_version) throw error("entry format version " + std::to_string(version) + " is not supported");
+    if (version != k_version && version != k_version_sparse)
+        throw error("entry format version " + std::to_string(version) + " is not supported (1 and 2 are)");
     entry_header h;
+    h.version = version;
     h.header_bytes = get_u32(&b[12]);
     h.fingerprint.assign((const char *) &b[16], 32);
     h.n_layer = get_u32(&b[48]);
@@ -70,18 +73,24 @@ entry_header parse(const std::vector<uint8_t> & b) {
     h.convention = get_u32(&b[84]);
     std::memcpy(&h.pos0, &b[88], 8);
     h.n_prefix = get_u32(&b[96]);
+    h.n_kept = get_u32(&b[100]);  // version 1: reserved, 0
     if (h.dtype >= GGML_TYPE_COUNT || !kv_cache_type_supported((ggml_type) h.dtype))
         throw error("entry element type " + std::to_string(h.dtype) + " is not supported");
     if (h.codec.empty()) throw error("entry names no codec");
     if (h.convention != k_pos_k_rope_pos0) throw error("entry position convention " + std::to_string(h.convention) + " is unknown");
     if (h.n_tokens == 0 || h.n_layer == 0 || h.n_head_kv == 0 || h.head_dim == 0) throw error("entry has an empty shape");
-    const uint64_t want_header = k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens);
+    if (version == k_version && h.n_kept != 0) throw error("version 1 entry has a non-zero reserved field");
+    if (version == k_version_sparse && (h.n_kept == 0 || h.n_kept >= h.n_tokens))
+        throw error("entry keeps " + std::to_string(h.n_kept) + " of " + std::to_string(h.n_tokens) + " tokens");
+    if (h.n_kept != 0 && h.codec != k_codec_raw) throw error("an entry with evicted tokens must be raw");
+    const uint64_t n_rows = h.n_kept ? h.n_kept : h.n_tokens;
+    const uint64_t want_header = k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens + h.n_kept);
     if (h.header_bytes != want_header) throw error("entry header size is inconsistent");
     if (b.size() < want_header + k_checksum_bytes) throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
     // raw rows have a size fixed by the shape; a codec's payload checks its own
     h.payload_bytes = b.size() - want_header - k_checksum_bytes;
     if (h.codec == k_codec_raw) {
-        const uint64_t want = want_header + (uint64_t) h.n_layer * 2 * h.n_tokens *
+        const uint64_t want = want_header + (uint64_t) h.n_layer * 2 * n_rows *
                                                 ggml_row_size((ggml_type) h.dtype, (int64_t) h.n_head_kv * h.head_dim) +
                                             k_checksum_bytes;
         if (b.size() < want) throw error("entry is truncated (" + std::to_string(b.size()) + " of " + std::to_string(want) + " bytes)");
@@ -91,6 +100,13 @@ entry_header parse(const std::vector<uint8_t> & b) {
     uint64_t stored[2];
     std::memcpy(stored, &b[b.size() - k_checksum_bytes], 16);
     if (stored[0] != sum.low64 || stored[1] != sum.high64) throw error("entry checksum mismatch (corrupt bytes)");
+    // kept token indices: ascending, inside the chunk
+    const size_t kept_at = k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens);
+    for (uint32_t i = 0; i < h.n_kept; ++i) {
+        const uint32_t t = get_u32(&b[kept_at + 4ull * i]);
+        if (t >= h.n_tokens || (i > 0 && t <= get_u32(&b[kept_at + 4ull * (i - 1)])))
+            throw error("entry's kept token indices are not ascending within the chunk");
+    }
     return h;
 }
 
@@ -103,13 +119,22 @@ void check_against(const entry_header & h, const model & m) {
 
 }  // namespace
 
+std::string chunk_evict_tag(const evict_params & ev) {
+    if (ev.policy == EVICT_POLICY_NONE) return {};
+    char buf[192];
+    std::snprintf(buf, sizeof(buf), "evict=%s;share=%.9g;tokens=%lld;sinks=%lld;recent=%.9g;window=%lld;kernel=%lld",
+                  evict_policy_name(ev.policy), ev.budget_share, (long long) ev.budget_tokens, (long long) ev.n_sink,
+                  ev.recent_share, (long long) ev.window, (long long) ev.kernel);
+    return buf;
+}
+
 std::string chunk_key(const model & m, ggml_type type, const std::string & codec, const std::vector<llama_token> & prefix,
-                      const std::vector<llama_token> & tokens) {
+                      const std::vector<llama_token> & tokens, const evict_params & ev) {
     XXH3_state_t * st = XXH3_createState();
     XXH3_128bits_reset(st);
     auto add = [&](const void * p, size_t n) { XXH3_128bits_update(st, p, n); };
-    const std::string tag = "kvblend-chunk-key-v1";
-    add(tag.data(), tag.size());
+    const std::string key_tag = "kvblend-chunk-key-v1";
+    add(key_tag.data(), key_tag.size());
     add(m.fingerprint().data(), m.fingerprint().size());
     const uint32_t t = (uint32_t) type, np = (uint32_t) prefix.size(), nt = (uint32_t) tokens.size();
     add(&t, 4);
@@ -118,6 +143,9 @@ std::string chunk_key(const model & m, ggml_type type, const std::string & codec
     add(prefix.data(), prefix.size() * sizeof(llama_token));
     add(&nt, 4);
     add(tokens.data(), tokens.size() * sizeof(llama_token));
+    // an evicted chunk is another entry; a plain chunk's key is as it always was
+    const std::string tag = chunk_evict_tag(ev);
+    if (!tag.empty()) add(tag.c_str(), tag.size() + 1);
     const XXH128_hash_t h = XXH3_128bits_digest(st);
     XXH3_freeState(st);
     return hex128(h);
@@ -130,15 +158,16 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
         throw error("chunk KV does not match the model");
     if (m.fingerprint().size() != 32) throw error("model fingerprint has an unexpected size");
     const bool raw = !cd || cd->name() == k_codec_raw;
+    if (!c.kept.empty() && !raw) throw error("a chunk with evicted tokens is stored raw: codec " + cd->name() + " does not apply");
     const std::vector<uint8_t> coded = raw ? std::vector<uint8_t>() : cd->encode(c);
     const std::string codec_name = raw ? k_codec_raw : cd->entry_name();
     if (codec_name.size() >= 16) throw error("codec name too long: " + codec_name);
     const size_t payload = raw ? c.bytes() : coded.size();
-    const size_t header = k_fixed_header + 4 * (prefix.size() + c.tokens.size());
+    const size_t header = k_fixed_header + 4 * (prefix.size() + c.tokens.size() + c.kept.size());
     std::vector<uint8_t> b(header + payload + k_checksum_bytes);
     writer w{b.data()};
     w.raw(k_magic, 8);
-    w.u32(k_version);
+    w.u32(c.kept.empty() ? k_version : k_version_sparse);
     w.u32((uint32_t) header);
     w.raw(m.fingerprint().data(), 32);
     w.u32((uint32_t) hp.n_layer);
@@ -152,9 +181,10 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     w.u32(k_pos_k_rope_pos0);
     w.i64(c.pos0);
     w.u32((uint32_t) prefix.size());
-    w.u32(0);  // reserved
+    w.u32((uint32_t) c.kept.size());  // version 1: reserved, 0
     w.raw(prefix.data(), 4 * prefix.size());
     w.raw(c.tokens.data(), 4 * c.tokens.size());
+    w.raw(c.kept.data(), 4 * c.kept.size());
     w.raw(raw ? c.k(0) : coded.data(), payload);  // raw: the payload layout is the chunk's own
     const XXH128_hash_t sum = XXH3_128bits(b.data(), b.size() - k_checksum_bytes);
     const uint64_t words[2] = {sum.low64, sum.high64};
@@ -182,6 +212,8 @@ chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && b) {
     c.type = (ggml_type) h.dtype;
     c.tokens.resize(h.n_tokens);
     std::memcpy(c.tokens.data(), &b[k_fixed_header + 4ull * h.n_prefix], 4ull * h.n_tokens);
+    c.kept.resize(h.n_kept);
+    std::memcpy(c.kept.data(), &b[k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens)], 4ull * h.n_kept);
     if (h.codec == k_codec_raw) {
         // the payload stays where it was read: no copy of the KV
         c.data = std::move(b);
@@ -199,10 +231,15 @@ chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes) {
 
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
                               const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
-                              const std::string & codec_name) {
+                              const std::string & codec_name, const evict_params & ev) {
     const model & m = eng.mdl();
     const std::unique_ptr<codec> cd = codec_by_name(codec_name);
-    const std::string key = chunk_key(m, eng.cache().type_k(), cd->name(), prefix, tokens);
+    if (ev.policy != EVICT_POLICY_NONE) {
+        evict_check(ev);
+        if (cd->name() != k_codec_raw) throw error("evicted chunks are stored raw: --codec " + cd->name() + " does not apply");
+        if (!prefix.empty()) throw error("evicted chunks are collected alone, not behind a prefix");
+    }
+    const std::string key = chunk_key(m, eng.cache().type_k(), cd->name(), prefix, tokens, ev);
     if (st) {
         const double t0 = time_ms();
         std::optional<std::vector<uint8_t>> bytes = st->get(key);
@@ -222,7 +259,7 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
         }
     }
     const double t0 = time_ms();
-    chunk_kv c = prefix.empty() ? collect(eng, tokens) : collect_after(eng, prefix, tokens);
+    chunk_kv c = !prefix.empty() ? collect_after(eng, prefix, tokens) : collect_evicted(eng, tokens, ev);
     stats.misses++;
     stats.collect_ms += time_ms() - t0;
     std::vector<uint8_t> entry = chunk_encode(m, c, prefix, cd.get());

@@ -91,3 +91,31 @@ TEST(cli_generate, bad_input_is_one_error_line) {
 
 }  // namespace
 }  // namespace kvblend
+
+namespace kvblend {
+namespace {
+
+TEST(cli_generate, evict_keeps_the_budget_and_bad_flags_are_messages) {
+    const std::string base = "generate -m " + std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf -p 'Once upon a time' ";
+    for (const char * pol : {"streaming", "h2o", "snapkv", "pyramidkv"}) {
+        const test::run_result r = test::run_cli(base + "-n 12 --json --evict " + pol + " --kv-budget 3");
+        ASSERT_EQ(r.status, 0) << pol << ": " << r.err;
+        const nlohmann::json j = nlohmann::json::parse(r.out);
+        EXPECT_EQ(j["n_gen"].get<int>(), 12) << pol;
+        EXPECT_LE(j["kv_rows"].get<int>(), 3 + 11) << pol;  // the budget, plus decoded rows (and the slack)
+        EXPECT_LT(j["kv_bytes_held"].get<int64_t>(), j["kv_bytes_alloc"].get<int64_t>()) << pol;
+    }
+    // 100% keeps every position: the dense continuation
+    const test::run_result full = test::run_cli(base + "-n 20 --evict h2o --kv-budget 100%");
+    ASSERT_EQ(full.status, 0) << full.err;
+    EXPECT_EQ(full.out.rfind(", there was a little girl named Lily. She loved to play", 0), 0u) << full.out;
+    for (const char * bad : {"--evict lru --kv-budget 0.5", "--evict h2o --kv-budget 0", "--evict h2o --kv-budget 150%",
+                             "--evict snapkv --kv-budget 1.5", "--evict h2o", "--kv-budget 0.5", "--evict h2o --kv-budget x"}) {
+        const test::run_result r = test::run_cli(base + bad);
+        EXPECT_EQ(r.status, 1) << bad;
+        EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << bad << ": " << r.err;
+    }
+}
+
+}  // namespace
+}  // namespace kvblend

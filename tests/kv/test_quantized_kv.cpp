@@ -57,7 +57,7 @@ TEST(quantized_kv, matches_libllama_with_the_same_cache_types) {
         const auto gr = lr.greedy(std::vector<float>(theirs.end() - nv, theirs.end()), 16);
         for (size_t i = 0; i < g.size(); ++i) EXPECT_EQ(g[i], gr[i]) << "token " << i;
         // the cache really is quantized: a fraction of the f16 bytes
-        EXPECT_LT(eng.cache().bytes(), engine(m, engine_params{2, 128, 512, GGML_TYPE_F16, GGML_TYPE_F16, ""}).cache().bytes());
+        EXPECT_LT(eng.cache().bytes(), engine(m, engine_params{2, 128, 512, GGML_TYPE_F16, GGML_TYPE_F16, "", {}}).cache().bytes());
     }
 }
 

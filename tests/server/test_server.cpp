@@ -460,5 +460,32 @@ TEST(server, live_compressed_slots_say_so_and_refuse_documents) {
     EXPECT_EQ(json::parse(dc.Get("/health")->body)["kv_cache"], "f16");
 }
 
+TEST(server, an_evicted_slot_is_never_reused_as_a_partial_prefix) {
+    server_params p = small_params();
+    p.evict.policy = EVICT_POLICY_STREAMING;
+    p.evict.budget_tokens = 8;
+    p.evict.slack = 4;
+    running_server s(p), fresh(p);
+    auto c = s.client();
+    auto c2 = fresh.client();
+    const std::string first = "Once upon a time, there was a little girl named Lily. She loved to play";
+    const json r1 = post(c, "/v1/completions", {{"prompt", first}, {"max_tokens", 10}, {"temperature", 0}});
+    EXPECT_EQ(r1["kvblend"]["n_cached"], 0);
+    EXPECT_EQ(r1["kvblend"]["kv_rows"], 8);  // the prompt was evicted to the budget
+    // shares a prefix with the slot's history but does not extend all of it: the
+    // evicted cache cannot be cut back, so nothing is reused, and the answer is a fresh slot's
+    const std::string second = "Once upon a time, there was a little girl named Lily. He";
+    const json r2 = post(c, "/v1/completions", {{"prompt", second}, {"max_tokens", 8}, {"temperature", 0}});
+    EXPECT_EQ(r2["kvblend"]["n_cached"], 0);
+    const json want = post(c2, "/v1/completions", {{"prompt", second}, {"max_tokens", 8}, {"temperature", 0}});
+    EXPECT_EQ(r2["choices"][0]["text"], want["choices"][0]["text"]);
+    // a prompt that extends everything the slot saw may continue it: all of it or nothing
+    const json r1b = post(c, "/v1/completions", {{"prompt", second}, {"max_tokens", 8}, {"temperature", 0}});
+    const std::string third = second + r1b["choices"][0]["text"].get<std::string>() + " The";
+    const json r3 = post(c, "/v1/completions", {{"prompt", third}, {"max_tokens", 4}, {"temperature", 0}});
+    const int64_t n3 = r3["kvblend"]["n_cached"].get<int64_t>();
+    EXPECT_TRUE(n3 == 0 || n3 >= r1b["usage"]["prompt_tokens"].get<int64_t>()) << n3;
+}
+
 }  // namespace
 }  // namespace kvblend
