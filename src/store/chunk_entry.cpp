@@ -119,7 +119,7 @@ void check_against(const entry_header & h, const model & m) {
 
 }  // namespace
 
-std::string chunk_evict_tag(const evict_params & ev) {
+static std::string chunk_evict_tag(const evict_params & ev) {
     if (ev.policy == EVICT_POLICY_NONE) return {};
     char buf[192];
     std::snprintf(buf, sizeof(buf), "evict=%s;share=%.9g;tokens=%lld;sinks=%lld;recent=%.9g;window=%lld;kernel=%lld",

@@ -489,3 +489,35 @@ TEST(server, an_evicted_slot_is_never_reused_as_a_partial_prefix) {
 
 }  // namespace
 }  // namespace kvblend
+
+namespace kvblend {
+namespace {
+
+TEST(server, a_fused_cache_is_evicted_and_not_reused_as_a_prefix) {
+    test::temp_dir d("srvevict");
+    server_params p = small_params();
+    p.store_uri = d.path().string();
+    p.evict.policy = EVICT_POLICY_SNAPKV;
+    p.evict.budget_tokens = 16;
+    p.evict.window = 4;
+    running_server s(p);
+    auto c = s.client();
+    const json docs = {{{"text", "Tom had a red ball. He liked to throw it high in the sky."}},
+                       {{"text", "Sue found a little cat in the garden. The cat was hungry."}}};
+    auto ask = [&](const std::string & q) {
+        return post(c, "/v1/chat/completions",
+                    {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", q}}}},
+                     {"documents", docs}, {"max_tokens", 4}, {"temperature", 0}});
+    };
+    const json r1 = ask("Once upon a time");
+    EXPECT_GT(r1["kvblend"]["n_fused"].get<int>(), 16);
+    EXPECT_EQ(r1["kvblend"]["kv_rows"], 16);  // the fused cache, evicted to the budget
+    // the same documents in the same order would extend a dense slot's prefix; an evicted one is fused again
+    const json r2 = ask("The next day");
+    EXPECT_GT(r2["kvblend"]["n_fused"].get<int>(), 16);
+    EXPECT_EQ(r2["kvblend"]["n_cached"], 0);
+    EXPECT_FALSE(r2["choices"][0]["message"]["content"].get<std::string>().empty());
+}
+
+}  // namespace
+}  // namespace kvblend
