@@ -37,7 +37,7 @@ const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
   --system TEXT         system message for --chat
   --mmap                map the model file instead of reading the weights into memory
   --json                print one JSON object: text, n_prompt, n_gen, prefill_ms, decode_ms,
-                        kv_rows, kv_bytes_held, kv_bytes_alloc
+                        kv_rows, kv_bytes_held, kv_bytes_alloc, kv_bytes_f16
   -v, --verbose         show ggml's and libllama's logs
 )";
 
