@@ -97,6 +97,10 @@ class engine {
     size_t kv_bytes_f16() const;
     // throws kvblend::error naming `what` when the cache is a live compressed one
     void require_dense_cache(const char * what) const;
+    // bring a dense cache (a fused one, say) into this engine's live compressed
+    // cache: its rows [0, n_past) are encoded and decoding goes on from n_past.
+    // throws kvblend::error without a live cache, or for a sparse or other-shaped one
+    void import_cache(const kv_cache & dense);
 
     // bytes of the scheduler's compute buffers (they grow to the largest graph run so far)
     size_t compute_buffer_bytes() const;

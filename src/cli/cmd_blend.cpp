@@ -44,6 +44,8 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   -b, --ubatch N          micro-batch (default 512)
   --cache-type T          KV cache type: f16 (default), f32, q8_0, q4_0
                           (--cache-type-k / --cache-type-v must then agree)
+  --kv-codec NAME         fuse on a dense cache, then decode over a live compressed one
+                          (turboquantB[+qjl], minicache[:thr=G]; CPU only)
   --json                  print one JSON object
   -v, --verbose           show ggml's and libllama's logs
 
@@ -112,7 +114,12 @@ int cmd_blend(int argc, char ** argv) {
         throw error("prompt (" + std::to_string(all.size()) + " tokens) plus generation exceeds the model's context of " +
                     std::to_string(m->hparams().n_ctx_train));
     ep.n_ctx = need;
-    engine eng(m, ep);
+    // with --kv-codec the blend runs on a dense cache and the fused cache is
+    // then brought into the live compressed one that decodes
+    engine_params dense_ep = ep;
+    dense_ep.kv_codec.clear();
+    engine eng(m, dense_ep);
+    std::unique_ptr<engine> live = ep.kv_codec.empty() ? nullptr : std::make_unique<engine>(m, ep);
 
     // every chunk's KV: from the store, or collected alone (or behind the prefix)
     std::unique_ptr<store> st = store_uri.empty() ? nullptr : store_open(store_uri, so);
@@ -138,9 +145,16 @@ int cmd_blend(int argc, char ** argv) {
         return std::pair(l.empty() ? br.logits : l, time_ms() - t0);
     };
     const auto [logits, evict_ms] = ep.evict.policy != EVICT_POLICY_NONE ? evict_fused() : std::pair(br.logits, 0.0);
-    const int64_t kv_rows = eng.cache().n_rows_max();
-    const size_t kv_held = eng.cache().bytes_held();
-    const generate_result answer = eng.generate_from(logits, (int32_t) n_predict, sp);
+    // the engine that decodes: this one, or the live compressed cache the fused one goes into
+    auto decoder = [&]() -> engine & {
+        if (!live) return eng;
+        live->import_cache(eng.cache());
+        return *live;
+    };
+    engine & dec = decoder();
+    const int64_t kv_rows = dec.cache().n_rows_max();
+    const size_t kv_held = dec.kv_bytes_held(), kv_f16 = dec.kv_bytes_f16();
+    const generate_result answer = dec.generate_from(logits, (int32_t) n_predict, sp);
 
     nlohmann::json j = {{"text", answer.text},
                         {"n_tokens", N},
@@ -160,7 +174,9 @@ int cmd_blend(int argc, char ** argv) {
                         {"evict", evict_policy_name(ep.evict.policy)},
                         {"evict_ms", evict_ms},
                         {"kv_rows", kv_rows},
-                        {"kv_bytes_held", kv_held}};
+                        {"kv_bytes_held", kv_held},
+                        {"kv_bytes_f16", kv_f16},
+                        {"kv_codec", ep.kv_codec.empty() ? "none" : ep.kv_codec}};
     if (compare) {
         sampler_params greedy;
         greedy.temp = 0;
@@ -172,7 +188,7 @@ int cmd_blend(int argc, char ** argv) {
         } else {
             eng.cache().set_n_past(N);  // back to the fused cache: rows past N get rewritten
         }
-        const generate_result g_blend = eng.generate_from(l, (int32_t) n_greedy, greedy);
+        const generate_result g_blend = decoder().generate_from(l, (int32_t) n_greedy, greedy);
         eng.cache().clear();
         const double t0 = time_ms();
         const std::vector<float> full = eng.eval(all);
@@ -197,6 +213,9 @@ int cmd_blend(int argc, char ** argv) {
     if (ep.evict.policy != EVICT_POLICY_NONE)
         std::fprintf(stderr, "; %s kept %lld of %lld positions (%.1f ms)", evict_policy_name(ep.evict.policy),
                      (long long) kv_rows, (long long) N, evict_ms);
+    if (live)
+        std::fprintf(stderr, "; decoded over a %s cache of %.1f KiB (f16: %.1f KiB)", ep.kv_codec.c_str(), kv_held / 1024.0,
+                     kv_f16 / 1024.0);
     if (st)
         std::fprintf(stderr, "; store %lld hits (%.1f ms), %lld misses", (long long) fs.hits, fs.load_ms, (long long) fs.misses);
     if (compare)

@@ -73,6 +73,19 @@ size_t engine::kv_bytes_f16() const {
     return (size_t) hp.n_layer * cache_->n_past() * 2 * hp.n_embd_kv() * 2;
 }
 
+void engine::import_cache(const kv_cache & dense) {
+    if (!live_) throw error("importing a cache needs an engine with a live compressed cache (kv_codec)");
+    if (dense.sparse() || !dense.holds_rows()) throw error("only a dense KV cache can be brought into a live compressed cache");
+    if (dense.n_layer() != model_->hparams().n_layer || dense.n_embd_kv() != model_->hparams().n_embd_kv())
+        throw error("the KV cache to import has another shape than this model's");
+    const int64_t n = dense.n_past();
+    if (n > cache_->n_ctx())
+        throw error("a cache of " + std::to_string(n) + " positions exceeds the context of " + std::to_string(cache_->n_ctx()));
+    cache_->clear();
+    live_->import_rows(dense, n);
+    cache_->set_n_past(n);
+}
+
 void engine::require_dense_cache(const char * what) const {
     if (live_)
         throw error(std::string(what) + " needs a dense KV cache; this engine holds a live " + live_->name() +

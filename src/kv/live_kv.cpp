@@ -78,6 +78,17 @@ class tq_live : public live_kv {
         return {out[0], out[1]};
     }
 
+    void import_rows(const kv_cache & dense, int64_t n) override {
+        for (int64_t il = 0; il < n_layer_; ++il)
+            for (int kv = 0; kv < 2; ++kv) {
+                lane & l = lanes_[2 * il + kv];
+                const std::vector<float> x = kv ? dense.read_v((int) il, 0, n) : dense.read_k((int) il, 0, n);
+                if (l.rows.size() < l.rc->row_bytes() * n) l.rows.resize(l.rc->row_bytes() * n);
+                if (l.rc->fractional()) l.rc->pick_outliers(x.data(), n);
+                for (int64_t r = 0; r < n; ++r) l.rc->encode(&x[r * n_embd_], l.rows.data() + l.rc->row_bytes() * r);
+            }
+    }
+
   private:
     struct lane {
         std::unique_ptr<tq::row_coder> rc;
@@ -159,6 +170,16 @@ class mc_live : public live_kv {
         return b;
     }
 
+    void import_rows(const kv_cache & dense, int64_t n) override {
+        for (int64_t il = 0; il < n_layer_; ++il) {
+            if (role_[il] == ROLE_SECOND) continue;
+            reserve(il, n);
+            std::vector<float> rows[4] = {dense.read_k((int) il, 0, n), dense.read_v((int) il, 0, n)};
+            if (role_[il] == ROLE_FIRST) rows[2] = dense.read_k((int) il + 1, 0, n), rows[3] = dense.read_v((int) il + 1, 0, n);
+            put_rows(il, 0, n, rows);
+        }
+    }
+
     double retained_share(int64_t n) const override {
         int64_t kept = 0, all = 0;
         for (int64_t il = 0; il < n_layer_; ++il)
@@ -172,15 +193,7 @@ class mc_live : public live_kv {
                           const graph::attn_inputs & in) override {
         const int64_t n_stored = check_append(cur, in);
         // a pair's store lives with its first layer
-        const int64_t owner = role_[il] == ROLE_SECOND ? il - 1 : il;
-        for (int kv = 0; kv < 2; ++kv) {
-            lane & l = lanes_[2 * owner + kv];
-            if (role_[il] == ROLE_PLAIN && (int64_t) l.plain.size() < in.n_kv * n_embd_) l.plain.resize(in.n_kv * n_embd_);
-            if (role_[il] == ROLE_FIRST && (int64_t) l.slot.size() < in.n_kv) {
-                l.rec.resize(in.n_kv * record());
-                l.slot.resize(in.n_kv, -1);
-            }
-        }
+        if (role_[il] != ROLE_SECOND) reserve(il, in.n_kv);
         ggml_tensor * out[2];
         for (int kv = 0; kv < 2; ++kv) {
             ops_[2 * il + kv] = {this, il, kv, n_stored};
@@ -255,31 +268,36 @@ class mc_live : public live_kv {
         if (ith != 0) return;
         const op & o = *(const op *) ud;
         mc_live & self = *o.self;
-        const int64_t d = self.n_embd_, n_new = dst->src[0]->ne[2];
+        const int64_t n_new = dst->src[0]->ne[2];
+        std::vector<float> rows[4];
+        const int n_src = self.role_[o.il] == ROLE_PLAIN ? 2 : 4;
+        for (int i = 0; i < n_src; ++i) rows_via_f16(dst->src[i], 0, n_new, self.n_embd_, rows[i]);
+        // plain: (K, V) of the layer; a pair: (K, V) of its first layer, then of its second
+        self.put_rows(self.role_[o.il] == ROLE_PLAIN ? o.il : o.il - 1, o.n_stored, n_new, rows);
+    }
+
+    // rows [n_stored, n_stored + n_new) of a plain layer or of the pair that starts at il
+    void put_rows(int64_t il, int64_t n_stored, int64_t n_new, const std::vector<float> * rows) {
+        const int64_t d = n_embd_;
         std::vector<float> dir(d);
         for (int kv = 0; kv < 2; ++kv) {
-            if (self.role_[o.il] == ROLE_PLAIN) {
-                lane & l = self.lanes_[2 * o.il + kv];
-                for (int64_t r = 0; r < n_new; ++r)
-                    ggml_cpu_fp32_to_fp16(fresh_row(dst->src[kv], r), &l.plain[(o.n_stored + r) * d], d);
+            lane & l = lanes_[2 * il + kv];
+            if (role_[il] == ROLE_PLAIN) {
+                for (int64_t r = 0; r < n_new; ++r) ggml_cpu_fp32_to_fp16(&rows[kv][r * d], &l.plain[(n_stored + r) * d], d);
                 continue;
             }
-            lane & l = self.lanes_[2 * (o.il - 1) + kv];
-            if (o.n_stored == 0) {  // a fresh cache: the pools restart
+            if (n_stored == 0) {  // a fresh cache: the pools restart
                 l.pool[0].clear();
                 l.pool[1].clear();
                 std::fill(l.slot.begin(), l.slot.end(), -1);
             }
-            std::vector<float> xa, xb;
-            rows_via_f16(dst->src[kv], 0, n_new, d, xa);
-            rows_via_f16(dst->src[2 + kv], 0, n_new, d, xb);
             for (int64_t r = 0; r < n_new; ++r) {
-                const float * a = &xa[r * d];
-                const float * b = &xb[r * d];
-                const int64_t row = o.n_stored + r;
+                const float * a = &rows[kv][r * d];
+                const float * b = &rows[2 + kv][r * d];
+                const int64_t row = n_stored + r;
                 float na, nb;
-                if (mc::merge(a, b, d, self.p_, dir.data(), na, nb)) {
-                    uint8_t * rec = l.rec.data() + self.record() * row;
+                if (mc::merge(a, b, d, p_, dir.data(), na, nb)) {
+                    uint8_t * rec = l.rec.data() + record() * row;
                     ggml_cpu_fp32_to_fp16(dir.data(), (ggml_fp16_t *) rec, d);
                     std::memcpy(rec + d * 2, &na, 4);
                     std::memcpy(rec + d * 2 + 4, &nb, 4);
@@ -296,6 +314,17 @@ class mc_live : public live_kv {
                 }
                 ggml_cpu_fp32_to_fp16(a, &l.pool[0][(size_t) s * d], d);
                 ggml_cpu_fp32_to_fp16(b, &l.pool[1][(size_t) s * d], d);
+            }
+        }
+    }
+
+    void reserve(int64_t il, int64_t n) {
+        for (int kv = 0; kv < 2; ++kv) {
+            lane & l = lanes_[2 * il + kv];
+            if (role_[il] == ROLE_PLAIN && (int64_t) l.plain.size() < n * n_embd_) l.plain.resize(n * n_embd_);
+            if (role_[il] == ROLE_FIRST && (int64_t) l.slot.size() < n) {
+                l.rec.resize(n * record());
+                l.slot.resize(n, -1);
             }
         }
     }

@@ -7,7 +7,8 @@
 // layer being run is dense. CPU only (the nodes are ggml custom ops).
 //
 // The cache only appends: a micro-batch's tokens go to rows n_stored… The
-// paths that write rows elsewhere (collect, place, blend) need a dense cache.
+// paths that write rows elsewhere (collect, place, blend) need a dense cache;
+// a fused cache is brought over whole afterwards (import_rows).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "graph/forward.h"
+#include "kvblend/kv_cache.h"
 #include "kvblend/model.h"
 
 namespace kvblend {
@@ -29,6 +31,9 @@ class live_kv : public graph::kv_store_hook {
     ~live_kv() override = default;
 
     virtual std::string name() const = 0;
+    // encode rows [0, n) of every layer of a dense cache, as a prefill of
+    // those rows in one micro-batch would have (a fused cache, say)
+    virtual void import_rows(const kv_cache & dense, int64_t n) = 0;
     // bytes really held for rows [0, n) of every layer, and a dense f16 cache's
     virtual size_t bytes_held(int64_t n) const = 0;
     size_t bytes_f16(int64_t n) const { return (size_t) n * 2 * n_layer_ * n_embd_ * 2; }

@@ -133,5 +133,21 @@ TEST(cli_bench_blend, speed_rows_on_a_small_model) {
     EXPECT_NE(bad.err.find("--ratios expects comma-separated numbers in [0, 1]"), std::string::npos) << bad.err;
 }
 
+TEST(cli_blend, a_fused_cache_decodes_over_a_live_compressed_cache) {
+    doc_files docs;
+    const test::run_result r = test::run_cli("blend -m " + k_stories + docs.args() +
+                                             " --query 'Once upon a time' -n 8 --json --kv-codec turboquant4");
+    ASSERT_EQ(r.status, 0) << r.err;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["kv_codec"], "turboquant4");
+    // 4 bits and a 16-bit norm per 32-value row against 16 bits per value
+    EXPECT_LT(j["kv_bytes_held"].get<double>(), 0.3 * j["kv_bytes_f16"].get<double>());
+    EXPECT_GT(j["kv_bytes_held"].get<double>(), 0.2 * j["kv_bytes_f16"].get<double>());
+    const test::run_result bad = test::run_cli("blend -m " + k_stories + docs.args() +
+                                               " --query 'Once' --kv-codec turboquant3 --evict h2o --kv-budget 50%");
+    EXPECT_EQ(bad.status, 1);
+    EXPECT_NE(bad.err.find("do not combine"), std::string::npos) << bad.err;
+}
+
 }  // namespace
 }  // namespace kvblend

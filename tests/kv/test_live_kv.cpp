@@ -112,6 +112,36 @@ TEST(live_kv, bytes_are_what_is_held) {
     EXPECT_EQ(mc.live()->retained_share(n), 0.0);
 }
 
+TEST(live_kv, a_dense_cache_brought_in_equals_the_same_rows_prefilled) {
+    auto m = model::load(k_stories);
+    const std::vector<llama_token> prompt = story(*m);
+    const std::vector<llama_token> head(prompt.begin(), prompt.end() - 1);
+    engine dense(m, live_params(""));
+    dense.eval(head);
+    for (const std::string name : {"turboquant3.5", "turboquant4+qjl", "minicache:thr=0.45"}) {
+        engine prefilled(m, live_params(name)), imported(m, live_params(name));
+        const std::vector<float> want = last_logits(prefilled, prompt);
+        imported.import_cache(dense.cache());
+        EXPECT_EQ(imported.cache().n_past(), (int64_t) head.size());
+        EXPECT_EQ(imported.kv_bytes_held(), prefilled.live()->bytes_held((int64_t) head.size())) << name;
+        const std::vector<float> got = imported.eval({prompt.back()});
+        EXPECT_LE(max_rel_diff(got, want), 1e-6) << name;
+    }
+    // and a fused cache decodes on from where the blend left it
+    engine live(m, live_params("turboquant4"));
+    const chunk_kv a = collect(dense, std::vector<llama_token>(head.begin(), head.begin() + 20));
+    const chunk_kv b = collect(dense, std::vector<llama_token>(head.begin() + 20, head.end()));
+    const blend_result br = blend(dense, {&a, &b}, {prompt.back()}, blend_default_params());
+    live.import_cache(dense.cache());
+    EXPECT_EQ(live.cache().n_past(), (int64_t) prompt.size());
+    sampler_params sp;
+    sp.temp = 0;
+    EXPECT_EQ(live.generate_from(br.logits, 8, sp).tokens.size(), 8u);
+    // what cannot come in
+    EXPECT_THROW(dense.import_cache(live.cache()), error);  // no live cache to bring it into
+    EXPECT_THROW(live.import_cache(live.cache()), error);   // rows held elsewhere
+}
+
 TEST(live_kv, paths_that_need_a_dense_cache_refuse) {
     auto m = model::load(k_stories);
     engine live(m, live_params("turboquant4"));
