@@ -3,13 +3,19 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "ggml.h"
+#include "llama.h"
+#include "kvblend/model.h"
 #include "kvblend/model_maker.h"
 
 namespace kvblend::test {
@@ -84,6 +90,24 @@ inline std::string make_test_model(const std::string & preset, ggml_type wtype =
     make_model(spec, params, out);
     cache.emplace(key, out);
     return out;
+}
+
+// n token ids drawn uniformly from the model's vocabulary
+inline std::vector<llama_token> random_tokens(const model & m, int64_t n, int seed) {
+    std::mt19937 rng(seed);
+    std::uniform_int_distribution<int> dist(0, (int) m.hparams().n_vocab - 1);
+    std::vector<llama_token> t(n);
+    for (auto & x : t) x = dist(rng);
+    return t;
+}
+
+// the largest |a - b| over the largest |b| (infinite when the sizes differ)
+inline double max_rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
+    if (a.size() != b.size()) return INFINITY;
+    double d = 0, mx = 0;
+    for (size_t i = 0; i < a.size(); ++i)
+        d = std::max(d, (double) std::fabs(a[i] - b[i])), mx = std::max(mx, (double) std::fabs(b[i]));
+    return d / mx;
 }
 
 }  // namespace kvblend::test

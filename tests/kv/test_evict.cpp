@@ -19,22 +19,6 @@
 namespace kvblend {
 namespace {
 
-std::vector<llama_token> random_tokens(const model & m, int64_t n, int seed) {
-    std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> dist(0, (int) m.hparams().n_vocab - 1);
-    std::vector<llama_token> t(n);
-    for (auto & x : t) x = dist(rng);
-    return t;
-}
-
-double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
-    EXPECT_EQ(a.size(), b.size());
-    double d = 0, mx = 0;
-    for (size_t i = 0; i < a.size() && i < b.size(); ++i)
-        d = std::max(d, (double) std::fabs(a[i] - b[i])), mx = std::max(mx, (double) std::fabs(b[i]));
-    return d / mx;
-}
-
 engine_params f32_params(int64_t n_ctx) {
     engine_params ep;
     ep.n_ctx = n_ctx;
@@ -117,7 +101,7 @@ std::vector<int64_t> random_subset(int64_t n, int64_t k, int seed) {
 
 TEST(evict, full_retention_equals_the_dense_cache) {
     auto m = model::load(test::make_test_model("tiny-qwen3"));
-    const auto prompt = random_tokens(*m, 70, 1), cont = random_tokens(*m, 6, 2);
+    const auto prompt = test::random_tokens(*m, 70, 1), cont = test::random_tokens(*m, 6, 2);
     engine dense(m, f32_params(128));
     dense.eval(prompt);
     const std::vector<float> want = dense.eval(cont, true);
@@ -141,7 +125,7 @@ TEST(evict, sparse_cache_equals_dense_with_evicted_positions_masked) {
     auto m = model::load(test::make_test_model("tiny-qwen3"));
     const model_hparams & hp = m->hparams();
     const int64_t n = 60, k = 23;
-    const auto prompt = random_tokens(*m, n, 3), cont = random_tokens(*m, 7, 4);
+    const auto prompt = test::random_tokens(*m, n, 3), cont = test::random_tokens(*m, 7, 4);
     for (bool per_head : {false, true}) {
         evict_keep keep(hp.n_layer);
         for (int il = 0; il < hp.n_layer; ++il)
@@ -164,22 +148,22 @@ TEST(evict, sparse_cache_equals_dense_with_evicted_positions_masked) {
             return std::binary_search(rows.begin(), rows.end(), p);
         };
         const std::vector<float> want = masked_dense_logits(dense, cont, visible);
-        const double d = rel_diff(got, want);
+        const double d = test::max_rel_diff(got, want);
         std::printf("per_head %d: sparse vs masked dense, relative %.3g\n", (int) per_head, d);
         EXPECT_LE(d, 1e-5);
         const std::vector<float> want2 = masked_dense_logits(dense, {cont[0], cont[1]}, visible);
-        EXPECT_LE(rel_diff(got2, want2), 1e-5);
+        EXPECT_LE(test::max_rel_diff(got2, want2), 1e-5);
         // and it really differs from the full cache
         engine full(m, f32_params(128));
         full.eval(prompt);
-        EXPECT_GT(rel_diff(full.eval(cont, true), want), 1e-3);
+        EXPECT_GT(test::max_rel_diff(full.eval(cont, true), want), 1e-3);
     }
 }
 
 TEST(evict, appended_tokens_sit_at_their_true_positions) {
     auto m = model::load(test::make_test_model("tiny-qwen3"));
     const model_hparams & hp = m->hparams();
-    const auto prompt = random_tokens(*m, 50, 5), cont = random_tokens(*m, 5, 6);
+    const auto prompt = test::random_tokens(*m, 50, 5), cont = test::random_tokens(*m, 5, 6);
     engine sparse(m, f32_params(128));
     sparse.eval(prompt);
     const evict_keep keep = same_rows(hp.n_layer, random_subset(50, 12, 7));
@@ -195,7 +179,7 @@ TEST(evict, appended_tokens_sit_at_their_true_positions) {
     for (int64_t r = 0; r < 12; ++r) EXPECT_EQ(c.row_pos(1, 1, r), keep[1][0][r]);
     // layer 0's K depends only on the token and its position: the appended rows
     // equal the dense cache's rows at the same positions, rotated there
-    EXPECT_LE(rel_diff(c.read_k(0, 12, 5), dense.cache().read_k(0, 50, 5)), 1e-6);
+    EXPECT_LE(test::max_rel_diff(c.read_k(0, 12, 5), dense.cache().read_k(0, 50, 5)), 1e-6);
     // retained rows kept their own rotation
     for (int64_t r = 0; r < 12; ++r)
         EXPECT_EQ(c.read_k(2, r, 1), dense.cache().read_k(2, keep[2][0][r], 1)) << r;
@@ -220,7 +204,7 @@ TEST(evict, per_head_rows_select_per_head) {
     auto m = model::load(test::make_test_model("tiny-qwen3"));
     const model_hparams & hp = m->hparams();
     ASSERT_GE(hp.n_head_kv, 2);
-    const auto prompt = random_tokens(*m, 40, 8);
+    const auto prompt = test::random_tokens(*m, 40, 8);
     engine sparse(m, f32_params(64)), dense(m, f32_params(64));
     sparse.eval(prompt);
     dense.eval(prompt);
@@ -248,7 +232,7 @@ TEST(evict, per_head_rows_select_per_head) {
 
 TEST(evict, bytes_shrink_with_the_budget) {
     auto m = model::load(test::make_test_model("tiny"));  // head size 32: whole q8_0 / q4_0 blocks
-    const auto prompt = random_tokens(*m, 100, 9);
+    const auto prompt = test::random_tokens(*m, 100, 9);
     for (ggml_type t : {GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0}) {
         engine_params ep;
         ep.n_ctx = 256;
@@ -280,7 +264,7 @@ TEST(evict, bytes_shrink_with_the_budget) {
 
 TEST(evict, quantized_sparse_cache_at_full_retention_is_exact) {
     auto m = model::load(test::make_test_model("tiny"));
-    const auto prompt = random_tokens(*m, 64, 10), cont = random_tokens(*m, 3, 11);
+    const auto prompt = test::random_tokens(*m, 64, 10), cont = test::random_tokens(*m, 3, 11);
     engine_params ep;
     ep.n_ctx = 128;
     ep.type_k = ep.type_v = GGML_TYPE_Q8_0;
@@ -302,7 +286,7 @@ TEST(evict, quantized_sparse_cache_at_full_retention_is_exact) {
 
 TEST(evict, branch_is_an_independent_copy) {
     auto m = model::load(test::make_test_model("tiny-qwen3"));
-    const auto prompt = random_tokens(*m, 50, 12), a = random_tokens(*m, 4, 13), b = random_tokens(*m, 4, 14);
+    const auto prompt = test::random_tokens(*m, 50, 12), a = test::random_tokens(*m, 4, 13), b = test::random_tokens(*m, 4, 14);
     engine_params ep = f32_params(128);
     ep.evict.policy = EVICT_POLICY_H2O;
     ep.evict.budget_share = 0.4;
@@ -324,7 +308,7 @@ TEST(evict, branch_is_an_independent_copy) {
 TEST(evict, attention_scores_sum_to_the_scored_queries) {
     auto m = model::load(test::make_test_model("tiny-qwen3"));
     const model_hparams & hp = m->hparams();
-    const auto prompt = random_tokens(*m, 70, 15);
+    const auto prompt = test::random_tokens(*m, 70, 15);
     engine eng(m, f32_params(128));
     attn_scores sc;
     eng.eval(prompt, false, 0, &sc, 50);  // queries 50 … 69, over two micro-batches
@@ -371,8 +355,8 @@ TEST(evict, policies_keep_their_budgets_on_a_trained_model) {
 TEST(evict, a_blend_over_evicted_chunks_is_a_prefill_without_their_evicted_positions) {
     auto m = model::load(test::make_test_model("tiny-qwen3"));
     const model_hparams & hp = m->hparams();
-    std::vector<std::vector<llama_token>> parts = {random_tokens(*m, 6, 20), random_tokens(*m, 30, 21), random_tokens(*m, 25, 22)};
-    const auto query = random_tokens(*m, 5, 23), next = random_tokens(*m, 2, 24);
+    std::vector<std::vector<llama_token>> parts = {test::random_tokens(*m, 6, 20), test::random_tokens(*m, 30, 21), test::random_tokens(*m, 25, 22)};
+    const auto query = test::random_tokens(*m, 5, 23), next = test::random_tokens(*m, 2, 24);
     engine_params ep = f32_params(128);
     engine eng(m, ep);
     evict_params ev;
@@ -405,10 +389,10 @@ TEST(evict, a_blend_over_evicted_chunks_is_a_prefill_without_their_evicted_posit
     auto visible = [&](int, int64_t, int64_t p) { return p >= 61 || held[p]; };
     const std::vector<float> ref = masked_dense_logits(dense, all, visible);
     const int64_t nv = hp.n_vocab;
-    const double d = rel_diff(br.logits, std::vector<float>(ref.end() - nv, ref.end()));
+    const double d = test::max_rel_diff(br.logits, std::vector<float>(ref.end() - nv, ref.end()));
     std::printf("blend of evicted chunks at ratio 1 vs masked prefill: relative %.3g\n", d);
     EXPECT_LE(d, 1e-4);
-    EXPECT_LE(rel_diff(after, masked_dense_logits(dense, next, visible)), 1e-4);
+    EXPECT_LE(test::max_rel_diff(after, masked_dense_logits(dense, next, visible)), 1e-4);
 }
 
 TEST(evict, stored_chunks_hold_only_the_kept_positions) {
@@ -416,7 +400,7 @@ TEST(evict, stored_chunks_hold_only_the_kept_positions) {
     engine_params ep;
     ep.n_ctx = 128;
     engine eng(m, ep);
-    const auto toks = random_tokens(*m, 40, 30);
+    const auto toks = test::random_tokens(*m, 40, 30);
     evict_params ev;
     ev.policy = EVICT_POLICY_H2O;
     ev.budget_tokens = 10;
@@ -472,7 +456,7 @@ TEST(evict, bad_budgets_and_policies_are_errors) {
     // compaction refuses bad rows instead of crashing
     ep = engine_params{};
     engine eng(m, ep);
-    eng.eval(random_tokens(*m, 10, 1));
+    eng.eval(test::random_tokens(*m, 10, 1));
     EXPECT_THROW(eng.cache().compact(same_rows(m->hparams().n_layer, {3, 2}), 0), error);
     EXPECT_THROW(eng.cache().compact(same_rows(m->hparams().n_layer, {0, 10}), 0), error);
     EXPECT_THROW(eng.cache().compact(same_rows(1, {0}), 0), error);

@@ -11,6 +11,7 @@
 #include "kvblend/blend.h"
 #include "kvblend/codec.h"
 #include "kvblend/vocab.h"
+#include "test_util.h"
 
 namespace kvblend {
 namespace {
@@ -31,12 +32,6 @@ std::vector<float> last_logits(engine & eng, const std::vector<llama_token> & pr
     return eng.eval({prompt.back()});
 }
 
-double max_rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
-    double d = 0, mx = 0;
-    for (size_t i = 0; i < a.size(); ++i) d = std::max(d, (double) std::fabs(a[i] - b[i])), mx = std::max(mx, (double) std::fabs(b[i]));
-    return d / mx;
-}
-
 engine_params live_params(const std::string & name) {
     engine_params ep;
     ep.n_ctx = 256;
@@ -50,7 +45,7 @@ TEST(live_kv, minicache_retaining_everything_equals_the_dense_cache) {
     engine dense(m, live_params(""));
     engine live(m, live_params("minicache:thr=-1"));
     const std::vector<float> a = last_logits(dense, prompt), b = last_logits(live, prompt);
-    EXPECT_LE(max_rel_diff(b, a), 1e-6);
+    EXPECT_LE(test::max_rel_diff(b, a), 1e-6);
     // and greedy decoding agrees token for token
     sampler_params sp;
     sp.temp = 0;
@@ -81,7 +76,7 @@ TEST(live_kv, lossy_live_caches_equal_their_codec_on_a_dense_cache) {
         const std::vector<float> ref = dense_through_codec(dense, prompt, name);
         // the live cache encodes the rows an f16 cache holds and attends over the
         // f16 tiles it decodes: the same numbers as the codec's rows in a dense cache
-        EXPECT_LE(max_rel_diff(l, ref), 1e-6) << name;
+        EXPECT_LE(test::max_rel_diff(l, ref), 1e-6) << name;
         const double kl_exact = kl_divergence(exact.data(), l.data(), nv);
         std::printf("%-18s KL to the exact cache %.3g\n", name.c_str(), kl_exact);
         EXPECT_GT(kl_exact, 1e-4) << name;  // and it really is lossy
@@ -125,7 +120,7 @@ TEST(live_kv, a_dense_cache_brought_in_equals_the_same_rows_prefilled) {
         EXPECT_EQ(imported.cache().n_past(), (int64_t) head.size());
         EXPECT_EQ(imported.kv_bytes_held(), prefilled.live()->bytes_held((int64_t) head.size())) << name;
         const std::vector<float> got = imported.eval({prompt.back()});
-        EXPECT_LE(max_rel_diff(got, want), 1e-6) << name;
+        EXPECT_LE(test::max_rel_diff(got, want), 1e-6) << name;
     }
     // and a fused cache decodes on from where the blend left it
     engine live(m, live_params("turboquant4"));

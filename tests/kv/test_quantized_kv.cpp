@@ -14,24 +14,10 @@
 namespace kvblend {
 namespace {
 
-std::vector<llama_token> random_prompt(const model & m, int64_t n, int seed) {
-    std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> dist(0, (int) m.hparams().n_vocab - 1);
-    std::vector<llama_token> t(n);
-    for (auto & x : t) x = dist(rng);
-    return t;
-}
-
-double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
-    double d = 0, mx = 0;
-    for (size_t i = 0; i < a.size(); ++i) d = std::max(d, (double) std::fabs(a[i] - b[i])), mx = std::max(mx, (double) std::fabs(b[i]));
-    return d / mx;
-}
-
 TEST(quantized_kv, matches_libllama_with_the_same_cache_types) {
     const std::string path = test::make_test_model("tiny");  // head size 32: whole q8_0/q4_0 blocks
     auto m = model::load(path);
-    const std::vector<llama_token> prompt = random_prompt(*m, 80, 1);
+    const std::vector<llama_token> prompt = test::random_tokens(*m, 80, 1);
     for (auto [tk, tv] : {std::pair{GGML_TYPE_Q8_0, GGML_TYPE_Q8_0}, std::pair{GGML_TYPE_Q4_0, GGML_TYPE_Q4_0},
                           std::pair{GGML_TYPE_Q8_0, GGML_TYPE_Q4_0}}) {
         engine_params ep;
@@ -47,7 +33,7 @@ TEST(quantized_kv, matches_libllama_with_the_same_cache_types) {
         rp.extra_bufts = false;
         ref::llama_ref lr(path, rp);
         const std::vector<float> theirs = lr.eval(prompt, true);
-        const double d = rel_diff(ours, theirs);
+        const double d = test::max_rel_diff(ours, theirs);
         std::printf("K %s, V %s: relative %.3g to libllama\n", ggml_type_name(tk), ggml_type_name(tv), d);
         EXPECT_LE(d, 1e-6);
         sampler_params greedy;
@@ -66,7 +52,7 @@ TEST(quantized_kv, kl_to_an_f16_cache_orders_with_precision) {
     const int64_t nv = m->hparams().n_vocab;
     std::map<ggml_type, double> kl;
     for (int seed = 0; seed < 4; ++seed) {
-        const std::vector<llama_token> prompt = random_prompt(*m, 100, seed);
+        const std::vector<llama_token> prompt = test::random_tokens(*m, 100, seed);
         engine_params ep;
         ep.n_ctx = 128;
         const std::vector<float> ref = engine(m, ep).eval(prompt);
@@ -89,8 +75,8 @@ TEST(quantized_kv, blend_over_a_q8_0_cache) {
     ep.n_ubatch = 64;
     ep.type_k = ep.type_v = GGML_TYPE_Q8_0;
     engine eng(m, ep);
-    std::vector<std::vector<llama_token>> parts = {random_prompt(*m, 20, 1), random_prompt(*m, 50, 2), random_prompt(*m, 60, 3)};
-    const std::vector<llama_token> query = random_prompt(*m, 12, 4);
+    std::vector<std::vector<llama_token>> parts = {test::random_tokens(*m, 20, 1), test::random_tokens(*m, 50, 2), test::random_tokens(*m, 60, 3)};
+    const std::vector<llama_token> query = test::random_tokens(*m, 12, 4);
     std::vector<chunk_kv> kv;
     for (const auto & p : parts) kv.push_back(collect(eng, p));
     EXPECT_EQ(kv[0].type, GGML_TYPE_Q8_0);
@@ -102,7 +88,7 @@ TEST(quantized_kv, blend_over_a_q8_0_cache) {
     for (const auto & p : parts) all.insert(all.end(), p.begin(), p.end());
     all.insert(all.end(), query.begin(), query.end());
     engine full(m, ep);
-    const double d = rel_diff(fused, full.eval(all));
+    const double d = test::max_rel_diff(fused, full.eval(all));
     std::printf("q8_0 cache: blend at ratio 1 vs full prefill, relative %.3g\n", d);
     EXPECT_LE(d, 1e-3);
     bp.recomp_ratio = 0.15f;
