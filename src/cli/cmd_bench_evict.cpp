@@ -52,18 +52,6 @@ Both:
   --plot FILE.png     KL vs budget per policy (fidelity)
 )";
 
-std::vector<std::string> split_names(const std::string & s) {
-    std::vector<std::string> out;
-    size_t start = 0;
-    while (start <= s.size()) {
-        size_t end = s.find(',', start);
-        if (end == std::string::npos) end = s.size();
-        out.push_back(s.substr(start, end - start));
-        start = end + 1;
-    }
-    return out;
-}
-
 // rows held per layer, on average (pyramidkv's layers hold different counts)
 double mean_rows(const kv_cache & c) {
     double n = 0;
@@ -267,7 +255,7 @@ int bench_evict(args & a) {
         } else if (a.match({"-m", "--model"})) o.model_path = a.str();
         else if (a.match({"--policies"})) {
             o.policies.clear();
-            for (const auto & n : split_names(a.str())) {
+            for (const auto & n : a.names()) {
                 const evict_policy p = evict_policy_parse(n);
                 if (p == EVICT_POLICY_NONE) throw error("--policies: 'none' is the dense row, always reported");
                 o.policies.push_back(p);

@@ -124,14 +124,17 @@ bool match_engine_flag(args & a, engine_params & ep) {
     else if (a.match({"--cache-type"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
     else if (a.match({"--cache-type-k", "-ctk"})) ep.type_k = parse_cache_type(a.str());
     else if (a.match({"--cache-type-v", "-ctv"})) ep.type_v = parse_cache_type(a.str());
-    else if (a.match({"--kv-codec"})) {
-        ep.kv_codec = a.str();
-        if (!live_kv::is_live_name(ep.kv_codec))
-            throw error("--kv-codec takes turboquantB[+qjl] (B: 2, 2.5, 3, 3.5, 4) or minicache[:start=S:t=T:thr=G], not '" +
-                        ep.kv_codec + "'");
-        std::unique_ptr<codec> check = codec_by_name(ep.kv_codec);  // validates the options (minicache:thr=…)
-    } else return false;
+    else if (a.match({"--kv-codec"})) ep.kv_codec = parse_kv_codec(a.str());
+    else return false;
     return true;
+}
+
+std::string parse_kv_codec(const std::string & name) {
+    if (!live_kv::is_live_name(name))
+        throw error("--kv-codec takes turboquantB[+qjl] (B: 2, 2.5, 3, 3.5, 4) or minicache[:start=S:t=T:thr=G], not '" +
+                    name + "'");
+    codec_by_name(name);  // validates the options (minicache:thr=…)
+    return name;
 }
 
 std::string read_text_file(const std::string & path) {

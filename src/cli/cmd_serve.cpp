@@ -4,7 +4,6 @@
 #include <cstdio>
 
 #include "cli/args.h"
-#include "kv/live_kv.h"
 #include "cli/cli_util.h"
 #include "cli/commands.h"
 #include "kvblend/server.h"
@@ -82,12 +81,8 @@ int cmd_serve(int argc, char ** argv) {
         else if (a.match({"--cache-type"})) sp.type_k = sp.type_v = parse_cache_type(a.str());
         else if (a.match({"--cache-type-k", "-ctk"})) sp.type_k = parse_cache_type(a.str());
         else if (a.match({"--cache-type-v", "-ctv"})) sp.type_v = parse_cache_type(a.str());
-        else if (a.match({"--kv-codec"})) {
-            sp.kv_codec = a.str();
-            if (!live_kv::is_live_name(sp.kv_codec))
-                throw error("--kv-codec takes turboquantB[+qjl] (B: 2, 2.5, 3, 3.5, 4) or minicache[:start=S:t=T:thr=G], not '" +
-                            sp.kv_codec + "'");
-        } else if (match_evict_flag(a, sp.evict)) continue;
+        else if (a.match({"--kv-codec"})) sp.kv_codec = parse_kv_codec(a.str());
+        else if (match_evict_flag(a, sp.evict)) continue;
         else a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
