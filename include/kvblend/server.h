@@ -3,6 +3,7 @@
 // store (collected and put on a miss) and is fused with the question.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -32,6 +33,12 @@ struct server_params {
     // they are fused into a dense cache
     std::string kv_codec;
     evict_params evict;                         // token eviction of each slot's cache after its prompt
+    // limits of the HTTP layer
+    size_t      max_body        = 8u << 20;     // bytes of a request body; longer ones get 413 before any is read
+    int         read_timeout_s  = 15;           // a request's line, headers and body must arrive within this
+    int         write_timeout_s = 10;           // a response write that makes no progress this long ends the connection
+    int         max_connections = 256;          // open connections; more are answered 503 and closed
+    int         max_connections_per_client = 64;  // from one address; more get 429 (0: no limit)
 };
 
 class server {

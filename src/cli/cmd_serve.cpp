@@ -1,5 +1,6 @@
 // kvblend serve: the OpenAI-compatible server.
 #include <csignal>
+#include <string>
 #include <thread>
 #include <cstdio>
 
@@ -30,8 +31,12 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --check-layer L           CacheBlend check layer (default 1)
   --chunk-size N            plain long prompts: chunk length (default 256)
   --min-fuse-tokens N       plain prompts at least this long are chunked and fused (default 1024)
-  --api-key KEY             require "Authorization: Bearer KEY"
+  --api-key KEY             require "Authorization: Bearer KEY" (an empty key is refused)
   --api-key-file F          the same, the key read from a file
+  --max-body N              largest request body in bytes, k/M suffixes (default 8M); more gets 413
+  --read-timeout S          a request's headers and body must arrive within S seconds (default 15)
+  --max-connections N       open connections at once (default 256); more get 503
+  --max-conns-per-client N  open connections from one address (default 64, 0: no limit); more get 429
   -t, --threads N           CPU threads per slot (default 2)
   --cache-type T            KV cache type for K and V: f16 (default), f32, q8_0, q4_0
   --cache-type-k T          K only (-ctk); --cache-type-v T: V only (-ctv). Documents need K and V alike
@@ -43,6 +48,24 @@ evicted slot is reused only by a prompt that extends everything it has seen:
 )";
 
 server * g_server = nullptr;
+
+// "8388608", "512k", "8M", "1G": bytes
+int64_t parse_size(const std::string & s, const char * flag) {
+    size_t n = 0;
+    long long v = -1;
+    try {
+        v = std::stoll(s, &n);
+    } catch (...) {
+    }
+    int64_t mul = 1;
+    const std::string rest = n < s.size() ? s.substr(n) : "";
+    if (rest == "k" || rest == "K") mul = 1 << 10;
+    else if (rest == "m" || rest == "M") mul = 1 << 20;
+    else if (rest == "g" || rest == "G") mul = 1 << 30;
+    else if (!rest.empty()) v = -1;
+    if (v < 1 || v > (int64_t(1) << 40) / mul) throw error(std::string(flag) + " expects a size in bytes such as 8M, got '" + s + "'");
+    return v * mul;
+}
 
 void on_signal(int) {
     if (g_server) g_server->stop();
@@ -71,7 +94,13 @@ int cmd_serve(int argc, char ** argv) {
         else if (a.match({"--check-layer"})) sp.check_layer = (int) a.integer(0, 4096);
         else if (a.match({"--chunk-size"})) sp.chunk_size = a.integer(1, 1 << 20);
         else if (a.match({"--min-fuse-tokens"})) sp.min_fuse_tokens = a.integer(1, 1 << 24);
-        else if (a.match({"--api-key"})) sp.api_key = a.str();
+        else if (a.match({"--api-key"})) {
+            sp.api_key = a.str();
+            if (sp.api_key.empty()) throw error("--api-key is empty: give a key, or leave the flag out to serve without one");
+        } else if (a.match({"--max-body"})) sp.max_body = (size_t) parse_size(a.str(), "--max-body");
+        else if (a.match({"--read-timeout"})) sp.read_timeout_s = (int) a.integer(1, 3600);
+        else if (a.match({"--max-connections"})) sp.max_connections = (int) a.integer(1, 65536);
+        else if (a.match({"--max-conns-per-client"})) sp.max_connections_per_client = (int) a.integer(0, 65536);
         else if (a.match({"--api-key-file"})) {
             std::string k = read_text_file(a.str());
             while (!k.empty() && (k.back() == '\n' || k.back() == '\r' || k.back() == ' ')) k.pop_back();
@@ -86,6 +115,9 @@ int cmd_serve(int argc, char ** argv) {
         else a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
+    if (sp.api_key.empty() && sp.host != "127.0.0.1" && sp.host != "localhost" && sp.host != "::1")
+        std::fprintf(stderr, "warning: serving on %s without an API key: anyone who can reach it can use it (--api-key)\n",
+                     sp.host.c_str());
     check_evict_flags(sp.evict);
     auto m = model::load(model_path);
     sp.n_ctx = std::min(sp.n_ctx, m->hparams().n_ctx_train);

@@ -4,7 +4,9 @@
 // back through the job, to the response or to a server-sent-event stream.
 #include "kvblend/server.h"
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -16,6 +18,8 @@
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
+#include "server/server_http.h"
+#include "server/server_request.h"
 
 namespace kvblend {
 
@@ -41,20 +45,6 @@ class locked_store : public store {
     std::unique_ptr<store> s_;
 };
 
-// a user's mistake in a request: answered with an OpenAI-shaped error
-struct request_error {
-    int status;
-    std::string message, type, code;
-};
-
-[[noreturn]] void bad_request(const std::string & msg, const std::string & code = "invalid_request") {
-    throw request_error{400, msg, "invalid_request_error", code};
-}
-
-std::string error_body(const std::string & message, const std::string & type, const std::string & code) {
-    return json{{"error", {{"message", message}, {"type", type}, {"code", code}}}}.dump();
-}
-
 struct job {
     // what to compute: a completion, or (ingest) only collecting and storing chunks
     bool ingest = false;
@@ -74,6 +64,8 @@ struct job {
     std::deque<std::string> pieces;
     bool done = false;
     std::string error;
+    int error_status = 500;  // the HTTP status and code error is answered with
+    std::string error_code = "internal_error";
     std::string finish_reason = "stop";
     int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
     int64_t n_cached = 0;  // prompt tokens whose KV the slot still held from its previous request
@@ -87,9 +79,11 @@ struct job {
         pieces.push_back(std::move(piece));
         cv.notify_all();
     }
-    void finish(const std::string & err = {}) {
+    void finish(const std::string & err = {}, int status = 500, const std::string & code = "internal_error") {
         std::lock_guard l(mu);
         error = err;
+        error_status = status;
+        error_code = code;
         done = true;
         cv.notify_all();
     }
@@ -117,24 +111,27 @@ struct server::impl {
     server_params p;
     std::unique_ptr<store> st;
     std::string model_id;
-    httplib::Server http;
+    http_server http{http_limits{p.max_body, p.read_timeout_s, p.write_timeout_s, 5, p.max_connections,
+                                 p.max_connections_per_client}};
     std::atomic<int> bound_port{0};
 
     // Prometheus counters (GET /metrics)
     struct metrics_t {
         std::mutex mu;
-        int64_t requests = 0, errors = 0, prompt_tokens = 0, completion_tokens = 0, fused_tokens = 0, recomputed_tokens = 0,
+        int64_t requests = 0, errors = 0, cancelled = 0, prompt_tokens = 0, completion_tokens = 0, fused_tokens = 0, recomputed_tokens = 0,
                 store_hits = 0, store_misses = 0;
         static constexpr double bounds[9] = {0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};  // seconds
         int64_t ttft_buckets[10] = {};
         double ttft_sum = 0;
         int64_t ttft_count = 0;
+        int64_t responses[6] = {};  // HTTP responses by status class: 1xx … 5xx (index 1 … 5)
     } metrics;
 
     void record(const job & j) {
         std::lock_guard l(metrics.mu);
         metrics.requests++;
         if (!j.error.empty()) metrics.errors++;
+        if (j.cancelled) metrics.cancelled++;
         metrics.prompt_tokens += (int64_t) j.tokens.size();
         metrics.completion_tokens += j.n_gen;
         metrics.fused_tokens += j.n_fused;
@@ -160,6 +157,14 @@ struct server::impl {
         };
         counter("kvblend_requests_total", "completion requests answered", metrics.requests);
         counter("kvblend_request_errors_total", "completion requests that failed in a slot", metrics.errors);
+        counter("kvblend_requests_cancelled_total", "completion requests stopped because their client went away",
+                metrics.cancelled);
+        out += "# HELP kvblend_http_responses_total HTTP responses by status class\n";
+        out += "# TYPE kvblend_http_responses_total counter\n";
+        for (int c = 1; c <= 5; ++c)
+            out += "kvblend_http_responses_total{code=\"" + std::to_string(c) + "xx\"} " + std::to_string(metrics.responses[c]) + "\n";
+        counter("kvblend_http_connections_refused_total", "connections answered 429/503 and closed (too many open)",
+                http.refused_connections());
         counter("kvblend_prompt_tokens_total", "prompt tokens", metrics.prompt_tokens);
         counter("kvblend_completion_tokens_total", "generated tokens", metrics.completion_tokens);
         counter("kvblend_fused_tokens_total", "prompt tokens prefilled by CacheBlend fusion", metrics.fused_tokens);
@@ -232,6 +237,9 @@ struct server::impl {
                 if (j->ingest) run_ingest(eng, *j), cached.clear();
                 else run(eng, *j, cached);
                 j->finish();
+            } catch (const request_error & e) {
+                cached.clear();
+                j->finish(e.message, e.status, e.code);
             } catch (const std::exception & e) {
                 cached.clear();
                 j->finish(e.what());
@@ -243,12 +251,23 @@ struct server::impl {
     // POST /v1/documents: collect (or find) every document's chunk; its key is its id
     void run_ingest(engine & eng, job & j) {
         chunk_fetch_stats fs;
+        const auto cd = codec_by_name(p.codec);
         for (const auto & d : j.ingest_docs) {
             if ((int64_t) d.size() > eng.cache().n_ctx())
-                throw error("a document of " + std::to_string(d.size()) + " tokens exceeds the context of " +
+                bad_request("a document of " + std::to_string(d.size()) + " tokens exceeds the context of " +
                             std::to_string(eng.cache().n_ctx()));
-            chunk_get_or_collect(st.get(), eng, {}, d, fs, p.codec);
-            j.ingest_keys.push_back(chunk_key(*m, eng.cache().type_k(), codec_by_name(p.codec)->name(), {}, d));
+            const std::string key = chunk_key(*m, eng.cache().type_k(), cd->name(), {}, d);
+            chunk_kv c = chunk_get_or_collect(st.get(), eng, {}, d, fs, p.codec);
+            // an id is answered only for a document the store holds: a failed put
+            // (swallowed or thrown) is tried once more here to learn its reason
+            try {
+                if (!st->contains(key)) st->put(key, chunk_encode(*m, c, {}, cd.get()));
+                if (!st->contains(key)) throw error("the entry is not there after the write");
+            } catch (const std::exception & e) {
+                throw request_error{500, "the store did not keep document " + std::to_string(j.ingest_keys.size()) + ": " + e.what(),
+                                    "server_error", "store_write_failed"};
+            }
+            j.ingest_keys.push_back(key);
         }
         j.store_hits = fs.hits;
         j.store_misses = fs.misses;
@@ -357,14 +376,11 @@ struct server::impl {
     }
 
     // --- requests -------------------------------------------------------------
-    json parse_body(const httplib::Request & req) const {
-        try {
-            json b = json::parse(req.body);
-            if (!b.is_object()) bad_request("the request body must be a JSON object");
-            return b;
-        } catch (const json::exception & e) {
-            bad_request(std::string("malformed JSON: ") + e.what(), "invalid_json");
-        }
+    // the body, checked for its endpoint without the model (server_request.h)
+    json parse_body(const httplib::Request & req, request_kind kind, bool * stream = nullptr) const {
+        request_spec r = request_parse(kind, req.body);
+        if (stream) *stream = r.stream;
+        return std::move(r.body);
     }
 
     // sampling fields shared by both completion endpoints
@@ -521,7 +537,7 @@ struct server::impl {
     }
 
     // run a job to the end or stream it; chat: chat.completion(.chunk), else text_completion
-    void respond(const std::shared_ptr<job> & j, bool chat, bool stream, httplib::Response & res) {
+    void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const httplib::Request & req, httplib::Response & res) {
         if (!submit(j)) throw request_error{503, "the server is overloaded: every slot is busy and the queue is full",
                                             "server_error", "overloaded"};
         const std::string id = new_id(chat ? "chatcmpl-" : "cmpl-");
@@ -529,9 +545,13 @@ struct server::impl {
         if (!stream) {
             std::string text;
             std::unique_lock l(j->mu);
-            j->cv.wait(l, [&] { return j->done; });
+            // a client that hangs up cancels its work, as a stream's does
+            while (!j->cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j->done; }))
+                if (!j->cancelled && req.is_connection_closed && req.is_connection_closed()) j->cancelled = true;
             for (auto & s : j->pieces) text += s;
-            if (!j->error.empty()) throw request_error{500, j->error, "server_error", "internal_error"};
+            if (!j->error.empty())
+                throw request_error{j->error_status, j->error, j->error_status < 500 ? "invalid_request_error" : "server_error",
+                                    j->error_code};
             json out = {{"id", id}, {"created", created}, {"model", model_id}, {"usage", usage_of(*j)}, {"kvblend", kvblend_of(*j)}};
             if (chat) {
                 out["object"] = "chat.completion";
@@ -557,43 +577,48 @@ struct server::impl {
             return "data: " + c.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
         };
         auto started = std::make_shared<bool>(false);
-        res.set_chunked_content_provider(
-            "text/event-stream",
-            [=](size_t, httplib::DataSink & sink) {
-                std::string out;
-                bool finished = false;
-                {
-                    std::unique_lock l(j->mu);
-                    j->cv.wait(l, [&] { return j->done || !j->pieces.empty(); });
-                    if (!*started && chat) out += chunk({{"role", "assistant"}, {"content", ""}}, nullptr);
-                    *started = true;
-                    while (!j->pieces.empty()) {
-                        out += chunk(chat ? json{{"content", j->pieces.front()}} : json(j->pieces.front()), nullptr);
-                        j->pieces.pop_front();
-                    }
-                    if (j->done) {
-                        finished = true;
-                        if (!j->error.empty()) {
-                            out += "data: " + error_body(j->error, "server_error", "internal_error") + "\n\n";
-                        } else {
-                            json last = json::parse(chunk(chat ? json::object() : json(""), j->finish_reason).substr(6));
-                            last["usage"] = usage_of(*j);
-                            last["kvblend"] = kvblend_of(*j);
-                            out += "data: " + last.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
-                        }
-                        out += "data: [DONE]\n\n";
-                    }
+        auto provider = [=](size_t, httplib::DataSink & sink) {
+            std::string out;
+            bool finished = false;
+            {
+                std::unique_lock l(j->mu);
+                j->cv.wait(l, [&] { return j->done || !j->pieces.empty(); });
+                if (!*started && chat) out += chunk({{"role", "assistant"}, {"content", ""}}, nullptr);
+                *started = true;
+                while (!j->pieces.empty()) {
+                    out += chunk(chat ? json{{"content", j->pieces.front()}} : json(j->pieces.front()), nullptr);
+                    j->pieces.pop_front();
                 }
-                if (!sink.write(out.data(), out.size())) {
-                    j->cancelled = true;  // the client went away: stop its work
-                    return false;
+                if (j->done) {
+                    finished = true;
+                    if (!j->error.empty()) {
+                        out += "data: " + error_body(j->error, "server_error", "internal_error") + "\n\n";
+                    } else {
+                        json last = json::parse(chunk(chat ? json::object() : json(""), j->finish_reason).substr(6));
+                        last["usage"] = usage_of(*j);
+                        last["kvblend"] = kvblend_of(*j);
+                        out += "data: " + last.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+                    }
+                    out += "data: [DONE]\n\n";
                 }
-                if (finished) sink.done();
-                return true;
-            },
-            [j](bool success) {
-                if (!success) j->cancelled = true;
-            });
+            }
+            if (!sink.write(out.data(), out.size())) {
+                j->cancelled = true;  // the client went away: stop its work
+                return false;
+            }
+            if (finished) sink.done();
+            return true;
+        };
+        auto release = [j](bool success) {
+            if (!success) j->cancelled = true;
+        };
+        // an HTTP/1.0 client cannot read chunks: the stream ends where the connection does
+        if (http_can_chunk(req)) {
+            res.set_chunked_content_provider("text/event-stream", provider, release);
+        } else {
+            res.set_header("Connection", "close");  // the last response on the connection
+            res.set_content_provider("text/event-stream", provider, release);
+        }
     }
 
     // --- routes -----------------------------------------------------------------
@@ -608,6 +633,10 @@ struct server::impl {
             } catch (const error & e) {
                 res.status = 400;
                 res.set_content(error_body(e.what(), "invalid_request_error", "invalid_request"), "application/json");
+            } catch (const json::exception & e) {  // a field read as a type it does not have: the check missed it
+                res.status = 400;
+                res.set_content(error_body("a field of the request has the wrong type", "invalid_request_error", "invalid_request"),
+                                "application/json");
             } catch (const std::exception & e) {
                 res.status = 500;
                 res.set_content(error_body(e.what(), "server_error", "internal_error"), "application/json");
@@ -616,23 +645,58 @@ struct server::impl {
     }
 
     void routes() {
-        http.new_task_queue = [this] { return new httplib::ThreadPool((size_t) std::max(8, p.parallel + p.max_queue / 4)); };
+        // before any body is read: the key, then the declared length
         http.set_pre_routing_handler([this](const httplib::Request & req, httplib::Response & res) {
-            if (p.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
-            if (req.get_header_value("Authorization") == "Bearer " + p.api_key) return httplib::Server::HandlerResponse::Unhandled;
-            res.status = 401;
-            res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"), "application/json");
-            return httplib::Server::HandlerResponse::Handled;
+            if (!p.api_key.empty() && req.path != "/health" && !http_bearer_matches(req, p.api_key)) {
+                res.status = 401;
+                res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"), "application/json");
+                return httplib::Server::HandlerResponse::Handled;
+            }
+            if (req.has_header("Content-Length") && req.get_header_value_u64("Content-Length") > p.max_body) {
+                res.status = 413;
+                res.set_header("Connection", "close");  // the body is not read
+                res.set_content(error_body("the request body is larger than this server's limit of " + std::to_string(p.max_body) +
+                                               " bytes (--max-body)",
+                                           "invalid_request_error", "request_too_large"),
+                                "application/json");
+                return httplib::Server::HandlerResponse::Handled;
+            }
+            return httplib::Server::HandlerResponse::Unhandled;
         });
-        http.set_error_handler([](const httplib::Request &, httplib::Response & res) {
-            if (res.status == 404 && res.body.empty())
-                res.set_content(error_body("unknown route", "invalid_request_error", "not_found"), "application/json");
+        http.set_error_handler([this](const httplib::Request &, httplib::Response & res) {
+            if (!res.body.empty()) return;
+            if (res.status == 404) res.set_content(error_body("unknown route", "invalid_request_error", "not_found"), "application/json");
+            else if (res.status == 413)  // a chunked body past the limit
+                res.set_content(error_body("the request body is larger than this server's limit of " + std::to_string(p.max_body) +
+                                               " bytes (--max-body)",
+                                           "invalid_request_error", "request_too_large"),
+                                "application/json");
+            else if (res.status >= 400)
+                res.set_content(error_body(httplib::status_message(res.status), res.status < 500 ? "invalid_request_error" : "server_error",
+                                           "http_" + std::to_string(res.status)),
+                                "application/json");
+        });
+        http.set_logger([this](const httplib::Request &, const httplib::Response & res) {
+            std::lock_guard l(metrics.mu);
+            metrics.responses[std::clamp(res.status / 100, 1, 5)]++;
         });
         http.Get("/health", [this](const httplib::Request &, httplib::Response & res) {
             const std::string kv = !p.kv_codec.empty() ? p.kv_codec
                                    : p.type_k == p.type_v ? ggml_type_name(p.type_k)
                                                           : std::string(ggml_type_name(p.type_k)) + "/" + ggml_type_name(p.type_v);
-            res.set_content(json{{"status", "ok"}, {"kv_cache", kv}, {"fusion", p.kv_codec.empty()}}.dump(), "application/json");
+            json h = {{"status", "ok"}, {"kv_cache", kv}, {"fusion", p.kv_codec.empty()}};
+            // the store answers (a lookup of a key no chunk has), or the server is degraded: documents fail
+            if (st) {
+                try {
+                    st->contains(std::string(32, '0'));
+                    h["store"] = {{"uri", st->uri()}, {"ok", true}};
+                } catch (const std::exception & e) {
+                    h["status"] = "degraded";
+                    h["store"] = {{"uri", st->uri()}, {"ok", false}, {"error", e.what()}};
+                    res.status = 503;
+                }
+            }
+            res.set_content(h.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
         });
         http.Get("/v1/models", [this](const httplib::Request &, httplib::Response & res) {
             res.set_content(json{{"object", "list"},
@@ -641,12 +705,14 @@ struct server::impl {
                             "application/json");
         });
         http.Post("/v1/chat/completions", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                      const json b = parse_body(req);
-                      respond(chat_job(b), true, b.value("stream", false), res);
+                      bool stream = false;
+                      const json b = parse_body(req, REQUEST_CHAT, &stream);
+                      respond(chat_job(b), true, stream, req, res);
                   }));
         http.Post("/v1/completions", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                      const json b = parse_body(req);
-                      respond(completion_job(b), false, b.value("stream", false), res);
+                      bool stream = false;
+                      const json b = parse_body(req, REQUEST_COMPLETION, &stream);
+                      respond(completion_job(b), false, stream, req, res);
                   }));
         http.Get("/metrics", [this](const httplib::Request &, httplib::Response & res) {
             res.set_content(metrics_text(), "text/plain; version=0.0.4");
@@ -654,7 +720,7 @@ struct server::impl {
         http.Post("/v1/documents", guarded([this](const httplib::Request & req, httplib::Response & res) {
                       if (!st) bad_request("POST /v1/documents needs a server started with --store");
                       require_dense_slots();
-                      const json b = parse_body(req);
+                      const json b = parse_body(req, REQUEST_DOCUMENTS);
                       if (!b.contains("documents") || !b["documents"].is_array() || b["documents"].empty())
                           bad_request("'documents' must be a non-empty array of texts or {\"text\": string}");
                       auto j = std::make_shared<job>();
@@ -668,7 +734,9 @@ struct server::impl {
                       if (!submit(j)) throw request_error{503, "the server is overloaded", "server_error", "overloaded"};
                       std::unique_lock l(j->mu);
                       j->cv.wait(l, [&] { return j->done; });
-                      if (!j->error.empty()) bad_request(j->error);
+                      if (!j->error.empty())
+                          throw request_error{j->error_status, j->error,
+                                              j->error_status < 500 ? "invalid_request_error" : "server_error", j->error_code};
                       json data = json::array();
                       for (size_t i = 0; i < j->ingest_keys.size(); ++i)
                           data.push_back({{"id", j->ingest_keys[i]}, {"object", "document"}, {"n_tokens", (int64_t) j->ingest_docs[i].size()}});
@@ -676,14 +744,14 @@ struct server::impl {
                                       "application/json");
                   }));
         http.Post("/tokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                      const json b = parse_body(req);
+                      const json b = parse_body(req, REQUEST_TOKENIZE);
                       if (!b.contains("content") || !b["content"].is_string()) bad_request("'content' must be a string");
                       const auto t = m->tokens().tokenize(b["content"].get<std::string>(), b.value("add_special", false),
                                                           b.value("parse_special", true));
                       res.set_content(json{{"tokens", t}}.dump(), "application/json");
                   }));
         http.Post("/detokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                      const json b = parse_body(req);
+                      const json b = parse_body(req, REQUEST_DETOKENIZE);
                       if (!b.contains("tokens") || !b["tokens"].is_array()) bad_request("'tokens' must be an array");
                       std::vector<llama_token> t;
                       for (const auto & x : b["tokens"]) {

@@ -1,0 +1,189 @@
+// the model-free checks of a request body (see server_request.h)
+#include "server/server_request.h"
+
+#include <cmath>
+
+namespace kvblend {
+
+using json = nlohmann::json;
+
+void bad_request(const std::string & msg, const std::string & code) {
+    throw request_error{400, msg, "invalid_request_error", code};
+}
+
+std::string error_body(const std::string & message, const std::string & type, const std::string & code) {
+    return json{{"error", {{"message", message}, {"type", type}, {"code", code}}}}.dump(-1, ' ', false,
+                                                                                     json::error_handler_t::replace);
+}
+
+namespace {
+
+// nlohmann's parse error, without its "[json.exception…]" tag and the raw bytes it last read
+std::string parse_error_text(const json::parse_error & e) {
+    std::string s = e.what();
+    if (const size_t at = s.find("] "); at != std::string::npos) s = s.substr(at + 2);
+    if (const size_t at = s.find("; last read"); at != std::string::npos) s = s.substr(0, at);
+    return s;
+}
+
+const char * type_name_of(const json & x) { return x.type_name(); }
+
+[[noreturn]] void wrong_type(const std::string & field, const char * want, const json & got) {
+    bad_request("'" + field + "' must be " + want + ", not " + type_name_of(got));
+}
+
+// an optional field: absent or null, or of the type `ok` accepts
+template <typename Ok>
+const json * optional_field(const json & b, const char * k, const char * want, Ok ok) {
+    auto it = b.find(k);
+    if (it == b.end() || it->is_null()) return nullptr;
+    if (!ok(*it)) wrong_type(k, want, *it);
+    return &*it;
+}
+
+void optional_bool(const json & b, const char * k) {
+    optional_field(b, k, "a boolean", [](const json & x) { return x.is_boolean(); });
+}
+
+void optional_number(const json & b, const char * k, double lo, double hi) {
+    if (const json * x = optional_field(b, k, "a number", [](const json & v) { return v.is_number(); })) {
+        const double v = x->get<double>();
+        if (!(v >= lo && v <= hi))
+            bad_request(std::string("'") + k + "' is out of range [" + json(lo).dump() + ", " + json(hi).dump() + "]");
+    }
+}
+
+void optional_integer(const json & b, const char * k, double lo, double hi) {
+    if (const json * x = optional_field(b, k, "an integer", [](const json & v) {
+            return v.is_number_integer() || (v.is_number_float() && std::fabs(v.get<double>()) < 9e15 &&
+                                             std::floor(v.get<double>()) == v.get<double>());
+        })) {
+        const double v = x->get<double>();
+        if (!(v >= lo && v <= hi))
+            bad_request(std::string("'") + k + "' is out of range [" + json(lo).dump() + ", " + json(hi).dump() + "]");
+    }
+}
+
+// the fields both completion endpoints share
+void check_sampling(const json & b) {
+    optional_bool(b, "stream");
+    optional_field(b, "stream_options", "an object", [](const json & x) { return x.is_object(); });
+    optional_integer(b, "n", 1, 1e9);
+    if (b.contains("n") && !b["n"].is_null() && b["n"].get<double>() != 1)
+        bad_request("only one choice per request is supported ('n' must be 1)");
+    optional_integer(b, "max_tokens", 0, 1e9);
+    optional_integer(b, "max_completion_tokens", 0, 1e9);
+    optional_number(b, "temperature", 0, 100);
+    optional_number(b, "top_p", 0, 1);
+    optional_integer(b, "seed", 0, 4294967295.0);
+    optional_number(b, "recomp_ratio", 0, 1);
+    if (const json * s = optional_field(b, "stop", "a string or an array of strings",
+                                        [](const json & x) { return x.is_string() || x.is_array(); })) {
+        if (s->is_array()) {
+            if (s->size() > 16) bad_request("'stop' may hold at most 16 strings");
+            for (const auto & x : *s)
+                if (!x.is_string()) bad_request("'stop' must be a string or an array of strings");
+        }
+    }
+}
+
+void check_messages(const json & b) {
+    auto it = b.find("messages");
+    if (it == b.end() || !it->is_array() || it->empty()) bad_request("'messages' must be a non-empty array");
+    for (const auto & m : *it) {
+        if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) bad_request("every message needs a string 'role'");
+        const std::string role = m["role"].get<std::string>();
+        if (role != "system" && role != "user" && role != "assistant" && role != "developer")
+            bad_request("unknown message role '" + role + "'");
+        auto c = m.find("content");
+        if (c == m.end() || c->is_null() || c->is_string()) continue;
+        if (!c->is_array()) bad_request("message content must be a string or an array of text parts");
+        for (const auto & part : *c) {
+            if (!part.is_object()) bad_request("message content must be a string or an array of text parts");
+            auto type = part.find("type"), text = part.find("text");
+            if (type == part.end() || !type->is_string() || *type != "text" || text == part.end() || !text->is_string())
+                bad_request("only text content parts are supported");
+        }
+    }
+}
+
+// "documents": strings, {"text": string} or (chat only) {"id": string}
+size_t check_documents(const json & b, bool by_id, bool required) {
+    auto it = b.find("documents");
+    if (it == b.end() || it->is_null()) {
+        if (required) bad_request("'documents' must be a non-empty array of texts or {\"text\": string}");
+        return 0;
+    }
+    if (!it->is_array() || (required && it->empty()))
+        bad_request(required ? "'documents' must be a non-empty array of texts or {\"text\": string}" : "'documents' must be an array");
+    for (const auto & x : *it) {
+        if (x.is_string()) continue;
+        if (x.is_object() && x.contains("text") && x["text"].is_string()) continue;
+        if (by_id && x.is_object() && x.contains("id") && x["id"].is_string()) continue;
+        bad_request(by_id ? "every document must be {\"text\": string} or {\"id\": string}"
+                          : "every document must be a string or {\"text\": string}");
+    }
+    return it->size();
+}
+
+}  // namespace
+
+json request_parse_json(const std::string & text, int max_depth) {
+    // the depth is bounded while parsing: deeper values would make every later
+    // recursive walk (copy, dump) a stack overflow
+    json::parser_callback_t depth_guard = [max_depth](int depth, json::parse_event_t ev, json &) {
+        if ((ev == json::parse_event_t::object_start || ev == json::parse_event_t::array_start) && depth >= max_depth)
+            bad_request("the request body is nested deeper than " + std::to_string(max_depth) + " levels", "invalid_json");
+        return true;
+    };
+    json b;
+    try {
+        b = json::parse(text, depth_guard);
+    } catch (const json::parse_error & e) {
+        bad_request("malformed JSON: " + parse_error_text(e), "invalid_json");
+    } catch (const json::exception & e) {
+        bad_request("malformed JSON", "invalid_json");
+    }
+    if (!b.is_object()) bad_request("the request body must be a JSON object");
+    return b;
+}
+
+request_spec request_check(request_kind kind, json body) {
+    request_spec r;
+    r.kind = kind;
+    // a null field is an absent one (as OpenAI reads them)
+    for (auto it = body.begin(); it != body.end();) it = it->is_null() ? body.erase(it) : std::next(it);
+    const json & b = body;
+    switch (kind) {
+        case REQUEST_CHAT:
+            check_messages(b);
+            r.n_documents = check_documents(b, true, false);
+            check_sampling(b);
+            break;
+        case REQUEST_COMPLETION: {
+            auto p = b.find("prompt");
+            const bool ok = p != b.end() && (p->is_string() || (p->is_array() && p->size() == 1 && (*p)[0].is_string()));
+            if (!ok) bad_request("'prompt' must be a string");
+            check_sampling(b);
+            break;
+        }
+        case REQUEST_DOCUMENTS: r.n_documents = check_documents(b, false, true); break;
+        case REQUEST_TOKENIZE:
+            if (!b.contains("content") || !b["content"].is_string()) bad_request("'content' must be a string");
+            optional_bool(b, "add_special");
+            optional_bool(b, "parse_special");
+            break;
+        case REQUEST_DETOKENIZE:
+            if (!b.contains("tokens") || !b["tokens"].is_array()) bad_request("'tokens' must be an array");
+            for (const auto & x : b["tokens"])
+                if (!x.is_number_integer()) bad_request("token ids must be integers");
+            break;
+    }
+    if (kind == REQUEST_CHAT || kind == REQUEST_COMPLETION) r.stream = b.contains("stream") && b["stream"].is_boolean() && b["stream"].get<bool>();
+    r.body = std::move(body);
+    return r;
+}
+
+request_spec request_parse(request_kind kind, const std::string & text) { return request_check(kind, request_parse_json(text)); }
+
+}  // namespace kvblend

@@ -1,0 +1,54 @@
+// requests as the server reads them before any model is involved: a JSON body
+// (depth-limited, valid UTF-8, an object) checked field by field against what
+// its endpoint accepts. Anything wrong is a request_error that the routes
+// answer in OpenAI's error shape; what passes has every field of the right
+// type and range, so the job builders that tokenize it can read it directly.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kvblend {
+
+// a request that cannot be served as sent, answered with this status and an
+// OpenAI-shaped body {"error": {"message", "type", "code"}}
+struct request_error {
+    int status;
+    std::string message, type, code;
+};
+
+[[noreturn]] void bad_request(const std::string & msg, const std::string & code = "invalid_request");
+
+// the OpenAI error body; never throws (bytes that are not UTF-8 are replaced)
+std::string error_body(const std::string & message, const std::string & type, const std::string & code);
+
+enum request_kind {
+    REQUEST_CHAT,         // POST /v1/chat/completions
+    REQUEST_COMPLETION,   // POST /v1/completions
+    REQUEST_DOCUMENTS,    // POST /v1/documents
+    REQUEST_TOKENIZE,     // POST /tokenize
+    REQUEST_DETOKENIZE,   // POST /detokenize
+};
+
+constexpr int k_request_max_depth = 64;  // nesting of arrays and objects a body may have
+
+// a body checked against its endpoint; the fields the routes need besides the JSON itself
+struct request_spec {
+    request_kind kind = REQUEST_CHAT;
+    nlohmann::json body;     // the parsed object (every field checked)
+    bool stream = false;     // completions: answer with server-sent events
+    size_t n_documents = 0;  // chat and documents: entries of "documents"
+};
+
+// parse a body: a JSON object nested at most max_depth deep, or a request_error (400)
+nlohmann::json request_parse_json(const std::string & text, int max_depth = k_request_max_depth);
+
+// parse and check a body for an endpoint; throws request_error
+request_spec request_parse(request_kind kind, const std::string & text);
+// check an already parsed body
+request_spec request_check(request_kind kind, nlohmann::json body);
+
+}  // namespace kvblend

@@ -1,0 +1,424 @@
+// the server under abuse, driven over loopback sockets: bodies too deep, too
+// large or not UTF-8, fields of the wrong type, slow and too many connections,
+// HTTP/1.0 and pipelined clients, clients that hang up, a store that fails.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cli_run.h"
+#include "httplib.h"
+#include "kvblend/server.h"
+#include "store/redis_server.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+using json = nlohmann::json;
+const std::string k_model = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+
+class live_server {
+  public:
+    explicit live_server(server_params p) {
+        p.port = 0;
+        if (p.n_ctx == 4096) p.n_ctx = 512;
+        srv_ = std::make_unique<server>(model::load(k_model), p);
+        thread_ = std::thread([this] { srv_->listen(); });
+        EXPECT_TRUE(srv_->wait_ready(10000));
+    }
+    ~live_server() {
+        srv_->stop();
+        thread_.join();
+    }
+    int port() const { return srv_->port(); }
+    httplib::Client client(int read_timeout_s = 60) const {
+        httplib::Client c("127.0.0.1", port());
+        c.set_read_timeout(read_timeout_s, 0);
+        return c;
+    }
+
+  private:
+    std::unique_ptr<server> srv_;
+    std::thread thread_;
+};
+
+// a raw loopback connection, for what an HTTP client library would not send
+class raw_conn {
+  public:
+    explicit raw_conn(int port) {
+        fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_port = htons((uint16_t) port);
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        ok_ = ::connect(fd_, (sockaddr *) &a, sizeof(a)) == 0;
+    }
+    ~raw_conn() { close(); }
+    raw_conn(const raw_conn &) = delete;
+    raw_conn & operator=(const raw_conn &) = delete;
+    bool ok() const { return ok_; }
+    bool send(const std::string & s) {
+        size_t at = 0;
+        while (at < s.size()) {
+            const ssize_t n = ::send(fd_, s.data() + at, s.size() - at, MSG_NOSIGNAL);
+            if (n <= 0) return false;
+            at += (size_t) n;
+        }
+        return true;
+    }
+    // read until the peer closes or `ms` pass without data; returns what came
+    std::string read_all(int ms, bool * closed = nullptr) {
+        std::string out;
+        char buf[8192];
+        if (closed) *closed = false;
+        for (;;) {
+            pollfd p{fd_, POLLIN, 0};
+            if (::poll(&p, 1, ms) <= 0) return out;
+            const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+            if (n <= 0) {
+                if (closed) *closed = true;
+                return out;
+            }
+            out.append(buf, (size_t) n);
+        }
+    }
+    void close() {
+        if (fd_ >= 0) ::close(fd_);
+        fd_ = -1;
+    }
+
+  private:
+    int fd_ = -1;
+    bool ok_ = false;
+};
+
+std::string http_post(const std::string & path, const std::string & body, const std::string & extra = "") {
+    return "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + extra +
+           "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+int status_of(const std::string & response) {
+    return response.rfind("HTTP/1.", 0) == 0 && response.size() > 12 ? std::atoi(response.c_str() + 9) : -1;
+}
+
+std::string body_of(const std::string & response) {
+    const size_t at = response.find("\r\n\r\n");
+    return at == std::string::npos ? "" : response.substr(at + 4);
+}
+
+// the error of an OpenAI-shaped answer, asserted to be one
+json error_of(const httplib::Result & r) {
+    EXPECT_TRUE(r);
+    if (!r) return json();
+    const json e = json::parse(r->body, nullptr, false);
+    EXPECT_TRUE(e.is_object() && e.contains("error") && e["error"]["message"].is_string()) << r->status << ": " << r->body;
+    return e.is_object() && e.contains("error") ? e["error"] : json();
+}
+
+server_params small() {
+    server_params p;
+    p.n_ctx = 512;
+    return p;
+}
+
+TEST(server_hardening, a_body_nested_200000_deep_is_a_400_not_a_crash) {
+    live_server s(small());
+    auto c = s.client();
+    for (const std::string & open : {std::string("["), std::string("{\"a\":")}) {
+        std::string body = "{\"messages\": ";
+        for (int i = 0; i < 200000; ++i) body += open;
+        auto r = c.Post("/v1/chat/completions", body, "application/json");
+        ASSERT_TRUE(r);
+        EXPECT_EQ(r->status, 400);
+        EXPECT_EQ(error_of(r)["code"], "invalid_json");
+    }
+    // 64 levels are still fine, 65 are not
+    auto nest = [](int depth) {
+        std::string b = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_tokens\":1,\"x\":";
+        for (int i = 1; i < depth; ++i) b += "[";  // the body is level 1
+        b += "1";
+        for (int i = 1; i < depth; ++i) b += "]";
+        return b + "}";
+    };
+    EXPECT_EQ(c.Post("/v1/chat/completions", nest(64), "application/json")->status, 200);
+    EXPECT_EQ(c.Post("/v1/chat/completions", nest(65), "application/json")->status, 400);
+    EXPECT_EQ(c.Get("/health")->status, 200);
+}
+
+TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
+    live_server s(small());
+    auto c = s.client();
+    const std::vector<std::pair<std::string, std::string>> cases = {
+        {"/v1/chat/completions", "{\"messages\":[{\"role\":\"user\",\"content\":\"caf\xff\"}]}"},
+        {"/v1/chat/completions", "{\"messages\":[{\"role\":\"us\xc3\x28r\",\"content\":\"x\"}]}"},
+        {"/v1/completions", "{\"prompt\":\"\xed\xa0\x80\"}"},  // an encoded surrogate
+        {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"stream":"yes"})"},
+        {"/v1/completions", R"({"prompt":"x","stream":1})"},
+        {"/v1/completions", R"({"prompt":"x","max_tokens":"ten"})"},
+        {"/v1/completions", R"({"prompt":"x","max_tokens":1.5})"},
+        {"/v1/completions", R"({"prompt":"x","seed":-1})"},
+        {"/v1/completions", R"({"prompt":"x","stop":[1]})"},
+        {"/v1/chat/completions", R"({"messages":[{"role":"user","content":[{"type":3,"text":"x"}]}]})"},
+        {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"stream_options":"yes"})"},
+        {"/tokenize", R"({"content":"x","add_special":"yes"})"},
+        {"/tokenize", R"({"content":"x","parse_special":1})"},
+        {"/detokenize", R"({"tokens":[1,"2"]})"},
+        {"/v1/documents", R"({"documents":[{"text":5}]})"},
+    };
+    for (const auto & [path, body] : cases) {
+        auto r = c.Post(path, body, "application/json");
+        ASSERT_TRUE(r) << body;
+        EXPECT_EQ(r->status, 400) << body << " -> " << r->body;
+        const json e = error_of(r);
+        EXPECT_EQ(e["type"], "invalid_request_error") << body;
+        EXPECT_EQ(e["message"].get<std::string>().find("json.exception"), std::string::npos) << e["message"];
+    }
+    // null is an absent field, as OpenAI reads it
+    auto r = c.Post("/v1/completions", R"({"prompt":"x","max_tokens":2,"stream":null,"n":null,"stop":null})", "application/json");
+    EXPECT_EQ(r->status, 200) << r->body;
+}
+
+TEST(server_hardening, n_above_1_is_refused) {
+    live_server s(small());
+    auto c = s.client();
+    auto r = c.Post("/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"n":2})", "application/json");
+    EXPECT_EQ(r->status, 400);
+    EXPECT_NE(error_of(r)["message"].get<std::string>().find("'n'"), std::string::npos);
+    EXPECT_EQ(c.Post("/v1/completions", R"({"prompt":"x","n":1,"max_tokens":1})", "application/json")->status, 200);
+}
+
+TEST(server_hardening, a_body_over_the_cap_is_413_at_once) {
+    server_params p = small();
+    p.max_body = 4096;
+    live_server s(p);
+    // a declared length over the cap: answered before any of the body is sent
+    {
+        raw_conn rc(s.port());
+        ASSERT_TRUE(rc.ok());
+        const double t0 = time_ms();
+        rc.send("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n");
+        bool closed = false;
+        const std::string resp = rc.read_all(3000, &closed);
+        EXPECT_LT(time_ms() - t0, 1000.0);
+        EXPECT_EQ(status_of(resp), 413) << resp;
+        EXPECT_EQ(json::parse(body_of(resp))["error"]["code"], "request_too_large");
+        EXPECT_TRUE(closed);
+    }
+    // a body that says its length and is over it
+    auto c = s.client();
+    const std::string big = json{{"prompt", std::string(5000, 'a')}}.dump();
+    auto r = c.Post("/v1/completions", big, "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 413);
+    EXPECT_EQ(error_of(r)["code"], "request_too_large");
+    // a chunked body over the cap
+    {
+        raw_conn rc(s.port());
+        std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n";
+        for (int i = 0; i < 6; ++i) req += "3e8\r\n" + std::string(1000, ' ') + "\r\n";
+        req += "0\r\n\r\n";
+        rc.send(req);
+        const std::string resp = rc.read_all(3000);
+        EXPECT_EQ(status_of(resp), 413) << resp;
+    }
+    // under the cap is served
+    EXPECT_EQ(c.Post("/v1/completions", R"({"prompt":"Once","max_tokens":2})", "application/json")->status, 200);
+}
+
+TEST(server_hardening, slow_clients_do_not_starve_health) {
+    server_params p = small();
+    p.read_timeout_s = 3;
+    live_server s(p);
+    // 20 connections that send a header line every 2 s and never finish
+    std::vector<std::unique_ptr<raw_conn>> slow;
+    for (int i = 0; i < 20; ++i) {
+        slow.push_back(std::make_unique<raw_conn>(s.port()));
+        ASSERT_TRUE(slow.back()->ok());
+        slow.back()->send("POST /v1/completions HTTP/1.1\r\nHost: x\r\n");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    // /health answers at once for someone else, while they trickle
+    int answered = 0;
+    for (int round = 0; round < 2; ++round) {
+        for (auto & c : slow) c->send("X-Slow: 1\r\n");
+        auto c = s.client(2);
+        const double t0 = time_ms();
+        auto r = c.Get("/health");
+        if (r && r->status == 200 && time_ms() - t0 < 1000) ++answered;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+    }
+    EXPECT_EQ(answered, 2);
+    // past the read deadline every slow connection was answered 408 or closed
+    int cut = 0;
+    for (auto & c : slow) {
+        bool closed = false;
+        const std::string got = c->read_all(3000, &closed);
+        cut += closed;
+        if (!closed) ADD_FAILURE() << "still open after " << got.size() << " bytes: " << got;
+    }
+    EXPECT_EQ(cut, 20);
+}
+
+TEST(server_hardening, connections_per_client_and_in_all_are_bounded) {
+    server_params p = small();
+    p.max_connections_per_client = 4;
+    live_server s(p);
+    std::vector<std::unique_ptr<raw_conn>> held;
+    for (int i = 0; i < 4; ++i) held.push_back(std::make_unique<raw_conn>(s.port()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    {
+        raw_conn extra(s.port());
+        extra.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+        const std::string resp = extra.read_all(2000);
+        EXPECT_EQ(status_of(resp), 429) << resp;
+        EXPECT_EQ(json::parse(body_of(resp))["error"]["code"], "too_many_connections");
+    }
+    held.clear();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    auto c = s.client();
+    EXPECT_EQ(c.Get("/health")->status, 200);
+    EXPECT_NE(c.Get("/metrics")->body.find("kvblend_http_connections_refused_total 1"), std::string::npos);
+}
+
+TEST(server_hardening, http10_gets_no_chunks_and_pipelined_requests_are_all_answered) {
+    live_server s(small());
+    {
+        raw_conn rc(s.port());
+        const std::string body = R"({"prompt":"Once upon a time","max_tokens":6,"temperature":0,"stream":true})";
+        rc.send("POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+                "\r\n\r\n" + body);
+        bool closed = false;
+        const std::string resp = rc.read_all(10000, &closed);
+        EXPECT_EQ(status_of(resp), 200) << resp;
+        EXPECT_EQ(resp.find("Transfer-Encoding"), std::string::npos) << resp;
+        EXPECT_NE(body_of(resp).rfind("data: {", 0), std::string::npos) << resp;  // events, no chunk sizes
+        EXPECT_NE(resp.find("data: [DONE]"), std::string::npos);
+        EXPECT_TRUE(closed);
+    }
+    {
+        raw_conn rc(s.port());
+        const std::string b = R"({"prompt":"Once","max_tokens":2,"temperature":0})";
+        rc.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + http_post("/v1/completions", b) + "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
+        std::string all;
+        for (int i = 0; i < 50 && (all.find("text_completion") == std::string::npos || all.find("\"list\"") == std::string::npos); ++i)
+            all += rc.read_all(200);
+        int responses = 0;
+        for (size_t at = 0; (at = all.find("HTTP/1.1 200", at)) != std::string::npos; ++at) ++responses;
+        EXPECT_EQ(responses, 3) << all;
+        EXPECT_NE(all.find("text_completion"), std::string::npos);
+        EXPECT_NE(all.find("\"list\""), std::string::npos);
+    }
+}
+
+TEST(server_hardening, a_client_that_hangs_up_cancels_a_non_streaming_request) {
+    server_params p = small();
+    live_server s(p);
+    {
+        raw_conn rc(s.port());
+        // the longest answer the context allows; the client leaves after 100 ms
+        rc.send(http_post("/v1/completions", R"({"prompt":"Once upon a time","max_tokens":500,"temperature":1,"seed":3})"));
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    auto c = s.client();
+    std::string m;
+    for (int i = 0; i < 100; ++i) {
+        m = c.Get("/metrics")->body;
+        if (m.find("kvblend_requests_total 1") != std::string::npos) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_NE(m.find("kvblend_requests_cancelled_total 1"), std::string::npos) << m;
+}
+
+TEST(server_hardening, api_keys_bearer_in_any_case_and_never_empty) {
+    server_params p = small();
+    p.api_key = "k3y";
+    live_server s(p);
+    for (const char * scheme : {"Bearer", "bearer", "BEARER", "bEaReR"}) {
+        auto c = s.client();
+        auto r = c.Get("/v1/models", httplib::Headers{{"Authorization", std::string(scheme) + " k3y"}});
+        ASSERT_TRUE(r) << scheme;
+        EXPECT_EQ(r->status, 200) << scheme;
+    }
+    auto c = s.client();
+    for (const char * h : {"Bearer k3", "Bearer k3yy", "Basic k3y", "Bearer", "k3y", "Bearerk3y"}) {
+        auto r = c.Get("/v1/models", httplib::Headers{{"Authorization", h}});
+        ASSERT_TRUE(r) << h << ": " << httplib::to_string(r.error());
+        EXPECT_EQ(r->status, 401) << h;
+    }
+    // the CLI refuses an empty key instead of serving without one
+    const auto r = test::run_cli("serve -m " + k_model + " --port 0 --api-key \"\"");
+    EXPECT_EQ(r.status, 1);
+    EXPECT_NE(r.err.find("error: --api-key is empty"), std::string::npos) << r.err;
+    const auto bad = test::run_cli("serve -m " + k_model + " --max-body 12q");
+    EXPECT_EQ(bad.status, 1);
+    EXPECT_NE(bad.err.find("--max-body"), std::string::npos) << bad.err;
+}
+
+TEST(server_hardening, metrics_count_error_responses) {
+    live_server s(small());
+    auto c = s.client();
+    c.Post("/v1/completions", "{bad", "application/json");
+    c.Post("/v1/completions", R"({"prompt": 1})", "application/json");
+    c.Get("/nothing/here");
+    c.Post("/v1/completions", R"({"prompt":"Once","max_tokens":1})", "application/json");
+    const std::string m = c.Get("/metrics")->body;
+    EXPECT_NE(m.find("kvblend_http_responses_total{code=\"4xx\"} 3"), std::string::npos) << m;
+    EXPECT_NE(m.find("kvblend_http_responses_total{code=\"2xx\"} 1"), std::string::npos) << m;
+    EXPECT_NE(m.find("kvblend_http_responses_total{code=\"5xx\"} 0"), std::string::npos) << m;
+}
+
+TEST(server_hardening, health_reports_a_store_that_is_down) {
+    std::unique_ptr<test::redis_server> redis;
+    try {
+        redis = std::make_unique<test::redis_server>();
+    } catch (const std::exception & e) {
+        FAIL() << e.what();
+    }
+    server_params p = small();
+    p.store_uri = redis->uri();
+    live_server s(p);
+    auto c = s.client();
+    auto ok = c.Get("/health");
+    EXPECT_EQ(ok->status, 200);
+    EXPECT_EQ(json::parse(ok->body)["store"]["ok"], true);
+    redis->stop();
+    auto down = c.Get("/health");
+    EXPECT_EQ(down->status, 503);
+    const json h = json::parse(down->body);
+    EXPECT_EQ(h["status"], "degraded");
+    EXPECT_EQ(h["store"]["ok"], false);
+    EXPECT_FALSE(h["store"]["error"].get<std::string>().empty());
+}
+
+TEST(server_hardening, a_document_the_store_failed_to_write_is_a_5xx_not_an_id) {
+    test::temp_dir d("hardstore");
+    server_params p = small();
+    p.store_uri = d.path().string();
+    live_server s(p);
+    auto c = s.client();
+    auto ok = c.Post("/v1/documents", R"({"documents":["Tom had a red ball."]})", "application/json");
+    ASSERT_EQ(ok->status, 200) << ok->body;
+    // the store's temporary folder replaced by a file: every put fails (even as root)
+    std::filesystem::remove_all(d.path() / "tmp");
+    std::ofstream(d.path() / "tmp") << "in the way";
+    auto r = c.Post("/v1/documents", R"({"documents":["Sue found a little cat."]})", "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 500) << r->body;
+    const json e = error_of(r);
+    EXPECT_EQ(e["code"], "store_write_failed");
+    EXPECT_NE(e["message"].get<std::string>().find("document 0"), std::string::npos) << e["message"];
+    // the one stored before is still served
+    EXPECT_EQ(c.Post("/v1/documents", R"({"documents":["Tom had a red ball."]})", "application/json")->status, 200);
+}
+
+}  // namespace
+}  // namespace kvblend
