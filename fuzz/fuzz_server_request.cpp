@@ -1,0 +1,36 @@
+// libFuzzer target: the server's request checks without a model
+// (src/server/server_request.h). The first byte picks the endpoint, the rest
+// is the body. A body is either a request_spec or a request_error; anything
+// else escaping (another exception, a crash, a sanitizer report) is a bug,
+// and so is an accepted body that the job builders could not read as checked.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "server/server_request.h"
+
+using kvblend::request_kind;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
+    if (size == 0) return 0;
+    const request_kind kind = (request_kind) (data[0] % 5);
+    const std::string body((const char *) data + 1, size - 1);
+    try {
+        const kvblend::request_spec r = kvblend::request_parse(kind, body);
+        (void) r.body.dump();  // checked UTF-8: dumping cannot throw
+        if (kind == kvblend::REQUEST_CHAT || kind == kvblend::REQUEST_COMPLETION) {
+            // what the server then reads without further type checks
+            (void) r.body.value("max_tokens", 0.0);
+            (void) r.body.value("temperature", 1.0);
+            (void) r.body.value("stream", false);
+        }
+        if (kind == kvblend::REQUEST_TOKENIZE) {
+            (void) r.body.value("add_special", false);
+            (void) r.body.value("parse_special", true);
+        }
+    } catch (const kvblend::request_error & e) {
+        if (e.status < 400 || e.status > 599 || e.message.empty()) __builtin_trap();
+        (void) kvblend::error_body(e.message, e.type, e.code);  // must not throw on any bytes
+    }
+    return 0;
+}
