@@ -1,0 +1,82 @@
+// the server's request checks as a function, without a model or a socket:
+// JSON text to a checked request, or a request_error in OpenAI's shape
+#include <gtest/gtest.h>
+
+#include "server/server_request.h"
+
+namespace kvblend {
+namespace {
+
+using json = nlohmann::json;
+
+// the error a body gets, or "" when it passes
+std::string error_code_of(request_kind kind, const std::string & body, int * status = nullptr) {
+    try {
+        request_parse(kind, body);
+        return "";
+    } catch (const request_error & e) {
+        if (status) *status = e.status;
+        EXPECT_FALSE(e.message.empty());
+        EXPECT_NO_THROW(json::parse(error_body(e.message, e.type, e.code)));
+        return e.code;
+    }
+}
+
+std::string nested(int depth) {  // an object whose deepest value sits `depth` levels down
+    std::string b = R"({"prompt":"x","x":)";
+    for (int i = 1; i < depth; ++i) b += "[";
+    b += "0";
+    for (int i = 1; i < depth; ++i) b += "]";
+    return b + "}";
+}
+
+TEST(server_request, depth_is_bounded_while_parsing) {
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, nested(k_request_max_depth)), "");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, nested(k_request_max_depth + 1)), "invalid_json");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, std::string(200000, '[')), "invalid_json");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, "{\"prompt\":" + std::string(200000, '{')), "invalid_json");
+}
+
+TEST(server_request, bad_bytes_and_bad_json_are_400_without_raw_text) {
+    int status = 0;
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, "{\"prompt\":\"\xff\xfe\"}", &status), "invalid_json");
+    EXPECT_EQ(status, 400);
+    try {
+        request_parse(REQUEST_COMPLETION, "{\"prompt\":\"a\xc0\"}");
+        FAIL();
+    } catch (const request_error & e) {
+        EXPECT_EQ(e.message.find("json.exception"), std::string::npos) << e.message;
+        EXPECT_EQ(e.message.find('\xc0'), std::string::npos);
+    }
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, ""), "invalid_json");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, "[1]"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, "{\"prompt\":\"x\"} trailing"), "invalid_json");
+}
+
+TEST(server_request, fields_are_checked_per_endpoint) {
+    const std::string msg = R"("messages":[{"role":"user","content":"hi"}])";
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "}"), "");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"stream":"yes"})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"n":2})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"n":1,"stream":true,"stop":["a","b"]})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"documents":[{"id":"a"},"text",{"text":"t"}]})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"documents":{"text":"t"}})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one"]})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one","two"]})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","max_tokens":1e300})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","max_tokens":8.0})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","temperature":-1})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[]})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[{"id":"x"}]})"), "invalid_request");  // ids are for chat
+    EXPECT_EQ(error_code_of(REQUEST_TOKENIZE, R"({"content":"x","add_special":null})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_DETOKENIZE, R"({"tokens":[1.5]})"), "invalid_request");
+    // what passes can be read as checked
+    const request_spec r = request_parse(REQUEST_COMPLETION, R"({"prompt":"x","stream":true,"n":null})");
+    EXPECT_TRUE(r.stream);
+    EXPECT_FALSE(r.body.contains("n"));
+}
+
+}  // namespace
+}  // namespace kvblend
