@@ -342,9 +342,15 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
     server_params p = small_params();
     p.parallel = 2;
     p.max_queue = 256;
+    p.max_body = 64 * 1024;
+    const int64_t rss0 = rss_kb();
     running_server s(p);
+    const int64_t rss_started = rss_kb();
     const std::vector<std::string> prompts = {"Once upon a time", "Tom had a red ball", "The sun was hot", "Sue found a cat"};
-    std::atomic<int> ok{0}, failed{0}, hung_up{0};
+    // 8 clients against 2 slots: good requests (streamed or not), clients that hang
+    // up after the first event, malformed bodies (400) and bodies over the cap (413)
+    std::atomic<int> ok{0}, failed{0}, hung_up{0}, rejected{0};
+    const std::string too_big = json{{"prompt", std::string(100 * 1024, 'a')}}.dump();
     auto round = [&](int n_requests) {
         std::vector<std::thread> th;
         std::atomic<int> next{0};
@@ -359,26 +365,61 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
                         hung_up++;
                         continue;
                     }
+                    if (i % 11 == 5 || i % 13 == 6) {
+                        const bool big = i % 13 == 6;
+                        auto r = c.Post("/v1/completions", big ? too_big : R"({"prompt": "x", "stream": "yes"})", "application/json");
+                        if (r && r->status == (big ? 413 : 400) && r->body.find("\"error\"") != std::string::npos) rejected++;
+                        else failed++;
+                        continue;
+                    }
                     auto r = c.Post("/v1/completions", body.dump(), "application/json");
                     if (r && r->status == 200 && r->body.find("\"error\"") == std::string::npos) ok++;
                     else failed++;
                 }
             });
         }
+        // someone else's health checks, all along
+        std::atomic<bool> done{false};
+        std::atomic<int> health_ok{0}, health_bad{0};
+        std::atomic<double> health_worst_ms{0};
+        std::thread probe([&] {
+            auto c = s.client();
+            c.set_read_timeout(2, 0);
+            while (!done) {
+                const double t0 = time_ms();
+                auto r = c.Get("/health");
+                const double ms = time_ms() - t0;
+                if (r && r->status == 200) health_ok++;
+                else health_bad++;
+                if (ms > health_worst_ms) health_worst_ms = ms;
+                std::this_thread::sleep_for(std::chrono::milliseconds(200));
+            }
+        });
         for (auto & x : th) x.join();
+        done = true;
+        probe.join();
+        std::printf("  /health during the round: %d ok, %d failed, slowest %.0f ms\n", health_ok.load(), health_bad.load(),
+                    health_worst_ms.load());
+        EXPECT_EQ(health_bad, 0);
     };
+    const double t0 = time_ms();
     round(200);
     const int64_t rss1 = rss_kb();
     round(200);
     const int64_t rss2 = rss_kb();
-    std::printf("400 requests: %d ok, %d hung up early, %d failed; RSS %lld kB -> %lld kB\n", ok.load(), hung_up.load(),
-                failed.load(), (long long) rss1, (long long) rss2);
+    std::printf("400 requests (8 clients, 2 slots) in %.1f s: %d ok, %d hung up early, %d rejected (400/413), %d failed; "
+                "RSS %lld kB before the server, %lld kB started, %lld kB after 200, %lld kB after 400\n",
+                (time_ms() - t0) / 1000.0, ok.load(), hung_up.load(), rejected.load(), failed.load(), (long long) rss0,
+                (long long) rss_started, (long long) rss1, (long long) rss2);
     EXPECT_EQ(failed, 0);
-    EXPECT_EQ(ok + hung_up, 400);
+    EXPECT_EQ(ok + hung_up + rejected, 400);
     EXPECT_LE(rss2, rss1 + rss1 / 10 + 8192);  // a second round leaves memory where the first did
     auto c = s.client();
     EXPECT_EQ(json::parse(c.Get("/health")->body)["status"], "ok");
-    EXPECT_NE(c.Get("/metrics")->body.find("kvblend_requests_total"), std::string::npos);
+    const std::string m = c.Get("/metrics")->body;
+    EXPECT_NE(m.find("kvblend_requests_total"), std::string::npos);
+    EXPECT_NE(m.find("kvblend_http_responses_total{code=\"4xx\"} " + std::to_string(rejected.load())), std::string::npos) << m;
+    EXPECT_NE(m.find("kvblend_http_responses_total{code=\"5xx\"} 0"), std::string::npos) << m;
 }
 
 }  // namespace
