@@ -133,13 +133,20 @@ server_params small() {
 TEST(server_hardening, a_body_nested_200000_deep_is_a_400_not_a_crash) {
     live_server s(small());
     auto c = s.client();
-    for (const std::string & open : {std::string("["), std::string("{\"a\":")}) {
-        std::string body = "{\"messages\": ";
-        for (int i = 0; i < 200000; ++i) body += open;
-        auto r = c.Post("/v1/chat/completions", body, "application/json");
-        ASSERT_TRUE(r);
-        EXPECT_EQ(r->status, 400);
-        EXPECT_EQ(error_of(r)["code"], "invalid_json");
+    // valid JSON, 200,000 levels deep where the server copies a value (a message's
+    // content: the shape that overflowed the stack), and elsewhere
+    std::string arrays, objects;
+    for (int i = 0; i < 200000; ++i) arrays += "[", objects += "{\"a\":";
+    objects += "1";
+    for (int i = 0; i < 200000; ++i) arrays += "]", objects += "}";
+    for (const std::string & deep : {arrays, objects}) {
+        for (const std::string & body : {R"({"messages":[{"role":"user","content":)" + deep + "}]}",
+                                         R"({"messages":[{"role":"user","content":"x"}],"x":)" + deep + "}"}) {
+            auto r = c.Post("/v1/chat/completions", body, "application/json");
+            ASSERT_TRUE(r);
+            EXPECT_EQ(r->status, 400);
+            EXPECT_EQ(error_of(r)["code"], "invalid_json");
+        }
     }
     // 64 levels are still fine, 65 are not
     auto nest = [](int depth) {
