@@ -646,11 +646,11 @@ struct server::impl {
 
     void routes() {
         // before any body is read: the key, then the declared length
-        http.set_pre_routing_handler([this](const httplib::Request & req, httplib::Response & res) {
+        auto refuse_early = [this](const httplib::Request & req, httplib::Response & res) {
             if (!p.api_key.empty() && req.path != "/health" && !http_bearer_matches(req, p.api_key)) {
                 res.status = 401;
                 res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"), "application/json");
-                return httplib::Server::HandlerResponse::Handled;
+                return true;
             }
             if (req.has_header("Content-Length") && req.get_header_value_u64("Content-Length") > p.max_body) {
                 res.status = 413;
@@ -659,9 +659,16 @@ struct server::impl {
                                                " bytes (--max-body)",
                                            "invalid_request_error", "request_too_large"),
                                 "application/json");
-                return httplib::Server::HandlerResponse::Handled;
+                return true;
             }
-            return httplib::Server::HandlerResponse::Unhandled;
+            return false;
+        };
+        http.set_pre_routing_handler([refuse_early](const httplib::Request & req, httplib::Response & res) {
+            return refuse_early(req, res) ? httplib::Server::HandlerResponse::Handled : httplib::Server::HandlerResponse::Unhandled;
+        });
+        // "Expect: 100-continue": the answer comes before the client sends the body
+        http.set_expect_100_continue_handler([refuse_early](const httplib::Request & req, httplib::Response & res) {
+            return refuse_early(req, res) ? res.status : 100;
         });
         http.set_error_handler([this](const httplib::Request &, httplib::Response & res) {
             if (!res.body.empty()) return;

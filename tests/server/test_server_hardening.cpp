@@ -220,6 +220,14 @@ TEST(server_hardening, a_body_over_the_cap_is_413_at_once) {
         EXPECT_EQ(json::parse(body_of(resp))["error"]["code"], "request_too_large");
         EXPECT_TRUE(closed);
     }
+    // the same, asking "Expect: 100-continue": refused instead of continued
+    {
+        raw_conn rc(s.port());
+        rc.send("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+                "Content-Length: 100000000\r\n\r\n");
+        const std::string resp = rc.read_all(3000);
+        EXPECT_EQ(status_of(resp), 413) << resp;
+    }
     // a body that says its length and is over it
     auto c = s.client();
     const std::string big = json{{"prompt", std::string(5000, 'a')}}.dump();
