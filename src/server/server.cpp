@@ -114,6 +114,7 @@ struct server::impl {
     http_server http{http_limits{p.max_body, p.read_timeout_s, p.write_timeout_s, 5, p.max_connections,
                                  p.max_connections_per_client}};
     std::atomic<int> bound_port{0};
+    size_t max_piece_bytes = 1;  // the longest text one token stands for (special tokens included)
 
     // Prometheus counters (GET /metrics)
     struct metrics_t {
@@ -196,6 +197,8 @@ struct server::impl {
         if (!p.kv_codec.empty()) codec_by_name(p.kv_codec);  // … and a bad live cache name (its options too)
         if (!p.store_uri.empty()) st = std::make_unique<locked_store>(store_open(p.store_uri));
         model_id = m->path().substr(m->path().find_last_of('/') + 1);
+        for (llama_token t = 0; t < m->tokens().n_tokens(); ++t)
+            max_piece_bytes = std::max(max_piece_bytes, m->tokens().detokenize({t}, true).size());
         for (int i = 0; i < p.parallel; ++i) {
             engine_params ep = engine_default_params();
             ep.n_ctx = p.n_ctx;
@@ -379,6 +382,13 @@ struct server::impl {
     // the body, checked for its endpoint without the model (server_request.h)
     json parse_body(const httplib::Request & req, request_kind kind, bool * stream = nullptr) const {
         request_spec r = request_parse(kind, req.body);
+        // a text too long for the context is refused before the tokenizer spends time on it:
+        // no token covers more bytes than the longest piece (twice that, for slack)
+        const size_t bytes = request_text_bytes(r), n_min = bytes / (2 * max_piece_bytes);
+        if ((int64_t) n_min > p.n_ctx)
+            bad_request("the " + std::string(kind == REQUEST_DOCUMENTS ? "document" : "prompt") + " has " + std::to_string(bytes) +
+                            " bytes, more than the context of " + std::to_string(p.n_ctx) + " tokens can hold",
+                        "context_length_exceeded");
         if (stream) *stream = r.stream;
         return std::move(r.body);
     }

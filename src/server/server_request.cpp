@@ -1,6 +1,7 @@
 // the model-free checks of a request body (see server_request.h)
 #include "server/server_request.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace kvblend {
@@ -182,6 +183,34 @@ request_spec request_check(request_kind kind, json body) {
     if (kind == REQUEST_CHAT || kind == REQUEST_COMPLETION) r.stream = b.contains("stream") && b["stream"].is_boolean() && b["stream"].get<bool>();
     r.body = std::move(body);
     return r;
+}
+
+size_t request_text_bytes(const request_spec & r) {
+    const json & b = r.body;
+    auto doc_bytes = [](const json & x) -> size_t {
+        if (x.is_string()) return x.get_ref<const std::string &>().size();
+        auto t = x.find("text");
+        return x.is_object() && t != x.end() && t->is_string() ? t->get_ref<const std::string &>().size() : 0;
+    };
+    size_t n = 0;
+    switch (r.kind) {
+        case REQUEST_CHAT:
+            for (const auto & m : b["messages"]) {
+                auto c = m.find("content");
+                if (c == m.end()) continue;
+                if (c->is_string()) n += c->get_ref<const std::string &>().size();
+                else if (c->is_array())
+                    for (const auto & part : *c) n += part["text"].get_ref<const std::string &>().size();
+            }
+            if (b.contains("documents"))
+                for (const auto & d : b["documents"]) n += doc_bytes(d);
+            return n;
+        case REQUEST_COMPLETION: return doc_bytes(b["prompt"].is_array() ? b["prompt"][0] : b["prompt"]);
+        case REQUEST_DOCUMENTS:
+            for (const auto & d : b["documents"]) n = std::max(n, doc_bytes(d));
+            return n;
+        default: return 0;
+    }
 }
 
 request_spec request_parse(request_kind kind, const std::string & text) { return request_check(kind, request_parse_json(text)); }

@@ -46,6 +46,11 @@ struct request_spec {
 // parse a body: a JSON object nested at most max_depth deep, or a request_error (400)
 nlohmann::json request_parse_json(const std::string & text, int max_depth = k_request_max_depth);
 
+// bytes of text a checked request gives the tokenizer: the prompt, or the
+// messages' and documents' text; for REQUEST_DOCUMENTS the longest document
+// (each is a chunk of its own); 0 for the other endpoints
+size_t request_text_bytes(const request_spec & r);
+
 // parse and check a body for an endpoint; throws request_error
 request_spec request_parse(request_kind kind, const std::string & text);
 // check an already parsed body

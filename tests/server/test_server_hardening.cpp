@@ -249,6 +249,24 @@ TEST(server_hardening, a_body_over_the_cap_is_413_at_once) {
     EXPECT_EQ(c.Post("/v1/completions", R"({"prompt":"Once","max_tokens":2})", "application/json")->status, 200);
 }
 
+TEST(server_hardening, a_text_too_long_for_the_context_is_refused_before_tokenizing) {
+    live_server s(small());  // context 512
+    auto c = s.client();
+    std::string text;
+    while (text.size() < (4u << 20)) text += "Once upon a time there was a cat. ";
+    for (const auto & [path, body] : std::vector<std::pair<std::string, json>>{
+             {"/v1/completions", {{"prompt", text}}},
+             {"/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"documents", {text}}}},
+         }) {
+        const double t0 = time_ms();
+        auto r = c.Post(path, body.dump(), "application/json");
+        ASSERT_TRUE(r);
+        EXPECT_EQ(r->status, 400);
+        EXPECT_EQ(error_of(r)["code"], "context_length_exceeded");
+        EXPECT_LT(time_ms() - t0, 3000.0) << path;  // tokenizing 4 MB takes far longer on these machines
+    }
+}
+
 TEST(server_hardening, slow_clients_do_not_starve_health) {
     server_params p = small();
     p.read_timeout_s = 3;
