@@ -18,6 +18,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     try {
         const kvblend::request_spec r = kvblend::request_parse(kind, body);
         (void) r.body.dump();  // checked UTF-8: dumping cannot throw
+        (void) kvblend::request_text_bytes(r);  // reads the checked fields without type checks
         if (kind == kvblend::REQUEST_CHAT || kind == kvblend::REQUEST_COMPLETION) {
             // what the server then reads without further type checks
             (void) r.body.value("max_tokens", 0.0);
