@@ -17,7 +17,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     const std::string body((const char *) data + 1, size - 1);
     try {
         const kvblend::request_spec r = kvblend::request_parse(kind, body);
-        (void) r.body.dump();  // checked UTF-8: dumping cannot throw
+        (void) r.body.dump();                   // checked UTF-8: dumping cannot throw
         (void) kvblend::request_text_bytes(r);  // reads the checked fields without type checks
         if (kind == kvblend::REQUEST_CHAT || kind == kvblend::REQUEST_COMPLETION) {
             // what the server then reads without further type checks

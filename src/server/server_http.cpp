@@ -160,10 +160,12 @@ void close_gracefully(socket_t s) {
 }
 
 void refuse(socket_t s, int status, const char * reason, const std::string & message, int write_timeout_s) {
-    const std::string body = std::string(R"({"error":{"message":")") + message + R"(","type":"server_error","code":"too_many_connections"}})";
-    const std::string out = "HTTP/1.1 " + std::to_string(status) + " " + reason +
-                            "\r\nContent-Type: application/json\r\nConnection: close\r\nRetry-After: 1\r\nContent-Length: " +
-                            std::to_string(body.size()) + "\r\n\r\n" + body;
+    const std::string body = std::string(R"({"error":{"message":")") + message +
+                             R"(","type":"server_error","code":"too_many_connections"}})";
+    const std::string out =
+        "HTTP/1.1 " + std::to_string(status) + " " + reason +
+        "\r\nContent-Type: application/json\r\nConnection: close\r\nRetry-After: 1\r\nContent-Length: " +
+        std::to_string(body.size()) + "\r\n\r\n" + body;
     if (poll_for(s, POLLOUT, write_timeout_s * 1000) > 0) (void) ::send(s, out.data(), out.size(), MSG_NOSIGNAL);
     close_gracefully(s);
 }
@@ -210,7 +212,8 @@ class connection_threads final : public httplib::TaskQueue {
             if (*it->done) {
                 it->t.join();
                 it = threads_.erase(it);
-            } else ++it;
+            } else
+                ++it;
         }
     }
 
@@ -256,13 +259,15 @@ bool http_server::process_and_close_socket(socket_t sock) {
         if (open_ >= limits_.max_connections) {
             ++refused_;
             l.unlock();
-            refuse(sock, 503, "Service Unavailable", "the server has too many open connections", limits_.write_timeout_s);
+            refuse(sock, 503, "Service Unavailable", "the server has too many open connections",
+                   limits_.write_timeout_s);
             return false;
         }
         if (limits_.max_connections_per_client > 0 && open_by_client_[ip] >= limits_.max_connections_per_client) {
             ++refused_;
             l.unlock();
-            refuse(sock, 429, "Too Many Requests", "too many open connections from this address", limits_.write_timeout_s);
+            refuse(sock, 429, "Too Many Requests", "too many open connections from this address",
+                   limits_.write_timeout_s);
             return false;
         }
         ++open_;
@@ -293,17 +298,21 @@ bool http_bearer_matches(const httplib::Request & req, const std::string & key) 
     const std::string h = req.get_header_value("Authorization");
     if (h.size() < 7 || h[6] != ' ') return false;
     std::string scheme = h.substr(0, 6);
-    std::transform(scheme.begin(), scheme.end(), scheme.begin(), [](unsigned char c) { return (char) std::tolower(c); });
+    std::transform(scheme.begin(), scheme.end(), scheme.begin(),
+                   [](unsigned char c) { return (char) std::tolower(c); });
     if (scheme != "bearer") return false;
     size_t at = 7;
     while (at < h.size() && h[at] == ' ') ++at;
     const std::string got = h.substr(at);
     // compare in time independent of where they differ
     unsigned diff = got.size() != key.size();
-    for (size_t i = 0; i < got.size(); ++i) diff |= (unsigned char) got[i] ^ (unsigned char) key[i % std::max<size_t>(key.size(), 1)];
+    for (size_t i = 0; i < got.size(); ++i)
+        diff |= (unsigned char) got[i] ^ (unsigned char) key[i % std::max<size_t>(key.size(), 1)];
     return diff == 0 && !key.empty();
 }
 
-bool http_can_chunk(const httplib::Request & req) { return req.version != "HTTP/1.0" && req.version != "HTTP/0.9"; }
+bool http_can_chunk(const httplib::Request & req) {
+    return req.version != "HTTP/1.0" && req.version != "HTTP/0.9";
+}
 
 }  // namespace kvblend

@@ -16,12 +16,12 @@
 namespace kvblend {
 
 struct http_limits {
-    size_t max_body                   = 8u << 20;  // bytes of a request body; longer ones get 413
-    int    read_timeout_s             = 15;        // a request's line, headers and body must all arrive within this
-    int    write_timeout_s            = 10;        // a response write that makes no progress for this long fails
-    int    keep_alive_s               = 5;         // an idle connection is closed after this
-    int    max_connections            = 256;       // open connections at once; more are answered 503 and closed
-    int    max_connections_per_client = 64;        // from one client address; more are answered 429 and closed
+    size_t max_body = 8u << 20;           // bytes of a request body; longer ones get 413
+    int read_timeout_s = 15;              // a request's line, headers and body must all arrive within this
+    int write_timeout_s = 10;             // a response write that makes no progress for this long fails
+    int keep_alive_s = 5;                 // an idle connection is closed after this
+    int max_connections = 256;            // open connections at once; more are answered 503 and closed
+    int max_connections_per_client = 64;  // from one client address; more are answered 429 and closed
 };
 
 class http_server : public httplib::Server {

@@ -14,7 +14,7 @@ void bad_request(const std::string & msg, const std::string & code) {
 
 std::string error_body(const std::string & message, const std::string & type, const std::string & code) {
     return json{{"error", {{"message", message}, {"type", type}, {"code", code}}}}.dump(-1, ' ', false,
-                                                                                     json::error_handler_t::replace);
+                                                                                        json::error_handler_t::replace);
 }
 
 namespace {
@@ -27,7 +27,9 @@ std::string parse_error_text(const json::parse_error & e) {
     return s;
 }
 
-const char * type_name_of(const json & x) { return x.type_name(); }
+const char * type_name_of(const json & x) {
+    return x.type_name();
+}
 
 [[noreturn]] void wrong_type(const std::string & field, const char * want, const json & got) {
     bad_request("'" + field + "' must be " + want + ", not " + type_name_of(got));
@@ -92,7 +94,8 @@ void check_messages(const json & b) {
     auto it = b.find("messages");
     if (it == b.end() || !it->is_array() || it->empty()) bad_request("'messages' must be a non-empty array");
     for (const auto & m : *it) {
-        if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) bad_request("every message needs a string 'role'");
+        if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+            bad_request("every message needs a string 'role'");
         const std::string role = m["role"].get<std::string>();
         if (role != "system" && role != "user" && role != "assistant" && role != "developer")
             bad_request("unknown message role '" + role + "'");
@@ -116,7 +119,8 @@ size_t check_documents(const json & b, bool by_id, bool required) {
         return 0;
     }
     if (!it->is_array() || (required && it->empty()))
-        bad_request(required ? "'documents' must be a non-empty array of texts or {\"text\": string}" : "'documents' must be an array");
+        bad_request(required ? "'documents' must be a non-empty array of texts or {\"text\": string}"
+                             : "'documents' must be an array");
     for (const auto & x : *it) {
         if (x.is_string()) continue;
         if (x.is_object() && x.contains("text") && x["text"].is_string()) continue;
@@ -134,7 +138,8 @@ json request_parse_json(const std::string & text, int max_depth) {
     // recursive walk (copy, dump) a stack overflow
     json::parser_callback_t depth_guard = [max_depth](int depth, json::parse_event_t ev, json &) {
         if ((ev == json::parse_event_t::object_start || ev == json::parse_event_t::array_start) && depth >= max_depth)
-            bad_request("the request body is nested deeper than " + std::to_string(max_depth) + " levels", "invalid_json");
+            bad_request("the request body is nested deeper than " + std::to_string(max_depth) + " levels",
+                        "invalid_json");
         return true;
     };
     json b;
@@ -163,7 +168,8 @@ request_spec request_check(request_kind kind, json body) {
             break;
         case REQUEST_COMPLETION: {
             auto p = b.find("prompt");
-            const bool ok = p != b.end() && (p->is_string() || (p->is_array() && p->size() == 1 && (*p)[0].is_string()));
+            const bool ok =
+                p != b.end() && (p->is_string() || (p->is_array() && p->size() == 1 && (*p)[0].is_string()));
             if (!ok) bad_request("'prompt' must be a string");
             check_sampling(b);
             break;
@@ -180,7 +186,8 @@ request_spec request_check(request_kind kind, json body) {
                 if (!x.is_number_integer()) bad_request("token ids must be integers");
             break;
     }
-    if (kind == REQUEST_CHAT || kind == REQUEST_COMPLETION) r.stream = b.contains("stream") && b["stream"].is_boolean() && b["stream"].get<bool>();
+    if (kind == REQUEST_CHAT || kind == REQUEST_COMPLETION)
+        r.stream = b.contains("stream") && b["stream"].is_boolean() && b["stream"].get<bool>();
     r.body = std::move(body);
     return r;
 }
@@ -198,7 +205,8 @@ size_t request_text_bytes(const request_spec & r) {
             for (const auto & m : b["messages"]) {
                 auto c = m.find("content");
                 if (c == m.end()) continue;
-                if (c->is_string()) n += c->get_ref<const std::string &>().size();
+                if (c->is_string())
+                    n += c->get_ref<const std::string &>().size();
                 else if (c->is_array())
                     for (const auto & part : *c) n += part["text"].get_ref<const std::string &>().size();
             }
@@ -213,6 +221,8 @@ size_t request_text_bytes(const request_spec & r) {
     }
 }
 
-request_spec request_parse(request_kind kind, const std::string & text) { return request_check(kind, request_parse_json(text)); }
+request_spec request_parse(request_kind kind, const std::string & text) {
+    return request_check(kind, request_parse_json(text));
+}
 
 }  // namespace kvblend

@@ -26,11 +26,11 @@ struct request_error {
 std::string error_body(const std::string & message, const std::string & type, const std::string & code);
 
 enum request_kind {
-    REQUEST_CHAT,         // POST /v1/chat/completions
-    REQUEST_COMPLETION,   // POST /v1/completions
-    REQUEST_DOCUMENTS,    // POST /v1/documents
-    REQUEST_TOKENIZE,     // POST /tokenize
-    REQUEST_DETOKENIZE,   // POST /detokenize
+    REQUEST_CHAT,        // POST /v1/chat/completions
+    REQUEST_COMPLETION,  // POST /v1/completions
+    REQUEST_DOCUMENTS,   // POST /v1/documents
+    REQUEST_TOKENIZE,    // POST /tokenize
+    REQUEST_DETOKENIZE,  // POST /detokenize
 };
 
 constexpr int k_request_max_depth = 64;  // nesting of arrays and objects a body may have

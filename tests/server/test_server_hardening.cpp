@@ -120,7 +120,8 @@ json error_of(const httplib::Result & r) {
     EXPECT_TRUE(r);
     if (!r) return json();
     const json e = json::parse(r->body, nullptr, false);
-    EXPECT_TRUE(e.is_object() && e.contains("error") && e["error"]["message"].is_string()) << r->status << ": " << r->body;
+    EXPECT_TRUE(e.is_object() && e.contains("error") && e["error"]["message"].is_string())
+        << r->status << ": " << r->body;
     return e.is_object() && e.contains("error") ? e["error"] : json();
 }
 
@@ -190,14 +191,16 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
         EXPECT_EQ(e["message"].get<std::string>().find("json.exception"), std::string::npos) << e["message"];
     }
     // null is an absent field, as OpenAI reads it
-    auto r = c.Post("/v1/completions", R"({"prompt":"x","max_tokens":2,"stream":null,"n":null,"stop":null})", "application/json");
+    auto r = c.Post("/v1/completions", R"({"prompt":"x","max_tokens":2,"stream":null,"n":null,"stop":null})",
+                    "application/json");
     EXPECT_EQ(r->status, 200) << r->body;
 }
 
 TEST(server_hardening, n_above_1_is_refused) {
     live_server s(small());
     auto c = s.client();
-    auto r = c.Post("/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"n":2})", "application/json");
+    auto r =
+        c.Post("/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"n":2})", "application/json");
     EXPECT_EQ(r->status, 400);
     EXPECT_NE(error_of(r)["message"].get<std::string>().find("'n'"), std::string::npos);
     EXPECT_EQ(c.Post("/v1/completions", R"({"prompt":"x","n":1,"max_tokens":1})", "application/json")->status, 200);
@@ -212,7 +215,9 @@ TEST(server_hardening, a_body_over_the_cap_is_413_at_once) {
         raw_conn rc(s.port());
         ASSERT_TRUE(rc.ok());
         const double t0 = time_ms();
-        rc.send("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n");
+        rc.send(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+            "100000000\r\n\r\n");
         bool closed = false;
         const std::string resp = rc.read_all(3000, &closed);
         EXPECT_LT(time_ms() - t0, 1000.0);
@@ -223,8 +228,9 @@ TEST(server_hardening, a_body_over_the_cap_is_413_at_once) {
     // the same, asking "Expect: 100-continue": refused instead of continued
     {
         raw_conn rc(s.port());
-        rc.send("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
-                "Content-Length: 100000000\r\n\r\n");
+        rc.send(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+            "Content-Length: 100000000\r\n\r\n");
         const std::string resp = rc.read_all(3000);
         EXPECT_EQ(status_of(resp), 413) << resp;
     }
@@ -238,7 +244,9 @@ TEST(server_hardening, a_body_over_the_cap_is_413_at_once) {
     // a chunked body over the cap
     {
         raw_conn rc(s.port());
-        std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n";
+        std::string req =
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: "
+            "chunked\r\n\r\n";
         for (int i = 0; i < 6; ++i) req += "3e8\r\n" + std::string(1000, ' ') + "\r\n";
         req += "0\r\n\r\n";
         rc.send(req);
@@ -332,8 +340,8 @@ TEST(server_hardening, http10_gets_no_chunks_and_pipelined_requests_are_all_answ
     {
         raw_conn rc(s.port());
         const std::string body = R"({"prompt":"Once upon a time","max_tokens":6,"temperature":0,"stream":true})";
-        rc.send("POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
-                "\r\n\r\n" + body);
+        rc.send("POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: " +
+                std::to_string(body.size()) + "\r\n\r\n" + body);
         bool closed = false;
         const std::string resp = rc.read_all(10000, &closed);
         EXPECT_EQ(status_of(resp), 200) << resp;
@@ -345,9 +353,12 @@ TEST(server_hardening, http10_gets_no_chunks_and_pipelined_requests_are_all_answ
     {
         raw_conn rc(s.port());
         const std::string b = R"({"prompt":"Once","max_tokens":2,"temperature":0})";
-        rc.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + http_post("/v1/completions", b) + "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
+        rc.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + http_post("/v1/completions", b) +
+                "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
         std::string all;
-        for (int i = 0; i < 50 && (all.find("text_completion") == std::string::npos || all.find("\"list\"") == std::string::npos); ++i)
+        for (int i = 0;
+             i < 50 && (all.find("text_completion") == std::string::npos || all.find("\"list\"") == std::string::npos);
+             ++i)
             all += rc.read_all(200);
         int responses = 0;
         for (size_t at = 0; (at = all.find("HTTP/1.1 200", at)) != std::string::npos; ++at) ++responses;
@@ -363,7 +374,8 @@ TEST(server_hardening, a_client_that_hangs_up_cancels_a_non_streaming_request) {
     {
         raw_conn rc(s.port());
         // the longest answer the context allows; the client leaves after 100 ms
-        rc.send(http_post("/v1/completions", R"({"prompt":"Once upon a time","max_tokens":500,"temperature":1,"seed":3})"));
+        rc.send(
+            http_post("/v1/completions", R"({"prompt":"Once upon a time","max_tokens":500,"temperature":1,"seed":3})"));
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     auto c = s.client();

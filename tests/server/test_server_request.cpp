@@ -61,15 +61,18 @@ TEST(server_request, fields_are_checked_per_endpoint) {
     EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"n":1,"stream":true,"stop":["a","b"]})"), "");
     EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"documents":[{"id":"a"},"text",{"text":"t"}]})"), "");
     EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"documents":{"text":"t"}})"), "invalid_request");
-    EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})"), "invalid_request");
-    EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})"),
+              "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]})"),
+              "");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one"]})"), "");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one","two"]})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","max_tokens":1e300})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","max_tokens":8.0})"), "");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","temperature":-1})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[]})"), "invalid_request");
-    EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[{"id":"x"}]})"), "invalid_request");  // ids are for chat
+    EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[{"id":"x"}]})"),
+              "invalid_request");  // ids are for chat
     EXPECT_EQ(error_code_of(REQUEST_TOKENIZE, R"({"content":"x","add_special":null})"), "");
     EXPECT_EQ(error_code_of(REQUEST_DETOKENIZE, R"({"tokens":[1.5]})"), "invalid_request");
     // what passes can be read as checked
