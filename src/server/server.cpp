@@ -119,8 +119,8 @@ struct server::impl {
     // Prometheus counters (GET /metrics)
     struct metrics_t {
         std::mutex mu;
-        int64_t requests = 0, errors = 0, cancelled = 0, prompt_tokens = 0, completion_tokens = 0, fused_tokens = 0, recomputed_tokens = 0,
-                store_hits = 0, store_misses = 0;
+        int64_t requests = 0, errors = 0, cancelled = 0, prompt_tokens = 0, completion_tokens = 0, fused_tokens = 0,
+                recomputed_tokens = 0, store_hits = 0, store_misses = 0;
         static constexpr double bounds[9] = {0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};  // seconds
         int64_t ttft_buckets[10] = {};
         double ttft_sum = 0;
@@ -163,7 +163,8 @@ struct server::impl {
         out += "# HELP kvblend_http_responses_total HTTP responses by status class\n";
         out += "# TYPE kvblend_http_responses_total counter\n";
         for (int c = 1; c <= 5; ++c)
-            out += "kvblend_http_responses_total{code=\"" + std::to_string(c) + "xx\"} " + std::to_string(metrics.responses[c]) + "\n";
+            out += "kvblend_http_responses_total{code=\"" + std::to_string(c) + "xx\"} " +
+                   std::to_string(metrics.responses[c]) + "\n";
         counter("kvblend_http_connections_refused_total", "connections answered 429/503 and closed (too many open)",
                 http.refused_connections());
         counter("kvblend_prompt_tokens_total", "prompt tokens", metrics.prompt_tokens);
@@ -267,8 +268,9 @@ struct server::impl {
                 if (!st->contains(key)) st->put(key, chunk_encode(*m, c, {}, cd.get()));
                 if (!st->contains(key)) throw error("the entry is not there after the write");
             } catch (const std::exception & e) {
-                throw request_error{500, "the store did not keep document " + std::to_string(j.ingest_keys.size()) + ": " + e.what(),
-                                    "server_error", "store_write_failed"};
+                throw request_error{
+                    500, "the store did not keep document " + std::to_string(j.ingest_keys.size()) + ": " + e.what(),
+                    "server_error", "store_write_failed"};
             }
             j.ingest_keys.push_back(key);
         }
@@ -386,8 +388,9 @@ struct server::impl {
         // no token covers more bytes than the longest piece (twice that, for slack)
         const size_t bytes = request_text_bytes(r), n_min = bytes / (2 * max_piece_bytes);
         if ((int64_t) n_min > p.n_ctx)
-            bad_request("the " + std::string(kind == REQUEST_DOCUMENTS ? "document" : "prompt") + " has " + std::to_string(bytes) +
-                            " bytes, more than the context of " + std::to_string(p.n_ctx) + " tokens can hold",
+            bad_request("the " + std::string(kind == REQUEST_DOCUMENTS ? "document" : "prompt") + " has " +
+                            std::to_string(bytes) + " bytes, more than the context of " + std::to_string(p.n_ctx) +
+                            " tokens can hold",
                         "context_length_exceeded");
         if (stream) *stream = r.stream;
         return std::move(r.body);
@@ -547,7 +550,8 @@ struct server::impl {
     }
 
     // run a job to the end or stream it; chat: chat.completion(.chunk), else text_completion
-    void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const httplib::Request & req, httplib::Response & res) {
+    void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const httplib::Request & req,
+                 httplib::Response & res) {
         if (!submit(j)) throw request_error{503, "the server is overloaded: every slot is busy and the queue is full",
                                             "server_error", "overloaded"};
         const std::string id = new_id(chat ? "chatcmpl-" : "cmpl-");
@@ -560,8 +564,8 @@ struct server::impl {
                 if (!j->cancelled && req.is_connection_closed && req.is_connection_closed()) j->cancelled = true;
             for (auto & s : j->pieces) text += s;
             if (!j->error.empty())
-                throw request_error{j->error_status, j->error, j->error_status < 500 ? "invalid_request_error" : "server_error",
-                                    j->error_code};
+                throw request_error{j->error_status, j->error,
+                                    j->error_status < 500 ? "invalid_request_error" : "server_error", j->error_code};
             json out = {{"id", id}, {"created", created}, {"model", model_id}, {"usage", usage_of(*j)}, {"kvblend", kvblend_of(*j)}};
             if (chat) {
                 out["object"] = "chat.completion";
@@ -645,8 +649,9 @@ struct server::impl {
                 res.set_content(error_body(e.what(), "invalid_request_error", "invalid_request"), "application/json");
             } catch (const json::exception & e) {  // a field read as a type it does not have: the check missed it
                 res.status = 400;
-                res.set_content(error_body("a field of the request has the wrong type", "invalid_request_error", "invalid_request"),
-                                "application/json");
+                res.set_content(
+                    error_body("a field of the request has the wrong type", "invalid_request_error", "invalid_request"),
+                    "application/json");
             } catch (const std::exception & e) {
                 res.status = 500;
                 res.set_content(error_body(e.what(), "server_error", "internal_error"), "application/json");
@@ -659,14 +664,15 @@ struct server::impl {
         auto refuse_early = [this](const httplib::Request & req, httplib::Response & res) {
             if (!p.api_key.empty() && req.path != "/health" && !http_bearer_matches(req, p.api_key)) {
                 res.status = 401;
-                res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"), "application/json");
+                res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"),
+                                "application/json");
                 return true;
             }
             if (req.has_header("Content-Length") && req.get_header_value_u64("Content-Length") > p.max_body) {
                 res.status = 413;
                 res.set_header("Connection", "close");  // the body is not read
-                res.set_content(error_body("the request body is larger than this server's limit of " + std::to_string(p.max_body) +
-                                               " bytes (--max-body)",
+                res.set_content(error_body("the request body is larger than this server's limit of " +
+                                               std::to_string(p.max_body) + " bytes (--max-body)",
                                            "invalid_request_error", "request_too_large"),
                                 "application/json");
                 return true;
@@ -674,7 +680,8 @@ struct server::impl {
             return false;
         };
         http.set_pre_routing_handler([refuse_early](const httplib::Request & req, httplib::Response & res) {
-            return refuse_early(req, res) ? httplib::Server::HandlerResponse::Handled : httplib::Server::HandlerResponse::Unhandled;
+            return refuse_early(req, res) ? httplib::Server::HandlerResponse::Handled
+                                          : httplib::Server::HandlerResponse::Unhandled;
         });
         // "Expect: 100-continue": the answer comes before the client sends the body
         http.set_expect_100_continue_handler([refuse_early](const httplib::Request & req, httplib::Response & res) {
@@ -682,14 +689,16 @@ struct server::impl {
         });
         http.set_error_handler([this](const httplib::Request &, httplib::Response & res) {
             if (!res.body.empty()) return;
-            if (res.status == 404) res.set_content(error_body("unknown route", "invalid_request_error", "not_found"), "application/json");
+            if (res.status == 404)
+                res.set_content(error_body("unknown route", "invalid_request_error", "not_found"), "application/json");
             else if (res.status == 413)  // a chunked body past the limit
-                res.set_content(error_body("the request body is larger than this server's limit of " + std::to_string(p.max_body) +
-                                               " bytes (--max-body)",
+                res.set_content(error_body("the request body is larger than this server's limit of " +
+                                               std::to_string(p.max_body) + " bytes (--max-body)",
                                            "invalid_request_error", "request_too_large"),
                                 "application/json");
             else if (res.status >= 400)
-                res.set_content(error_body(httplib::status_message(res.status), res.status < 500 ? "invalid_request_error" : "server_error",
+                res.set_content(error_body(httplib::status_message(res.status),
+                                           res.status < 500 ? "invalid_request_error" : "server_error",
                                            "http_" + std::to_string(res.status)),
                                 "application/json");
         });
@@ -753,7 +762,8 @@ struct server::impl {
                       j->cv.wait(l, [&] { return j->done; });
                       if (!j->error.empty())
                           throw request_error{j->error_status, j->error,
-                                              j->error_status < 500 ? "invalid_request_error" : "server_error", j->error_code};
+                                              j->error_status < 500 ? "invalid_request_error" : "server_error",
+                                              j->error_code};
                       json data = json::array();
                       for (size_t i = 0; i < j->ingest_keys.size(); ++i)
                           data.push_back({{"id", j->ingest_keys[i]}, {"object", "document"}, {"n_tokens", (int64_t) j->ingest_docs[i].size()}});
