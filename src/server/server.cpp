@@ -128,10 +128,10 @@ struct server::impl {
         int64_t responses[6] = {};  // HTTP responses by status class: 1xx … 5xx (index 1 … 5)
     } metrics;
 
-    void record(const job & j) {
+    void record(const job & j, bool failed) {
         std::lock_guard l(metrics.mu);
         metrics.requests++;
-        if (!j.error.empty()) metrics.errors++;
+        if (failed) metrics.errors++;
         if (j.cancelled) metrics.cancelled++;
         metrics.prompt_tokens += (int64_t) j.tokens.size();
         metrics.completion_tokens += j.n_gen;
@@ -237,18 +237,21 @@ struct server::impl {
                 j = queue.front();
                 queue.pop_front();
             }
+            std::string err, code = "internal_error";
+            int status = 500;
             try {
                 if (j->ingest) run_ingest(eng, *j), cached.clear();
                 else run(eng, *j, cached);
-                j->finish();
             } catch (const request_error & e) {
                 cached.clear();
-                j->finish(e.message, e.status, e.code);
+                err = e.message, status = e.status, code = e.code;
             } catch (const std::exception & e) {
                 cached.clear();
-                j->finish(e.what());
+                err = e.what();
             }
-            if (!j->ingest) record(*j);
+            // counted before it is answered: a client that reads /metrics next sees it
+            if (!j->ingest) record(*j, !err.empty());
+            j->finish(err, status, code);
         }
     }
 
