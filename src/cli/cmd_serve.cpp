@@ -29,7 +29,11 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --recomp-ratio R          default share of document tokens recomputed (default 0.15)
   --check-layer L           CacheBlend check layer (default 1)
   --chunk-size N            plain long prompts: chunk length (default 256)
-  --min-fuse-tokens N       plain prompts at least this long are chunked and fused (default 1024)
+  --min-fuse-tokens N       plain prompts at least this long are chunked and fused, and teach the
+                            server their passages (default 512)
+  --no-learn                plain prompts only reuse known documents, they add none
+  --learn-max-docs N        most passages one request adds as documents (default 16)
+  --learn-max-bytes N       most passage text one request adds (default 65536)
   --api-key KEY             require "Authorization: Bearer KEY"
   --api-key-file F          the same, the key read from a file
   -t, --threads N           CPU threads per slot (default 2)
@@ -71,6 +75,9 @@ int cmd_serve(int argc, char ** argv) {
         else if (a.match({"--check-layer"})) sp.check_layer = (int) a.integer(0, 4096);
         else if (a.match({"--chunk-size"})) sp.chunk_size = a.integer(1, 1 << 20);
         else if (a.match({"--min-fuse-tokens"})) sp.min_fuse_tokens = a.integer(1, 1 << 24);
+        else if (a.match({"--no-learn"})) sp.learn = false;
+        else if (a.match({"--learn-max-docs"})) sp.learn_max_docs = a.integer(0, 1 << 20);
+        else if (a.match({"--learn-max-bytes"})) sp.learn_max_bytes = a.integer(0, 1 << 30);
         else if (a.match({"--api-key"})) sp.api_key = a.str();
         else if (a.match({"--api-key-file"})) {
             std::string k = read_text_file(a.str());
