@@ -18,6 +18,7 @@
 #include "kvblend/vocab.h"
 #include "server/doc_index.h"
 #include "server/prompt_layout.h"
+#include "server/soft_store.h"
 
 namespace kvblend {
 
@@ -80,6 +81,7 @@ struct job {
     std::string error;
     std::string finish_reason = "stop";
     int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
+    int64_t store_errors = 0;     // store calls that failed (each a miss or a skipped put)
     std::vector<bool> chunk_hit;  // fuse: per non-empty chunk, whether the store had it
     int64_t n_cached = 0;  // prompt tokens whose KV the slot still held from its previous request
     int64_t kv_rows = 0;   // rows the slot's cache held after the prompt (fewer than the tokens when evicted)
@@ -121,6 +123,7 @@ struct server::impl {
     std::shared_ptr<const model> m;
     server_params p;
     std::unique_ptr<store> st;
+    soft_store * soft = nullptr;  // inside st: its failures are misses
     std::string model_id;
     httplib::Server http;
     mutable doc_index known;  // texts of the documents plain prompts are searched for
@@ -177,6 +180,7 @@ struct server::impl {
         counter("kvblend_recomputed_tokens_total", "fused tokens recomputed by the deep layers", metrics.recomputed_tokens);
         counter("kvblend_store_hits_total", "chunks loaded from the store", metrics.store_hits);
         counter("kvblend_store_misses_total", "chunks collected (not in the store)", metrics.store_misses);
+        counter("kvblend_store_errors_total", "store calls that failed (served as misses)", soft ? soft->failures() : 0);
         counter("kvblend_plain_docs_matched_total", "known documents found inside plain prompts", metrics.docs_matched);
         counter("kvblend_plain_docs_learned_total", "passages of plain prompts added as documents", metrics.docs_learned);
         counter("kvblend_plain_learned_bytes_total", "text bytes of the passages added", metrics.learned_bytes);
@@ -207,7 +211,11 @@ struct server::impl {
         if (p.parallel < 1) throw error("--parallel must be at least 1");
         codec_by_name(p.codec);  // a bad codec name fails at start
         if (!p.kv_codec.empty()) codec_by_name(p.kv_codec);  // … and a bad live cache name (its options too)
-        if (!p.store_uri.empty()) st = std::make_unique<locked_store>(store_open(p.store_uri));
+        if (!p.store_uri.empty()) {
+            auto s = std::make_unique<soft_store>(store_open(p.store_uri));
+            soft = s.get();
+            st = std::make_unique<locked_store>(std::move(s));
+        }
         model_id = m->path().substr(m->path().find_last_of('/') + 1);
         for (int i = 0; i < p.parallel; ++i) {
             engine_params ep = engine_default_params();
@@ -246,9 +254,11 @@ struct server::impl {
                 j = queue.front();
                 queue.pop_front();
             }
+            const int64_t store_failures = soft_store::thread_failures();
             try {
                 if (j->ingest) run_ingest(eng, *j), cached.clear();
                 else run(eng, *j, cached);
+                j->store_errors = soft_store::thread_failures() - store_failures;
                 j->finish();
             } catch (const std::exception & e) {
                 cached.clear();
@@ -545,7 +555,10 @@ struct server::impl {
     std::vector<llama_token> stored_doc(const std::string & id) const {
         if (!st) bad_request("documents by id need a server started with --store");
         const bool hex = id.size() == 32 && id.find_first_not_of("0123456789abcdef") == std::string::npos;
+        const int64_t failures = soft_store::thread_failures();
         std::optional<std::vector<uint8_t>> bytes = hex ? st->get(id) : std::nullopt;
+        if (soft_store::thread_failures() != failures)
+            throw request_error{503, "the store is unreachable: document '" + id + "' cannot be read", "server_error", "store_unavailable"};
         if (!bytes) throw request_error{404, "unknown document id '" + id + "'", "invalid_request_error", "document_not_found"};
         try {
             return chunk_decode(*m, std::move(*bytes)).tokens;
@@ -582,6 +595,7 @@ struct server::impl {
                 {"n_recomputed", j.n_recomputed},
                 {"store_hits", j.store_hits},
                 {"store_misses", j.store_misses},
+                {"store_errors", j.store_errors},
                 {"spans", spans_of(j)},
                 {"n_learned", j.learned.added},
                 {"n_cached", j.n_cached},
@@ -744,6 +758,10 @@ struct server::impl {
                       std::unique_lock l(j->mu);
                       j->cv.wait(l, [&] { return j->done; });
                       if (!j->error.empty()) bad_request(j->error);
+                      // a put that failed is not a stored document
+                      if (j->store_errors > 0)
+                          throw request_error{503, "the store is unreachable: the documents were not stored", "server_error",
+                                              "store_unavailable"};
                       json data = json::array();
                       for (size_t i = 0; i < j->ingest_keys.size(); ++i)
                           data.push_back({{"id", j->ingest_keys[i]}, {"object", "document"}, {"n_tokens", (int64_t) j->ingest_docs[i].size()}});
