@@ -472,6 +472,7 @@ struct server::impl {
             learn_params lp;
             lp.max_docs = (size_t) p.learn_max_docs;
             lp.max_bytes = (size_t) p.learn_max_bytes;
+            lp.min_passage_chars = (size_t) p.learn_min_chars;
             j.learned = layout_learn(known, layout_passages(contents, lp.min_passage_chars), lp,
                                      [&](const std::string & t) { return doc_key(rag_doc_tokens(m->tokens(), t)); });
         }
