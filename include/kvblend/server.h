@@ -29,7 +29,7 @@ struct server_params {
     int64_t     learn_max_docs  = 16;           // most passages one request may add
     int64_t     learn_max_bytes = 1 << 16;      // most text one request may add
     int64_t     learn_min_chars = 256;          // shorter paragraphs are not learned
-    int64_t     known_docs_max  = 1000000;      // documents the text index holds (oldest forgotten)
+    int64_t     known_docs_max  = 250000;       // documents the text index holds (~300 bytes each; oldest forgotten)
     std::string api_key;                        // empty: no authentication
     int32_t     n_threads       = 2;
     ggml_type   type_k          = GGML_TYPE_F16;

@@ -35,6 +35,7 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --learn-max-docs N        most passages one request adds as documents (default 16)
   --learn-max-bytes N       most passage text one request adds (default 65536)
   --learn-min-chars N       shortest paragraph learned as a passage (default 256)
+  --known-docs N            document texts searched for in plain prompts, oldest forgotten (default 250000)
   --api-key KEY             require "Authorization: Bearer KEY"
   --api-key-file F          the same, the key read from a file
   -t, --threads N           CPU threads per slot (default 2)
@@ -80,6 +81,7 @@ int cmd_serve(int argc, char ** argv) {
         else if (a.match({"--learn-max-docs"})) sp.learn_max_docs = a.integer(0, 1 << 20);
         else if (a.match({"--learn-max-bytes"})) sp.learn_max_bytes = a.integer(0, 1 << 30);
         else if (a.match({"--learn-min-chars"})) sp.learn_min_chars = a.integer((int64_t) 1, 1 << 30);
+        else if (a.match({"--known-docs"})) sp.known_docs_max = a.integer(1, 1 << 26);
         else if (a.match({"--api-key"})) sp.api_key = a.str();
         else if (a.match({"--api-key-file"})) {
             std::string k = read_text_file(a.str());
