@@ -492,6 +492,7 @@ struct server::impl {
             // chunk_hit counts the non-empty chunks; a plain layout has no empty ones
             json x = {{"id", doc_key(j.prompt.chunks[s.chunk])}, {"begin", s.begin}, {"end", s.end}};
             if (s.chunk < j.chunk_hit.size()) x["store_hit"] = (bool) j.chunk_hit[s.chunk];
+            else x["slot_cached"] = s.end <= j.n_cached;  // extended the slot's cached prefix: not fused
             out.push_back(std::move(x));
         }
         return out;
