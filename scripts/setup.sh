@@ -61,12 +61,22 @@ else
   log "llama.cpp verified at $LLAMA_COMMIT"
 fi
 
-# --- the official openai client, for the server tests (npm) -----------------
+# --- npm clients for the server tests: openai, LangChain.js -----------------
 client_dir="$root/tests/server/node"
-if [[ -f "$client_dir/node_modules/openai/package.json" ]] && grep -q '"version": "6.30.1"' "$client_dir/node_modules/openai/package.json"; then
-  log "openai npm client present"
+# every dependency of its package.json installed at its pinned version
+clients_present() {
+  node -e '
+    const fs = require("fs"), dir = process.argv[1];
+    const deps = JSON.parse(fs.readFileSync(dir + "/package.json", "utf8")).dependencies;
+    for (const [name, version] of Object.entries(deps)) {
+      const p = dir + "/node_modules/" + name + "/package.json";
+      if (!fs.existsSync(p) || JSON.parse(fs.readFileSync(p, "utf8")).version !== version) process.exit(1);
+    }' "$client_dir" 2>/dev/null
+}
+if clients_present; then
+  log "npm clients present"
 else
-  log "installing the openai npm client"
+  log "installing the npm clients (openai, @langchain/openai, @langchain/core)"
   (cd "$client_dir" && npm install --silent --no-audit --no-fund --no-package-lock >/dev/null)
 fi
 

@@ -23,7 +23,14 @@ struct server_params {
     float       recomp_ratio    = 0.15f;
     int         check_layer     = 1;
     int64_t     chunk_size      = 256;          // plain long prompts: chunk length
-    int64_t     min_fuse_tokens = 1024;         // plain prompts at least this long are chunked and fused
+    int64_t     min_fuse_tokens = 512;          // plain prompts at least this long are chunked and fused
+    // plain prompts (no "documents" field): known documents found in the text are
+    // fused from the store; prompts of min_fuse_tokens or more teach it their passages
+    bool        learn           = true;
+    int64_t     learn_max_docs  = 16;           // most passages one request may add
+    int64_t     learn_max_bytes = 1 << 16;      // most text one request may add
+    int64_t     learn_min_chars = 256;          // shorter paragraphs are not learned
+    int64_t     known_docs_max  = 250000;       // documents the text index holds (~300 bytes each; oldest forgotten)
     std::string api_key;                        // empty: no authentication
     int32_t     n_threads       = 2;
     ggml_type   type_k          = GGML_TYPE_F16;

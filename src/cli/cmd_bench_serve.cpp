@@ -24,7 +24,10 @@ requests: the first one (documents not stored yet), a new question over the
 same documents in the same order (what a prefix cache also serves), and a new
 question over a subset in another order (what only chunk reuse serves).
 kvblend gets the documents in its "documents" field; the peer gets the same
-texts inlined in the user message, in the same order.
+texts inlined in the user message, in the same order. Then two plain
+prompts, the same for both servers (the documents inlined, as RAG clients
+send them): fresh documents (kvblend learns them), then the same documents
+reordered with a new question (kvblend finds them in the text).
 
   -m, --model FILE      the model both servers run (for making documents)
   --url URL             kvblend serve, e.g. http://127.0.0.1:8080
@@ -56,8 +59,8 @@ endpoint parse_url(const std::string & url) {
     return e;
 }
 
-// one chat request for a single token; returns the wall time in ms
-double ttft_ms(const endpoint & e, const nlohmann::json & body) {
+// one chat request for a single token; returns the wall time in ms (and the response in out)
+double ttft_ms(const endpoint & e, const nlohmann::json & body, nlohmann::json * out = nullptr) {
     httplib::Client c(e.host, e.port);
     c.set_read_timeout(600, 0);
     const double t0 = time_ms();
@@ -65,6 +68,7 @@ double ttft_ms(const endpoint & e, const nlohmann::json & body) {
     const double ms = time_ms() - t0;
     if (!r) throw error("no answer from " + e.host + ":" + std::to_string(e.port));
     if (r->status != 200) throw error("HTTP " + std::to_string(r->status) + ": " + r->body.substr(0, 300));
+    if (out) *out = nlohmann::json::parse(r->body, nullptr, false);
     return ms;
 }
 
@@ -129,8 +133,11 @@ int bench_serve(args & a) {
     };
 
     const char * names[] = {"first request (nothing cached)", "new question, same documents, same order",
-                            "new question, subset in another order"};
-    std::vector<std::vector<double>> t_ours(3), t_peer(3);
+                            "new question, subset in another order", "plain prompt, first (passages learned)",
+                            "plain prompt, passages reordered, new question"};
+    constexpr int n_rows = 5;
+    std::vector<std::vector<double>> t_ours(n_rows), t_peer(n_rows);
+    int64_t plain_found = 0, plain_expected = 0;  // passages kvblend found in the reordered plain prompts
     for (int64_t r = 0; r < reps; ++r) {
         std::vector<std::string> docs;
         for (int64_t i = 0; i < n_docs; ++i) docs.push_back(make_doc());
@@ -141,6 +148,23 @@ int bench_serve(args & a) {
             t_ours[s].push_back(ttft_ms(ours, body_ours(seq[s].first, seq[s].second)));
             if (have_peer) t_peer[s].push_back(ttft_ms(peer, body_peer(seq[s].first, seq[s].second)));
         }
+        // plain prompts: both servers get the same inlined text
+        std::vector<std::string> fresh;
+        for (int64_t i = 0; i < n_docs; ++i) fresh.push_back(make_doc());
+        std::vector<std::string> moved(fresh.begin() + 1, fresh.end());  // a rotation, then reversed: every one moves
+        moved.push_back(fresh[0]);
+        std::reverse(moved.begin(), moved.end());
+        const std::vector<std::pair<std::vector<std::string>, std::string>> plain = {{fresh, questions[0]},
+                                                                                     {moved, questions[2]}};
+        for (int s = 0; s < 2; ++s) {
+            nlohmann::json res;
+            t_ours[3 + s].push_back(ttft_ms(ours, body_peer(plain[s].first, plain[s].second), &res));
+            if (s == 1 && res.is_object() && res.contains("kvblend") && res["kvblend"].contains("spans")) {
+                for (const auto & sp : res["kvblend"]["spans"]) plain_found += sp.value("store_hit", false) ? 1 : 0;
+            }
+            if (s == 1) plain_expected += n_docs;
+            if (have_peer) t_peer[3 + s].push_back(ttft_ms(peer, body_peer(plain[s].first, plain[s].second)));
+        }
     }
     auto median = [](std::vector<double> v) {
         std::sort(v.begin(), v.end());
@@ -149,15 +173,20 @@ int bench_serve(args & a) {
     nlohmann::json rows = nlohmann::json::array();
     std::printf("%lld documents x %lld tokens, median of %lld\n\n", (long long) n_docs, (long long) doc_tokens, (long long) reps);
     std::printf("| request | kvblend TTFT ms | llama-server TTFT ms | ratio |\n|---|---:|---:|---:|\n");
-    for (int s = 0; s < 3; ++s) {
+    for (int s = 0; s < n_rows; ++s) {
         const double o = median(t_ours[s]), p = have_peer ? median(t_peer[s]) : 0.0;
         rows.push_back({{"request", names[s]}, {"kvblend_ms", o}, {"peer_ms", p}, {"ratio", have_peer ? p / o : 0.0}});
         std::printf("| %s | %.0f | %.0f | %.2fx |\n", names[s], o, p, have_peer ? p / o : 0.0);
     }
     if (!json_path.empty()) {
         std::ofstream f(json_path);
-        f << nlohmann::json({{"docs", n_docs}, {"doc_tokens", doc_tokens}, {"reps", reps}, {"rows", rows}}).dump(2) << "\n";
+        f << nlohmann::json({{"docs", n_docs}, {"doc_tokens", doc_tokens}, {"reps", reps}, {"rows", rows},
+                             {"plain_passages_found", plain_found}, {"plain_passages", plain_expected}})
+                 .dump(2)
+          << "\n";
     }
+    std::printf("\nplain prompts: kvblend took %lld of %lld reordered passages from the store\n", (long long) plain_found,
+                (long long) plain_expected);
     return 0;
 }
 

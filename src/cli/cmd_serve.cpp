@@ -30,7 +30,13 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --recomp-ratio R          default share of document tokens recomputed (default 0.15)
   --check-layer L           CacheBlend check layer (default 1)
   --chunk-size N            plain long prompts: chunk length (default 256)
-  --min-fuse-tokens N       plain prompts at least this long are chunked and fused (default 1024)
+  --min-fuse-tokens N       plain prompts at least this long are chunked and fused, and teach the
+                            server their passages (default 512)
+  --no-learn                plain prompts only reuse known documents, they add none
+  --learn-max-docs N        most passages one request adds as documents (default 16)
+  --learn-max-bytes N       most passage text one request adds (default 65536)
+  --learn-min-chars N       shortest paragraph learned as a passage (default 256)
+  --known-docs N            document texts searched for in plain prompts, oldest forgotten (default 250000)
   --api-key KEY             require "Authorization: Bearer KEY" (an empty key is refused)
   --api-key-file F          the same, the key read from a file
   --max-body N              largest request body in bytes, k/M suffixes (default 8M); more gets 413
@@ -94,6 +100,11 @@ int cmd_serve(int argc, char ** argv) {
         else if (a.match({"--check-layer"})) sp.check_layer = (int) a.integer(0, 4096);
         else if (a.match({"--chunk-size"})) sp.chunk_size = a.integer(1, 1 << 20);
         else if (a.match({"--min-fuse-tokens"})) sp.min_fuse_tokens = a.integer(1, 1 << 24);
+        else if (a.match({"--no-learn"})) sp.learn = false;
+        else if (a.match({"--learn-max-docs"})) sp.learn_max_docs = a.integer(0, 1 << 20);
+        else if (a.match({"--learn-max-bytes"})) sp.learn_max_bytes = a.integer(0, 1 << 30);
+        else if (a.match({"--learn-min-chars"})) sp.learn_min_chars = a.integer((int64_t) 1, 1 << 30);
+        else if (a.match({"--known-docs"})) sp.known_docs_max = a.integer(1, 1 << 26);
         else if (a.match({"--api-key"})) {
             sp.api_key = a.str();
             if (sp.api_key.empty()) throw error("--api-key is empty: give a key, or leave the flag out to serve without one");

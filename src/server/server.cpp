@@ -20,6 +20,9 @@
 #include "kvblend/vocab.h"
 #include "server/server_http.h"
 #include "server/server_request.h"
+#include "server/doc_index.h"
+#include "server/prompt_layout.h"
+#include "server/soft_store.h"
 
 namespace kvblend {
 
@@ -57,6 +60,8 @@ struct job {
     sampler_params sp;
     std::vector<std::string> stop;
     float recomp_ratio = 0.15f;
+    std::vector<layout_span> spans;  // plain prompts: the known documents found in them (chunks of prompt)
+    learn_stats learned;             // … and the passages they added
 
     // what comes back (guarded by mu)
     std::mutex mu;
@@ -68,6 +73,8 @@ struct job {
     std::string error_code = "internal_error";
     std::string finish_reason = "stop";
     int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
+    int64_t store_errors = 0;     // store calls that failed (each a miss or a skipped put)
+    std::vector<bool> chunk_hit;  // fuse: per non-empty chunk, whether the store had it
     int64_t n_cached = 0;  // prompt tokens whose KV the slot still held from its previous request
     int64_t kv_rows = 0;   // rows the slot's cache held after the prompt (fewer than the tokens when evicted)
     double prefill_ms = 0;
@@ -110,9 +117,11 @@ struct server::impl {
     std::shared_ptr<const model> m;
     server_params p;
     std::unique_ptr<store> st;
+    soft_store * soft = nullptr;  // inside st: its failures are misses
     std::string model_id;
     http_server http{http_limits{p.max_body, p.read_timeout_s, p.write_timeout_s, 5, p.max_connections,
                                  p.max_connections_per_client}};
+    mutable doc_index known;  // texts of the documents plain prompts are searched for
     std::atomic<int> bound_port{0};
     size_t max_piece_bytes = 1;  // the longest text one token stands for (special tokens included)
 
@@ -120,7 +129,8 @@ struct server::impl {
     struct metrics_t {
         std::mutex mu;
         int64_t requests = 0, errors = 0, cancelled = 0, prompt_tokens = 0, completion_tokens = 0, fused_tokens = 0,
-                recomputed_tokens = 0, store_hits = 0, store_misses = 0;
+                recomputed_tokens = 0, store_hits = 0, store_misses = 0, docs_matched = 0, docs_learned = 0,
+                learned_bytes = 0, learn_skipped = 0;
         static constexpr double bounds[9] = {0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};  // seconds
         int64_t ttft_buckets[10] = {};
         double ttft_sum = 0;
@@ -139,6 +149,10 @@ struct server::impl {
         metrics.recomputed_tokens += j.n_recomputed;
         metrics.store_hits += j.store_hits;
         metrics.store_misses += j.store_misses;
+        metrics.docs_matched += (int64_t) j.spans.size();
+        metrics.docs_learned += j.learned.added;
+        metrics.learned_bytes += j.learned.bytes;
+        metrics.learn_skipped += j.learned.skipped;
         if (j.ttft_ms >= 0) {
             const double sec = j.ttft_ms / 1000.0;
             int b = 0;
@@ -173,6 +187,13 @@ struct server::impl {
         counter("kvblend_recomputed_tokens_total", "fused tokens recomputed by the deep layers", metrics.recomputed_tokens);
         counter("kvblend_store_hits_total", "chunks loaded from the store", metrics.store_hits);
         counter("kvblend_store_misses_total", "chunks collected (not in the store)", metrics.store_misses);
+        counter("kvblend_store_errors_total", "store calls that failed (served as misses)", soft ? soft->failures() : 0);
+        counter("kvblend_plain_docs_matched_total", "known documents found inside plain prompts", metrics.docs_matched);
+        counter("kvblend_plain_docs_learned_total", "passages of plain prompts added as documents", metrics.docs_learned);
+        counter("kvblend_plain_learned_bytes_total", "text bytes of the passages added", metrics.learned_bytes);
+        counter("kvblend_plain_learn_skipped_total", "passages not added: over a request's bound", metrics.learn_skipped);
+        out += "# HELP kvblend_known_documents documents whose text plain prompts are searched for\n";
+        out += "# TYPE kvblend_known_documents gauge\nkvblend_known_documents " + std::to_string(known.size()) + "\n";
         out += "# HELP kvblend_time_to_first_token_seconds time from a request's arrival to its first token\n";
         out += "# TYPE kvblend_time_to_first_token_seconds histogram\n";
         int64_t cum = 0;
@@ -192,11 +213,16 @@ struct server::impl {
     bool stopping = false;
     std::vector<std::thread> workers;
 
-    impl(std::shared_ptr<const model> mm, const server_params & pp) : m(std::move(mm)), p(pp) {
+    impl(std::shared_ptr<const model> mm, const server_params & pp)
+        : m(std::move(mm)), p(pp), known((size_t) std::max<int64_t>(1, pp.known_docs_max)) {
         if (p.parallel < 1) throw error("--parallel must be at least 1");
         codec_by_name(p.codec);  // a bad codec name fails at start
         if (!p.kv_codec.empty()) codec_by_name(p.kv_codec);  // … and a bad live cache name (its options too)
-        if (!p.store_uri.empty()) st = std::make_unique<locked_store>(store_open(p.store_uri));
+        if (!p.store_uri.empty()) {
+            auto s = std::make_unique<soft_store>(store_open(p.store_uri));
+            soft = s.get();
+            st = std::make_unique<locked_store>(std::move(s));
+        }
         model_id = m->path().substr(m->path().find_last_of('/') + 1);
         for (llama_token t = 0; t < m->tokens().n_tokens(); ++t)
             max_piece_bytes = std::max(max_piece_bytes, m->tokens().detokenize({t}, true).size());
@@ -239,9 +265,11 @@ struct server::impl {
             }
             std::string err, code = "internal_error";
             int status = 500;
+            const int64_t store_failures = soft_store::thread_failures();
             try {
                 if (j->ingest) run_ingest(eng, *j), cached.clear();
                 else run(eng, *j, cached);
+                j->store_errors = soft_store::thread_failures() - store_failures;
             } catch (const request_error & e) {
                 cached.clear();
                 err = e.message, status = e.status, code = e.code;
@@ -265,14 +293,15 @@ struct server::impl {
                             std::to_string(eng.cache().n_ctx()));
             const std::string key = chunk_key(*m, eng.cache().type_k(), cd->name(), {}, d);
             chunk_kv c = chunk_get_or_collect(st.get(), eng, {}, d, fs, p.codec);
-            // an id is answered only for a document the store holds: a failed put
-            // (swallowed or thrown) is tried once more here to learn its reason
+            // an id is answered only for a document the store holds: a put the soft
+            // store skipped is tried once more on the backend itself to learn its reason
+            store & direct = soft ? soft->backend() : *st;
             try {
-                if (!st->contains(key)) st->put(key, chunk_encode(*m, c, {}, cd.get()));
-                if (!st->contains(key)) throw error("the entry is not there after the write");
+                if (!direct.contains(key)) direct.put(key, chunk_encode(*m, c, {}, cd.get()));
+                if (!direct.contains(key)) throw error("the entry is not there after the write");
             } catch (const std::exception & e) {
                 throw request_error{
-                    500, "the store did not keep document " + std::to_string(j.ingest_keys.size()) + ": " + e.what(),
+                    503, "the store did not keep document " + std::to_string(j.ingest_keys.size()) + ": " + e.what(),
                     "server_error", "store_write_failed"};
             }
             j.ingest_keys.push_back(key);
@@ -298,8 +327,12 @@ struct server::impl {
         if (j.fuse && !extends) {
             chunk_fetch_stats fs;
             std::vector<chunk_kv> kv;
-            for (const auto & c : j.prompt.chunks)
-                if (!c.empty()) kv.push_back(chunk_get_or_collect(st.get(), eng, {}, c, fs, p.codec));
+            for (const auto & c : j.prompt.chunks) {
+                if (c.empty()) continue;
+                const int64_t hits = fs.hits;
+                kv.push_back(chunk_get_or_collect(st.get(), eng, {}, c, fs, p.codec));
+                j.chunk_hit.push_back(fs.hits > hits);
+            }
             std::vector<const chunk_kv *> ptrs;
             for (const auto & c : kv) ptrs.push_back(&c);
             blend_params bp = blend_default_params();
@@ -454,6 +487,50 @@ struct server::impl {
         j.prompt.query.assign(j.tokens.begin() + at, j.tokens.end());
     }
 
+    // the key a document's chunk is stored under (also its id in the API)
+    std::string doc_key(const std::vector<llama_token> & tokens) const {
+        return chunk_key(*m, p.type_k, codec_by_name(p.codec)->name(), {}, tokens);
+    }
+    // a document the server was given: plain prompts that contain its text reuse it
+    void remember(const std::string & text, const std::vector<llama_token> & tokens) const {
+        if (st && p.kv_codec.empty()) known.add(text, doc_key(tokens));
+    }
+
+    // a plain prompt with known documents inside (after learning its passages when it is
+    // long): laid out around them and fused. false: prefill it as before
+    bool with_known_docs(job & j, const std::string & text, const std::vector<std::string> & contents, int64_t n_tokens,
+                         bool parse_special) const {
+        if (!st || !p.kv_codec.empty()) return false;
+        if (p.learn && n_tokens >= p.min_fuse_tokens) {
+            learn_params lp;
+            lp.max_docs = (size_t) p.learn_max_docs;
+            lp.max_bytes = (size_t) p.learn_max_bytes;
+            lp.min_passage_chars = (size_t) p.learn_min_chars;
+            j.learned = layout_learn(known, layout_passages(contents, lp.min_passage_chars), lp,
+                                     [&](const std::string & t) { return doc_key(rag_doc_tokens(m->tokens(), t)); });
+        }
+        if (known.size() == 0) return false;
+        plain_layout l = layout_plain_prompt(m->tokens(), known, text, parse_special);
+        if (l.spans.empty()) return false;
+        j.fuse = true;
+        j.prompt = std::move(l.prompt);
+        j.spans = std::move(l.spans);
+        j.tokens = j.prompt.all();
+        return true;
+    }
+
+    json spans_of(const job & j) const {
+        json out = json::array();
+        for (const layout_span & s : j.spans) {
+            // chunk_hit counts the non-empty chunks; a plain layout has no empty ones
+            json x = {{"id", doc_key(j.prompt.chunks[s.chunk])}, {"begin", s.begin}, {"end", s.end}};
+            if (s.chunk < j.chunk_hit.size()) x["store_hit"] = (bool) j.chunk_hit[s.chunk];
+            else x["slot_cached"] = s.end <= j.n_cached;  // extended the slot's cached prefix: not fused
+            out.push_back(std::move(x));
+        }
+        return out;
+    }
+
     std::shared_ptr<job> chat_job(const json & b) const {
         if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty())
             bad_request("'messages' must be a non-empty array");
@@ -473,10 +550,12 @@ struct server::impl {
             if (!d.is_array()) bad_request("'documents' must be an array");
             std::vector<std::vector<llama_token>> docs;
             for (const auto & x : d) {
-                if (x.is_string()) docs.push_back(rag_doc_tokens(v, x.get<std::string>()));
-                else if (x.is_object() && x.contains("text") && x["text"].is_string())
-                    docs.push_back(rag_doc_tokens(v, x["text"].get<std::string>()));
-                else if (x.is_object() && x.contains("id") && x["id"].is_string()) docs.push_back(stored_doc(x["id"].get<std::string>()));
+                const bool text = x.is_string() || (x.is_object() && x.contains("text") && x["text"].is_string());
+                if (text) {
+                    const std::string t = x.is_string() ? x.get<std::string>() : x["text"].get<std::string>();
+                    docs.push_back(rag_doc_tokens(v, t));
+                    remember(t, docs.back());
+                } else if (x.is_object() && x.contains("id") && x["id"].is_string()) docs.push_back(stored_doc(x["id"].get<std::string>()));
                 else bad_request("every document must be {\"text\": string} or {\"id\": string}");
             }
             // the system messages and the last user message frame the documents
@@ -496,7 +575,11 @@ struct server::impl {
                 for (const auto & mm : msgs) t += mm.content + "\n";
                 return t;
             }();
-            plain_or_chunked(*j, v.tokenize(text, true, v.has_chat_template()));
+            std::vector<std::string> contents;
+            for (const auto & mm : msgs) contents.push_back(mm.content);
+            std::vector<llama_token> toks = v.tokenize(text, true, v.has_chat_template());
+            if (!with_known_docs(*j, text, contents, (int64_t) toks.size(), v.has_chat_template()))
+                plain_or_chunked(*j, std::move(toks));
         }
         if (j->tokens.empty()) bad_request("the prompt is empty");
         read_sampling(b, *j, (int64_t) j->tokens.size());
@@ -507,7 +590,10 @@ struct server::impl {
     std::vector<llama_token> stored_doc(const std::string & id) const {
         if (!st) bad_request("documents by id need a server started with --store");
         const bool hex = id.size() == 32 && id.find_first_not_of("0123456789abcdef") == std::string::npos;
+        const int64_t failures = soft_store::thread_failures();
         std::optional<std::vector<uint8_t>> bytes = hex ? st->get(id) : std::nullopt;
+        if (soft_store::thread_failures() != failures)
+            throw request_error{503, "the store is unreachable: document '" + id + "' cannot be read", "server_error", "store_unavailable"};
         if (!bytes) throw request_error{404, "unknown document id '" + id + "'", "invalid_request_error", "document_not_found"};
         try {
             return chunk_decode(*m, std::move(*bytes)).tokens;
@@ -525,7 +611,8 @@ struct server::impl {
             prompt = b["prompt"][0].get<std::string>();
         else bad_request("'prompt' must be a string");
         auto j = std::make_shared<job>();
-        plain_or_chunked(*j, m->tokens().tokenize(prompt, true, false));
+        std::vector<llama_token> toks = m->tokens().tokenize(prompt, true, false);
+        if (!with_known_docs(*j, prompt, {prompt}, (int64_t) toks.size(), false)) plain_or_chunked(*j, std::move(toks));
         if (j->tokens.empty()) bad_request("the prompt is empty");
         read_sampling(b, *j, (int64_t) j->tokens.size());
         return j;
@@ -542,6 +629,10 @@ struct server::impl {
                 {"n_fused", j.n_fused},
                 {"n_recomputed", j.n_recomputed},
                 {"store_hits", j.store_hits},
+                {"store_misses", j.store_misses},
+                {"store_errors", j.store_errors},
+                {"spans", spans_of(j)},
+                {"n_learned", j.learned.added},
                 {"n_cached", j.n_cached},
                 {"kv_rows", j.kv_rows},
                 {"prefill_ms", j.prefill_ms}};
@@ -717,7 +808,7 @@ struct server::impl {
             // the store answers (a lookup of a key no chunk has), or the server is degraded: documents fail
             if (st) {
                 try {
-                    st->contains(std::string(32, '0'));
+                    (soft ? soft->backend() : *st).contains(std::string(32, '0'));  // past the soft store
                     h["store"] = {{"uri", st->uri()}, {"ok", true}};
                 } catch (const std::exception & e) {
                     h["status"] = "degraded";
@@ -755,10 +846,11 @@ struct server::impl {
                       auto j = std::make_shared<job>();
                       j->ingest = true;
                       for (const auto & x : b["documents"]) {
-                          if (x.is_string()) j->ingest_docs.push_back(rag_doc_tokens(m->tokens(), x.get<std::string>()));
-                          else if (x.is_object() && x.contains("text") && x["text"].is_string())
-                              j->ingest_docs.push_back(rag_doc_tokens(m->tokens(), x["text"].get<std::string>()));
-                          else bad_request("every document must be a string or {\"text\": string}");
+                          if (x.is_string() || (x.is_object() && x.contains("text") && x["text"].is_string())) {
+                              const std::string t = x.is_string() ? x.get<std::string>() : x["text"].get<std::string>();
+                              j->ingest_docs.push_back(rag_doc_tokens(m->tokens(), t));
+                              remember(t, j->ingest_docs.back());
+                          } else bad_request("every document must be a string or {\"text\": string}");
                       }
                       if (!submit(j)) throw request_error{503, "the server is overloaded", "server_error", "overloaded"};
                       std::unique_lock l(j->mu);

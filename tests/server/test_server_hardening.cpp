@@ -462,7 +462,7 @@ TEST(server_hardening, a_document_the_store_failed_to_write_is_a_5xx_not_an_id) 
     std::ofstream(d.path() / "tmp") << "in the way";
     auto r = c.Post("/v1/documents", R"({"documents":["Sue found a little cat."]})", "application/json");
     ASSERT_TRUE(r);
-    EXPECT_EQ(r->status, 500) << r->body;
+    EXPECT_EQ(r->status, 503) << r->body;
     const json e = error_of(r);
     EXPECT_EQ(e["code"], "store_write_failed");
     EXPECT_NE(e["message"].get<std::string>().find("document 0"), std::string::npos) << e["message"];

@@ -1,0 +1,149 @@
+#include "server/doc_index.h"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <random>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace kvblend {
+
+namespace {
+
+constexpr int filter_bits_log2 = 23;  // 1 MiB: ~1% false hits with 1M documents
+
+uint64_t mix(uint64_t h) {  // murmur3's finalizer: the rolling hash's high bits carry little of the last bytes
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    h ^= h >> 33;
+    return h;
+}
+
+}  // namespace
+
+doc_index::doc_index(size_t max_docs) : max_docs_(max_docs ? max_docs : 1) {
+    // a per-process secret: nobody can aim a prompt at collisions
+    std::random_device rd;
+    auto r64 = [&] { return ((uint64_t) rd() << 32) ^ rd(); };
+    base_ = r64() | 1;
+    seed_ = r64();
+    base_pow_ = 1;
+    for (size_t i = 0; i < window; ++i) base_pow_ *= base_;
+    filter_.assign((size_t(1) << filter_bits_log2) / 64, 0);
+}
+
+uint64_t doc_index::head_hash(const char * s) const {
+    uint64_t h = 0;
+    for (size_t i = 0; i < window; ++i) h = h * base_ + (unsigned char) s[i];
+    return h;
+}
+
+uint64_t doc_index::full_lo(std::string_view s, uint64_t * hi) const {
+    const XXH128_hash_t h = XXH3_128bits_withSeed(s.data(), s.size(), seed_);
+    *hi = h.high64;
+    return h.low64;
+}
+
+static std::string text_key(uint64_t lo, uint64_t hi, size_t len) {
+    std::string k(24, '\0');
+    memcpy(k.data(), &lo, 8);
+    memcpy(k.data() + 8, &hi, 8);
+    const uint64_t l = len;
+    memcpy(k.data() + 16, &l, 8);
+    return k;
+}
+
+bool doc_index::add(std::string_view text, const std::string & id) {
+    if (text.size() < window || text.size() > UINT32_MAX) return false;
+    uint64_t hi = 0;
+    const uint64_t lo = full_lo(text, &hi);
+    const std::string tk = text_key(lo, hi, text.size());
+    const uint64_t head = head_hash(text.data());
+    std::unique_lock l(mu_);
+    if (auto it = by_text_.find(tk); it != by_text_.end()) {
+        entries_[it->second].id = id;
+        return true;
+    }
+    while (order_.size() >= max_docs_) forget_oldest();
+    uint32_t slot;
+    if (!free_.empty()) {
+        slot = free_.back();
+        free_.pop_back();
+    } else {
+        slot = (uint32_t) entries_.size();
+        entries_.emplace_back();
+    }
+    entries_[slot] = {head, lo, hi, (uint32_t) text.size(), id};
+    by_head_[head].push_back(slot);
+    by_text_.emplace(tk, slot);
+    order_.push_back(slot);
+    const uint64_t f = mix(head) >> (64 - filter_bits_log2);
+    filter_[f / 64] |= uint64_t(1) << (f % 64);
+    return true;
+}
+
+void doc_index::forget_oldest() {
+    const uint32_t slot = order_.front();
+    order_.pop_front();
+    entry & e = entries_[slot];
+    auto & b = by_head_[e.head];
+    b.erase(std::find(b.begin(), b.end(), slot));
+    if (b.empty()) by_head_.erase(e.head);  // its filter bit stays: a stale bit costs one map probe
+    by_text_.erase(text_key(e.h_lo, e.h_hi, e.len));
+    e = entry{};
+    free_.push_back(slot);
+}
+
+bool doc_index::contains(std::string_view text) const {
+    uint64_t hi = 0;
+    const uint64_t lo = full_lo(text, &hi);
+    std::shared_lock l(mu_);
+    return by_text_.count(text_key(lo, hi, text.size())) > 0;
+}
+
+size_t doc_index::size() const {
+    std::shared_lock l(mu_);
+    return order_.size();
+}
+
+std::vector<doc_match> doc_index::find(std::string_view text) const {
+    std::vector<doc_match> out;
+    const size_t n = text.size();
+    if (n < window) return out;
+    std::shared_lock l(mu_);
+    if (order_.empty()) return out;
+    const char * s = text.data();
+    size_t p = 0;
+    uint64_t h = head_hash(s);
+    while (p + window <= n) {
+        const uint64_t f = mix(h) >> (64 - filter_bits_log2);
+        if (filter_[f / 64] >> (f % 64) & 1) {
+            if (auto it = by_head_.find(h); it != by_head_.end()) {
+                const entry * best = nullptr;
+                for (uint32_t slot : it->second) {
+                    const entry & e = entries_[slot];
+                    if (p + e.len > n || (best && e.len <= best->len)) continue;
+                    uint64_t hi = 0;
+                    if (full_lo(text.substr(p, e.len), &hi) == e.h_lo && hi == e.h_hi) best = &e;
+                }
+                if (best) {
+                    out.push_back({p, p + best->len, best->id});
+                    p += best->len;
+                    if (p + window > n) break;
+                    h = head_hash(s + p);
+                    continue;
+                }
+            }
+        }
+        if (p + window >= n) break;
+        h = h * base_ + (unsigned char) s[p + window] - base_pow_ * (unsigned char) s[p];
+        ++p;
+    }
+    return out;
+}
+
+}  // namespace kvblend

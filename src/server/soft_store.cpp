@@ -1,0 +1,81 @@
+#include "server/soft_store.h"
+
+#include <cstdio>
+
+#include "kvblend/common.h"
+
+namespace kvblend {
+
+namespace {
+thread_local int64_t t_failures = 0;
+constexpr double warning_every_ms = 60000;
+}  // namespace
+
+int64_t soft_store::thread_failures() {
+    return t_failures;
+}
+
+void soft_store::failed(const char * what, const std::exception & e) {
+    failures_++;
+    t_failures++;
+    std::lock_guard l(log_mu_);
+    const double now = time_ms();
+    if (!down_ || now - last_warning_ms_ >= warning_every_ms) {
+        std::fprintf(stderr,
+                     "warning: store %s: %s failed (%s); serving without it: chunks are collected, not stored\n",
+                     s_->uri().c_str(), what, e.what());
+        last_warning_ms_ = now;
+    }
+    down_ = true;
+}
+
+void soft_store::answered() {
+    std::lock_guard l(log_mu_);
+    if (!down_) return;
+    down_ = false;
+    std::fprintf(stderr, "store %s: answering again\n", s_->uri().c_str());
+}
+
+void soft_store::put(const std::string & k, const std::vector<uint8_t> & b) {
+    try {
+        s_->put(k, b);
+        answered();
+    } catch (const std::exception & e) {
+        failed("put", e);
+    }
+}
+
+std::optional<std::vector<uint8_t>> soft_store::get(const std::string & k) {
+    try {
+        auto r = s_->get(k);
+        answered();
+        return r;
+    } catch (const std::exception & e) {
+        failed("get", e);
+        return std::nullopt;
+    }
+}
+
+bool soft_store::contains(const std::string & k) {
+    try {
+        const bool r = s_->contains(k);
+        answered();
+        return r;
+    } catch (const std::exception & e) {
+        failed("contains", e);
+        return false;
+    }
+}
+
+bool soft_store::erase(const std::string & k) {
+    try {
+        const bool r = s_->erase(k);
+        answered();
+        return r;
+    } catch (const std::exception & e) {
+        failed("erase", e);
+        return false;
+    }
+}
+
+}  // namespace kvblend

@@ -1,0 +1,158 @@
+// two `kvblend serve` processes on loopback sharing one redis-server: what one
+// stores the other finds; Redis killed mid-run makes store calls misses (with a
+// warning), never failed completions; when Redis is back both use it again.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "httplib.h"
+#include "store/redis_server.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+using json = nlohmann::json;
+const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+
+// `kvblend serve` as a child process on a port the kernel picks, its stderr in a file
+class serve_process {
+  public:
+    explicit serve_process(const std::string & store_uri) : dir_("serve") {
+        const std::string logfile = dir_.file("serve.log");
+        std::vector<std::string> args = {KVBLEND_CLI, "serve", "-m",  k_stories, "--port",
+                                         "0",         "-c",    "512", "--store", store_uri};
+        std::vector<char *> argv;
+        for (auto & a : args) argv.push_back(a.data());
+        argv.push_back(nullptr);
+        const pid_t parent = ::getpid();
+        pid_ = ::fork();
+        if (pid_ == 0) {
+            ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // it dies with the test, even a crashed one
+            if (::getppid() != parent) ::_exit(127);
+            const int in = ::open("/dev/null", O_RDONLY),
+                      out = ::open(logfile.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            if (in < 0 || out < 0) ::_exit(127);
+            ::dup2(in, 0);
+            ::dup2(out, 1);
+            ::dup2(out, 2);
+            ::execv(argv[0], argv.data());
+            ::_exit(127);
+        }
+        // the announce line names the port
+        const std::regex on(R"(on http://127\.0\.0\.1:(\d+))");
+        for (int i = 0; i < 600 && port_ == 0; ++i) {
+            std::smatch m;
+            const std::string l = log();
+            if (std::regex_search(l, m, on))
+                port_ = std::stoi(m[1]);
+            else
+                std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        EXPECT_GT(port_, 0) << log();
+    }
+    ~serve_process() {
+        ::kill(pid_, SIGTERM);
+        for (int i = 0; i < 100; ++i) {
+            if (::waitpid(pid_, nullptr, WNOHANG) == pid_) return;
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, nullptr, 0);
+    }
+    std::string log() const {
+        std::ifstream f(dir_.file("serve.log"));
+        return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    }
+    httplib::Client client() const {
+        httplib::Client c("127.0.0.1", port_);
+        c.set_read_timeout(60, 0);
+        return c;
+    }
+
+  private:
+    test::temp_dir dir_;
+    pid_t pid_ = -1;
+    int port_ = 0;
+};
+
+std::pair<int, json> post(httplib::Client & c, const std::string & path, const json & body) {
+    auto r = c.Post(path, body.dump(), "application/json");
+    EXPECT_TRUE(r) << path;
+    if (!r) return {0, json()};
+    return {r->status, json::parse(r->body)};
+}
+
+const std::vector<std::string> k_docs = {"Tom had a red ball and threw it over the fence.",
+                                         "Sue found a little cat in the rain."};
+
+json ask(httplib::Client & c, const json & documents) {
+    auto [status, r] = post(c, "/v1/chat/completions",
+                            {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}},
+                             {"documents", documents},
+                             {"max_tokens", 4},
+                             {"temperature", 0}});
+    EXPECT_EQ(status, 200) << r.dump();
+    return r;
+}
+
+TEST(two_servers_redis, share_documents_and_survive_redis_going_away) {
+    auto redis = std::make_unique<test::redis_server>();
+    const int redis_port = redis->port();
+    serve_process a(redis->uri()), b(redis->uri());
+    auto ca = a.client(), cb = b.client();
+
+    // stored through A
+    auto [st, added] = post(ca, "/v1/documents", {{"documents", k_docs}});
+    ASSERT_EQ(st, 200) << added.dump();
+    EXPECT_EQ(added["store_misses"], 2);
+    const std::string id0 = added["data"][0]["id"];
+
+    // found by B: one by id, one by text
+    json r = ask(cb, {{{"id", id0}}, {{"text", k_docs[1]}}});
+    EXPECT_EQ(r["kvblend"]["store_hits"], 2) << r["kvblend"].dump();  // both documents (the prefix is new to the store)
+    EXPECT_EQ(r["kvblend"]["store_errors"], 0);
+    const std::string answer = r["choices"][0]["message"]["content"];
+
+    // Redis goes away: answers keep coming, store calls are misses, each server warns
+    redis->stop();
+    for (auto * c : {&ca, &cb}) {
+        r = ask(*c, {{{"text", k_docs[1]}}, {{"text", k_docs[0]}}});
+        EXPECT_EQ(r["kvblend"]["store_hits"], 0);
+        EXPECT_GT(r["kvblend"]["store_errors"].get<int>(), 0);
+    }
+    EXPECT_EQ(ask(cb, {{{"text", k_docs[0]}}, {{"text", k_docs[1]}}})["choices"][0]["message"]["content"], answer);
+    for (const serve_process * s : {&a, &b})
+        EXPECT_NE(s->log().find("warning: store redis://127.0.0.1:" + std::to_string(redis_port)), std::string::npos)
+            << s->log();
+    // what cannot be answered without the store says so
+    auto [st_doc, e_doc] = post(ca, "/v1/documents", {{"documents", {"A new story about a dog and a boy."}}});
+    EXPECT_EQ(st_doc, 503) << e_doc.dump();
+    EXPECT_EQ(e_doc["error"]["code"], "store_write_failed");
+    auto [st_id, e_id] = post(cb, "/v1/chat/completions",
+                              {{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"documents", {{{"id", id0}}}}});
+    EXPECT_EQ(st_id, 503) << e_id.dump();
+    const std::string metrics = cb.Get("/metrics")->body;
+    EXPECT_EQ(metrics.find("kvblend_store_errors_total 0"), std::string::npos) << metrics;
+
+    // Redis is back (empty: it kept nothing on disk): A stores again, B finds it
+    redis = std::make_unique<test::redis_server>(redis_port);
+    r = ask(ca, {{{"text", k_docs[0]}}, {{"text", k_docs[1]}}});
+    EXPECT_EQ(r["kvblend"]["store_errors"], 0) << r["kvblend"].dump();
+    EXPECT_EQ(r["kvblend"]["store_hits"], 0);
+    r = ask(cb, {{{"text", k_docs[1]}}, {{"text", k_docs[0]}}});
+    EXPECT_EQ(r["kvblend"]["store_errors"], 0);
+    EXPECT_EQ(r["kvblend"]["store_hits"], 3) << r["kvblend"].dump();  // A's prefix chunk too
+    EXPECT_NE(a.log().find("answering again"), std::string::npos) << a.log();
+}
+
+}  // namespace
+}  // namespace kvblend
