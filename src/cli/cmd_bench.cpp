@@ -16,7 +16,7 @@ namespace kvblend::cli {
 
 namespace {
 
-const char * k_help = R"(usage: kvblend bench prefill|blend|store|codec|grid|serve|evict -m MODEL [options]   (kvblend bench blend --help, …)
+const char * k_help = R"(usage: kvblend bench prefill|blend|store|codec|grid|serve|evict|accuracy -m MODEL [options]   (kvblend bench blend --help, …)
 
 kvblend bench prefill -m MODEL [options]
 
@@ -191,7 +191,8 @@ int cmd_bench(int argc, char ** argv) {
     if (what == "serve") return bench_serve(a);
     if (what == "grid") return bench_grid(a);
     if (what == "evict") return bench_evict(a);
-    throw error("unknown benchmark '" + what + "' (available: prefill, blend, store, codec, grid, serve, evict)");
+    if (what == "accuracy") return bench_accuracy(a);
+    throw error("unknown benchmark '" + what + "' (available: prefill, blend, store, codec, grid, serve, evict, accuracy)");
 }
 
 }  // namespace kvblend::cli
