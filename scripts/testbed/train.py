@@ -133,15 +133,24 @@ class Batches:
         hi = 2 + round(grow * (a.max_people - 2))
         return (a.min_people if grow >= 1 else 2), max(2, hi)
 
-    def make(self, progress):
+    def make(self, progress, pool=8):
+        """the next batch; prompts are made `pool` batches at a time and grouped
+        by length, so that little of a batch is padding"""
+        if not getattr(self, "ready", None):
+            lo, hi = self.people(progress)
+            rows = []
+            for _ in range(self.args.batch * pool):
+                ex = self.world.sample(self.rng, lo, hi)
+                ids, _ = self.layout.prompt(ex)
+                rows.append((ids, self.layout.answer(ex["answer"])))
+            rows.sort(key=lambda r: len(r[0]) + len(r[1]))
+            b = self.args.batch
+            self.ready = [rows[i:i + b] for i in range(0, len(rows), b)]
+            self.rng.shuffle(self.ready)
+        return self.pad(self.ready.pop())
+
+    def pad(self, rows):
         import numpy as np
-        lo, hi = self.people(progress)
-        rows = []
-        for _ in range(self.args.batch):
-            ex = self.world.sample(self.rng, lo, hi)
-            ids, _ = self.layout.prompt(ex)
-            ans = self.layout.answer(ex["answer"])
-            rows.append((ids, ans))
         T = max(len(i) + len(a) for i, a in rows)
         T = (T + 15) // 16 * 16
         x = np.zeros((len(rows), T), dtype=np.int64)
@@ -495,8 +504,11 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() == 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    groups = [{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}]
+    try:  # one fused kernel for the update on CUDA (torch 2)
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    except (TypeError, RuntimeError):
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     step, tokens_seen, wall = 0, 0, 0.0
     if state:
         model.load_state_dict(state["model"])
@@ -553,6 +565,7 @@ def main(argv=None):
             if args.minutes and elapsed >= args.minutes * 60:
                 break
             x, y, ylm = next(it)
+            n_tok = int((x != 0).sum())  # real tokens (id 0, <unk>, pads)
             x = torch.from_numpy(x).to(device, non_blocking=True)
             y = torch.from_numpy(y).to(device, non_blocking=True)
             ylm = torch.from_numpy(ylm).to(device, non_blocking=True)
@@ -573,23 +586,23 @@ def main(argv=None):
                 ll = torch.nn.functional.cross_entropy(ll_logits.float(), yl[il])
                 loss = la + args.lm_weight * ll
             else:
-                ll = torch.zeros(())
+                ll = torch.zeros((), device=device)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
-            n_tok = int((x != 0).sum())
             tokens_seen += n_tok
-            acc["loss"] += float(loss)
-            acc["ans"] += float(la)
-            acc["lm"] += float(ll)
+            acc["loss"] += loss.detach()  # summed on the device: no sync per step
+            acc["ans"] += la.detach()
+            acc["lm"] += ll.detach()
             acc["n"] += 1
             acc["tok"] += n_tok
             if step % args.log_every == 0:
                 el = time.time() - t_start
                 rec = {"step": step, "tokens": tokens_seen, "wall_s": round(wall0 + el, 1), "lr": lr_at(step),
-                       "loss": acc["loss"] / acc["n"], "answer_loss": acc["ans"] / acc["n"], "lm_loss": acc["lm"] / acc["n"],
+                       "loss": float(acc["loss"]) / acc["n"], "answer_loss": float(acc["ans"]) / acc["n"],
+                       "lm_loss": float(acc["lm"]) / acc["n"],
                        "tok_per_s": round(acc["tok"] / max(1e-9, el - last_log))}
                 last_log = el
                 print(json.dumps(rec), flush=True)
@@ -598,7 +611,7 @@ def main(argv=None):
                 acc = {"loss": 0.0, "ans": 0.0, "lm": 0.0, "n": 0, "tok": 0}
             if args.eval_every and step % args.eval_every == 0:
                 r = evaluate(model, layout, dev[:100], device)
-                rec = {"step": step, "tokens": tokens_seen, "eval_n": 100, "full_em": r["full"]["exact_match"],
+                rec = {"step": step, "tokens": tokens_seen, "eval_n": len(dev[:100]), "full_em": r["full"]["exact_match"],
                        "naive_em": r["naive"]["exact_match"]}
                 print(json.dumps(rec), flush=True)
                 logf.write(json.dumps(rec) + "\n")
