@@ -15,7 +15,7 @@
 # flops_per_token: 6 x matmul parameters with the output layer on the 26% of
 # positions that have a loss, + attention at ~200 tokens): ~63 MFLOP. At a
 # conservative 30% of the H200's ~989 TFLOP/s bf16 dense peak (~300 TFLOP/s),
-# 1.5e9 tokens take 1.5e9 x 63e6 / 3e14 = 315 s; --minutes 7 caps the loop in
+# 1.5e9 tokens take 1.5e9 x 63e6 / 3e14 = 315 s; --minutes 6.5 caps the loop in
 # case the small model runs slower than that (the schedule then follows the
 # clock: learning rate and curriculum track max(tokens, time) progress).
 # Data: world.py prompts made on the fly by 12 worker processes (~0.5M
@@ -45,7 +45,7 @@ rm -rf "$run"
   --d-model 256 --layers 8 --heads 4 --kv-heads 2 --head-dim 64 --ffn 1024 --ctx 1024 \
   --batch 512 --lr 2e-3 --warmup 200 --min-lr-frac 0.05 --wd 0.1 --lm-weight 0.25 --lm-frac 0.25 \
   --min-people 3 --max-people 6 --curriculum 0.3 \
-  --tokens 1.5e9 --minutes 7 --log-every 100 --eval-every 2000 --eval-n 400 --ckpt-every 3 \
+  --tokens 1.5e9 --minutes 6.5 --log-every 100 --eval-every 2000 --eval-n 400 --ckpt-every 3 \
   --export-type q8_0 --ref-n 8 ${KVBLEND_H200_EXTRA:-} 2>&1 | tee -a "$out/train.log"
 cp "$run/log.jsonl" "$run/eval.json" "$run/ref.json" "$out/"
 split -b 15M -d "$run/model.gguf" "$out/model.gguf.part"
