@@ -160,14 +160,15 @@ struct variant {
     blend_params bp = blend_default_params();
     std::vector<std::pair<int, double>> schedule;  // (layer, multiple of the row's ratio)
     bool prefix = false;
-    std::string codec;    // "" : chunks as collected
-    evict_params ev;      // policy NONE: no eviction
-    size_t engine_ix = 0; // which engine runs it (one per eviction setting)
+    std::string codec;     // "" : chunks as collected
+    evict_params ev;       // policy NONE: no eviction
+    size_t engine_ix = 0;  // which engine runs it (one per eviction setting)
 };
 
 void parse_evict_setting(const std::string & s, evict_params & ev, const std::string & spec) {
     const size_t c = s.find(':');
-    if (c == std::string::npos) throw error("evict setting '" + s + "' in '" + spec + "' needs POLICY:BUDGET, e.g. snapkv:50%");
+    if (c == std::string::npos)
+        throw error("evict setting '" + s + "' in '" + spec + "' needs POLICY:BUDGET, e.g. snapkv:50%");
     ev = evict_default_params();
     ev.policy = evict_policy_parse(s.substr(0, c));
     if (ev.policy == EVICT_POLICY_NONE) throw error("evict setting '" + s + "' in '" + spec + "' names no policy");
@@ -230,7 +231,8 @@ variant parse_variant(const std::string & spec, int n_layer) {
                 const std::string step = val.substr(a, b - a);
                 a = b + 1;
                 const size_t at = step.find('@');
-                if (at == std::string::npos) throw error("variant '" + spec + "': a schedule step is LAYER@MULTIPLE, got '" + step + "'");
+                if (at == std::string::npos)
+                    throw error("variant '" + spec + "': a schedule step is LAYER@MULTIPLE, got '" + step + "'");
                 const int l = (int) parse_int(step.substr(0, at), spec, 0, n_layer - 1);
                 const double m = parse_real(step.substr(at + 1), spec);
                 if (!v.schedule.empty() && (l <= v.schedule.back().first || m > v.schedule.back().second))
@@ -296,7 +298,8 @@ int bench_accuracy(args & a) {
     for (const auto & s : specs) vars.push_back(parse_variant(s, (int) hp.n_layer));
     for (const auto & v : vars)
         if (v.bp.check_layer >= hp.n_layer)
-            throw error("variant '" + v.name + "': the check layer must be below the model's " + std::to_string(hp.n_layer) + " layers");
+            throw error("variant '" + v.name + "': the check layer must be below the model's " +
+                        std::to_string(hp.n_layer) + " layers");
 
     // every prompt as kvblend blend builds it
     std::vector<rag_prompt> rps;

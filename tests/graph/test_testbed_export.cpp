@@ -26,7 +26,8 @@ size_t argmax(const std::vector<float> & v) { return (size_t) (std::max_element(
 TEST(testbed_export, gguf_matches_torch_and_libllama) {
     const char * model_path = std::getenv("KVBLEND_TESTBED_MODEL");
     const char * ref_path = std::getenv("KVBLEND_TESTBED_REF");
-    if (!model_path || !ref_path) GTEST_SKIP() << "set KVBLEND_TESTBED_MODEL and KVBLEND_TESTBED_REF (scripts/testbed/check_export.py)";
+    if (!model_path || !ref_path)
+        GTEST_SKIP() << "set KVBLEND_TESTBED_MODEL and KVBLEND_TESTBED_REF (scripts/testbed/check_export.py)";
     // the tolerance to torch: f32 weights ~1e-5, f16 ~1e-2, q8_0 more (environment: KVBLEND_TESTBED_TOL)
     const char * tol_env = std::getenv("KVBLEND_TESTBED_TOL");
     const double tol_torch = tol_env ? std::atof(tol_env) : 3e-2;
