@@ -8,6 +8,8 @@
 #   KVBLEND_CUDA=1      build the CUDA backend too (needs the CUDA toolkit)
 #   KVBLEND_NATIVE=0    do not tune for this CPU (GGML_NATIVE off)
 #   KVBLEND_JOBS        parallel build jobs (default: number of cores)
+#   KVBLEND_TRAIN=1     also install the testbed trainer's packages (scripts/testbed/:
+#                       Debian's PyTorch, numpy, OpenBLAS; large, not needed to build or test)
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -24,6 +26,8 @@ log() { printf '[setup] %s\n' "$*"; }
 # --- debian packages -------------------------------------------------------
 pkgs=(build-essential cmake ninja-build git ca-certificates libgtest-dev nlohmann-json3-dev npm gnuplot-nox
       libxxhash-dev libhiredis-dev redis-server)
+# the trainer runs on Debian's python3 (/usr/bin/python3); torch without OpenBLAS falls back to the reference BLAS
+[[ "${KVBLEND_TRAIN:-0}" == 1 ]] && pkgs+=(python3-torch python3-numpy libopenblas0-pthread)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

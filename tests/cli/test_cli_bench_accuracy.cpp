@@ -1,0 +1,154 @@
+// kvblend bench accuracy as a user runs it: JSONL prompts in, exact match and
+// friends out; malformed lines refused with their line number; at ratio 1 the
+// blend answers as the full prefill does.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "cli_run.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+// 20 short prompts in the testbed's format (2 people, 3 chunks)
+const std::string k_prompts = std::string(KVBLEND_SOURCE_DIR) + "/tests/data/accuracy_prompts.jsonl";
+
+nlohmann::json read_json(const std::string & path) {
+    std::ifstream f(path);
+    return nlohmann::json::parse(f);
+}
+
+const nlohmann::json & row(const nlohmann::json & j, const std::string & variant, double ratio) {
+    for (const auto & r : j["rows"])
+        if (r["variant"] == variant && std::abs(r["ratio"].get<double>() - ratio) < 1e-9) return r;
+    static const nlohmann::json none;
+    ADD_FAILURE() << "no row " << variant << " at " << ratio;
+    return none;
+}
+
+void write_file(const std::string & path, const std::string & text) { std::ofstream(path, std::ios::binary) << text; }
+
+TEST(cli_bench_accuracy, ratio_one_answers_as_the_full_prefill) {
+    test::temp_dir dir("acc");
+    const std::string out = dir.file("acc.json");
+    const test::run_result r = test::run_cli("bench accuracy -m " + k_stories + " --prompts " + k_prompts +
+                                             " --ratios 0.3,1 --variants default,head=2 -n 2 --json " + out);
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_NE(r.out.find("| full | 1.00 |"), std::string::npos) << r.out;
+    const nlohmann::json j = read_json(out);
+    EXPECT_EQ(j["n_prompts"].get<int>(), 20);
+    const nlohmann::json & full = row(j, "full", 1.0);
+    const std::vector<std::string> ref = full["answers"];
+    ASSERT_EQ(ref.size(), 20u);
+    for (const char * v : {"default", "head=2"}) {
+        const nlohmann::json & one = row(j, v, 1.0);
+        EXPECT_EQ(one["answers"].get<std::vector<std::string>>(), ref) << v;
+        EXPECT_DOUBLE_EQ(one["same_as_full"].get<double>(), 1.0) << v;
+        EXPECT_DOUBLE_EQ(one["recomputed_share"].get<double>(), 1.0) << v;
+        EXPECT_DOUBLE_EQ(one["top1_agree"].get<double>(), 1.0) << v;
+        EXPECT_LT(one["kl"].get<double>(), 1e-3) << v;
+    }
+    // naive concatenation is not the full prefill on these prompts: the comparison has teeth
+    const nlohmann::json & naive = row(j, "naive", 0.0);
+    EXPECT_LT(naive["same_as_full"].get<double>(), 1.0);
+    EXPECT_DOUBLE_EQ(naive["recomputed_share"].get<double>(), 0.0);
+    EXPECT_GT(naive["kl"].get<double>(), 0.0);
+    // chunk heads count in the recomputed share: more than the ratio alone
+    EXPECT_GT(row(j, "head=2", 0.3)["recomputed_share"].get<double>(), row(j, "default", 0.3)["recomputed_share"].get<double>());
+    EXPECT_NEAR(row(j, "default", 0.3)["recomputed_share"].get<double>(), 0.3, 0.05);
+}
+
+TEST(cli_bench_accuracy, exact_match_and_f1_score_the_gold_answer) {
+    // first the model's own answers, then prompts whose gold answers are those
+    // (with spaces around them, which scoring trims)
+    test::temp_dir dir("acc");
+    const std::string first = dir.file("first.json"), second = dir.file("second.json"), gold = dir.file("gold.jsonl");
+    const std::string base = "bench accuracy -m " + k_stories + " --n 6 --ratios 1 -n 2 ";
+    test::run_result r = test::run_cli(base + "--prompts " + k_prompts + " --json " + first);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const std::vector<std::string> answers = row(read_json(first), "full", 1.0)["answers"];
+    std::ifstream in(k_prompts);
+    std::string line, text;
+    for (size_t i = 0; i < answers.size() && std::getline(in, line); ++i) {
+        nlohmann::json p = nlohmann::json::parse(line);
+        // every other prompt gets a wrong gold answer
+        p["answer"] = i % 2 == 0 ? "  " + answers[i] + " \t" : std::string("zzz");
+        text += p.dump() + "\n";
+    }
+    write_file(gold, text);
+    r = test::run_cli(base + "--prompts " + gold + " --json " + second);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const nlohmann::json j = read_json(second);
+    const nlohmann::json & full = row(j, "full", 1.0);
+    EXPECT_DOUBLE_EQ(full["exact_match"].get<double>(), 0.5);
+    EXPECT_DOUBLE_EQ(full["f1"].get<double>(), 0.5);
+}
+
+TEST(cli_bench_accuracy, malformed_lines_are_refused_with_their_number) {
+    test::temp_dir dir("acc");
+    const std::string good = R"({"system": "s", "chunks": ["a b.", "c d."], "query": "q?", "answer": "a"})";
+    struct bad_case {
+        std::string line, says;
+    };
+    const std::vector<bad_case> cases = {
+        {"{\"system\": \"s\", \"chunks\": [\"a\"", "not valid JSON"},
+        {"[1, 2]", "expected a JSON object"},
+        {R"({"system": "s", "query": "q", "answer": "a"})", "missing \"chunks\""},
+        {R"({"chunks": "abc", "query": "q", "answer": "a"})", "\"chunks\" must be a non-empty array of strings"},
+        {R"({"chunks": [], "query": "q", "answer": "a"})", "\"chunks\" must be a non-empty array of strings"},
+        {R"({"chunks": ["a", 3], "query": "q", "answer": "a"})", "\"chunks\" must be a non-empty array of strings"},
+        {R"({"chunks": ["a"], "answer": "a"})", "missing \"query\""},
+        {R"({"chunks": ["a"], "query": "q"})", "missing \"answer\""},
+        {R"({"chunks": ["a"], "query": 5, "answer": "a"})", "\"query\" must be a string"},
+        {R"({"system": null, "chunks": ["a"], "query": "q", "answer": "a"})", "\"system\" must be a string"},
+        {R"({"chunks": ["a"], "query": "", "answer": "a"})", "\"query\" is empty"},
+    };
+    for (const auto & c : cases) {
+        // two good lines and a blank one before the bad one: it is line 4
+        const std::string path = dir.file("bad.jsonl");
+        write_file(path, good + "\n" + good + "\n\n" + c.line + "\n" + good + "\n");
+        const test::run_result r = test::run_cli("bench accuracy -m " + k_stories + " --prompts " + path);
+        EXPECT_EQ(r.status, 1) << c.line;
+        EXPECT_NE(r.err.find("error: " + path + ":4: " + c.says), std::string::npos) << c.line << "\n" << r.err;
+        EXPECT_TRUE(r.out.empty()) << r.out;
+    }
+    const std::string empty = dir.file("empty.jsonl");
+    write_file(empty, "\n  \n");
+    test::run_result r = test::run_cli("bench accuracy -m " + k_stories + " --prompts " + empty);
+    EXPECT_EQ(r.status, 1);
+    EXPECT_NE(r.err.find("holds no prompts"), std::string::npos) << r.err;
+    r = test::run_cli("bench accuracy -m " + k_stories + " --prompts " + dir.file("missing.jsonl"));
+    EXPECT_EQ(r.status, 1);
+    EXPECT_NE(r.err.find("error: cannot open"), std::string::npos) << r.err;
+}
+
+TEST(cli_bench_accuracy, bad_flags_are_messages) {
+    const std::string base = "bench accuracy -m " + k_stories + " --prompts " + k_prompts + " --n 1 ";
+    const std::vector<std::pair<std::string, std::string>> cases = {
+        {"--variants bogus", "unknown variant setting 'bogus'"},
+        {"--variants check=9", "expected an integer in [0, 4]"},
+        {"--variants score=x", "error:"},
+        {"--variants schedule=1@1/3@2", "multiples must not"},
+        {"--variants schedule=3@1/1@1", "layers must increase"},
+        {"--variants schedule=1", "LAYER@MULTIPLE"},
+        {"--evict snapkv", "needs POLICY:BUDGET"},
+        {"--evict nothing:50%", "error:"},
+        {"--codecs nope", "error:"},
+        {"--ratios 2", "--ratios expects"},
+        {"--kv-codec turboquant3", "not a bench accuracy option"},
+    };
+    for (const auto & [flags, says] : cases) {
+        const test::run_result r = test::run_cli(base + flags);
+        EXPECT_EQ(r.status, 1) << flags;
+        EXPECT_NE(r.err.find(says), std::string::npos) << flags << "\n" << r.err;
+    }
+    const test::run_result r = test::run_cli("bench accuracy -m " + k_stories);
+    EXPECT_EQ(r.status, 1);
+    EXPECT_NE(r.err.find("missing --prompts"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace kvblend
