@@ -23,7 +23,7 @@ log() { printf '[setup] %s\n' "$*"; }
 
 # --- debian packages -------------------------------------------------------
 pkgs=(build-essential cmake ninja-build git ca-certificates libgtest-dev nlohmann-json3-dev npm gnuplot-nox
-      libxxhash-dev libhiredis-dev redis-server)
+      libxxhash-dev libhiredis-dev redis-server python3-pytest pkgconf)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
