@@ -11,6 +11,9 @@ measures, alternating the contenders run by run (the machine is noisy):
            (whole processes: start-up, model load, blend, decode)
   call     kvb_blend() timed in a C program (bench/capi_blend.c) vs Model.blend()
            timed in Python, each over a warm model and context (first call dropped)
+  binding  within each Model.blend() call: its wall time minus that of the
+           kvb_blend() C call inside it (robust to a noisy machine: both
+           are timed in the same call)
 
 and prints medians. Needs build/bin/kvblend and build/lib/libkvblend.so.0.
 """
@@ -97,11 +100,22 @@ def main():
     exe = os.path.join(tmp, "capi_blend")
     subprocess.run(["cc", "-O2", "-o", exe, os.path.join(ROOT, "bench", "capi_blend.c"), "-I", os.path.join(ROOT, "include"),
                     os.environ["KVBLEND_LIB"], "-Wl,-rpath," + os.path.dirname(os.environ["KVBLEND_LIB"])], check=True)
-    call = {"c": [], "python": []}
+    call = {"c": [], "python": [], "inside": []}
     texts = []
     for f in docs:
         with open(f) as fh:
             texts.append(fh.read())
+    # time the C call inside every Model.blend()
+    c_inside = []
+    real_blend = kvblend._c.kvb_blend
+
+    def timed_blend(*args):
+        t0 = time.perf_counter()
+        status = real_blend(*args)
+        c_inside.append((time.perf_counter() - t0) * 1e3)
+        return status
+
+    kvblend._c.kvb_blend = timed_blend
     with kvblend.Model(a.model, n_threads=a.threads) as m, kvblend.Store(store) as st:
         for r in range(a.reps + 1):
             _, out = timed([exe, a.model, store, str(2), str(a.n), str(a.threads), SYSTEM, QUERY, *docs])
@@ -113,12 +127,20 @@ def main():
             if r > 0:  # the first Python call grows the context
                 call["c"].append(c_ms)
                 call["python"].append(py_ms)
+                call["inside"].append(c_inside[-1])
 
     def row(name, d, a_key, b_key):
         ma, mb = statistics.median(d[a_key]), statistics.median(d[b_key])
-        print("| %s | %.1f | %.1f | %+.2f%% | %s | %s |" % (name, ma, mb, (mb / ma - 1) * 100,
-                                                              " ".join("%.0f" % x for x in d[a_key]),
-                                                              " ".join("%.0f" % x for x in d[b_key])))
+        print("| %s | %.1f (min %.1f) | %.1f (min %.1f) | %+.2f%% | %s | %s |" % (
+            name, ma, min(d[a_key]), mb, min(d[b_key]), (mb / ma - 1) * 100,
+            " ".join("%.0f" % x for x in d[a_key]), " ".join("%.0f" % x for x in d[b_key])))
+
+    # python's own start-up and import, the fixed part of the process row
+    imp = []
+    for _ in range(a.reps):
+        ms, _ = timed(["/usr/bin/python3", "-c", "import kvblend"], env=dict(os.environ, PYTHONPATH=os.path.join(
+            ROOT, "python")))
+        imp.append(ms)
 
     print("model %s, %d prompt tokens (%d selected), %d store hits, -n %d, %d threads, %d reps" % (
         os.path.basename(a.model), ref["n_tokens"], ref["n_selected"], ref["store_hits"], a.n, a.threads, a.reps))
@@ -126,6 +148,11 @@ def main():
     print("|---|---|---|---|---|---|")
     row("process: CLI vs python3 -m kvblend", proc, "cli", "python")
     row("call: kvb_blend in C vs Model.blend", call, "c", "python")
+    row("binding: kvb_blend inside Model.blend vs the whole call", call, "inside", "python")
+    over = [p - c for p, c in zip(call["python"], call["inside"])]
+    print("binding overhead per call: median %.3f ms (%.4f%% of the call), max %.3f ms" % (
+        statistics.median(over), 100 * statistics.median([o / c for o, c in zip(over, call["inside"])]), max(over)))
+    print("python3 -c 'import kvblend': median %.1f ms, min %.1f ms" % (statistics.median(imp), min(imp)))
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 

@@ -180,3 +180,21 @@ def test_handles_close_once_and_refuse_use_after(tmp_path):
         m.tokenize("x")
     with pytest.raises(kvblend.Error, match="closed"):
         s.stats()
+
+
+def test_chat_template_blend_equals_the_cli(tmp_path):
+    # a small qwen3 with qwen2's vocabulary and chat template
+    vocab = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                         "third_party", "llama.cpp", "models", "ggml-vocab-qwen2.gguf")
+    path = str(tmp_path / "tiny-qwen3.gguf")
+    cli("make-model", "--preset", "tiny-qwen3", "--type", "f32", "--vocab-from", vocab, "-o", path)
+    args = ["blend", "-m", path, "--system", SYSTEM, "--query", QUERY, "--chat", "-n", "4", "--json",
+            *sum((["--doc", f] for f in DOC_FILES), [])]
+    want = json.loads(cli(*args))
+    with kvblend.Model(path) as m:
+        assert m.has_chat_template
+        rendered = m.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert "<|im_start|>user" in rendered
+        assert len(m.tokenize("<|im_start|>", add_special=False, parse_special=True)) == 1
+        got = m.blend(SYSTEM, [read(f) for f in DOC_FILES], QUERY, chat=True, n_predict=4)
+    assert (got.text, got.stats.n_selected, got.stats.n_tokens) == (want["text"], want["n_selected"], want["n_tokens"])
