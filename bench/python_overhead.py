@@ -21,6 +21,7 @@ and prints medians. Needs build/bin/kvblend and build/lib/libkvblend.so.0.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -154,6 +155,7 @@ def main():
         statistics.median(over), 100 * statistics.median([o / c for o, c in zip(over, call["inside"])]), max(over)))
     print("python3 -c 'import kvblend': median %.1f ms, min %.1f ms" % (statistics.median(imp), min(imp)))
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
