@@ -25,6 +25,8 @@ struct rag_prompt {
 // the tokens of one document chunk, as every layout (and the store) cuts it:
 // the text and a blank line, no BOS, special-token text kept as plain text
 std::vector<llama_token> rag_doc_tokens(const vocab & v, const std::string & doc);
+// the paragraphs of a text (blank-line separated, trimmed, empty ones dropped)
+std::vector<std::string> rag_split_paragraphs(const std::string & text);
 
 rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const std::vector<std::string> & docs,
                             const std::string & question, bool chat);

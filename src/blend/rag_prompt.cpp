@@ -15,6 +15,20 @@ std::vector<llama_token> rag_doc_tokens(const vocab & v, const std::string & doc
     return v.tokenize(doc + "\n\n", false, false);
 }
 
+std::vector<std::string> rag_split_paragraphs(const std::string & text) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    while (start < text.size()) {
+        size_t end = text.find("\n\n", start);
+        if (end == std::string::npos) end = text.size();
+        std::string para = text.substr(start, end - start);
+        const size_t a = para.find_first_not_of(" \t\r\n"), b = para.find_last_not_of(" \t\r\n");
+        if (a != std::string::npos) out.push_back(para.substr(a, b - a + 1));
+        start = end + 2;
+    }
+    return out;
+}
+
 rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const std::vector<std::string> & docs,
                             const std::string & question, bool chat) {
     std::vector<std::vector<llama_token>> toks;

@@ -48,20 +48,6 @@ const char * k_store_help = R"(usage: kvblend store stats|ls|verify|gc --store U
   --json             machine-readable output
 )";
 
-std::vector<std::string> split_paragraphs(const std::string & text) {
-    std::vector<std::string> out;
-    size_t start = 0;
-    while (start < text.size()) {
-        size_t end = text.find("\n\n", start);
-        if (end == std::string::npos) end = text.size();
-        std::string para = text.substr(start, end - start);
-        const size_t a = para.find_first_not_of(" \t\r\n"), b = para.find_last_not_of(" \t\r\n");
-        if (a != std::string::npos) out.push_back(para.substr(a, b - a + 1));
-        start = end + 2;
-    }
-    return out;
-}
-
 // a progress bar on a terminal, plain lines otherwise
 class progress {
   public:
@@ -141,7 +127,7 @@ int cmd_ingest(int argc, char ** argv) {
     std::vector<std::vector<llama_token>> chunks;
     for (const auto & text : texts) {
         if (!split.empty()) {
-            for (const auto & p : split_paragraphs(text)) chunks.push_back(rag_doc_tokens(v, p));
+            for (const auto & p : rag_split_paragraphs(text)) chunks.push_back(rag_doc_tokens(v, p));
         } else if (chunk_size > 0) {
             const std::vector<llama_token> t = rag_doc_tokens(v, text);
             for (size_t i = 0; i < t.size(); i += chunk_size)

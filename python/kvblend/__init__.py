@@ -1,0 +1,581 @@
+"""kvblend: fast RAG prompts with stored, reused document KV caches (CacheBlend).
+
+A Python binding of kvblend's C API (ctypes, standard library only)::
+
+    import kvblend
+    with kvblend.Model("model.gguf") as model, kvblend.Store("dir:/tmp/kv") as store:
+        ids = model.ingest(store, ["a document", "another one"])        # KV computed once, kept
+        r = model.blend("Answer from the documents.", [{"id": ids[0]}, "a third document"],
+                        "What does it say?", store=store, ratio=0.15)
+        print(r.text, r.stats.n_selected, r.stats.store_hits)
+        for piece in model.generate("Once upon a time", n_predict=32):
+            print(piece, end="", flush=True)
+
+The library (libkvblend.so.0) is found through the KVBLEND_LIB environment
+variable (a file or a folder), next to this package, in the source tree's
+build/lib, beside an installed package (LIBDIR/python3/dist-packages), or on
+the dynamic loader's path.
+"""
+
+import codecs
+import ctypes
+import queue
+import threading
+from ctypes import byref, c_bool, c_char_p, c_float, c_int32, c_size_t, c_void_p
+from dataclasses import dataclass, fields
+
+from . import _lib
+from ._lib import DEFAULT_SEED
+
+_c = _lib.load()
+
+__version__ = _c.kvb_version().decode()
+library_path = _c.path
+
+__all__ = ["Model", "Store", "BlendResult", "BlendStats", "GenerateResult", "GenerateStats", "StoreStats",
+           "IngestStats", "Generation", "Error", "InvalidArgumentError", "NotFoundError", "CancelledError",
+           "DEFAULT_SEED", "set_verbose", "library_path"]
+
+
+# --- errors -------------------------------------------------------------------
+
+class Error(Exception):
+    """A kvblend call failed. ``status`` is the C status name, ``message`` the C error message."""
+
+    def __init__(self, message, status="KVB_ERR_FAILED"):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class InvalidArgumentError(Error, ValueError):
+    """A parameter out of range, a malformed document id, …"""
+
+
+class NotFoundError(Error, LookupError):
+    """A document id that the store does not hold (or holds unusable)."""
+
+
+class CancelledError(Error):
+    """A progress callback asked to stop."""
+
+
+_ERRORS = {_lib.ERR_INVALID_ARGUMENT: InvalidArgumentError, _lib.ERR_NOT_FOUND: NotFoundError,
+           _lib.ERR_CANCELLED: CancelledError}
+
+
+def _check(status):
+    if status != _lib.OK:
+        message = _c.kvb_last_error().decode("utf-8", "replace")
+        name = _c.kvb_status_name(status).decode()
+        if status == _lib.ERR_OUT_OF_MEMORY:
+            raise MemoryError(message)
+        raise _ERRORS.get(status, Error)(message, name)
+
+
+def _take_string(ptr, length=None):
+    """A str from a library-owned char * that is freed here."""
+    try:
+        raw = ctypes.string_at(ptr.value, length) if length is not None else ctypes.string_at(ptr.value)
+        return raw.decode("utf-8", "replace")
+    finally:
+        _c.kvb_free(ptr)
+
+
+def _b(s):
+    return s.encode("utf-8") if isinstance(s, str) else s
+
+
+def set_verbose(verbose=True):
+    """Show ggml's and libllama's own log lines on stderr (off by default)."""
+    _c.kvb_log_set_verbose(bool(verbose))
+
+
+# --- results ------------------------------------------------------------------
+
+_STOP_REASONS = ("eog", "length", "stop", "callback")
+
+
+def _stats_from(cls, cstruct):
+    values = {}
+    for f in fields(cls):
+        v = getattr(cstruct, f.name)
+        values[f.name] = _STOP_REASONS[v] if f.name == "stop_reason" else v
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class BlendStats:
+    """What a blend did: tokens, the recomputed selection, phase times (ms), store hits."""
+    n_tokens: int
+    n_doc_tokens: int
+    n_selected: int
+    deep_frac: float
+    store_hits: int
+    store_misses: int
+    load_ms: float
+    collect_ms: float
+    place_ms: float
+    early_ms: float
+    check_ms: float
+    deep_ms: float
+    blend_ms: float
+    n_gen: int
+    decode_ms: float
+    stop_reason: str  # "eog", "length", "stop" or "callback"
+
+
+@dataclass(frozen=True)
+class GenerateStats:
+    """What a plain generation did."""
+    n_prompt: int
+    n_gen: int
+    prefill_ms: float
+    decode_ms: float
+    stop_reason: str
+
+
+@dataclass(frozen=True)
+class BlendResult:
+    text: str
+    stats: BlendStats
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    text: str
+    stats: GenerateStats
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    n_entries: int
+    bytes: int
+    max_bytes: int  # 0: no budget
+
+
+@dataclass(frozen=True)
+class IngestStats:
+    n_chunks: int
+    n_collected: int
+    n_present: int  # already stored, skipped
+    n_tokens: int
+    collect_ms: float
+
+
+# --- store --------------------------------------------------------------------
+
+class Store:
+    """A persistent chunk-KV store: ``"dir:PATH"`` (or a bare path) or ``"redis://HOST:PORT[/DB]"``.
+
+    ``codec`` is how entries hold the KV ("raw", "f16", "q8_0", "q4_0", "kivi2",
+    "kivi4", "cachegen", …; part of every key); ``max_bytes`` a size budget for
+    a dir store (least recently used entries go first). Use it as a context
+    manager, or call close().
+    """
+
+    def __init__(self, uri, *, codec="raw", max_bytes=0):
+        p = _c.kvb_store_default_params()
+        p.max_bytes = int(max_bytes)
+        self._codec = _b(codec)  # kept alive for the call
+        p.codec = self._codec
+        h = c_void_p()
+        _check(_c.kvb_store_open(_b(uri), byref(p), byref(h)))
+        self._h = h
+        self.uri = uri
+        self.codec = codec
+
+    @property
+    def handle(self):
+        if not self._h:
+            raise Error("the store is closed", "KVB_ERR_INVALID_ARGUMENT")
+        return self._h
+
+    def stats(self):
+        """Entries, bytes and budget, as a StoreStats."""
+        s = _lib.kvb_store_stats()
+        _check(_c.kvb_store_get_stats(self.handle, byref(s)))
+        return StoreStats(s.n_entries, s.bytes, s.max_bytes)
+
+    def __contains__(self, doc_id):
+        out = c_bool()
+        _check(_c.kvb_store_contains(self.handle, _b(doc_id), byref(out)))
+        return out.value
+
+    def close(self):
+        """Free the store handle (entries stay stored). Safe to call twice."""
+        if getattr(self, "_h", None):
+            _c.kvb_store_free(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def __repr__(self):
+        return "kvblend.Store(%r, codec=%r)" % (self.uri, self.codec)
+
+
+# --- model --------------------------------------------------------------------
+
+_KV_TYPES = {"f16": 0, "f32": 1, "q8_0": 2, "q4_0": 3}
+_SCORES = {"v": 0, "k": 1, "kv": 2}
+_METHODS = {"gradual": 0, "dense": 1}
+
+
+def _choice(table, value, what):
+    try:
+        return table[value]
+    except KeyError:
+        raise InvalidArgumentError("%s must be one of %s, got %r" % (what, ", ".join(table), value),
+                                   "KVB_ERR_INVALID_ARGUMENT") from None
+
+
+class _Callback:
+    """A Python callable behind a C callback: its exceptions are kept and raised after the call."""
+
+    def __init__(self):
+        self.error = None
+
+    def guard(self, fn, *args):
+        if self.error is not None:
+            return False
+        try:
+            return fn(*args) is not False
+        except BaseException as e:  # also KeyboardInterrupt: the C side stops, the caller sees it
+            self.error = e
+            return False
+
+    def reraise(self):
+        if self.error is not None:
+            raise self.error
+
+
+class Model:
+    """A GGUF model (llama, mistral, qwen2, qwen3) and an engine to run it.
+
+    ``n_threads`` CPU threads; ``n_ctx`` the KV capacity in tokens (0: sized to
+    each request up to the model's trained context); ``cache_type`` the KV
+    element type ("f16", "f32", "q8_0", "q4_0"). Calls on one Model are
+    serialized (a lock); use several Models for parallel work. Use it as a
+    context manager, or call close().
+    """
+
+    def __init__(self, path, *, n_threads=2, n_ctx=0, n_ubatch=512, cache_type="f16", use_mmap=False, use_gpu=True):
+        mp = _c.kvb_model_default_params()
+        mp.use_mmap = bool(use_mmap)
+        mp.use_gpu = bool(use_gpu)
+        m = c_void_p()
+        _check(_c.kvb_model_load(_b(str(path)), byref(mp), byref(m)))
+        self._m = m
+        self._ctx = None
+        self._lock = threading.Lock()
+        try:
+            cp = _c.kvb_context_default_params()
+            cp.n_threads = int(n_threads)
+            cp.n_ctx = int(n_ctx)
+            cp.n_ubatch = int(n_ubatch)
+            cp.type_k = cp.type_v = _choice(_KV_TYPES, cache_type, "cache_type")
+            ctx = c_void_p()
+            _check(_c.kvb_context_new(self._m, byref(cp), byref(ctx)))
+            self._ctx = ctx
+            info = _lib.kvb_model_info()
+            _check(_c.kvb_model_get_info(self._m, byref(info)))
+        except BaseException:
+            self.close()
+            raise
+        self.path = str(path)
+        self.arch = info.arch.decode()
+        self.description = info.description.decode()
+        self.fingerprint = info.fingerprint.decode()
+        self.n_vocab = info.n_vocab
+        self.n_ctx_train = info.n_ctx_train
+        self.n_embd = info.n_embd
+        self.n_layer = info.n_layer
+        self.n_head = info.n_head
+        self.n_head_kv = info.n_head_kv
+        self.weights_bytes = info.weights_bytes
+        self.bos = info.bos
+        self.eos = info.eos
+        self.has_chat_template = info.has_chat_template
+
+    # handles ---------------------------------------------------------------
+    def _handles(self):
+        if not self._m:
+            raise Error("the model is closed", "KVB_ERR_INVALID_ARGUMENT")
+        return self._m, self._ctx
+
+    def close(self):
+        """Free the engine and the model. Safe to call twice."""
+        if getattr(self, "_ctx", None):
+            _c.kvb_context_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_m", None):
+            _c.kvb_model_free(self._m)
+            self._m = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def __repr__(self):
+        return "kvblend.Model(%r)" % self.path
+
+    # tokens ----------------------------------------------------------------
+    def tokenize(self, text, *, add_special=True, parse_special=False):
+        """The token ids of a text (BOS as the model asks when add_special)."""
+        m, _ = self._handles()
+        toks = ctypes.POINTER(_lib.kvb_token)()
+        n = c_size_t()
+        _check(_c.kvb_tokenize(m, _b(text), add_special, parse_special, byref(toks), byref(n)))
+        try:
+            return toks[:n.value]
+        finally:
+            _c.kvb_free(toks)
+
+    def detokenize(self, tokens, *, special=False):
+        """The text of token ids (special tokens written out when special)."""
+        m, _ = self._handles()
+        arr = (_lib.kvb_token * len(tokens))(*tokens)
+        out, n = c_void_p(), c_size_t()
+        _check(_c.kvb_detokenize(m, arr, len(tokens), special, byref(out), byref(n)))
+        return _take_string(out, n.value)
+
+    def apply_chat_template(self, messages, *, add_assistant=True):
+        """Render [{"role": …, "content": …}, …] (or (role, content) pairs) with the model's template."""
+        m, _ = self._handles()
+        pairs = [(x["role"], x["content"]) if isinstance(x, dict) else tuple(x) for x in messages]
+        keep = [(_b(r), _b(c)) for r, c in pairs]
+        arr = (_lib.kvb_chat_message * len(keep))(*[_lib.kvb_chat_message(r, c) for r, c in keep])
+        out = c_void_p()
+        _check(_c.kvb_chat_apply_template(m, arr, len(keep), add_assistant, byref(out)))
+        return _take_string(out)
+
+    # parameters --------------------------------------------------------------
+    @staticmethod
+    def _gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, keep):
+        gp = _c.kvb_generate_default_params()
+        gp.n_predict = int(n_predict)
+        gp.temp = float(temp)
+        gp.top_k = int(top_k)
+        gp.top_p = float(top_p)
+        gp.min_p = float(min_p)
+        gp.seed = DEFAULT_SEED if seed is None else int(seed)
+        if stop:
+            stops = [stop] if isinstance(stop, str) else list(stop)
+            arr = (c_char_p * len(stops))(*[_b(s) for s in stops])
+            keep.append(arr)
+            gp.stop = arr
+            gp.n_stop = len(stops)
+        return gp
+
+    @staticmethod
+    def _piece_callback(gp, on_piece, guard, keep):
+        if on_piece is None:
+            return
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+        def cb(ptr, n, _user):
+            text = decoder.decode(ctypes.string_at(ptr, n))
+            return guard.guard(on_piece, text) if text else True
+
+        cfn = _lib.kvb_piece_callback(cb)
+        keep.append(cfn)
+        gp.on_piece = cfn
+
+    # ingest ------------------------------------------------------------------
+    def ingest(self, store, texts, *, chunk_size=0, split_paragraphs=False, collect_with_prefix=False, system="",
+               chat=False, progress=None, with_stats=False):
+        """Collect every chunk of the texts and put its KV in the store; stored chunks are skipped.
+
+        By default each text is one chunk, cut as blend() cuts a document, so
+        a later blend finds it. Returns the chunks' ids (usable as
+        {"id": …} documents), or (ids, IngestStats) with with_stats.
+        ``progress(done, total)`` may return False to stop (CancelledError).
+        """
+        _, ctx = self._handles()
+        if isinstance(texts, str):
+            texts = [texts]
+        enc = [_b(t) for t in texts]
+        arr = (c_char_p * len(enc))(*enc)
+        p = _c.kvb_ingest_default_params()
+        p.chunk_size = int(chunk_size)
+        p.split_paragraphs = bool(split_paragraphs)
+        p.collect_with_prefix = bool(collect_with_prefix)
+        sys_b = _b(system or "")
+        p.system = sys_b
+        p.chat = bool(chat)
+        guard = _Callback()
+        if progress is not None:
+            cfn = _lib.kvb_progress_callback(lambda done, total, _u: guard.guard(progress, done, total))
+            p.progress = cfn
+        ids = ctypes.POINTER(_lib.kvb_id)()
+        n = c_size_t()
+        st = _lib.kvb_ingest_stats()
+        with self._lock:
+            status = _c.kvb_ingest(ctx, store.handle, arr, len(enc), byref(p), byref(ids), byref(n), byref(st))
+        guard.reraise()
+        _check(status)
+        try:
+            out = [ids[i].hex.decode() for i in range(n.value)]
+        finally:
+            _c.kvb_free(ids)
+        if with_stats:
+            return out, IngestStats(st.n_chunks, st.n_collected, st.n_present, st.n_tokens, st.collect_ms)
+        return out
+
+    def doc_id(self, text, store):
+        """The id a text gets as one document chunk in this model and store (no KV is computed)."""
+        _, ctx = self._handles()
+        out = _lib.kvb_id()
+        _check(_c.kvb_doc_id(ctx, store.handle, _b(text), byref(out)))
+        return out.hex.decode()
+
+    # blend -------------------------------------------------------------------
+    def blend(self, system, docs, question, *, store=None, ratio=0.15, check_layer=1, score="v", method="gradual",
+              chunk_head=0, schedule=None, chat=False, collect_with_prefix=False, n_predict=64, temp=0.0, top_k=40,
+              top_p=0.95, min_p=0.05, seed=None, stop=None, on_piece=None):
+        """Answer ``question`` over ``[system, docs…]`` with CacheBlend prefill.
+
+        ``docs``: texts, or {"text": …} / {"id": …} dicts (an id from ingest()).
+        Each document's KV comes from ``store`` (or is collected alone and put;
+        without a store nothing is kept), ``ratio`` of the document tokens are
+        recomputed from layer ``check_layer`` on (``score`` "v", "k" or "kv";
+        ``method`` "gradual" or "dense"; ``chunk_head`` first tokens of each
+        document always; ``schedule`` [(layer, ratio), …] for multi-step
+        selection), and the answer is generated from the fused cache (greedy
+        by default; ``stop`` strings end it; ``on_piece(text)`` streams it and
+        may return False to stop). Returns BlendResult(text, stats).
+        """
+        _, ctx = self._handles()
+        docs = [docs] if isinstance(docs, (str, dict)) else list(docs)
+        keep = []
+        cdocs = (_lib.kvb_doc * len(docs))()
+        for i, d in enumerate(docs):
+            if isinstance(d, dict):
+                if ("text" in d) == ("id" in d):
+                    raise InvalidArgumentError("document %d needs a 'text' or an 'id' (one of them)" % i,
+                                               "KVB_ERR_INVALID_ARGUMENT")
+                if "text" in d:
+                    cdocs[i].text = _b(d["text"])
+                else:
+                    cdocs[i].id = _b(d["id"])
+            else:
+                cdocs[i].text = _b(d)
+        bp = _c.kvb_blend_default_params()
+        bp.recomp_ratio = float(ratio)
+        bp.check_layer = int(check_layer)
+        bp.score = _choice(_SCORES, score, "score")
+        bp.method = _choice(_METHODS, method, "method")
+        bp.chunk_head = int(chunk_head)
+        if schedule:
+            layers = (c_int32 * len(schedule))(*[int(l) for l, _ in schedule])
+            ratios = (c_float * len(schedule))(*[float(r) for _, r in schedule])
+            keep += [layers, ratios]
+            bp.schedule_layers = layers
+            bp.schedule_ratios = ratios
+            bp.n_schedule = len(schedule)
+        bp.chat = bool(chat)
+        bp.collect_with_prefix = bool(collect_with_prefix)
+        gp = self._gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, keep)
+        guard = _Callback()
+        self._piece_callback(gp, on_piece, guard, keep)
+        text = c_void_p()
+        st = _lib.kvb_blend_stats()
+        with self._lock:
+            status = _c.kvb_blend(ctx, store.handle if store is not None else None, _b(system or ""), cdocs, len(docs),
+                                  _b(question), byref(bp), byref(gp), byref(text), byref(st))
+        guard.reraise()
+        _check(status)
+        return BlendResult(_take_string(text), _stats_from(BlendStats, st))
+
+    # plain generation --------------------------------------------------------
+    def complete(self, prompt, *, n_predict=64, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=None, stop=None,
+                 on_piece=None):
+        """Prefill ``prompt`` (text, or a list of token ids) and generate; returns GenerateResult(text, stats)."""
+        _, ctx = self._handles()
+        keep = []
+        gp = self._gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, keep)
+        guard = _Callback()
+        self._piece_callback(gp, on_piece, guard, keep)
+        text = c_void_p()
+        st = _lib.kvb_generate_stats()
+        with self._lock:
+            if isinstance(prompt, (str, bytes)):
+                status = _c.kvb_generate(ctx, _b(prompt), byref(gp), byref(text), byref(st))
+            else:
+                toks = (_lib.kvb_token * len(prompt))(*prompt)
+                status = _c.kvb_generate_tokens(ctx, toks, len(prompt), byref(gp), byref(text), byref(st))
+        guard.reraise()
+        _check(status)
+        return GenerateResult(_take_string(text), _stats_from(GenerateStats, st))
+
+    def generate(self, prompt, **kwargs):
+        """Stream a plain generation: an iterator of text pieces (see complete() for the arguments).
+
+        The Generation returned also has ``text`` and ``stats`` once it is
+        exhausted; leaving the loop early (break, close()) stops generating.
+        """
+        if "on_piece" in kwargs:
+            raise TypeError("generate() streams by itself: use complete(on_piece=…) for a callback")
+        return Generation(self, prompt, kwargs)
+
+
+class Generation:
+    """An iterator of the pieces of a plain generation (Model.generate).
+
+    The C call runs on a worker thread and hands each piece over a queue, so
+    pieces arrive as they are decoded; ``text`` and ``stats`` are set at the end.
+    """
+
+    _END = object()
+
+    def __init__(self, model, prompt, kwargs):
+        self._model, self._prompt, self._kwargs = model, prompt, kwargs
+        self._q = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = None
+        self._result = None
+        self._error = None
+        self.text = None
+        self.stats = None
+
+    def _run(self):
+        def on_piece(text):
+            self._q.put(text)
+            return not self._stop.is_set()
+
+        try:
+            self._result = self._model.complete(self._prompt, on_piece=on_piece, **self._kwargs)
+        except BaseException as e:
+            self._error = e
+        finally:
+            self._q.put(self._END)
+
+    def __iter__(self):
+        if self._thread is not None:
+            raise RuntimeError("a Generation can be iterated once")
+        self._thread = threading.Thread(target=self._run, name="kvblend-generate", daemon=True)
+        self._thread.start()
+        try:
+            while True:
+                item = self._q.get()
+                if item is self._END:
+                    break
+                yield item
+        finally:
+            self._stop.set()  # the next piece makes the C side stop
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        self.text, self.stats = self._result.text, self._result.stats

@@ -1,0 +1,725 @@
+// the C API (include/kvblend.h), written on the public C++ headers only.
+// every entry point catches everything: no exception crosses into C.
+#include "kvblend.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <new>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvblend/blend.h"
+#include "kvblend/codec.h"
+#include "kvblend/engine.h"
+#include "kvblend/model.h"
+#include "kvblend/rag_prompt.h"
+#include "kvblend/store.h"
+#include "kvblend/vocab.h"
+
+using namespace kvblend;
+
+struct kvb_model {
+    std::shared_ptr<const model> m;
+    std::string description;  // kept for kvb_model_info
+};
+
+struct kvb_store {
+    std::unique_ptr<store> st;
+    std::string codec;  // canonical codec name, part of every key
+};
+
+struct kvb_context {
+    std::shared_ptr<const model> m;  // keeps the model alive after kvb_model_free
+    engine_params ep;
+    int64_t fixed_n_ctx = 0;  // 0: sized per request
+    std::unique_ptr<engine> eng;
+};
+
+namespace {
+
+thread_local std::string t_last_error;
+
+// an error with the status it maps to (the rest map by their type)
+struct capi_error {
+    kvb_status status;
+    std::string msg;
+};
+
+[[noreturn]] void fail(kvb_status status, const std::string & msg) { throw capi_error{status, msg}; }
+
+template <class F> kvb_status guarded(F && f) {
+    try {
+        f();
+        return KVB_OK;
+    } catch (const capi_error & e) {
+        t_last_error = e.msg;
+        return e.status;
+    } catch (const error & e) {
+        t_last_error = e.what();
+        return KVB_ERR_FAILED;
+    } catch (const std::bad_alloc &) {
+        t_last_error = "out of memory";
+        return KVB_ERR_OUT_OF_MEMORY;
+    } catch (const std::exception & e) {
+        t_last_error = std::string("internal error: ") + e.what();
+        return KVB_ERR_INTERNAL;
+    } catch (...) {
+        t_last_error = "internal error: unknown exception";
+        return KVB_ERR_INTERNAL;
+    }
+}
+
+void need(const void * p, const char * what) {
+    if (!p) fail(KVB_ERR_INVALID_ARGUMENT, std::string(what) + " must not be NULL");
+}
+
+char * dup_string(const std::string & s) {
+    char * p = static_cast<char *>(std::malloc(s.size() + 1));
+    if (!p) throw std::bad_alloc();
+    std::memcpy(p, s.data(), s.size());
+    p[s.size()] = '\0';
+    return p;
+}
+
+template <class T> T * dup_array(const std::vector<T> & v) {
+    T * p = static_cast<T *>(std::malloc(std::max<size_t>(1, v.size() * sizeof(T))));
+    if (!p) throw std::bad_alloc();
+    if (!v.empty()) std::memcpy(p, v.data(), v.size() * sizeof(T));
+    return p;
+}
+
+ggml_type kv_type(kvb_kv_type t) {
+    switch (t) {
+        case KVB_KV_F16: return GGML_TYPE_F16;
+        case KVB_KV_F32: return GGML_TYPE_F32;
+        case KVB_KV_Q8_0: return GGML_TYPE_Q8_0;
+        case KVB_KV_Q4_0: return GGML_TYPE_Q4_0;
+    }
+    fail(KVB_ERR_INVALID_ARGUMENT, "KV type must be KVB_KV_F16, F32, Q8_0 or Q4_0, got " + std::to_string((int) t));
+}
+
+bool is_id(const char * id) {
+    if (std::strlen(id) != KVB_ID_LEN) return false;
+    for (const char * c = id; *c; ++c)
+        if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'f'))) return false;
+    return true;
+}
+
+void copy_id(const std::string & key, kvb_id & out) {
+    std::memset(out.hex, 0, sizeof(out.hex));
+    std::memcpy(out.hex, key.data(), std::min<size_t>(key.size(), KVB_ID_LEN));
+}
+
+// the engine for a request of `want` positions: the fixed one, or one grown to fit
+engine & engine_for(kvb_context & c, int64_t want, const char * what) {
+    const int64_t n_train = c.m->hparams().n_ctx_train;
+    if (c.fixed_n_ctx > 0) {
+        const int64_t cap = c.eng->cache().n_ctx();
+        if (want > cap) fail(KVB_ERR_FAILED, std::string(what) + " exceeds the context of " + std::to_string(cap) + " tokens");
+        return *c.eng;
+    }
+    if (want > n_train) fail(KVB_ERR_FAILED, std::string(what) + " exceeds the model's context of " + std::to_string(n_train));
+    if (!c.eng || c.eng->cache().n_ctx() < want) {
+        c.eng.reset();  // the old cache goes before the new one is allocated
+        engine_params ep = c.ep;
+        ep.n_ctx = std::min(n_train, (want + 255) / 256 * 256);
+        c.eng = std::make_unique<engine>(c.m, ep);
+    }
+    return *c.eng;
+}
+
+sampler_params sampling_of(const kvb_generate_params & gp) {
+    if (gp.n_predict < 0) fail(KVB_ERR_INVALID_ARGUMENT, "n_predict must not be negative");
+    if (!(gp.temp >= 0 && gp.temp <= 100)) fail(KVB_ERR_INVALID_ARGUMENT, "temp must be in [0, 100]");
+    if (!(gp.top_p >= 0 && gp.top_p <= 1)) fail(KVB_ERR_INVALID_ARGUMENT, "top_p must be in [0, 1]");
+    if (!(gp.min_p >= 0 && gp.min_p <= 1)) fail(KVB_ERR_INVALID_ARGUMENT, "min_p must be in [0, 1]");
+    if (gp.n_stop > 0) need(gp.stop, "stop (with n_stop > 0)");
+    for (size_t i = 0; i < gp.n_stop; ++i)
+        if (!gp.stop[i] || !gp.stop[i][0]) fail(KVB_ERR_INVALID_ARGUMENT, "stop strings must be non-empty");
+    sampler_params sp = sampler_default_params();
+    sp.temp = gp.temp;
+    sp.top_k = gp.top_k;
+    sp.top_p = gp.top_p;
+    sp.min_p = gp.min_p;
+    sp.seed = gp.seed;
+    return sp;
+}
+
+// the pieces a generation streams, held back where they could begin a stop
+// string and cut where one appears
+class piece_stream {
+  public:
+    explicit piece_stream(const kvb_generate_params & gp) : gp_(gp) {
+        for (size_t i = 0; i < gp.n_stop; ++i) stops_.emplace_back(gp.stop[i]);
+        for (const auto & s : stops_) max_stop_ = std::max(max_stop_, s.size());
+    }
+
+    // what engine::generate_from calls: empty when there is nothing to watch
+    std::function<bool(const std::string &)> callback() {
+        if (!gp_.on_piece && stops_.empty()) return {};
+        return [this](const std::string & p) { return on_piece(p); };
+    }
+
+    // the final text (the tokens' detokenization) cut before the first stop string
+    std::string finish(std::string text) {
+        if (!stopped_string_ && !stopped_cb_ && emitted_ < seen_.size()) emit(seen_.size());
+        size_t cut = std::string::npos;
+        for (const auto & s : stops_) cut = std::min(cut, text.find(s));
+        if (cut != std::string::npos) text.resize(cut);
+        return text;
+    }
+
+    bool stopped_string() const { return stopped_string_; }
+    bool stopped_callback() const { return stopped_cb_; }
+
+  private:
+    bool on_piece(const std::string & piece) {
+        seen_ += piece;
+        // a stop string can only end inside the new piece
+        const size_t from = seen_.size() - piece.size() - std::min(seen_.size() - piece.size(), max_stop_ ? max_stop_ - 1 : 0);
+        size_t cut = std::string::npos;
+        for (const auto & s : stops_) cut = std::min(cut, seen_.find(s, from));
+        if (cut != std::string::npos) {
+            stopped_string_ = true;
+            if (cut > emitted_) emit(cut);
+            return false;
+        }
+        // hold back the longest tail that begins a stop string
+        size_t hold = 0;
+        for (const auto & s : stops_)
+            for (size_t k = std::min(s.size() - 1, seen_.size()); k > hold; --k)
+                if (seen_.compare(seen_.size() - k, k, s, 0, k) == 0) {
+                    hold = k;
+                    break;
+                }
+        const size_t upto = std::max(emitted_, seen_.size() - hold);
+        if (upto > emitted_ && !emit(upto)) {
+            stopped_cb_ = true;
+            return false;
+        }
+        return true;
+    }
+
+    bool emit(size_t upto) {
+        const size_t from = emitted_;
+        emitted_ = upto;
+        return !gp_.on_piece || gp_.on_piece(seen_.data() + from, upto - from, gp_.user_data);
+    }
+
+    const kvb_generate_params & gp_;
+    std::vector<std::string> stops_;
+    size_t max_stop_ = 0;
+    std::string seen_;     // every piece so far
+    size_t emitted_ = 0;   // bytes of seen_ passed to on_piece
+    bool stopped_string_ = false, stopped_cb_ = false;
+};
+
+kvb_stop_reason stop_reason(const piece_stream & ps, const generate_result & r, int32_t n_predict, engine & eng) {
+    if (ps.stopped_string()) return KVB_STOP_STRING;
+    if (ps.stopped_callback()) return KVB_STOP_CALLBACK;
+    if ((int64_t) r.tokens.size() >= n_predict) return KVB_STOP_LENGTH;
+    if (eng.cache().n_past() >= eng.cache().n_ctx()) return KVB_STOP_LENGTH;
+    return KVB_STOP_EOG;
+}
+
+void check_tokens(const model & m, const kvb_token * toks, size_t n) {
+    const int64_t nv = m.hparams().n_vocab;
+    for (size_t i = 0; i < n; ++i)
+        if (toks[i] < 0 || toks[i] >= nv)
+            fail(KVB_ERR_INVALID_ARGUMENT, "token " + std::to_string(toks[i]) + " at " + std::to_string(i) +
+                                               " is outside the vocabulary of " + std::to_string(nv));
+}
+
+void generate_impl(kvb_context * ctx, const std::vector<llama_token> & toks, const kvb_generate_params * params,
+                   char ** text, kvb_generate_stats * stats) {
+    const kvb_generate_params gp = params ? *params : kvb_generate_default_params();
+    const sampler_params sp = sampling_of(gp);
+    if (toks.empty()) fail(KVB_ERR_INVALID_ARGUMENT, "the prompt tokenizes to nothing");
+    engine & eng = engine_for(*ctx, (int64_t) toks.size() + gp.n_predict,
+                              ("prompt (" + std::to_string(toks.size()) + " tokens) plus n_predict " +
+                               std::to_string(gp.n_predict))
+                                  .c_str());
+    piece_stream ps(gp);
+    const generate_result r = eng.generate(toks, gp.n_predict, sp, ps.callback());
+    std::string out = ps.finish(r.text);
+    if (text) *text = dup_string(out);
+    if (stats) {
+        stats->n_prompt = r.n_prompt;
+        stats->n_gen = (int64_t) r.tokens.size();
+        stats->prefill_ms = r.prefill_ms;
+        stats->decode_ms = r.decode_ms;
+        stats->stop_reason = stop_reason(ps, r, gp.n_predict, eng);
+    }
+}
+
+}  // namespace
+
+// --- errors, memory, version -------------------------------------------------
+
+const char * kvb_last_error(void) { return t_last_error.c_str(); }
+
+const char * kvb_status_name(kvb_status status) {
+    switch (status) {
+        case KVB_OK: return "KVB_OK";
+        case KVB_ERR_INVALID_ARGUMENT: return "KVB_ERR_INVALID_ARGUMENT";
+        case KVB_ERR_NOT_FOUND: return "KVB_ERR_NOT_FOUND";
+        case KVB_ERR_CANCELLED: return "KVB_ERR_CANCELLED";
+        case KVB_ERR_OUT_OF_MEMORY: return "KVB_ERR_OUT_OF_MEMORY";
+        case KVB_ERR_FAILED: return "KVB_ERR_FAILED";
+        case KVB_ERR_INTERNAL: return "KVB_ERR_INTERNAL";
+    }
+    return "KVB_ERR_UNKNOWN";
+}
+
+void kvb_free(void * ptr) { std::free(ptr); }
+
+const char * kvb_version(void) { return KVBLEND_VERSION_STRING; }
+
+void kvb_log_set_verbose(bool verbose) {
+    try {
+        log_set_verbose(verbose);
+    } catch (...) {
+    }
+}
+
+// --- model ------------------------------------------------------------------
+
+kvb_model_params kvb_model_default_params(void) {
+    const model_params d = model_default_params();
+    kvb_model_params p;
+    p.use_mmap = d.use_mmap;
+    p.use_gpu = d.use_gpu;
+    return p;
+}
+
+kvb_status kvb_model_load(const char * path, const kvb_model_params * params, kvb_model ** out) {
+    return guarded([&] {
+        need(path, "path");
+        need(out, "out");
+        const kvb_model_params p = params ? *params : kvb_model_default_params();
+        model_params mp = model_default_params();
+        mp.use_mmap = p.use_mmap;
+        mp.use_gpu = p.use_gpu;
+        auto h = std::make_unique<kvb_model>();
+        h->m = model::load(path, mp);
+        h->description = h->m->describe();
+        *out = h.release();
+    });
+}
+
+void kvb_model_free(kvb_model * model) { delete model; }
+
+kvb_status kvb_model_get_info(const kvb_model * model, kvb_model_info * out) {
+    return guarded([&] {
+        need(model, "model");
+        need(out, "out");
+        const kvblend::model & m = *model->m;
+        const model_hparams & hp = m.hparams();
+        kvb_model_info i;
+        i.arch = hp.arch_name.c_str();
+        i.description = model->description.c_str();
+        i.fingerprint = m.fingerprint().c_str();
+        i.n_vocab = hp.n_vocab;
+        i.n_ctx_train = hp.n_ctx_train;
+        i.n_embd = hp.n_embd;
+        i.n_layer = hp.n_layer;
+        i.n_head = hp.n_head;
+        i.n_head_kv = hp.n_head_kv;
+        i.weights_bytes = m.weights_bytes();
+        i.bos = m.tokens().bos();
+        i.eos = m.tokens().eos();
+        i.has_chat_template = m.tokens().has_chat_template();
+        *out = i;
+    });
+}
+
+// --- tokens and chat templates ----------------------------------------------
+
+kvb_status kvb_tokenize(const kvb_model * model, const char * text, bool add_special, bool parse_special,
+                        kvb_token ** tokens, size_t * n_tokens) {
+    return guarded([&] {
+        need(model, "model");
+        need(text, "text");
+        need(tokens, "tokens");
+        need(n_tokens, "n_tokens");
+        const std::vector<llama_token> t = model->m->tokens().tokenize(text, add_special, parse_special);
+        *tokens = dup_array(t);
+        *n_tokens = t.size();
+    });
+}
+
+kvb_status kvb_detokenize(const kvb_model * model, const kvb_token * tokens, size_t n_tokens, bool special, char ** text,
+                          size_t * len) {
+    return guarded([&] {
+        need(model, "model");
+        if (n_tokens > 0) need(tokens, "tokens");
+        need(text, "text");
+        check_tokens(*model->m, tokens, n_tokens);
+        const std::string s = model->m->tokens().detokenize(std::vector<llama_token>(tokens, tokens + n_tokens), special);
+        *text = dup_string(s);
+        if (len) *len = s.size();
+    });
+}
+
+kvb_status kvb_chat_apply_template(const kvb_model * model, const kvb_chat_message * messages, size_t n_messages,
+                                   bool add_assistant, char ** text) {
+    return guarded([&] {
+        need(model, "model");
+        if (n_messages > 0) need(messages, "messages");
+        need(text, "text");
+        std::vector<chat_message> msgs;
+        for (size_t i = 0; i < n_messages; ++i) {
+            if (!messages[i].role || !messages[i].content)
+                fail(KVB_ERR_INVALID_ARGUMENT, "message " + std::to_string(i) + " needs a role and a content");
+            msgs.push_back({messages[i].role, messages[i].content});
+        }
+        *text = dup_string(model->m->tokens().apply_chat_template(msgs, add_assistant));
+    });
+}
+
+// --- context ----------------------------------------------------------------
+
+kvb_context_params kvb_context_default_params(void) {
+    const engine_params d = engine_default_params();
+    kvb_context_params p;
+    p.n_threads = d.n_threads;
+    p.n_ctx = 0;
+    p.n_ubatch = d.n_ubatch;
+    p.type_k = KVB_KV_F16;
+    p.type_v = KVB_KV_F16;
+    return p;
+}
+
+kvb_status kvb_context_new(kvb_model * model, const kvb_context_params * params, kvb_context ** out) {
+    return guarded([&] {
+        need(model, "model");
+        need(out, "out");
+        const kvb_context_params p = params ? *params : kvb_context_default_params();
+        if (p.n_threads < 1 || p.n_threads > 1024) fail(KVB_ERR_INVALID_ARGUMENT, "n_threads must be in [1, 1024]");
+        if (p.n_ctx < 0) fail(KVB_ERR_INVALID_ARGUMENT, "n_ctx must not be negative");
+        if (p.n_ubatch < 1 || p.n_ubatch > 65536) fail(KVB_ERR_INVALID_ARGUMENT, "n_ubatch must be in [1, 65536]");
+        auto c = std::make_unique<kvb_context>();
+        c->m = model->m;
+        c->ep = engine_default_params();
+        c->ep.n_threads = p.n_threads;
+        c->ep.n_ubatch = p.n_ubatch;
+        c->ep.type_k = kv_type(p.type_k);
+        c->ep.type_v = kv_type(p.type_v);
+        c->fixed_n_ctx = std::min(p.n_ctx, c->m->hparams().n_ctx_train);
+        // an engine now, so that a bad setting (a quantized cache for this head size) fails here
+        c->ep.n_ctx = c->fixed_n_ctx > 0 ? c->fixed_n_ctx : std::min<int64_t>(256, c->m->hparams().n_ctx_train);
+        c->eng = std::make_unique<engine>(c->m, c->ep);
+        *out = c.release();
+    });
+}
+
+void kvb_context_free(kvb_context * ctx) { delete ctx; }
+
+// --- store ------------------------------------------------------------------
+
+kvb_store_params kvb_store_default_params(void) {
+    kvb_store_params p;
+    p.max_bytes = 0;
+    p.codec = nullptr;
+    return p;
+}
+
+kvb_status kvb_store_open(const char * uri, const kvb_store_params * params, kvb_store ** out) {
+    return guarded([&] {
+        need(uri, "uri");
+        need(out, "out");
+        const kvb_store_params p = params ? *params : kvb_store_default_params();
+        auto s = std::make_unique<kvb_store>();
+        try {
+            s->codec = codec_by_name(p.codec && p.codec[0] ? p.codec : "raw")->name();
+        } catch (const error & e) {
+            fail(KVB_ERR_INVALID_ARGUMENT, e.what());
+        }
+        store_options so;
+        so.max_bytes = p.max_bytes;
+        s->st = store_open(uri, so);
+        *out = s.release();
+    });
+}
+
+void kvb_store_free(kvb_store * store) { delete store; }
+
+kvb_status kvb_store_get_stats(kvb_store * store, kvb_store_stats * out) {
+    return guarded([&] {
+        need(store, "store");
+        need(out, "out");
+        const store_stats s = store->st->stats();
+        out->n_entries = s.n_entries;
+        out->bytes = s.bytes;
+        out->max_bytes = s.max_bytes;
+    });
+}
+
+kvb_status kvb_store_contains(kvb_store * store, const char * id, bool * out) {
+    return guarded([&] {
+        need(store, "store");
+        need(id, "id");
+        need(out, "out");
+        *out = is_id(id) && store->st->contains(id);
+    });
+}
+
+// --- ingest -----------------------------------------------------------------
+
+kvb_ingest_params kvb_ingest_default_params(void) {
+    kvb_ingest_params p;
+    std::memset(&p, 0, sizeof(p));
+    return p;
+}
+
+kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const * texts, size_t n_texts,
+                      const kvb_ingest_params * params, kvb_id ** ids, size_t * n_ids, kvb_ingest_stats * stats) {
+    return guarded([&] {
+        need(ctx, "ctx");
+        need(store, "store");
+        if (n_texts > 0) need(texts, "texts");
+        if (ids) need(n_ids, "n_ids (with ids)");
+        const kvb_ingest_params p = params ? *params : kvb_ingest_default_params();
+        if (p.chunk_size < 0) fail(KVB_ERR_INVALID_ARGUMENT, "chunk_size must not be negative");
+        if (p.chunk_size > 0 && p.split_paragraphs)
+            fail(KVB_ERR_INVALID_ARGUMENT, "chunk_size and split_paragraphs exclude each other");
+        const model & m = *ctx->m;
+        const vocab & v = m.tokens();
+        std::vector<llama_token> prefix;
+        if (p.collect_with_prefix) prefix = rag_prompt_build(v, p.system ? p.system : "", {"."}, ".", p.chat).chunks[0];
+
+        std::vector<std::vector<llama_token>> chunks;
+        for (size_t i = 0; i < n_texts; ++i) {
+            if (!texts[i]) fail(KVB_ERR_INVALID_ARGUMENT, "text " + std::to_string(i) + " is NULL");
+            if (p.split_paragraphs) {
+                for (const auto & para : rag_split_paragraphs(texts[i])) chunks.push_back(rag_doc_tokens(v, para));
+            } else if (p.chunk_size > 0) {
+                const std::vector<llama_token> t = rag_doc_tokens(v, texts[i]);
+                for (size_t j = 0; j < t.size(); j += (size_t) p.chunk_size)
+                    chunks.emplace_back(t.begin() + j, t.begin() + std::min(t.size(), j + (size_t) p.chunk_size));
+            } else {
+                chunks.push_back(rag_doc_tokens(v, texts[i]));
+            }
+        }
+        chunks.erase(std::remove_if(chunks.begin(), chunks.end(), [](const auto & c) { return c.empty(); }), chunks.end());
+        int64_t longest = 1;
+        for (const auto & c : chunks) longest = std::max<int64_t>(longest, (int64_t) c.size());
+        engine & eng = engine_for(*ctx, longest + (int64_t) prefix.size(),
+                                  ("a chunk of " + std::to_string(longest) + " tokens (use chunk_size)").c_str());
+
+        std::vector<kvb_id> out(chunks.size());
+        kvb_ingest_stats s{};
+        s.n_chunks = (int64_t) chunks.size();
+        chunk_fetch_stats fs;
+        for (size_t i = 0; i < chunks.size(); ++i) {
+            const std::string key = chunk_key(m, eng.cache().type_k(), store->codec, prefix, chunks[i]);
+            copy_id(key, out[i]);
+            if (store->st->contains(key)) {
+                ++s.n_present;
+            } else {
+                chunk_get_or_collect(store->st.get(), eng, prefix, chunks[i], fs, store->codec);
+                ++s.n_collected;
+                s.n_tokens += (int64_t) chunks[i].size();
+            }
+            s.collect_ms = fs.collect_ms;
+            if (p.progress && !p.progress(i + 1, chunks.size(), p.user_data))
+                fail(KVB_ERR_CANCELLED, "ingest cancelled by the progress callback after " + std::to_string(i + 1) + " of " +
+                                            std::to_string(chunks.size()) + " chunks");
+        }
+        if (stats) *stats = s;
+        if (ids) {
+            *ids = dup_array(out);
+            *n_ids = out.size();
+        }
+    });
+}
+
+kvb_status kvb_doc_id(kvb_context * ctx, const kvb_store * store, const char * text, kvb_id * out) {
+    return guarded([&] {
+        need(ctx, "ctx");
+        need(store, "store");
+        need(text, "text");
+        need(out, "out");
+        const model & m = *ctx->m;
+        copy_id(chunk_key(m, ctx->ep.type_k, store->codec, {}, rag_doc_tokens(m.tokens(), text)), *out);
+    });
+}
+
+// --- generation -------------------------------------------------------------
+
+kvb_generate_params kvb_generate_default_params(void) {
+    const sampler_params d = sampler_default_params();
+    kvb_generate_params p;
+    std::memset(&p, 0, sizeof(p));
+    p.n_predict = 64;
+    p.temp = d.temp;
+    p.top_k = d.top_k;
+    p.top_p = d.top_p;
+    p.min_p = d.min_p;
+    p.seed = d.seed;
+    return p;
+}
+
+kvb_status kvb_generate(kvb_context * ctx, const char * prompt, const kvb_generate_params * params, char ** text,
+                        kvb_generate_stats * stats) {
+    return guarded([&] {
+        need(ctx, "ctx");
+        need(prompt, "prompt");
+        generate_impl(ctx, ctx->m->tokens().tokenize(prompt, true, false), params, text, stats);
+    });
+}
+
+kvb_status kvb_generate_tokens(kvb_context * ctx, const kvb_token * prompt, size_t n_prompt,
+                               const kvb_generate_params * params, char ** text, kvb_generate_stats * stats) {
+    return guarded([&] {
+        need(ctx, "ctx");
+        if (n_prompt > 0) need(prompt, "prompt");
+        check_tokens(*ctx->m, prompt, n_prompt);
+        generate_impl(ctx, std::vector<llama_token>(prompt, prompt + n_prompt), params, text, stats);
+    });
+}
+
+// --- blend ------------------------------------------------------------------
+
+kvb_blend_params kvb_blend_default_params(void) {
+    const blend_params d = blend_default_params();
+    kvb_blend_params p;
+    std::memset(&p, 0, sizeof(p));
+    p.recomp_ratio = d.recomp_ratio;
+    p.check_layer = d.check_layer;
+    p.score = KVB_SCORE_V;
+    p.method = KVB_METHOD_GRADUAL;
+    p.chunk_head = d.recompute_chunk_head;
+    return p;
+}
+
+kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, const kvb_doc * docs, size_t n_docs,
+                     const char * question, const kvb_blend_params * blend_params, const kvb_generate_params * gen_params,
+                     char ** text, kvb_blend_stats * stats) {
+    return guarded([&] {
+        need(ctx, "ctx");
+        if (n_docs > 0) need(docs, "docs");
+        need(question, "question");
+        if (!question[0]) fail(KVB_ERR_INVALID_ARGUMENT, "the question must not be empty");
+        const kvb_blend_params p = blend_params ? *blend_params : kvb_blend_default_params();
+        const kvb_generate_params gp = gen_params ? *gen_params : kvb_generate_default_params();
+        const sampler_params sp = sampling_of(gp);
+        const model & m = *ctx->m;
+        const int n_layer = (int) m.hparams().n_layer;
+
+        // the blend params, checked here so that a bad one is an invalid argument
+        kvblend::blend_params bp = blend_default_params();
+        if (!(p.recomp_ratio >= 0 && p.recomp_ratio <= 1)) fail(KVB_ERR_INVALID_ARGUMENT, "recomp_ratio must be in [0, 1]");
+        if (p.check_layer < 0 || p.check_layer >= n_layer)
+            fail(KVB_ERR_INVALID_ARGUMENT, "check_layer must be in [0, " + std::to_string(n_layer - 1) + "]");
+        if (p.score < KVB_SCORE_V || p.score > KVB_SCORE_KV) fail(KVB_ERR_INVALID_ARGUMENT, "score must be KVB_SCORE_V, K or KV");
+        if (p.method != KVB_METHOD_GRADUAL && p.method != KVB_METHOD_DENSE)
+            fail(KVB_ERR_INVALID_ARGUMENT, "method must be KVB_METHOD_GRADUAL or KVB_METHOD_DENSE");
+        if (p.chunk_head < 0) fail(KVB_ERR_INVALID_ARGUMENT, "chunk_head must not be negative");
+        bp.recomp_ratio = p.recomp_ratio;
+        bp.check_layer = p.check_layer;
+        bp.score = p.score == KVB_SCORE_K ? BLEND_SCORE_K : p.score == KVB_SCORE_KV ? BLEND_SCORE_KV : BLEND_SCORE_V;
+        bp.method = p.method == KVB_METHOD_DENSE ? BLEND_METHOD_DENSE : BLEND_METHOD_GRADUAL;
+        bp.recompute_chunk_head = p.chunk_head;
+        if (p.n_schedule > 0) {
+            need(p.schedule_layers, "schedule_layers (with n_schedule > 0)");
+            need(p.schedule_ratios, "schedule_ratios (with n_schedule > 0)");
+            for (size_t i = 0; i < p.n_schedule; ++i) {
+                const int l = p.schedule_layers[i];
+                const float r = p.schedule_ratios[i];
+                if (l < 0 || l >= n_layer || !(r >= 0 && r <= 1) ||
+                    (i > 0 && (l <= p.schedule_layers[i - 1] || r > p.schedule_ratios[i - 1])))
+                    fail(KVB_ERR_INVALID_ARGUMENT, "a schedule needs layers in [0, " + std::to_string(n_layer - 1) +
+                                                       "] increasing and ratios in [0, 1] not increasing");
+                bp.schedule.emplace_back(l, r);
+            }
+        }
+
+        // the documents as token chunks: texts cut as every layout cuts them,
+        // stored ones from their entries (kept: a usable entry is the chunk's KV)
+        const vocab & v = m.tokens();
+        const std::string codec_name = store ? store->codec : "raw";
+        std::vector<std::vector<llama_token>> doc_tokens(n_docs);
+        std::vector<std::unique_ptr<chunk_kv>> stored(n_docs);
+        chunk_fetch_stats fs;
+        for (size_t i = 0; i < n_docs; ++i) {
+            const kvb_doc & d = docs[i];
+            if ((d.text != nullptr) == (d.id != nullptr))
+                fail(KVB_ERR_INVALID_ARGUMENT, "document " + std::to_string(i) + " needs a text or an id (one of them)");
+            if (d.text) {
+                doc_tokens[i] = rag_doc_tokens(v, d.text);
+                continue;
+            }
+            if (!store) fail(KVB_ERR_INVALID_ARGUMENT, "documents by id need a store");
+            const std::string id = d.id;
+            const double t0 = time_ms();
+            std::optional<std::vector<uint8_t>> bytes = is_id(d.id) ? store->st->get(id) : std::nullopt;
+            if (!bytes) fail(KVB_ERR_NOT_FOUND, "unknown document id '" + id + "'");
+            try {
+                stored[i] = std::make_unique<chunk_kv>(chunk_decode(m, std::move(*bytes)));
+            } catch (const error & e) {
+                store->st->erase(id);
+                fail(KVB_ERR_NOT_FOUND, "document '" + id + "' is no longer usable (" + e.what() + ")");
+            }
+            doc_tokens[i] = stored[i]->tokens;
+            // the entry is this chunk's KV in this context only under the key the blend would use
+            if (p.collect_with_prefix || chunk_key(m, ctx->ep.type_k, codec_name, {}, doc_tokens[i]) != id) {
+                stored[i].reset();
+            } else {
+                fs.hits++;
+                fs.load_ms += time_ms() - t0;
+            }
+        }
+        const rag_prompt rp = rag_prompt_build_tokens(v, system ? system : "", doc_tokens, question, p.chat);
+        const int64_t n_all = (int64_t) rp.all().size();
+        engine & eng = engine_for(*ctx, n_all + gp.n_predict,
+                                  ("prompt (" + std::to_string(n_all) + " tokens) plus generation").c_str());
+
+        // every chunk's KV: stored, or collected alone (or behind the prefix) and put
+        std::vector<chunk_kv> kv;
+        kv.reserve(rp.chunks.size());
+        std::vector<const chunk_kv *> ptrs;
+        for (size_t i = 0; i < rp.chunks.size(); ++i) {
+            if (rp.chunks[i].empty()) continue;
+            if (i > 0 && stored[i - 1]) {
+                ptrs.push_back(stored[i - 1].get());
+                continue;
+            }
+            const bool behind = p.collect_with_prefix && i > 0 && !rp.chunks[0].empty();
+            kv.push_back(chunk_get_or_collect(store ? store->st.get() : nullptr, eng,
+                                              behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i], fs,
+                                              codec_name));
+            ptrs.push_back(&kv.back());
+        }
+
+        const blend_result br = blend(eng, ptrs, rp.query, bp);
+        piece_stream ps(gp);
+        const generate_result answer = eng.generate_from(br.logits, gp.n_predict, sp, ps.callback());
+        const std::string out = ps.finish(answer.text);
+        if (text) *text = dup_string(out);
+        if (stats) {
+            kvb_blend_stats s{};
+            s.n_tokens = br.stats.n_tokens;
+            s.n_doc_tokens = br.stats.n_doc_tokens;
+            s.n_selected = br.stats.n_selected;
+            s.deep_frac = br.stats.deep_frac;
+            s.store_hits = fs.hits;
+            s.store_misses = fs.misses;
+            s.load_ms = fs.load_ms;
+            s.collect_ms = fs.collect_ms;
+            s.place_ms = br.stats.place_ms;
+            s.early_ms = br.stats.early_ms;
+            s.check_ms = br.stats.check_ms;
+            s.deep_ms = br.stats.deep_ms;
+            s.blend_ms = br.stats.total_ms;
+            s.n_gen = (int64_t) answer.tokens.size();
+            s.decode_ms = answer.decode_ms;
+            s.stop_reason = stop_reason(ps, answer, gp.n_predict, eng);
+            *stats = s;
+        }
+    });
+}

@@ -1,0 +1,313 @@
+// the C API (include/kvblend.h): statuses and messages, ownership, ingest,
+// documents by id, blend and generation with stop strings and callbacks.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvblend.h"
+#include "test_util.h"
+
+namespace {
+
+const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const char * k_docs[] = {
+    "Tom had a red ball. He liked to throw it high in the sky. One day the ball went over the fence.",
+    "Sue found a little cat in the garden. The cat was hungry, so Sue gave it some milk.",
+    "Lily had a big box of crayons. She drew a house, a tree and a dog for her dad.",
+};
+
+// one model and context for the suite (stories260K loads in milliseconds, but once is enough)
+struct capi : ::testing::Test {
+    static kvb_model * model;
+    static kvb_context * ctx;
+    static void SetUpTestSuite() {
+        ASSERT_EQ(kvb_model_load(k_stories.c_str(), nullptr, &model), KVB_OK) << kvb_last_error();
+        ASSERT_EQ(kvb_context_new(model, nullptr, &ctx), KVB_OK) << kvb_last_error();
+    }
+    static void TearDownTestSuite() {
+        kvb_context_free(ctx);
+        kvb_model_free(model);
+    }
+};
+kvb_model * capi::model = nullptr;
+kvb_context * capi::ctx = nullptr;
+
+struct collected {
+    std::string text;
+    int calls = 0;
+    int stop_after = -1;  // return false on this call
+};
+
+bool collect_piece(const char * piece, size_t len, void * user) {
+    auto * c = static_cast<collected *>(user);
+    c->text.append(piece, len);
+    return ++c->calls != c->stop_after;
+}
+
+std::vector<kvb_doc> text_docs() {
+    std::vector<kvb_doc> d;
+    for (const char * t : k_docs) d.push_back({t, nullptr});
+    return d;
+}
+
+std::string blend_text(kvb_context * ctx, kvb_store * st, const std::vector<kvb_doc> & docs, kvb_blend_stats * stats,
+                       const kvb_blend_params * bp = nullptr, int32_t n_predict = 16) {
+    kvb_generate_params gp = kvb_generate_default_params();
+    gp.n_predict = n_predict;
+    char * text = nullptr;
+    EXPECT_EQ(kvb_blend(ctx, st, "Some stories.", docs.data(), docs.size(), "Once upon a time, Tom and Sue", bp, &gp,
+                        &text, stats),
+              KVB_OK)
+        << kvb_last_error();
+    std::string s = text ? text : "";
+    kvb_free(text);
+    return s;
+}
+
+TEST_F(capi, errors_are_statuses_with_a_message_and_leave_outputs_alone) {
+    kvb_model * m = reinterpret_cast<kvb_model *>(0x1);
+    EXPECT_EQ(kvb_model_load("/nonexistent/model.gguf", nullptr, &m), KVB_ERR_FAILED);
+    EXPECT_NE(std::string(kvb_last_error()).find("/nonexistent/model.gguf"), std::string::npos) << kvb_last_error();
+    EXPECT_EQ(m, reinterpret_cast<kvb_model *>(0x1));
+    EXPECT_EQ(kvb_model_load(nullptr, nullptr, &m), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_STREQ(kvb_last_error(), "path must not be NULL");
+    EXPECT_STREQ(kvb_status_name(KVB_ERR_NOT_FOUND), "KVB_ERR_NOT_FOUND");
+
+    kvb_context_params cp = kvb_context_default_params();
+    cp.type_k = (kvb_kv_type) 42;
+    kvb_context * c = nullptr;
+    EXPECT_EQ(kvb_context_new(model, &cp, &c), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(kvb_last_error()).find("KV type"), std::string::npos);
+    EXPECT_EQ(c, nullptr);
+
+    kvb_blend_params bp = kvb_blend_default_params();
+    const std::vector<kvb_doc> docs = text_docs();
+    for (auto [ratio, layer, what] : {std::tuple{2.0f, 1, "recomp_ratio"}, std::tuple{0.1f, 99, "check_layer"}}) {
+        bp.recomp_ratio = ratio;
+        bp.check_layer = layer;
+        EXPECT_EQ(kvb_blend(ctx, nullptr, "", docs.data(), docs.size(), "q", &bp, nullptr, nullptr, nullptr),
+                  KVB_ERR_INVALID_ARGUMENT);
+        EXPECT_NE(std::string(kvb_last_error()).find(what), std::string::npos) << kvb_last_error();
+    }
+    kvb_generate_params gp = kvb_generate_default_params();
+    gp.n_predict = -1;
+    EXPECT_EQ(kvb_generate(ctx, "Once", &gp, nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT);
+    // a token outside the vocabulary is refused before it reaches libllama or a graph
+    const kvb_token bad[] = {1, 1 << 30};
+    char * s = nullptr;
+    EXPECT_EQ(kvb_detokenize(model, bad, 2, false, &s, nullptr), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(kvb_generate_tokens(ctx, bad, 2, nullptr, nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(s, nullptr);
+    // a document is a text or an id, not both, not neither
+    const kvb_doc both[] = {{"text", "0123456789abcdef0123456789abcdef"}};
+    EXPECT_EQ(kvb_blend(ctx, nullptr, "", both, 1, "q", nullptr, nullptr, nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT);
+    // freeing NULL handles is fine
+    kvb_model_free(nullptr);
+    kvb_context_free(nullptr);
+    kvb_store_free(nullptr);
+    kvb_free(nullptr);
+}
+
+TEST_F(capi, last_error_is_per_thread) {
+    kvb_model * m = nullptr;
+    ASSERT_EQ(kvb_model_load("/nonexistent/a.gguf", nullptr, &m), KVB_ERR_FAILED);
+    std::string other;
+    std::thread([&] {
+        kvb_model * m2 = nullptr;
+        other = kvb_last_error();
+        kvb_model_load("/nonexistent/b.gguf", nullptr, &m2);
+    }).join();
+    EXPECT_EQ(other, "");
+    EXPECT_NE(std::string(kvb_last_error()).find("a.gguf"), std::string::npos);
+}
+
+TEST_F(capi, tokens_roundtrip_and_model_info) {
+    kvb_model_info info;
+    ASSERT_EQ(kvb_model_get_info(model, &info), KVB_OK);
+    EXPECT_STREQ(info.arch, "llama");
+    EXPECT_GT(info.n_vocab, 0);
+    EXPECT_EQ(std::strlen(info.fingerprint) > 0, true);
+    kvb_token * toks = nullptr;
+    size_t n = 0;
+    ASSERT_EQ(kvb_tokenize(model, "Tom had a red ball.", true, false, &toks, &n), KVB_OK);
+    ASSERT_GT(n, 2u);
+    EXPECT_EQ(toks[0], info.bos);
+    char * text = nullptr;
+    size_t len = 0;
+    ASSERT_EQ(kvb_detokenize(model, toks + 1, n - 1, false, &text, &len), KVB_OK);
+    EXPECT_EQ(std::string(text, len), "Tom had a red ball.");
+    kvb_free(text);
+    kvb_free(toks);
+    // stories260K ships no chat template: a message, not a crash
+    const kvb_chat_message msg = {"user", "hi"};
+    EXPECT_EQ(info.has_chat_template, false);
+    EXPECT_EQ(kvb_chat_apply_template(model, &msg, 1, true, &text), KVB_ERR_FAILED);
+    EXPECT_NE(std::string(kvb_last_error()), "");
+}
+
+TEST_F(capi, generate_stops_at_stop_strings_and_when_the_callback_says) {
+    kvb_generate_params gp = kvb_generate_default_params();
+    gp.n_predict = 32;
+    char * full = nullptr;
+    kvb_generate_stats st;
+    ASSERT_EQ(kvb_generate(ctx, "Once upon a time", &gp, &full, &st), KVB_OK) << kvb_last_error();
+    const std::string all = full;
+    kvb_free(full);
+    EXPECT_EQ(st.n_gen, 32);
+    EXPECT_EQ(st.stop_reason, KVB_STOP_LENGTH);
+    ASSERT_GT(all.size(), 20u);
+
+    // a stop string from the middle of the text: the text and the stream end before it
+    const std::string stop = all.substr(all.size() / 2, 4);
+    const size_t at = all.find(stop);
+    const char * stops[] = {"never appears", stop.c_str()};
+    collected c;
+    gp.stop = stops;
+    gp.n_stop = 2;
+    gp.on_piece = collect_piece;
+    gp.user_data = &c;
+    char * cut = nullptr;
+    ASSERT_EQ(kvb_generate(ctx, "Once upon a time", &gp, &cut, &st), KVB_OK) << kvb_last_error();
+    EXPECT_EQ(std::string(cut), all.substr(0, at));
+    EXPECT_EQ(c.text, all.substr(0, at));
+    EXPECT_EQ(st.stop_reason, KVB_STOP_STRING);
+    EXPECT_LT(st.n_gen, 32);
+    kvb_free(cut);
+
+    // the callback stops after 3 pieces
+    collected c3;
+    c3.stop_after = 3;
+    gp.stop = nullptr;
+    gp.n_stop = 0;
+    gp.user_data = &c3;
+    ASSERT_EQ(kvb_generate(ctx, "Once upon a time", &gp, nullptr, &st), KVB_OK);
+    EXPECT_EQ(c3.calls, 3);
+    EXPECT_EQ(st.n_gen, 3);
+    EXPECT_EQ(st.stop_reason, KVB_STOP_CALLBACK);
+}
+
+TEST_F(capi, blend_through_a_store_hits_the_second_time_and_documents_by_id_match) {
+    kvblend::test::temp_dir dir("capi-store");
+    kvb_store * st = nullptr;
+    ASSERT_EQ(kvb_store_open(("dir:" + dir.file("kv")).c_str(), nullptr, &st), KVB_OK) << kvb_last_error();
+    const std::vector<kvb_doc> docs = text_docs();
+
+    kvb_blend_stats s1, s2;
+    const std::string t1 = blend_text(ctx, st, docs, &s1);
+    EXPECT_EQ(s1.store_hits, 0);
+    EXPECT_EQ(s1.store_misses, 4);  // the prefix and three documents
+    const std::string t2 = blend_text(ctx, st, docs, &s2);
+    EXPECT_EQ(s2.store_hits, 4);
+    EXPECT_EQ(s2.store_misses, 0);
+    EXPECT_EQ(t1, t2);
+    EXPECT_EQ(s1.n_selected, s2.n_selected);
+    EXPECT_GT(s1.n_tokens, s1.n_selected);
+    EXPECT_GT(s1.n_doc_tokens, 0);
+
+    // the documents' ids: what ingest returns, kvb_doc_id computes and the store holds
+    kvb_id * ids = nullptr;
+    size_t n_ids = 0;
+    kvb_ingest_stats is;
+    ASSERT_EQ(kvb_ingest(ctx, st, k_docs, 3, nullptr, &ids, &n_ids, &is), KVB_OK) << kvb_last_error();
+    ASSERT_EQ(n_ids, 3u);
+    EXPECT_EQ(is.n_present, 3);  // stored by the blends
+    EXPECT_EQ(is.n_collected, 0);
+    std::vector<kvb_doc> by_id;
+    for (size_t i = 0; i < 3; ++i) {
+        kvb_id id;
+        ASSERT_EQ(kvb_doc_id(ctx, st, k_docs[i], &id), KVB_OK);
+        EXPECT_STREQ(id.hex, ids[i].hex);
+        bool has = false;
+        ASSERT_EQ(kvb_store_contains(st, ids[i].hex, &has), KVB_OK);
+        EXPECT_TRUE(has);
+        by_id.push_back({nullptr, ids[i].hex});
+    }
+    by_id[1] = docs[1];  // ids and texts mix
+    kvb_blend_stats s3;
+    EXPECT_EQ(blend_text(ctx, st, by_id, &s3), t1);
+    EXPECT_EQ(s3.store_hits, 4);
+    EXPECT_EQ(s3.n_selected, s1.n_selected);
+
+    // an id the store lacks, a malformed one, an id without a store
+    const kvb_doc unknown[] = {{nullptr, "0123456789abcdef0123456789abcdef"}};
+    EXPECT_EQ(kvb_blend(ctx, st, "", unknown, 1, "q", nullptr, nullptr, nullptr, nullptr), KVB_ERR_NOT_FOUND);
+    EXPECT_NE(std::string(kvb_last_error()).find("0123456789abcdef"), std::string::npos);
+    const kvb_doc junk[] = {{nullptr, "../../etc/passwd"}};
+    EXPECT_EQ(kvb_blend(ctx, st, "", junk, 1, "q", nullptr, nullptr, nullptr, nullptr), KVB_ERR_NOT_FOUND);
+    EXPECT_EQ(kvb_blend(ctx, nullptr, "", by_id.data(), 1, "q", nullptr, nullptr, nullptr, nullptr),
+              KVB_ERR_INVALID_ARGUMENT);
+    kvb_free(ids);
+
+    kvb_store_stats ss;
+    ASSERT_EQ(kvb_store_get_stats(st, &ss), KVB_OK);
+    EXPECT_EQ(ss.n_entries, 4u);
+    kvb_store_free(st);
+}
+
+bool count_progress(size_t done, size_t total, void * user) {
+    auto * calls = static_cast<std::vector<std::pair<size_t, size_t>> *>(user);
+    calls->emplace_back(done, total);
+    return calls->size() < 2;  // cancel after the second chunk
+}
+
+TEST_F(capi, ingest_reports_progress_and_a_cancel_keeps_what_was_stored) {
+    kvblend::test::temp_dir dir("capi-ingest");
+    kvb_store * st = nullptr;
+    ASSERT_EQ(kvb_store_open(dir.file("kv").c_str(), nullptr, &st), KVB_OK) << kvb_last_error();
+    std::vector<std::pair<size_t, size_t>> calls;
+    kvb_ingest_params ip = kvb_ingest_default_params();
+    ip.progress = count_progress;
+    ip.user_data = &calls;
+    kvb_id * ids = reinterpret_cast<kvb_id *>(0x1);
+    size_t n = 7;
+    EXPECT_EQ(kvb_ingest(ctx, st, k_docs, 3, &ip, &ids, &n, nullptr), KVB_ERR_CANCELLED);
+    EXPECT_NE(std::string(kvb_last_error()).find("cancelled"), std::string::npos);
+    EXPECT_EQ(ids, reinterpret_cast<kvb_id *>(0x1));
+    ASSERT_EQ(calls.size(), 2u);
+    EXPECT_EQ(calls[0], std::make_pair(size_t(1), size_t(3)));
+    kvb_store_stats ss;
+    ASSERT_EQ(kvb_store_get_stats(st, &ss), KVB_OK);
+    EXPECT_EQ(ss.n_entries, 2u);
+
+    // paragraphs: one chunk each
+    const char * text[] = {"First paragraph here.\n\nSecond one.\n\n\n\nThird."};
+    ip = kvb_ingest_default_params();
+    ip.split_paragraphs = true;
+    kvb_ingest_stats is;
+    ASSERT_EQ(kvb_ingest(ctx, st, text, 1, &ip, nullptr, nullptr, &is), KVB_OK) << kvb_last_error();
+    EXPECT_EQ(is.n_chunks, 3);
+    EXPECT_EQ(is.n_collected, 3);
+    kvb_store_free(st);
+}
+
+TEST_F(capi, a_grown_context_and_a_fresh_one_give_the_same_blend_and_contexts_outlive_the_model_handle) {
+    // ctx has served longer requests before: its cache is larger than this one needs
+    kvb_generate_params gp = kvb_generate_default_params();
+    gp.n_predict = 400;
+    ASSERT_EQ(kvb_generate(ctx, "Once upon a time", &gp, nullptr, nullptr), KVB_OK) << kvb_last_error();
+    kvb_blend_stats a, b;
+    const std::string ta = blend_text(ctx, nullptr, text_docs(), &a);
+
+    kvb_model * m = nullptr;
+    kvb_context * fresh = nullptr;
+    ASSERT_EQ(kvb_model_load(k_stories.c_str(), nullptr, &m), KVB_OK);
+    ASSERT_EQ(kvb_context_new(m, nullptr, &fresh), KVB_OK);
+    kvb_model_free(m);  // the context keeps the model alive
+    EXPECT_EQ(blend_text(fresh, nullptr, text_docs(), &b), ta);
+    EXPECT_EQ(a.n_selected, b.n_selected);
+    kvb_context_free(fresh);
+
+    // a fixed context that is too small says so
+    kvb_context_params cp = kvb_context_default_params();
+    cp.n_ctx = 16;
+    kvb_context * small = nullptr;
+    ASSERT_EQ(kvb_context_new(model, &cp, &small), KVB_OK);
+    EXPECT_EQ(kvb_generate(small, "Once upon a time", nullptr, nullptr, nullptr), KVB_ERR_FAILED);
+    EXPECT_NE(std::string(kvb_last_error()).find("exceeds the context of 16"), std::string::npos) << kvb_last_error();
+    kvb_context_free(small);
+}
+
+}  // namespace

@@ -1,0 +1,200 @@
+"""The Python binding (python/kvblend) against the CLI and the C compiler's view of kvblend.h.
+
+Run by ctest (python_binding) with Debian's /usr/bin/python3 -m pytest; the
+environment names the library, the CLI, the model and the layout program.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kvblend
+
+MODEL = os.environ["KVBLEND_TEST_MODEL"]
+CLI = os.environ["KVBLEND_CLI"]
+DOCS_DIR = os.environ["KVBLEND_EXAMPLE_DOCS"]
+DOC_FILES = [os.path.join(DOCS_DIR, f) for f in ("ball.txt", "cat.txt", "crayons.txt")]
+SYSTEM = "Here are some stories."
+QUERY = "Once upon a time, Tom and Sue"
+
+
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def cli(*args):
+    r = subprocess.run([CLI, *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def model():
+    with kvblend.Model(MODEL) as m:
+        yield m
+
+
+def test_struct_layouts_match_the_c_header():
+    c = json.loads(subprocess.run([os.environ["KVBLEND_STRUCT_LAYOUT"]], capture_output=True, text=True,
+                                  check=True).stdout)
+    import ctypes
+    from kvblend import _lib
+    for s in _lib.STRUCTS:
+        want = c[s.__name__]
+        assert ctypes.sizeof(s) == want["size"], s.__name__
+        for name, off in want["fields"].items():
+            assert getattr(s, name).offset == off, (s.__name__, name)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(),
+    dict(ratio=0.5, check_layer=2, n_predict=24),
+    dict(ratio=0.3, score="kv", method="dense", chunk_head=4, n_predict=12),
+])
+def test_blend_equals_the_cli_json(model, extra, tmp_path):
+    flags = {"ratio": "--recomp-ratio", "check_layer": "--check-layer", "score": "--score", "method": "--method",
+             "chunk_head": "--chunk-head", "n_predict": "-n"}
+    args = ["blend", "-m", MODEL, "--system", SYSTEM, "--query", QUERY, "--json"]
+    for f in DOC_FILES:
+        args += ["--doc", f]
+    for k, v in extra.items():
+        args += [flags[k], str(v)]
+    want = json.loads(cli(*args))
+    got = model.blend(SYSTEM, [read(f) for f in DOC_FILES], QUERY, **extra)
+    assert got.text == want["text"]
+    assert got.stats.n_selected == want["n_selected"]
+    assert got.stats.n_tokens == want["n_tokens"]
+    assert got.stats.n_doc_tokens == want["n_doc_tokens"]
+    assert got.text  # the model says something
+
+
+def test_python_m_kvblend_blend_mirrors_the_cli(tmp_path):
+    args = ["blend", "-m", MODEL, "--system", SYSTEM, "--query", QUERY, "-n", "16", "--json"]
+    for f in DOC_FILES:
+        args += ["--doc", f]
+    want = json.loads(cli(*args))
+    r = subprocess.run([sys.executable, "-m", "kvblend", *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["text"] == want["text"]
+    assert got["n_selected"] == want["n_selected"]
+    # bad input: one error line and status 1, as the CLI
+    r = subprocess.run([sys.executable, "-m", "kvblend", "blend", "-m", "/nonexistent.gguf", "--query", "q"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: ") and "/nonexistent.gguf" in r.stderr, r.stderr
+
+
+def test_errors_are_exceptions_with_the_c_message(model, tmp_path):
+    with pytest.raises(kvblend.Error) as e:
+        kvblend.Model("/nonexistent/model.gguf")
+    assert "/nonexistent/model.gguf" in str(e.value)
+    assert e.value.status == "KVB_ERR_FAILED"
+    with pytest.raises(kvblend.InvalidArgumentError, match=r"recomp_ratio must be in \[0, 1\]"):
+        model.blend(SYSTEM, ["a doc"], QUERY, ratio=2.0)
+    with pytest.raises(ValueError, match="check_layer must be in"):
+        model.blend(SYSTEM, ["a doc"], QUERY, check_layer=999)
+    with pytest.raises(kvblend.InvalidArgumentError, match="KV type|cache_type"):
+        kvblend.Model(MODEL, cache_type="f8")
+    with kvblend.Store(str(tmp_path / "kv")) as store:
+        with pytest.raises(kvblend.NotFoundError, match="unknown document id '0123456789abcdef0123456789abcdef'"):
+            model.blend(SYSTEM, [{"id": "0123456789abcdef0123456789abcdef"}], QUERY, store=store)
+    with pytest.raises(kvblend.InvalidArgumentError, match="codec"):
+        kvblend.Store(str(tmp_path / "kv2"), codec="zip")
+    with pytest.raises(kvblend.Error, match="127.0.0.1:1"):
+        kvblend.Store("redis://127.0.0.1:1")  # nothing listens on port 1
+    # a callback that raises: generation stops and the exception comes through
+    def boom(piece):
+        raise RuntimeError("stop here")
+    with pytest.raises(RuntimeError, match="stop here"):
+        model.blend(SYSTEM, ["a doc"], QUERY, on_piece=boom)
+
+
+def test_a_store_opened_from_python_sees_what_the_cli_ingested(model, tmp_path):
+    uri = "dir:" + str(tmp_path / "kv")
+    cli("ingest", "-m", MODEL, "--store", uri, *DOC_FILES)
+    with kvblend.Store(uri) as store:
+        assert store.stats().n_entries == 3
+        ids = [model.doc_id(read(f), store) for f in DOC_FILES]
+        assert all(i in store for i in ids)
+        assert "0" * 32 not in store
+        r = model.blend(SYSTEM, [read(f) for f in DOC_FILES], QUERY, store=store)
+        assert (r.stats.store_hits, r.stats.store_misses) == (3, 1)  # the documents; the system prefix is new
+        by_id = model.blend(SYSTEM, [{"id": i} for i in ids], QUERY, store=store)
+        assert by_id.text == r.text
+        assert by_id.stats.store_hits == 4
+        # ingesting from Python what the CLI stored: nothing to collect, the same ids
+        again, st = model.ingest(store, [read(f) for f in DOC_FILES], with_stats=True)
+        assert again == ids
+        assert (st.n_collected, st.n_present) == (0, 3)
+    # and the CLI reads what Python stored
+    want = json.loads(cli("blend", "-m", MODEL, "--system", SYSTEM, "--query", QUERY, "--store", uri, "--json",
+                          *sum((["--doc", f] for f in DOC_FILES), [])))
+    assert (want["store_hits"], want["store_misses"]) == (4, 0)
+    assert want["text"] == r.text
+
+
+def test_generate_is_an_iterator_of_pieces(model):
+    full = model.complete("Once upon a time", n_predict=24)
+    assert full.stats.n_gen == 24 and full.stats.stop_reason == "length"
+    g = model.generate("Once upon a time", n_predict=24)
+    pieces = list(g)
+    assert len(pieces) > 1
+    assert "".join(pieces) == full.text == g.text
+    assert g.stats.n_gen == 24
+    # leaving early stops the generation; the model is free for the next call
+    it = iter(model.generate("Once upon a time", n_predict=200))
+    first = [next(it) for _ in range(3)]
+    it.close()
+    assert "".join(first) == full.text[:len("".join(first))]
+    stop = full.text[len(full.text) // 2:][:5]
+    cut = model.complete("Once upon a time", n_predict=24, stop=[stop])
+    assert cut.text == full.text[:full.text.index(stop)]
+    assert cut.stats.stop_reason == "stop"
+
+
+def test_tokens_and_ingest_progress(model, tmp_path):
+    toks = model.tokenize("Tom had a red ball.")
+    assert toks[0] == model.bos
+    assert model.detokenize(toks[1:]) == "Tom had a red ball."
+    seen = []
+    with kvblend.Store(str(tmp_path / "kv")) as store:
+        with pytest.raises(kvblend.CancelledError):
+            model.ingest(store, [read(f) for f in DOC_FILES], progress=lambda d, t: seen.append((d, t)) or d < 2)
+        assert seen == [(1, 3), (2, 3)]
+        assert store.stats().n_entries == 2
+
+
+def test_handles_close_once_and_refuse_use_after(tmp_path):
+    m = kvblend.Model(MODEL)
+    s = kvblend.Store(str(tmp_path / "kv"))
+    m.close()
+    m.close()
+    s.close()
+    s.close()
+    with pytest.raises(kvblend.Error, match="closed"):
+        m.tokenize("x")
+    with pytest.raises(kvblend.Error, match="closed"):
+        s.stats()
+
+
+def test_chat_template_blend_equals_the_cli(tmp_path):
+    # a small qwen3 with qwen2's vocabulary and chat template
+    vocab = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                         "third_party", "llama.cpp", "models", "ggml-vocab-qwen2.gguf")
+    path = str(tmp_path / "tiny-qwen3.gguf")
+    cli("make-model", "--preset", "tiny-qwen3", "--type", "f32", "--vocab-from", vocab, "-o", path)
+    args = ["blend", "-m", path, "--system", SYSTEM, "--query", QUERY, "--chat", "-n", "4", "--json",
+            *sum((["--doc", f] for f in DOC_FILES), [])]
+    want = json.loads(cli(*args))
+    with kvblend.Model(path) as m:
+        assert m.has_chat_template
+        rendered = m.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert "<|im_start|>user" in rendered
+        assert len(m.tokenize("<|im_start|>", add_special=False, parse_special=True)) == 1
+        got = m.blend(SYSTEM, [read(f) for f in DOC_FILES], QUERY, chat=True, n_predict=4)
+    assert (got.text, got.stats.n_selected, got.stats.n_tokens) == (want["text"], want["n_selected"], want["n_tokens"])
