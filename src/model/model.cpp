@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <unordered_map>
 
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
@@ -189,6 +190,27 @@ bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op 
         }
     }
     return true;
+}
+
+// libllama asserts (an abort) on a vocabulary that names one token twice:
+// refuse it first. it maps an empty token to "[EMPTY_<i>]", so do we
+void check_tokens(const gguf_context * g, const kv_reader & kv) {
+    const char * key = "tokenizer.ggml.tokens";
+    const int64_t id = gguf_find_key(g, key);
+    if (id < 0) return;  // libllama's own message names what is missing
+    if (gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(g, id) != GGUF_TYPE_STRING)
+        kv.fail(std::string("key ") + key + " is not an array of strings");
+    const size_t n = gguf_get_arr_n(g, id);
+    std::unordered_map<std::string, size_t> seen;
+    seen.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+        std::string word = gguf_get_arr_str(g, id, i);
+        if (word.empty()) word = "[EMPTY_" + std::to_string(i) + "]";
+        auto [it, fresh] = seen.emplace(std::move(word), i);
+        if (!fresh)
+            kv.fail(std::string(key) + " has the token '" + it->first + "' twice (ids " + std::to_string(it->second) + " and " +
+                    std::to_string(i) + ")");
+    }
 }
 
 void check_weight_ops(const model & m, ggml_backend_dev_t dev, const kv_reader & kv) {
@@ -468,6 +490,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     m->fingerprint_ = h.hex();
 
     // --- vocabulary (libllama, vocab only) ------------------------------------
+    check_tokens(g, kv);
     m->vocab_ = std::make_unique<vocab>(path);
     if (m->vocab_->n_tokens() != hp.n_vocab)
         inconsistent("the tokenizer has " + std::to_string(m->vocab_->n_tokens()) + " tokens but token_embd.weight has " +

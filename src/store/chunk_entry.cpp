@@ -27,6 +27,7 @@ const char *       k_codec_raw       = "raw";
 struct writer {
     uint8_t * p;
     void raw(const void * src, size_t n) {
+        if (n == 0) return;  // an empty vector's data() may be null: no memcpy from it
         std::memcpy(p, src, n);
         p += n;
     }
@@ -217,7 +218,7 @@ chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && b) {
     c.tokens.resize(h.n_tokens);
     std::memcpy(c.tokens.data(), &b[k_fixed_header + 4ull * h.n_prefix], 4ull * h.n_tokens);
     c.kept.resize(h.n_kept);
-    std::memcpy(c.kept.data(), &b[k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens)], 4ull * h.n_kept);
+    if (h.n_kept) std::memcpy(c.kept.data(), &b[k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens)], 4ull * h.n_kept);
     if (h.codec == k_codec_raw) {
         // the payload stays where it was read: no copy of the KV
         c.data = std::move(b);

@@ -290,4 +290,19 @@ TEST_F(load_errors, weight_types_the_backend_cannot_run) {
     }
 }
 
+// a vocabulary naming one token twice: libllama asserts on it (an abort), we refuse it
+TEST_F(load_errors, duplicate_tokens) {
+    rewrite_gguf(tiny_llama(), dir.file("dup.gguf"), {[](gguf_context * g) {
+                     const int64_t id = gguf_find_key(g, "tokenizer.ggml.tokens");
+                     ASSERT_GE(id, 0);
+                     std::vector<std::string> words;
+                     for (size_t i = 0; i < gguf_get_arr_n(g, id); ++i) words.push_back(gguf_get_arr_str(g, id, i));
+                     words[300] = words[299];
+                     std::vector<const char *> ptrs;
+                     for (const auto & w : words) ptrs.push_back(w.c_str());
+                     gguf_set_arr_str(g, "tokenizer.ggml.tokens", ptrs.data(), ptrs.size());
+                 }, {}, {}});
+    EXPECT_LOAD_ERROR(dir.file("dup.gguf"), "twice (ids 299 and 300)");
+}
+
 }  // namespace
