@@ -4,7 +4,8 @@
 # source once, and lets cmake/ninja rebuild only what changed.
 #
 # environment knobs:
-#   KVBLEND_BUILD_DIR   build folder (default: build)
+#   KVBLEND_BUILD_DIR   build folder (default: build; build-sanitize with KVBLEND_SANITIZE=1)
+#   KVBLEND_SANITIZE=1  build kvblend with ASan + UBSan (ggml and libllama stay uninstrumented)
 #   KVBLEND_CUDA=1      build the CUDA backend too (needs the CUDA toolkit)
 #   KVBLEND_NATIVE=0    do not tune for this CPU (GGML_NATIVE off)
 #   KVBLEND_JOBS        parallel build jobs (default: number of cores)
@@ -18,14 +19,16 @@ cd "$root"
 LLAMA_NPM_PKG="node-llama-cpp@3.21.1"
 LLAMA_COMMIT="80fb11ac73e66d89eae2c6a91d8a77428fa733ed"
 LLAMA_DIR="$root/third_party/llama.cpp"
-BUILD_DIR="${KVBLEND_BUILD_DIR:-build}"
+SANITIZE="${KVBLEND_SANITIZE:-0}"
+if [[ "$SANITIZE" == 1 ]]; then BUILD_DIR="${KVBLEND_BUILD_DIR:-build-sanitize}"; else BUILD_DIR="${KVBLEND_BUILD_DIR:-build}"; fi
 JOBS="${KVBLEND_JOBS:-$(nproc)}"
 
 log() { printf '[setup] %s\n' "$*"; }
 
 # --- debian packages -------------------------------------------------------
 pkgs=(build-essential cmake ninja-build git ca-certificates libgtest-dev nlohmann-json3-dev npm gnuplot-nox
-      libxxhash-dev libhiredis-dev redis-server python3-pytest pkgconf)
+      libxxhash-dev libhiredis-dev redis-server python3-pytest pkgconf
+      clang libclang-rt-14-dev)  # clang + its sanitizer/libFuzzer runtimes: scripts/fuzz.sh
 # the trainer runs on Debian's python3 (/usr/bin/python3); torch without OpenBLAS falls back to the reference BLAS
 [[ "${KVBLEND_TRAIN:-0}" == 1 ]] && pkgs+=(python3-torch python3-numpy libopenblas0-pthread)
 missing=()
@@ -88,6 +91,7 @@ fi
 cmake_args=(-S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release)
 [[ "${KVBLEND_NATIVE:-1}" == 0 ]] && cmake_args+=(-DGGML_NATIVE=OFF) || cmake_args+=(-DGGML_NATIVE=ON)
 [[ "${KVBLEND_CUDA:-0}" == 1 ]] && cmake_args+=(-DKVBLEND_CUDA=ON) || cmake_args+=(-DKVBLEND_CUDA=OFF)
+[[ "$SANITIZE" == 1 ]] && cmake_args+=(-DKVBLEND_SANITIZE=ON) || cmake_args+=(-DKVBLEND_SANITIZE=OFF)
 log "configuring $BUILD_DIR"
 cmake "${cmake_args[@]}" >/dev/null
 log "building ($JOBS jobs)"

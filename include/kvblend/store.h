@@ -30,17 +30,28 @@ struct store_stats {
 
 struct store_options {
     uint64_t max_bytes = 0;  // size budget (dir: LRU eviction on put); 0 = none
+    // dir: create the directory when it is missing. false (the read-only
+    // commands): a missing store is an empty one, nothing is created, put throws
+    bool create = true;
 };
 
 // raw key -> bytes storage. every method throws kvblend::error on I/O failure
-// (an unreachable server, a full disk); a missing key is not an error.
+// (an unreachable server, a full disk, no write access); a missing key is not
+// an error. reads (get, contains, list, stats) need no write access.
 class store {
   public:
     virtual ~store() = default;
+    // returns only once the bytes are stored (a later get finds them until they
+    // are evicted or removed); anything else throws kvblend::error with the
+    // reason: an I/O error, a read-only or missing store, an unreachable server,
+    // an entry larger than the whole budget
     virtual void put(const std::string & key, const std::vector<uint8_t> & bytes) = 0;
-    virtual std::optional<std::vector<uint8_t>> get(const std::string & key) = 0;  // marks it used
-    virtual bool contains(const std::string & key) = 0;
-    virtual bool erase(const std::string & key) = 0;  // true when something was removed
+    // marks it used. an entry that cannot be read as one (a directory or other
+    // non-file in its place, a redis key of another type) is a miss: nullopt
+    virtual std::optional<std::vector<uint8_t>> get(const std::string & key) = 0;
+    virtual bool contains(const std::string & key) = 0;  // a readable entry is there
+    virtual bool erase(const std::string & key) = 0;     // true when something was removed
+    // every entry, also unreadable ones (store verify finds and removes those)
     virtual std::vector<store_entry_info> list() = 0;
     virtual store_stats stats() = 0;
     // enforce the budget now (LRU first) and drop leftovers of interrupted writes;
@@ -88,8 +99,15 @@ struct chunk_fetch_stats {
 // decoded), so a repeat request gives the same answer as the first.
 // ev: store only the positions this policy keeps (collect_evicted; raw
 // codec, no prefix); part of the key
+// put: what a failed store write means. a blend uses the store as a cache and
+// goes on without it (a warning on stderr: CHUNK_PUT_BEST_EFFORT); ingest and
+// POST /v1/documents exist to store, so there it throws the put's
+// kvblend::error (CHUNK_PUT_REQUIRED). removing an unusable entry is best
+// effort in both (a read-only store still serves its other entries).
+enum chunk_put_mode { CHUNK_PUT_BEST_EFFORT, CHUNK_PUT_REQUIRED };
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
                               const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
-                              const std::string & codec = "raw", const evict_params & ev = {});
+                              const std::string & codec = "raw", const evict_params & ev = {},
+                              chunk_put_mode put = CHUNK_PUT_BEST_EFFORT);
 
 }  // namespace kvblend

@@ -87,7 +87,7 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--collect-with-prefix"})) with_prefix = true;
         else if (a.match({"--store"})) store_uri = a.str();
         else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();
-        else if (a.match({"--store-max-gb"})) so.max_bytes = (uint64_t) (a.real(0.0, 1e6) * 1073741824.0);
+        else if (a.match({"--store-max-gb"})) so.max_bytes = parse_store_budget(a);
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
         else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep) || match_evict_flag(a, ep.evict) ||
                  match_chunk_evict_flag(a, chunk_ev))

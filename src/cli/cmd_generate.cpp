@@ -1,5 +1,13 @@
 // kvblend generate: prefill a prompt with our forward, then decode.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "cli/args.h"
@@ -138,14 +146,38 @@ std::string parse_kv_codec(const std::string & name) {
 }
 
 std::string read_text_file(const std::string & path) {
-    FILE * f = std::fopen(path.c_str(), "rb");
-    if (!f) throw error("cannot open '" + path + "'");
+    // a directory, /dev/zero or a fifo is no document: refuse it instead of
+    // reading nothing or reading forever
+    const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) throw error("cannot open '" + path + "': " + std::strerror(errno));
+    struct closer {
+        int fd;
+        ~closer() { close(fd); }
+    } guard{fd};
+    struct stat st {};
+    if (fstat(fd, &st) != 0) throw error("cannot stat '" + path + "': " + std::strerror(errno));
+    if (S_ISDIR(st.st_mode)) throw error("'" + path + "' is a directory, not a text file");
+    if (!S_ISREG(st.st_mode)) throw error("'" + path + "' is not a regular file");
+    if ((uint64_t) st.st_size > k_max_text_file)
+        throw error("'" + path + "' has " + std::to_string(st.st_size) + " bytes, more than the limit of " +
+                    std::to_string(k_max_text_file >> 20) + " MiB for a text file");
     std::string out;
     char buf[65536];
-    size_t n;
-    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
-    std::fclose(f);
+    for (;;) {
+        const ssize_t n = read(fd, buf, sizeof(buf));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) throw error("cannot read '" + path + "': " + std::strerror(errno));
+        if (n == 0) break;
+        out.append(buf, (size_t) n);
+        if (out.size() > k_max_text_file) throw error("'" + path + "' grew past the limit while being read");
+    }
     return out;
+}
+
+uint64_t parse_store_budget(args & a) {
+    const double gb = a.real(0.0, 1e6);
+    if (gb == 0.0) return 0;
+    return std::max<uint64_t>(1, (uint64_t) std::ceil(gb * 1073741824.0));
 }
 
 int cmd_generate(int argc, char ** argv) {

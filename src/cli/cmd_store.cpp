@@ -74,8 +74,6 @@ class progress {
     double t0_;
 };
 
-int64_t parse_budget(args & a) { return (int64_t) (a.real(0.0, 1e6) * 1024.0 * 1024.0 * 1024.0); }
-
 }  // namespace
 
 int cmd_ingest(int argc, char ** argv) {
@@ -101,7 +99,7 @@ int cmd_ingest(int argc, char ** argv) {
         } else if (a.match({"--collect-with-prefix"})) with_prefix = true;
         else if (a.match({"--system"})) system = a.str();
         else if (a.match({"--chat"})) chat = true;
-        else if (a.match({"--store-max-gb"})) so.max_bytes = (uint64_t) parse_budget(a);
+        else if (a.match({"--store-max-gb"})) so.max_bytes = parse_store_budget(a);
         else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();
         else if (match_chunk_evict_flag(a, chunk_ev)) continue;
         else if (match_engine_flag(a, ep)) continue;
@@ -153,7 +151,8 @@ int cmd_ingest(int argc, char ** argv) {
         if (st->contains(key)) {
             ++skipped;
         } else {
-            chunk_get_or_collect(st.get(), eng, prefix, chunks[i], fs, codec_name, chunk_ev);
+            // ingest exists to store: a failed put fails it, with the reason
+            chunk_get_or_collect(st.get(), eng, prefix, chunks[i], fs, codec_name, chunk_ev, CHUNK_PUT_REQUIRED);
             tokens += (int64_t) chunks[i].size();
         }
         bar.update(i + 1, tokens);
@@ -181,11 +180,12 @@ int cmd_store(int argc, char ** argv) {
             return 0;
         } else if (a.match({"--store"})) uri = a.str();
         else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"--store-max-gb"})) so.max_bytes = (uint64_t) parse_budget(a);
+        else if (a.match({"--store-max-gb"})) so.max_bytes = parse_store_budget(a);
         else if (a.match({"--json"})) json = true;
         else a.unknown();
     }
     if (uri.empty()) throw error("missing --store URI (see --help)");
+    so.create = false;  // a store that is not there is empty: nothing is created
     auto st = store_open(uri, so);
 
     if (what == "stats") {
@@ -211,14 +211,16 @@ int cmd_store(int argc, char ** argv) {
         uint64_t ok = 0, bad = 0;
         for (const auto & e : st->list()) {
             const auto bytes = st->get(e.key);
-            if (!bytes) continue;  // removed meanwhile
-            const std::string why = chunk_entry_check(*bytes, m.get());
+            // listed but no entry to read: removed meanwhile, or something else
+            // in its place (a directory, a redis key of another type)
+            const std::string why = bytes ? chunk_entry_check(*bytes, m.get()) : "not a readable entry";
+            if (!bytes && !st->erase(e.key)) continue;  // removed meanwhile
             if (why.empty()) {
                 ++ok;
                 continue;
             }
             ++bad;
-            st->erase(e.key);
+            if (bytes) st->erase(e.key);
             std::fprintf(stderr, "removed %s: %s\n", e.key.c_str(), why.c_str());
         }
         if (json) std::printf("%s\n", nlohmann::json({{"ok", ok}, {"removed", bad}}).dump().c_str());

@@ -203,8 +203,9 @@ class cachegen_codec : public codec {
                 for (int64_t ch = 0; ch < d; ++ch) d_step[kv * d + ch] = ggml_fp16_to_fp32(r.get<ggml_fp16_t>());
                 for (int64_t c0 = 0; c0 < d; c0 += k_chan_group) {
                     const int64_t w = std::min(d, c0 + k_chan_group) - c0;
-                    anchors.push_back(get_stream(r, 2 * k_anchor_qmax, &sym_a[(kv * d + c0) * n_anchor], n_anchor * w));
-                    deltas.push_back(get_stream(r, 2 * qmax[kv], &sym_d[(kv * d + c0) * n_delta], n_delta * w));
+                    // data() + offset, not &v[i]: sym_d is empty for a one-token chunk
+                    anchors.push_back(get_stream(r, 2 * k_anchor_qmax, sym_a.data() + (kv * d + c0) * n_anchor, n_anchor * w));
+                    deltas.push_back(get_stream(r, 2 * qmax[kv], sym_d.data() + (kv * d + c0) * n_delta, n_delta * w));
                 }
             }
             decode_streams(anchors);
@@ -214,8 +215,8 @@ class cachegen_codec : public codec {
                 const float * st0 = &d_step[kv * d];
                 for (int64_t c0 = 0; c0 < d; c0 += k_chan_group) {
                     const int64_t w = std::min(d, c0 + k_chan_group) - c0;
-                    const uint8_t * qa = &sym_a[(kv * d + c0) * n_anchor];
-                    const uint8_t * qd = &sym_d[(kv * d + c0) * n_delta];
+                    const uint8_t * qa = sym_a.data() + (kv * d + c0) * n_anchor;
+                    const uint8_t * qd = sym_d.data() + (kv * d + c0) * n_delta;
                     const float * st = st0 + c0;
                     for (int64_t a = 0; a < n_anchor; ++a) {
                         // the anchor, then the deltas of its group from it

@@ -177,7 +177,7 @@ void lanes_close(lanes & d) {
     uint32_t x[k_ways] = {d.x0, d.x1, d.x2, d.x3};
     const uint8_t * p = d.q;
     if (d.lone >= 0) {  // a lone symbol leaves the states as they are and reads nothing
-        std::memset(d.out, d.lone, d.out_end - d.out);
+        if (d.out != d.out_end) std::memset(d.out, d.lone, d.out_end - d.out);  // an empty stream's out may be null
     } else {
         // the fast path stops after a whole step: the tail starts at state 0
         for (size_t i = 0; d.out + i < d.out_end; ++i) {

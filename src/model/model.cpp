@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <unordered_map>
 
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
@@ -61,21 +62,33 @@ class kv_reader {
             if (required) fail("missing key " + key);
             return def;
         }
+        // the type is checked before any gguf getter: those assert on a wrong type
         const gguf_type t = gguf_get_kv_type(g_, id);
         if (t == GGUF_TYPE_ARRAY) {
             const gguf_type at = gguf_get_arr_type(g_, id);
             const size_t n = gguf_get_arr_n(g_, id);
+            const size_t size = int_size(at, key);
             if (n == 0) fail("key " + key + " is an empty array");
             const char * data = (const char *) gguf_get_arr_data(g_, id);
             int64_t first = 0;
             for (size_t i = 0; i < n; ++i) {
-                const int64_t v = scalar(at, data + i * int_size(at, key), key);
+                const int64_t v = scalar(at, data + i * size, key);
                 if (i == 0) first = v;
                 else if (v != first) fail("key " + key + " varies per layer, which kvblend does not support");
             }
             return first;
         }
+        int_size(t, key);
         return scalar(t, gguf_get_val_data(g_, id), key);
+    }
+
+    // an integer hyper-parameter that sizes tensors: within [lo, hi] or a clear error
+    int64_t dim(const std::string & key, int64_t def, bool required, int64_t lo = 1, int64_t hi = INT32_MAX) const {
+        const int64_t v = integer(key, def, required);
+        if (v < lo || v > hi)
+            fail("inconsistent hyper-parameters: " + key + " = " + std::to_string(v) + " is outside [" + std::to_string(lo) +
+                 ", " + std::to_string(hi) + "]");
+        return v;
     }
 
     double real(const std::string & key, double def, bool required) const {
@@ -87,13 +100,16 @@ class kv_reader {
         switch (gguf_get_kv_type(g_, id)) {
             case GGUF_TYPE_FLOAT32: return gguf_get_val_f32(g_, id);
             case GGUF_TYPE_FLOAT64: return gguf_get_val_f64(g_, id);
+            case GGUF_TYPE_STRING: case GGUF_TYPE_ARRAY: case GGUF_TYPE_BOOL: fail("key " + key + " is not a number");
             default: return (double) integer(key, 0, true);
         }
     }
 
+    // a string key; "" when absent, an error when present with another type
     std::string str(const std::string & key) const {
         const int64_t id = gguf_find_key(g_, key.c_str());
-        if (id < 0 || gguf_get_kv_type(g_, id) != GGUF_TYPE_STRING) return {};
+        if (id < 0) return {};
+        if (gguf_get_kv_type(g_, id) != GGUF_TYPE_STRING) fail("key " + key + " is not a string");
         return gguf_get_val_str(g_, id);
     }
 
@@ -106,7 +122,7 @@ class kv_reader {
             case GGUF_TYPE_UINT16: case GGUF_TYPE_INT16: return 2;
             case GGUF_TYPE_UINT32: case GGUF_TYPE_INT32: return 4;
             case GGUF_TYPE_UINT64: case GGUF_TYPE_INT64: return 8;
-            default: fail("key " + key + " is not an integer array");
+            default: fail("key " + key + " has type " + gguf_type_name(t) + ", expected an integer");
         }
     }
 
@@ -145,6 +161,70 @@ struct fnv128 {
         return buf;
     }
 };
+
+// a weight of a type the backend has no kernel for crashes inside ggml at compute
+// time (a null kernel or a scheduler assert): refuse it at load. each weight is
+// tried on the op it feeds with ggml_backend_dev_supports_op; the CPU backend
+// accepts any src0 type for mul_mat there, so on CPU its kernel table is asked too.
+bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op op) {
+    ggml_init_params ip = {ggml_tensor_overhead() * 4, nullptr, /*no_alloc =*/true};
+    ggml_context_ptr ctx(ggml_init(ip));
+    ggml_tensor * w = ggml_new_tensor_2d(ctx.get(), t->type, t->ne[0], 1);  // one row of t
+    ggml_tensor * out = nullptr;
+    if (op == GGML_OP_MUL_MAT) {
+        ggml_tensor * x = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F32, t->ne[0], 1);  // F32 [ne0, 1]
+        out = ggml_mul_mat(ctx.get(), w, x);
+    } else {
+        ggml_tensor * rows = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I32, 1);
+        out = ggml_get_rows(ctx.get(), w, rows);  // must give F32 hidden states
+        if (out->type != GGML_TYPE_F32) return false;
+    }
+    if (!ggml_backend_dev_supports_op(dev, out)) return false;
+    if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+        if (op == GGML_OP_MUL_MAT) {
+            const ggml_type_traits_cpu * tc = ggml_get_type_traits_cpu(t->type);
+            if (!tc->vec_dot) return false;
+            if (tc->vec_dot_type != GGML_TYPE_F32 && !ggml_get_type_traits_cpu(tc->vec_dot_type)->from_float) return false;
+        } else if (t->type != GGML_TYPE_F32 && !ggml_get_type_traits(t->type)->to_float) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// libllama asserts (an abort) on a vocabulary that names one token twice:
+// refuse it first. it maps an empty token to "[EMPTY_<i>]", so do we
+void check_tokens(const gguf_context * g, const kv_reader & kv) {
+    const char * key = "tokenizer.ggml.tokens";
+    const int64_t id = gguf_find_key(g, key);
+    if (id < 0) return;  // libllama's own message names what is missing
+    if (gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(g, id) != GGUF_TYPE_STRING)
+        kv.fail(std::string("key ") + key + " is not an array of strings");
+    const size_t n = gguf_get_arr_n(g, id);
+    std::unordered_map<std::string, size_t> seen;
+    seen.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+        std::string word = gguf_get_arr_str(g, id, i);
+        if (word.empty()) word = "[EMPTY_" + std::to_string(i) + "]";
+        auto [it, fresh] = seen.emplace(std::move(word), i);
+        if (!fresh)
+            kv.fail(std::string(key) + " has the token '" + it->first + "' twice (ids " + std::to_string(it->second) + " and " +
+                    std::to_string(i) + ")");
+    }
+}
+
+void check_weight_ops(const model & m, ggml_backend_dev_t dev, const kv_reader & kv) {
+    auto need = [&](const ggml_tensor * t, ggml_op op) {
+        if (!t || weight_op_supported(dev, t, op)) return;
+        kv.fail("tensor '" + std::string(t->name) + "' has type " + ggml_type_name(t->type) + ", which the " +
+                ggml_backend_dev_name(dev) + " backend cannot use " +
+                (op == GGML_OP_MUL_MAT ? "in a matrix product" : "as an embedding table"));
+    };
+    need(m.tok_embd, GGML_OP_GET_ROWS);
+    need(m.output, GGML_OP_MUL_MAT);
+    for (const model_layer & L : m.layers)
+        for (const ggml_tensor * t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down}) need(t, GGML_OP_MUL_MAT);
+}
 
 }  // namespace
 
@@ -214,12 +294,15 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     const int64_t n_expert = kv.integer(a + "expert_count", 0, false);
     if (n_expert > 0) kv.fail("mixture-of-experts models are not supported (" + a + "expert_count = " + std::to_string(n_expert) + ")");
 
-    hp.n_ctx_train = kv.integer(a + "context_length", 0, true);
-    hp.n_embd = kv.integer(a + "embedding_length", 0, true);
-    hp.n_layer = kv.integer(a + "block_count", 0, true);
-    hp.n_ff = kv.integer(a + "feed_forward_length", 0, true);
-    hp.n_head = kv.integer(a + "attention.head_count", 0, true);
-    hp.n_head_kv = kv.integer(a + "attention.head_count_kv", hp.n_head, false);
+    // bounded before anything is sized by them: each dimension fits an int32 (so
+    // products of two fit an int64) and every layer needs tensors the file has
+    const int64_t n_tensors = gguf_get_n_tensors(g);
+    hp.n_ctx_train = kv.dim(a + "context_length", 0, true);
+    hp.n_embd = kv.dim(a + "embedding_length", 0, true);
+    hp.n_layer = kv.dim(a + "block_count", 0, true, 1, std::min<int64_t>(INT32_MAX, n_tensors));
+    hp.n_ff = kv.dim(a + "feed_forward_length", 0, true);
+    hp.n_head = kv.dim(a + "attention.head_count", 0, true);
+    hp.n_head_kv = kv.dim(a + "attention.head_count_kv", hp.n_head, false);
     const int64_t swa = kv.integer(a + "attention.sliding_window", 0, false);
     if (swa > 0 && swa < hp.n_ctx_train)
         kv.fail("sliding-window attention is not supported (" + a + "attention.sliding_window = " + std::to_string(swa) + ")");
@@ -234,13 +317,13 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         inconsistent("attention.head_count (" + std::to_string(hp.n_head) + ") is not a multiple of attention.head_count_kv (" +
                      std::to_string(hp.n_head_kv) + ")");
     const int64_t def_head_dim = hp.n_embd % hp.n_head == 0 ? hp.n_embd / hp.n_head : 0;
-    hp.head_dim = kv.integer(a + "attention.key_length", def_head_dim, def_head_dim == 0);
-    const int64_t head_dim_v = kv.integer(a + "attention.value_length", hp.head_dim, false);
+    hp.head_dim = kv.dim(a + "attention.key_length", def_head_dim, def_head_dim == 0);
+    const int64_t head_dim_v = kv.dim(a + "attention.value_length", hp.head_dim, false);
     if (hp.head_dim <= 0) inconsistent("attention.key_length must be positive");
     if (head_dim_v != hp.head_dim)
         inconsistent("attention.value_length (" + std::to_string(head_dim_v) + ") differs from key_length (" +
                      std::to_string(hp.head_dim) + ")");
-    hp.n_rot = kv.integer(a + "rope.dimension_count", hp.head_dim, false);
+    hp.n_rot = kv.dim(a + "rope.dimension_count", hp.head_dim, false);
     if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0)
         inconsistent("rope.dimension_count (" + std::to_string(hp.n_rot) + ") must be even and at most the head size (" +
                      std::to_string(hp.head_dim) + ")");
@@ -334,6 +417,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     ggml_backend_dev_t gpu = params.use_gpu ? ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) : nullptr;
     m->device_ = gpu ? gpu : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     if (!m->device_) throw error("no ggml CPU device is registered");
+    check_weight_ops(*m, m->device_, kv);
 
     const bool can_map = !gpu && params.use_mmap && (data_offset % 32) == 0;
     if (can_map) {
@@ -406,6 +490,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     m->fingerprint_ = h.hex();
 
     // --- vocabulary (libllama, vocab only) ------------------------------------
+    check_tokens(g, kv);
     m->vocab_ = std::make_unique<vocab>(path);
     if (m->vocab_->n_tokens() != hp.n_vocab)
         inconsistent("the tokenizer has " + std::to_string(m->vocab_->n_tokens()) + " tokens but token_embd.weight has " +

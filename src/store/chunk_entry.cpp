@@ -1,5 +1,6 @@
 // chunk entries: keys, the self-describing entry format (docs/STORE_FORMAT.md),
 // and the get-or-collect path every caller of the store uses.
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 
@@ -26,6 +27,7 @@ const char *       k_codec_raw       = "raw";
 struct writer {
     uint8_t * p;
     void raw(const void * src, size_t n) {
+        if (n == 0) return;  // an empty vector's data() may be null: no memcpy from it
         std::memcpy(p, src, n);
         p += n;
     }
@@ -79,6 +81,9 @@ entry_header parse(const std::vector<uint8_t> & b) {
     if (h.codec.empty()) throw error("entry names no codec");
     if (h.convention != k_pos_k_rope_pos0) throw error("entry position convention " + std::to_string(h.convention) + " is unknown");
     if (h.n_tokens == 0 || h.n_layer == 0 || h.n_head_kv == 0 || h.head_dim == 0) throw error("entry has an empty shape");
+    // positions are int32 in the graph: the chunk's must all fit
+    if (h.pos0 < 0 || h.pos0 > (int64_t) INT32_MAX - h.n_tokens)
+        throw error("entry's first position " + std::to_string(h.pos0) + " is out of range");
     if (version == k_version && h.n_kept != 0) throw error("version 1 entry has a non-zero reserved field");
     if (version == k_version_sparse && (h.n_kept == 0 || h.n_kept >= h.n_tokens))
         throw error("entry keeps " + std::to_string(h.n_kept) + " of " + std::to_string(h.n_tokens) + " tokens");
@@ -213,7 +218,7 @@ chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && b) {
     c.tokens.resize(h.n_tokens);
     std::memcpy(c.tokens.data(), &b[k_fixed_header + 4ull * h.n_prefix], 4ull * h.n_tokens);
     c.kept.resize(h.n_kept);
-    std::memcpy(c.kept.data(), &b[k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens)], 4ull * h.n_kept);
+    if (h.n_kept) std::memcpy(c.kept.data(), &b[k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens)], 4ull * h.n_kept);
     if (h.codec == k_codec_raw) {
         // the payload stays where it was read: no copy of the KV
         c.data = std::move(b);
@@ -231,7 +236,7 @@ chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes) {
 
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
                               const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
-                              const std::string & codec_name, const evict_params & ev) {
+                              const std::string & codec_name, const evict_params & ev, chunk_put_mode put) {
     const model & m = eng.mdl();
     const std::unique_ptr<codec> cd = codec_by_name(codec_name);
     if (ev.policy != EVICT_POLICY_NONE) {
@@ -252,9 +257,13 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
                 return c;
             } catch (const error & e) {
                 // never loaded, never a crash: drop it and collect again
-                std::fprintf(stderr, "warning: store entry %s is unusable (%s): removed, collecting again\n", key.c_str(),
-                             e.what());
-                st->erase(key);
+                std::fprintf(stderr, "warning: store entry %s is unusable (%s): collecting again\n", key.c_str(), e.what());
+                try {
+                    st->erase(key);
+                } catch (const error & e2) {
+                    // a read-only store: the entry stays a miss, the rest still serve
+                    std::fprintf(stderr, "warning: could not remove store entry %s: %s\n", key.c_str(), e2.what());
+                }
             }
         }
     }
@@ -270,6 +279,7 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
         try {
             st->put(key, entry);
         } catch (const error & e) {
+            if (put == CHUNK_PUT_REQUIRED) throw error("could not store chunk " + key + ": " + e.what());
             // the blend goes on without caching this chunk
             std::fprintf(stderr, "warning: could not store chunk %s: %s\n", key.c_str(), e.what());
         }

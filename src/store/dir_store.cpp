@@ -8,7 +8,9 @@
 // writes go to tmp/, are fsynced and renamed into place, so a reader sees a
 // whole entry or none; several processes may put the same key at once (the
 // bytes are the same). recency for LRU eviction is the entry file's mtime,
-// refreshed on every hit.
+// refreshed on every hit. reads take no lock and need no write access; a
+// path of an entry that is not a regular file (a directory, a fifo) is a miss
+// for reads and is listed, so verify and gc remove it.
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -87,21 +89,32 @@ class dir_store : public store {
   public:
     dir_store(const std::string & path, const store_options & opts) : root_(path), opts_(opts) {
         std::error_code ec;
-        for (const fs::path & p : {root_, root_ / "entries", root_ / "tmp"}) {
-            fs::create_directories(p, ec);
-            if (ec) throw error("cannot create the store directory '" + p.string() + "': " + ec.message());
+        const bool exists = fs::exists(root_, ec);
+        if (exists && !fs::is_directory(root_, ec)) throw error("store path '" + path + "' is not a directory");
+        // an existing store is used as it is (it may be read-only): puts make what they need
+        if (!exists && opts_.create) {
+            for (const fs::path & p : {root_ / "entries", root_ / "tmp"}) {
+                fs::create_directories(p, ec);
+                if (ec) throw error("cannot create the store directory '" + p.string() + "': " + ec.message());
+            }
         }
-        if (!fs::is_directory(root_)) throw error("store path '" + path + "' is not a directory");
     }
 
     std::string uri() const override { return "dir:" + root_.string(); }
 
     void put(const std::string & key, const std::vector<uint8_t> & bytes) override {
         check_key(key);
+        // the budget would evict the entry at once: that is no write
+        if (opts_.max_bytes && bytes.size() > opts_.max_bytes)
+            throw error("an entry of " + std::to_string(bytes.size()) + " bytes is larger than the store budget of " +
+                        std::to_string(opts_.max_bytes) + " bytes");
         const fs::path dst = entry_path(key);
         std::error_code ec;
-        fs::create_directories(dst.parent_path(), ec);
-        if (ec) throw error("cannot create '" + dst.parent_path().string() + "': " + ec.message());
+        if (!opts_.create && !fs::is_directory(root_, ec)) throw error("store '" + root_.string() + "' does not exist");
+        for (const fs::path & p : {dst.parent_path(), root_ / "tmp"}) {
+            fs::create_directories(p, ec);
+            if (ec) throw error("cannot create '" + p.string() + "': " + ec.message());
+        }
         const fs::path tmp = root_ / "tmp" / (key + "." + std::to_string(getpid()) + "." + std::to_string(random_()));
         {
             fd_guard fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
@@ -114,7 +127,13 @@ class dir_store : public store {
                 throw;
             }
         }
-        if (rename(tmp.c_str(), dst.c_str()) != 0) {
+        bool placed = rename(tmp.c_str(), dst.c_str()) == 0;
+        if (!placed && (errno == EISDIR || errno == ENOTEMPTY || errno == EEXIST)) {
+            // a directory where the entry goes: not ours to keep, replace it
+            fs::remove_all(dst, ec);
+            placed = rename(tmp.c_str(), dst.c_str()) == 0;
+        }
+        if (!placed) {
             const std::string msg = sys_error("cannot rename into", dst);
             unlink(tmp.c_str());
             throw error(msg);
@@ -131,13 +150,18 @@ class dir_store : public store {
     std::optional<std::vector<uint8_t>> get(const std::string & key) override {
         check_key(key);
         const fs::path p = entry_path(key);
-        fd_guard fd(open(p.c_str(), O_RDONLY | O_CLOEXEC));
+        // O_NONBLOCK: a fifo in the entry's place must not block the open
+        fd_guard fd(open(p.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
         if (fd.get() < 0) {
-            if (errno == ENOENT) return std::nullopt;
+            // missing, or something in its place that is not an entry we may read
+            if (errno == ENOENT || errno == ENOTDIR || errno == EISDIR || errno == EACCES || errno == ELOOP ||
+                errno == ENXIO)
+                return std::nullopt;
             throw error(sys_error("cannot open", p));
         }
         struct stat st {};
         if (fstat(fd.get(), &st) != 0) throw error(sys_error("cannot stat", p));
+        if (!S_ISREG(st.st_mode)) return std::nullopt;
         std::vector<uint8_t> out((size_t) st.st_size);
         size_t done = 0;
         while (done < out.size()) {
@@ -155,37 +179,59 @@ class dir_store : public store {
     bool contains(const std::string & key) override {
         check_key(key);
         std::error_code ec;
-        return fs::exists(entry_path(key), ec);
+        return fs::is_regular_file(entry_path(key), ec);
     }
 
     bool erase(const std::string & key) override {
         check_key(key);
         dir_lock lock(root_ / "lock");
-        const bool removed = unlink(entry_path(key).c_str()) == 0;
+        bool removed = unlink(entry_path(key).c_str()) == 0;
+        if (!removed && (errno == EISDIR || errno == EPERM)) {  // a directory in the entry's place
+            std::error_code ec;
+            removed = fs::remove_all(entry_path(key), ec) > 0 && !ec;
+            if (ec) throw error("cannot remove '" + entry_path(key).string() + "': " + ec.message());
+        }
         std::map<std::string, uint64_t> idx = read_index();
         if (idx.erase(key) || removed) write_index(idx);
         return removed;
     }
 
-    std::vector<store_entry_info> list() override { return scan(); }
-
-    // the entry files themselves: the truth the index summarises
-    std::vector<store_entry_info> scan() const {
+    std::vector<store_entry_info> list() override {
         std::vector<store_entry_info> out;
+        for (const auto & e : scan(true)) out.push_back(e.info);
+        return out;
+    }
+
+    struct scanned {
+        store_entry_info info;
+        bool regular = true;  // false: something else in an entry's place
+    };
+
+    // the entry files themselves: the truth the index summarises. with
+    // unreadable: also the entry paths that hold no regular file
+    std::vector<scanned> scan(bool unreadable) const {
+        std::vector<scanned> out;
         std::error_code ec;
-        for (auto it = fs::recursive_directory_iterator(root_ / "entries", ec); !ec && it != fs::recursive_directory_iterator();
-             it.increment(ec)) {
-            if (!it->is_regular_file(ec) || it->path().extension() != ".kvb") continue;
-            struct stat st {};
-            if (stat(it->path().c_str(), &st) != 0) continue;  // removed meanwhile
-            out.push_back({it->path().stem().string(), (uint64_t) st.st_size, (int64_t) st.st_mtime});
+        const fs::path entries = root_ / "entries";
+        for (auto sub = fs::directory_iterator(entries, ec); !ec && sub != fs::directory_iterator(); sub.increment(ec)) {
+            std::error_code ec2;
+            if (!sub->is_directory(ec2)) continue;
+            for (auto it = fs::directory_iterator(sub->path(), ec2); !ec2 && it != fs::directory_iterator(); it.increment(ec2)) {
+                const fs::path & p = it->path();
+                if (p.extension() != ".kvb" || !valid_key(p.stem().string())) continue;
+                struct stat st {};
+                if (lstat(p.c_str(), &st) != 0) continue;  // removed meanwhile
+                const bool regular = S_ISREG(st.st_mode);
+                if (!regular && !unreadable) continue;
+                out.push_back({{p.stem().string(), regular ? (uint64_t) st.st_size : 0, (int64_t) st.st_mtime}, regular});
+            }
         }
-        std::sort(out.begin(), out.end(), [](const auto & a, const auto & b) { return a.key < b.key; });
+        std::sort(out.begin(), out.end(), [](const auto & a, const auto & b) { return a.info.key < b.info.key; });
         return out;
     }
 
     store_stats stats() override {
-        dir_lock lock(root_ / "lock");
+        // no lock: the index is replaced by a rename, a reader sees a whole one
         const std::map<std::string, uint64_t> idx = read_index();
         store_stats s;
         s.n_entries = idx.size();
@@ -196,10 +242,11 @@ class dir_store : public store {
     }
 
     uint64_t gc() override {
+        std::error_code ec;
+        if (!fs::is_directory(root_, ec)) return 0;  // nothing to clean, nothing to create
         dir_lock lock(root_ / "lock");
         uint64_t removed = 0;
         // leftovers of writers that died: tmp files older than ten minutes
-        std::error_code ec;
         const auto now = fs::file_time_type::clock::now();
         for (auto it = fs::directory_iterator(root_ / "tmp", ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
             const auto age = now - it->last_write_time(ec);
@@ -207,7 +254,13 @@ class dir_store : public store {
         }
         // rebuild the index from the entries themselves (repairs any drift)
         std::map<std::string, uint64_t> idx;
-        for (const auto & e : scan()) idx[e.key] = e.bytes;
+        for (const auto & e : scan(true)) {
+            if (e.regular) {
+                idx[e.info.key] = e.info.bytes;
+            } else if (fs::remove_all(entry_path(e.info.key), ec) > 0) {
+                ++removed;  // not an entry: in the way of a future put
+            }
+        }
         removed += enforce_budget(idx, "");
         write_index(idx);
         return removed;
@@ -226,7 +279,7 @@ class dir_store : public store {
         std::string line;
         if (!f || !std::getline(f, line) || line != "kvblend-store-index v1") {
             // missing or unreadable: the entries are the truth, rebuild from them
-            for (const auto & e : scan()) idx[e.key] = e.bytes;
+            for (const auto & e : scan(false)) idx[e.info.key] = e.info.bytes;
             return idx;
         }
         std::string key;

@@ -1,7 +1,9 @@
 // redis store backend: entries are plain strings under "kvblend:chunk:<key>",
 // so several machines share one cache. sizes are kept beside them in the hash
 // "kvblend:bytes" (key -> byte count): STRLEN would refresh a key's LRU clock,
-// and list()/stats() must not disturb the order gc() evicts in.
+// and list()/stats() must not disturb the order gc() evicts in. a key under
+// our prefix that is not a string (written by something else) is a miss for
+// get() and is listed with 0 bytes, so store verify finds and removes it.
 #include <hiredis/hiredis.h>
 #include <pthread.h>
 #include <sys/time.h>
@@ -203,8 +205,12 @@ class redis_store : public store {
     std::optional<std::vector<uint8_t>> get(const std::string & key) override {
         return retrying([&]() -> std::optional<std::vector<uint8_t>> {
             // GET refreshes the key's LRU clock: that is our "last used"
-            reply_ptr r = run(command().arg("GET").arg(key_prefix + key));
-            if (r->type == REDIS_REPLY_NIL) return std::nullopt;
+            command get;
+            get.arg("GET").arg(key_prefix + key);
+            append(get);
+            reply_ptr r = read_reply();
+            if (r->type == REDIS_REPLY_NIL || wrong_type(r.get())) return std::nullopt;
+            if (r->type == REDIS_REPLY_ERROR) throw server_error(get, r.get());
             if (r->type != REDIS_REPLY_STRING) throw unexpected("GET", r.get());
             const auto * p = reinterpret_cast<const uint8_t *>(r->str);
             return std::vector<uint8_t>(p, p + r->len);
@@ -212,9 +218,12 @@ class redis_store : public store {
     }
 
     bool contains(const std::string & key) override {
-        // EXISTS does not touch the LRU clock: looking is not using
-        return retrying(
-            [&] { return integer(run(command().arg("EXISTS").arg(key_prefix + key)).get(), "EXISTS") > 0; });
+        // TYPE does not touch the LRU clock: looking is not using
+        return retrying([&] {
+            reply_ptr r = run(command().arg("TYPE").arg(key_prefix + key));
+            if (r->type != REDIS_REPLY_STATUS) throw unexpected("TYPE", r.get());
+            return std::string(r->str, r->len) == "string";
+        });
     }
 
     bool erase(const std::string & key) override {
@@ -376,6 +385,10 @@ class redis_store : public store {
         return error("redis at " + where() + ": unexpected reply type " + std::to_string(r->type) + " to " + what);
     }
 
+    static bool wrong_type(const redisReply * r) {
+        return r->type == REDIS_REPLY_ERROR && r->len >= 9 && std::memcmp(r->str, "WRONGTYPE", 9) == 0;
+    }
+
     void expect_ok(const redisReply * r, const std::string & what) const {
         if (r->type != REDIS_REPLY_STATUS) throw unexpected(what, r);
     }
@@ -490,7 +503,8 @@ class redis_store : public store {
         hset.arg("HSET").arg(sizes_hash);
         for (size_t i : idx) {
             reply_ptr r = read_reply();
-            // not a string: something else wrote there; not ours to list
+            // not a string: unreadable, listed with 0 bytes so verify removes it
+            if (wrong_type(r.get())) continue;
             if (r->type != REDIS_REPLY_INTEGER) {
                 drop[i] = true;
                 continue;

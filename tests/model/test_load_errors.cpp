@@ -29,6 +29,7 @@ struct gguf_edit {
     std::function<void(gguf_context *)> kv;                // change, add or remove keys
     std::set<std::string> drop;                            // tensors to leave out
     std::map<std::string, std::vector<int64_t>> reshape;   // tensor -> new shape (same type, zero data)
+    std::map<std::string, ggml_type> retype = {};          // tensor -> new type (same shape, zero data)
 };
 
 // copies src to dst through gguf, with the edit applied
@@ -50,6 +51,11 @@ void rewrite_gguf(const std::string & src, const std::string & dst, const gguf_e
         for (int64_t d : shape) n *= size_t(d);
         extra += ggml_row_size(t->type, int64_t(n)) + 64;
     }
+    for (const auto & [name, type] : e.retype) {
+        ggml_tensor * t = ggml_get_tensor(data.get(), name.c_str());
+        ASSERT_NE(t, nullptr) << name;
+        extra += ggml_row_size(type, ggml_nelements(t)) + ggml_tensor_overhead() + 64;
+    }
     ggml_context_ptr fresh(ggml_init({/*mem_size =*/extra, /*mem_buffer =*/nullptr, /*no_alloc =*/false}));
 
     for (int64_t i = 0; i < gguf_get_n_tensors(in.get()); ++i) {
@@ -61,6 +67,13 @@ void rewrite_gguf(const std::string & src, const std::string & dst, const gguf_e
         if (it != e.reshape.end()) {
             const auto & s = it->second;
             ggml_tensor * r = ggml_new_tensor(fresh.get(), t->type, int(s.size()), s.data());
+            ggml_set_name(r, name.c_str());
+            std::memset(r->data, 0, ggml_nbytes(r));
+            t = r;
+        }
+        auto rt = e.retype.find(name);
+        if (rt != e.retype.end()) {
+            ggml_tensor * r = ggml_new_tensor(fresh.get(), rt->second, ggml_n_dims(t), t->ne);
             ggml_set_name(r, name.c_str());
             std::memset(r->data, 0, ggml_nbytes(r));
             t = r;
@@ -207,6 +220,89 @@ TEST_F(load_errors, zero_layers) {
     rewrite_gguf(tiny_llama(), dir.file("nolayers.gguf"),
                  {[](gguf_context * g) { gguf_set_val_u32(g, "llama.block_count", 0); }, {}, {}});
     EXPECT_LOAD_ERROR(dir.file("nolayers.gguf"), "inconsistent");
+}
+
+// numeric hyper-parameters stored with another type: an error naming the key,
+// never ggml's getter assert (an abort with a backtrace)
+TEST_F(load_errors, numeric_keys_of_the_wrong_type) {
+    const std::vector<std::string> keys = {"llama.block_count", "llama.context_length", "llama.embedding_length",
+                                           "llama.attention.layer_norm_rms_epsilon", "llama.rope.freq_base",
+                                           "llama.attention.head_count_kv"};
+    for (const std::string & key : keys) {
+        rewrite_gguf(tiny_llama(), dir.file("str.gguf"), {[&](gguf_context * g) { gguf_set_val_str(g, key.c_str(), "12"); }, {}, {}});
+        const std::string msg = load_error(dir.file("str.gguf"));
+        EXPECT_NE(msg.find(key), std::string::npos) << key << ": " << msg;
+        EXPECT_EQ(msg.find("wrong exception"), std::string::npos) << msg;
+
+        const char * strs[] = {"1", "2"};
+        rewrite_gguf(tiny_llama(), dir.file("arr.gguf"),
+                     {[&](gguf_context * g) { gguf_set_arr_str(g, key.c_str(), strs, 2); }, {}, {}});
+        const std::string amsg = load_error(dir.file("arr.gguf"));
+        EXPECT_NE(amsg.find(key), std::string::npos) << key << ": " << amsg;
+
+        rewrite_gguf(tiny_llama(), dir.file("bool.gguf"), {[&](gguf_context * g) { gguf_set_val_bool(g, key.c_str(), true); }, {}, {}});
+        EXPECT_LOAD_ERROR(dir.file("bool.gguf"), key);
+    }
+    // a string key stored as a number
+    rewrite_gguf(tiny_llama(), dir.file("arch.gguf"),
+                 {[](gguf_context * g) { gguf_set_val_u32(g, "general.architecture", 7); }, {}, {}});
+    EXPECT_LOAD_ERROR(dir.file("arch.gguf"), "general.architecture");
+}
+
+// hyper-parameters far beyond the file's tensors: refused before anything is sized by them
+TEST_F(load_errors, huge_hyper_parameters) {
+    const std::vector<std::pair<std::string, uint32_t>> cases = {
+        {"llama.block_count", 0x7fffffffu}, {"llama.block_count", 0xffffffffu}, {"llama.embedding_length", 0xffffffffu},
+        {"llama.attention.head_count", 0x80000000u}, {"llama.attention.key_length", 0xffffffffu},
+        {"llama.context_length", 0xffffffffu}};
+    for (const auto & [key, v] : cases) {
+        rewrite_gguf(tiny_llama(), dir.file("huge.gguf"), {[&](gguf_context * g) { gguf_set_val_u32(g, key.c_str(), v); }, {}, {}});
+        const std::string msg = load_error(dir.file("huge.gguf"));
+        EXPECT_NE(msg.find(key.substr(6)), std::string::npos) << key << " = " << v << ": " << msg;
+    }
+    rewrite_gguf(tiny_llama(), dir.file("huge64.gguf"),
+                 {[](gguf_context * g) { gguf_set_val_u64(g, "llama.block_count", uint64_t(1) << 62); }, {}, {}});
+    EXPECT_LOAD_ERROR(dir.file("huge64.gguf"), "block_count");
+}
+
+// weights of types no matmul / row lookup exists for on the CPU backend: refused
+// at load with the tensor's name, not a SIGSEGV or scheduler assert at compute
+TEST_F(load_errors, weight_types_the_backend_cannot_run) {
+    const std::vector<std::pair<std::string, ggml_type>> cases = {
+        {"blk.0.attn_q.weight", GGML_TYPE_I8},    {"blk.0.attn_q.weight", GGML_TYPE_I16},
+        {"blk.0.attn_q.weight", GGML_TYPE_F64},   {"blk.1.ffn_down.weight", GGML_TYPE_I32},
+        {"token_embd.weight", GGML_TYPE_I32},     {"token_embd.weight", GGML_TYPE_I8}};
+    for (const auto & [name, type] : cases) {
+        gguf_edit e{nullptr, {}, {}};
+        e.retype[name] = type;
+        rewrite_gguf(tiny_llama(), dir.file("type.gguf"), e);
+        const std::string msg = load_error(dir.file("type.gguf"));
+        EXPECT_NE(msg.find(name), std::string::npos) << ggml_type_name(type) << ": " << msg;
+        EXPECT_NE(msg.find(ggml_type_name(type)), std::string::npos) << msg;
+    }
+    // the control: supported weight types still load
+    for (ggml_type type : {GGML_TYPE_F16, GGML_TYPE_BF16}) {
+        gguf_edit e{nullptr, {}, {}};
+        e.retype["blk.0.attn_q.weight"] = type;
+        e.retype["token_embd.weight"] = type;
+        rewrite_gguf(tiny_llama(), dir.file("ok.gguf"), e);
+        EXPECT_NO_THROW(model::load(dir.file("ok.gguf"))) << ggml_type_name(type);
+    }
+}
+
+// a vocabulary naming one token twice: libllama asserts on it (an abort), we refuse it
+TEST_F(load_errors, duplicate_tokens) {
+    rewrite_gguf(tiny_llama(), dir.file("dup.gguf"), {[](gguf_context * g) {
+                     const int64_t id = gguf_find_key(g, "tokenizer.ggml.tokens");
+                     ASSERT_GE(id, 0);
+                     std::vector<std::string> words;
+                     for (size_t i = 0; i < gguf_get_arr_n(g, id); ++i) words.push_back(gguf_get_arr_str(g, id, i));
+                     words[300] = words[299];
+                     std::vector<const char *> ptrs;
+                     for (const auto & w : words) ptrs.push_back(w.c_str());
+                     gguf_set_arr_str(g, "tokenizer.ggml.tokens", ptrs.data(), ptrs.size());
+                 }, {}, {}});
+    EXPECT_LOAD_ERROR(dir.file("dup.gguf"), "twice (ids 299 and 300)");
 }
 
 }  // namespace

@@ -1,0 +1,114 @@
+// shared by the libFuzzer targets in fuzz/: a tiny model made once per
+// process, inputs as files, and the seed writer behind KVBLEND_FUZZ_SEEDS.
+#pragma once
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvblend/common.h"
+#include "kvblend/model.h"
+#include "kvblend/model_maker.h"
+
+namespace kvblend::fuzz {
+
+// a folder for this process, removed at exit
+inline const std::filesystem::path & work_dir() {
+    struct dir {
+        std::filesystem::path p;
+        dir() {
+            p = std::filesystem::temp_directory_path() / ("kvblend-fuzz-" + std::to_string(getpid()));
+            std::filesystem::create_directories(p);
+        }
+        ~dir() {
+            std::error_code ec;
+            std::filesystem::remove_all(p, ec);
+        }
+    };
+    static dir d;
+    return d.p;
+}
+
+// the smallest model worth loading: stories260K's 512-token vocabulary, n_embd 32
+inline model_spec tiny_spec(model_arch arch = MODEL_ARCH_LLAMA) {
+    model_spec s;
+    s.arch = arch;
+    s.n_layer = 1;
+    s.n_embd = 32;
+    s.n_head = 2;
+    s.n_head_kv = 2;  // n_embd_kv 32: the block size of q8_0 and kivi
+    s.head_dim = 16;
+    s.n_ff = 32;
+    s.n_ctx_train = 256;
+    s.tied_output = true;
+    s.qkv_bias = arch == MODEL_ARCH_QWEN2;
+    s.qk_norm = arch == MODEL_ARCH_QWEN3;
+    return s;
+}
+
+inline std::string tiny_vocab() { return std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf"; }
+
+inline std::string make_tiny_model(const std::string & name, model_arch arch, ggml_type wtype) {
+    const std::string path = (work_dir() / name).string();
+    make_model_params p;
+    p.wtype = wtype;
+    p.vocab_from = tiny_vocab();
+    make_model(tiny_spec(arch), p, path);
+    return path;
+}
+
+// one loaded tiny model for the targets that check entries against a model
+inline const model & tiny_model() {
+    static std::shared_ptr<model> m = model::load(make_tiny_model("tiny.gguf", MODEL_ARCH_LLAMA, GGML_TYPE_F16));
+    return *m;
+}
+
+// an input as a file that lives in memory (a memfd is a regular file)
+class mem_file {
+  public:
+    mem_file(const uint8_t * data, size_t n) : fd_(memfd_create("kvblend-fuzz", MFD_CLOEXEC)) {
+        if (fd_ < 0) std::abort();
+        for (size_t done = 0; done < n;) {
+            const ssize_t w = write(fd_, data + done, n - done);
+            if (w <= 0) std::abort();
+            done += (size_t) w;
+        }
+    }
+    ~mem_file() { close(fd_); }
+    std::string path() const { return "/proc/self/fd/" + std::to_string(fd_); }
+
+  private:
+    int fd_;
+};
+
+// KVBLEND_FUZZ_SEEDS=DIR in the environment: write the target's seeds there and exit
+// (scripts/fuzz.sh --seeds; the corpora in fuzz/corpus/ came from it)
+template <typename F>
+void maybe_write_seeds(F && make) {
+    const char * dir = std::getenv("KVBLEND_FUZZ_SEEDS");
+    if (!dir || !dir[0]) return;
+    std::filesystem::create_directories(dir);
+    int i = 0;
+    for (const std::vector<uint8_t> & seed : make()) {
+        char name[32];
+        std::snprintf(name, sizeof(name), "seed-%02d", i++);
+        std::ofstream(std::filesystem::path(dir) / name, std::ios::binary).write((const char *) seed.data(), (std::streamsize) seed.size());
+    }
+    std::fprintf(stderr, "wrote %d seeds to %s\n", i, dir);
+    std::exit(0);
+}
+
+inline std::vector<uint8_t> read_file(const std::string & path) {
+    std::ifstream f(path, std::ios::binary);
+    return std::vector<uint8_t>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace kvblend::fuzz

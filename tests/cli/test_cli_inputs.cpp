@@ -1,0 +1,67 @@
+// files the CLI reads as text (generate -f, blend --doc, ingest FILE): regular
+// files only, under a size limit; anything else is one clear error and exit 1.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "cli_run.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+
+// run_cli under a time limit: a command that reads forever fails instead of hanging
+test::run_result run_limited(const std::string & args) {
+    test::temp_dir dir("cli");
+    const std::string cmd = "timeout 60 " + std::string(KVBLEND_CLI) + " " + args + " > " + dir.file("out") + " 2> " + dir.file("err");
+    const int rc = std::system(cmd.c_str());
+    test::run_result r;
+    r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + WTERMSIG(rc);
+    std::ifstream e(dir.file("err"));
+    r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
+    return r;
+}
+
+TEST(cli_inputs, text_files_must_be_regular_files_of_bounded_size) {
+    test::temp_dir d("inputs");
+    const std::string dir = d.file("a-directory");
+    std::filesystem::create_directories(dir);
+    // sparse: 65 MiB on paper, nothing on disk
+    const std::string big = d.file("big.txt");
+    {
+        std::ofstream f(big);
+        f << "x";
+    }
+    std::filesystem::resize_file(big, (64ull << 20) + 1);
+    const std::string blend = "blend -m " + k_stories + " --query 'Once upon a time' -n 1 --doc ";
+    const std::string ingest = "ingest -m " + k_stories + " --store dir:" + d.file("store") + " ";
+    const std::string generate = "generate -m " + k_stories + " -n 1 -f ";
+    const struct {
+        std::string args, message;
+    } cases[] = {
+        {blend + dir, "is a directory"},          {generate + dir, "is a directory"},
+        {ingest + dir, "is a directory"},         {blend + "/dev/null", "not a regular file"},
+        {generate + "/dev/null", "not a regular file"}, {ingest + "/dev/null", "not a regular file"},
+        {blend + big, "limit of 64 MiB"},         {generate + big, "limit of 64 MiB"},
+        {ingest + big, "limit of 64 MiB"},        {blend + d.file("missing.txt"), "cannot open"},
+    };
+    for (const auto & c : cases) {
+        const test::run_result r = run_limited(c.args);
+        EXPECT_EQ(r.status, 1) << c.args << "\n" << r.err;
+        EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << c.args << "\n" << r.err;
+        EXPECT_NE(r.err.find(c.message), std::string::npos) << c.args << "\n" << r.err;
+    }
+    EXPECT_FALSE(std::filesystem::exists(d.file("store")));  // failed before the store was opened
+
+    // the control: a plain file under the limit works
+    std::ofstream(d.file("ok.txt")) << "Tom had a red ball.";
+    const test::run_result ok = run_limited(blend + d.file("ok.txt"));
+    EXPECT_EQ(ok.status, 0) << ok.err;
+}
+
+}  // namespace
+}  // namespace kvblend
