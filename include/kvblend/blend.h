@@ -47,10 +47,11 @@ struct blend_stats {
     int64_t n_selected   = 0;  // tokens recomputed by the deepest layers (query included)
     double  deep_frac    = 0;  // share of the N tokens that the deepest layers ran
     double  place_ms     = 0;  // chunk KV placed at its offsets
-    double  early_ms     = 0;  // layers before the check layer, all tokens
-    double  check_ms     = 0;  // check layer(s): scoring and selection
+    double  early_ms     = 0;  // layers before the check layer, all tokens, with the check layer's deviation
+    double  check_ms     = 0;  // check layer(s): selection from the deviations
     double  deep_ms      = 0;  // the remaining layers on the selection, and the logits
     double  total_ms     = 0;
+    double  outside_ms   = 0;  // total outside the layer runs: place, selection, set-up
 };
 
 struct blend_result {
