@@ -11,8 +11,6 @@
 
 namespace kvblend {
 
-namespace {
-
 // the graph of one ubatch and the tensors its inputs and outputs go through
 struct ubatch_graph {
     ggml_context_ptr ctx;
@@ -24,6 +22,12 @@ struct ubatch_graph {
     std::vector<ggml_tensor *> score_out;    // per layer l0…l1-1, F32 [n_kv, n_head]
     ggml_tensor *logits = nullptr, *dev = nullptr;
 };
+
+namespace {
+
+// decode keys rows in blocks of this many, so that a decode graph's shapes
+// (the K/V views and the mask) repeat from one token to the next
+constexpr int64_t k_decode_pad = 256;
 
 ggml_tensor * new_input(ggml_context * c, ggml_type t, int64_t n) {
     ggml_tensor * x = ggml_new_tensor_1d(c, t, n);
@@ -151,10 +155,28 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
     if ((ub.tokens.empty() || !ub.out_x_rows.empty()) && !im_.hidden)
         throw error("internal: a ubatch uses hidden states that were not reserved");
 
-    ubatch_graph g = build_ubatch(m, cache, eng_.live_.get(), im_.hidden, im_.meta_buf, ub);
+    // a decode step whose shapes repeat runs the previous step's graph again:
+    // no build, no scheduler pass, only the inputs are filled (as libllama does)
+    std::vector<int64_t> key;
+    if (n_tok == 1 && !ub.tokens.empty() && ub.score_rows.empty() && ub.dev == graph::UBATCH_DEV_NONE &&
+        ub.out_x_rows.empty() && !eng_.live_ && ub.l0 == 0 && ub.logit_rows.size() == 1) {
+        key = {ub.l1, cache.capacity()};
+        for (const ggml_tensor * t : {cache.k(0), cache.v(0)}) key.insert(key.end(), {(int64_t) (uintptr_t) t, (int64_t) (uintptr_t) t->data});
+        for (const graph::ubatch_attn & a : ub.groups) key.insert(key.end(), {a.n_kv, a.mask_heads, (int64_t) a.kv_idx.size()});
+        key.insert(key.end(), ub.group_of.begin(), ub.group_of.end());
+    }
     ggml_backend_sched_t sched = im_.sched.get();
-    ggml_backend_sched_reset(sched);
-    if (!ggml_backend_sched_alloc_graph(sched, g.gf)) throw error("cannot allocate the compute graph");
+    std::shared_ptr<ubatch_graph> gp;
+    if (!key.empty() && im_.decode_graph && im_.decode_key == key) {
+        gp = im_.decode_graph;
+    } else {
+        im_.decode_graph.reset();  // its descriptors live in meta_buf, which the new graph takes over
+        gp = std::make_shared<ubatch_graph>(build_ubatch(m, cache, eng_.live_.get(), im_.hidden, im_.meta_buf, ub));
+        ggml_backend_sched_reset(sched);
+        if (!ggml_backend_sched_alloc_graph(sched, gp->gf)) throw error("cannot allocate the compute graph");
+        if (!key.empty()) im_.decode_graph = gp, im_.decode_key = key;
+    }
+    ubatch_graph & g = *gp;
 
     auto up = [&](ggml_tensor * t, const void * data) {
         if (t) upload(t, data, 0, ggml_nbytes(t));
@@ -236,9 +258,13 @@ graph::ubatch forward_driver::append_ubatch(const llama_token * tokens, int64_t 
         graph::ubatch_attn a;
         const int64_t n_rows = cache.n_rows(il);
         a.n_kv = n_rows + n;
+        // a decode step attends over whole blocks of rows (the rows past the
+        // cache's are hidden): its graph is the same for k_decode_pad steps.
+        // live caches read exactly the rows they hold
+        if (n == 1 && !eng_.live_) a.n_kv = std::min(cache.capacity(), (a.n_kv + k_decode_pad - 1) / k_decode_pad * k_decode_pad);
         // key positions: a dense cache's row r is position r (+ shift); a sparse
         // cache's retained rows are visible to all, newer rows causal
-        a.kpos.resize(a.n_kv);
+        a.kpos.assign(a.n_kv, -1);
         if (cache.sparse()) cache.mask_pos(il, a.kpos.data());
         else for (int64_t j = 0; j < n_rows; ++j) a.kpos[j] = (int32_t) (j + pos_shift);
         for (int64_t i = 0; i < n; ++i) a.kpos[n_rows + i] = ub.pos[i];
@@ -264,6 +290,7 @@ void forward_driver::reserve() {
     a.n_kv = cache.n_ctx();
     a.kv_idx.assign(n_tok, 0);
     ub.groups.push_back(a);
+    im_.decode_graph.reset();
     ubatch_graph g = build_ubatch(eng_.mdl(), eng_.cache(), nullptr, im_.hidden, im_.meta_buf, ub);
     if (!ggml_backend_sched_reserve(im_.sched.get(), g.gf)) throw error("cannot reserve the compute buffers");
 }
@@ -334,6 +361,7 @@ void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1)
     kv_cache & cache = eng_.cache();
     const int64_t n = (int64_t) delta.size();
     if (n == 0 || l0 >= l1) return;
+    im_.decode_graph.reset();
     ggml_init_params ip = {im_.meta_buf.size(), im_.meta_buf.data(), true};
     ggml_context_ptr ctx(ggml_init(ip));
     ggml_context * c = ctx.get();

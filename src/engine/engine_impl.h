@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "ggml-backend.h"
@@ -11,6 +12,8 @@
 #include "kvblend/engine.h"
 
 namespace kvblend {
+
+struct ubatch_graph;  // engine/driver.cpp: a built graph and its input/output tensors
 
 struct engine::impl {
     std::vector<ggml_backend_ptr> backends;  // [gpu,] cpu
@@ -23,6 +26,10 @@ struct engine::impl {
     ggml_tensor * hidden = nullptr;
     int64_t n_hidden = 0;
     engine::transfer_stats transfers;
+    // decode graph reuse: the last decode ubatch's graph stays allocated on the
+    // scheduler while nothing else runs and the shapes repeat (key)
+    std::shared_ptr<ubatch_graph> decode_graph;
+    std::vector<int64_t> decode_key;
     // token eviction of the current cache
     bool ev_active = false;             // the cache was evicted by params.evict (rolling applies)
     const kv_cache * ev_cache = nullptr;  // … this cache, since its clear number ev_epoch
