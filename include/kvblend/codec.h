@@ -9,7 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "kvblend/blend.h"
+#include "kvblend/chunk_kv.h"
+#include "kvblend/common.h"
 
 namespace kvblend {
 

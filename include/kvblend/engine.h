@@ -105,13 +105,19 @@ class engine {
     // bytes of the scheduler's compute buffers (they grow to the largest graph run so far)
     size_t compute_buffer_bytes() const;
 
-    // low level, for paths built from graph/forward.h (blend): build a graph in
-    // a fresh no_alloc context, allocate it on this engine's scheduler, let
-    // set_inputs fill its inputs, then compute. throws kvblend::error.
-    using graph_builder = std::function<void(ggml_context *, ggml_cgraph *)>;
-    void run_graph(const graph_builder & build, const std::function<void()> & set_inputs);
+    // bytes this engine's forward moved between the host and backend tensors
+    // (graph inputs, read-back outputs, chunk rows placed or collected);
+    // hidden: those of them that were hidden states (F32 rows n_embd wide),
+    // which a blend keeps on the backend
+    struct transfer_stats {
+        uint64_t to_backend   = 0;
+        uint64_t from_backend = 0;
+        uint64_t hidden       = 0;
+    };
+    const transfer_stats & transfers() const;
 
   private:
+    friend class forward_driver;  // src/engine/driver.h: builds and runs every graph
     void apply_evict(const std::vector<int64_t> & budget);
 
     struct impl;

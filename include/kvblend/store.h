@@ -11,9 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "kvblend/blend.h"
+#include "kvblend/chunk_kv.h"
+#include "kvblend/evict.h"
+#include "kvblend/model.h"
 
 namespace kvblend {
+
+class engine;
 
 struct store_entry_info {
     std::string key;

@@ -109,7 +109,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
         std::vector<const chunk_kv *> ptrs;
         for (const auto & c : kv) ptrs.push_back(&c);
 
-        std::vector<double> t_full, t_ref, t_blend, t_sel;
+        std::vector<double> t_full, t_ref, t_blend, t_sel, t_out;
         std::vector<float> full, fused;
         blend_result br;
         for (int64_t r = 0; r < reps; ++r) {
@@ -125,6 +125,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
             }
             br = blend(eng_blend, ptrs, query, bp);
             t_blend.push_back(br.stats.total_ms);
+            t_out.push_back(br.stats.outside_ms);
             // the deep layers' own cost: n_selected tokens appended at depth N - n_selected
             eng.cache().set_n_past(N - br.stats.n_selected);
             t0 = time_ms();
@@ -154,10 +155,11 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
                               {"early_ms", br.stats.early_ms},
                               {"check_ms", br.stats.check_ms},
                               {"deep_ms", br.stats.deep_ms},
+                              {"outside_ms", median(t_out)},
                               {"kl", kl_divergence(full.data(), fused.data(), hp.n_vocab)},
                               // memory beyond weights and KV cache: compute buffers (largest graph so
-                              // far; blend's own engine also ran the collects), the blend's host copy
-                              // of hidden states, and the chunk KVs it reads
+                              // far; blend's own engine also ran the collects), the blend's hidden
+                              // states (a backend buffer), and the chunk KVs it reads
                               {"full_compute_mb", eng.compute_buffer_bytes() / 1048576.0},
                               {"blend_compute_mb", eng_blend.compute_buffer_bytes() / 1048576.0},
                               {"blend_hidden_mb", N * hp.n_embd * 4 / 1048576.0},
@@ -176,12 +178,13 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
                                 {"reps", reps},          {"rows", rows}};
     std::printf("model: %s\n%s, threads %d, ratio %.2f, chunk %lld, check layer %d, median of %lld\n\n",
                 model_path.c_str(), m->describe().c_str(), threads, ratio, (long long) chunk, check_layer, (long long) reps);
-    std::printf("| tokens | full ms (ours) | full ms (llama) | blend ms | speedup vs ours | vs llama | ideal | bound | share of bound | deep tokens | KL |\n");
-    std::printf("|-------:|---------------:|----------------:|---------:|----------------:|---------:|------:|------:|---------------:|------------:|---:|\n");
+    std::printf("| tokens | full ms (ours) | full ms (llama) | blend ms | outside layers ms | speedup vs ours | vs llama | ideal | bound | share of bound | deep tokens | KL |\n");
+    std::printf("|-------:|---------------:|----------------:|---------:|------------------:|----------------:|---------:|------:|------:|---------------:|------------:|---:|\n");
     for (const auto & r : rows) {
-        std::printf("| %6lld | %14.0f | %15.0f | %8.0f | %14.2fx | %7.2fx | %4.2fx | %4.2fx | %13.0f%% | %10.1f%% | %.4f |\n",
+        std::printf("| %6lld | %14.0f | %15.0f | %8.0f | %17.1f | %14.2fx | %7.2fx | %4.2fx | %4.2fx | %13.0f%% | %10.1f%% | %.4f |\n",
                     (long long) r["n_tokens"].get<int64_t>(), r["full_ms"].get<double>(),
                     r.contains("llama_full_ms") ? r["llama_full_ms"].get<double>() : 0.0, r["blend_ms"].get<double>(),
+                    r["outside_ms"].get<double>(),
                     r["speedup_vs_ours"].get<double>(), r.contains("speedup_vs_llama") ? r["speedup_vs_llama"].get<double>() : 0.0,
                     r["ideal_speedup"].get<double>(), r["bound_speedup"].get<double>(), 100.0 * r["share_of_bound"].get<double>(),
                     r["deep_token_pct"].get<double>(), r["kl"].get<double>());

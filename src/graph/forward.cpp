@@ -99,13 +99,16 @@ ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor
 }
 
 ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
-                          ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in, ggml_tensor * out_rows) {
+                          ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in, ggml_tensor * out_rows,
+                          layer_taps * taps, bool kv_only) {
     const model_hparams & hp = m.hparams();
     const model_layer & L = m.layers[il];
 
     ggml_tensor * cur = build_norm(ctx, x, L.attn_norm, hp.rms_eps);
     const qkv t = build_qkv(ctx, m, il, cur, in.pos);
     const kv_views kv = build_kv(ctx, gf, m, il, t, k_store, v_store, in);
+    if (taps) taps->attn(ctx, gf, il, t, kv);
+    if (kv_only) return nullptr;
 
     cur = build_attn_out(ctx, m, il, t.q, kv, in.kq_mask);  // [n_embd, n_tok]
     ggml_tensor * resid = x;
@@ -116,6 +119,39 @@ ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m,
     ggml_tensor * ffn_in = ggml_add(ctx, cur, resid);
     cur = build_ffn(ctx, m, il, build_norm(ctx, ffn_in, L.ffn_norm, hp.rms_eps));
     return ggml_add(ctx, cur, ffn_in);
+}
+
+ggml_tensor * build_attn_weight_sums(ggml_context * ctx, const model & m, ggml_tensor * q, ggml_tensor * k,
+                                     ggml_tensor * sel, ggml_tensor * mask) {
+    const model_hparams & hp = m.hparams();
+    ggml_tensor * q2 = ggml_reshape_2d(ctx, q, hp.n_embd_q(), q->ne[2]);                   // [n_embd_q, n_tok]
+    ggml_tensor * qs = ggml_reshape_3d(ctx, ggml_get_rows(ctx, q2, sel), hp.head_dim, hp.n_head, sel->ne[0]);
+    ggml_tensor * qp = ggml_permute(ctx, qs, 0, 2, 1, 3);                                 // [head_dim, n_sel, n_head]
+    ggml_tensor * kp = ggml_permute(ctx, k, 0, 2, 1, 3);                                  // [head_dim, n_kv, n_head_kv]
+    ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);                                         // [n_kv, n_sel, n_head]
+    ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
+    kq = ggml_soft_max_ext(ctx, kq, mask, 1.0f / std::sqrt((float) hp.head_dim), 0.0f);
+    kq = ggml_cont(ctx, ggml_permute(ctx, kq, 1, 0, 2, 3));                               // [n_sel, n_kv, n_head]
+    return ggml_reshape_2d(ctx, ggml_sum_rows(ctx, kq), k->ne[2], hp.n_head);             // [n_kv, n_head]
+}
+
+ggml_tensor * build_deviation(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos,
+                              ggml_tensor * k_store, ggml_tensor * v_store, ggml_tensor * rows, bool with_k,
+                              bool with_v) {
+    const model_hparams & hp = m.hparams();
+    const int64_t n_tok = x->ne[1];
+    ggml_tensor * h = build_norm(ctx, x, m.layers[il].attn_norm, hp.rms_eps);
+    auto dev_of = [&](ggml_tensor * fresh, ggml_tensor * store) {
+        fresh = ggml_reshape_2d(ctx, fresh, hp.n_embd_kv(), n_tok);       // [n_embd_kv, n_tok]
+        ggml_tensor * held = ggml_get_rows(ctx, store, rows);             // F32 [n_embd_kv, n_tok]
+        return ggml_sum_rows(ctx, ggml_sqr(ctx, ggml_sub(ctx, fresh, held)));  // [1, n_tok]
+    };
+    ggml_tensor * s = with_v ? dev_of(build_v(ctx, m, il, h), v_store) : nullptr;
+    if (with_k) {
+        ggml_tensor * sk = dev_of(build_k(ctx, m, il, h, pos), k_store);
+        s = s ? ggml_add(ctx, s, sk) : sk;
+    }
+    return s;
 }
 
 ggml_tensor * build_logits(ggml_context * ctx, const model & m, ggml_tensor * x) {

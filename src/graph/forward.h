@@ -73,13 +73,36 @@ ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_t
 // SwiGLU feed-forward on normed input
 ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x);
 
+// what a layer run lets its caller read on the way (the engine's attention
+// scores for token eviction): called once the layer's K/V are written, with
+// its q and the K/V views it attends over
+struct layer_taps {
+    virtual ~layer_taps() = default;
+    virtual void attn(ggml_context * ctx, ggml_cgraph * gf, int il, const qkv & cur, const kv_views & kv) = 0;
+};
+
 // one whole layer. out_rows (I32 [n_out], optional) keeps only those rows
 // after attention (the last layer computes FFN only for rows whose logits are
 // wanted). the K/V writes are expanded into gf so they run even when the
-// returned hidden states are unused.
+// returned hidden states are unused. kv_only: stop after the K/V write (and
+// the taps) and return nullptr: nothing reads this layer's output.
 ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
                           ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in,
-                          ggml_tensor * out_rows = nullptr);
+                          ggml_tensor * out_rows = nullptr, layer_taps * taps = nullptr, bool kv_only = false);
+
+// attention weights of the queries at sel (I32 [n_sel], rows of q) over the
+// K rows k ([head_dim, n_head_kv, n_kv]), summed over those queries:
+// F32 [n_kv, n_head]. mask: F32 [n_kv, n_sel].
+ggml_tensor * build_attn_weight_sums(ggml_context * ctx, const model & m, ggml_tensor * q, ggml_tensor * k,
+                                     ggml_tensor * sel, ggml_tensor * mask);
+
+// the CacheBlend deviation at layer il: the fresh V (with_v) and/or K
+// (with_k, rotated at pos) of the tokens x (F32 [n_embd, n_tok], the layer's
+// input) against the store rows at rows (I32 [n_tok]), summed squares over
+// heads and dims: F32 [1, n_tok]. nothing is written.
+ggml_tensor * build_deviation(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos,
+                              ggml_tensor * k_store, ggml_tensor * v_store, ggml_tensor * rows, bool with_k,
+                              bool with_v);
 
 // final norm and the output projection: F32 [n_embd, n] -> F32 [n_vocab, n]
 ggml_tensor * build_logits(ggml_context * ctx, const model & m, ggml_tensor * x);

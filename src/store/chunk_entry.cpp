@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "kvblend/blend.h"
 #include "kvblend/codec.h"
 #include "kvblend/store.h"
 #include "store/backends.h"

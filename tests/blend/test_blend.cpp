@@ -285,6 +285,62 @@ TEST(blend, chunks_serve_many_blends_unchanged) {
     }
 }
 
+TEST(blend, result_is_the_same_in_one_micro_batch_or_many) {
+    for (const std::string & path : models_under_test()) {
+        for (blend_method method : {BLEND_METHOD_GRADUAL, BLEND_METHOD_DENSE}) {
+            fixture f(path, 3);
+            blend_params bp;
+            bp.method = method;
+            bp.schedule = {{1, 0.4f}, {2, 0.15f}};
+            engine_params one = f32_params(), many = f32_params();
+            one.n_ubatch = 512;  // every run in one micro-batch
+            many.n_ubatch = 5;   // every run cut into many, the last one short
+            engine e1(f.m, one), em(f.m, many);
+            const blend_result r1 = blend(e1, f.ptrs, f.p.query, bp);
+            const blend_result rm = blend(em, f.ptrs, f.p.query, bp);
+            ASSERT_GT(r1.stats.n_tokens, 5 * 10);
+            EXPECT_EQ(r1.selected, rm.selected) << path;
+            EXPECT_LE(rel_diff(rm.logits, r1.logits), 1e-6) << path;
+            const int64_t N = r1.stats.n_tokens;
+            for (int il = 0; il < f.m->hparams().n_layer; ++il) {
+                EXPECT_LE(rel_diff(em.cache().read_k(il, 0, N), e1.cache().read_k(il, 0, N)), 1e-6) << il;
+                EXPECT_LE(rel_diff(em.cache().read_v(il, 0, N), e1.cache().read_v(il, 0, N)), 1e-6) << il;
+            }
+        }
+    }
+}
+
+TEST(blend, hidden_states_never_cross_to_the_host) {
+    for (const std::string & path : models_under_test()) {
+        fixture f(path, 3);
+        const model_hparams & hp = f.m->hparams();
+        engine e(f.m, f32_params());
+        // the counter sees what the forward moves: a prefill reads back one row of logits
+        engine::transfer_stats t0 = e.transfers();
+        e.eval(f.p.all());
+        EXPECT_EQ(e.transfers().from_backend - t0.from_backend, (uint64_t) hp.n_vocab * sizeof(float));
+        EXPECT_GT(e.transfers().to_backend, t0.to_backend);
+
+        for (blend_method method : {BLEND_METHOD_GRADUAL, BLEND_METHOD_DENSE}) {
+            blend_params bp;
+            bp.method = method;
+            bp.schedule = {{1, 0.4f}, {2, 0.15f}};
+            t0 = e.transfers();
+            const blend_result r = blend(e, f.ptrs, f.p.query, bp);
+            const engine::transfer_stats t1 = e.transfers();
+            const uint64_t N = (uint64_t) r.stats.n_tokens;
+            EXPECT_EQ(t1.hidden, t0.hidden) << path;
+            // back to the host: the logits of the last token and one deviation per
+            // token and check (the hidden states would be N * n_embd floats a run)
+            EXPECT_LE(t1.from_backend - t0.from_backend, (hp.n_vocab + bp.schedule.size() * N) * sizeof(float)) << path;
+            // to the backend: the chunk rows placed, plus inputs (ids, positions, indices, masks)
+            uint64_t placed = 0;
+            for (const chunk_kv * c : f.ptrs) placed += c->bytes();
+            EXPECT_GE(t1.to_backend - t0.to_backend, placed / hp.n_layer * (hp.n_layer - 1)) << path;
+        }
+    }
+}
+
 TEST(blend, schedule_and_bad_params) {
     fixture f(k_stories, 3);
     engine e(f.m, f32_params());

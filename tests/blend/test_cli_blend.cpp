@@ -125,6 +125,8 @@ TEST(cli_bench_blend, speed_rows_on_a_small_model) {
     ASSERT_EQ(j["rows"].size(), 2u);
     for (const auto & row : j["rows"]) {
         EXPECT_GT(row["blend_ms"].get<double>(), 0.0);
+        EXPECT_GE(row["outside_ms"].get<double>(), 0.0);
+        EXPECT_LT(row["outside_ms"].get<double>(), row["blend_ms"].get<double>());
         EXPECT_GT(row["llama_full_ms"].get<double>(), 0.0);
         EXPECT_LT(row["deep_token_pct"].get<double>(), 50.0);
     }

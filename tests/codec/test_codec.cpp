@@ -8,6 +8,7 @@
 #include <random>
 
 #include "blend/fidelity.h"
+#include "kvblend/blend.h"
 #include "kvblend/codec.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"

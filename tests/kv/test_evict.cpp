@@ -8,7 +8,8 @@
 #include <numeric>
 #include <random>
 
-#include "graph/forward.h"
+#include "engine/driver.h"
+#include "graph/ubatch.h"
 #include "kvblend/blend.h"
 #include "kvblend/engine.h"
 #include "kvblend/evict.h"
@@ -36,48 +37,30 @@ std::vector<float> masked_dense_logits(engine & eng, const std::vector<llama_tok
     const model_hparams & hp = m.hparams();
     kv_cache & cache = eng.cache();
     const int64_t n_tok = (int64_t) cont.size(), n_past = cache.n_past(), n_kv = n_past + n_tok;
-    ggml_tensor *tok = nullptr, *lg = nullptr;
-    std::vector<graph::attn_inputs> in(hp.n_layer);
-    eng.run_graph(
-        [&](ggml_context * c, ggml_cgraph * gf) {
-            tok = ggml_new_tensor_1d(c, GGML_TYPE_I32, n_tok);
-            ggml_tensor * pos = ggml_new_tensor_1d(c, GGML_TYPE_I32, n_tok);
-            ggml_tensor * idx = ggml_new_tensor_1d(c, GGML_TYPE_I64, n_tok);
-            for (ggml_tensor * t : {tok, pos, idx}) ggml_set_input(t);
-            for (auto & li : in) {
-                li.pos = pos;
-                li.kv_idx = idx;
-                li.kq_mask = ggml_new_tensor_3d(c, GGML_TYPE_F16, n_kv, n_tok, hp.n_head);  // one mask per query head
-                li.n_kv = n_kv;
-                ggml_set_input(li.kq_mask);
-            }
-            ggml_tensor * x = ggml_get_rows(c, m.tok_embd, tok);
-            for (int il = 0; il < hp.n_layer; ++il) x = graph::build_layer(c, gf, m, il, x, cache.k(il), cache.v(il), in[il]);
-            lg = graph::build_logits(c, m, x);
-            ggml_set_output(lg);
-            ggml_build_forward_expand(gf, lg);
-        },
-        [&] {
-            std::vector<int32_t> pos(n_tok);
-            std::vector<int64_t> idx(n_tok);
-            for (int64_t i = 0; i < n_tok; ++i) pos[i] = (int32_t) (n_past + i), idx[i] = n_past + i;
-            const int64_t n_gqa = hp.n_head / hp.n_head_kv;
-            for (int il = 0; il < hp.n_layer; ++il) {
-                std::vector<ggml_fp16_t> mask(n_kv * n_tok * hp.n_head);
-                for (int64_t h = 0; h < hp.n_head; ++h)
-                    for (int64_t i = 0; i < n_tok; ++i)
-                        for (int64_t j = 0; j < n_kv; ++j) {
-                            const bool vis = j <= pos[i] && visible(il, h / n_gqa, j);
-                            mask[(h * n_tok + i) * n_kv + j] = ggml_fp32_to_fp16(vis ? 0.0f : -INFINITY);
-                        }
-                ggml_backend_tensor_set(in[il].kq_mask, mask.data(), 0, ggml_nbytes(in[il].kq_mask));
-            }
-            ggml_backend_tensor_set(tok, cont.data(), 0, ggml_nbytes(tok));
-            ggml_backend_tensor_set(in[0].pos, pos.data(), 0, ggml_nbytes(in[0].pos));
-            ggml_backend_tensor_set(in[0].kv_idx, idx.data(), 0, ggml_nbytes(in[0].kv_idx));
-        });
-    std::vector<float> out(ggml_nelements(lg));
-    ggml_backend_tensor_get(lg, out.data(), 0, ggml_nbytes(lg));
+    // one micro-batch over every layer, each layer with its own mask per query head
+    graph::ubatch ub;
+    ub.l1 = (int) hp.n_layer;
+    ub.tokens.assign(cont.begin(), cont.end());
+    for (int64_t i = 0; i < n_tok; ++i) ub.pos.push_back((int32_t) (n_past + i));
+    ub.logit_rows.resize(n_tok);
+    std::iota(ub.logit_rows.begin(), ub.logit_rows.end(), 0);
+    const int64_t n_gqa = hp.n_head / hp.n_head_kv;
+    for (int il = 0; il < hp.n_layer; ++il) {
+        graph::ubatch_attn a;
+        a.n_kv = n_kv;
+        for (int64_t i = 0; i < n_tok; ++i) a.kv_idx.push_back(n_past + i);
+        a.mask_heads = hp.n_head;
+        a.mask.resize(n_kv * n_tok * hp.n_head);
+        for (int64_t h = 0; h < hp.n_head; ++h)
+            for (int64_t i = 0; i < n_tok; ++i)
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    const bool vis = j <= ub.pos[i] && visible(il, h / n_gqa, j);
+                    a.mask[(h * n_tok + i) * n_kv + j] = ggml_fp32_to_fp16(vis ? 0.0f : -INFINITY);
+                }
+        ub.groups.push_back(std::move(a));
+        ub.group_of.push_back(il);
+    }
+    const std::vector<float> out = forward_driver(eng).run(ub).logits;
     cache.set_n_past(n_kv);
     return out;
 }

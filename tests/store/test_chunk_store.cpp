@@ -12,6 +12,7 @@
 
 #include "cli_run.h"
 #include "kvblend/rag_prompt.h"
+#include "kvblend/blend.h"
 #include "kvblend/store.h"
 #include "test_util.h"
 

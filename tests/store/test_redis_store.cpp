@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kvblend/common.h"
+#include "kvblend/blend.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
 #include "store/backends.h"

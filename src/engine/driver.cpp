@@ -1,0 +1,392 @@
+// the forward driver: one ubatch -> one graph on the engine's scheduler
+// (build -> alloc -> set inputs -> compute -> read outputs).
+#include "engine/driver.h"
+
+#include <algorithm>
+
+#include "engine/engine_impl.h"
+#include "graph/forward.h"
+#include "graph/ubatch.h"
+#include "kv/live_kv.h"
+
+namespace kvblend {
+
+// the graph of one ubatch and the tensors its inputs and outputs go through
+struct ubatch_graph {
+    ggml_context_ptr ctx;
+    ggml_cgraph * gf = nullptr;
+    ggml_tensor *tok = nullptr, *x_rows = nullptr, *pos = nullptr, *write_rows = nullptr;
+    ggml_tensor *out_x = nullptr, *logit_rows = nullptr, *sel = nullptr, *dev_rows = nullptr;
+    std::vector<graph::attn_inputs> in;      // per group
+    std::vector<ggml_tensor *> score_mask;   // per group, F32 [n_kv, n_sel]
+    std::vector<ggml_tensor *> score_out;    // per layer l0…l1-1, F32 [n_kv, n_head]
+    ggml_tensor *logits = nullptr, *dev = nullptr;
+};
+
+namespace {
+
+// decode keys rows in blocks of this many, so that a decode graph's shapes
+// (the K/V views and the mask) repeat from one token to the next
+constexpr int64_t k_decode_pad = 256;
+
+ggml_tensor * new_input(ggml_context * c, ggml_type t, int64_t n) {
+    ggml_tensor * x = ggml_new_tensor_1d(c, t, n);
+    ggml_set_input(x);
+    return x;
+}
+
+// attention scores of the ubatch's score_rows, read inside each layer
+struct score_taps : graph::layer_taps {
+    const model & m;
+    ubatch_graph & g;
+    const std::vector<int> & group_of;
+    int l0;
+    score_taps(const model & m, ubatch_graph & g, const std::vector<int> & group_of, int l0)
+        : m(m), g(g), group_of(group_of), l0(l0) {}
+    void attn(ggml_context * ctx, ggml_cgraph * gf, int il, const graph::qkv & cur, const graph::kv_views & kv) override {
+        ggml_tensor * s = graph::build_attn_weight_sums(ctx, m, cur.q, kv.k, g.sel, g.score_mask[group_of[il]]);
+        ggml_set_output(s);
+        ggml_build_forward_expand(gf, s);
+        g.score_out[il - l0] = s;
+    }
+};
+
+ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggml_tensor * hidden,
+                          std::vector<uint8_t> & meta, const graph::ubatch & ub) {
+    const int64_t n_tok = ub.n_tokens();
+    const int64_t n_sel = (int64_t) ub.score_rows.size(), n_logit = (int64_t) ub.logit_rows.size();
+    const bool keep_x = !ub.out_x_rows.empty(), with_dev = ub.dev != graph::UBATCH_DEV_NONE;
+    ubatch_graph g;
+    ggml_init_params ip = {meta.size(), meta.data(), true};
+    g.ctx.reset(ggml_init(ip));
+    ggml_context * c = g.ctx.get();
+    g.gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
+
+    g.pos = new_input(c, GGML_TYPE_I32, n_tok);
+    ggml_tensor * x = nullptr;
+    if (!ub.tokens.empty()) {
+        g.tok = new_input(c, GGML_TYPE_I32, n_tok);
+        x = ggml_get_rows(c, m.tok_embd, g.tok);  // F32 [n_embd, n_tok]
+    } else {
+        g.x_rows = new_input(c, GGML_TYPE_I32, n_tok);
+        x = ggml_get_rows(c, hidden, g.x_rows);  // F32 [n_embd, n_tok]
+    }
+    const int64_t n_write = ub.write_rows.empty() ? n_tok : (int64_t) ub.write_rows.size();
+    if (n_write < n_tok) g.write_rows = new_input(c, GGML_TYPE_I32, n_write);
+    if (n_sel > 0) g.sel = new_input(c, GGML_TYPE_I32, n_sel);
+    for (const graph::ubatch_attn & a : ub.groups) {
+        graph::attn_inputs in;
+        in.pos = g.pos;
+        in.n_kv = a.n_kv;
+        in.hook = live;
+        in.write_rows = g.write_rows;
+        if (!a.kv_idx.empty()) in.kv_idx = new_input(c, GGML_TYPE_I64, (int64_t) a.kv_idx.size());
+        in.kq_mask = ggml_new_tensor_3d(c, GGML_TYPE_F16, a.n_kv, n_tok, a.mask_heads);  // [n_kv, n_tok, heads]
+        ggml_set_input(in.kq_mask);
+        g.in.push_back(in);
+        ggml_tensor * sm = nullptr;
+        if (n_sel > 0) {
+            sm = ggml_new_tensor_2d(c, GGML_TYPE_F32, a.n_kv, n_sel);  // [n_kv, n_sel]
+            ggml_set_input(sm);
+        }
+        g.score_mask.push_back(sm);
+    }
+    // the last layer computes its FFN only for the rows whose logits are wanted,
+    // and only its K/V when nothing reads its output
+    const bool reduce = !keep_x && !with_dev && n_logit > 0 && n_logit < n_tok;
+    if (n_logit > 0 && n_logit < n_tok) g.logit_rows = new_input(c, GGML_TYPE_I32, n_logit);
+    const bool kv_only = !keep_x && !with_dev && n_logit == 0;
+
+    g.score_out.assign(ub.l1 - ub.l0, nullptr);
+    score_taps taps(m, g, ub.group_of, ub.l0);
+    for (int il = ub.l0; il < ub.l1; ++il) {
+        const bool last = il == ub.l1 - 1;
+        x = graph::build_layer(c, g.gf, m, il, x, cache.k(il), cache.v(il), g.in[ub.group_of[il]],
+                               last && reduce ? g.logit_rows : nullptr, n_sel > 0 ? &taps : nullptr, last && kv_only);
+    }
+    if (!x) return g;  // only K/V writes (and scores)
+    if (keep_x) {
+        g.out_x = new_input(c, GGML_TYPE_I32, n_tok);
+        ggml_build_forward_expand(g.gf, ggml_set_rows(c, hidden, x, g.out_x));
+    }
+    if (with_dev) {
+        g.dev_rows = new_input(c, GGML_TYPE_I32, n_tok);
+        const int il = ub.dev_layer;
+        g.dev = graph::build_deviation(c, m, il, x, g.pos, cache.k(il), cache.v(il), g.dev_rows,
+                                       ub.dev != graph::UBATCH_DEV_V, ub.dev != graph::UBATCH_DEV_K);  // [1, n_tok]
+        ggml_set_output(g.dev);
+        ggml_build_forward_expand(g.gf, g.dev);
+    }
+    if (n_logit > 0) {
+        ggml_tensor * xl = !reduce && g.logit_rows ? ggml_get_rows(c, x, g.logit_rows) : x;  // [n_embd, n_logit]
+        g.logits = graph::build_logits(c, m, xl);                                          // [n_vocab, n_logit]
+        ggml_set_output(g.logits);
+        ggml_build_forward_expand(g.gf, g.logits);
+    }
+    return g;
+}
+
+}  // namespace
+
+forward_driver::forward_driver(engine & eng) : eng_(eng), im_(*eng.impl_) {}
+
+void forward_driver::count(const ggml_tensor * t, size_t size, bool to_backend, bool maybe_hidden) {
+    engine::transfer_stats & s = im_.transfers;
+    (to_backend ? s.to_backend : s.from_backend) += size;
+    if (maybe_hidden && t->type == GGML_TYPE_F32 && t->ne[0] == eng_.mdl().hparams().n_embd) s.hidden += size;
+}
+
+void forward_driver::upload(ggml_tensor * t, const void * data, size_t offset, size_t size) {
+    if (!t || !t->buffer || size == 0) return;  // inputs the built graph does not use have no buffer
+    ggml_backend_tensor_set(t, data, offset, size);
+    count(t, size, true, true);
+}
+
+void forward_driver::download(const ggml_tensor * t, void * data, size_t offset, size_t size) {
+    if (size == 0) return;
+    ggml_backend_tensor_get(t, data, offset, size);
+    count(t, size, false, true);
+}
+
+graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
+    const model & m = eng_.mdl();
+    kv_cache & cache = eng_.cache();
+    const int64_t n_tok = ub.n_tokens();
+    if ((ub.tokens.empty() || !ub.out_x_rows.empty()) && !im_.hidden)
+        throw error("internal: a ubatch uses hidden states that were not reserved");
+
+    // a decode step whose shapes repeat runs the previous step's graph again:
+    // no build, no scheduler pass, only the inputs are filled (as libllama does)
+    std::vector<int64_t> key;
+    if (n_tok == 1 && !ub.tokens.empty() && ub.score_rows.empty() && ub.dev == graph::UBATCH_DEV_NONE &&
+        ub.out_x_rows.empty() && !eng_.live_ && ub.l0 == 0 && ub.logit_rows.size() == 1) {
+        key = {ub.l1, cache.capacity()};
+        for (const ggml_tensor * t : {cache.k(0), cache.v(0)}) key.insert(key.end(), {(int64_t) (uintptr_t) t, (int64_t) (uintptr_t) t->data});
+        for (const graph::ubatch_attn & a : ub.groups) key.insert(key.end(), {a.n_kv, a.mask_heads, (int64_t) a.kv_idx.size()});
+        key.insert(key.end(), ub.group_of.begin(), ub.group_of.end());
+    }
+    ggml_backend_sched_t sched = im_.sched.get();
+    std::shared_ptr<ubatch_graph> gp;
+    if (!key.empty() && im_.decode_graph && im_.decode_key == key) {
+        gp = im_.decode_graph;
+    } else {
+        im_.decode_graph.reset();  // its descriptors live in meta_buf, which the new graph takes over
+        gp = std::make_shared<ubatch_graph>(build_ubatch(m, cache, eng_.live_.get(), im_.hidden, im_.meta_buf, ub));
+        ggml_backend_sched_reset(sched);
+        if (!ggml_backend_sched_alloc_graph(sched, gp->gf)) throw error("cannot allocate the compute graph");
+        if (!key.empty()) im_.decode_graph = gp, im_.decode_key = key;
+    }
+    ubatch_graph & g = *gp;
+
+    auto up = [&](ggml_tensor * t, const void * data) {
+        if (t) upload(t, data, 0, ggml_nbytes(t));
+    };
+    up(g.tok, ub.tokens.data());
+    up(g.x_rows, ub.x_rows.data());
+    up(g.pos, ub.pos.data());
+    up(g.write_rows, ub.write_rows.data());
+    up(g.out_x, ub.out_x_rows.data());
+    up(g.logit_rows, ub.logit_rows.data());
+    up(g.sel, ub.score_rows.data());
+    up(g.dev_rows, ub.dev_cache_rows.data());
+    const int64_t n_sel = (int64_t) ub.score_rows.size();
+    for (size_t gi = 0; gi < ub.groups.size(); ++gi) {
+        const graph::ubatch_attn & a = ub.groups[gi];
+        up(g.in[gi].kv_idx, a.kv_idx.data());
+        std::vector<ggml_fp16_t> filled;
+        const ggml_fp16_t * mask = a.mask.data();
+        if (a.mask.empty()) {
+            filled.resize(a.n_kv * n_tok);
+            graph::fill_causal_mask(filled.data(), a.kpos.data(), a.n_kv, ub.pos.data(), n_tok);
+            mask = filled.data();
+        }
+        up(g.in[gi].kq_mask, mask);
+        if (g.score_mask[gi]) {
+            std::vector<float> sm(a.n_kv * n_sel);
+            for (int64_t q = 0; q < n_sel; ++q)
+                for (int64_t j = 0; j < a.n_kv; ++j)
+                    sm[q * a.n_kv + j] = ggml_fp16_to_fp32(mask[ub.score_rows[q] * a.n_kv + j]);
+            up(g.score_mask[gi], sm.data());
+        }
+    }
+    if (ggml_backend_sched_graph_compute(sched, g.gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
+
+    graph::ubatch_out out;
+    if (g.logits) {
+        out.logits.resize(ggml_nelements(g.logits));
+        ggml_backend_tensor_get(g.logits, out.logits.data(), 0, ggml_nbytes(g.logits));
+        count(g.logits, ggml_nbytes(g.logits), false, false);  // n_vocab wide, even where n_vocab == n_embd
+    }
+    if (g.dev) {
+        out.dev.resize(n_tok);
+        download(g.dev, out.dev.data(), 0, ggml_nbytes(g.dev));
+    }
+    if (n_sel > 0) {
+        out.scores.resize(g.score_out.size());
+        for (size_t i = 0; i < g.score_out.size(); ++i) {
+            out.scores[i].resize(ggml_nelements(g.score_out[i]));
+            download(g.score_out[i], out.scores[i].data(), 0, ggml_nbytes(g.score_out[i]));
+        }
+    }
+    return out;
+}
+
+graph::ubatch forward_driver::append_ubatch(const llama_token * tokens, int64_t n, int64_t pos_shift, int64_t n_logits,
+                                            std::vector<int32_t> score_rows) const {
+    const model_hparams & hp = eng_.mdl().hparams();
+    const kv_cache & cache = eng_.cache();
+    graph::ubatch ub;
+    ub.l0 = 0;
+    ub.l1 = (int) hp.n_layer;
+    ub.tokens.assign(tokens, tokens + n);
+    ub.pos.resize(n);
+    for (int64_t i = 0; i < n; ++i) ub.pos[i] = (int32_t) (cache.n_past() + i + pos_shift);
+    for (int64_t i = n - n_logits; i < n; ++i) ub.logit_rows.push_back((int32_t) i);
+    ub.score_rows = std::move(score_rows);
+    // layers holding the same rows share their inputs (pyramidkv gives layers other counts)
+    std::vector<int> group_layer;  // a layer of each group
+    ub.group_of.resize(hp.n_layer);
+    for (int il = 0; il < hp.n_layer; ++il) {
+        size_t gi = 0;
+        while (gi < group_layer.size() && (cache.n_rows(group_layer[gi]) != cache.n_rows(il) ||
+                                           cache.n_retained(group_layer[gi]) != cache.n_retained(il)))
+            ++gi;
+        if (gi == group_layer.size()) group_layer.push_back(il);
+        ub.group_of[il] = (int) gi;
+    }
+    for (int il : group_layer) {
+        graph::ubatch_attn a;
+        const int64_t n_rows = cache.n_rows(il);
+        a.n_kv = n_rows + n;
+        // a decode step attends over whole blocks of rows (the rows past the
+        // cache's are hidden): its graph is the same for k_decode_pad steps.
+        // live caches read exactly the rows they hold
+        if (n == 1 && !eng_.live_) a.n_kv = std::min(cache.capacity(), (a.n_kv + k_decode_pad - 1) / k_decode_pad * k_decode_pad);
+        // key positions: a dense cache's row r is position r (+ shift); a sparse
+        // cache's retained rows are visible to all, newer rows causal
+        a.kpos.assign(a.n_kv, -1);
+        if (cache.sparse()) cache.mask_pos(il, a.kpos.data());
+        else for (int64_t j = 0; j < n_rows; ++j) a.kpos[j] = (int32_t) (j + pos_shift);
+        for (int64_t i = 0; i < n; ++i) a.kpos[n_rows + i] = ub.pos[i];
+        a.kv_idx.resize(n);
+        for (int64_t i = 0; i < n; ++i) a.kv_idx[i] = n_rows + i;
+        ub.groups.push_back(std::move(a));
+    }
+    return ub;
+}
+
+void forward_driver::reserve() {
+    const model_hparams & hp = eng_.mdl().hparams();
+    const kv_cache & cache = eng_.cache();
+    if (eng_.live_ || !cache.holds_rows()) return;  // live caches size their graphs by what they hold
+    const int64_t n_tok = std::min(eng_.params().n_ubatch, cache.n_ctx());
+    graph::ubatch ub;
+    ub.l1 = (int) hp.n_layer;
+    ub.tokens.assign(n_tok, 0);
+    ub.pos.assign(n_tok, 0);
+    ub.logit_rows = {(int32_t) (n_tok - 1)};
+    ub.group_of.assign(hp.n_layer, 0);
+    graph::ubatch_attn a;
+    a.n_kv = cache.n_ctx();
+    a.kv_idx.assign(n_tok, 0);
+    ub.groups.push_back(a);
+    im_.decode_graph.reset();
+    ubatch_graph g = build_ubatch(eng_.mdl(), eng_.cache(), nullptr, im_.hidden, im_.meta_buf, ub);
+    if (!ggml_backend_sched_reserve(im_.sched.get(), g.gf)) throw error("cannot reserve the compute buffers");
+}
+
+void forward_driver::reserve_hidden(int64_t n) {
+    if (im_.hidden && im_.n_hidden >= n) return;
+    const model & m = eng_.mdl();
+    ggml_init_params ip = {ggml_tensor_overhead(), nullptr, true};
+    ggml_context_ptr ctx(ggml_init(ip));
+    ggml_tensor * h = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F32, m.hparams().n_embd, n);  // [n_embd, n]
+    ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors(ctx.get(), im_.backends.front().get()));
+    if (!buf) throw error("cannot allocate the hidden states of " + std::to_string(n) + " tokens");
+    im_.hidden_buf = std::move(buf);
+    im_.hidden_ctx = std::move(ctx);
+    im_.hidden = h;
+    im_.n_hidden = n;
+}
+
+std::vector<float> forward_driver::run_rows(const rows_run & r, std::vector<float> * dev) {
+    const std::vector<int64_t> & rows = *r.rows;
+    const int64_t ub_size = eng_.params().n_ubatch;
+    const bool with_dev = r.dev_k || r.dev_v;
+    std::vector<float> logits;
+    reserve_hidden((int64_t) r.pos->size());
+    for (size_t b0 = 0; b0 < rows.size(); b0 += ub_size) {
+        const int64_t nt = std::min<int64_t>(ub_size, (int64_t) rows.size() - (int64_t) b0);
+        const bool last_ub = b0 + nt == rows.size();
+        graph::ubatch ub;
+        ub.l0 = r.l0;
+        ub.l1 = r.l1;
+        graph::ubatch_attn a;
+        a.n_kv = rows[b0 + nt - 1] + 1;  // causal: later rows are hidden anyway
+        a.kpos.assign(r.pos->begin(), r.pos->begin() + a.n_kv);
+        for (int64_t i = 0; i < nt; ++i) {
+            const int64_t row = rows[b0 + i];
+            if (r.from_tokens) ub.tokens.push_back((*r.tokens)[row]);
+            else ub.x_rows.push_back((int32_t) row);
+            ub.pos.push_back((*r.pos)[row]);
+            if ((*r.write)[row]) {
+                ub.write_rows.push_back((int32_t) i);
+                a.kv_idx.push_back(row);
+            }
+        }
+        if ((int64_t) ub.write_rows.size() == nt) ub.write_rows.clear();  // every token writes
+        ub.groups.push_back(std::move(a));
+        ub.group_of.assign(eng_.mdl().hparams().n_layer, 0);
+        if (r.logits) {
+            if (last_ub) ub.logit_rows = {(int32_t) (nt - 1)};
+        } else {
+            for (int64_t i = 0; i < nt; ++i) ub.out_x_rows.push_back((int32_t) rows[b0 + i]);
+        }
+        if (with_dev) {
+            ub.dev = r.dev_k && r.dev_v ? graph::UBATCH_DEV_KV : r.dev_k ? graph::UBATCH_DEV_K : graph::UBATCH_DEV_V;
+            ub.dev_layer = r.l1;
+            for (int64_t i = 0; i < nt; ++i) ub.dev_cache_rows.push_back((int32_t) rows[b0 + i]);
+        }
+        graph::ubatch_out out = run(ub);
+        if (!out.logits.empty()) logits = std::move(out.logits);
+        if (dev)
+            for (int64_t i = 0; i < (int64_t) out.dev.size(); ++i) (*dev)[rows[b0 + i]] = out.dev[i];
+    }
+    return logits;
+}
+
+void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1) {
+    const model & m = eng_.mdl();
+    const model_hparams & hp = m.hparams();
+    kv_cache & cache = eng_.cache();
+    const int64_t n = (int64_t) delta.size();
+    if (n == 0 || l0 >= l1) return;
+    im_.decode_graph.reset();
+    ggml_init_params ip = {im_.meta_buf.size(), im_.meta_buf.data(), true};
+    ggml_context_ptr ctx(ggml_init(ip));
+    ggml_context * c = ctx.get();
+    ggml_cgraph * gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
+    ggml_tensor * pos = new_input(c, GGML_TYPE_I32, n);
+    ggml_tensor * idx = new_input(c, GGML_TYPE_I64, n);
+    for (int il = l0; il < l1; ++il) {
+        ggml_tensor * store = cache.k(il);  // [n_embd_kv, n_ctx]
+        ggml_tensor * k = ggml_view_3d(c, store, hp.head_dim, hp.n_head_kv, n, ggml_row_size(store->type, hp.head_dim),
+                                       store->nb[1], 0);  // [head_dim, n_head_kv, n]
+        // RoPE takes f32/f16: a quantized cache's rows are dequantized first
+        if (ggml_is_quantized(store->type)) k = ggml_cast(c, k, GGML_TYPE_F32);
+        ggml_tensor * kr = ggml_rope_ext(c, k, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train,
+                                         hp.rope_base, hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+        kr = ggml_reshape_2d(c, kr, hp.n_embd_kv(), n);  // [n_embd_kv, n]
+        ggml_build_forward_expand(gf, ggml_set_rows(c, store, kr, idx));
+    }
+    ggml_backend_sched_t sched = im_.sched.get();
+    ggml_backend_sched_reset(sched);
+    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw error("cannot allocate the compute graph");
+    std::vector<int64_t> rows(n);
+    for (int64_t i = 0; i < n; ++i) rows[i] = i;
+    upload(pos, delta.data(), 0, ggml_nbytes(pos));
+    upload(idx, rows.data(), 0, ggml_nbytes(idx));
+    if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
+}
+
+}  // namespace kvblend
