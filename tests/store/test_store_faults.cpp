@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_run.h"
+#include "kvblend/blend.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "store/backends.h"
