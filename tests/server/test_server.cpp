@@ -10,6 +10,7 @@
 
 #include "httplib.h"
 #include "kvblend/server.h"
+#include "server/running_server.h"
 #include "test_util.h"
 
 namespace kvblend {
@@ -18,29 +19,7 @@ namespace {
 using json = nlohmann::json;
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
-class running_server {
-  public:
-    running_server(server_params p, const std::string & model_path = k_stories) {
-        p.port = 0;
-        srv_ = std::make_unique<server>(model::load(model_path), p);
-        thread_ = std::thread([this] { srv_->listen(); });
-        EXPECT_TRUE(srv_->wait_ready(10000));
-    }
-    ~running_server() {
-        srv_->stop();
-        thread_.join();
-    }
-    int port() const { return srv_->port(); }
-    httplib::Client client() const {
-        httplib::Client c("127.0.0.1", srv_->port());
-        c.set_read_timeout(60, 0);
-        return c;
-    }
-
-  private:
-    std::unique_ptr<server> srv_;
-    std::thread thread_;
-};
+using test::running_server;
 
 json post(httplib::Client & c, const std::string & path, const json & body, int expect_status = 200) {
     auto r = c.Post(path, body.dump(), "application/json");

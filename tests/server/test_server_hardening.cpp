@@ -17,6 +17,7 @@
 #include "cli_run.h"
 #include "httplib.h"
 #include "kvblend/server.h"
+#include "server/running_server.h"
 #include "store/redis_server.h"
 #include "test_util.h"
 
@@ -26,29 +27,13 @@ namespace {
 using json = nlohmann::json;
 const std::string k_model = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
-class live_server {
-  public:
-    explicit live_server(server_params p) {
-        p.port = 0;
+// the server tests' server, with a small context unless the test asks for one
+struct live_server : test::running_server {
+    static server_params small_ctx(server_params p) {
         if (p.n_ctx == 4096) p.n_ctx = 512;
-        srv_ = std::make_unique<server>(model::load(k_model), p);
-        thread_ = std::thread([this] { srv_->listen(); });
-        EXPECT_TRUE(srv_->wait_ready(10000));
+        return p;
     }
-    ~live_server() {
-        srv_->stop();
-        thread_.join();
-    }
-    int port() const { return srv_->port(); }
-    httplib::Client client(int read_timeout_s = 60) const {
-        httplib::Client c("127.0.0.1", port());
-        c.set_read_timeout(read_timeout_s, 0);
-        return c;
-    }
-
-  private:
-    std::unique_ptr<server> srv_;
-    std::thread thread_;
+    explicit live_server(server_params p) : running_server(small_ctx(p), k_model) {}
 };
 
 // a raw loopback connection, for what an HTTP client library would not send

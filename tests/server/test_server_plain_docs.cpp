@@ -8,6 +8,7 @@
 
 #include "httplib.h"
 #include "kvblend/server.h"
+#include "server/running_server.h"
 #include "test_util.h"
 
 namespace kvblend {
@@ -16,28 +17,7 @@ namespace {
 using json = nlohmann::json;
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
-class plain_server {
-  public:
-    explicit plain_server(server_params p) {
-        p.port = 0;
-        srv_ = std::make_unique<server>(model::load(k_stories), p);
-        thread_ = std::thread([this] { srv_->listen(); });
-        EXPECT_TRUE(srv_->wait_ready(10000));
-    }
-    ~plain_server() {
-        srv_->stop();
-        thread_.join();
-    }
-    httplib::Client client() const {
-        httplib::Client c("127.0.0.1", srv_->port());
-        c.set_read_timeout(60, 0);
-        return c;
-    }
-
-  private:
-    std::unique_ptr<server> srv_;
-    std::thread thread_;
-};
+using plain_server = test::running_server;
 
 json post(httplib::Client & c, const std::string & path, const json & body) {
     auto r = c.Post(path, body.dump(), "application/json");
