@@ -95,10 +95,16 @@ entry_header parse(const std::vector<uint8_t> & b) {
     if (b.size() < want_header + k_checksum_bytes) throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
     // raw rows have a size fixed by the shape; a codec's payload checks its own
     h.payload_bytes = b.size() - want_header - k_checksum_bytes;
+    // a row's values, and the rows' bytes, must not overflow: a crafted shape can ask for 2^64 bytes
+    uint64_t n_embd_kv = 0;
+    if (__builtin_mul_overflow((uint64_t) h.n_head_kv, (uint64_t) h.head_dim, &n_embd_kv) || n_embd_kv > (uint64_t) INT32_MAX)
+        throw error("entry rows of " + std::to_string(h.n_head_kv) + " x " + std::to_string(h.head_dim) + " values are too large");
     if (h.codec == k_codec_raw) {
-        const uint64_t want = want_header + (uint64_t) h.n_layer * 2 * n_rows *
-                                                ggml_row_size((ggml_type) h.dtype, (int64_t) h.n_head_kv * h.head_dim) +
-                                            k_checksum_bytes;
+        uint64_t want = 0;
+        if (__builtin_mul_overflow((uint64_t) h.n_layer * 2, n_rows, &want) ||
+            __builtin_mul_overflow(want, (uint64_t) ggml_row_size((ggml_type) h.dtype, (int64_t) n_embd_kv), &want) ||
+            __builtin_add_overflow(want, want_header + k_checksum_bytes, &want))
+            throw error("entry shape is too large for any entry");
         if (b.size() < want) throw error("entry is truncated (" + std::to_string(b.size()) + " of " + std::to_string(want) + " bytes)");
         if (b.size() > want) throw error("entry has " + std::to_string(b.size() - want) + " trailing bytes");
     }

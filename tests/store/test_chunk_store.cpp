@@ -5,6 +5,7 @@
 #include <sys/time.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -103,6 +104,11 @@ TEST(chunk_store, corrupt_truncated_and_foreign_entries_are_misses) {
     std::vector<uint8_t> magic = bytes;
     magic[0] = 'X';
     expect_bad(magic, "magic");
+    // a shape whose row size overflows (found by fuzz_store_entry): an error, not UB
+    std::vector<uint8_t> huge = bytes;
+    const uint32_t big[2] = {0xFC000002u, 0xFCFF000Fu};
+    std::memcpy(&huge[52], big, 8);  // n_head_kv, head_dim
+    expect_bad(huge, "too large");
     // an entry of another model: well formed, but not ours
     auto other = model::load(test::make_test_model("tiny"));
     engine eng2(other, engine_default_params());
