@@ -16,6 +16,8 @@
 #   KVBLEND_BUILD_DIR       the normal build whose ggml and libllama are linked (default: build)
 #   KVBLEND_JOBS            parallel build jobs (default: number of cores)
 #   KVBLEND_FUZZ_JOBS       parallel fuzzing processes for one target (default 1)
+#   KVBLEND_FUZZ_SEED       libFuzzer's random seed (default: a new one each run); the
+#                           ctest runs fix it, so CI explores the same inputs every time
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -74,5 +76,6 @@ cd "$work"
 par=()
 jobs="${KVBLEND_FUZZ_JOBS:-1}"
 ((jobs > 1)) && par=(-fork="$jobs")
+[[ -n "${KVBLEND_FUZZ_SEED:-}" ]] && par+=(-seed="$KVBLEND_FUZZ_SEED")
 exec "$root/$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 "${par[@]}" \
   corpus "${seeds[@]/#/$root/}"
