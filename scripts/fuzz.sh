@@ -70,6 +70,8 @@ work="$BUILD_DIR/fuzz/run/$name"
 mkdir -p "$work/corpus"
 seeds=()
 [[ -d "fuzz/corpus/$name" ]] && seeds=("fuzz/corpus/$name")
+# inputs that once crashed it, kept by hand (--seeds never rewrites them)
+[[ -d "fuzz/regressions/$name" ]] && seeds+=("fuzz/regressions/$name")
 log "fuzz_$name for ${seconds}s (seeds: ${seeds[*]:-none}; new inputs in $work/corpus)"
 # -rss_limit_mb: the sanitizers' shadow memory counts; -timeout: a slow input is a bug too
 cd "$work"
