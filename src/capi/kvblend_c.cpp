@@ -92,7 +92,16 @@ template <class T> T * dup_array(const std::vector<T> & v) {
     return p;
 }
 
-ggml_type kv_type(kvb_kv_type t) {
+// a C caller may put any int in an enum field: read it as an int, since loading
+// an out-of-range value as the C++ enum type is undefined behaviour
+template <typename E> int enum_value(const E & e) {
+    static_assert(sizeof(E) == sizeof(int), "C enums are int-sized here");
+    int v = 0;
+    std::memcpy(&v, &e, sizeof v);
+    return v;
+}
+
+ggml_type kv_type(int t) {
     switch (t) {
         case KVB_KV_F16: return GGML_TYPE_F16;
         case KVB_KV_F32: return GGML_TYPE_F32;
@@ -407,8 +416,8 @@ kvb_status kvb_context_new(kvb_model * model, const kvb_context_params * params,
         c->ep = engine_default_params();
         c->ep.n_threads = p.n_threads;
         c->ep.n_ubatch = p.n_ubatch;
-        c->ep.type_k = kv_type(p.type_k);
-        c->ep.type_v = kv_type(p.type_v);
+        c->ep.type_k = kv_type(enum_value(p.type_k));
+        c->ep.type_v = kv_type(enum_value(p.type_v));
         c->fixed_n_ctx = std::min(p.n_ctx, c->m->hparams().n_ctx_train);
         // an engine now, so that a bad setting (a quantized cache for this head size) fails here
         c->ep.n_ctx = c->fixed_n_ctx > 0 ? c->fixed_n_ctx : std::min<int64_t>(256, c->m->hparams().n_ctx_train);
@@ -616,14 +625,15 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         if (!(p.recomp_ratio >= 0 && p.recomp_ratio <= 1)) fail(KVB_ERR_INVALID_ARGUMENT, "recomp_ratio must be in [0, 1]");
         if (p.check_layer < 0 || p.check_layer >= n_layer)
             fail(KVB_ERR_INVALID_ARGUMENT, "check_layer must be in [0, " + std::to_string(n_layer - 1) + "]");
-        if (p.score < KVB_SCORE_V || p.score > KVB_SCORE_KV) fail(KVB_ERR_INVALID_ARGUMENT, "score must be KVB_SCORE_V, K or KV");
-        if (p.method != KVB_METHOD_GRADUAL && p.method != KVB_METHOD_DENSE)
+        const int score = enum_value(p.score), method = enum_value(p.method);
+        if (score < KVB_SCORE_V || score > KVB_SCORE_KV) fail(KVB_ERR_INVALID_ARGUMENT, "score must be KVB_SCORE_V, K or KV");
+        if (method != KVB_METHOD_GRADUAL && method != KVB_METHOD_DENSE)
             fail(KVB_ERR_INVALID_ARGUMENT, "method must be KVB_METHOD_GRADUAL or KVB_METHOD_DENSE");
         if (p.chunk_head < 0) fail(KVB_ERR_INVALID_ARGUMENT, "chunk_head must not be negative");
         bp.recomp_ratio = p.recomp_ratio;
         bp.check_layer = p.check_layer;
-        bp.score = p.score == KVB_SCORE_K ? BLEND_SCORE_K : p.score == KVB_SCORE_KV ? BLEND_SCORE_KV : BLEND_SCORE_V;
-        bp.method = p.method == KVB_METHOD_DENSE ? BLEND_METHOD_DENSE : BLEND_METHOD_GRADUAL;
+        bp.score = score == KVB_SCORE_K ? BLEND_SCORE_K : score == KVB_SCORE_KV ? BLEND_SCORE_KV : BLEND_SCORE_V;
+        bp.method = method == KVB_METHOD_DENSE ? BLEND_METHOD_DENSE : BLEND_METHOD_GRADUAL;
         bp.recompute_chunk_head = p.chunk_head;
         if (p.n_schedule > 0) {
             need(p.schedule_layers, "schedule_layers (with n_schedule > 0)");
