@@ -2,12 +2,38 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kvblend/common.h"
 
 namespace kvblend::cli {
+
+// the whole of s as an integer / a number; nothing when it is not one (or is empty)
+inline std::optional<int64_t> to_integer(const std::string & s) {
+    size_t n = 0;
+    long long v = 0;
+    try {
+        v = std::stoll(s, &n);
+    } catch (...) {
+        return std::nullopt;
+    }
+    if (s.empty() || n != s.size()) return std::nullopt;
+    return v;
+}
+
+inline std::optional<double> to_real(const std::string & s) {
+    size_t n = 0;
+    double v = 0;
+    try {
+        v = std::stod(s, &n);
+    } catch (...) {
+        return std::nullopt;
+    }
+    if (s.empty() || n != s.size()) return std::nullopt;
+    return v;
+}
 
 // walks "--flag value" / "-f value" / "--switch" arguments. a value that is
 // missing, malformed or out of range throws kvblend::error naming the flag.
@@ -40,14 +66,9 @@ class args {
 
     int64_t integer(int64_t lo, int64_t hi) {
         const std::string s = str();
-        size_t n = 0;
-        long long v = 0;
-        try {
-            v = std::stoll(s, &n);
-        } catch (...) {
-            n = 0;
-        }
-        if (n != s.size() || s.empty()) throw error(flag_ + " expects an integer, got '" + s + "'");
+        const std::optional<int64_t> iv = to_integer(s);
+        if (!iv) throw error(flag_ + " expects an integer, got '" + s + "'");
+        const int64_t v = *iv;
         if (v < lo || v > hi)
             throw error(flag_ + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + s);
         return v;
@@ -55,14 +76,9 @@ class args {
 
     double real(double lo, double hi) {
         const std::string s = str();
-        size_t n = 0;
-        double v = 0;
-        try {
-            v = std::stod(s, &n);
-        } catch (...) {
-            n = 0;
-        }
-        if (n != s.size() || s.empty() || !(v >= lo && v <= hi))
+        const std::optional<double> rv = to_real(s);
+        const double v = rv.value_or(0);
+        if (!rv || !(v >= lo && v <= hi))
             throw error(flag_ + " expects a number in [" + fmt(lo) + ", " + fmt(hi) + "], got '" + s + "'");
         return v;
     }

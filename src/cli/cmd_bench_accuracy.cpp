@@ -177,30 +177,18 @@ void parse_evict_setting(const std::string & s, evict_params & ev, const std::st
 }
 
 int64_t parse_int(const std::string & s, const std::string & spec, int64_t lo, int64_t hi) {
-    size_t n = 0;
-    long long v = 0;
-    try {
-        v = std::stoll(s, &n);
-    } catch (...) {
-        n = 0;
-    }
-    if (s.empty() || n != s.size() || v < lo || v > hi)
+    const std::optional<int64_t> v = to_integer(s);
+    if (!v || *v < lo || *v > hi)
         throw error("variant '" + spec + "': expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
                     "], got '" + s + "'");
-    return v;
+    return *v;
 }
 
 double parse_real(const std::string & s, const std::string & spec) {
-    size_t n = 0;
-    double v = 0;
-    try {
-        v = std::stod(s, &n);
-    } catch (...) {
-        n = 0;
-    }
-    if (s.empty() || n != s.size() || !(v > 0) || !std::isfinite(v))
+    const std::optional<double> v = to_real(s);
+    if (!v || !(*v > 0) || !std::isfinite(*v))
         throw error("variant '" + spec + "': expected a positive number, got '" + s + "'");
-    return v;
+    return *v;
 }
 
 variant parse_variant(const std::string & spec, int n_layer) {
