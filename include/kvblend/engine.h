@@ -27,6 +27,10 @@ struct engine_params {
     // minicache[:…] (CPU only; an append-only cache that blend cannot fuse into)
     std::string kv_codec;
     evict_params evict;              // token eviction of prefilled (and fused) caches: none by default
+    // called by the scheduler around every node it computes (as llama.cpp's
+    // cb_eval): to inspect or time single ops; nullptr for none
+    ggml_backend_sched_eval_callback cb_eval = nullptr;
+    void * cb_eval_user_data = nullptr;
 };
 
 engine_params engine_default_params();

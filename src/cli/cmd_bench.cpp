@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -32,6 +33,9 @@ model, same threads, same KV type, in the same run.
   --cache-type T        f16 (default), f32, q8_0 or q4_0 (both K and V)
   --peer none|llama     time libllama too (default llama); 'none' also reports peak RSS
   --mmap                map the model file instead of reading the weights into memory
+  --profile-ops         after the timed runs, one more prefill each with every
+                        ggml node computed and timed on its own: the time per
+                        op (ours vs libllama), to find where a gap comes from
   --json                print one JSON object instead of the table
 )";
 
@@ -46,11 +50,30 @@ double peak_rss_mb() {
     return ru.ru_maxrss / 1024.0;  // linux reports KiB
 }
 
+// times every node the scheduler computes while `on` (one node per compute:
+// slower than a normal run, but the same for both sides)
+struct op_timer {
+    bool on = false;
+    double t0 = 0;
+    std::map<std::string, double> ms;
+
+    static bool callback(ggml_tensor * t, bool ask, void * user_data) {
+        op_timer * p = static_cast<op_timer *>(user_data);
+        if (!p->on) return !ask;
+        if (ask) {
+            p->t0 = time_ms();
+            return true;
+        }
+        p->ms[ggml_op_desc(t)] += time_ms() - p->t0;
+        return true;
+    }
+};
+
 int bench_prefill(args & a) {
     std::string model_path;
     std::vector<int64_t> lens = {512, 2048};
     int64_t n_gen = 32, reps = 3;
-    bool json = false, peer = true;
+    bool json = false, peer = true, profile = false;
     model_params mp = model_default_params();
     engine_params ep = engine_default_params();
     while (!a.done()) {
@@ -69,6 +92,7 @@ int bench_prefill(args & a) {
             if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");
             peer = p == "llama";
         } else if (a.match({"--json"})) json = true;
+        else if (a.match({"--profile-ops"})) profile = true;
         else if (a.match({"--mmap"})) mp.use_mmap = true;
         else a.unknown();
     }
@@ -80,6 +104,8 @@ int bench_prefill(args & a) {
         throw error("longest prompt plus --n-gen (" + std::to_string(n_max) + ") exceeds the model's context of " +
                     std::to_string(m->hparams().n_ctx_train));
     ep.n_ctx = n_max;
+    op_timer ours_ops, llama_ops;
+    if (profile) ep.cb_eval = op_timer::callback, ep.cb_eval_user_data = &ours_ops;
     engine eng(m, ep);
 
     std::unique_ptr<ref::llama_ref> lr;
@@ -91,6 +117,7 @@ int bench_prefill(args & a) {
         rp.n_ubatch = ep.n_ubatch;
         rp.type_k = ep.type_k;
         rp.type_v = ep.type_v;
+        if (profile) rp.cb_eval = op_timer::callback, rp.cb_eval_user_data = &llama_ops;
         lr = std::make_unique<ref::llama_ref>(model_path, rp);
     }
 
@@ -129,6 +156,14 @@ int bench_prefill(args & a) {
                 if (n_gen) ref_tg.push_back(time_ms() - t0);
             }
         }
+        if (profile) {
+            ours_ops.ms.clear(), llama_ops.ms.clear();
+            ours_ops.on = llama_ops.on = true;
+            eng.cache().clear();
+            eng.eval(toks);
+            if (lr) lr->clear(), lr->eval(toks, false);
+            ours_ops.on = llama_ops.on = false;
+        }
         nlohmann::json row = {{"n_prompt", n}, {"ours_prefill_ms", median(ours_pp)},
                               {"ours_prefill_tps", n / (median(ours_pp) / 1000.0)}};
         if (n_gen) row["ours_decode_tps"] = n_gen / (median(ours_tg) / 1000.0);
@@ -140,6 +175,12 @@ int bench_prefill(args & a) {
                 row["llama_decode_tps"] = n_gen / (median(ref_tg) / 1000.0);
                 row["decode_ratio"] = median(ref_tg) / median(ours_tg);
             }
+        }
+        if (profile) {
+            nlohmann::json ops = nlohmann::json::object();
+            for (const auto & [op, ms] : ours_ops.ms) ops[op]["ours_ms"] = ms;
+            for (const auto & [op, ms] : llama_ops.ms) ops[op]["llama_ms"] = ms;
+            row["ops"] = ops;
         }
         rows.push_back(row);
     }
@@ -168,6 +209,20 @@ int bench_prefill(args & a) {
         std::printf("| %6lld | %13.1f | %14.1f | %8.3f | %13.2f | %14.2f | %8.3f |\n", (long long) r["n_prompt"].get<int64_t>(),
                     f("ours_prefill_tps"), f("llama_prefill_tps"), f("prefill_ratio"), f("ours_decode_tps"),
                     f("llama_decode_tps"), f("decode_ratio"));
+    }
+    for (const auto & r : rows) {
+        if (!r.contains("ops")) continue;
+        double total = 0;
+        for (const auto & [op, v] : r["ops"].items()) total += v.value("ours_ms", 0.0);
+        std::printf("\nops of one %lld-token prefill, each node timed alone (ours %.0f ms in all):\n\n",
+                    (long long) r["n_prompt"].get<int64_t>(), total);
+        std::printf("| op | ours ms | llama ms | ours / llama |\n|---|---:|---:|---:|\n");
+        for (const auto & [op, v] : r["ops"].items()) {
+            const double o = v.value("ours_ms", 0.0), l = v.value("llama_ms", 0.0);
+            if (std::max(o, l) < 0.005 * total) continue;  // the many near-free views
+            std::printf("| %s | %.1f | %.1f | %s |\n", op.c_str(), o, l,
+                        l > 0 ? std::to_string(o / l).substr(0, 5).c_str() : "-");
+        }
     }
     if (!lr)
         std::printf("\npeak RSS %.1f MB (weights %.1f MB + KV %.1f MB)\n", out["peak_rss_mb"].get<double>(),

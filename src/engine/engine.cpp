@@ -48,6 +48,7 @@ engine::engine(std::shared_ptr<const model> m, const engine_params & params)
     std::vector<ggml_backend_t> raw;
     for (auto & b : impl_->backends) raw.push_back(b.get());
     impl_->sched.reset(ggml_backend_sched_new(raw.data(), nullptr, (int) raw.size(), graph::k_max_nodes, false, true));
+    if (params_.cb_eval) ggml_backend_sched_set_eval_callback(impl_->sched.get(), params_.cb_eval, params_.cb_eval_user_data);
     impl_->meta_buf.resize(ggml_tensor_overhead() * graph::k_max_nodes + ggml_graph_overhead_custom(graph::k_max_nodes, false));
     forward_driver(*this).reserve();
 }

@@ -24,6 +24,8 @@ llama_ref::llama_ref(const std::string & path, const llama_ref_params & p) : n_b
     cp.type_v = p.type_v;
     cp.flash_attn_type = p.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cp.no_perf = true;
+    cp.cb_eval = p.cb_eval;
+    cp.cb_eval_user_data = p.cb_eval_user_data;
     ctx_ = llama_init_from_model(model_, cp);
     if (!ctx_) {
         llama_model_free(model_);

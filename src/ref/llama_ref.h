@@ -22,6 +22,8 @@ struct llama_ref_params {
     // repacked CPU weight layouts (e.g. q4_0 interleaved): faster, but their
     // kernels round differently from the plain layout our forward uses
     bool      extra_bufts = true;
+    ggml_backend_sched_eval_callback cb_eval = nullptr;  // as engine_params::cb_eval
+    void * cb_eval_user_data = nullptr;
 };
 
 class llama_ref {

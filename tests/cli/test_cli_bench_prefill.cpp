@@ -1,0 +1,49 @@
+// kvblend bench prefill: the table and JSON a user compares with libllama,
+// and --profile-ops, the per-op times of both sides.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_run.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+
+TEST(cli_bench_prefill, json_rows_time_both_sides) {
+    const test::run_result r = test::run_cli("bench prefill -m " + k_stories + " --tokens 32,64 -r 1 --n-gen 2 --json");
+    ASSERT_EQ(r.status, 0) << r.err;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    ASSERT_EQ(j["rows"].size(), 2u);
+    for (const auto & row : j["rows"]) {
+        EXPECT_GT(row["ours_prefill_ms"].get<double>(), 0.0);
+        EXPECT_GT(row["llama_prefill_ms"].get<double>(), 0.0);
+        EXPECT_GT(row["decode_ratio"].get<double>(), 0.0);
+        EXPECT_FALSE(row.contains("ops"));  // only with --profile-ops
+    }
+}
+
+TEST(cli_bench_prefill, profile_ops_times_the_ops_of_both_forwards) {
+    const test::run_result r =
+        test::run_cli("bench prefill -m " + k_stories + " --tokens 48 -r 1 --n-gen 0 --json --profile-ops");
+    ASSERT_EQ(r.status, 0) << r.err;
+    const nlohmann::json ops = nlohmann::json::parse(r.out)["rows"][0]["ops"];
+    // both forwards run these on every layer: each side's callback saw them
+    for (const char * op : {"MUL_MAT", "FLASH_ATTN_EXT", "ROPE"}) {
+        ASSERT_TRUE(ops.contains(op)) << op << " in " << ops.dump();
+        EXPECT_GT(ops[op].value("ours_ms", 0.0), 0.0) << op;
+        EXPECT_GT(ops[op].value("llama_ms", 0.0), 0.0) << op;
+    }
+}
+
+TEST(cli_bench_prefill, profile_ops_table_names_the_ops) {
+    const test::run_result r = test::run_cli("bench prefill -m " + k_stories + " --tokens 48 -r 1 --n-gen 0 --profile-ops");
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_NE(r.out.find("| op | ours ms | llama ms | ours / llama |"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("| FLASH_ATTN_EXT |"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace kvblend
