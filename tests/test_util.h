@@ -101,6 +101,18 @@ inline std::vector<llama_token> random_tokens(const model & m, int64_t n, int se
     return t;
 }
 
+// what the kvblend::error that f throws says; "" when f throws none (any
+// other exception goes on to the test, which fails)
+template <typename F>
+std::string error_of(F && f) {
+    try {
+        f();
+    } catch (const error & e) {
+        return e.what();
+    }
+    return "";
+}
+
 // the largest |a - b| over the largest |b| (infinite when the sizes differ)
 inline double max_rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
     if (a.size() != b.size()) return INFINITY;

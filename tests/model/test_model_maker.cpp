@@ -20,6 +20,7 @@
 namespace {
 
 using namespace kvblend;
+using kvblend::test::error_of;
 using kvblend::test::make_test_model;
 using kvblend::test::temp_dir;
 using kvblend::test::vocab_path;
@@ -58,18 +59,6 @@ void expect_tensor(const gguf_context * g, const std::string & name, ggml_type t
     const int64_t * ne = gguf_get_tensor_ne(g, id);
     for (int d = 0; d < GGML_MAX_DIMS; ++d)
         EXPECT_EQ(ne[d], d < int(shape.size()) ? shape[d] : 1) << name << " dim " << d;
-}
-
-template <typename F>
-std::string error_of(F && f) {
-    try {
-        f();
-    } catch (const kvblend::error & e) {
-        return e.what();
-    } catch (const std::exception & e) {
-        return std::string("wrong exception type: ") + e.what();
-    }
-    return "no error";
 }
 
 // --- presets and names -------------------------------------------------------
