@@ -163,9 +163,22 @@ class IngestStats:
     collect_ms: float
 
 
+class _Closing:
+    """A handle owner: a context manager whose exit, like its collection, calls close()."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+
 # --- store --------------------------------------------------------------------
 
-class Store:
+class Store(_Closing):
     """A persistent chunk-KV store: ``"dir:PATH"`` (or a bare path) or ``"redis://HOST:PORT[/DB]"``.
 
     ``codec`` is how entries hold the KV ("raw", "f16", "q8_0", "q4_0", "kivi2",
@@ -208,15 +221,6 @@ class Store:
             _c.kvb_store_free(self._h)
             self._h = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
-
     def __repr__(self):
         return "kvblend.Store(%r, codec=%r)" % (self.uri, self.codec)
 
@@ -256,7 +260,7 @@ class _Callback:
             raise self.error
 
 
-class Model:
+class Model(_Closing):
     """A GGUF model (llama, mistral, qwen2, qwen3) and an engine to run it.
 
     ``n_threads`` CPU threads; ``n_ctx`` the KV capacity in tokens (0: sized to
@@ -318,15 +322,6 @@ class Model:
         if getattr(self, "_m", None):
             _c.kvb_model_free(self._m)
             self._m = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
 
     def __repr__(self):
         return "kvblend.Model(%r)" % self.path
