@@ -253,10 +253,8 @@ int bench_accuracy(args & a) {
     bool chat = false;
     engine_params ep = engine_default_params();
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--prompts"})) prompts_path = a.str();
         else if (a.match({"--n"})) n_max = a.integer(1, 1 << 30);
         else if (a.match({"--ratios"})) ratios = a.reals(0.0, 1.0);

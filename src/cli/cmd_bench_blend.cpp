@@ -311,10 +311,8 @@ int bench_blend(args & a) {
     int32_t threads = 2;
     bool peer = true;
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--context"})) contexts = a.integers(1, 1 << 20);
         else if (a.match({"--ratio"})) ratio = (float) a.real(0.0, 1.0);
         else if (a.match({"--ratios"})) ratios = a.reals(0.0, 1.0);

@@ -249,10 +249,8 @@ int bench_evict(args & a) {
     bench_opts o;
     bool speed = false, have_policies = false, have_budgets = false;
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"-m", "--model"})) o.model_path = a.str();
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"-m", "--model"})) o.model_path = a.str();
         else if (a.match({"--policies"})) {
             o.policies.clear();
             for (const auto & n : a.names()) {

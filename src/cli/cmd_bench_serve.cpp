@@ -78,10 +78,8 @@ int bench_serve(args & a) {
     std::string model_path, url, peer_url, json_path;
     int64_t n_docs = 4, doc_tokens = 512, reps = 2;
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--url"})) url = a.str();
         else if (a.match({"--peer"})) peer_url = a.str();
         else if (a.match({"--docs"})) n_docs = a.integer(2, 64);

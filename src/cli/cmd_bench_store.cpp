@@ -61,10 +61,8 @@ int bench_store(args & a) {
     int64_t chunk = 512, n = 4, reps = 3;
     engine_params ep = engine_default_params();
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--chunk"})) chunk = a.integer(1, 1 << 20);
         else if (a.match({"--n"})) n = a.integer(1, 1000);
         else if (a.match({"--store"})) uris.push_back(a.str());
