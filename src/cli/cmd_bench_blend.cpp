@@ -53,13 +53,6 @@ double median(std::vector<double> v) {
     return v[v.size() / 2];
 }
 
-void write_json(const std::string & path, const nlohmann::json & j) {
-    if (path.empty()) return;
-    std::ofstream f(path);
-    if (!f) throw error("cannot write '" + path + "'");
-    f << j.dump(2) << "\n";
-}
-
 int bench_speed(const std::string & model_path, const std::vector<int64_t> & contexts, float ratio, int64_t chunk,
                 int check_layer, int64_t reps, bool peer, int32_t threads, const std::string & json_path,
                 const std::string & png) {
@@ -286,6 +279,13 @@ int bench_fidelity(const std::string & model_path, const std::vector<double> & r
 }
 
 }  // namespace
+
+void write_json(const std::string & path, const nlohmann::json & j) {
+    if (path.empty()) return;
+    std::ofstream f(path);
+    f << j.dump(2) << "\n";
+    if (!f) throw error("cannot write '" + path + "'");
+}
 
 // gnuplot from Debian (gnuplot-nox) draws the PNG; data goes through a temp file
 void plot_png(const std::string & png, const std::string & data, const std::string & script) {

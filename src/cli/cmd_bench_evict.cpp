@@ -3,7 +3,6 @@
 // KV bytes against a dense cache at a long context.
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -57,13 +56,6 @@ double mean_rows(const kv_cache & c) {
     double n = 0;
     for (int il = 0; il < (int) c.n_layer(); ++il) n += (double) c.n_rows(il);
     return n / (double) c.n_layer();
-}
-
-void write_json(const std::string & path, const nlohmann::json & j) {
-    if (path.empty()) return;
-    std::ofstream f(path);
-    f << j.dump(2) << "\n";
-    if (!f) throw error("cannot write '" + path + "'");
 }
 
 struct bench_opts {

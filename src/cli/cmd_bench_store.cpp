@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -143,12 +142,7 @@ int bench_store(args & a) {
         for (const auto & k : keys) st->erase(k);
     }
     if (!tmp_dir.empty()) std::filesystem::remove_all(tmp_dir);
-    if (!json_path.empty()) {
-        std::ofstream f(json_path);
-        f << nlohmann::json({{"model", model_path}, {"chunk", chunk}, {"n", n}, {"collect_ms", collect_ms}, {"rows", rows}}).dump(2)
-          << "\n";
-        if (!f) throw error("cannot write '" + json_path + "'");
-    }
+    write_json(json_path, {{"model", model_path}, {"chunk", chunk}, {"n", n}, {"collect_ms", collect_ms}, {"rows", rows}});
     return 0;
 }
 
