@@ -100,15 +100,9 @@ class args {
     std::vector<int64_t> integers(int64_t lo, int64_t hi) {
         std::vector<int64_t> out;
         for (const std::string & part : list("integers in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]")) {
-            size_t n = 0;
-            long long v = 0;
-            try {
-                v = std::stoll(part, &n);
-            } catch (...) {
-                n = 0;
-            }
-            if (part.empty() || n != part.size() || v < lo || v > hi) bad_list();
-            out.push_back(v);
+            const std::optional<int64_t> v = to_integer(part);
+            if (!v || *v < lo || *v > hi) bad_list();
+            out.push_back(*v);
         }
         return out;
     }
@@ -117,15 +111,9 @@ class args {
     std::vector<double> reals(double lo, double hi) {
         std::vector<double> out;
         for (const std::string & part : list("numbers in [" + fmt(lo) + ", " + fmt(hi) + "]")) {
-            size_t n = 0;
-            double v = 0;
-            try {
-                v = std::stod(part, &n);
-            } catch (...) {
-                n = 0;
-            }
-            if (part.empty() || n != part.size() || !(v >= lo && v <= hi)) bad_list();
-            out.push_back(v);
+            const std::optional<double> v = to_real(part);
+            if (!v || !(*v >= lo && *v <= hi)) bad_list();
+            out.push_back(*v);
         }
         return out;
     }
