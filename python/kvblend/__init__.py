@@ -388,6 +388,20 @@ class Model(_Closing):
         keep.append(cfn)
         gp.on_piece = cfn
 
+    def _generating(self, sampling, on_piece, keep, stats_type, call):
+        """Run ``call(gp, text, stats)`` (byrefs) under the lock, with the sampling
+        params and on_piece behind them; returns (text, stats struct)."""
+        gp = self._gen_params(*sampling, keep)
+        guard = _Callback()
+        self._piece_callback(gp, on_piece, guard, keep)
+        text = c_void_p()
+        st = stats_type()
+        with self._lock:
+            status = call(byref(gp), byref(text), byref(st))
+        guard.reraise()
+        _check(status)
+        return _take_string(text), st
+
     # ingest ------------------------------------------------------------------
     def ingest(self, store, texts, *, chunk_size=0, split_paragraphs=False, collect_with_prefix=False, system="",
                chat=False, progress=None, with_stats=False):
@@ -482,38 +496,27 @@ class Model(_Closing):
             bp.n_schedule = len(schedule)
         bp.chat = bool(chat)
         bp.collect_with_prefix = bool(collect_with_prefix)
-        gp = self._gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, keep)
-        guard = _Callback()
-        self._piece_callback(gp, on_piece, guard, keep)
-        text = c_void_p()
-        st = _lib.kvb_blend_stats()
-        with self._lock:
-            status = _c.kvb_blend(ctx, store.handle if store is not None else None, _b(system or ""), cdocs, len(docs),
-                                  _b(question), byref(bp), byref(gp), byref(text), byref(st))
-        guard.reraise()
-        _check(status)
-        return BlendResult(_take_string(text), _stats_from(BlendStats, st))
+        text, st = self._generating(
+            (n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, keep, _lib.kvb_blend_stats,
+            lambda gp, out, stats: _c.kvb_blend(ctx, store.handle if store is not None else None, _b(system or ""),
+                                                cdocs, len(docs), _b(question), byref(bp), gp, out, stats))
+        return BlendResult(text, _stats_from(BlendStats, st))
 
     # plain generation --------------------------------------------------------
     def complete(self, prompt, *, n_predict=64, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=None, stop=None,
                  on_piece=None):
         """Prefill ``prompt`` (text, or a list of token ids) and generate; returns GenerateResult(text, stats)."""
         _, ctx = self._handles()
-        keep = []
-        gp = self._gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, keep)
-        guard = _Callback()
-        self._piece_callback(gp, on_piece, guard, keep)
-        text = c_void_p()
-        st = _lib.kvb_generate_stats()
-        with self._lock:
+
+        def call(gp, out, stats):
             if isinstance(prompt, (str, bytes)):
-                status = _c.kvb_generate(ctx, _b(prompt), byref(gp), byref(text), byref(st))
-            else:
-                toks = (_lib.kvb_token * len(prompt))(*prompt)
-                status = _c.kvb_generate_tokens(ctx, toks, len(prompt), byref(gp), byref(text), byref(st))
-        guard.reraise()
-        _check(status)
-        return GenerateResult(_take_string(text), _stats_from(GenerateStats, st))
+                return _c.kvb_generate(ctx, _b(prompt), gp, out, stats)
+            toks = (_lib.kvb_token * len(prompt))(*prompt)
+            return _c.kvb_generate_tokens(ctx, toks, len(prompt), gp, out, stats)
+
+        text, st = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, [],
+                                    _lib.kvb_generate_stats, call)
+        return GenerateResult(text, _stats_from(GenerateStats, st))
 
     def generate(self, prompt, **kwargs):
         """Stream a plain generation: an iterator of text pieces (see complete() for the arguments).
