@@ -18,9 +18,11 @@ struct run_result {
     std::string err;  // stderr
 };
 
-inline run_result run_cli(const std::string & args) {
+// `prefix` runs before the binary on the command line (a wrapper such as setpriv)
+inline run_result run_cli(const std::string & args, const std::string & prefix = "") {
     temp_dir dir("cli");
-    const std::string cmd = std::string(KVBLEND_CLI) + " " + args + " > " + dir.file("out") + " 2> " + dir.file("err");
+    const std::string cmd =
+        prefix + std::string(KVBLEND_CLI) + " " + args + " > " + dir.file("out") + " 2> " + dir.file("err");
     const int rc = std::system(cmd.c_str());
     run_result r;
     r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + WTERMSIG(rc);

@@ -15,6 +15,7 @@
 
 #include "ggml.h"
 #include "llama.h"
+#include "kvblend/chunk_kv.h"
 #include "kvblend/model.h"
 #include "kvblend/model_maker.h"
 
@@ -99,6 +100,29 @@ inline std::vector<llama_token> random_tokens(const model & m, int64_t n, int se
     std::vector<llama_token> t(n);
     for (auto & x : t) x = dist(rng);
     return t;
+}
+
+// a chunk of n_tok tokens (each id 1) of this shape, its rows all zero
+inline chunk_kv zero_chunk(int64_t n_tok, int64_t n_embd_kv, int64_t n_layer, ggml_type type) {
+    chunk_kv c;
+    c.tokens.assign(n_tok, 1);
+    c.n_layer = n_layer;
+    c.n_embd_kv = n_embd_kv;
+    c.type = type;
+    c.data.resize(c.bytes());
+    return c;
+}
+
+// what the kvblend::error that f throws says; "" when f throws none (any
+// other exception goes on to the test, which fails)
+template <typename F>
+std::string error_of(F && f) {
+    try {
+        f();
+    } catch (const error & e) {
+        return e.what();
+    }
+    return "";
 }
 
 // the largest |a - b| over the largest |b| (infinite when the sizes differ)

@@ -163,9 +163,22 @@ class IngestStats:
     collect_ms: float
 
 
+class _Closing:
+    """A handle owner: a context manager whose exit, like its collection, calls close()."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+
 # --- store --------------------------------------------------------------------
 
-class Store:
+class Store(_Closing):
     """A persistent chunk-KV store: ``"dir:PATH"`` (or a bare path) or ``"redis://HOST:PORT[/DB]"``.
 
     ``codec`` is how entries hold the KV ("raw", "f16", "q8_0", "q4_0", "kivi2",
@@ -208,15 +221,6 @@ class Store:
             _c.kvb_store_free(self._h)
             self._h = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
-
     def __repr__(self):
         return "kvblend.Store(%r, codec=%r)" % (self.uri, self.codec)
 
@@ -256,7 +260,7 @@ class _Callback:
             raise self.error
 
 
-class Model:
+class Model(_Closing):
     """A GGUF model (llama, mistral, qwen2, qwen3) and an engine to run it.
 
     ``n_threads`` CPU threads; ``n_ctx`` the KV capacity in tokens (0: sized to
@@ -318,15 +322,6 @@ class Model:
         if getattr(self, "_m", None):
             _c.kvb_model_free(self._m)
             self._m = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
 
     def __repr__(self):
         return "kvblend.Model(%r)" % self.path
@@ -392,6 +387,20 @@ class Model:
         cfn = _lib.kvb_piece_callback(cb)
         keep.append(cfn)
         gp.on_piece = cfn
+
+    def _generating(self, sampling, on_piece, keep, stats_type, call):
+        """Run ``call(gp, text, stats)`` (byrefs) under the lock, with the sampling
+        params and on_piece behind them; returns (text, stats struct)."""
+        gp = self._gen_params(*sampling, keep)
+        guard = _Callback()
+        self._piece_callback(gp, on_piece, guard, keep)
+        text = c_void_p()
+        st = stats_type()
+        with self._lock:
+            status = call(byref(gp), byref(text), byref(st))
+        guard.reraise()
+        _check(status)
+        return _take_string(text), st
 
     # ingest ------------------------------------------------------------------
     def ingest(self, store, texts, *, chunk_size=0, split_paragraphs=False, collect_with_prefix=False, system="",
@@ -487,38 +496,27 @@ class Model:
             bp.n_schedule = len(schedule)
         bp.chat = bool(chat)
         bp.collect_with_prefix = bool(collect_with_prefix)
-        gp = self._gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, keep)
-        guard = _Callback()
-        self._piece_callback(gp, on_piece, guard, keep)
-        text = c_void_p()
-        st = _lib.kvb_blend_stats()
-        with self._lock:
-            status = _c.kvb_blend(ctx, store.handle if store is not None else None, _b(system or ""), cdocs, len(docs),
-                                  _b(question), byref(bp), byref(gp), byref(text), byref(st))
-        guard.reraise()
-        _check(status)
-        return BlendResult(_take_string(text), _stats_from(BlendStats, st))
+        text, st = self._generating(
+            (n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, keep, _lib.kvb_blend_stats,
+            lambda gp, out, stats: _c.kvb_blend(ctx, store.handle if store is not None else None, _b(system or ""),
+                                                cdocs, len(docs), _b(question), byref(bp), gp, out, stats))
+        return BlendResult(text, _stats_from(BlendStats, st))
 
     # plain generation --------------------------------------------------------
     def complete(self, prompt, *, n_predict=64, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=None, stop=None,
                  on_piece=None):
         """Prefill ``prompt`` (text, or a list of token ids) and generate; returns GenerateResult(text, stats)."""
         _, ctx = self._handles()
-        keep = []
-        gp = self._gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, keep)
-        guard = _Callback()
-        self._piece_callback(gp, on_piece, guard, keep)
-        text = c_void_p()
-        st = _lib.kvb_generate_stats()
-        with self._lock:
+
+        def call(gp, out, stats):
             if isinstance(prompt, (str, bytes)):
-                status = _c.kvb_generate(ctx, _b(prompt), byref(gp), byref(text), byref(st))
-            else:
-                toks = (_lib.kvb_token * len(prompt))(*prompt)
-                status = _c.kvb_generate_tokens(ctx, toks, len(prompt), byref(gp), byref(text), byref(st))
-        guard.reraise()
-        _check(status)
-        return GenerateResult(_take_string(text), _stats_from(GenerateStats, st))
+                return _c.kvb_generate(ctx, _b(prompt), gp, out, stats)
+            toks = (_lib.kvb_token * len(prompt))(*prompt)
+            return _c.kvb_generate_tokens(ctx, toks, len(prompt), gp, out, stats)
+
+        text, st = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, [],
+                                    _lib.kvb_generate_stats, call)
+        return GenerateResult(text, _stats_from(GenerateStats, st))
 
     def generate(self, prompt, **kwargs):
         """Stream a plain generation: an iterator of text pieces (see complete() for the arguments).

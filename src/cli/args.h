@@ -35,6 +35,19 @@ inline std::optional<double> to_real(const std::string & s) {
     return v;
 }
 
+// s cut at every sep: "a,,b" -> a, "", b; "" -> one empty part
+inline std::vector<std::string> split(const std::string & s, char sep) {
+    std::vector<std::string> parts;
+    size_t start = 0;
+    while (start <= s.size()) {
+        size_t end = s.find(sep, start);
+        if (end == std::string::npos) end = s.size();
+        parts.push_back(s.substr(start, end - start));
+        start = end + 1;
+    }
+    return parts;
+}
+
 // walks "--flag value" / "-f value" / "--switch" arguments. a value that is
 // missing, malformed or out of range throws kvblend::error naming the flag.
 class args {
@@ -87,15 +100,9 @@ class args {
     std::vector<int64_t> integers(int64_t lo, int64_t hi) {
         std::vector<int64_t> out;
         for (const std::string & part : list("integers in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]")) {
-            size_t n = 0;
-            long long v = 0;
-            try {
-                v = std::stoll(part, &n);
-            } catch (...) {
-                n = 0;
-            }
-            if (part.empty() || n != part.size() || v < lo || v > hi) bad_list();
-            out.push_back(v);
+            const std::optional<int64_t> v = to_integer(part);
+            if (!v || *v < lo || *v > hi) bad_list();
+            out.push_back(*v);
         }
         return out;
     }
@@ -104,15 +111,9 @@ class args {
     std::vector<double> reals(double lo, double hi) {
         std::vector<double> out;
         for (const std::string & part : list("numbers in [" + fmt(lo) + ", " + fmt(hi) + "]")) {
-            size_t n = 0;
-            double v = 0;
-            try {
-                v = std::stod(part, &n);
-            } catch (...) {
-                n = 0;
-            }
-            if (part.empty() || n != part.size() || !(v >= lo && v <= hi)) bad_list();
-            out.push_back(v);
+            const std::optional<double> v = to_real(part);
+            if (!v || !(*v >= lo && *v <= hi)) bad_list();
+            out.push_back(*v);
         }
         return out;
     }
@@ -132,15 +133,7 @@ class args {
     std::vector<std::string> list(const std::string & what) {
         list_value_ = str();
         list_what_ = what;
-        std::vector<std::string> parts;
-        size_t start = 0;
-        while (start <= list_value_.size()) {
-            size_t end = list_value_.find(',', start);
-            if (end == std::string::npos) end = list_value_.size();
-            parts.push_back(list_value_.substr(start, end - start));
-            start = end + 1;
-        }
-        return parts;
+        return split(list_value_, ',');
     }
 
     [[noreturn]] void bad_list() const {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -10,6 +11,7 @@
 
 #include "cli/args.h"
 #include "cli/cli_util.h"
+#include "kvblend/codec.h"
 #include "kvblend/rag_prompt.h"
 
 namespace kvblend::cli {
@@ -72,6 +74,21 @@ inline bool match_codec_bench_flag(args & a, codec_bench_opts & o) {
     else if (a.match({"--plot"})) o.png = a.str();
     else return match_engine_flag(a, o.ep);
     return true;
+}
+
+// the codecs of --codecs, after -m is checked: a bad name fails before any work
+inline std::vector<std::unique_ptr<codec>> codec_bench_codecs(const codec_bench_opts & o) {
+    if (o.model_path.empty()) throw error("missing -m MODEL (see --help)");
+    std::vector<std::unique_ptr<codec>> codecs;
+    for (const auto & n : o.codecs) codecs.push_back(codec_by_name(n));
+    return codecs;
+}
+
+// the model of -m, and the engine's context sized to it (at most 2048 tokens)
+inline std::shared_ptr<model> codec_bench_model(codec_bench_opts & o) {
+    auto m = model::load(o.model_path);
+    o.ep.n_ctx = std::min<int64_t>(m->hparams().n_ctx_train, 2048);
+    return m;
 }
 
 }  // namespace kvblend::cli

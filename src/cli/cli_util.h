@@ -1,6 +1,8 @@
 // kvblend CLI: helpers shared by sub-commands.
 #pragma once
 
+#include <cstdio>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 
 #include "cli/args.h"
@@ -29,6 +31,16 @@ int bench_accuracy(args & a);  // kvblend bench accuracy …
 // draw a PNG with gnuplot (Debian's gnuplot-nox) from data rows and a plot script
 // that reads them from PNG.dat; nothing when png is empty
 void plot_png(const std::string & png, const std::string & data, const std::string & script);
+// a benchmark's results as indented JSON at path; nothing when path is empty,
+// a message when the file cannot be written
+void write_json(const std::string & path, const nlohmann::json & j);
+
+// -h / --help: prints the command's help; true when it was asked for
+inline bool match_help(args & a, const char * help) {
+    if (!a.match({"-h", "--help"})) return false;
+    std::fputs(help, stdout);
+    return true;
+}
 
 // flags shared by the commands that generate; true when one was consumed
 bool match_sampling_flag(args & a, sampler_params & sp);  // --temp --top-k --top-p --min-p --seed

@@ -77,10 +77,8 @@ int bench_prefill(args & a) {
     model_params mp = model_default_params();
     engine_params ep = engine_default_params();
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--tokens"})) lens = a.integers(1, 1 << 20);
         else if (a.match({"--n-gen"})) n_gen = a.integer(0, 4096);
         else if (a.match({"-r", "--reps"})) reps = a.integer(1, 100);

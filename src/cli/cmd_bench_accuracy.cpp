@@ -194,12 +194,7 @@ double parse_real(const std::string & s, const std::string & spec) {
 variant parse_variant(const std::string & spec, int n_layer) {
     variant v;
     v.name = spec;
-    size_t start = 0;
-    while (start <= spec.size()) {
-        size_t end = spec.find('+', start);
-        if (end == std::string::npos) end = spec.size();
-        const std::string s = spec.substr(start, end - start);
-        start = end + 1;
+    for (const std::string & s : split(spec, '+')) {
         const size_t eq = s.find('=');
         const std::string key = s.substr(0, eq), val = eq == std::string::npos ? "" : s.substr(eq + 1);
         const bool has_val = eq != std::string::npos;
@@ -212,12 +207,7 @@ variant parse_variant(const std::string & spec, int n_layer) {
         else if (key == "codec" && has_val) v.codec = codec_by_name(val)->name();
         else if (key == "evict" && has_val) parse_evict_setting(val, v.ev, spec);
         else if (key == "schedule" && has_val) {
-            size_t a = 0;
-            while (a <= val.size()) {
-                size_t b = val.find('/', a);
-                if (b == std::string::npos) b = val.size();
-                const std::string step = val.substr(a, b - a);
-                a = b + 1;
+            for (const std::string & step : split(val, '/')) {
                 const size_t at = step.find('@');
                 if (at == std::string::npos)
                     throw error("variant '" + spec + "': a schedule step is LAYER@MULTIPLE, got '" + step + "'");
@@ -253,10 +243,8 @@ int bench_accuracy(args & a) {
     bool chat = false;
     engine_params ep = engine_default_params();
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--prompts"})) prompts_path = a.str();
         else if (a.match({"--n"})) n_max = a.integer(1, 1 << 30);
         else if (a.match({"--ratios"})) ratios = a.reals(0.0, 1.0);

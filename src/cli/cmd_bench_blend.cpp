@@ -53,13 +53,6 @@ double median(std::vector<double> v) {
     return v[v.size() / 2];
 }
 
-void write_json(const std::string & path, const nlohmann::json & j) {
-    if (path.empty()) return;
-    std::ofstream f(path);
-    if (!f) throw error("cannot write '" + path + "'");
-    f << j.dump(2) << "\n";
-}
-
 int bench_speed(const std::string & model_path, const std::vector<int64_t> & contexts, float ratio, int64_t chunk,
                 int check_layer, int64_t reps, bool peer, int32_t threads, const std::string & json_path,
                 const std::string & png) {
@@ -287,6 +280,13 @@ int bench_fidelity(const std::string & model_path, const std::vector<double> & r
 
 }  // namespace
 
+void write_json(const std::string & path, const nlohmann::json & j) {
+    if (path.empty()) return;
+    std::ofstream f(path);
+    f << j.dump(2) << "\n";
+    if (!f) throw error("cannot write '" + path + "'");
+}
+
 // gnuplot from Debian (gnuplot-nox) draws the PNG; data goes through a temp file
 void plot_png(const std::string & png, const std::string & data, const std::string & script) {
     if (png.empty()) return;
@@ -311,10 +311,8 @@ int bench_blend(args & a) {
     int32_t threads = 2;
     bool peer = true;
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--context"})) contexts = a.integers(1, 1 << 20);
         else if (a.match({"--ratio"})) ratio = (float) a.real(0.0, 1.0);
         else if (a.match({"--ratios"})) ratios = a.reals(0.0, 1.0);

@@ -2,7 +2,6 @@
 // cache and after fusion.
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
@@ -41,25 +40,13 @@ int bench_codec(args & a) {
     codec_bench_opts o;
     o.codecs = {"f16", "q8_0", "q4_0", "kivi2", "kivi4"};
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (!match_codec_bench_flag(a, o)) a.unknown();
+        if (match_help(a, k_help)) return 0;
+        else if (!match_codec_bench_flag(a, o)) a.unknown();
     }
-    if (o.model_path.empty()) throw error("missing -m MODEL (see --help)");
-    const std::string & model_path = o.model_path;
-    const std::vector<std::string> & names = o.codecs;
-    const std::string & json_path = o.json_path, & png = o.png;
-    const int64_t n_prompts = o.n_prompts, n_docs = o.n_docs;
-    const float ratio = o.ratio;
-    engine_params & ep = o.ep;
-    std::vector<std::unique_ptr<codec>> codecs;
-    for (const auto & n : names) codecs.push_back(codec_by_name(n));  // a bad name fails before any work
-
-    auto m = model::load(model_path);
+    const std::vector<std::unique_ptr<codec>> codecs = codec_bench_codecs(o);
+    auto m = codec_bench_model(o);
     const int64_t nv = m->hparams().n_vocab;
-    ep.n_ctx = std::min<int64_t>(m->hparams().n_ctx_train, 2048);
-    engine eng(m, ep);
+    engine eng(m, o.ep);
     std::mt19937 rng(5);
 
     struct acc {
@@ -70,12 +57,12 @@ int bench_codec(args & a) {
     std::vector<acc> r(codecs.size());
     double kl_fused_f16_ref = 0;
     blend_params bp = blend_default_params();
-    bp.recomp_ratio = ratio;
+    bp.recomp_ratio = o.ratio;
 
-    for (int64_t pi = 0; pi < n_prompts; ++pi) {
-        const rag_prompt p = story_prompt(m->tokens(), rng, n_docs, pi);
+    for (int64_t pi = 0; pi < o.n_prompts; ++pi) {
+        const rag_prompt p = story_prompt(m->tokens(), rng, o.n_docs, pi);
         const std::vector<llama_token> all = p.all();
-        if ((int64_t) all.size() > ep.n_ctx) throw error("benchmark prompt longer than the context");
+        if ((int64_t) all.size() > o.ep.n_ctx) throw error("benchmark prompt longer than the context");
 
         eng.cache().clear();
         const std::vector<float> full = eng.eval(all);
@@ -104,8 +91,8 @@ int bench_codec(args & a) {
             place(eng, {&dec});
             eng.cache().set_n_past(dec.n_tokens());
             const std::vector<float> l = eng.eval({all.back()});
-            x.kl += kl_divergence(full.data(), l.data(), nv) / n_prompts;
-            x.top1 += (top1_agree(full.data(), l.data(), nv) ? 1.0 : 0.0) / n_prompts;
+            x.kl += kl_divergence(full.data(), l.data(), nv) / o.n_prompts;
+            x.top1 += (top1_agree(full.data(), l.data(), nv) ? 1.0 : 0.0) / o.n_prompts;
 
             // fused: every chunk through the codec, then a blend
             std::vector<chunk_kv> coded;
@@ -113,45 +100,39 @@ int bench_codec(args & a) {
             std::vector<const chunk_kv *> ptrs;
             for (const auto & c : coded) ptrs.push_back(&c);
             const std::vector<float> lf = blend(eng, ptrs, p.query, bp).logits;
-            x.kl_fused += kl_divergence(full.data(), lf.data(), nv) / n_prompts;
-            x.top1_fused += (top1_agree(full.data(), lf.data(), nv) ? 1.0 : 0.0) / n_prompts;
+            x.kl_fused += kl_divergence(full.data(), lf.data(), nv) / o.n_prompts;
+            x.top1_fused += (top1_agree(full.data(), lf.data(), nv) ? 1.0 : 0.0) / o.n_prompts;
         }
         std::vector<const chunk_kv *> ptrs;
         for (const auto & c : parts) ptrs.push_back(&c);
         const std::vector<float> lf = blend(eng, ptrs, p.query, bp).logits;
-        kl_fused_f16_ref += kl_divergence(full.data(), lf.data(), nv) / n_prompts;
+        kl_fused_f16_ref += kl_divergence(full.data(), lf.data(), nv) / o.n_prompts;
     }
 
     nlohmann::json rows = nlohmann::json::array();
     std::string dat;
     std::printf("model: %s\n%s, %lld prompts x %lld documents, cache %s; fused rows: blend at %.2f (uncompressed chunks: KL %.6f)\n\n",
-                model_path.c_str(), m->describe().c_str(), (long long) n_prompts, (long long) n_docs,
-                ggml_type_name(ep.type_k), ratio, kl_fused_f16_ref);
+                o.model_path.c_str(), m->describe().c_str(), (long long) o.n_prompts, (long long) o.n_docs,
+                ggml_type_name(o.ep.type_k), o.ratio, kl_fused_f16_ref);
     std::printf("| codec | bits/value | bytes/token | ratio vs f16 | KL | top-1 | KL fused | top-1 fused | encode MB/s | decode MB/s |\n");
     std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (size_t ci = 0; ci < codecs.size(); ++ci) {
         const acc & x = r[ci];
         const double bits = 8.0 * x.enc_bytes / x.values, bpt = x.enc_bytes / x.tokens, ratio_f16 = x.f16_bytes / x.enc_bytes;
         const double enc_mbps = x.f16_bytes / 1e6 / (x.enc_ms / 1000.0), dec_mbps = x.f16_bytes / 1e6 / (x.dec_ms / 1000.0);
-        rows.push_back({{"codec", names[ci]}, {"bits_per_value", bits}, {"bytes_per_token", bpt}, {"ratio_vs_f16", ratio_f16},
+        rows.push_back({{"codec", o.codecs[ci]}, {"bits_per_value", bits}, {"bytes_per_token", bpt}, {"ratio_vs_f16", ratio_f16},
                         {"kl", x.kl}, {"top1_agree", x.top1}, {"kl_fused", x.kl_fused}, {"top1_agree_fused", x.top1_fused},
                         {"encode_mbps", enc_mbps}, {"decode_mbps", dec_mbps}});
-        std::printf("| %s | %.2f | %.0f | %.2f | %.6f | %.3f | %.6f | %.3f | %.0f | %.0f |\n", names[ci].c_str(), bits, bpt,
+        std::printf("| %s | %.2f | %.0f | %.2f | %.6f | %.3f | %.6f | %.3f | %.0f | %.0f |\n", o.codecs[ci].c_str(), bits, bpt,
                     ratio_f16, x.kl, x.top1, x.kl_fused, x.top1_fused, enc_mbps, dec_mbps);
-        dat += names[ci] + " " + std::to_string(bits) + " " + std::to_string(std::max(x.kl, 1e-9)) + "\n";
+        dat += o.codecs[ci] + " " + std::to_string(bits) + " " + std::to_string(std::max(x.kl, 1e-9)) + "\n";
     }
-    if (!json_path.empty()) {
-        std::ofstream f(json_path);
-        f << nlohmann::json({{"model", model_path}, {"prompts", n_prompts}, {"docs", n_docs}, {"ratio", ratio},
-                             {"kl_fused_uncompressed", kl_fused_f16_ref}, {"rows", rows}})
-                 .dump(2)
-          << "\n";
-        if (!f) throw error("cannot write '" + json_path + "'");
-    }
-    plot_png(png, dat,
+    write_json(o.json_path, {{"model", o.model_path}, {"prompts", o.n_prompts}, {"docs", o.n_docs}, {"ratio", o.ratio},
+                             {"kl_fused_uncompressed", kl_fused_f16_ref}, {"rows", rows}});
+    plot_png(o.png, dat,
              "set title 'KV codecs: bits per value vs KL to the f16 full prefill' noenhanced\n"
              "set xlabel 'bits per value (real encoded bytes)'\nset ylabel 'mean KL (nats)'\nset logscale y\nset key off\n"
-             "plot '" + png + ".dat' u 2:3 w p pt 7 ps 1.5, '' u 2:3:1 w labels offset 0,1 noenhanced\n");
+             "plot '" + o.png + ".dat' u 2:3 w p pt 7 ps 1.5, '' u 2:3:1 w labels offset 0,1 noenhanced\n");
     return 0;
 }
 

@@ -3,7 +3,6 @@
 // KV bytes against a dense cache at a long context.
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -57,13 +56,6 @@ double mean_rows(const kv_cache & c) {
     double n = 0;
     for (int il = 0; il < (int) c.n_layer(); ++il) n += (double) c.n_rows(il);
     return n / (double) c.n_layer();
-}
-
-void write_json(const std::string & path, const nlohmann::json & j) {
-    if (path.empty()) return;
-    std::ofstream f(path);
-    f << j.dump(2) << "\n";
-    if (!f) throw error("cannot write '" + path + "'");
 }
 
 struct bench_opts {
@@ -249,10 +241,8 @@ int bench_evict(args & a) {
     bench_opts o;
     bool speed = false, have_policies = false, have_budgets = false;
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"-m", "--model"})) o.model_path = a.str();
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"-m", "--model"})) o.model_path = a.str();
         else if (a.match({"--policies"})) {
             o.policies.clear();
             for (const auto & n : a.names()) {

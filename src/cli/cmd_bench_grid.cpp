@@ -5,7 +5,6 @@
 // with its continuation, and the real encoded KV bytes.
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -58,26 +57,14 @@ int bench_grid(args & a) {
                 "turboquant3+qjl", "turboquant3.5+qjl", "turboquant4+qjl"};
     int32_t n_gen = 16;
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"--gen"})) n_gen = (int32_t) a.integer(1, 1024);
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"--gen"})) n_gen = (int32_t) a.integer(1, 1024);
         else if (!match_codec_bench_flag(a, o)) a.unknown();
     }
-    if (o.model_path.empty()) throw error("missing -m MODEL (see --help)");
-    const std::string & model_path = o.model_path;
-    const std::vector<std::string> & names = o.codecs;
-    const std::string & json_path = o.json_path, & png = o.png;
-    const int64_t n_prompts = o.n_prompts, n_docs = o.n_docs;
-    const float ratio = o.ratio;
-    engine_params & ep = o.ep;
-    std::vector<std::unique_ptr<codec>> codecs;
-    for (const auto & n : names) codecs.push_back(codec_by_name(n));
-
-    auto m = model::load(model_path);
+    const std::vector<std::unique_ptr<codec>> codecs = codec_bench_codecs(o);
+    auto m = codec_bench_model(o);
     const int64_t nv = m->hparams().n_vocab;
-    ep.n_ctx = std::min<int64_t>(m->hparams().n_ctx_train, 2048);
-    engine eng(m, ep);
+    engine eng(m, o.ep);
     std::mt19937 rng(5);
     sampler_params greedy;
     greedy.temp = 0.0f;
@@ -91,12 +78,12 @@ int bench_grid(args & a) {
     };
     std::vector<column> cols(codecs.size());
     blend_params bp = blend_default_params();
-    bp.recomp_ratio = ratio;
+    bp.recomp_ratio = o.ratio;
 
-    for (int64_t pi = 0; pi < n_prompts; ++pi) {
-        const rag_prompt p = story_prompt(m->tokens(), rng, n_docs, pi);
+    for (int64_t pi = 0; pi < o.n_prompts; ++pi) {
+        const rag_prompt p = story_prompt(m->tokens(), rng, o.n_docs, pi);
         const std::vector<llama_token> all = p.all();
-        if ((int64_t) all.size() + n_gen > ep.n_ctx) throw error("benchmark prompt longer than the context");
+        if ((int64_t) all.size() + n_gen > o.ep.n_ctx) throw error("benchmark prompt longer than the context");
         eng.cache().clear();
         const std::vector<float> full = eng.eval(all);
         const std::vector<llama_token> ref = eng.generate_from(full, n_gen, greedy).tokens;
@@ -111,7 +98,7 @@ int bench_grid(args & a) {
                 col.enc_bytes += (double) enc.size();
                 col.values += 2.0 * (double) c.n_layer * c.n_tokens() * c.n_embd_kv;
                 mc::params mp;
-                if (mc::parse_name(names[ci], mp)) {
+                if (mc::parse_name(o.codecs[ci], mp)) {
                     const mc::payload_stats s = mc::inspect(enc.data(), enc.size());
                     col.retained += (double) s.retained_tokens;
                     col.merge_slots += (double) (s.retained_tokens + s.merged_tokens);
@@ -128,20 +115,20 @@ int bench_grid(args & a) {
             eng.cache().set_n_past(place(eng, ptrs));
             const std::vector<float> ln = eng.eval(p.query);
             const std::vector<llama_token> gn = eng.generate_from(ln, n_gen, greedy).tokens;
-            col.row[0].kl += kl_divergence(full.data(), ln.data(), nv) / n_prompts;
-            col.row[0].agree += agreement(ref, gn) / n_prompts;
+            col.row[0].kl += kl_divergence(full.data(), ln.data(), nv) / o.n_prompts;
+            col.row[0].agree += agreement(ref, gn) / o.n_prompts;
 
             blend_result br;
             const std::vector<llama_token> gb = blend_generate(eng, ptrs, p.query, bp, n_gen, greedy, &br).tokens;
-            col.row[1].kl += kl_divergence(full.data(), br.logits.data(), nv) / n_prompts;
-            col.row[1].agree += agreement(ref, gb) / n_prompts;
+            col.row[1].kl += kl_divergence(full.data(), br.logits.data(), nv) / o.n_prompts;
+            col.row[1].agree += agreement(ref, gb) / o.n_prompts;
         }
     }
 
     const char * row_name[2] = {"naive", "cacheblend"};
     std::printf("model: %s\n%s, %lld prompts x %lld documents, cache %s; CacheBlend at %.2f; greedy agreement over %d tokens\n\n",
-                model_path.c_str(), m->describe().c_str(), (long long) n_prompts, (long long) n_docs,
-                ggml_type_name(ep.type_k), ratio, n_gen);
+                o.model_path.c_str(), m->describe().c_str(), (long long) o.n_prompts, (long long) o.n_docs,
+                ggml_type_name(o.ep.type_k), o.ratio, n_gen);
     std::printf("| codec | bits/value | ratio vs f16 | KL naive | agree naive | KL CacheBlend | agree CacheBlend | minicache retained |\n");
     std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
     nlohmann::json rows = nlohmann::json::array();
@@ -150,7 +137,7 @@ int bench_grid(args & a) {
         const column & c = cols[ci];
         const double bits = 8.0 * c.enc_bytes / c.values, r16 = 16.0 / bits;
         std::string ret = "";
-        nlohmann::json j = {{"codec", names[ci]}, {"bits_per_value", bits}, {"ratio_vs_f16", r16}};
+        nlohmann::json j = {{"codec", o.codecs[ci]}, {"bits_per_value", bits}, {"ratio_vs_f16", r16}};
         if (c.merge_slots > 0) {
             char buf[32];
             std::snprintf(buf, sizeof(buf), "%.3f", c.retained / c.merge_slots);
@@ -160,25 +147,19 @@ int bench_grid(args & a) {
         for (int r = 0; r < 2; ++r) {
             j[std::string("kl_") + row_name[r]] = c.row[r].kl;
             j[std::string("agree_") + row_name[r]] = c.row[r].agree;
-            dat[r] += names[ci] + " " + std::to_string(bits) + " " + std::to_string(std::max(c.row[r].kl, 1e-9)) + "\n";
+            dat[r] += o.codecs[ci] + " " + std::to_string(bits) + " " + std::to_string(std::max(c.row[r].kl, 1e-9)) + "\n";
         }
         rows.push_back(j);
-        std::printf("| %s | %.2f | %.2f | %.6f | %.3f | %.6f | %.3f | %s |\n", names[ci].c_str(), bits, r16, c.row[0].kl,
+        std::printf("| %s | %.2f | %.2f | %.6f | %.3f | %.6f | %.3f | %s |\n", o.codecs[ci].c_str(), bits, r16, c.row[0].kl,
                     c.row[0].agree, c.row[1].kl, c.row[1].agree, ret.empty() ? "" : ret.c_str());
     }
-    if (!json_path.empty()) {
-        std::ofstream f(json_path);
-        f << nlohmann::json({{"model", model_path}, {"prompts", n_prompts}, {"docs", n_docs}, {"ratio", ratio},
-                             {"gen", n_gen}, {"rows", rows}})
-                 .dump(2)
-          << "\n";
-        if (!f) throw error("cannot write '" + json_path + "'");
-    }
-    plot_png(png, dat[0] + "\n\n" + dat[1],
+    write_json(o.json_path, {{"model", o.model_path}, {"prompts", o.n_prompts}, {"docs", o.n_docs}, {"ratio", o.ratio},
+                             {"gen", n_gen}, {"rows", rows}});
+    plot_png(o.png, dat[0] + "\n\n" + dat[1],
              "set title 'composition: codec bits per value vs KL (naive concatenation and CacheBlend)' noenhanced\n"
              "set xlabel 'bits per value (real encoded bytes)'\nset ylabel 'mean KL to the f16 full prefill (nats)'\n"
              "set logscale y\nset key top right\n"
-             "plot '" + png + ".dat' index 0 u 2:3 w p pt 7 ps 1.4 t 'naive concatenation', "
+             "plot '" + o.png + ".dat' index 0 u 2:3 w p pt 7 ps 1.4 t 'naive concatenation', "
              "'' index 1 u 2:3 w p pt 5 ps 1.4 t 'CacheBlend', '' index 1 u 2:3:1 w labels offset 0,1 font ',8' noenhanced notitle\n");
     return 0;
 }

@@ -3,7 +3,6 @@
 // inlined in the user message.
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -78,10 +77,8 @@ int bench_serve(args & a) {
     std::string model_path, url, peer_url, json_path;
     int64_t n_docs = 4, doc_tokens = 512, reps = 2;
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--url"})) url = a.str();
         else if (a.match({"--peer"})) peer_url = a.str();
         else if (a.match({"--docs"})) n_docs = a.integer(2, 64);
@@ -178,13 +175,8 @@ int bench_serve(args & a) {
         rows.push_back({{"request", names[s]}, {"kvblend_ms", o}, {"peer_ms", p}, {"ratio", have_peer ? p / o : 0.0}});
         std::printf("| %s | %.0f | %.0f | %.2fx |\n", names[s], o, p, have_peer ? p / o : 0.0);
     }
-    if (!json_path.empty()) {
-        std::ofstream f(json_path);
-        f << nlohmann::json({{"docs", n_docs}, {"doc_tokens", doc_tokens}, {"reps", reps}, {"rows", rows},
-                             {"plain_passages_found", plain_found}, {"plain_passages", plain_expected}})
-                 .dump(2)
-          << "\n";
-    }
+    write_json(json_path, {{"docs", n_docs}, {"doc_tokens", doc_tokens}, {"reps", reps}, {"rows", rows},
+                           {"plain_passages_found", plain_found}, {"plain_passages", plain_expected}});
     std::printf("\nplain prompts: kvblend took %lld of %lld reordered passages from the store\n", (long long) plain_found,
                 (long long) plain_expected);
     return 0;

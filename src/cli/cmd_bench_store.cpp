@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -61,10 +60,8 @@ int bench_store(args & a) {
     int64_t chunk = 512, n = 4, reps = 3;
     engine_params ep = engine_default_params();
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_help, stdout);
-            return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
+        if (match_help(a, k_help)) return 0;
+        else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--chunk"})) chunk = a.integer(1, 1 << 20);
         else if (a.match({"--n"})) n = a.integer(1, 1000);
         else if (a.match({"--store"})) uris.push_back(a.str());
@@ -145,12 +142,7 @@ int bench_store(args & a) {
         for (const auto & k : keys) st->erase(k);
     }
     if (!tmp_dir.empty()) std::filesystem::remove_all(tmp_dir);
-    if (!json_path.empty()) {
-        std::ofstream f(json_path);
-        f << nlohmann::json({{"model", model_path}, {"chunk", chunk}, {"n", n}, {"collect_ms", collect_ms}, {"rows", rows}}).dump(2)
-          << "\n";
-        if (!f) throw error("cannot write '" + json_path + "'");
-    }
+    write_json(json_path, {{"model", model_path}, {"chunk", chunk}, {"n", n}, {"collect_ms", collect_ms}, {"rows", rows}});
     return 0;
 }
 

@@ -175,10 +175,8 @@ int cmd_store(int argc, char ** argv) {
     store_options so;
     args a(argc, argv, 2);
     while (!a.done()) {
-        if (a.match({"-h", "--help"})) {
-            std::fputs(k_store_help, stdout);
-            return 0;
-        } else if (a.match({"--store"})) uri = a.str();
+        if (match_help(a, k_store_help)) return 0;
+        else if (a.match({"--store"})) uri = a.str();
         else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--store-max-gb"})) so.max_bytes = parse_store_budget(a);
         else if (a.match({"--json"})) json = true;

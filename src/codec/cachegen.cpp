@@ -36,22 +36,6 @@ struct byte_writer {
     template <typename T> void put(T v) { raw(&v, sizeof(T)); }
 };
 
-struct byte_reader {
-    const uint8_t * p;
-    const uint8_t * end;
-    const uint8_t * skip(size_t n) {
-        if ((size_t) (end - p) < n) throw error("cachegen payload is truncated");
-        const uint8_t * at = p;
-        p += n;
-        return at;
-    }
-    template <typename T> T get() {
-        T v;
-        std::memcpy(&v, skip(sizeof(T)), sizeof(T));
-        return v;
-    }
-};
-
 // one coded symbol stream with its table: sym_min, count, freqs, length, bytes
 void put_stream(byte_writer & w, const std::vector<uint8_t> & sym) {
     std::array<uint32_t, 256> counts{};
@@ -83,7 +67,7 @@ struct stream_at {
 
 // symbols above max_sym cannot be decoded: checked once on the table, so the
 // dequantizing loops need no checks
-stream_at get_stream(byte_reader & r, int max_sym, uint8_t * out, size_t n) {
+stream_at get_stream(payload_reader & r, int max_sym, uint8_t * out, size_t n) {
     stream_at s;
     s.lo = r.get<uint8_t>();
     s.span = r.get<uint8_t>();
@@ -181,7 +165,7 @@ class cachegen_codec : public codec {
     }
 
     void decode(const uint8_t * p, size_t n_bytes, chunk_kv & out) const override {
-        byte_reader r{p, p + n_bytes};
+        payload_reader r{p, p + n_bytes, "cachegen"};
         const int64_t n = out.n_tokens(), d = out.n_embd_kv;
         if (r.get<uint32_t>() != k_magic) throw error("cachegen payload has a bad magic");
         if (r.get<uint32_t>() != (uint32_t) n || r.get<uint32_t>() != (uint32_t) d || r.get<uint32_t>() != (uint32_t) out.n_layer)

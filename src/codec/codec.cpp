@@ -39,23 +39,6 @@ std::vector<float> rows_f32(const chunk_kv & c, int64_t il, int kv) {
 
 void store_rows(chunk_kv & c, int64_t il, int kv, const float * x) { codec_store_rows(c, il, kv, x); }
 
-// sequential reads that fail cleanly on short input
-struct reader {
-    const uint8_t * p;
-    const uint8_t * end;
-    void take(void * dst, size_t n) {
-        if ((size_t) (end - p) < n) throw error("codec payload is truncated");
-        std::memcpy(dst, p, n);
-        p += n;
-    }
-    const uint8_t * skip(size_t n) {
-        if ((size_t) (end - p) < n) throw error("codec payload is truncated");
-        const uint8_t * at = p;
-        p += n;
-        return at;
-    }
-};
-
 void append(std::vector<uint8_t> & b, const void * p, size_t n) {
     const size_t at = b.size();
     b.resize(at + n);
@@ -151,7 +134,7 @@ class kivi_codec : public codec {
     }
 
     void decode(const uint8_t * p, size_t n_bytes, chunk_kv & out) const override {
-        reader r{p, p + n_bytes};
+        payload_reader r{p, p + n_bytes, "codec"};
         uint32_t hdr[4];
         r.take(hdr, sizeof(hdr));
         const int64_t d = out.n_embd_kv, n = out.n_tokens(), n_q = hdr[3];
@@ -201,7 +184,7 @@ class kivi_codec : public codec {
         }
     }
 
-    void get_group(reader & r, std::vector<float> & g) const {
+    void get_group(payload_reader & r, std::vector<float> & g) const {
         ggml_fp16_t mn, st;
         r.take(&mn, 2);
         r.take(&st, 2);

@@ -128,18 +128,7 @@ struct mc_header {
 // a merged token: direction f16 [n_embd] then the two norms (f32)
 size_t merged_record(int64_t d) { return (size_t) d * 2 + 8; }
 
-struct mc_cursor {
-    const uint8_t * p;
-    const uint8_t * end;
-    const uint8_t * skip(size_t n) {
-        if ((size_t) (end - p) < n) throw error("minicache payload is truncated");
-        const uint8_t * at = p;
-        p += n;
-        return at;
-    }
-};
-
-mc_header read_header(mc_cursor & r) {
+mc_header read_header(payload_reader & r) {
     mc_header h;
     std::memcpy(&h, r.skip(sizeof(h)), sizeof(h));
     if (h.magic != k_mc_magic) throw error("minicache payload has a bad magic");
@@ -208,7 +197,7 @@ class minicache_codec : public codec {
     }
 
     void decode(const uint8_t * p, size_t n_bytes, chunk_kv & out) const override {
-        mc_cursor r{p, p + n_bytes};
+        payload_reader r{p, p + n_bytes, "minicache"};
         const mc_header h = read_header(r);
         const int64_t d = out.n_embd_kv, n = out.n_tokens();
         // the payload's own settings rule (the merged rows need none of them to decode)
@@ -275,7 +264,7 @@ std::unique_ptr<codec> minicache_codec_make(const std::string & name) {
 }
 
 mc::payload_stats mc::inspect(const uint8_t * p, size_t n_bytes) {
-    mc_cursor r{p, p + n_bytes};
+    payload_reader r{p, p + n_bytes, "minicache"};
     const mc_header h = read_header(r);
     const int64_t d = h.n_embd, n = h.n_tokens;
     const size_t esz = h.elem ? 4 : 2;

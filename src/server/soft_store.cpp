@@ -36,46 +36,35 @@ void soft_store::answered() {
     std::fprintf(stderr, "store %s: answering again\n", s_->uri().c_str());
 }
 
-void soft_store::put(const std::string & k, const std::vector<uint8_t> & b) {
+template <typename T, typename F>
+T soft_store::guarded(const char * what, T miss, F && call) {
     try {
-        s_->put(k, b);
+        T r = call();
         answered();
+        return r;
     } catch (const std::exception & e) {
-        failed("put", e);
+        failed(what, e);
+        return miss;
     }
+}
+
+void soft_store::put(const std::string & k, const std::vector<uint8_t> & b) {
+    guarded("put", false, [&] {
+        s_->put(k, b);
+        return true;
+    });
 }
 
 std::optional<std::vector<uint8_t>> soft_store::get(const std::string & k) {
-    try {
-        auto r = s_->get(k);
-        answered();
-        return r;
-    } catch (const std::exception & e) {
-        failed("get", e);
-        return std::nullopt;
-    }
+    return guarded("get", std::optional<std::vector<uint8_t>>(), [&] { return s_->get(k); });
 }
 
 bool soft_store::contains(const std::string & k) {
-    try {
-        const bool r = s_->contains(k);
-        answered();
-        return r;
-    } catch (const std::exception & e) {
-        failed("contains", e);
-        return false;
-    }
+    return guarded("contains", false, [&] { return s_->contains(k); });
 }
 
 bool soft_store::erase(const std::string & k) {
-    try {
-        const bool r = s_->erase(k);
-        answered();
-        return r;
-    } catch (const std::exception & e) {
-        failed("erase", e);
-        return false;
-    }
+    return guarded("erase", false, [&] { return s_->erase(k); });
 }
 
 }  // namespace kvblend

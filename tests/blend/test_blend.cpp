@@ -61,6 +61,14 @@ double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
     return mx > 0 ? d / mx : d;
 }
 
+// the first n rows of K and V agree within tol in every layer
+void expect_same_kv(engine & a, engine & b, int64_t n_layer, int64_t n, double tol) {
+    for (int il = 0; il < n_layer; ++il) {
+        EXPECT_LE(rel_diff(a.cache().read_k(il, 0, n), b.cache().read_k(il, 0, n)), tol) << il;
+        EXPECT_LE(rel_diff(a.cache().read_v(il, 0, n), b.cache().read_v(il, 0, n)), tol) << il;
+    }
+}
+
 engine_params f32_params(int64_t n_ctx = 512) {
     engine_params ep;
     ep.n_ctx = n_ctx;
@@ -124,10 +132,7 @@ TEST(blend, ratio_one_equals_full_prefill) {
             EXPECT_LE(d, 1e-4);
             const int64_t N = (int64_t) f.p.all().size();
             EXPECT_EQ(e.cache().n_past(), N);
-            for (int il = 0; il < f.m->hparams().n_layer; ++il) {
-                EXPECT_LE(rel_diff(e.cache().read_k(il, 0, N), full.cache().read_k(il, 0, N)), 1e-4) << il;
-                EXPECT_LE(rel_diff(e.cache().read_v(il, 0, N), full.cache().read_v(il, 0, N)), 1e-4) << il;
-            }
+            expect_same_kv(e, full, f.m->hparams().n_layer, N, 1e-4);
         }
     }
 }
@@ -166,10 +171,7 @@ TEST(blend, gradual_equals_dense) {
             EXPECT_EQ(g.selected, d.selected);
             EXPECT_LE(rel_diff(g.logits, d.logits), 1e-5);
             const int64_t N = g.stats.n_tokens;
-            for (int il = 0; il < f.m->hparams().n_layer; ++il) {
-                EXPECT_LE(rel_diff(eg.cache().read_k(il, 0, N), ed.cache().read_k(il, 0, N)), 1e-5) << il;
-                EXPECT_LE(rel_diff(eg.cache().read_v(il, 0, N), ed.cache().read_v(il, 0, N)), 1e-5) << il;
-            }
+            expect_same_kv(eg, ed, f.m->hparams().n_layer, N, 1e-5);
             EXPECT_LT(g.stats.deep_frac, 1.0);
             EXPECT_DOUBLE_EQ(d.stats.deep_frac, 1.0);
         }
@@ -302,10 +304,7 @@ TEST(blend, result_is_the_same_in_one_micro_batch_or_many) {
             EXPECT_EQ(r1.selected, rm.selected) << path;
             EXPECT_LE(rel_diff(rm.logits, r1.logits), 1e-6) << path;
             const int64_t N = r1.stats.n_tokens;
-            for (int il = 0; il < f.m->hparams().n_layer; ++il) {
-                EXPECT_LE(rel_diff(em.cache().read_k(il, 0, N), e1.cache().read_k(il, 0, N)), 1e-6) << il;
-                EXPECT_LE(rel_diff(em.cache().read_v(il, 0, N), e1.cache().read_v(il, 0, N)), 1e-6) << il;
-            }
+            expect_same_kv(em, e1, f.m->hparams().n_layer, N, 1e-6);
         }
     }
 }

@@ -1,7 +1,6 @@
 // files the CLI reads as text (generate -f, blend --doc, ingest FILE): regular
 // files only, under a size limit; anything else is one clear error and exit 1.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <filesystem>
 #include <fstream>
@@ -15,16 +14,7 @@ namespace {
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
 // run_cli under a time limit: a command that reads forever fails instead of hanging
-test::run_result run_limited(const std::string & args) {
-    test::temp_dir dir("cli");
-    const std::string cmd = "timeout 60 " + std::string(KVBLEND_CLI) + " " + args + " > " + dir.file("out") + " 2> " + dir.file("err");
-    const int rc = std::system(cmd.c_str());
-    test::run_result r;
-    r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + WTERMSIG(rc);
-    std::ifstream e(dir.file("err"));
-    r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
-    return r;
-}
+test::run_result run_limited(const std::string & args) { return test::run_cli(args, "timeout 60 "); }
 
 TEST(cli_inputs, text_files_must_be_regular_files_of_bounded_size) {
     test::temp_dir d("inputs");

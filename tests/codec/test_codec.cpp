@@ -21,12 +21,7 @@ const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K
 
 // a chunk of random values with a few outliers, shaped like a small model's
 chunk_kv random_chunk(ggml_type type, int64_t n_tok = 230, int64_t n_embd_kv = 64, int64_t n_layer = 2) {
-    chunk_kv c;
-    c.tokens.resize(n_tok, 1);
-    c.n_layer = n_layer;
-    c.n_embd_kv = n_embd_kv;
-    c.type = type;
-    c.data.resize(c.bytes());
+    chunk_kv c = test::zero_chunk(n_tok, n_embd_kv, n_layer, type);
     std::mt19937 rng(3);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     std::vector<float> x((size_t) n_tok * n_embd_kv);

@@ -10,18 +10,14 @@
 #include "codec/cachegen.h"
 #include "codec/minicache.h"
 #include "kvblend/codec.h"
+#include "test_util.h"
 
 namespace kvblend {
 namespace {
 
 // every layer's rows are one base plus fresh noise of `drift`: layers point alike
 chunk_kv drifting_chunk(int64_t n_tok, int64_t n_embd, int64_t n_layer, ggml_type type, float drift) {
-    chunk_kv c;
-    c.tokens.assign(n_tok, 1);
-    c.n_layer = n_layer;
-    c.n_embd_kv = n_embd;
-    c.type = type;
-    c.data.resize(c.bytes());
+    chunk_kv c = test::zero_chunk(n_tok, n_embd, n_layer, type);
     std::mt19937 rng(9);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     std::vector<float> bk(n_tok * n_embd), bv(n_tok * n_embd), k(bk.size()), v(bv.size());

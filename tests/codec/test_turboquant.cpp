@@ -10,6 +10,7 @@
 #include "codec/cachegen.h"
 #include "codec/turboquant.h"
 #include "kvblend/codec.h"
+#include "test_util.h"
 
 namespace kvblend {
 namespace {
@@ -134,12 +135,7 @@ TEST(turboquant, qjl_makes_inner_products_unbiased) {
 }
 
 chunk_kv gaussian_chunk(int64_t n_tok, int64_t n_embd, int64_t n_layer, ggml_type type) {
-    chunk_kv c;
-    c.tokens.assign(n_tok, 1);
-    c.n_layer = n_layer;
-    c.n_embd_kv = n_embd;
-    c.type = type;
-    c.data.resize(c.bytes());
+    chunk_kv c = test::zero_chunk(n_tok, n_embd, n_layer, type);
     std::mt19937 rng(5);
     std::vector<float> x = gaussian(rng, (size_t) n_tok * n_embd);
     for (int64_t il = 0; il < n_layer; ++il)

@@ -20,6 +20,7 @@
 namespace {
 
 using namespace kvblend;
+using kvblend::test::error_of;
 using kvblend::test::make_test_model;
 using kvblend::test::temp_dir;
 using kvblend::test::vocab_path;
@@ -58,18 +59,6 @@ void expect_tensor(const gguf_context * g, const std::string & name, ggml_type t
     const int64_t * ne = gguf_get_tensor_ne(g, id);
     for (int d = 0; d < GGML_MAX_DIMS; ++d)
         EXPECT_EQ(ne[d], d < int(shape.size()) ? shape[d] : 1) << name << " dim " << d;
-}
-
-template <typename F>
-std::string error_of(F && f) {
-    try {
-        f();
-    } catch (const kvblend::error & e) {
-        return e.what();
-    } catch (const std::exception & e) {
-        return std::string("wrong exception type: ") + e.what();
-    }
-    return "no error";
 }
 
 // --- presets and names -------------------------------------------------------
@@ -352,12 +341,22 @@ TEST(model_maker, tied_override_and_layers) {
 
 // --- errors ------------------------------------------------------------------
 
+// the error of making the tiny preset with these params into dir/out.gguf
+std::string tiny_error(const make_model_params & p, const temp_dir & dir) {
+    return error_of([&] { make_model(model_spec_preset("tiny"), p, dir.file("out.gguf")); });
+}
+
+// a failed make leaves neither its output nor its temporary file
+void expect_no_output(const temp_dir & dir) {
+    for (const char * f : {"out.gguf", "out.gguf.tmp"}) EXPECT_FALSE(std::filesystem::exists(dir.file(f))) << f;
+}
+
 TEST(model_maker, bad_vocab_file) {
     kvblend::backend_init();  // quiet gguf's own log lines
     temp_dir dir("maker");
     make_model_params p;
     p.vocab_from = dir.file("no-such-vocab.gguf");
-    std::string msg = error_of([&] { make_model(model_spec_preset("tiny"), p, dir.file("out.gguf")); });
+    std::string msg = tiny_error(p, dir);
     EXPECT_NE(msg.find("no-such-vocab.gguf"), std::string::npos) << msg;
 
     // a text file is not a GGUF
@@ -365,7 +364,7 @@ TEST(model_maker, bad_vocab_file) {
         std::ofstream(dir.file("text.gguf")) << "hello, not a gguf\n";
     }
     p.vocab_from = dir.file("text.gguf");
-    msg = error_of([&] { make_model(model_spec_preset("tiny"), p, dir.file("out.gguf")); });
+    msg = tiny_error(p, dir);
     EXPECT_NE(msg.find("text.gguf"), std::string::npos) << msg;
 
     // a valid GGUF without a token list
@@ -375,11 +374,10 @@ TEST(model_maker, bad_vocab_file) {
         ASSERT_TRUE(gguf_write_to_file(g.get(), dir.file("notok.gguf").c_str(), false));
     }
     p.vocab_from = dir.file("notok.gguf");
-    msg = error_of([&] { make_model(model_spec_preset("tiny"), p, dir.file("out.gguf")); });
+    msg = tiny_error(p, dir);
     EXPECT_NE(msg.find("tokenizer.ggml.tokens"), std::string::npos) << msg;
 
-    EXPECT_FALSE(std::filesystem::exists(dir.file("out.gguf")));
-    EXPECT_FALSE(std::filesystem::exists(dir.file("out.gguf.tmp")));
+    expect_no_output(dir);
 }
 
 TEST(model_maker, indivisible_quant_names_tensor_and_type) {
@@ -387,12 +385,11 @@ TEST(model_maker, indivisible_quant_names_tensor_and_type) {
     make_model_params p;
     p.vocab_from = vocab_path("llama-spm");
     p.wtype = GGML_TYPE_Q4_K;  // blocks of 256, tiny rows are 128
-    const std::string msg = error_of([&] { make_model(model_spec_preset("tiny"), p, dir.file("out.gguf")); });
+    const std::string msg = tiny_error(p, dir);
     EXPECT_NE(msg.find("token_embd.weight"), std::string::npos) << msg;
     EXPECT_NE(msg.find("q4_K"), std::string::npos) << msg;
     EXPECT_NE(msg.find("256"), std::string::npos) << msg;
-    EXPECT_FALSE(std::filesystem::exists(dir.file("out.gguf")));
-    EXPECT_FALSE(std::filesystem::exists(dir.file("out.gguf.tmp")));
+    expect_no_output(dir);
 }
 
 TEST(model_maker, inconsistent_spec_and_unwritable_output) {

@@ -1,9 +1,11 @@
-// a kvblend server in process, on a free loopback port, for the server tests
+// a kvblend server in process, on a free loopback port, and the small helpers
+// the server tests share
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 
@@ -40,5 +42,33 @@ class running_server {
     std::unique_ptr<server> srv_;
     std::thread thread_;
 };
+
+// the server tests' parameters: a small context, and a store when given one
+inline server_params small_params(const std::string & store_uri = "") {
+    server_params p;
+    p.n_ctx = 512;
+    p.store_uri = store_uri;
+    return p;
+}
+
+// POSTs a JSON body and returns the JSON answer, expected with this status
+inline nlohmann::json post(httplib::Client & c, const std::string & path, const nlohmann::json & body,
+                           int expect_status = 200) {
+    auto r = c.Post(path, body.dump(), "application/json");
+    EXPECT_TRUE(r) << path;
+    if (!r) return nlohmann::json();
+    EXPECT_EQ(r->status, expect_status) << path << ": " << r->body;
+    return nlohmann::json::parse(r->body);
+}
+
+// the error of an OpenAI-shaped answer, asserted to be one
+inline nlohmann::json openai_error_of(const httplib::Result & r) {
+    EXPECT_TRUE(r);
+    if (!r) return nlohmann::json();
+    const nlohmann::json e = nlohmann::json::parse(r->body, nullptr, false);
+    EXPECT_TRUE(e.is_object() && e.contains("error") && e["error"]["message"].is_string())
+        << r->status << ": " << r->body;
+    return e.is_object() && e.contains("error") ? e["error"] : nlohmann::json();
+}
 
 }  // namespace kvblend::test

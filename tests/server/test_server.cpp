@@ -17,23 +17,10 @@ namespace kvblend {
 namespace {
 
 using json = nlohmann::json;
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
+using test::post;
 using test::running_server;
-
-json post(httplib::Client & c, const std::string & path, const json & body, int expect_status = 200) {
-    auto r = c.Post(path, body.dump(), "application/json");
-    EXPECT_TRUE(r) << path;
-    if (!r) return json();
-    EXPECT_EQ(r->status, expect_status) << path << ": " << r->body;
-    return json::parse(r->body);
-}
-
-server_params small_params() {
-    server_params p;
-    p.n_ctx = 512;
-    return p;
-}
+using test::small_params;
 
 TEST(server, health_models_chat_and_completions) {
     running_server s(small_params());
@@ -103,8 +90,7 @@ TEST(server, streaming_sends_chunks_and_done) {
 
 TEST(server, documents_come_back_from_the_store_in_another_order) {
     test::temp_dir d("srvstore");
-    server_params p = small_params();
-    p.store_uri = d.path().string();
+    server_params p = small_params(d.path().string());
     running_server s(p);
     auto c = s.client();
     const json docs1 = {{{"text", "Tom had a red ball."}}, {{"text", "Sue found a little cat."}}, {{"text", "Ben swam in the lake."}}};
@@ -233,16 +219,9 @@ TEST(server, a_client_that_disconnects_mid_stream_cancels_its_work) {
     EXPECT_LT(time_ms() - t0, 30000.0);
 }
 
-}  // namespace
-}  // namespace kvblend
-
-namespace kvblend {
-namespace {
-
 TEST(server, documents_endpoint_ids_and_metrics) {
     test::temp_dir d("srvstore");
-    server_params p = small_params();
-    p.store_uri = d.path().string();
+    server_params p = small_params(d.path().string());
     running_server s(p);
     auto c = s.client();
     const json added = post(c, "/v1/documents", {{"documents", {"Tom had a red ball.", {{"text", "Sue found a little cat."}}}}});
@@ -281,12 +260,6 @@ TEST(server, documents_endpoint_needs_a_store) {
     EXPECT_EQ(r->status, 400);
 }
 
-}  // namespace
-}  // namespace kvblend
-
-namespace kvblend {
-namespace {
-
 // resident memory of this process in kB (the server runs in it)
 int64_t rss_kb() {
     std::ifstream f("/proc/self/status");
@@ -300,8 +273,7 @@ TEST(server, the_official_openai_client_works_against_it) {
     ASSERT_TRUE(std::ifstream(dir + "/node_modules/openai/package.json").good())
         << "the openai npm client is missing: run scripts/setup.sh";
     test::temp_dir d("srvstore");
-    server_params p = small_params();
-    p.store_uri = d.path().string();
+    server_params p = small_params(d.path().string());
     p.api_key = "test-key";
     p.parallel = 2;
     running_server s(p);
@@ -401,12 +373,6 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
     EXPECT_NE(m.find("kvblend_http_responses_total{code=\"5xx\"} 0"), std::string::npos) << m;
 }
 
-}  // namespace
-}  // namespace kvblend
-
-namespace kvblend {
-namespace {
-
 TEST(server, a_prompt_that_extends_the_last_one_reuses_its_prefix) {
     running_server s(small_params());  // one slot: consecutive requests share its cache
     auto c = s.client();
@@ -423,16 +389,9 @@ TEST(server, a_prompt_that_extends_the_last_one_reuses_its_prefix) {
     EXPECT_EQ(r2["choices"][0]["text"], r3["choices"][0]["text"]);
 }
 
-}  // namespace
-}  // namespace kvblend
-
-namespace kvblend {
-namespace {
-
 TEST(server, same_documents_in_the_same_order_extend_the_cached_prefix) {
     test::temp_dir d("srvstore");
-    server_params p = small_params();
-    p.store_uri = d.path().string();
+    server_params p = small_params(d.path().string());
     running_server s(p);
     auto c = s.client();
     const json docs = {{{"text", "Tom had a red ball."}}, {{"text", "Sue found a little cat."}}};
@@ -452,12 +411,6 @@ TEST(server, same_documents_in_the_same_order_extend_the_cached_prefix) {
     EXPECT_GT(r3["kvblend"]["n_fused"].get<int>(), 0);
     EXPECT_EQ(r3["kvblend"]["store_hits"], 3);
 }
-
-}  // namespace
-}  // namespace kvblend
-
-namespace kvblend {
-namespace {
 
 TEST(server, live_compressed_slots_say_so_and_refuse_documents) {
     server_params p = small_params();
@@ -507,16 +460,9 @@ TEST(server, an_evicted_slot_is_never_reused_as_a_partial_prefix) {
     EXPECT_TRUE(n3 == 0 || n3 >= r1b["usage"]["prompt_tokens"].get<int64_t>()) << n3;
 }
 
-}  // namespace
-}  // namespace kvblend
-
-namespace kvblend {
-namespace {
-
 TEST(server, a_fused_cache_is_evicted_and_not_reused_as_a_prefix) {
     test::temp_dir d("srvevict");
-    server_params p = small_params();
-    p.store_uri = d.path().string();
+    server_params p = small_params(d.path().string());
     p.evict.policy = EVICT_POLICY_SNAPKV;
     p.evict.budget_tokens = 16;
     p.evict.window = 4;

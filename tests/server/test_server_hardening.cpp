@@ -25,7 +25,6 @@ namespace kvblend {
 namespace {
 
 using json = nlohmann::json;
-const std::string k_model = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
 // the server tests' server, with a small context unless the test asks for one
 struct live_server : test::running_server {
@@ -33,7 +32,7 @@ struct live_server : test::running_server {
         if (p.n_ctx == 4096) p.n_ctx = 512;
         return p;
     }
-    explicit live_server(server_params p) : running_server(small_ctx(p), k_model) {}
+    explicit live_server(server_params p) : running_server(small_ctx(p), test::k_stories_model) {}
 };
 
 // a raw loopback connection, for what an HTTP client library would not send
@@ -100,24 +99,11 @@ std::string body_of(const std::string & response) {
     return at == std::string::npos ? "" : response.substr(at + 4);
 }
 
-// the error of an OpenAI-shaped answer, asserted to be one
-json error_of(const httplib::Result & r) {
-    EXPECT_TRUE(r);
-    if (!r) return json();
-    const json e = json::parse(r->body, nullptr, false);
-    EXPECT_TRUE(e.is_object() && e.contains("error") && e["error"]["message"].is_string())
-        << r->status << ": " << r->body;
-    return e.is_object() && e.contains("error") ? e["error"] : json();
-}
-
-server_params small() {
-    server_params p;
-    p.n_ctx = 512;
-    return p;
-}
+using test::openai_error_of;
+using test::small_params;
 
 TEST(server_hardening, a_body_nested_200000_deep_is_a_400_not_a_crash) {
-    live_server s(small());
+    live_server s(small_params());
     auto c = s.client();
     // valid JSON, 200,000 levels deep where the server copies a value (a message's
     // content: the shape that overflowed the stack), and elsewhere
@@ -131,7 +117,7 @@ TEST(server_hardening, a_body_nested_200000_deep_is_a_400_not_a_crash) {
             auto r = c.Post("/v1/chat/completions", body, "application/json");
             ASSERT_TRUE(r);
             EXPECT_EQ(r->status, 400);
-            EXPECT_EQ(error_of(r)["code"], "invalid_json");
+            EXPECT_EQ(openai_error_of(r)["code"], "invalid_json");
         }
     }
     // 64 levels are still fine, 65 are not
@@ -148,7 +134,7 @@ TEST(server_hardening, a_body_nested_200000_deep_is_a_400_not_a_crash) {
 }
 
 TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
-    live_server s(small());
+    live_server s(small_params());
     auto c = s.client();
     const std::vector<std::pair<std::string, std::string>> cases = {
         {"/v1/chat/completions", "{\"messages\":[{\"role\":\"user\",\"content\":\"caf\xff\"}]}"},
@@ -171,7 +157,7 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
         auto r = c.Post(path, body, "application/json");
         ASSERT_TRUE(r) << body;
         EXPECT_EQ(r->status, 400) << body << " -> " << r->body;
-        const json e = error_of(r);
+        const json e = openai_error_of(r);
         EXPECT_EQ(e["type"], "invalid_request_error") << body;
         EXPECT_EQ(e["message"].get<std::string>().find("json.exception"), std::string::npos) << e["message"];
     }
@@ -182,17 +168,17 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
 }
 
 TEST(server_hardening, n_above_1_is_refused) {
-    live_server s(small());
+    live_server s(small_params());
     auto c = s.client();
     auto r =
         c.Post("/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"n":2})", "application/json");
     EXPECT_EQ(r->status, 400);
-    EXPECT_NE(error_of(r)["message"].get<std::string>().find("'n'"), std::string::npos);
+    EXPECT_NE(openai_error_of(r)["message"].get<std::string>().find("'n'"), std::string::npos);
     EXPECT_EQ(c.Post("/v1/completions", R"({"prompt":"x","n":1,"max_tokens":1})", "application/json")->status, 200);
 }
 
 TEST(server_hardening, a_body_over_the_cap_is_413_at_once) {
-    server_params p = small();
+    server_params p = small_params();
     p.max_body = 4096;
     live_server s(p);
     // a declared length over the cap: answered before any of the body is sent
@@ -225,7 +211,7 @@ TEST(server_hardening, a_body_over_the_cap_is_413_at_once) {
     auto r = c.Post("/v1/completions", big, "application/json");
     ASSERT_TRUE(r);
     EXPECT_EQ(r->status, 413);
-    EXPECT_EQ(error_of(r)["code"], "request_too_large");
+    EXPECT_EQ(openai_error_of(r)["code"], "request_too_large");
     // a chunked body over the cap
     {
         raw_conn rc(s.port());
@@ -243,7 +229,7 @@ TEST(server_hardening, a_body_over_the_cap_is_413_at_once) {
 }
 
 TEST(server_hardening, a_text_too_long_for_the_context_is_refused_before_tokenizing) {
-    live_server s(small());  // context 512
+    live_server s(small_params());  // context 512
     auto c = s.client();
     std::string text;
     while (text.size() < (4u << 20)) text += "Once upon a time there was a cat. ";
@@ -255,13 +241,13 @@ TEST(server_hardening, a_text_too_long_for_the_context_is_refused_before_tokeniz
         auto r = c.Post(path, body.dump(), "application/json");
         ASSERT_TRUE(r);
         EXPECT_EQ(r->status, 400);
-        EXPECT_EQ(error_of(r)["code"], "context_length_exceeded");
+        EXPECT_EQ(openai_error_of(r)["code"], "context_length_exceeded");
         EXPECT_LT(time_ms() - t0, 3000.0) << path;  // tokenizing 4 MB takes far longer on these machines
     }
 }
 
 TEST(server_hardening, slow_clients_do_not_starve_health) {
-    server_params p = small();
+    server_params p = small_params();
     p.read_timeout_s = 3;
     live_server s(p);
     // 20 connections that send a header line every 2 s and never finish
@@ -300,7 +286,7 @@ TEST(server_hardening, slow_clients_do_not_starve_health) {
 }
 
 TEST(server_hardening, connections_per_client_and_in_all_are_bounded) {
-    server_params p = small();
+    server_params p = small_params();
     p.max_connections_per_client = 4;
     live_server s(p);
     std::vector<std::unique_ptr<raw_conn>> held;
@@ -321,7 +307,7 @@ TEST(server_hardening, connections_per_client_and_in_all_are_bounded) {
 }
 
 TEST(server_hardening, http10_gets_no_chunks_and_pipelined_requests_are_all_answered) {
-    live_server s(small());
+    live_server s(small_params());
     {
         raw_conn rc(s.port());
         const std::string body = R"({"prompt":"Once upon a time","max_tokens":6,"temperature":0,"stream":true})";
@@ -354,7 +340,7 @@ TEST(server_hardening, http10_gets_no_chunks_and_pipelined_requests_are_all_answ
 }
 
 TEST(server_hardening, a_client_that_hangs_up_cancels_a_non_streaming_request) {
-    server_params p = small();
+    server_params p = small_params();
     live_server s(p);
     {
         raw_conn rc(s.port());
@@ -374,7 +360,7 @@ TEST(server_hardening, a_client_that_hangs_up_cancels_a_non_streaming_request) {
 }
 
 TEST(server_hardening, api_keys_bearer_in_any_case_and_never_empty) {
-    server_params p = small();
+    server_params p = small_params();
     p.api_key = "k3y";
     live_server s(p);
     for (const char * scheme : {"Bearer", "bearer", "BEARER", "bEaReR"}) {
@@ -390,16 +376,16 @@ TEST(server_hardening, api_keys_bearer_in_any_case_and_never_empty) {
         EXPECT_EQ(r->status, 401) << h;
     }
     // the CLI refuses an empty key instead of serving without one
-    const auto r = test::run_cli("serve -m " + k_model + " --port 0 --api-key \"\"");
+    const auto r = test::run_cli("serve -m " + test::k_stories_model + " --port 0 --api-key \"\"");
     EXPECT_EQ(r.status, 1);
     EXPECT_NE(r.err.find("error: --api-key is empty"), std::string::npos) << r.err;
-    const auto bad = test::run_cli("serve -m " + k_model + " --max-body 12q");
+    const auto bad = test::run_cli("serve -m " + test::k_stories_model + " --max-body 12q");
     EXPECT_EQ(bad.status, 1);
     EXPECT_NE(bad.err.find("--max-body"), std::string::npos) << bad.err;
 }
 
 TEST(server_hardening, metrics_count_error_responses) {
-    live_server s(small());
+    live_server s(small_params());
     auto c = s.client();
     c.Post("/v1/completions", "{bad", "application/json");
     c.Post("/v1/completions", R"({"prompt": 1})", "application/json");
@@ -418,7 +404,7 @@ TEST(server_hardening, health_reports_a_store_that_is_down) {
     } catch (const std::exception & e) {
         FAIL() << e.what();
     }
-    server_params p = small();
+    server_params p = small_params();
     p.store_uri = redis->uri();
     live_server s(p);
     auto c = s.client();
@@ -436,7 +422,7 @@ TEST(server_hardening, health_reports_a_store_that_is_down) {
 
 TEST(server_hardening, a_document_the_store_failed_to_write_is_a_5xx_not_an_id) {
     test::temp_dir d("hardstore");
-    server_params p = small();
+    server_params p = small_params();
     p.store_uri = d.path().string();
     live_server s(p);
     auto c = s.client();
@@ -448,7 +434,7 @@ TEST(server_hardening, a_document_the_store_failed_to_write_is_a_5xx_not_an_id) 
     auto r = c.Post("/v1/documents", R"({"documents":["Sue found a little cat."]})", "application/json");
     ASSERT_TRUE(r);
     EXPECT_EQ(r->status, 503) << r->body;
-    const json e = error_of(r);
+    const json e = openai_error_of(r);
     EXPECT_EQ(e["code"], "store_write_failed");
     EXPECT_NE(e["message"].get<std::string>().find("document 0"), std::string::npos) << e["message"];
     // the one stored before is still served

@@ -15,17 +15,10 @@ namespace kvblend {
 namespace {
 
 using json = nlohmann::json;
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
 using plain_server = test::running_server;
-
-json post(httplib::Client & c, const std::string & path, const json & body) {
-    auto r = c.Post(path, body.dump(), "application/json");
-    EXPECT_TRUE(r) << path;
-    if (!r) return json();
-    EXPECT_EQ(r->status, 200) << path << ": " << r->body;
-    return json::parse(r->body);
-}
+using test::post;
+using test::small_params;
 
 const std::vector<std::string> k_docs = {
     "Tom had a red ball. He threw it high and it landed in the tree by the pond.",
@@ -39,9 +32,7 @@ json complete(httplib::Client & c, const std::string & prompt) {
 
 TEST(server_plain_docs, stored_documents_are_found_inside_a_plain_prompt_in_any_order) {
     test::temp_dir d("plainstore");
-    server_params p;
-    p.n_ctx = 512;
-    p.store_uri = d.path().string();
+    server_params p = small_params(d.path().string());
     plain_server s(p);
     auto c = s.client();
     const json added = post(c, "/v1/documents", {{"documents", k_docs}});
@@ -83,9 +74,7 @@ TEST(server_plain_docs, stored_documents_are_found_inside_a_plain_prompt_in_any_
 
 TEST(server_plain_docs, documents_of_the_documents_field_are_known_to_plain_prompts) {
     test::temp_dir d("plainstore");
-    server_params p;
-    p.n_ctx = 512;
-    p.store_uri = d.path().string();
+    server_params p = small_params(d.path().string());
     plain_server s(p);
     auto c = s.client();
     post(c, "/v1/chat/completions",
@@ -111,9 +100,7 @@ std::string passage(int i) {
 
 TEST(server_plain_docs, long_prompts_teach_their_passages_within_a_bound) {
     test::temp_dir d("plainstore");
-    server_params p;
-    p.n_ctx = 512;
-    p.store_uri = d.path().string();
+    server_params p = small_params(d.path().string());
     p.min_fuse_tokens = 64;
     p.learn_max_docs = 2;
     plain_server s(p);
@@ -139,9 +126,7 @@ TEST(server_plain_docs, long_prompts_teach_their_passages_within_a_bound) {
 
 TEST(server_plain_docs, no_learning_and_no_store_mean_plain_prefill) {
     test::temp_dir d("plainstore");
-    server_params p;
-    p.n_ctx = 512;
-    p.store_uri = d.path().string();
+    server_params p = small_params(d.path().string());
     p.min_fuse_tokens = 64;
     p.learn = false;
     {

@@ -20,10 +20,12 @@
 #include "kvblend/vocab.h"
 #include "store/backends.h"
 #include "store/redis_server.h"
+#include "test_util.h"
 
 namespace {
 
 using namespace kvblend;
+using kvblend::test::error_of;
 using kvblend::test::redis_server;
 
 std::vector<uint8_t> random_bytes(size_t n, uint64_t seed) {
@@ -43,17 +45,6 @@ std::map<std::string, store_entry_info> by_key(const std::vector<store_entry_inf
     std::map<std::string, store_entry_info> out;
     for (const auto & e : list) out[e.key] = e;
     return out;
-}
-
-// what a kvblend::error thrown by f says; "" when f does not throw one
-template <typename F>
-std::string error_of(F && f) {
-    try {
-        f();
-    } catch (const kvblend::error & e) {
-        return e.what();
-    }
-    return "";
 }
 
 class RedisStore : public ::testing::Test {

@@ -36,19 +36,7 @@ fs::path entry_file(const fs::path & root, const std::string & key) {
 // the CLI as a user without write access to root-owned files: root ignores
 // permissions, so as root the command drops to nobody (setpriv, util-linux)
 test::run_result run_cli_unprivileged(const std::string & args) {
-    test::temp_dir dir("cli");
-    const std::string drop = getuid() == 0 ? "setpriv --reuid=65534 --regid=65534 --clear-groups " : "";
-    const std::string cmd = drop + std::string(KVBLEND_CLI) + " " + args + " > " + dir.file("out") + " 2> " + dir.file("err");
-    const int rc = std::system(cmd.c_str());
-    test::run_result r;
-    r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + WTERMSIG(rc);
-    auto slurp = [](const std::string & p) {
-        std::ifstream f(p, std::ios::binary);
-        return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    };
-    r.out = slurp(dir.file("out"));
-    r.err = slurp(dir.file("err"));
-    return r;
+    return test::run_cli(args, getuid() == 0 ? "setpriv --reuid=65534 --regid=65534 --clear-groups " : "");
 }
 
 // takes write permission away from everything under p (the unprivileged run
