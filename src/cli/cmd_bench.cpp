@@ -33,6 +33,7 @@ model, same threads, same KV type, in the same run.
   --peer none|llama     time libllama too (default llama); 'none' also reports peak RSS
   --mmap                map the model file instead of reading the weights into memory
   --json                print one JSON object instead of the table
+  -dev, --device DEV    our forward's device (cpu, cuda, rpc:HOST:PORT, …; see kvblend generate --help)
 )";
 
 double median(std::vector<double> v) {
@@ -70,6 +71,7 @@ int bench_prefill(args & a) {
             peer = p == "llama";
         } else if (a.match({"--json"})) json = true;
         else if (a.match({"--mmap"})) mp.use_mmap = true;
+        else if (match_device_flag(a, mp)) continue;
         else a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
