@@ -93,6 +93,7 @@ int bench_prefill(args & a) {
         rp.n_ubatch = ep.n_ubatch;
         rp.type_k = ep.type_k;
         rp.type_v = ep.type_v;
+        rp.use_gpu = m->on_gpu();  // libllama offloads to the registered GPU/RPC devices, or stays on the CPU as ours does
         lr = std::make_unique<ref::llama_ref>(model_path, rp);
     }
 
