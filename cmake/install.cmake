@@ -8,7 +8,7 @@ include(CMakePackageConfigHelpers)
 # libkvblend.a: our objects and the static ggml and libllama archives merged
 # into one, so that a user links one library (GNU ar's MRI script)
 set(KVBLEND_BUNDLED_TARGETS kvblend_lib llama ggml ggml-base ggml-cpu)
-foreach (t ggml-cuda ggml-blas)
+foreach (t ggml-cuda ggml-blas ggml-rpc)
     if (TARGET ${t})
         list(APPEND KVBLEND_BUNDLED_TARGETS ${t})
     endif()

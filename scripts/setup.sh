@@ -6,7 +6,9 @@
 # environment knobs:
 #   KVBLEND_BUILD_DIR   build folder (default: build; build-sanitize with KVBLEND_SANITIZE=1)
 #   KVBLEND_SANITIZE=1  build kvblend with ASan + UBSan (ggml and libllama stay uninstrumented)
-#   KVBLEND_CUDA=1      build the CUDA backend too (needs the CUDA toolkit)
+#   KVBLEND_CUDA=1      build the CUDA backend too (needs the CUDA toolkit), into build-cuda
+#   KVBLEND_CUDA_ARCH   CUDA architectures to compile for (e.g. 90 for H100/H200; default:
+#                       the GPUs of this machine; set it on a machine without one)
 #   KVBLEND_NATIVE=0    do not tune for this CPU (GGML_NATIVE off)
 #   KVBLEND_JOBS        parallel build jobs (default: number of cores)
 #   KVBLEND_TRAIN=1     also install the testbed trainer's packages (scripts/testbed/:
@@ -20,7 +22,9 @@ LLAMA_NPM_PKG="node-llama-cpp@3.21.1"
 LLAMA_COMMIT="80fb11ac73e66d89eae2c6a91d8a77428fa733ed"
 LLAMA_DIR="$root/third_party/llama.cpp"
 SANITIZE="${KVBLEND_SANITIZE:-0}"
-if [[ "$SANITIZE" == 1 ]]; then BUILD_DIR="${KVBLEND_BUILD_DIR:-build-sanitize}"; else BUILD_DIR="${KVBLEND_BUILD_DIR:-build}"; fi
+if [[ "$SANITIZE" == 1 ]]; then BUILD_DIR="${KVBLEND_BUILD_DIR:-build-sanitize}"
+elif [[ "${KVBLEND_CUDA:-0}" == 1 ]]; then BUILD_DIR="${KVBLEND_BUILD_DIR:-build-cuda}"
+else BUILD_DIR="${KVBLEND_BUILD_DIR:-build}"; fi
 JOBS="${KVBLEND_JOBS:-$(nproc)}"
 
 log() { printf '[setup] %s\n' "$*"; }
@@ -90,7 +94,19 @@ fi
 # --- build -----------------------------------------------------------------
 cmake_args=(-S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release)
 [[ "${KVBLEND_NATIVE:-1}" == 0 ]] && cmake_args+=(-DGGML_NATIVE=OFF) || cmake_args+=(-DGGML_NATIVE=ON)
-[[ "${KVBLEND_CUDA:-0}" == 1 ]] && cmake_args+=(-DKVBLEND_CUDA=ON) || cmake_args+=(-DKVBLEND_CUDA=OFF)
+if [[ "${KVBLEND_CUDA:-0}" == 1 ]]; then
+  cmake_args+=(-DKVBLEND_CUDA=ON)
+  # the toolkit's standard place, when nvcc is not on PATH
+  if ! command -v nvcc >/dev/null 2>&1 && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+    cmake_args+=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
+  fi
+  # a bare "90" would also embed PTX: "90-real" compiles the device code once
+  arch="${KVBLEND_CUDA_ARCH:-}"
+  [[ "$arch" =~ ^[0-9]+[af]?$ ]] && arch="$arch-real"
+  [[ -n "$arch" ]] && cmake_args+=("-DCMAKE_CUDA_ARCHITECTURES=$arch")
+else
+  cmake_args+=(-DKVBLEND_CUDA=OFF)
+fi
 [[ "$SANITIZE" == 1 ]] && cmake_args+=(-DKVBLEND_SANITIZE=ON) || cmake_args+=(-DKVBLEND_SANITIZE=OFF)
 log "configuring $BUILD_DIR"
 cmake "${cmake_args[@]}" >/dev/null

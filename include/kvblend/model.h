@@ -69,9 +69,33 @@ struct model_params {
     // read into anonymous memory ran prefill ~10% faster here (huge pages)
     bool use_mmap = false;
     bool use_gpu  = true;   // put weights on the first GPU device when one is built in
+    // the ggml device that holds the weights, the KV caches and the blend's
+    // hidden states and runs the forward, named as llama.cpp's --device names it:
+    //   ""             auto: the first GPU when one is built in (and use_gpu), else the CPU
+    //   "cpu", "none"  the CPU
+    //   "cuda"         the first CUDA device (a build with KVBLEND_CUDA)
+    //   "rpc:HOST:PORT" the first device of a ggml rpc-server (llama.cpp's --rpc HOST:PORT)
+    //   a device name  as --list-devices prints it: "CUDA0", "RPC0", …
+    std::string device;
+    // layers whose weights go to that device (llama.cpp's -ngl): -1 all, 0 none
+    // (the CPU runs everything); one device runs every layer, so any other count
+    // below the model's layer count is refused at load
+    int32_t n_gpu_layers = -1;
 };
 
 model_params model_default_params();
+
+// register the devices of a ggml rpc-server at "HOST:PORT" (llama.cpp's --rpc)
+// and return the first one; a second call for the same endpoint returns the
+// same device. throws kvblend::error for a malformed endpoint, a build without
+// the RPC backend or a server that does not answer.
+ggml_backend_dev_t backend_add_rpc_server(const std::string & endpoint);
+
+// one line per ggml device that a model could use: "NAME: description"
+std::vector<std::string> backend_device_list();
+
+// "NAME (description)" of a device, the way errors name a backend
+std::string backend_device_label(ggml_backend_dev_t dev);
 
 class vocab;
 
@@ -93,10 +117,12 @@ class model {
     // models, or two quantizations of one, get different fingerprints.
     const std::string & fingerprint() const { return fingerprint_; }
 
-    // the device the weights live on (CPU, or the first GPU when built with
-    // one); engines create their own backend instances on it.
+    // the device the weights live on (model_params::device); engines create
+    // their own backend instances on it, and their KV caches and hidden states
+    // live there too.
     ggml_backend_dev_t device() const { return device_; }
-    bool on_gpu() const;
+    bool on_gpu() const;  // any device but the CPU (a GPU, an rpc-server)
+    std::string device_label() const { return backend_device_label(device_); }
     size_t weights_bytes() const { return weights_bytes_; }
     std::string describe() const;  // one line: arch, shape, weight type, size
 

@@ -45,6 +45,9 @@ inline bool match_help(args & a, const char * help) {
 // flags shared by the commands that generate; true when one was consumed
 bool match_sampling_flag(args & a, sampler_params & sp);  // --temp --top-k --top-p --min-p --seed
 bool match_engine_flag(args & a, engine_params & ep);     // -t, -b, --cache-type[-k|-v], --kv-codec
+// the device flags (src/cli/cli_device.cpp): -dev/--device, --rpc, -ngl, --list-devices
+bool match_device_flag(args & a, model_params & mp);
+extern const char * k_device_help;
 std::string parse_kv_codec(const std::string & name);     // a live compressed cache's name, checked
 // --evict POLICY, --kv-budget B, --evict-sinks N, --evict-window N, --evict-shared
 bool match_evict_flag(args & a, evict_params & ev);

@@ -37,6 +37,7 @@ model, same threads, same KV type, in the same run.
                         ggml node computed and timed on its own: the time per
                         op (ours vs libllama), to find where a gap comes from
   --json                print one JSON object instead of the table
+  -dev, --device DEV    our forward's device (cpu, cuda, rpc:HOST:PORT, …; see kvblend generate --help)
 )";
 
 double median(std::vector<double> v) {
@@ -92,6 +93,7 @@ int bench_prefill(args & a) {
         } else if (a.match({"--json"})) json = true;
         else if (a.match({"--profile-ops"})) profile = true;
         else if (a.match({"--mmap"})) mp.use_mmap = true;
+        else if (match_device_flag(a, mp)) continue;
         else a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
@@ -115,6 +117,7 @@ int bench_prefill(args & a) {
         rp.n_ubatch = ep.n_ubatch;
         rp.type_k = ep.type_k;
         rp.type_v = ep.type_v;
+        rp.use_gpu = m->on_gpu();  // libllama offloads to the registered GPU/RPC devices, or stays on the CPU as ours does
         if (profile) rp.cb_eval = op_timer::callback, rp.cb_eval_user_data = &llama_ops;
         lr = std::make_unique<ref::llama_ref>(model_path, rp);
     }

@@ -66,12 +66,15 @@ int cmd_blend(int argc, char ** argv) {
     std::string store_uri, codec_name = "raw";
     evict_params chunk_ev;
     store_options so;
+    model_params mp = model_default_params();
 
     args a(argc, argv, 1);
     while (!a.done()) {
         if (a.match({"-h", "--help"})) {
             std::fputs(k_help, stdout);
             std::fputs(k_evict_help, stdout);
+            std::fputs("\nDevice:\n", stdout);
+            std::fputs(k_device_help, stdout);
             std::fputs("\nStored chunks (with or without --store):\n", stdout);
             std::fputs(k_chunk_evict_help, stdout);
             return 0;
@@ -90,7 +93,7 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--store-max-gb"})) so.max_bytes = parse_store_budget(a);
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
         else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep) || match_evict_flag(a, ep.evict) ||
-                 match_chunk_evict_flag(a, chunk_ev))
+                 match_chunk_evict_flag(a, chunk_ev) || match_device_flag(a, mp))
             continue;
         else if (a.match({"--chat"})) chat = true;
         else if (a.match({"--compare-full"})) compare = true;
@@ -103,7 +106,7 @@ int cmd_blend(int argc, char ** argv) {
     check_evict_flags(ep.evict);
     check_chunk_evict_flags(chunk_ev);
 
-    auto m = model::load(model_path);
+    auto m = model::load(model_path, mp);
     if (bp.check_layer >= m->hparams().n_layer)
         throw error("--check-layer must be below the model's " + std::to_string(m->hparams().n_layer) + " layers");
     const rag_prompt rp = rag_prompt_build(m->tokens(), system, docs, query, chat);

@@ -41,7 +41,7 @@ const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
   --kv-codec NAME       a live compressed cache instead: turboquant2 … turboquant4 (2.5, 3.5 too;
                         +qjl for the keys' QJL sketch) or minicache[:thr=G]; CPU only, tiles
                         dequantized on the fly
-%s  --chat                wrap the prompt in the model's chat template (user turn)
+%s%s  --chat                wrap the prompt in the model's chat template (user turn)
   --system TEXT         system message for --chat
   --mmap                map the model file instead of reading the weights into memory
   --json                print one JSON object: text, n_prompt, n_gen, prefill_ms, decode_ms,
@@ -186,17 +186,20 @@ int cmd_generate(int argc, char ** argv) {
     int64_t n_predict = 64, n_ctx = 0;
     sampler_params sp = sampler_default_params();
     engine_params ep = engine_default_params();
+    model_params mp = model_default_params();
 
     args a(argc, argv, 1);
     while (!a.done()) {
         if (a.match({"-h", "--help"})) {
-            std::printf(k_help, k_evict_help);
+            std::printf(k_help, k_evict_help, k_device_help);
             return 0;
         } else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"-p", "--prompt"})) prompt = a.str(), have_prompt = true;
         else if (a.match({"-f", "--file"})) prompt = read_text_file(a.str()), have_prompt = true;
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
-        else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep) || match_evict_flag(a, ep.evict)) continue;
+        else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep) || match_evict_flag(a, ep.evict) ||
+                 match_device_flag(a, mp))
+            continue;
         else if (a.match({"-c", "--ctx-size"})) n_ctx = a.integer(1, 1 << 24);
         else if (a.match({"--chat"})) chat = true;
         else if (a.match({"--system"})) system = a.str();
@@ -209,7 +212,6 @@ int cmd_generate(int argc, char ** argv) {
     if (!have_prompt) throw error("missing -p PROMPT (see --help)");
     check_evict_flags(ep.evict);
 
-    model_params mp = model_default_params();
     mp.use_mmap = mmap;
     auto m = model::load(model_path, mp);
     const vocab & voc = m->tokens();

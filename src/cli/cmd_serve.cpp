@@ -82,11 +82,14 @@ void on_signal(int) {
 int cmd_serve(int argc, char ** argv) {
     std::string model_path;
     server_params sp;
+    model_params mp = model_default_params();
     args a(argc, argv, 1);
     while (!a.done()) {
         if (a.match({"-h", "--help"})) {
             std::fputs(k_help, stdout);
             std::fputs(k_evict_help, stdout);
+            std::fputs("\nDevice:\n", stdout);
+            std::fputs(k_device_help, stdout);
             return 0;
         } else if (a.match({"-m", "--model"})) model_path = a.str();
         else if (a.match({"--host"})) sp.host = a.str();
@@ -122,7 +125,7 @@ int cmd_serve(int argc, char ** argv) {
         else if (a.match({"--cache-type-k", "-ctk"})) sp.type_k = parse_cache_type(a.str());
         else if (a.match({"--cache-type-v", "-ctv"})) sp.type_v = parse_cache_type(a.str());
         else if (a.match({"--kv-codec"})) sp.kv_codec = parse_kv_codec(a.str());
-        else if (match_evict_flag(a, sp.evict)) continue;
+        else if (match_evict_flag(a, sp.evict) || match_device_flag(a, mp)) continue;
         else a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
@@ -130,7 +133,7 @@ int cmd_serve(int argc, char ** argv) {
         std::fprintf(stderr, "warning: serving on %s without an API key: anyone who can reach it can use it (--api-key)\n",
                      sp.host.c_str());
     check_evict_flags(sp.evict);
-    auto m = model::load(model_path);
+    auto m = model::load(model_path, mp);
     sp.n_ctx = std::min(sp.n_ctx, m->hparams().n_ctx_train);
     server srv(m, sp);
     g_server = &srv;

@@ -1,5 +1,5 @@
 // the engine: our forward over a dense KV cache, prefill in micro-batches and
-// token-by-token decode, scheduled on a ggml_backend_sched (CPU, or GPU+CPU).
+// token-by-token decode, scheduled on a ggml_backend_sched (CPU, or the model's device + CPU).
 #include "kvblend/engine.h"
 
 #include <algorithm>
@@ -37,7 +37,7 @@ engine::engine(std::shared_ptr<const model> m, const engine_params & params)
 
     if (model_->on_gpu()) {
         ggml_backend_t gpu = ggml_backend_dev_init(model_->device(), nullptr);
-        if (!gpu) throw error("cannot initialise the GPU backend");
+        if (!gpu) throw error("cannot initialise the " + model_->device_label() + " backend");
         impl_->backends.emplace_back(gpu);
     }
     impl_->cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);

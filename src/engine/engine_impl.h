@@ -16,7 +16,7 @@ namespace kvblend {
 struct ubatch_graph;  // engine/driver.cpp: a built graph and its input/output tensors
 
 struct engine::impl {
-    std::vector<ggml_backend_ptr> backends;  // [gpu,] cpu
+    std::vector<ggml_backend_ptr> backends;  // [the model's device (gpu, rpc),] cpu
     ggml_backend_t cpu = nullptr;
     ggml_backend_sched_ptr sched;
     std::vector<uint8_t> meta_buf;  // memory for graph/tensor descriptors

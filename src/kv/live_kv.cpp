@@ -352,7 +352,10 @@ bool live_kv::is_live_name(const std::string & name) {
 }
 
 std::unique_ptr<live_kv> live_kv::make(const model & m, const std::string & name, int64_t n_ctx) {
-    if (m.on_gpu()) throw error("a live " + name + " cache runs on the CPU backend only: its nodes are ggml custom ops");
+    // its graph nodes are ggml custom ops: CPU functions called on host memory
+    if (m.on_gpu() && is_live_name(name))
+        throw error("a live " + name + " cache (--kv-codec) runs on the CPU backend only, not on " + m.device_label() +
+                    ": its nodes are ggml custom ops (use --device cpu, or a stored-chunk codec)");
     tq::params tp;
     if (tq::parse_name(name, tp)) return std::make_unique<tq_live>(m, tp, n_ctx);
     mc::params mp;

@@ -18,6 +18,7 @@
 #include "ggml-cpu.h"
 #include "gguf.h"
 #include "kvblend/vocab.h"
+#include "model/device.h"
 
 namespace kvblend {
 
@@ -414,9 +415,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     }
 
     // --- weights into a backend buffer ---------------------------------------
-    ggml_backend_dev_t gpu = params.use_gpu ? ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) : nullptr;
-    m->device_ = gpu ? gpu : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    if (!m->device_) throw error("no ggml CPU device is registered");
+    m->device_ = device_resolve(params, hp.n_layer);
+    ggml_backend_dev_t gpu = m->on_gpu() ? m->device_ : nullptr;
     check_weight_ops(*m, m->device_, kv);
 
     const bool can_map = !gpu && params.use_mmap && (data_offset % 32) == 0;

@@ -1,0 +1,14 @@
+// the device a model loads onto (src/model/device.cpp)
+#pragma once
+
+#include "ggml-backend.h"
+#include "kvblend/model.h"
+
+namespace kvblend {
+
+// model_params::device (and use_gpu, n_gpu_layers) to a registered ggml device.
+// throws kvblend::error naming what is wrong: an unknown name, a build
+// without that backend, an unreachable rpc-server, a split -ngl.
+ggml_backend_dev_t device_resolve(const model_params & p, int64_t n_layer);
+
+}  // namespace kvblend
