@@ -87,6 +87,19 @@ prompt make_prompt(const model & m) {
 
 bool on_host(const ggml_tensor * t) { return t->buffer && ggml_backend_buffer_is_host(t->buffer); }
 
+// every chunk of p collected alone on e, and the pointers blend takes
+std::vector<chunk_kv> collect_all(engine & e, const prompt & p) {
+    std::vector<chunk_kv> kv;
+    for (const auto & c : p.chunks) kv.push_back(collect(e, c));
+    return kv;
+}
+
+std::vector<const chunk_kv *> pointers(const std::vector<chunk_kv> & kv) {
+    std::vector<const chunk_kv *> ptrs;
+    for (const auto & c : kv) ptrs.push_back(&c);
+    return ptrs;
+}
+
 TEST(rpc, weights_and_caches_live_on_the_rpc_device) {
     auto m = load_on_rpc(k_stories);
     EXPECT_TRUE(m->on_gpu());
@@ -139,10 +152,8 @@ TEST(rpc, gradual_equals_dense) {
         auto m = load_on_rpc(path);
         const prompt p = make_prompt(*m);
         engine coll(m, f32_params());
-        std::vector<chunk_kv> kv;
-        for (const auto & c : p.chunks) kv.push_back(collect(coll, c));
-        std::vector<const chunk_kv *> ptrs;
-        for (const auto & c : kv) ptrs.push_back(&c);
+        const std::vector<chunk_kv> kv = collect_all(coll, p);
+        const std::vector<const chunk_kv *> ptrs = pointers(kv);
 
         blend_params bp;
         bp.recomp_ratio = 0.3f;
@@ -169,10 +180,8 @@ TEST(rpc, ratio_one_equals_full_prefill) {
         auto m = load_on_rpc(path);
         const prompt p = make_prompt(*m);
         engine coll(m, f32_params());
-        std::vector<chunk_kv> kv;
-        for (const auto & c : p.chunks) kv.push_back(collect(coll, c));
-        std::vector<const chunk_kv *> ptrs;
-        for (const auto & c : kv) ptrs.push_back(&c);
+        const std::vector<chunk_kv> kv = collect_all(coll, p);
+        const std::vector<const chunk_kv *> ptrs = pointers(kv);
 
         engine e(m, f32_params());
         blend_params bp;
@@ -212,16 +221,12 @@ TEST(rpc, blend_from_stored_chunks_equals_the_cpu_blend) {
         std::vector<chunk_kv> kv;
         for (const auto & c : p.chunks) kv.push_back(chunk_get_or_collect(st.get(), e, {}, c, fs));
         EXPECT_EQ(fs.hits, (int64_t) p.chunks.size());
-        std::vector<const chunk_kv *> ptrs;
-        for (const auto & c : kv) ptrs.push_back(&c);
-        const blend_result r = blend(e, ptrs, p.query, bp);
+        const blend_result r = blend(e, pointers(kv), p.query, bp);
 
         auto mc = load_on_cpu(path);
         engine ce(mc, f32_params());
-        std::vector<chunk_kv> ckv;
-        for (const auto & c : p.chunks) ckv.push_back(collect(ce, c));
-        std::vector<const chunk_kv *> cptrs;
-        for (const auto & c : ckv) cptrs.push_back(&c);
+        const std::vector<chunk_kv> ckv = collect_all(ce, p);
+        const std::vector<const chunk_kv *> cptrs = pointers(ckv);
         // the KV that came back from the store is the CPU's KV
         for (size_t i = 0; i < kv.size(); ++i) {
             ASSERT_EQ(kv[i].bytes(), ckv[i].bytes());
@@ -342,20 +347,7 @@ TEST(rpc, bad_devices_are_errors) {
 
 // the CLI, bounded in time whatever the server does (a stuck connection would
 // otherwise wait forever)
-test::run_result run_cli(const std::string & args) {
-    test::temp_dir dir("rpccli");
-    const std::string cmd = "timeout -k 5 60 " + std::string(KVBLEND_CLI) + " " + args + " > " + dir.file("out") + " 2> " + dir.file("err");
-    const int rc = std::system(cmd.c_str());
-    test::run_result r;
-    r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + WTERMSIG(rc);
-    auto slurp = [](const std::string & p) {
-        std::ifstream f(p, std::ios::binary);
-        return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    };
-    r.out = slurp(dir.file("out"));
-    r.err = slurp(dir.file("err"));
-    return r;
-}
+test::run_result run_cli(const std::string & args) { return test::run_cli(args, "timeout -k 5 60 "); }
 
 // the CLI's llama.cpp-style flags: --device rpc:…, --rpc, -ngl, --list-devices
 TEST(rpc, cli_generate_on_rpc_equals_cpu) {
