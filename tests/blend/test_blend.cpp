@@ -11,9 +11,13 @@
 #include "kvblend/blend.h"
 #include "kvblend/vocab.h"
 #include "test_util.h"
+#include "blend/blend_prompt.h"
 
 namespace kvblend {
 namespace {
+
+using test::f32_params;
+using test::prompt;
 
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
@@ -30,17 +34,6 @@ const std::vector<std::string> k_queries = {
     " The next day, the little girl went outside and",
     " Then mom said it was time to go home, so",
     " After that, everyone was happy because",
-};
-
-struct prompt {
-    std::vector<std::vector<llama_token>> chunks;  // chunks[0] = BOS + system prefix
-    std::vector<llama_token> query;
-    std::vector<llama_token> all() const {
-        std::vector<llama_token> t;
-        for (const auto & c : chunks) t.insert(t.end(), c.begin(), c.end());
-        t.insert(t.end(), query.begin(), query.end());
-        return t;
-    }
 };
 
 prompt make_prompt(const model & m, int first_doc, int n_docs, int query) {
@@ -69,14 +62,6 @@ void expect_same_kv(engine & a, engine & b, int64_t n_layer, int64_t n, double t
     }
 }
 
-engine_params f32_params(int64_t n_ctx = 512) {
-    engine_params ep;
-    ep.n_ctx = n_ctx;
-    ep.type_k = ep.type_v = GGML_TYPE_F32;
-    ep.n_ubatch = 64;  // several micro-batches even for these short prompts
-    return ep;
-}
-
 struct fixture {
     std::shared_ptr<model> m;
     prompt p;
@@ -87,8 +72,8 @@ struct fixture {
         m = model::load(path);
         p = make_prompt(*m, first_doc, n_docs, query);
         engine coll(m, f32_params());
-        for (const auto & c : p.chunks) kv.push_back(collect(coll, c));
-        for (const auto & c : kv) ptrs.push_back(&c);
+        kv = test::collect_all(coll, p);
+        ptrs = test::pointers(kv);
     }
 };
 

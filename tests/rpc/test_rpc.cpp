@@ -20,9 +20,15 @@
 #include "ref/llama_ref.h"
 #include "rpc/rpc_server.h"
 #include "test_util.h"
+#include "blend/blend_prompt.h"
 
 namespace kvblend {
 namespace {
+
+using test::collect_all;
+using test::f32_params;
+using test::pointers;
+using test::prompt;
 
 using json = nlohmann::json;
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
@@ -58,25 +64,6 @@ std::shared_ptr<model> load_on_cpu(const std::string & path) {
 
 std::vector<std::string> models_under_test() { return {k_stories, test::make_test_model("tiny-qwen3")}; }
 
-engine_params f32_params(int64_t n_ctx = 512) {
-    engine_params ep;
-    ep.n_ctx = n_ctx;
-    ep.type_k = ep.type_v = GGML_TYPE_F32;
-    ep.n_ubatch = 64;  // several micro-batches even for these short prompts
-    return ep;
-}
-
-struct prompt {
-    std::vector<std::vector<llama_token>> chunks;  // chunks[0] = BOS + system prefix
-    std::vector<llama_token> query;
-    std::vector<llama_token> all() const {
-        std::vector<llama_token> t;
-        for (const auto & c : chunks) t.insert(t.end(), c.begin(), c.end());
-        t.insert(t.end(), query.begin(), query.end());
-        return t;
-    }
-};
-
 prompt make_prompt(const model & m) {
     prompt p;
     p.chunks.push_back(m.tokens().tokenize("Here are some stories.", true));
@@ -86,19 +73,6 @@ prompt make_prompt(const model & m) {
 }
 
 bool on_host(const ggml_tensor * t) { return t->buffer && ggml_backend_buffer_is_host(t->buffer); }
-
-// every chunk of p collected alone on e, and the pointers blend takes
-std::vector<chunk_kv> collect_all(engine & e, const prompt & p) {
-    std::vector<chunk_kv> kv;
-    for (const auto & c : p.chunks) kv.push_back(collect(e, c));
-    return kv;
-}
-
-std::vector<const chunk_kv *> pointers(const std::vector<chunk_kv> & kv) {
-    std::vector<const chunk_kv *> ptrs;
-    for (const auto & c : kv) ptrs.push_back(&c);
-    return ptrs;
-}
 
 TEST(rpc, weights_and_caches_live_on_the_rpc_device) {
     auto m = load_on_rpc(k_stories);
