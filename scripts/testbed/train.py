@@ -62,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--minutes", type=float, default=0, help="stop after this much wall time")
     p.add_argument("--lm-weight", type=float, default=0.25, help="weight of the prompt's next-token loss")
     p.add_argument("--lm-frac", type=float, default=0.25, help="share of the prompt's positions with a next-token loss")
+    p.add_argument("--questions", type=int, default=1,
+                   help="questions trained per world: each question and its answer see the prompt and themselves "
+                        "only, at the positions after the prompt (K separate examples sharing one prompt's compute)")
     p.add_argument("--min-people", type=int, default=3)
     p.add_argument("--max-people", type=int, default=6)
     p.add_argument("--curriculum", type=float, default=0.0,
@@ -91,14 +94,20 @@ class Layout:
         self.tok = tok
         self.nl = tok.encode("\n")[-1]  # <0x0A>
 
-    def prompt(self, ex):
-        """token ids and the segment of each: 0 the system chunk, 1.. the documents, -1 the query."""
+    def context(self, ex):
+        """the system chunk and the documents: token ids and the segment of each (0 the
+        system chunk, 1.. the documents)"""
         ids = self.tok.encode(ex.get("system", ""), bos=True)
         seg = [0] * len(ids)
         for ci, c in enumerate(ex["chunks"]):
             t = self.tok.encode(c + "\n\n")
             ids += t
             seg += [ci + 1] * len(t)
+        return ids, seg
+
+    def prompt(self, ex):
+        """token ids and the segment of each: 0 the system chunk, 1.. the documents, -1 the query."""
+        ids, seg = self.context(ex)
         q = self.tok.encode(ex["query"])
         return ids + q, seg + [-1] * len(q)
 
@@ -133,6 +142,22 @@ class Batches:
         hi = 2 + round(grow * (a.max_people - 2))
         return (a.min_people if grow >= 1 else 2), max(2, hi)
 
+    def sample(self, lo, hi):
+        """one world: the prompt's fields and --questions (kind, query, answer) triples, as
+        world.sample makes them (its functions, composed; every question of the world is a candidate)"""
+        w, rng = self.world, self.rng
+        people, towns = w.world(rng, rng.randint(lo, hi))
+        sents = w.sentences(rng, people, towns)
+        ex = dict(system=rng.choice(w.SYSTEMS), chunks=w.chunks_of(rng, sents, rng.randint(2, 6)))
+        k = self.args.questions
+        if k <= 1:  # world.sample's own choice of one question
+            kind, q, a = w.questions(rng, people, towns)
+            qs = [(kind, q, a)]
+        else:
+            qs = [t for i in range(len(people)) for t in w.questions(_Every(i), people, towns)]
+            qs = rng.sample(qs, min(k, len(qs)))
+        return ex, [(kind, f"Question: {q}\nAnswer:", " " + a) for kind, q, a in qs]
+
     def make(self, progress, pool=8):
         """the next batch; prompts are made `pool` batches at a time and grouped
         by length, so that little of a batch is padding"""
@@ -140,29 +165,67 @@ class Batches:
             lo, hi = self.people(progress)
             rows = []
             for _ in range(self.args.batch * pool):
-                ex = self.world.sample(self.rng, lo, hi)
-                ids, _ = self.layout.prompt(ex)
-                rows.append((ids, self.layout.answer(ex["answer"])))
-            rows.sort(key=lambda r: len(r[0]) + len(r[1]))
+                ex, qs = self.sample(lo, hi)
+                ids, _ = self.layout.context(ex)
+                blocks = [(self.layout.tok.encode(q), self.layout.answer(a)) for _, q, a in qs]
+                rows.append((ids, blocks))
+            rows.sort(key=lambda r: len(r[0]) + sum(len(q) + len(a) for q, a in r[1]))
             b = self.args.batch
             self.ready = [rows[i:i + b] for i in range(0, len(rows), b)]
             self.rng.shuffle(self.ready)
         return self.pad(self.ready.pop())
 
     def pad(self, rows):
+        """x (ids), y (answer targets), ylm (prompt next-token targets), pos (positions) and
+        blk (the block of each position: 0 the prompt, j > 0 the j-th question and its answer,
+        -1 padding) of a batch; row r is [prompt, query 1, answer 1, query 2, …]"""
         import numpy as np
-        T = max(len(i) + len(a) for i, a in rows)
+        T = max(len(ids) + sum(len(q) + len(a) for q, a in blocks) for ids, blocks in rows)
         T = (T + 15) // 16 * 16
         x = np.zeros((len(rows), T), dtype=np.int64)
-        y = np.full((len(rows), T), -1, dtype=np.int64)  # answer targets
-        ylm = np.full((len(rows), T), -1, dtype=np.int64)  # prompt next-token targets
-        for r, (ids, ans) in enumerate(rows):
-            seq = ids + ans
-            x[r, :len(seq)] = seq
+        y = np.full((len(rows), T), -1, dtype=np.int64)
+        ylm = np.full((len(rows), T), -1, dtype=np.int64)
+        pos = np.tile(np.arange(T, dtype=np.int64), (len(rows), 1))
+        blk = np.full((len(rows), T), -1, dtype=np.int64)
+        for r, (ids, blocks) in enumerate(rows):
             n = len(ids)
+            x[r, :n] = ids
             ylm[r, :n - 1] = ids[1:]
-            y[r, n - 1:n - 1 + len(ans)] = ans
-        return x, y, ylm
+            blk[r, :n] = 0
+            at = n
+            for j, (q, ans) in enumerate(blocks):
+                seq = q + ans
+                x[r, at:at + len(seq)] = seq
+                pos[r, at:at + len(seq)] = np.arange(n, n + len(seq))
+                blk[r, at:at + len(seq)] = j + 1
+                y[r, at + len(q) - 1:at + len(q) - 1 + len(ans)] = ans
+                at += len(seq)
+        return x, y, ylm, pos, blk
+
+
+class _Every:
+    """a stand-in for random.Random in world.questions: picks person `i`, then
+    returns the whole list of that person's questions"""
+
+    def __init__(self, i):
+        self.i, self.calls = i, 0
+
+    def choice(self, seq):
+        self.calls += 1
+        return seq[self.i] if self.calls == 1 else seq
+
+
+def block_mask(blk, device):
+    """attention of a packed row (Batches.pad): the prompt is causal; a question block
+    sees the prompt and itself (causal); padding sees itself only. bool [B, 1, T, T]."""
+    import torch
+    b = torch.from_numpy(blk).to(device)
+    T = b.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    qi, ki = b[:, :, None], b[:, None, :]
+    m = ((ki == 0) & (qi >= 0)) | ((qi == ki) & (qi > 0))
+    m = (m & causal) | torch.eye(T, dtype=torch.bool, device=device)
+    return m[:, None]
 
 
 def batch_iter(args, tok, total_steps, start_step, progress):
@@ -186,8 +249,8 @@ def batch_iter(args, tok, total_steps, start_step, progress):
 
     dl = torch.utils.data.DataLoader(Stream(), batch_size=None, num_workers=args.workers, prefetch_factor=4,
                                      persistent_workers=True)
-    for x, y, ylm in dl:
-        yield x.numpy(), y.numpy(), ylm.numpy()
+    for arrays in dl:
+        yield tuple(a.numpy() for a in arrays)
 
 
 # --- model ---------------------------------------------------------------------
@@ -269,13 +332,18 @@ def build_model(args, n_vocab):
                     std = 0.02 / math.sqrt(2 * args.layers) if n.endswith(("o.weight", "down.weight")) else 0.02
                     nn.init.normal_(p, 0.0, std)
 
-        def forward(self, idx, mask=None, hidden=False):
+        def forward(self, idx, mask=None, hidden=False, pos=None):
             """logits [B, T, n_vocab] (hidden: the final-normed states [B, T, d] instead);
-            mask: None (causal) or bool [B, 1, T, T], True where attended."""
+            mask: None (causal) or bool [B, 1, T, T], True where attended; pos: None
+            (0, 1, …) or the positions [B, T]."""
             T = idx.shape[1]
-            t = torch.arange(T, device=idx.device).float()
-            f = torch.outer(t, self.inv_freq)  # [T, head_dim / 2]
-            cos, sin = f.cos()[None, None], f.sin()[None, None]
+            if pos is None:
+                t = torch.arange(T, device=idx.device).float()
+                f = torch.outer(t, self.inv_freq)  # [T, head_dim / 2]
+                cos, sin = f.cos()[None, None], f.sin()[None, None]
+            else:
+                f = pos.float()[:, :, None] * self.inv_freq  # [B, T, head_dim / 2]
+                cos, sin = f.cos()[:, None], f.sin()[:, None]
             x = self.embed(idx)
             for b in self.blocks:
                 x = b(x, cos, sin, mask)
@@ -516,7 +584,7 @@ def main(argv=None):
         step, tokens_seen, wall = state["step"], state["tokens"], state["wall"]
 
     # the run's length in steps, for the schedule: --steps, or estimated from --tokens
-    mean_tokens = 175 * args.batch  # ~175 tokens per prompt at 3-6 people (with padding ~200)
+    mean_tokens = (175 + 17 * max(0, args.questions - 1)) * args.batch  # ~175 tokens per prompt at 3-6 people, ~17 per question
     total = args.steps or (int(args.tokens / mean_tokens) if args.tokens else 0)
     fpt = flops_per_token(args, len(tok), 200)
     print(f"model: {n_params / 1e6:.2f}M parameters ({(n_params - len(tok) * args.d_model) / 1e6:.2f}M outside the "
@@ -546,6 +614,14 @@ def main(argv=None):
         os.replace(tmp, ckpt_path)
 
     fwd = torch.compile(model) if args.compile else model
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):  # SIGTERM / SIGINT: finish the step, save, evaluate, export
+        stop["signal"] = signum
+
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     if not args.export_only:
         it = batch_iter(args, tok, total, step, progress)
         t_start = run["t0"] = time.time()
@@ -564,8 +640,15 @@ def main(argv=None):
                 break
             if args.minutes and elapsed >= args.minutes * 60:
                 break
-            x, y, ylm = next(it)
+            if stop["signal"] is not None:
+                print(f"signal {stop['signal']}: stopping at step {step}", flush=True)
+                break
+            x, y, ylm, pos, blk = next(it)
             n_tok = int((x != 0).sum())  # real tokens (id 0, <unk>, pads)
+            if args.questions > 1:
+                mask, pos = block_mask(blk, device), torch.from_numpy(pos).to(device, non_blocking=True)
+            else:
+                mask, pos = None, None  # one question: the plain causal prompt
             x = torch.from_numpy(x).to(device, non_blocking=True)
             y = torch.from_numpy(y).to(device, non_blocking=True)
             ylm = torch.from_numpy(ylm).to(device, non_blocking=True)
@@ -574,7 +657,7 @@ def main(argv=None):
             # the output layer runs only on the rows that have a loss: the answer's,
             # and --lm-frac of the prompt's (the 32000-wide softmax dominates otherwise)
             with autocast(device):
-                h = fwd(x, None, True).reshape(-1, args.d_model)
+                h = fwd(x, mask, True, pos).reshape(-1, args.d_model)
                 ya, yl = y.view(-1), ylm.view(-1)
                 ia = (ya >= 0).nonzero().squeeze(1)
                 il = ((yl >= 0) & (torch.rand(yl.shape, device=device) < args.lm_frac)).nonzero().squeeze(1)

@@ -2,9 +2,11 @@
 // kvblend server, next to a peer (llama-server) given the same documents
 // inlined in the user message.
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
 #include "cli/args.h"
 #include "cli/cli_util.h"
@@ -23,10 +25,16 @@ requests: the first one (documents not stored yet), a new question over the
 same documents in the same order (what a prefix cache also serves), and a new
 question over a subset in another order (what only chunk reuse serves).
 kvblend gets the documents in its "documents" field; the peer gets the same
-texts inlined in the user message, in the same order. Then two plain
+texts inlined in the user message, in the same order. Each server runs a
+repetition's whole sequence while the other is idle (who goes first
+alternates). Then three plain
 prompts, the same for both servers (the documents inlined, as RAG clients
-send them): fresh documents (kvblend learns them), then the same documents
-reordered with a new question (kvblend finds them in the text).
+send them): fresh documents (kvblend learns them); the same documents
+reordered behind the same first one, with a new question (the peer's prefix
+cache keeps the system message and that first document); then every
+document moved, with another question (no document where it was: what a
+retriever that ranks the passages per question sends). kvblend finds the
+documents in the text.
 
   -m, --model FILE      the model both servers run (for making documents)
   --url URL             kvblend serve, e.g. http://127.0.0.1:8080
@@ -34,6 +42,9 @@ reordered with a new question (kvblend finds them in the text).
   --docs N              documents (default 4)
   --doc-tokens N        tokens per document (default 512)
   -r, --reps N          repetitions of the whole sequence with fresh documents (default 2)
+  --settle-ms N         pause before each timed request, so that neither server's
+                        work after its last answer (e.g. saving a prompt cache) runs
+                        into the other's timing (default 1000)
   --json FILE           write the results as JSON
 )";
 
@@ -59,7 +70,8 @@ endpoint parse_url(const std::string & url) {
 }
 
 // one chat request for a single token; returns the wall time in ms (and the response in out)
-double ttft_ms(const endpoint & e, const nlohmann::json & body, nlohmann::json * out = nullptr) {
+double ttft_ms(const endpoint & e, const nlohmann::json & body, int64_t settle_ms, nlohmann::json * out = nullptr) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
     httplib::Client c(e.host, e.port);
     c.set_read_timeout(600, 0);
     const double t0 = time_ms();
@@ -75,7 +87,7 @@ double ttft_ms(const endpoint & e, const nlohmann::json & body, nlohmann::json *
 
 int bench_serve(args & a) {
     std::string model_path, url, peer_url, json_path;
-    int64_t n_docs = 4, doc_tokens = 512, reps = 2;
+    int64_t n_docs = 4, doc_tokens = 512, reps = 2, settle_ms = 1000;
     while (!a.done()) {
         if (match_help(a, k_help)) return 0;
         else if (a.match({"-m", "--model"})) model_path = a.str();
@@ -84,6 +96,7 @@ int bench_serve(args & a) {
         else if (a.match({"--docs"})) n_docs = a.integer(2, 64);
         else if (a.match({"--doc-tokens"})) doc_tokens = a.integer(8, 1 << 16);
         else if (a.match({"-r", "--reps"})) reps = a.integer(1, 100);
+        else if (a.match({"--settle-ms"})) settle_ms = a.integer(0, 60000);
         else if (a.match({"--json"})) json_path = a.str();
         else a.unknown();
     }
@@ -131,41 +144,65 @@ int bench_serve(args & a) {
 
     const char * names[] = {"first request (nothing cached)", "new question, same documents, same order",
                             "new question, subset in another order", "plain prompt, first (passages learned)",
-                            "plain prompt, passages reordered, new question"};
-    constexpr int n_rows = 5;
+                            "plain prompt, reordered behind the same first passage, new question",
+                            "plain prompt, every passage moved, new question"};
+    constexpr int n_rows = 6;
     std::vector<std::vector<double>> t_ours(n_rows), t_peer(n_rows);
     int64_t plain_found = 0, plain_expected = 0;  // passages kvblend found in the reordered plain prompts
     for (int64_t r = 0; r < reps; ++r) {
+        // the requests of one repetition: (documents, question, plain prompt)
+        struct request {
+            std::vector<std::string> docs;
+            std::string question;
+            bool plain;
+        };
         std::vector<std::string> docs;
         for (int64_t i = 0; i < n_docs; ++i) docs.push_back(make_doc());
-        std::vector<std::string> other(docs.rbegin(), docs.rend() - 1);  // reversed, first document dropped
-        const std::vector<std::pair<std::vector<std::string>, std::string>> seq = {
-            {docs, questions[0]}, {docs, questions[1]}, {other, questions[2]}};
-        for (int s = 0; s < 3; ++s) {
-            t_ours[s].push_back(ttft_ms(ours, body_ours(seq[s].first, seq[s].second)));
-            if (have_peer) t_peer[s].push_back(ttft_ms(peer, body_peer(seq[s].first, seq[s].second)));
-        }
+        const std::vector<std::string> other(docs.rbegin(), docs.rend() - 1);  // reversed, first document dropped
         // plain prompts: both servers get the same inlined text
         std::vector<std::string> fresh;
         for (int64_t i = 0; i < n_docs; ++i) fresh.push_back(make_doc());
-        std::vector<std::string> moved(fresh.begin() + 1, fresh.end());  // a rotation, then reversed: every one moves
+        // the first document kept, the others reversed: [0, n-1, …, 1]
+        std::vector<std::string> kept(fresh.begin(), fresh.begin() + 1);
+        kept.insert(kept.end(), fresh.rbegin(), fresh.rend() - 1);
+        // a rotation by one: [1, 2, …, n-1, 0], every document elsewhere than in
+        // `fresh` and in `kept`, so the peer's cached prefix is the system message only
+        std::vector<std::string> moved(fresh.begin() + 1, fresh.end());
         moved.push_back(fresh[0]);
-        std::reverse(moved.begin(), moved.end());
-        const std::vector<std::pair<std::vector<std::string>, std::string>> plain = {{fresh, questions[0]},
-                                                                                     {moved, questions[2]}};
-        for (int s = 0; s < 2; ++s) {
-            nlohmann::json res;
-            t_ours[3 + s].push_back(ttft_ms(ours, body_peer(plain[s].first, plain[s].second), &res));
-            if (s == 1 && res.is_object() && res.contains("kvblend") && res["kvblend"].contains("spans")) {
-                for (const auto & sp : res["kvblend"]["spans"]) plain_found += sp.value("store_hit", false) ? 1 : 0;
+        const std::vector<request> seq = {{docs, questions[0], false},  {docs, questions[1], false},
+                                          {other, questions[2], false}, {fresh, questions[0], true},
+                                          {kept, questions[2], true},   {moved, questions[1], true}};
+        // each server runs the whole sequence alone (the other idle), so that
+        // neither one's work lands in the other's timings; who goes first alternates
+        auto run_ours = [&] {
+            for (int s = 0; s < n_rows; ++s) {
+                nlohmann::json res;
+                const nlohmann::json body = seq[s].plain ? body_peer(seq[s].docs, seq[s].question)
+                                                         : body_ours(seq[s].docs, seq[s].question);
+                t_ours[s].push_back(ttft_ms(ours, body, settle_ms, &res));
+                if (s < 4) continue;
+                plain_expected += n_docs;
+                if (res.is_object() && res.contains("kvblend") && res["kvblend"].contains("spans")) {
+                    for (const auto & sp : res["kvblend"]["spans"]) plain_found += sp.value("store_hit", false) ? 1 : 0;
+                }
             }
-            if (s == 1) plain_expected += n_docs;
-            if (have_peer) t_peer[3 + s].push_back(ttft_ms(peer, body_peer(plain[s].first, plain[s].second)));
+        };
+        auto run_peer = [&] {
+            for (int s = 0; s < n_rows && have_peer; ++s)
+                t_peer[s].push_back(ttft_ms(peer, body_peer(seq[s].docs, seq[s].question), settle_ms));
+        };
+        if (r % 2 == 0) {
+            run_ours();
+            run_peer();
+        } else {
+            run_peer();
+            run_ours();
         }
     }
     auto median = [](std::vector<double> v) {
         std::sort(v.begin(), v.end());
-        return v[v.size() / 2];
+        const size_t h = v.size() / 2;
+        return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
     };
     nlohmann::json rows = nlohmann::json::array();
     std::printf("%lld documents x %lld tokens, median of %lld\n\n", (long long) n_docs, (long long) doc_tokens, (long long) reps);
