@@ -85,6 +85,22 @@ KVB_API void kvb_log_set_verbose(bool verbose);
 typedef struct kvb_model_params {
     bool use_mmap;  // map the file instead of reading it (CPU only; default false)
     bool use_gpu;   // weights on the first GPU when one is built in (default true)
+    // the ggml device that holds the weights and KV caches and runs the
+    // forward, named as llama.cpp's --device names it (the string is read
+    // during kvb_model_load only):
+    //   NULL or ""      auto (the default): the first GPU when one is built in
+    //                   (and use_gpu), else the CPU
+    //   "cpu", "none"   the CPU
+    //   "cuda"          the first CUDA device (a build with KVBLEND_CUDA)
+    //   "rpc:HOST:PORT" the first device of a ggml rpc-server (registered on first use)
+    //   a device name   as kvb_list_devices() gives it: "CUDA0", "RPC0", …
+    // a name this build does not know, or a backend it lacks, is
+    // KVB_ERR_INVALID_ARGUMENT; an rpc-server that does not answer, KVB_ERR_FAILED
+    const char * device;
+    // layers whose weights go to that device (llama.cpp's -ngl): -1 all (the
+    // default), 0 none (the CPU runs everything); one device runs every layer,
+    // so a count between 0 and the model's layer count is refused
+    int32_t n_gpu_layers;
 } kvb_model_params;
 
 typedef struct kvb_model_info {
@@ -101,6 +117,7 @@ typedef struct kvb_model_info {
     kvb_token bos;             // -1 when the vocabulary has none
     kvb_token eos;
     bool      has_chat_template;
+    const char * device;       // the device the weights live on, "NAME (description)": "CPU (…)", "RPC0 (HOST:PORT)", …
 } kvb_model_info;
 
 KVB_API kvb_model_params kvb_model_default_params(void);
@@ -108,6 +125,18 @@ KVB_API kvb_model_params kvb_model_default_params(void);
 KVB_API kvb_status kvb_model_load(const char * path, const kvb_model_params * params, kvb_model ** out);
 KVB_API void       kvb_model_free(kvb_model * model);
 KVB_API kvb_status kvb_model_get_info(const kvb_model * model, kvb_model_info * out);
+
+// the devices a model could use (kvb_model_params.device), one line each,
+// "NAME: description" as `kvblend --list-devices` prints them ("CPU: …",
+// "CUDA0: …", "RPC0: …"). *text: NUL-terminated, every line ends in '\n', kvb_free()
+KVB_API kvb_status kvb_list_devices(char ** text);
+// register the devices of a ggml rpc-server at "HOST:PORT" (llama.cpp's --rpc):
+// they join kvb_list_devices() as RPC0, RPC1, … and can be named as a device.
+// a second call for the same endpoint registers nothing. *name (may be NULL):
+// the server's first device name ("RPC0"), kvb_free(). a malformed endpoint or
+// a build without the RPC backend is KVB_ERR_INVALID_ARGUMENT; a server that
+// does not answer (within seconds), KVB_ERR_FAILED
+KVB_API kvb_status kvb_rpc_add_server(const char * endpoint, char ** name);
 
 // --- tokens and chat templates (the model's own tokenizer, through libllama) --
 

@@ -29,14 +29,15 @@ class kvb_id(Structure):
 
 
 class kvb_model_params(Structure):
-    _fields_ = [("use_mmap", c_bool), ("use_gpu", c_bool)]
+    _fields_ = [("use_mmap", c_bool), ("use_gpu", c_bool), ("device", c_char_p), ("n_gpu_layers", c_int32)]
 
 
 class kvb_model_info(Structure):
     _fields_ = [("arch", c_char_p), ("description", c_char_p), ("fingerprint", c_char_p),
                 ("n_vocab", c_int64), ("n_ctx_train", c_int64), ("n_embd", c_int64), ("n_layer", c_int64),
                 ("n_head", c_int64), ("n_head_kv", c_int64), ("weights_bytes", c_uint64),
-                ("bos", kvb_token), ("eos", kvb_token), ("has_chat_template", c_bool)]
+                ("bos", kvb_token), ("eos", kvb_token), ("has_chat_template", c_bool),
+                ("device", c_char_p)]
 
 
 class kvb_chat_message(Structure):
@@ -111,6 +112,8 @@ _FUNCS = {
     "kvb_model_load": (_status, [c_char_p, POINTER(kvb_model_params), POINTER(_P)]),
     "kvb_model_free": (None, [_P]),
     "kvb_model_get_info": (_status, [_P, POINTER(kvb_model_info)]),
+    "kvb_list_devices": (_status, [POINTER(c_void_p)]),
+    "kvb_rpc_add_server": (_status, [c_char_p, POINTER(c_void_p)]),
     "kvb_tokenize": (_status, [_P, c_char_p, c_bool, c_bool, POINTER(POINTER(kvb_token)), POINTER(c_size_t)]),
     "kvb_detokenize": (_status, [_P, POINTER(kvb_token), c_size_t, c_bool, POINTER(c_void_p), POINTER(c_size_t)]),
     "kvb_chat_apply_template": (_status, [_P, POINTER(kvb_chat_message), c_size_t, c_bool, POINTER(c_void_p)]),

@@ -2,6 +2,7 @@
 // documents by id, blend and generation with stop strings and callbacks.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -308,6 +309,132 @@ TEST_F(capi, a_grown_context_and_a_fresh_one_give_the_same_blend_and_contexts_ou
     EXPECT_EQ(kvb_generate(small, "Once upon a time", nullptr, nullptr, nullptr), KVB_ERR_FAILED);
     EXPECT_NE(std::string(kvb_last_error()).find("exceeds the context of 16"), std::string::npos) << kvb_last_error();
     kvb_context_free(small);
+}
+
+// --- the device a model runs on (kvb_model_params.device, n_gpu_layers) ------
+
+TEST_F(capi, default_params_pick_the_device_automatically_with_every_layer_on_it) {
+    const kvb_model_params p = kvb_model_default_params();
+    EXPECT_EQ(p.device, nullptr);
+    EXPECT_EQ(p.n_gpu_layers, -1);
+    EXPECT_TRUE(p.use_gpu);
+}
+
+TEST_F(capi, list_devices_names_the_cpu_one_per_line) {
+    char * text = nullptr;
+    ASSERT_EQ(kvb_list_devices(&text), KVB_OK) << kvb_last_error();
+    const std::string s = text;
+    kvb_free(text);
+    ASSERT_FALSE(s.empty());
+    EXPECT_EQ(s.back(), '\n');
+    EXPECT_EQ(s.rfind("CPU: ", 0) == 0 || s.find("\nCPU: ") != std::string::npos, true) << s;
+    for (size_t at = 0; at < s.size(); at = s.find('\n', at) + 1) {
+        const std::string line = s.substr(at, s.find('\n', at) - at);
+        EXPECT_NE(line.find(": "), std::string::npos) << line;
+    }
+    EXPECT_EQ(kvb_list_devices(nullptr), KVB_ERR_INVALID_ARGUMENT);
+}
+
+TEST_F(capi, device_cpu_loads_and_blends_and_generates_as_the_default) {
+    kvb_generate_params gp = kvb_generate_default_params();
+    gp.n_predict = 24;
+    char * want = nullptr;
+    ASSERT_EQ(kvb_generate(ctx, "Once upon a time", &gp, &want, nullptr), KVB_OK) << kvb_last_error();
+    const std::string want_blend = blend_text(ctx, nullptr, text_docs(), nullptr);
+
+    // "CPU" as --list-devices names it, and -ngl 0 (every layer on the CPU)
+    for (auto [device, ngl] : {std::pair{"cpu", -1}, std::pair{"CPU", -1}, std::pair{"cpu", 0}}) {
+        kvb_model_params mp = kvb_model_default_params();
+        mp.device = device;
+        mp.n_gpu_layers = ngl;
+        kvb_model * m = nullptr;
+        ASSERT_EQ(kvb_model_load(k_stories.c_str(), &mp, &m), KVB_OK) << device << ": " << kvb_last_error();
+        kvb_model_info info;
+        ASSERT_EQ(kvb_model_get_info(m, &info), KVB_OK);
+        EXPECT_EQ(std::string(info.device).rfind("CPU", 0), 0u) << info.device;
+        kvb_context * c = nullptr;
+        ASSERT_EQ(kvb_context_new(m, nullptr, &c), KVB_OK) << kvb_last_error();
+        char * got = nullptr;
+        ASSERT_EQ(kvb_generate(c, "Once upon a time", &gp, &got, nullptr), KVB_OK) << kvb_last_error();
+        EXPECT_STREQ(got, want) << device;
+        EXPECT_EQ(blend_text(c, nullptr, text_docs(), nullptr), want_blend) << device;
+        kvb_free(got);
+        kvb_context_free(c);
+        kvb_model_free(m);
+    }
+    kvb_free(want);
+}
+
+TEST_F(capi, a_bad_device_is_a_status_with_a_message_not_a_crash) {
+    struct bad {
+        const char * device;
+        int32_t ngl;
+        kvb_status status;
+        const char * says;
+    };
+    const bad cases[] = {
+        {"no-such-device", -1, KVB_ERR_INVALID_ARGUMENT, "unknown device 'no-such-device'"},
+        {"RPC7", -1, KVB_ERR_INVALID_ARGUMENT, "unknown device 'RPC7'"},
+        {"no-such-device", 0, KVB_ERR_INVALID_ARGUMENT, "unknown device"},  // a typo is one whatever -ngl says
+        {"rpc:127.0.0.1", -1, KVB_ERR_INVALID_ARGUMENT, "127.0.0.1"},
+        {"rpc:127.0.0.1:99999", -1, KVB_ERR_INVALID_ARGUMENT, "127.0.0.1:99999"},
+        {"rpc::50052", -1, KVB_ERR_INVALID_ARGUMENT, ":50052"},
+        {"cpu", -2, KVB_ERR_INVALID_ARGUMENT, "n_gpu_layers"},
+        {"cpu", 2, KVB_ERR_FAILED, "split"},  // stories260K has 5 layers: known once the file is read
+    };
+    for (int round = 0; round < 2; ++round) {  // the same again: nothing half-registered stays behind
+        for (const bad & b : cases) {
+            kvb_model_params mp = kvb_model_default_params();
+            mp.device = b.device;
+            mp.n_gpu_layers = b.ngl;
+            kvb_model * m = reinterpret_cast<kvb_model *>(0x1);
+            EXPECT_EQ(kvb_model_load(k_stories.c_str(), &mp, &m), b.status) << b.device << " " << kvb_last_error();
+            EXPECT_NE(std::string(kvb_last_error()).find(b.says), std::string::npos) << kvb_last_error();
+            EXPECT_EQ(m, reinterpret_cast<kvb_model *>(0x1));
+        }
+    }
+    // the unknown-device message lists what there is
+    kvb_model_params mp = kvb_model_default_params();
+    mp.device = "no-such-device";
+    kvb_model * m = nullptr;
+    ASSERT_NE(kvb_model_load(k_stories.c_str(), &mp, &m), KVB_OK);
+    EXPECT_NE(std::string(kvb_last_error()).find("CPU"), std::string::npos) << kvb_last_error();
+
+    // "cuda" where there is none: no backend (INVALID_ARGUMENT) or a CUDA build without a GPU (FAILED)
+    char * list = nullptr;
+    ASSERT_EQ(kvb_list_devices(&list), KVB_OK);
+    const bool has_cuda = std::string(list).find("CUDA0: ") != std::string::npos;
+    kvb_free(list);
+    if (!has_cuda) {
+        mp.device = "cuda";
+        const kvb_status st = kvb_model_load(k_stories.c_str(), &mp, &m);
+        EXPECT_TRUE(st == KVB_ERR_INVALID_ARGUMENT || st == KVB_ERR_FAILED) << kvb_status_name(st);
+        EXPECT_NE(std::string(kvb_last_error()).find("CUDA"), std::string::npos) << kvb_last_error();
+    }
+    // the suite's model still works after all that
+    EXPECT_EQ(kvb_generate(ctx, "Once", nullptr, nullptr, nullptr), KVB_OK) << kvb_last_error();
+}
+
+TEST_F(capi, an_rpc_server_that_does_not_answer_fails_fast_with_its_address) {
+    kvb_model_params mp = kvb_model_default_params();
+    mp.device = "rpc:127.0.0.1:1";  // nothing listens on port 1
+    kvb_model * m = reinterpret_cast<kvb_model *>(0x1);
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_EQ(kvb_model_load(k_stories.c_str(), &mp, &m), KVB_ERR_FAILED) << kvb_last_error();
+    EXPECT_NE(std::string(kvb_last_error()).find("cannot reach rpc-server at 127.0.0.1:1"), std::string::npos)
+        << kvb_last_error();
+    EXPECT_EQ(m, reinterpret_cast<kvb_model *>(0x1));
+    char * name = reinterpret_cast<char *>(0x1);
+    EXPECT_EQ(kvb_rpc_add_server("127.0.0.1:1", &name), KVB_ERR_FAILED);
+    EXPECT_NE(std::string(kvb_last_error()).find("127.0.0.1:1"), std::string::npos) << kvb_last_error();
+    EXPECT_EQ(name, reinterpret_cast<char *>(0x1));
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+
+    for (const char * e : {"127.0.0.1", "127.0.0.1:0", "host:port", ":50052", "rpc:127.0.0.1:1"}) {
+        EXPECT_EQ(kvb_rpc_add_server(e, nullptr), KVB_ERR_INVALID_ARGUMENT) << e;
+        EXPECT_NE(std::string(kvb_last_error()).find("HOST:PORT"), std::string::npos) << kvb_last_error();
+    }
+    EXPECT_EQ(kvb_rpc_add_server(nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT);
 }
 
 }  // namespace

@@ -18,6 +18,8 @@ int main(void) {
     BEGIN(kvb_model_params);
     FIELD(kvb_model_params, use_mmap);
     FIELD(kvb_model_params, use_gpu);
+    FIELD(kvb_model_params, device);
+    FIELD(kvb_model_params, n_gpu_layers);
     END();
     BEGIN(kvb_model_info);
     FIELD(kvb_model_info, arch);
@@ -33,6 +35,7 @@ int main(void) {
     FIELD(kvb_model_info, bos);
     FIELD(kvb_model_info, eos);
     FIELD(kvb_model_info, has_chat_template);
+    FIELD(kvb_model_info, device);
     END();
     BEGIN(kvb_chat_message);
     FIELD(kvb_chat_message, role);
