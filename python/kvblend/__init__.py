@@ -34,7 +34,7 @@ library_path = _c.path
 
 __all__ = ["Model", "Store", "BlendResult", "BlendStats", "GenerateResult", "GenerateStats", "StoreStats",
            "IngestStats", "Generation", "Error", "InvalidArgumentError", "NotFoundError", "CancelledError",
-           "DEFAULT_SEED", "set_verbose", "library_path"]
+           "DEFAULT_SEED", "set_verbose", "list_devices", "add_rpc_server", "library_path"]
 
 
 # --- errors -------------------------------------------------------------------
@@ -84,6 +84,27 @@ def _take_string(ptr, length=None):
 
 def _b(s):
     return s.encode("utf-8") if isinstance(s, str) else s
+
+
+def list_devices():
+    """The devices a Model could use, as ``(name, description)`` pairs in the
+    order ``kvblend --list-devices`` prints them: ``[("CPU", "…"), ("CUDA0", "…"), …]``.
+    Any name is a valid ``Model(device=…)``."""
+    out = c_void_p()
+    _check(_c.kvb_list_devices(byref(out)))
+    return [tuple(line.split(": ", 1)) if ": " in line else (line, "")
+            for line in _take_string(out).splitlines() if line]
+
+
+def add_rpc_server(endpoint):
+    """Register the devices of a ggml-rpc-server at ``"HOST:PORT"`` (llama.cpp's
+    ``--rpc``) and return the name of its first device ("RPC0", …), usable as
+    ``Model(device=…)``. A second call for one endpoint registers nothing. A
+    malformed endpoint raises InvalidArgumentError, a server that does not
+    answer Error."""
+    out = c_void_p()
+    _check(_c.kvb_rpc_add_server(_b(endpoint), byref(out)))
+    return _take_string(out)
 
 
 def set_verbose(verbose=True):
@@ -265,15 +286,26 @@ class Model(_Closing):
 
     ``n_threads`` CPU threads; ``n_ctx`` the KV capacity in tokens (0: sized to
     each request up to the model's trained context); ``cache_type`` the KV
-    element type ("f16", "f32", "q8_0", "q4_0"). Calls on one Model are
+    element type ("f16", "f32", "q8_0", "q4_0"). ``device`` is where the
+    weights, KV caches and compute live, named as llama.cpp's ``--device``
+    names it: None or "" (auto: the first GPU when one is built in, else the
+    CPU), "cpu", "cuda", "rpc:HOST:PORT" (a ggml-rpc-server) or a name from
+    list_devices() ("CUDA0", "RPC0", …); an unknown name raises
+    InvalidArgumentError, an rpc-server that does not answer Error.
+    ``n_gpu_layers`` (llama.cpp's -ngl): -1 all layers on that device, 0 none
+    (the CPU runs everything). ``self.device`` names the device the model got,
+    "NAME (description)". Calls on one Model are
     serialized (a lock); use several Models for parallel work. Use it as a
     context manager, or call close().
     """
 
-    def __init__(self, path, *, n_threads=2, n_ctx=0, n_ubatch=512, cache_type="f16", use_mmap=False, use_gpu=True):
+    def __init__(self, path, *, n_threads=2, n_ctx=0, n_ubatch=512, cache_type="f16", use_mmap=False, use_gpu=True,
+                 device=None, n_gpu_layers=-1):
         mp = _c.kvb_model_default_params()
         mp.use_mmap = bool(use_mmap)
         mp.use_gpu = bool(use_gpu)
+        mp.device = None if device is None else _b(device)  # read during the load only
+        mp.n_gpu_layers = int(n_gpu_layers)
         m = c_void_p()
         _check(_c.kvb_model_load(_b(str(path)), byref(mp), byref(m)))
         self._m = m
@@ -307,6 +339,7 @@ class Model(_Closing):
         self.bos = info.bos
         self.eos = info.eos
         self.has_chat_template = info.has_chat_template
+        self.device = info.device.decode()
 
     # handles ---------------------------------------------------------------
     def _handles(self):

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -198,3 +199,35 @@ def test_chat_template_blend_equals_the_cli(tmp_path):
         assert len(m.tokenize("<|im_start|>", add_special=False, parse_special=True)) == 1
         got = m.blend(SYSTEM, [read(f) for f in DOC_FILES], QUERY, chat=True, n_predict=4)
     assert (got.text, got.stats.n_selected, got.stats.n_tokens) == (want["text"], want["n_selected"], want["n_tokens"])
+
+
+def test_list_devices_and_the_device_a_model_runs_on(model):
+    devices = kvblend.list_devices()
+    assert devices and all(isinstance(n, str) and isinstance(d, str) for n, d in devices), devices
+    assert "CPU" in [n for n, _ in devices], devices
+    defaults = kvblend._c.kvb_model_default_params()
+    assert defaults.device is None and defaults.n_gpu_layers == -1
+    want = model.complete("Once upon a time", n_predict=24).text
+    want_blend = model.blend(SYSTEM, [read(f) for f in DOC_FILES], QUERY, n_predict=16).text
+    for device, ngl in (("cpu", -1), ("CPU", 0)):
+        with kvblend.Model(MODEL, device=device, n_gpu_layers=ngl) as m:
+            assert m.device.startswith("CPU"), m.device
+            assert m.complete("Once upon a time", n_predict=24).text == want
+            assert m.blend(SYSTEM, [read(f) for f in DOC_FILES], QUERY, n_predict=16).text == want_blend
+
+
+def test_a_bad_device_raises_with_the_c_message():
+    with pytest.raises(kvblend.InvalidArgumentError, match="unknown device 'no-such-device'.*CPU") as e:
+        kvblend.Model(MODEL, device="no-such-device")
+    assert e.value.status == "KVB_ERR_INVALID_ARGUMENT"
+    with pytest.raises(kvblend.InvalidArgumentError, match="n_gpu_layers"):
+        kvblend.Model(MODEL, device="cpu", n_gpu_layers=-2)
+    with pytest.raises(kvblend.InvalidArgumentError, match="HOST:PORT"):
+        kvblend.add_rpc_server("no-port")
+    t0 = time.monotonic()
+    with pytest.raises(kvblend.Error, match="cannot reach rpc-server at 127.0.0.1:1") as e:
+        kvblend.Model(MODEL, device="rpc:127.0.0.1:1")  # nothing listens on port 1
+    assert e.value.status == "KVB_ERR_FAILED"
+    with pytest.raises(kvblend.Error, match="127.0.0.1:1"):
+        kvblend.add_rpc_server("127.0.0.1:1")
+    assert time.monotonic() - t0 < 5
