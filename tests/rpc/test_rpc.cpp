@@ -13,6 +13,7 @@
 
 #include "cli_run.h"
 #include "httplib.h"
+#include "kvblend.h"
 #include "kvblend/blend.h"
 #include "kvblend/server.h"
 #include "kvblend/store.h"
@@ -317,6 +318,76 @@ TEST(rpc, bad_devices_are_errors) {
     EXPECT_THROW(model::load(k_stories, mp), error);
     mp.n_gpu_layers = 99;
     EXPECT_TRUE(model::load(k_stories, mp)->on_gpu());
+}
+
+// the C API onto the rpc-server (what a C or Python program embedding kvblend
+// does): by "rpc:HOST:PORT" and by the name kvb_rpc_add_server gives its
+// device; the greedy generation and blend are the CPU's
+struct capi_run {
+    std::string device, generated, blended;
+};
+
+capi_run capi_on(const std::string & device) {
+    capi_run r;
+    kvb_model_params mp = kvb_model_default_params();
+    mp.device = device.c_str();
+    kvb_model * m = nullptr;
+    kvb_context * c = nullptr;
+    if (kvb_model_load(k_stories.c_str(), &mp, &m) != KVB_OK || kvb_context_new(m, nullptr, &c) != KVB_OK) {
+        ADD_FAILURE() << device << ": " << kvb_last_error();
+        kvb_model_free(m);
+        return r;
+    }
+    kvb_model_info info;
+    EXPECT_EQ(kvb_model_get_info(m, &info), KVB_OK);
+    r.device = info.device;
+    kvb_generate_params gp = kvb_generate_default_params();
+    gp.n_predict = 24;
+    char * text = nullptr;
+    EXPECT_EQ(kvb_generate(c, k_story.c_str(), &gp, &text, nullptr), KVB_OK) << kvb_last_error();
+    r.generated = text ? text : "";
+    kvb_free(text);
+    std::vector<kvb_doc> docs;
+    for (const std::string & d : k_docs) docs.push_back({d.c_str(), nullptr});
+    kvb_blend_params bp = kvb_blend_default_params();
+    bp.recomp_ratio = 0.3f;
+    text = nullptr;
+    EXPECT_EQ(kvb_blend(c, nullptr, "Here are some stories.", docs.data(), docs.size(), k_query.c_str(), &bp, &gp, &text,
+                        nullptr),
+              KVB_OK)
+        << kvb_last_error();
+    r.blended = text ? text : "";
+    kvb_free(text);
+    kvb_context_free(c);
+    kvb_model_free(m);
+    return r;
+}
+
+TEST(rpc, c_api_on_an_rpc_server_generates_and_blends_the_cpu_text) {
+    const capi_run cpu = capi_on("cpu");
+    ASSERT_FALSE(cpu.generated.empty());
+    ASSERT_FALSE(cpu.blended.empty());
+    EXPECT_EQ(cpu.device.rfind("CPU", 0), 0u) << cpu.device;
+
+    const capi_run by_endpoint = capi_on(rpc().device());
+    EXPECT_NE(by_endpoint.device.find(rpc().endpoint()), std::string::npos) << by_endpoint.device;
+    EXPECT_EQ(by_endpoint.generated, cpu.generated);
+    EXPECT_EQ(by_endpoint.blended, cpu.blended);
+
+    // registered: listed, and loadable by its name
+    char * name = nullptr;
+    ASSERT_EQ(kvb_rpc_add_server(rpc().endpoint().c_str(), &name), KVB_OK) << kvb_last_error();
+    const std::string dev = name;
+    kvb_free(name);
+    EXPECT_EQ(dev.rfind("RPC", 0), 0u) << dev;
+    char * list = nullptr;
+    ASSERT_EQ(kvb_list_devices(&list), KVB_OK);
+    EXPECT_NE(std::string(list).find(dev + ": " + rpc().endpoint()), std::string::npos) << list;
+    kvb_free(list);
+    const capi_run by_name = capi_on(dev);
+    EXPECT_NE(by_name.device.find(rpc().endpoint()), std::string::npos) << by_name.device;
+    EXPECT_EQ(by_name.generated, cpu.generated);
+    EXPECT_EQ(by_name.blended, cpu.blended);
 }
 
 // the CLI, bounded in time whatever the server does (a stuck connection would
