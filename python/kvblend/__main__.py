@@ -18,12 +18,24 @@ def _read(path):
         raise kvblend.Error("cannot open '%s' (%s)" % (path, e.strerror)) from None
 
 
+def _layers(s):
+    return -1 if s in ("all", "auto") else int(s)
+
+
+def _model(a):
+    return kvblend.Model(a.model, n_threads=a.threads, n_ubatch=a.ubatch, cache_type=a.cache_type, device=a.device,
+                         n_gpu_layers=a.n_gpu_layers)
+
+
 def _common(p):
     p.add_argument("-m", "--model", required=True, help="GGUF model")
     p.add_argument("-t", "--threads", type=int, default=2, help="CPU threads (default 2)")
     p.add_argument("-b", "--ubatch", type=int, default=512, help="micro-batch (default 512)")
     p.add_argument("--cache-type", default="f16", choices=["f16", "f32", "q8_0", "q4_0"], help="KV cache type")
     p.add_argument("-v", "--verbose", action="store_true", help="show ggml's and libllama's logs")
+    p.add_argument("-dev", "--device", default=None,
+                   help="cpu, cuda, rpc:HOST:PORT or a name from kvblend.list_devices() (default: auto)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=_layers, default=-1, help="layers on that device: all (default) or 0")
 
 
 def _sampling(p):
@@ -68,7 +80,7 @@ def cmd_blend(a):
     schedule = None
     if a.schedule:
         schedule = [(int(l), float(r)) for l, r in (x.split(":") for x in a.schedule.split(","))]
-    with kvblend.Model(a.model, n_threads=a.threads, n_ubatch=a.ubatch, cache_type=a.cache_type) as model:
+    with _model(a) as model:
         store = _open_store(a)
         try:
             r = model.blend(a.system, docs, a.query, store=store, ratio=a.recomp_ratio, check_layer=a.check_layer,
@@ -95,7 +107,7 @@ def cmd_blend(a):
 
 def cmd_ingest(a):
     texts = [_read(f) for f in a.files]
-    with kvblend.Model(a.model, n_threads=a.threads, n_ubatch=a.ubatch, cache_type=a.cache_type) as model, \
+    with _model(a) as model, \
             _open_store(a) as store:
         progress = None if a.quiet else (lambda d, t: print("ingest: %d/%d chunks" % (d, t), file=sys.stderr))
         ids, st = model.ingest(store, texts, chunk_size=a.chunk_size, split_paragraphs=a.split == "paragraph",
@@ -111,7 +123,7 @@ def cmd_ingest(a):
 
 
 def cmd_generate(a):
-    with kvblend.Model(a.model, n_threads=a.threads, n_ubatch=a.ubatch, cache_type=a.cache_type) as model:
+    with _model(a) as model:
         prompt = a.prompt
         if a.chat:
             msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]

@@ -88,6 +88,15 @@ def test_python_m_kvblend_blend_mirrors_the_cli(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert r.stderr.startswith("error: ") and "/nonexistent.gguf" in r.stderr, r.stderr
+    # the device flags: cpu is the default's text here, a bad name is one error line
+    r = subprocess.run([sys.executable, "-m", "kvblend", *args, "-dev", "cpu", "-ngl", "all"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["text"] == want["text"]
+    r = subprocess.run([sys.executable, "-m", "kvblend", *args, "--device", "no-such-device"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: unknown device 'no-such-device'"), r.stderr
 
 
 def test_errors_are_exceptions_with_the_c_message(model, tmp_path):
