@@ -304,6 +304,8 @@ class Model(_Closing):
         mp = _c.kvb_model_default_params()
         mp.use_mmap = bool(use_mmap)
         mp.use_gpu = bool(use_gpu)
+        if device is not None and not isinstance(device, (str, bytes)):
+            raise TypeError("device must be a str or None, got %r" % (device,))  # ctypes would take an int as an address
         mp.device = None if device is None else _b(device)  # read during the load only
         mp.n_gpu_layers = int(n_gpu_layers)
         m = c_void_p()

@@ -229,6 +229,8 @@ def test_a_bad_device_raises_with_the_c_message():
     with pytest.raises(kvblend.InvalidArgumentError, match="unknown device 'no-such-device'.*CPU") as e:
         kvblend.Model(MODEL, device="no-such-device")
     assert e.value.status == "KVB_ERR_INVALID_ARGUMENT"
+    with pytest.raises(TypeError, match="device must be a str"):
+        kvblend.Model(MODEL, device=5)
     with pytest.raises(kvblend.InvalidArgumentError, match="n_gpu_layers"):
         kvblend.Model(MODEL, device="cpu", n_gpu_layers=-2)
     with pytest.raises(kvblend.InvalidArgumentError, match="HOST:PORT"):
