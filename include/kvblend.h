@@ -76,7 +76,7 @@ KVB_API const char * kvb_last_error(void);
 KVB_API const char * kvb_status_name(kvb_status status);
 // release a buffer returned by the library (NULL is fine)
 KVB_API void kvb_free(void * ptr);
-KVB_API const char * kvb_version(void);  // "0.1.0"
+KVB_API const char * kvb_version(void);  // "0.2.0" (0.x: a new minor version may change structs)
 // pass ggml's and libllama's own logs to stderr (default: warnings and errors only)
 KVB_API void kvb_log_set_verbose(bool verbose);
 

@@ -10,7 +10,7 @@ from ctypes import (CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_d
                     c_int64, c_size_t, c_uint32, c_uint64, c_void_p)
 
 # the C API's version this binding was written for: structs must match
-ABI_VERSION = (0, 1)
+ABI_VERSION = (0, 2)  # 0.2: kvb_model_params.device and n_gpu_layers, kvb_model_info.device
 _SONAME = "libkvblend.so.%d" % ABI_VERSION[0]
 
 KVB_ID_LEN = 32
