@@ -69,6 +69,10 @@ def parse_args(argv=None):
     p.add_argument("--max-people", type=int, default=6)
     p.add_argument("--curriculum", type=float, default=0.0,
                    help="share of the run over which the world size grows from 2 people to --max-people")
+    p.add_argument("--level-up", type=float, default=0.0,
+                   help="adaptive curriculum: worlds of 2 people first, one more each time the mean answer loss "
+                        "of a --log-every window falls below this (e.g. 0.3); at --max-people the range becomes "
+                        "--min-people..--max-people (0: off; overrides --curriculum)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--workers", type=int, default=0, help="data worker processes (0: in the training loop)")
@@ -127,8 +131,8 @@ def world_module(testbed):
 class Batches:
     """endless batches of training prompts, each [prompt, answer] right-padded."""
 
-    def __init__(self, args, tok, seed):
-        self.args, self.layout = args, Layout(tok)
+    def __init__(self, args, tok, seed, level=None):
+        self.args, self.layout, self.level = args, Layout(tok), level
         self.world = world_module(args.testbed)
         self.rng = random.Random(seed)
 
@@ -136,6 +140,9 @@ class Batches:
         """the world sizes at this point of the run (progress in [0, 1]): with a
         curriculum, 2 people at first, growing to --max-people"""
         a = self.args
+        if self.level is not None:  # --level-up: the level the training loop has reached
+            n = self.level.value
+            return (a.min_people, a.max_people) if n >= a.max_people else (max(2, n - 1), n)
         if a.curriculum <= 0:
             return a.min_people, a.max_people
         grow = min(1.0, progress / a.curriculum)
@@ -228,12 +235,12 @@ def block_mask(blk, device):
     return m[:, None]
 
 
-def batch_iter(args, tok, total_steps, start_step, progress):
+def batch_iter(args, tok, total_steps, start_step, progress, level=None):
     """batches in this process (progress(): the run's progress), or from --workers
     processes (torch DataLoader), which estimate it from their batch count and total_steps."""
     import torch
     if args.workers <= 0:
-        b = Batches(args, tok, args.seed * 1000003 + start_step)
+        b = Batches(args, tok, args.seed * 1000003 + start_step, level)
         while True:
             yield b.make(progress())
 
@@ -241,7 +248,7 @@ def batch_iter(args, tok, total_steps, start_step, progress):
         def __iter__(self):
             info = torch.utils.data.get_worker_info()
             wid, nw = (info.id, info.num_workers) if info else (0, 1)
-            b = Batches(args, tok, (args.seed * 1000003 + start_step) * 64 + wid)
+            b = Batches(args, tok, (args.seed * 1000003 + start_step) * 64 + wid, level)  # level: shared memory
             k = 0
             while True:
                 yield b.make((start_step + k * nw + wid) / total_steps if total_steps > 0 else 1.0)
@@ -582,6 +589,9 @@ def main(argv=None):
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, tokens_seen, wall = state["step"], state["tokens"], state["wall"]
+    import multiprocessing
+    # --level-up: the world size reached, shared with --workers processes (forked)
+    level = multiprocessing.Value("i", (state.get("level") or 2) if state else 2) if args.level_up > 0 else None
 
     # the run's length in steps, for the schedule: --steps, or estimated from --tokens
     mean_tokens = (175 + 17 * max(0, args.questions - 1)) * args.batch  # ~175 tokens per prompt at 3-6 people, ~17 per question
@@ -610,7 +620,7 @@ def main(argv=None):
     def save():
         tmp = ckpt_path + ".tmp"
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "tokens": tokens_seen,
-                    "wall": wall, "args": vars(args)}, tmp)
+                    "wall": wall, "args": vars(args), "level": level.value if level else None}, tmp)
         os.replace(tmp, ckpt_path)
 
     fwd = torch.compile(model) if args.compile else model
@@ -623,7 +633,7 @@ def main(argv=None):
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     if not args.export_only:
-        it = batch_iter(args, tok, total, step, progress)
+        it = batch_iter(args, tok, total, step, progress, level)
         t_start = run["t0"] = time.time()
         wall0 = wall
         last_ckpt = t_start
@@ -688,6 +698,10 @@ def main(argv=None):
                        "lm_loss": float(acc["lm"]) / acc["n"],
                        "tok_per_s": round(acc["tok"] / max(1e-9, el - last_log))}
                 last_log = el
+                if level is not None:
+                    rec["people"] = level.value
+                    if rec["answer_loss"] < args.level_up and level.value < args.max_people:
+                        level.value += 1  # batches made from now on have one more person
                 print(json.dumps(rec), flush=True)
                 logf.write(json.dumps(rec) + "\n")
                 logf.flush()
@@ -695,7 +709,7 @@ def main(argv=None):
             if args.eval_every and step % args.eval_every == 0:
                 r = evaluate(model, layout, dev[:100], device)
                 rec = {"step": step, "tokens": tokens_seen, "eval_n": len(dev[:100]), "full_em": r["full"]["exact_match"],
-                       "naive_em": r["naive"]["exact_match"]}
+                       "naive_em": r["naive"]["exact_match"], "full_by_kind": r["full"]["by_kind"]}
                 print(json.dumps(rec), flush=True)
                 logf.write(json.dumps(rec) + "\n")
                 logf.flush()
