@@ -70,9 +70,12 @@ def parse_args(argv=None):
     p.add_argument("--curriculum", type=float, default=0.0,
                    help="share of the run over which the world size grows from 2 people to --max-people")
     p.add_argument("--level-up", type=float, default=0.0,
-                   help="adaptive curriculum: worlds of 2 people first, one more each time the mean answer loss "
+                   help="adaptive curriculum: worlds of 2 people first (--level-start), one more each time the mean answer loss "
                         "of a --log-every window falls below this (e.g. 0.3); at --max-people the range becomes "
                         "--min-people..--max-people (0: off; overrides --curriculum)")
+    p.add_argument("--level-start", type=int, default=0,
+                   help="--level-up's first world size (default 2, or the checkpoint's level; 1: worlds of one "
+                        "person, where every question has one candidate answer in the text)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--workers", type=int, default=0, help="data worker processes (0: in the training loop)")
@@ -142,7 +145,7 @@ class Batches:
         a = self.args
         if self.level is not None:  # --level-up: the level the training loop has reached
             n = self.level.value
-            return (a.min_people, a.max_people) if n >= a.max_people else (max(2, n - 1), n)
+            return (a.min_people, a.max_people) if n >= a.max_people else (max(1, n - 1), n)
         if a.curriculum <= 0:
             return a.min_people, a.max_people
         grow = min(1.0, progress / a.curriculum)
@@ -591,7 +594,8 @@ def main(argv=None):
         step, tokens_seen, wall = state["step"], state["tokens"], state["wall"]
     import multiprocessing
     # --level-up: the world size reached, shared with --workers processes (forked)
-    level = multiprocessing.Value("i", (state.get("level") or 2) if state else 2) if args.level_up > 0 else None
+    start = args.level_start or ((state.get("level") or 2) if state else 2)
+    level = multiprocessing.Value("i", start) if args.level_up > 0 else None
 
     # the run's length in steps, for the schedule: --steps, or estimated from --tokens
     mean_tokens = (175 + 17 * max(0, args.questions - 1)) * args.batch  # ~175 tokens per prompt at 3-6 people, ~17 per question
