@@ -86,6 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=float, default=5.0, help="minutes between checkpoints")
     p.add_argument("--eval-every", type=int, default=0, help="steps between dev evaluations (0: at the end only)")
     p.add_argument("--eval-n", type=int, default=400, help="dev prompts evaluated")
+    p.add_argument("--dev", default=None, help="prompts (JSONL) to evaluate on (default: TESTBED/dev.jsonl)")
     p.add_argument("--export-type", default="f16", choices=["f32", "f16", "q8_0"], help="matrix type in the GGUF")
     p.add_argument("--export-only", action="store_true", help="load OUT/ckpt.pt, evaluate and export, no training")
     p.add_argument("--ref-n", type=int, default=8, help="dev prompts whose logits go into OUT/ref.json for tests")
@@ -569,7 +570,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     ckpt_path = os.path.join(args.out, "ckpt.pt")
     log_path = os.path.join(args.out, "log.jsonl")
-    dev = read_jsonl(os.path.join(args.testbed, "dev.jsonl"))[: args.eval_n]
+    dev = read_jsonl(args.dev or os.path.join(args.testbed, "dev.jsonl"))[: args.eval_n]
 
     torch.manual_seed(args.seed)
     state = None
