@@ -125,23 +125,23 @@ ggml_backend_dev_t device_resolve(const model_params & p, int64_t n_layer) {
         throw error("-ngl " + std::to_string(p.n_gpu_layers) + " would split the model's " + std::to_string(n_layer) +
                     " layers between two devices; kvblend runs every layer on one device: use -ngl 0 (CPU) or -ngl all");
     const std::string d = lower(p.device);
+    // the name is checked whatever -ngl says: a typo is an error, not a run elsewhere
+    ggml_backend_dev_t named = nullptr;
     if (d.rfind("rpc:", 0) == 0) {
-        ggml_backend_dev_t dev = backend_add_rpc_server(p.device.substr(4));
-        return !p.use_gpu || p.n_gpu_layers == 0 ? cpu : dev;
+        named = backend_add_rpc_server(p.device.substr(4));
+    } else if (d == "cuda") {
+        if (!ggml_backend_reg_by_name("CUDA")) throw error("this build has no CUDA backend (build with KVBLEND_CUDA=1)");
+        named = first_of("CUDA");
+        if (!named && p.use_gpu && p.n_gpu_layers != 0) throw error("no CUDA device found");
+    } else if (!d.empty() && d != "cpu" && d != "none") {
+        named = ggml_backend_dev_by_name(p.device.c_str());
+        if (!named) throw error("unknown device '" + p.device + "' (devices: " + known_devices() + "; cpu, cuda, rpc:HOST:PORT)");
     }
     // -ngl 0 keeps every layer on the CPU, whatever the device (as in llama.cpp)
     if (!p.use_gpu || p.n_gpu_layers == 0 || d == "cpu" || d == "none") return cpu;
-    if (d.empty()) {
-        ggml_backend_dev_t gpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-        return gpu ? gpu : cpu;
-    }
-    if (d == "cuda") {
-        if (ggml_backend_dev_t dev = first_of("CUDA")) return dev;
-        throw error(ggml_backend_reg_by_name("CUDA") ? "no CUDA device found" : "this build has no CUDA backend (build with KVBLEND_CUDA=1)");
-    }
-    if (ggml_backend_dev_t dev = ggml_backend_dev_by_name(p.device.c_str())) return dev;
-    throw error("unknown device '" + p.device + "' (devices: " + known_devices() +
-                "; cpu, cuda, rpc:HOST:PORT)");
+    if (named) return named;
+    ggml_backend_dev_t gpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);  // "": auto
+    return gpu ? gpu : cpu;
 }
 
 }  // namespace kvblend

@@ -53,5 +53,28 @@ TEST(cli_inputs, text_files_must_be_regular_files_of_bounded_size) {
     EXPECT_EQ(ok.status, 0) << ok.err;
 }
 
+// a device named wrong is an error whatever -ngl says (as in llama.cpp), never
+// a run somewhere else; -ngl 0 with a device this build has runs on the CPU
+TEST(cli_inputs, a_misnamed_device_is_an_error_even_with_ngl_0) {
+    const std::string generate = "generate -m " + k_stories + " -p 'Once upon a time' -n 1 ";
+    const struct {
+        std::string flags, message;
+    } cases[] = {
+        {"--device cdua -ngl 0", "unknown device 'cdua'"},
+        {"--device RPC3 -ngl 0", "unknown device 'RPC3'"},
+        {"--device nosuch", "unknown device 'nosuch'"},
+        {"--device cuda -ngl 0", "no CUDA backend"},  // this build (a CUDA build's test run has a GPU)
+    };
+    for (const auto & c : cases) {
+        if (c.message == "no CUDA backend" && test::run_cli("generate --list-devices").out.find("CUDA") != std::string::npos) continue;
+        const test::run_result r = run_limited(generate + c.flags);
+        EXPECT_EQ(r.status, 1) << c.flags << "\n" << r.err;
+        EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << c.flags << "\n" << r.err;
+        EXPECT_NE(r.err.find(c.message), std::string::npos) << c.flags << "\n" << r.err;
+    }
+    const test::run_result cpu = run_limited(generate + "--device CPU -ngl 0");
+    EXPECT_EQ(cpu.status, 0) << cpu.err;
+}
+
 }  // namespace
 }  // namespace kvblend
