@@ -85,10 +85,20 @@ struct model_params {
 
 model_params model_default_params();
 
+// a device named wrong, the caller's to fix: an unknown name, a backend this
+// build lacks, an rpc endpoint that is not HOST:PORT, n_gpu_layers < -1
+// (model::load and backend_add_rpc_server; the C API's KVB_ERR_INVALID_ARGUMENT).
+// a device that exists but cannot serve (an rpc-server that does not answer,
+// no CUDA device, a split -ngl) is a plain kvblend::error
+class device_error : public error {
+  public:
+    using error::error;
+};
+
 // register the devices of a ggml rpc-server at "HOST:PORT" (llama.cpp's --rpc)
 // and return the first one; a second call for the same endpoint returns the
-// same device. throws kvblend::error for a malformed endpoint, a build without
-// the RPC backend or a server that does not answer.
+// same device. throws device_error for a malformed endpoint or a build without
+// the RPC backend, kvblend::error for a server that does not answer.
 ggml_backend_dev_t backend_add_rpc_server(const std::string & endpoint);
 
 // one line per ggml device that a model could use: "NAME: description"

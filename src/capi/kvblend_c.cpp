@@ -3,7 +3,6 @@
 #include "kvblend.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -60,6 +59,9 @@ template <class F> kvb_status guarded(F && f) {
     } catch (const capi_error & e) {
         t_last_error = e.msg;
         return e.status;
+    } catch (const device_error & e) {  // a device named wrong: the caller's to fix
+        t_last_error = e.what();
+        return KVB_ERR_INVALID_ARGUMENT;
     } catch (const error & e) {
         t_last_error = e.what();
         return KVB_ERR_FAILED;
@@ -111,52 +113,6 @@ ggml_type kv_type(int t) {
         case KVB_KV_Q4_0: return GGML_TYPE_Q4_0;
     }
     fail(KVB_ERR_INVALID_ARGUMENT, "KV type must be KVB_KV_F16, F32, Q8_0 or Q4_0, got " + std::to_string((int) t));
-}
-
-std::string lower(std::string s) {
-    for (char & c : s) c = (char) std::tolower((unsigned char) c);
-    return s;
-}
-
-// a device string's mistakes the caller can fix are KVB_ERR_INVALID_ARGUMENT;
-// model::load reports every device error alike (kvblend::error: KVB_ERR_FAILED),
-// so they are told apart here, before it runs
-ggml_backend_dev_t rpc_add(const std::string & endpoint) {
-    backend_init();
-    if (!ggml_backend_reg_by_name("RPC"))
-        fail(KVB_ERR_INVALID_ARGUMENT, "this build has no RPC backend (ggml was built without GGML_RPC)");
-    const size_t colon = endpoint.rfind(':');
-    const std::string host = colon == std::string::npos ? "" : endpoint.substr(0, colon);
-    const std::string port = colon == std::string::npos ? "" : endpoint.substr(colon + 1);
-    bool ok = !host.empty() && host.find(':') == std::string::npos && !port.empty() && port.size() <= 5;
-    for (char c : port) ok = ok && c >= '0' && c <= '9';
-    if (!ok || std::stoi(port) < 1 || std::stoi(port) > 65535)
-        fail(KVB_ERR_INVALID_ARGUMENT, "rpc endpoint '" + endpoint + "' is not HOST:PORT (e.g. 127.0.0.1:50052)");
-    return backend_add_rpc_server(endpoint);  // unreachable: kvblend::error, KVB_ERR_FAILED
-}
-
-void check_device(const model_params & mp) {
-    if (mp.n_gpu_layers < -1)
-        fail(KVB_ERR_INVALID_ARGUMENT,
-             "n_gpu_layers must be -1 (all), 0 (none) or a layer count, got " + std::to_string(mp.n_gpu_layers));
-    const std::string d = lower(mp.device);
-    if (d.rfind("rpc:", 0) == 0) {
-        rpc_add(mp.device.substr(4));
-        return;
-    }
-    if (d.empty() || d == "cpu" || d == "none") return;
-    const std::vector<std::string> devices = backend_device_list();  // also registers the backends
-    if (d == "cuda") {
-        // a CUDA build on a machine without a GPU: model::load says so (KVB_ERR_FAILED)
-        if (!ggml_backend_reg_by_name("CUDA"))
-            fail(KVB_ERR_INVALID_ARGUMENT, "this build has no CUDA backend (build with KVBLEND_CUDA=1)");
-        return;
-    }
-    if (ggml_backend_dev_by_name(mp.device.c_str())) return;
-    std::string names;
-    for (const std::string & l : devices) names += (names.empty() ? "" : ", ") + l.substr(0, l.find(':'));
-    fail(KVB_ERR_INVALID_ARGUMENT,
-         "unknown device '" + mp.device + "' (devices: " + names + "; cpu, cuda, rpc:HOST:PORT)");
 }
 
 bool is_id(const char * id) {
@@ -365,7 +321,6 @@ kvb_status kvb_model_load(const char * path, const kvb_model_params * params, kv
         mp.use_gpu = p.use_gpu;
         mp.device = p.device ? p.device : "";
         mp.n_gpu_layers = p.n_gpu_layers;
-        check_device(mp);
         auto h = std::make_unique<kvb_model>();
         h->m = model::load(path, mp);
         h->description = h->m->describe();
@@ -388,7 +343,7 @@ kvb_status kvb_list_devices(char ** text) {
 kvb_status kvb_rpc_add_server(const char * endpoint, char ** name) {
     return guarded([&] {
         need(endpoint, "endpoint");
-        ggml_backend_dev_t dev = rpc_add(endpoint);
+        ggml_backend_dev_t dev = backend_add_rpc_server(endpoint);
         if (name) *name = dup_string(ggml_backend_dev_name(dev));
     });
 }

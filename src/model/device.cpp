@@ -82,12 +82,12 @@ ggml_backend_dev_t backend_add_rpc_server(const std::string & endpoint) {
     bool digits = !port.empty() && port.size() <= 5;
     for (char c : port) digits = digits && c >= '0' && c <= '9';
     if (host.empty() || !digits || std::stoi(port) < 1 || std::stoi(port) > 65535 || host.find(':') != std::string::npos)
-        throw error("rpc endpoint '" + endpoint + "' is not HOST:PORT (e.g. 127.0.0.1:50052)");
+        throw device_error("rpc endpoint '" + endpoint + "' is not HOST:PORT (e.g. 127.0.0.1:50052)");
     ggml_backend_reg_t rpc = ggml_backend_reg_by_name("RPC");
-    if (!rpc) throw error("this build has no RPC backend (ggml was built without GGML_RPC)");
+    if (!rpc) throw device_error("this build has no RPC backend (ggml was built without GGML_RPC)");
     using add_server_fn = ggml_backend_reg_t (*)(const char * endpoint);
     auto add = (add_server_fn) ggml_backend_reg_get_proc_address(rpc, "ggml_backend_rpc_add_server");
-    if (!add) throw error("the RPC backend of this build cannot add servers");
+    if (!add) throw device_error("the RPC backend of this build cannot add servers");
 
     static std::mutex mtx;
     static std::map<std::string, ggml_backend_dev_t> registered;  // endpoint -> its first device
@@ -120,7 +120,8 @@ std::string backend_device_label(ggml_backend_dev_t dev) {
 ggml_backend_dev_t device_resolve(const model_params & p, int64_t n_layer) {
     ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     if (!cpu) throw error("no ggml CPU device is registered");
-    if (p.n_gpu_layers < -1) throw error("n_gpu_layers must be -1 (all), 0 (none) or a layer count");
+    if (p.n_gpu_layers < -1)
+        throw device_error("n_gpu_layers must be -1 (all), 0 (none) or a layer count, got " + std::to_string(p.n_gpu_layers));
     if (p.n_gpu_layers > 0 && p.n_gpu_layers < n_layer)
         throw error("-ngl " + std::to_string(p.n_gpu_layers) + " would split the model's " + std::to_string(n_layer) +
                     " layers between two devices; kvblend runs every layer on one device: use -ngl 0 (CPU) or -ngl all");
@@ -130,12 +131,13 @@ ggml_backend_dev_t device_resolve(const model_params & p, int64_t n_layer) {
     if (d.rfind("rpc:", 0) == 0) {
         named = backend_add_rpc_server(p.device.substr(4));
     } else if (d == "cuda") {
-        if (!ggml_backend_reg_by_name("CUDA")) throw error("this build has no CUDA backend (build with KVBLEND_CUDA=1)");
+        if (!ggml_backend_reg_by_name("CUDA")) throw device_error("this build has no CUDA backend (build with KVBLEND_CUDA=1)");
         named = first_of("CUDA");
         if (!named && p.use_gpu && p.n_gpu_layers != 0) throw error("no CUDA device found");
     } else if (!d.empty() && d != "cpu" && d != "none") {
         named = ggml_backend_dev_by_name(p.device.c_str());
-        if (!named) throw error("unknown device '" + p.device + "' (devices: " + known_devices() + "; cpu, cuda, rpc:HOST:PORT)");
+        if (!named)
+            throw device_error("unknown device '" + p.device + "' (devices: " + known_devices() + "; cpu, cuda, rpc:HOST:PORT)");
     }
     // -ngl 0 keeps every layer on the CPU, whatever the device (as in llama.cpp)
     if (!p.use_gpu || p.n_gpu_layers == 0 || d == "cpu" || d == "none") return cpu;
