@@ -42,9 +42,9 @@ documents in the text.
   --docs N              documents (default 4)
   --doc-tokens N        tokens per document (default 512)
   -r, --reps N          repetitions of the whole sequence with fresh documents (default 2)
-  --settle-ms N         pause before each timed request, so that neither server's
-                        work after its last answer (e.g. saving a prompt cache) runs
-                        into the other's timing (default 1000)
+  --settle-ms N         pause before each timed request, so that what a server
+                        still does after its last answer does not run into the
+                        next timing (default 1000)
   --json FILE           write the results as JSON
 )";
 
@@ -180,7 +180,7 @@ int bench_serve(args & a) {
                 const nlohmann::json body = seq[s].plain ? body_peer(seq[s].docs, seq[s].question)
                                                          : body_ours(seq[s].docs, seq[s].question);
                 t_ours[s].push_back(ttft_ms(ours, body, settle_ms, &res));
-                if (s < 4) continue;
+                if (s < 4) continue;  // rows 4 and 5: the reordered plain prompts, found in the text?
                 plain_expected += n_docs;
                 if (res.is_object() && res.contains("kvblend") && res["kvblend"].contains("spans")) {
                     for (const auto & sp : res["kvblend"]["spans"]) plain_found += sp.value("store_hit", false) ? 1 : 0;
