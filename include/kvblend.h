@@ -76,7 +76,7 @@ KVB_API const char * kvb_last_error(void);
 KVB_API const char * kvb_status_name(kvb_status status);
 // release a buffer returned by the library (NULL is fine)
 KVB_API void kvb_free(void * ptr);
-KVB_API const char * kvb_version(void);  // "0.2.0" (0.x: a new minor version may change structs)
+KVB_API const char * kvb_version(void);  // "0.3.0" (0.x: a new minor version may change structs)
 // pass ggml's and libllama's own logs to stderr (default: warnings and errors only)
 KVB_API void kvb_log_set_verbose(bool verbose);
 
@@ -304,12 +304,19 @@ typedef enum kvb_blend_method {
     KVB_METHOD_DENSE   = 1,  // every token runs every layer (the reference: same result, slower)
 } kvb_blend_method;
 
+// how the recompute budget is spread over the documents
+typedef enum kvb_blend_budget {
+    KVB_BUDGET_GLOBAL = 0,  // one top-k over every document token (the default)
+    KVB_BUDGET_CHUNK  = 1,  // each document gets the ratio of its own tokens
+    KVB_BUDGET_MASS   = 2,  // each document's share follows its deviation mass
+} kvb_blend_budget;
+
 typedef struct kvb_blend_params {
-    float   recomp_ratio;  // share of document tokens recomputed, in [0, 1] (default 0.15)
+    float   recomp_ratio;  // share of document tokens recomputed, chunk heads included, in [0, 1] (default 0.08)
     int32_t check_layer;   // layer whose deviation selects the tokens (default 1)
     kvb_blend_score  score;
     kvb_blend_method method;
-    int32_t chunk_head;    // always recompute the first chunk_head tokens of each document (default 0)
+    int32_t chunk_head;    // recompute the first chunk_head tokens of each document first (default 1)
     // multi-step selection (optional): n_schedule (layer, ratio) pairs with
     // increasing layers and non-increasing ratios; replaces check_layer and
     // recomp_ratio when n_schedule > 0
@@ -318,6 +325,11 @@ typedef struct kvb_blend_params {
     size_t  n_schedule;
     bool    chat;                 // lay the prompt out with the model's chat template
     bool    collect_with_prefix;  // collect each document behind the system prefix
+    bool    head_beyond_budget;   // the chunk heads on top of recomp_ratio instead of inside it (default false)
+    bool    no_weight_query;      // select by deviation alone, not weighted by the question's attention (default false)
+    kvb_blend_budget budget;      // default KVB_BUDGET_GLOBAL
+    float   dev_mass;             // adaptive ratio in (0, 1]: stop once the selection holds this share of
+                                  // the deviation, recomp_ratio at most (default 0: off)
 } kvb_blend_params;
 
 // a document of a blend: its text, or the id of a stored one (kvb_ingest)

@@ -22,13 +22,23 @@ enum blend_score {
     BLEND_SCORE_KV,  // the sum of both
 };
 
+// how the recompute budget is spread over the documents
+enum blend_budget {
+    BLEND_BUDGET_GLOBAL,  // one top-k over every document token (the paper's)
+    BLEND_BUDGET_CHUNK,   // each document gets the ratio of its own tokens
+    BLEND_BUDGET_MASS,    // each document gets a share of the budget in proportion to its deviation mass
+};
+
 enum blend_method {
     BLEND_METHOD_GRADUAL,  // only selected tokens run the layers from the check layer on
     BLEND_METHOD_DENSE,    // every token runs every layer; non-selected keep their chunk K/V (reference)
 };
 
 struct blend_params {
-    float        recomp_ratio = 0.15f;  // share of document tokens refreshed, in [0, 1]
+    // the defaults: 8% of the document tokens, the first of each document
+    // among them, chosen by V deviation at layer 1 weighted by the query's
+    // attention (docs/ARCHITECTURE.md, "Choosing the tokens")
+    float        recomp_ratio = 0.08f;  // share of document tokens refreshed, in [0, 1]
     int          check_layer  = 1;      // layer whose deviation picks the tokens
     blend_score  score        = BLEND_SCORE_V;
     blend_method method       = BLEND_METHOD_GRADUAL;
@@ -36,7 +46,20 @@ struct blend_params {
     // layers and non-increasing ratios; when set it replaces check_layer and
     // recomp_ratio (the first pair is the check layer)
     std::vector<std::pair<int, float>> schedule;
-    int          recompute_chunk_head = 0;  // always refresh the first K tokens of each document (EPIC)
+    int          recompute_chunk_head = 1;  // always refresh the first K tokens of each document (EPIC)
+    // the chunk-head tokens count inside recomp_ratio: they take the budget
+    // first (by deviation, when it cannot hold them all), so ratio 0 stays
+    // naive concatenation and the recomputed share is the ratio
+    bool         head_in_budget = true;
+    blend_budget budget       = BLEND_BUDGET_GLOBAL;
+    // adaptive ratio, in (0, 1]: select the fewest top tokens whose deviation
+    // reaches this share of all candidates' deviation; the ratio is the cap.
+    // 0: off (the ratio is spent whole)
+    float        dev_mass     = 0.0f;
+    // weight each token's deviation by the attention the query tokens pay to
+    // it in the layer before the check layer (at check layer 0, which has no
+    // layer before it, the deviations are used as they are)
+    bool         weight_query = true;
 };
 
 blend_params blend_default_params();
@@ -57,6 +80,10 @@ struct blend_stats {
 struct blend_result {
     std::vector<float>   logits;    // last token's, n_vocab
     std::vector<int64_t> selected;  // positions refreshed by the deepest layers, ascending
+    // the score each row had at the last check (its deviation, times the
+    // query's attention to it with weight_query); 0 for rows that check did
+    // not run. Rows are the positions unless chunks were evicted.
+    std::vector<float>   scores;
     blend_stats          stats;
 };
 

@@ -20,7 +20,7 @@ struct server_params {
     int64_t     n_ctx           = 4096;         // per slot
     int         parallel        = 1;            // slots: requests computed at once
     int         max_queue       = 64;           // waiting requests beyond the slots; more get 503
-    float       recomp_ratio    = 0.15f;
+    float       recomp_ratio    = 0.08f;        // blend_default_params()'s
     int         check_layer     = 1;
     int64_t     chunk_size      = 256;          // plain long prompts: chunk length
     int64_t     min_fuse_tokens = 512;          // plain prompts at least this long are chunked and fused

@@ -6,7 +6,7 @@ A Python binding of kvblend's C API (ctypes, standard library only)::
     with kvblend.Model("model.gguf") as model, kvblend.Store("dir:/tmp/kv") as store:
         ids = model.ingest(store, ["a document", "another one"])        # KV computed once, kept
         r = model.blend("Answer from the documents.", [{"id": ids[0]}, "a third document"],
-                        "What does it say?", store=store, ratio=0.15)
+                        "What does it say?", store=store, ratio=0.08)
         print(r.text, r.stats.n_selected, r.stats.store_hits)
         for piece in model.generate("Once upon a time", n_predict=32):
             print(piece, end="", flush=True)
@@ -251,6 +251,7 @@ class Store(_Closing):
 _KV_TYPES = {"f16": 0, "f32": 1, "q8_0": 2, "q4_0": 3}
 _SCORES = {"v": 0, "k": 1, "kv": 2}
 _METHODS = {"gradual": 0, "dense": 1}
+_BUDGETS = {"global": 0, "chunk": 1, "mass": 2}
 
 
 def _choice(table, value, what):
@@ -486,18 +487,24 @@ class Model(_Closing):
         return out.hex.decode()
 
     # blend -------------------------------------------------------------------
-    def blend(self, system, docs, question, *, store=None, ratio=0.15, check_layer=1, score="v", method="gradual",
-              chunk_head=0, schedule=None, chat=False, collect_with_prefix=False, n_predict=64, temp=0.0, top_k=40,
-              top_p=0.95, min_p=0.05, seed=None, stop=None, on_piece=None):
+    def blend(self, system, docs, question, *, store=None, ratio=None, check_layer=None, score=None, method=None,
+              chunk_head=None, head_in_budget=None, weight_query=None, budget=None, dev_mass=None, schedule=None,
+              chat=False, collect_with_prefix=False, n_predict=64, temp=0.0, top_k=40, top_p=0.95, min_p=0.05,
+              seed=None, stop=None, on_piece=None):
         """Answer ``question`` over ``[system, docs…]`` with CacheBlend prefill.
 
         ``docs``: texts, or {"text": …} / {"id": …} dicts (an id from ingest()).
         Each document's KV comes from ``store`` (or is collected alone and put;
         without a store nothing is kept), ``ratio`` of the document tokens are
         recomputed from layer ``check_layer`` on (``score`` "v", "k" or "kv";
-        ``method`` "gradual" or "dense"; ``chunk_head`` first tokens of each
-        document always; ``schedule`` [(layer, ratio), …] for multi-step
-        selection), and the answer is generated from the fused cache (greedy
+        ``method`` "gradual" or "dense"; the first ``chunk_head`` tokens of
+        each document first, inside the ratio unless ``head_in_budget`` is
+        False; deviations weighted by the question's attention unless
+        ``weight_query`` is False; ``budget`` "global", "chunk" or "mass";
+        ``dev_mass`` in (0, 1] for an adaptive ratio; ``schedule``
+        [(layer, ratio), …] for multi-step selection). Left as None, each is
+        the library's default (kvb_blend_default_params). The answer is
+        generated from the fused cache (greedy
         by default; ``stop`` strings end it; ``on_piece(text)`` streams it and
         may return False to stop). Returns BlendResult(text, stats).
         """
@@ -517,11 +524,24 @@ class Model(_Closing):
             else:
                 cdocs[i].text = _b(d)
         bp = _c.kvb_blend_default_params()
-        bp.recomp_ratio = float(ratio)
-        bp.check_layer = int(check_layer)
-        bp.score = _choice(_SCORES, score, "score")
-        bp.method = _choice(_METHODS, method, "method")
-        bp.chunk_head = int(chunk_head)
+        if ratio is not None:
+            bp.recomp_ratio = float(ratio)
+        if check_layer is not None:
+            bp.check_layer = int(check_layer)
+        if score is not None:
+            bp.score = _choice(_SCORES, score, "score")
+        if method is not None:
+            bp.method = _choice(_METHODS, method, "method")
+        if chunk_head is not None:
+            bp.chunk_head = int(chunk_head)
+        if head_in_budget is not None:
+            bp.head_beyond_budget = not head_in_budget
+        if weight_query is not None:
+            bp.no_weight_query = not weight_query
+        if budget is not None:
+            bp.budget = _choice(_BUDGETS, budget, "budget")
+        if dev_mass is not None:
+            bp.dev_mass = float(dev_mass)
         if schedule:
             layers = (c_int32 * len(schedule))(*[int(l) for l, _ in schedule])
             ratios = (c_float * len(schedule))(*[float(r) for _, r in schedule])

@@ -84,7 +84,10 @@ def cmd_blend(a):
         store = _open_store(a)
         try:
             r = model.blend(a.system, docs, a.query, store=store, ratio=a.recomp_ratio, check_layer=a.check_layer,
-                            score=a.score, method=a.method, chunk_head=a.chunk_head, schedule=schedule, chat=a.chat,
+                            score=a.score, method=a.method, chunk_head=a.chunk_head,
+                            head_in_budget=False if a.head_beyond_budget else None,
+                            weight_query=False if a.no_weight_query else None, budget=a.budget,
+                            dev_mass=a.dev_mass, schedule=schedule, chat=a.chat,
                             collect_with_prefix=a.collect_with_prefix, on_piece=_stream(a), **_sample_kwargs(a))
         finally:
             if store is not None:
@@ -149,11 +152,16 @@ def main(argv=None):
     b.add_argument("--system", default="", help="system text (the prefix chunk)")
     b.add_argument("--doc", action="append", default=[], help="a document file (repeatable, in prompt order)")
     b.add_argument("--query", required=True, help="the question")
-    b.add_argument("--recomp-ratio", type=float, default=0.15, help="share of document tokens recomputed")
-    b.add_argument("--check-layer", type=int, default=1, help="layer whose deviation selects tokens")
-    b.add_argument("--score", default="v", choices=["v", "k", "kv"])
-    b.add_argument("--method", default="gradual", choices=["gradual", "dense"])
-    b.add_argument("--chunk-head", type=int, default=0, help="always recompute the first K tokens of each document")
+    b.add_argument("--recomp-ratio", type=float, help="share of document tokens recomputed, chunk heads included "
+                   "(default 0.08)")
+    b.add_argument("--check-layer", type=int, help="layer whose deviation selects tokens (default 1)")
+    b.add_argument("--score", choices=["v", "k", "kv"], help="deviation of V (default), K or both")
+    b.add_argument("--method", choices=["gradual", "dense"])
+    b.add_argument("--chunk-head", type=int, help="recompute the first K tokens of each document first (default 1)")
+    b.add_argument("--head-beyond-budget", action="store_true", help="the chunk heads on top of the ratio")
+    b.add_argument("--no-weight-query", action="store_true", help="select by the deviations alone")
+    b.add_argument("--budget", choices=["global", "chunk", "mass"], help="how the budget is spread (default global)")
+    b.add_argument("--dev-mass", type=float, help="adaptive ratio: the share of the deviation to hold, in (0, 1]")
     b.add_argument("--schedule", default="", help="multi-step selection: LAYER:RATIO,LAYER:RATIO,…")
     b.add_argument("--collect-with-prefix", action="store_true")
     b.add_argument("--chat", action="store_true", help="use the model's chat template")

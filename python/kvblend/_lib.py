@@ -10,7 +10,7 @@ from ctypes import (CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_d
                     c_int64, c_size_t, c_uint32, c_uint64, c_void_p)
 
 # the C API's version this binding was written for: structs must match
-ABI_VERSION = (0, 2)  # 0.2: kvb_model_params.device and n_gpu_layers, kvb_model_info.device
+ABI_VERSION = (0, 3)  # 0.3: kvb_blend_params.head_beyond_budget, no_weight_query, budget, dev_mass
 _SONAME = "libkvblend.so.%d" % ABI_VERSION[0]
 
 KVB_ID_LEN = 32
@@ -80,7 +80,8 @@ class kvb_generate_stats(Structure):
 class kvb_blend_params(Structure):
     _fields_ = [("recomp_ratio", c_float), ("check_layer", c_int32), ("score", c_int), ("method", c_int),
                 ("chunk_head", c_int32), ("schedule_layers", POINTER(c_int32)), ("schedule_ratios", POINTER(c_float)),
-                ("n_schedule", c_size_t), ("chat", c_bool), ("collect_with_prefix", c_bool)]
+                ("n_schedule", c_size_t), ("chat", c_bool), ("collect_with_prefix", c_bool),
+                ("head_beyond_budget", c_bool), ("no_weight_query", c_bool), ("budget", c_int), ("dev_mass", c_float)]
 
 
 class kvb_doc(Structure):

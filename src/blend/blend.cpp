@@ -31,6 +31,88 @@ chunk_kv read_chunk(engine & eng, const std::vector<llama_token> & tokens, int64
     return c;
 }
 
+// split k over groups in proportion to weight[g], no group above cap[g]
+// (water-filling: groups that would pass their cap get it, the rest share
+// what is left), rounded by largest remainder so that the parts sum to k
+std::vector<int64_t> apportion(int64_t k, std::vector<double> weight, const std::vector<int64_t> & cap) {
+    const size_t n = cap.size();
+    std::vector<int64_t> part(n, 0);
+    std::vector<char> full(n, 0);
+    std::vector<double> share(n, 0.0);
+    double left = (double) k;
+    for (bool again = true; again && left > 0;) {
+        again = false;
+        double w = 0;
+        for (size_t g = 0; g < n; ++g)
+            if (!full[g]) w += weight[g];
+        if (w <= 0) {  // no weight left: spread by room
+            for (size_t g = 0; g < n; ++g) weight[g] = full[g] ? 0.0 : (double) cap[g];
+            w = 0;
+            for (size_t g = 0; g < n; ++g) w += weight[g];
+            if (w <= 0) break;
+        }
+        for (size_t g = 0; g < n; ++g) {
+            if (full[g]) continue;
+            share[g] = left * weight[g] / w;
+            if (share[g] >= (double) cap[g]) {
+                share[g] = (double) cap[g];
+                full[g] = 1;
+                left -= (double) cap[g];
+                again = true;
+                break;  // recompute the others' shares without it
+            }
+        }
+    }
+    int64_t given = 0;
+    std::vector<std::pair<double, size_t>> rest;
+    for (size_t g = 0; g < n; ++g) {
+        part[g] = std::min<int64_t>((int64_t) std::floor(share[g]), cap[g]);
+        given += part[g];
+        rest.push_back({share[g] - (double) part[g], g});
+    }
+    std::stable_sort(rest.begin(), rest.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
+    for (size_t i = 0; given < k && i < rest.size(); ++i) {
+        const size_t g = rest[i].second;
+        if (part[g] < cap[g]) ++part[g], ++given;
+    }
+    for (size_t g = 0; given < k && g < n; ++g) {  // rounding left room only in groups with no remainder
+        const int64_t add = std::min(cap[g] - part[g], k - given);
+        part[g] += add;
+        given += add;
+    }
+    return part;
+}
+
+// the k candidates to recompute, by the params' budget and adaptive ratio
+std::vector<int64_t> select_tokens(std::vector<int64_t> cand, const std::vector<float> & dev,
+                                   const std::vector<int32_t> & chunk_of, int64_t n_chunks, int64_t k,
+                                   const blend_params & params) {
+    std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return dev[a] > dev[b]; });
+    if (params.dev_mass > 0.0f && k > 0) {
+        // the fewest top tokens holding dev_mass of the candidates' deviation
+        double total = 0, acc = 0;
+        for (int64_t p : cand) total += dev[p];
+        int64_t need = 0;
+        while (need < k && total > 0 && acc < (double) params.dev_mass * total) acc += dev[cand[need++]];
+        k = need;  // nothing moved (total 0): nothing to recompute
+    }
+    if (params.budget == BLEND_BUDGET_GLOBAL || k == 0) {
+        cand.resize((size_t) k);
+        return cand;
+    }
+    std::vector<double> weight(n_chunks, 0.0);
+    std::vector<int64_t> cap(n_chunks, 0);
+    for (int64_t p : cand) {
+        ++cap[chunk_of[p]];
+        weight[chunk_of[p]] += params.budget == BLEND_BUDGET_MASS ? (double) dev[p] : 1.0;
+    }
+    const std::vector<int64_t> part = apportion(k, weight, cap);
+    std::vector<int64_t> taken(n_chunks, 0), out;
+    for (int64_t p : cand)  // in deviation order: each chunk's top part[c]
+        if (taken[chunk_of[p]] < part[chunk_of[p]]) ++taken[chunk_of[p]], out.push_back(p);
+    return out;
+}
+
 }  // namespace
 
 chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t pos0) {
@@ -205,15 +287,21 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     st.n_tokens = N_pos;
     st.n_doc_tokens = n_chunk_tok - chunks[0]->n_rows();
 
-    // kinds of rows: 0 prefix, 1 document, 2 query; forced rows always refresh
-    std::vector<char> is_doc(N, 0), forced(N, 0);
+    // kinds of rows: 0 prefix, 1 document, 2 query; forced rows always
+    // refresh; head rows (chunk heads inside the budget) are taken first
+    std::vector<char> is_doc(N, 0), forced(N, 0), head(N, 0);
     for (size_t i = 1; i < chunks.size(); ++i) {
         for (int64_t j = 0; j < chunks[i]->n_rows(); ++j) {
             is_doc[chunk_start[i] + j] = 1;
-            if (j < params.recompute_chunk_head) forced[chunk_start[i] + j] = 1;
+            if (j < params.recompute_chunk_head) (params.head_in_budget ? head : forced)[chunk_start[i] + j] = 1;
         }
     }
     for (int64_t p = n_chunk_tok; p < N; ++p) forced[p] = 1;
+    std::vector<int32_t> chunk_of(N, -1);  // the chunk of each row
+    for (size_t i = 0; i < chunks.size(); ++i)
+        for (int64_t j = 0; j < chunks[i]->n_rows(); ++j) chunk_of[chunk_start[i] + j] = (int32_t) i;
+    if (!(params.dev_mass >= 0.0f && params.dev_mass <= 1.0f))
+        throw error("the deviation mass of an adaptive ratio must be in [0, 1], got " + std::to_string(params.dev_mass));
 
     // the layers below the first check are recomputed for every token: place the rest
     double t0 = time_ms();
@@ -228,6 +316,8 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     std::vector<char> write(N, 1);  // before the first check every token writes
     std::vector<float> dev(N, 0.0f);
     const bool dense = params.method == BLEND_METHOD_DENSE;
+    std::vector<char> forced_query(N, 0);  // the query's rows: their attention weighs the deviations
+    for (int64_t p = n_chunk_tok; p < N; ++p) forced_query[p] = 1;
     forward_driver::rows_run rr;
     rr.tokens = &tokens;
     rr.pos = &pos;
@@ -244,19 +334,35 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
         rr.logits = false;
         rr.dev_v = params.score != BLEND_SCORE_K;
         rr.dev_k = params.score != BLEND_SCORE_V;
-        drv.run_rows(rr, &dev);
+        std::vector<float> attn;
+        const bool weigh = params.weight_query && lc >= 1;
+        if (weigh) {
+            attn.assign(N, 0.0f);
+            rr.score = &forced_query;
+        }
+        drv.run_rows(rr, &dev, weigh ? &attn : nullptr);
+        rr.score = nullptr;
         const double t1 = time_ms();
         if (si == 0) st.early_ms += t1 - t0;
         else st.deep_ms += t1 - t0;
 
+        if (weigh)
+            for (int64_t p = 0; p < N; ++p) dev[p] *= attn[p];
+        res.scores.assign(N, 0.0f);
+        for (int64_t p : run) res.scores[p] = dev[p];
+
         // candidates: document tokens still being refreshed
-        std::vector<int64_t> cand;
+        // (chunk heads inside the budget first, by deviation when the budget
+        // cannot hold them all)
+        std::vector<int64_t> cand, heads;
         for (int64_t p : run)
-            if (is_doc[p] && write[p] && !forced[p]) cand.push_back(p);
-        const int64_t k = std::min<int64_t>((int64_t) std::llround((double) ratio * st.n_doc_tokens), (int64_t) cand.size());
-        std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return dev[a] > dev[b]; });
+            if (is_doc[p] && write[p] && !forced[p]) (head[p] ? heads : cand).push_back(p);
+        int64_t k = (int64_t) std::llround((double) ratio * st.n_doc_tokens);
+        std::stable_sort(heads.begin(), heads.end(), [&](int64_t a, int64_t b) { return dev[a] > dev[b]; });
         std::vector<char> sel(N, 0);
-        for (int64_t i = 0; i < k; ++i) sel[cand[i]] = 1;
+        for (size_t i = 0; i < heads.size() && k > 0; ++i, --k) sel[heads[i]] = 1;
+        k = std::clamp<int64_t>(k, 0, (int64_t) cand.size());
+        for (int64_t p : select_tokens(cand, dev, chunk_of, (int64_t) chunks.size(), k, params)) sel[p] = 1;
         for (int64_t p = 0; p < N; ++p)
             if (forced[p]) sel[p] = 1;
         write = sel;

@@ -630,6 +630,10 @@ kvb_blend_params kvb_blend_default_params(void) {
     p.score = KVB_SCORE_V;
     p.method = KVB_METHOD_GRADUAL;
     p.chunk_head = d.recompute_chunk_head;
+    p.head_beyond_budget = !d.head_in_budget;
+    p.no_weight_query = !d.weight_query;
+    p.budget = KVB_BUDGET_GLOBAL;
+    p.dev_mass = d.dev_mass;
     return p;
 }
 
@@ -657,11 +661,19 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         if (method != KVB_METHOD_GRADUAL && method != KVB_METHOD_DENSE)
             fail(KVB_ERR_INVALID_ARGUMENT, "method must be KVB_METHOD_GRADUAL or KVB_METHOD_DENSE");
         if (p.chunk_head < 0) fail(KVB_ERR_INVALID_ARGUMENT, "chunk_head must not be negative");
+        const int budget = enum_value(p.budget);
+        if (budget < KVB_BUDGET_GLOBAL || budget > KVB_BUDGET_MASS)
+            fail(KVB_ERR_INVALID_ARGUMENT, "budget must be KVB_BUDGET_GLOBAL, CHUNK or MASS");
+        if (!(p.dev_mass >= 0 && p.dev_mass <= 1)) fail(KVB_ERR_INVALID_ARGUMENT, "dev_mass must be in [0, 1]");
         bp.recomp_ratio = p.recomp_ratio;
         bp.check_layer = p.check_layer;
         bp.score = score == KVB_SCORE_K ? BLEND_SCORE_K : score == KVB_SCORE_KV ? BLEND_SCORE_KV : BLEND_SCORE_V;
         bp.method = method == KVB_METHOD_DENSE ? BLEND_METHOD_DENSE : BLEND_METHOD_GRADUAL;
         bp.recompute_chunk_head = p.chunk_head;
+        bp.head_in_budget = !p.head_beyond_budget;
+        bp.weight_query = !p.no_weight_query;
+        bp.budget = budget == KVB_BUDGET_CHUNK ? BLEND_BUDGET_CHUNK : budget == KVB_BUDGET_MASS ? BLEND_BUDGET_MASS : BLEND_BUDGET_GLOBAL;
+        bp.dev_mass = p.dev_mass;
         if (p.n_schedule > 0) {
             need(p.schedule_layers, "schedule_layers (with n_schedule > 0)");
             need(p.schedule_ratios, "schedule_ratios (with n_schedule > 0)");

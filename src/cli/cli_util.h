@@ -62,5 +62,6 @@ extern const char * k_chunk_evict_help;
 
 blend_score parse_blend_score(const std::string & s);    // v | k | kv
 blend_method parse_blend_method(const std::string & s);  // gradual | dense
+blend_budget parse_blend_budget(const std::string & s);  // global | chunk | mass
 
 }  // namespace kvblend::cli

@@ -45,7 +45,15 @@ the deepest layers ran. Rows: full, naive, then every variant at every ratio.
                          default          blend_default_params()
                          score=v|k|kv     deviation measured on V, K or both
                          check=L          check layer
-                         head=K           always recompute the first K tokens of each document
+                         head=K           recompute the first K tokens of each document
+                                          first, inside the ratio (default 1)
+                         beyond-budget    the head tokens on top of the ratio
+                         budget=global|chunk|mass  one top-k, each document's ratio, or
+                                          shares by each document's deviation mass
+                         mass=F           adaptive: the fewest tokens holding the share F
+                                          of the deviation (the ratio is the cap)
+                         weight=query|none  deviations weighted by the query's attention
+                                          in the layer before the check (default) or not
                          prefix           documents collected behind the prefix chunk
                          method=gradual|dense
                          schedule=L@M/L@M…  multi-step filtering: at layer L keep M x ratio
@@ -204,6 +212,16 @@ variant parse_variant(const std::string & spec, int n_layer) {
         else if (key == "method" && has_val) v.bp.method = parse_blend_method(val);
         else if (key == "check" && has_val) v.bp.check_layer = (int) parse_int(val, spec, 0, n_layer - 1);
         else if (key == "head" && has_val) v.bp.recompute_chunk_head = (int) parse_int(val, spec, 0, 1 << 20);
+        else if (s == "beyond-budget") v.bp.head_in_budget = false;
+        else if (key == "budget" && has_val) v.bp.budget = parse_blend_budget(val);
+        else if (key == "mass" && has_val) {
+            v.bp.dev_mass = (float) parse_real(val, spec);
+            if (v.bp.dev_mass > 1.0f) throw error("variant '" + spec + "': mass must be in (0, 1], got '" + val + "'");
+        } else if (key == "weight" && has_val) {
+            if (val != "query" && val != "none")
+                throw error("variant '" + spec + "': weight must be query or none, got '" + val + "'");
+            v.bp.weight_query = val == "query";
+        }
         else if (key == "codec" && has_val) v.codec = codec_by_name(val)->name();
         else if (key == "evict" && has_val) parse_evict_setting(val, v.ev, spec);
         else if (key == "schedule" && has_val) {
@@ -219,7 +237,7 @@ variant parse_variant(const std::string & spec, int n_layer) {
             }
         } else {
             throw error("unknown variant setting '" + s + "' in '" + spec +
-                        "' (known: default, score=, check=, head=, prefix, method=, schedule=, codec=, evict=)");
+                        "' (known: default, score=, check=, head=, beyond-budget, budget=, mass=, weight=, prefix, method=, schedule=, codec=, evict=)");
         }
     }
     return v;

@@ -26,7 +26,7 @@ Speed (default): per context length, chunks are collected beforehand, then a
 full prefill (ours and libllama's) and a blend of the same tokens are timed.
 
   --context LIST        prompt lengths (default 1024,2048,4096)
-  --ratio R             recompute ratio (default 0.15)
+  --ratio R             recompute ratio (default 0.08, blend_default_params())
   --chunk N             document chunk size in tokens (default 512)
   --check-layer L       check layer (default 1)
   -r, --reps N          repetitions, the median is kept (default 1)
@@ -304,7 +304,7 @@ int bench_blend(args & a) {
     std::string model_path, json_path, png;
     std::vector<int64_t> contexts = {1024, 2048, 4096};
     std::vector<double> ratios;
-    float ratio = 0.15f;
+    float ratio = blend_default_params().recomp_ratio;
     int64_t chunk = 512, reps = 1, n_prompts = 24, n_docs = 4;
     int check_layer = 1;
     blend_score score = BLEND_SCORE_V;

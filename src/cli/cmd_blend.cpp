@@ -24,11 +24,21 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   --system TEXT           system text (the prefix chunk)
   --doc FILE              a document (repeatable, in prompt order)
   --query TEXT            the question
-  --recomp-ratio R        share of document tokens recomputed (default 0.15)
+  --recomp-ratio R        share of document tokens recomputed, chunk heads
+                          included (default 0.08)
   --check-layer L         layer whose deviation selects tokens (default 1)
   --score v|k|kv          deviation measured on V (default), K or both
   --method gradual|dense  gradual (default) or the dense reference
-  --chunk-head K          always recompute the first K tokens of each document (default 0)
+  --chunk-head K          recompute the first K tokens of each document first
+                          (default 1), inside --recomp-ratio
+  --head-beyond-budget    recompute the chunk heads on top of --recomp-ratio
+  --budget global|chunk|mass
+                          one top-k over all documents (default), the ratio of
+                          each document, or shares by each document's deviation
+  --dev-mass F            adaptive ratio: recompute the fewest tokens holding the
+                          share F in (0, 1] of the deviation, --recomp-ratio at most
+  --no-weight-query       select by the deviations alone (default: weighted by
+                          the query's attention in the layer before the check layer)
   --collect-with-prefix   collect each document behind the prefix chunk
   --store URI             chunk store (dir:PATH, a path, or redis://HOST:PORT[/DB]):
                           hits are loaded, misses collected and put
@@ -87,6 +97,10 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--score"})) bp.score = parse_blend_score(a.str());
         else if (a.match({"--method"})) bp.method = parse_blend_method(a.str());
         else if (a.match({"--chunk-head"})) bp.recompute_chunk_head = (int) a.integer(0, 1 << 20);
+        else if (a.match({"--head-beyond-budget"})) bp.head_in_budget = false;
+        else if (a.match({"--budget"})) bp.budget = parse_blend_budget(a.str());
+        else if (a.match({"--dev-mass"})) bp.dev_mass = (float) a.real(0.0, 1.0);
+        else if (a.match({"--no-weight-query"})) bp.weight_query = false;
         else if (a.match({"--collect-with-prefix"})) with_prefix = true;
         else if (a.match({"--store"})) store_uri = a.str();
         else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();

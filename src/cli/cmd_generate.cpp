@@ -116,6 +116,13 @@ blend_method parse_blend_method(const std::string & s) {
     throw error("--method must be gradual or dense, got '" + s + "'");
 }
 
+blend_budget parse_blend_budget(const std::string & s) {
+    if (s == "global") return BLEND_BUDGET_GLOBAL;
+    if (s == "chunk") return BLEND_BUDGET_CHUNK;
+    if (s == "mass") return BLEND_BUDGET_MASS;
+    throw error("--budget must be global, chunk or mass, got '" + s + "'");
+}
+
 bool match_sampling_flag(args & a, sampler_params & sp) {
     if (a.match({"--temp"})) sp.temp = (float) a.real(0.0, 100.0);
     else if (a.match({"--top-k"})) sp.top_k = (int32_t) a.integer(0, 1 << 24);

@@ -27,7 +27,7 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   -c, --ctx-size N          context per slot (default 4096)
   --parallel N              slots computing at once (default 1)
   --queue N                 requests waiting beyond the slots; more get 503 (default 64)
-  --recomp-ratio R          default share of document tokens recomputed (default 0.15)
+  --recomp-ratio R          default share of document tokens recomputed (default 0.08)
   --check-layer L           CacheBlend check layer (default 1)
   --chunk-size N            plain long prompts: chunk length (default 256)
   --min-fuse-tokens N       plain prompts at least this long are chunked and fused, and teach the

@@ -43,7 +43,9 @@ struct score_taps : graph::layer_taps {
     int l0;
     score_taps(const model & m, ubatch_graph & g, const std::vector<int> & group_of, int l0)
         : m(m), g(g), group_of(group_of), l0(l0) {}
+    int only = -1;  // >= 0: this layer's scores only
     void attn(ggml_context * ctx, ggml_cgraph * gf, int il, const graph::qkv & cur, const graph::kv_views & kv) override {
+        if (only >= 0 && il != only) return;
         ggml_tensor * s = graph::build_attn_weight_sums(ctx, m, cur.q, kv.k, g.sel, g.score_mask[group_of[il]]);
         ggml_set_output(s);
         ggml_build_forward_expand(gf, s);
@@ -99,6 +101,7 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
 
     g.score_out.assign(ub.l1 - ub.l0, nullptr);
     score_taps taps(m, g, ub.group_of, ub.l0);
+    taps.only = ub.score_layer;
     for (int il = ub.l0; il < ub.l1; ++il) {
         const bool last = il == ub.l1 - 1;
         x = graph::build_layer(c, g.gf, m, il, x, cache.k(il), cache.v(il), g.in[ub.group_of[il]],
@@ -224,6 +227,7 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
     if (n_sel > 0) {
         out.scores.resize(g.score_out.size());
         for (size_t i = 0; i < g.score_out.size(); ++i) {
+            if (!g.score_out[i]) continue;  // a layer not scored (score_layer)
             out.scores[i].resize(ggml_nelements(g.score_out[i]));
             download(g.score_out[i], out.scores[i].data(), 0, ggml_nbytes(g.score_out[i]));
         }
@@ -309,7 +313,7 @@ void forward_driver::reserve_hidden(int64_t n) {
     im_.n_hidden = n;
 }
 
-std::vector<float> forward_driver::run_rows(const rows_run & r, std::vector<float> * dev) {
+std::vector<float> forward_driver::run_rows(const rows_run & r, std::vector<float> * dev, std::vector<float> * attn) {
     const std::vector<int64_t> & rows = *r.rows;
     const int64_t ub_size = eng_.params().n_ubatch;
     const bool with_dev = r.dev_k || r.dev_v;
@@ -321,6 +325,7 @@ std::vector<float> forward_driver::run_rows(const rows_run & r, std::vector<floa
         graph::ubatch ub;
         ub.l0 = r.l0;
         ub.l1 = r.l1;
+        ub.score_layer = r.l1 - 1;  // a sequence run scores its last layer only
         graph::ubatch_attn a;
         a.n_kv = rows[b0 + nt - 1] + 1;  // causal: later rows are hidden anyway
         a.kpos.assign(r.pos->begin(), r.pos->begin() + a.n_kv);
@@ -329,6 +334,7 @@ std::vector<float> forward_driver::run_rows(const rows_run & r, std::vector<floa
             if (r.from_tokens) ub.tokens.push_back((*r.tokens)[row]);
             else ub.x_rows.push_back((int32_t) row);
             ub.pos.push_back((*r.pos)[row]);
+            if (r.score && (*r.score)[row]) ub.score_rows.push_back((int32_t) i);
             if ((*r.write)[row]) {
                 ub.write_rows.push_back((int32_t) i);
                 a.kv_idx.push_back(row);
@@ -351,6 +357,13 @@ std::vector<float> forward_driver::run_rows(const rows_run & r, std::vector<floa
         if (!out.logits.empty()) logits = std::move(out.logits);
         if (dev)
             for (int64_t i = 0; i < (int64_t) out.dev.size(); ++i) (*dev)[rows[b0 + i]] = out.dev[i];
+        if (attn && !out.scores.empty()) {
+            // the last layer's sums, F32 [n_kv, n_head]: key row j of the cache is row j
+            const std::vector<float> & sc = out.scores.back();
+            const int64_t n_kv = ub.groups[0].n_kv, n_head = (int64_t) sc.size() / n_kv;
+            for (int64_t h = 0; h < n_head; ++h)
+                for (int64_t j = 0; j < n_kv; ++j) (*attn)[j] += sc[h * n_kv + j];
+        }
     }
     return logits;
 }

@@ -50,9 +50,13 @@ class forward_driver {
         bool logits = false;       // return the last run row's logits (else the rows' outputs are held)
         // deviation of each run row's fresh V and/or K at layer l1 from the cache rows (CacheBlend scoring)
         bool dev_v = false, dev_k = false;
+        // score[r]: run row r's attention at layer l1 - 1 is summed (heads, score rows) per key row
+        const std::vector<char> * score = nullptr;
     };
-    // run in micro-batches of n_ubatch rows; dev (n rows) takes the deviations of the run rows
-    std::vector<float> run_rows(const rows_run & r, std::vector<float> * dev = nullptr);
+    // run in micro-batches of n_ubatch rows; dev (n rows) takes the deviations
+    // of the run rows; attn (n rows) adds the score rows' attention to each row
+    std::vector<float> run_rows(const rows_run & r, std::vector<float> * dev = nullptr,
+                                std::vector<float> * attn = nullptr);
     // hidden-state rows [0, n) on the backend (grown as needed, kept by the engine)
     void reserve_hidden(int64_t n);
     // rotate the cache's K rows [0, delta.size()) of layers [l0, l1) by

@@ -53,6 +53,7 @@ struct ubatch {
     // taps. score_rows: tokens whose attention to every key row is summed
     // per layer and query head (token eviction)
     std::vector<int32_t> score_rows;
+    int score_layer = -1;  // >= 0: only this layer is scored (the others' scores stay empty)
     // the deviation of every token's fresh K/V at layer dev_layer (its input:
     // the hidden states after layer l1 - 1, so dev_layer == l1) from what the
     // cache holds at dev_cache_rows ([n_tok]); not written
@@ -66,7 +67,7 @@ struct ubatch {
 // what a ubatch returns to the host
 struct ubatch_out {
     std::vector<float> logits;               // [n_logit][n_vocab]
-    std::vector<std::vector<float>> scores;  // per layer l0…l1-1: F32 [n_kv, n_head] attention sums (score_rows)
+    std::vector<std::vector<float>> scores;  // per layer l0…l1-1: F32 [n_kv, n_head] attention sums (score_rows; empty: not scored)
     std::vector<float> dev;                  // [n_tok] deviations (dev)
 };
 

@@ -59,7 +59,7 @@ struct job {
     int32_t max_tokens = 0;
     sampler_params sp;
     std::vector<std::string> stop;
-    float recomp_ratio = 0.15f;
+    float recomp_ratio = 0.08f;
     std::vector<layout_span> spans;  // plain prompts: the known documents found in them (chunks of prompt)
     learn_stats learned;             // … and the passages they added
 

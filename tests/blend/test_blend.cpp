@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "blend/fidelity.h"
+#include "engine/driver.h"
 #include "kvblend/blend.h"
 #include "kvblend/vocab.h"
 #include "test_util.h"
@@ -181,6 +183,7 @@ TEST(blend, selection_holds_every_query_token_and_no_prefix_token) {
             blend_params bp;
             bp.recomp_ratio = ratio;
             bp.recompute_chunk_head = head;
+            bp.head_in_budget = false;  // heads on top of the ratio
             const blend_result r = blend(e, f.ptrs, f.p.query, bp);
             const int64_t N = r.stats.n_tokens, nq = (int64_t) f.p.query.size();
             for (int64_t p = N - nq; p < N; ++p)
@@ -314,15 +317,261 @@ TEST(blend, hidden_states_never_cross_to_the_host) {
             const engine::transfer_stats t1 = e.transfers();
             const uint64_t N = (uint64_t) r.stats.n_tokens;
             EXPECT_EQ(t1.hidden, t0.hidden) << path;
-            // back to the host: the logits of the last token and one deviation per
-            // token and check (the hidden states would be N * n_embd floats a run)
-            EXPECT_LE(t1.from_backend - t0.from_backend, (hp.n_vocab + bp.schedule.size() * N) * sizeof(float)) << path;
+            // back to the host: the logits of the last token, one deviation per
+            // token and check, and per check the query's attention sums of one
+            // layer ([N, n_head] from each of the at most 2 micro-batches the
+            // query lies in); the hidden states would be N * n_embd floats a run
+            const uint64_t per_check = N + 2 * N * (uint64_t) hp.n_head;
+            ASSERT_LT(per_check, N * (uint64_t) hp.n_embd) << path;
+            EXPECT_LE(t1.from_backend - t0.from_backend, (hp.n_vocab + bp.schedule.size() * per_check) * sizeof(float)) << path;
             // to the backend: the chunk rows placed, plus inputs (ids, positions, indices, masks)
             uint64_t placed = 0;
             for (const chunk_kv * c : f.ptrs) placed += c->bytes();
             EXPECT_GE(t1.to_backend - t0.to_backend, placed / hp.n_layer * (hp.n_layer - 1)) << path;
         }
     }
+}
+
+// the document (1 … k) of each position, -1 for the prefix and the query
+std::vector<int> doc_of_positions(const fixture & f, int64_t N) {
+    std::vector<int> d(N, -1);
+    int64_t at = 0;
+    for (size_t i = 0; i < f.kv.size(); ++i)
+        for (int64_t j = 0; j < f.kv[i].n_tokens(); ++j, ++at) d[at] = i == 0 ? -1 : (int) i;
+    return d;
+}
+
+// per document: how many tokens are selected, and whether they are the
+// document's top tokens by the blend's score (no unselected token above a selected one)
+struct per_doc {
+    std::vector<int64_t> n_sel, n_tok;
+    std::vector<double> mass;
+    bool top_within = true;
+};
+
+per_doc tally_docs(const fixture & f, const blend_result & r) {
+    const int64_t N = r.stats.n_tokens;
+    const std::vector<int> d = doc_of_positions(f, N);
+    per_doc t;
+    t.n_sel.assign(f.kv.size(), 0);
+    t.n_tok.assign(f.kv.size(), 0);
+    t.mass.assign(f.kv.size(), 0.0);
+    std::vector<float> lo_sel(f.kv.size(), INFINITY), hi_unsel(f.kv.size(), -INFINITY);
+    for (int64_t p = 0; p < N; ++p) {
+        if (d[p] < 0) continue;
+        const bool sel = std::binary_search(r.selected.begin(), r.selected.end(), p);
+        ++t.n_tok[d[p]];
+        t.n_sel[d[p]] += sel;
+        t.mass[d[p]] += r.scores[p];
+        if (sel) lo_sel[d[p]] = std::min(lo_sel[d[p]], r.scores[p]);
+        else hi_unsel[d[p]] = std::max(hi_unsel[d[p]], r.scores[p]);
+    }
+    for (size_t i = 1; i < f.kv.size(); ++i) t.top_within = t.top_within && lo_sel[i] >= hi_unsel[i];
+    return t;
+}
+
+TEST(blend, chunk_budget_gives_each_document_its_share_of_its_own_top_tokens) {
+    fixture f(k_stories, 4);
+    for (float ratio : {0.1f, 0.3f}) {
+        engine e(f.m, f32_params());
+        blend_params bp;
+        bp.recomp_ratio = ratio;
+        bp.recompute_chunk_head = 0;  // every document token a candidate
+        bp.budget = BLEND_BUDGET_CHUNK;
+        const blend_result r = blend(e, f.ptrs, f.p.query, bp);
+        ASSERT_EQ((int64_t) r.scores.size(), r.stats.n_tokens);
+        const per_doc t = tally_docs(f, r);
+        const int64_t k = (int64_t) std::llround(ratio * r.stats.n_doc_tokens);
+        int64_t total = 0;
+        for (size_t i = 1; i < f.kv.size(); ++i) {
+            EXPECT_LE(std::fabs((double) t.n_sel[i] - ratio * (double) t.n_tok[i]), 1.0) << "doc " << i << " ratio " << ratio;
+            total += t.n_sel[i];
+        }
+        EXPECT_EQ(total, k);
+        EXPECT_TRUE(t.top_within);
+        EXPECT_EQ(r.stats.n_selected, k + (int64_t) f.p.query.size());
+    }
+}
+
+TEST(blend, mass_budget_follows_each_documents_deviation) {
+    fixture f(k_stories, 4);
+    engine e(f.m, f32_params());
+    blend_params bp;
+    bp.recomp_ratio = 0.2f;
+    bp.recompute_chunk_head = 0;
+    bp.budget = BLEND_BUDGET_MASS;
+    const blend_result r = blend(e, f.ptrs, f.p.query, bp);
+    const per_doc t = tally_docs(f, r);
+    const int64_t k = (int64_t) std::llround(0.2 * r.stats.n_doc_tokens);
+    double mass = 0;
+    for (size_t i = 1; i < f.kv.size(); ++i) mass += t.mass[i];
+    ASSERT_GT(mass, 0);
+    int64_t total = 0;
+    for (size_t i = 1; i < f.kv.size(); ++i) {
+        const double share = (double) k * t.mass[i] / mass;
+        // no document's share passes its size at this ratio: largest remainder is within 1
+        ASSERT_LT(share, (double) t.n_tok[i]);
+        EXPECT_LE(std::fabs((double) t.n_sel[i] - share), 1.0) << "doc " << i;
+        total += t.n_sel[i];
+    }
+    EXPECT_EQ(total, k);
+    EXPECT_TRUE(t.top_within);
+    // the shares differ from the chunk budget's: the documents' deviations are not equal
+    blend_params bc = bp;
+    bc.budget = BLEND_BUDGET_CHUNK;
+    engine e2(f.m, f32_params());
+    EXPECT_NE(tally_docs(f, blend(e2, f.ptrs, f.p.query, bc)).n_sel, t.n_sel);
+}
+
+TEST(blend, adaptive_ratio_stops_at_the_deviation_mass) {
+    fixture f(k_stories, 4);
+    int64_t last = -1;
+    for (float m : {0.2f, 0.5f, 0.8f}) {
+        engine e(f.m, f32_params());
+        blend_params bp;
+        bp.recomp_ratio = 0.6f;  // the cap
+        bp.recompute_chunk_head = 0;
+        bp.dev_mass = m;
+        const blend_result r = blend(e, f.ptrs, f.p.query, bp);
+        const std::vector<int> d = doc_of_positions(f, r.stats.n_tokens);
+        std::vector<float> sel, all;
+        for (int64_t p = 0; p < r.stats.n_tokens; ++p) {
+            if (d[p] < 0) continue;
+            all.push_back(r.scores[p]);
+            if (std::binary_search(r.selected.begin(), r.selected.end(), p)) sel.push_back(r.scores[p]);
+        }
+        double tot = 0, got = 0;
+        for (float x : all) tot += x;
+        for (float x : sel) got += x;
+        ASSERT_FALSE(sel.empty());
+        const float smallest = *std::min_element(sel.begin(), sel.end());
+        EXPECT_GE(got, m * tot * (1 - 1e-6)) << m;
+        EXPECT_LT(got - smallest, m * tot) << m << ": one token fewer would have been enough";
+        EXPECT_LT((int64_t) sel.size(), (int64_t) std::llround(0.6 * r.stats.n_doc_tokens)) << m;
+        EXPECT_GT((int64_t) sel.size(), last) << m;
+        last = (int64_t) sel.size();
+    }
+    // the ratio caps it
+    engine e(f.m, f32_params());
+    blend_params bp;
+    bp.recomp_ratio = 0.05f;
+    bp.dev_mass = 1.0f;
+    const blend_result r = blend(e, f.ptrs, f.p.query, bp);
+    EXPECT_EQ(r.stats.n_selected, (int64_t) f.p.query.size() + (int64_t) std::llround(0.05 * r.stats.n_doc_tokens));
+}
+
+TEST(blend, chunk_heads_inside_the_budget_keep_the_selected_count) {
+    fixture f(k_stories, 4);
+    for (int head : {1, 3}) {
+        engine e(f.m, f32_params());
+        blend_params bp;
+        bp.recomp_ratio = 0.2f;
+        bp.recompute_chunk_head = head;
+        bp.head_in_budget = true;
+        const blend_result r = blend(e, f.ptrs, f.p.query, bp);
+        EXPECT_EQ(r.stats.n_selected, (int64_t) f.p.query.size() + (int64_t) std::llround(0.2 * r.stats.n_doc_tokens));
+        int64_t at = 0;
+        for (size_t i = 0; i < f.kv.size(); ++i) {
+            if (i > 0)
+                for (int64_t j = 0; j < head; ++j)
+                    EXPECT_TRUE(std::binary_search(r.selected.begin(), r.selected.end(), at + j)) << "head of doc " << i;
+            at += f.kv[i].n_tokens();
+        }
+    }
+    // a budget smaller than the heads: only heads, those that moved most; ratio 0 stays naive
+    for (float ratio : {0.01f, 0.0f}) {
+        engine e(f.m, f32_params());
+        blend_params bp;
+        bp.recomp_ratio = ratio;
+        bp.recompute_chunk_head = 3;
+        bp.head_in_budget = true;
+        const blend_result r = blend(e, f.ptrs, f.p.query, bp);
+        const int64_t k = (int64_t) std::llround(ratio * r.stats.n_doc_tokens), nq = (int64_t) f.p.query.size();
+        ASSERT_LT(k, 3 * (int64_t) (f.kv.size() - 1));
+        EXPECT_EQ(r.stats.n_selected, nq + k) << ratio;
+        std::vector<int64_t> heads;
+        int64_t at = f.kv[0].n_tokens();
+        for (size_t i = 1; i < f.kv.size(); ++i) {
+            for (int64_t j = 0; j < 3; ++j) heads.push_back(at + j);
+            at += f.kv[i].n_tokens();
+        }
+        float lo_sel = INFINITY, hi_unsel = -INFINITY;
+        for (int64_t h : heads) {
+            const bool sel = std::binary_search(r.selected.begin(), r.selected.end(), h);
+            (sel ? lo_sel : hi_unsel) = sel ? std::min(lo_sel, r.scores[h]) : std::max(hi_unsel, r.scores[h]);
+        }
+        for (size_t i = 0; i + nq < r.selected.size(); ++i)
+            EXPECT_TRUE(std::binary_search(heads.begin(), heads.end(), r.selected[i])) << r.selected[i];
+        if (k > 0) EXPECT_GE(lo_sel, hi_unsel);
+    }
+}
+
+// the query rows' attention at the run's last layer, summed over heads and rows
+std::vector<float> query_attention(engine & e, const prompt & p, int l1) {
+    const std::vector<llama_token> tokens = p.all();
+    const int64_t N = (int64_t) tokens.size(), nq = (int64_t) p.query.size();
+    std::vector<int32_t> pos(N);
+    std::iota(pos.begin(), pos.end(), 0);
+    std::vector<int64_t> rows(N);
+    std::iota(rows.begin(), rows.end(), 0);
+    std::vector<char> write(N, 1), score(N, 0);
+    for (int64_t i = N - nq; i < N; ++i) score[i] = 1;
+    e.cache().clear();
+    forward_driver drv(e);
+    forward_driver::rows_run rr;
+    rr.tokens = &tokens;
+    rr.pos = &pos;
+    rr.rows = &rows;
+    rr.write = &write;
+    rr.from_tokens = true;
+    rr.l1 = l1;
+    rr.score = &score;
+    std::vector<float> attn(N, 0.0f);
+    drv.run_rows(rr, nullptr, &attn);
+    return attn;
+}
+
+TEST(blend, query_attention_weights_are_one_layers_softmax_sums) {
+    for (const std::string & path : models_under_test()) {
+        fixture f(path, 3);
+        const model_hparams & hp = f.m->hparams();
+        engine_params one = f32_params(), many = f32_params();
+        one.n_ubatch = 512;
+        many.n_ubatch = 5;  // the query rows land in several micro-batches
+        engine e1(f.m, one), em(f.m, many);
+        const std::vector<float> a1 = query_attention(e1, f.p, 2), am = query_attention(em, f.p, 2);
+        // each query row's attention over the keys sums to 1 per head, at one layer (not both)
+        double sum = 0;
+        for (float x : a1) {
+            EXPECT_GE(x, 0.0f);
+            sum += x;
+        }
+        EXPECT_NEAR(sum, (double) (f.p.query.size() * hp.n_head), 1e-3 * sum) << path;
+        EXPECT_LE(rel_diff(am, a1), 1e-5) << path;
+        // layer 1's weights, not layer 0's (which a run of one layer gives; the blend below pins that one)
+        EXPECT_GT(rel_diff(a1, query_attention(e1, f.p, 1)), 1e-3) << path;
+    }
+    // in a blend (check layer 1), layer 0 runs fresh on every token, as in the
+    // full prefill: the weighted scores are the deviations times that layer's
+    // query attention
+    fixture f(k_stories, 3);
+    engine e(f.m, f32_params()), ew(f.m, f32_params());
+    blend_params bp, bw;
+    bp.weight_query = false;
+    bw.weight_query = true;
+    const blend_result r = blend(e, f.ptrs, f.p.query, bp), rw = blend(ew, f.ptrs, f.p.query, bw);
+    const std::vector<float> a0 = query_attention(e, f.p, 1);
+    ASSERT_EQ(rw.scores.size(), a0.size());
+    int64_t n_checked = 0;
+    for (size_t p = (size_t) f.kv[0].n_tokens(); p + f.p.query.size() < a0.size(); ++p) {
+        EXPECT_NEAR(rw.scores[p], r.scores[p] * a0[p], 1e-4 * std::fabs(r.scores[p] * a0[p]) + 1e-12) << p;
+        n_checked += r.scores[p] > 0;
+    }
+    EXPECT_GT(n_checked, 10);
+    EXPECT_NE(r.selected, rw.selected);
+    // at check layer 0 there is no layer before: the deviations as they are
+    bp.check_layer = bw.check_layer = 0;
+    EXPECT_EQ(blend(e, f.ptrs, f.p.query, bp).scores, blend(ew, f.ptrs, f.p.query, bw).scores);
 }
 
 TEST(blend, schedule_and_bad_params) {
@@ -343,6 +592,11 @@ TEST(blend, schedule_and_bad_params) {
     bad.schedule = {{2, 0.1f}, {1, 0.05f}};
     EXPECT_THROW(blend(e, f.ptrs, f.p.query, bad), error);
     EXPECT_THROW(blend(e, f.ptrs, {}, blend_default_params()), error);
+    bad = blend_params{};
+    bad.dev_mass = 1.5f;
+    EXPECT_THROW(blend(e, f.ptrs, f.p.query, bad), error);
+    bad.dev_mass = -0.1f;
+    EXPECT_THROW(blend(e, f.ptrs, f.p.query, bad), error);
 
     // a chunk of another model (other shape) or another KV type is refused
     fixture other(test::make_test_model("tiny-qwen3"), 1);

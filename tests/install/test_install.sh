@@ -47,7 +47,7 @@ echo "find_package(kvblend): shared and static consumers run"
 
 # pkg-config, relocatable
 export PKG_CONFIG_PATH="$libdir/pkgconfig"
-[ "$(pkg-config --modversion kvblend)" = 0.2.0 ] || fail "pkg-config version"
+[ "$(pkg-config --modversion kvblend)" = 0.3.0 ] || fail "pkg-config version"
 cc -o "$tmp/pc_consumer" "$src/examples/rag_blend.c" $(pkg-config --cflags --libs kvblend) -Wl,-rpath,"$libdir"
 "$tmp/pc_consumer" "$model" "$tmp/store" "Once upon a time" $docs | grep -q '^chunks: 3 from the store' \
   || fail "pkg-config consumer"

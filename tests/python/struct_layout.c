@@ -103,6 +103,10 @@ int main(void) {
     FIELD(kvb_blend_params, n_schedule);
     FIELD(kvb_blend_params, chat);
     FIELD(kvb_blend_params, collect_with_prefix);
+    FIELD(kvb_blend_params, head_beyond_budget);
+    FIELD(kvb_blend_params, no_weight_query);
+    FIELD(kvb_blend_params, budget);
+    FIELD(kvb_blend_params, dev_mass);
     END();
     BEGIN(kvb_doc);
     FIELD(kvb_doc, text);

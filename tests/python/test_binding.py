@@ -55,6 +55,7 @@ def test_struct_layouts_match_the_c_header():
     dict(),
     dict(ratio=0.5, check_layer=2, n_predict=24),
     dict(ratio=0.3, score="kv", method="dense", chunk_head=4, n_predict=12),
+    dict(ratio=0.2, chunk_head=2, head_in_budget=False, weight_query=False, budget="mass", dev_mass=0.6, n_predict=12),
 ])
 def test_blend_equals_the_cli_json(model, extra, tmp_path):
     flags = {"ratio": "--recomp-ratio", "check_layer": "--check-layer", "score": "--score", "method": "--method",
@@ -62,8 +63,10 @@ def test_blend_equals_the_cli_json(model, extra, tmp_path):
     args = ["blend", "-m", MODEL, "--system", SYSTEM, "--query", QUERY, "--json"]
     for f in DOC_FILES:
         args += ["--doc", f]
+    switches = {("head_in_budget", False): "--head-beyond-budget", ("weight_query", False): "--no-weight-query"}
+    flags.update(budget="--budget", dev_mass="--dev-mass")
     for k, v in extra.items():
-        args += [flags[k], str(v)]
+        args += [switches[(k, v)]] if (k, v) in switches else [flags[k], str(v)]
     want = json.loads(cli(*args))
     got = model.blend(SYSTEM, [read(f) for f in DOC_FILES], QUERY, **extra)
     assert got.text == want["text"]
