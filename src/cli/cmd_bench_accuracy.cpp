@@ -504,7 +504,7 @@ int bench_accuracy(args & a) {
                  "set title 'answer accuracy vs recomputed share: " + base + ", " + std::to_string(prompts.size()) +
                      " prompts' noenhanced\n"
                      "set xlabel 'share of document tokens recomputed'\nset ylabel 'exact match'\n"
-                     "set yrange [0:1.05]\nset xrange [0:*]\nset key bottom right noenhanced\n"
+                     "set yrange [*:*]\nset offsets 0, 0, 0.02, 0.02\nset xrange [0:*]\nset key outside right top noenhanced\n"
                      "plot " + std::to_string(tf.em / tf.n) + " w l dt 2 lw 2 t 'full prefill', " +
                      std::to_string(tn.em / tn.n) + " w l dt 3 lw 2 t 'naive concatenation', " + plot + "\n");
     }
