@@ -165,6 +165,55 @@ TEST(blend, gradual_equals_dense) {
     }
 }
 
+// every selection option keeps the dense reference's selection and numbers
+// (deviations weighted by the query's attention, heads inside the budget,
+// spread per chunk or by mass, adaptive ratio; one check and a schedule)
+TEST(blend, gradual_equals_dense_with_every_selection_option) {
+    struct option {
+        blend_budget budget;
+        float dev_mass;
+        bool weight_query, head_in_budget;
+        int head;
+        bool schedule;
+    };
+    const std::vector<option> options = {
+        {BLEND_BUDGET_MASS, 0.0f, true, true, 1, false},  {BLEND_BUDGET_CHUNK, 0.0f, true, true, 2, false},
+        {BLEND_BUDGET_GLOBAL, 0.5f, true, true, 1, false}, {BLEND_BUDGET_MASS, 0.7f, true, false, 2, false},
+        {BLEND_BUDGET_MASS, 0.6f, true, true, 1, true},    {BLEND_BUDGET_CHUNK, 0.0f, false, true, 3, true},
+        {BLEND_BUDGET_GLOBAL, 0.0f, true, true, 1, true},
+    };
+    for (const std::string & path : models_under_test()) {
+        fixture f(path, 3);
+        for (size_t oi = 0; oi < options.size(); ++oi) {
+            const option & o = options[oi];
+            blend_params bp;
+            bp.recomp_ratio = 0.3f;
+            bp.budget = o.budget;
+            bp.dev_mass = o.dev_mass;
+            bp.weight_query = o.weight_query;
+            bp.head_in_budget = o.head_in_budget;
+            bp.recompute_chunk_head = o.head;
+            if (o.schedule) bp.schedule = {{1, 0.4f}, {2, 0.2f}};
+            engine eg(f.m, f32_params()), ed(f.m, f32_params());
+            bp.method = BLEND_METHOD_GRADUAL;
+            const blend_result g = blend(eg, f.ptrs, f.p.query, bp);
+            bp.method = BLEND_METHOD_DENSE;
+            const blend_result d = blend(ed, f.ptrs, f.p.query, bp);
+            EXPECT_EQ(g.selected, d.selected) << path << " option " << oi;
+            // the last check's scores agree on the rows gradual ran there (dense runs them all)
+            ASSERT_EQ(g.scores.size(), d.scores.size());
+            std::vector<float> gs, ds;
+            for (size_t p = 0; p < g.scores.size(); ++p)
+                if (g.scores[p] != 0.0f || !o.schedule) gs.push_back(g.scores[p]), ds.push_back(d.scores[p]);
+            EXPECT_GT(gs.size(), f.p.query.size()) << path << " option " << oi;
+            EXPECT_LE(rel_diff(gs, ds), 1e-5) << path << " option " << oi;
+            EXPECT_LE(rel_diff(g.logits, d.logits), 1e-5) << path << " option " << oi;
+            expect_same_kv(eg, ed, f.m->hparams().n_layer, g.stats.n_tokens, 1e-5);
+            EXPECT_LT(g.stats.deep_frac, 1.0) << path << " option " << oi;
+        }
+    }
+}
+
 TEST(blend, single_chunk_equals_full_prefill) {
     fixture f(k_stories, 0);
     engine e(f.m, f32_params());
