@@ -338,6 +338,10 @@ TEST(blend, result_is_the_same_in_one_micro_batch_or_many) {
             const blend_result r1 = blend(e1, f.ptrs, f.p.query, bp);
             const blend_result rm = blend(em, f.ptrs, f.p.query, bp);
             ASSERT_GT(r1.stats.n_tokens, 5 * 10);
+            // the query's rows span micro-batches: its attention (weight_query,
+            // on by default) is summed over them
+            ASSERT_TRUE(bp.weight_query);
+            ASSERT_GT((int64_t) f.p.query.size(), 2 * many.n_ubatch) << path;
             EXPECT_EQ(r1.selected, rm.selected) << path;
             EXPECT_LE(rel_diff(rm.logits, r1.logits), 1e-6) << path;
             const int64_t N = r1.stats.n_tokens;
@@ -587,6 +591,7 @@ TEST(blend, query_attention_weights_are_one_layers_softmax_sums) {
         engine_params one = f32_params(), many = f32_params();
         one.n_ubatch = 512;
         many.n_ubatch = 5;  // the query rows land in several micro-batches
+        ASSERT_GT((int64_t) f.p.query.size(), 2 * many.n_ubatch) << path;
         engine e1(f.m, one), em(f.m, many);
         const std::vector<float> a1 = query_attention(e1, f.p, 2), am = query_attention(em, f.p, 2);
         // each query row's attention over the keys sums to 1 per head, at one layer (not both)
