@@ -144,6 +144,44 @@ TEST(blend, ratio_zero_equals_naive_concatenation) {
     }
 }
 
+// ratio 1 is the full prefill and ratio 0 naive concatenation whatever the
+// selection's settings: every budget, an adaptive ratio of 1, heads inside the
+// budget, the query's weighting on or off
+TEST(blend, ratio_one_and_zero_hold_under_every_selection_option) {
+    fixture f(k_stories, 3);
+    engine full(f.m, f32_params());
+    const std::vector<float> ref_full = full.eval(f.p.all());
+    engine naive(f.m, f32_params());
+    naive.cache().set_n_past(place(naive, f.ptrs));
+    const std::vector<float> ref_naive = naive.eval(f.p.query);
+    const int64_t N = (int64_t) f.p.all().size(), nq = (int64_t) f.p.query.size();
+    for (blend_budget budget : {BLEND_BUDGET_GLOBAL, BLEND_BUDGET_CHUNK, BLEND_BUDGET_MASS}) {
+        for (bool weight : {true, false}) {
+            for (int head : {1, 1 << 20}) {  // one token, or every document whole
+                for (blend_method method : {BLEND_METHOD_GRADUAL, BLEND_METHOD_DENSE}) {
+                    blend_params bp;
+                    bp.budget = budget;
+                    bp.weight_query = weight;
+                    bp.recompute_chunk_head = head;
+                    bp.method = method;
+                    const std::string what = "budget " + std::to_string(budget) + " weight " + std::to_string(weight) +
+                                             " head " + std::to_string(head) + " method " + std::to_string(method);
+                    engine e(f.m, f32_params());
+                    bp.recomp_ratio = 1.0f;
+                    bp.dev_mass = 1.0f;  // the whole deviation: every token that moved at all
+                    blend_result r = blend(e, f.ptrs, f.p.query, bp);
+                    EXPECT_EQ(r.stats.n_selected, N - f.kv[0].n_tokens()) << what;
+                    EXPECT_LE(rel_diff(r.logits, ref_full), 1e-4) << what;
+                    bp.recomp_ratio = 0.0f;
+                    r = blend(e, f.ptrs, f.p.query, bp);
+                    EXPECT_EQ(r.stats.n_selected, nq) << what;
+                    EXPECT_LE(rel_diff(r.logits, ref_naive), 1e-4) << what;
+                }
+            }
+        }
+    }
+}
+
 TEST(blend, gradual_equals_dense) {
     for (const std::string & path : models_under_test()) {
         for (float ratio : {0.15f, 0.4f}) {
