@@ -293,7 +293,9 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     for (size_t i = 1; i < chunks.size(); ++i) {
         for (int64_t j = 0; j < chunks[i]->n_rows(); ++j) {
             is_doc[chunk_start[i] + j] = 1;
-            if (j < params.recompute_chunk_head) (params.head_in_budget ? head : forced)[chunk_start[i] + j] = 1;
+            // the head is the document's first tokens (an evicted chunk may have dropped them)
+            const int64_t t = chunks[i]->kept.empty() ? j : chunks[i]->kept[j];
+            if (t < params.recompute_chunk_head) (params.head_in_budget ? head : forced)[chunk_start[i] + j] = 1;
         }
     }
     for (int64_t p = n_chunk_tok; p < N; ++p) forced[p] = 1;

@@ -11,6 +11,7 @@
 #include "blend/fidelity.h"
 #include "engine/driver.h"
 #include "kvblend/blend.h"
+#include "kvblend/evict.h"
 #include "kvblend/vocab.h"
 #include "test_util.h"
 #include "blend/blend_prompt.h"
@@ -664,6 +665,35 @@ TEST(blend, query_attention_weights_are_one_layers_softmax_sums) {
     // at check layer 0 there is no layer before: the deviations as they are
     bp.check_layer = bw.check_layer = 0;
     EXPECT_EQ(blend(e, f.ptrs, f.p.query, bp).scores, blend(ew, f.ptrs, f.p.query, bw).scores);
+}
+
+// the chunk head is the first tokens of a document: an evicted chunk that
+// dropped them has no head to recompute (its first kept row is not one)
+TEST(blend, chunk_head_of_an_evicted_chunk_is_its_first_tokens_not_its_first_rows) {
+    fixture f(k_stories, 2);
+    engine e(f.m, f32_params());
+    evict_params ev;
+    ev.policy = EVICT_POLICY_STREAMING;
+    ev.n_sink = 0;  // only the most recent half stays: token 0 is gone
+    ev.budget_share = 0.5;
+    std::vector<chunk_kv> kv = {f.kv[0], f.kv[1], collect_evicted(e, f.p.chunks[2], ev)};
+    ASSERT_GT(kv[2].kept.front(), 2);
+    const std::vector<const chunk_kv *> ptrs = test::pointers(kv);
+    const int64_t nq = (int64_t) f.p.query.size(), doc1 = kv[0].n_tokens();
+    for (bool in_budget : {false, true}) {
+        blend_params bp;
+        bp.recompute_chunk_head = 2;
+        bp.head_in_budget = in_budget;
+        bp.recomp_ratio = in_budget ? 4.0f / (float) (kv[1].n_rows() + kv[2].n_rows()) : 0.0f;  // room for 4 heads
+        const blend_result r = blend(e, ptrs, f.p.query, bp);
+        // document 1's first two tokens, nothing of document 2 (its rows start mid-document)
+        EXPECT_TRUE(std::binary_search(r.selected.begin(), r.selected.end(), doc1)) << in_budget;
+        EXPECT_TRUE(std::binary_search(r.selected.begin(), r.selected.end(), doc1 + 1)) << in_budget;
+        const int64_t doc2 = doc1 + kv[1].n_tokens();
+        for (int64_t p : r.selected) EXPECT_FALSE(p >= doc2 && p < doc2 + kv[2].n_tokens() && !in_budget) << p;
+        if (!in_budget) EXPECT_EQ(r.stats.n_selected, nq + 2);
+        else EXPECT_EQ(r.stats.n_selected, nq + 4);  // the two heads, then two by deviation
+    }
 }
 
 TEST(blend, schedule_and_bad_params) {
