@@ -256,6 +256,8 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
             throw error("a blend schedule needs increasing layers and non-increasing ratios");
     }
     if (params.recompute_chunk_head < 0) throw error("recompute_chunk_head must not be negative");
+    if (params.budget != BLEND_BUDGET_GLOBAL && params.budget != BLEND_BUDGET_CHUNK && params.budget != BLEND_BUDGET_MASS)
+        throw error("unknown blend budget " + std::to_string((int) params.budget));
 
     // layout: [c_0 | c_1 … c_k | query], one row per held token (evicted
     // chunks hold fewer rows than tokens; positions count every token)

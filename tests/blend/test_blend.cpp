@@ -719,6 +719,11 @@ TEST(blend, schedule_and_bad_params) {
     EXPECT_THROW(blend(e, f.ptrs, f.p.query, bad), error);
     bad.dev_mass = -0.1f;
     EXPECT_THROW(blend(e, f.ptrs, f.p.query, bad), error);
+    bad.dev_mass = NAN;
+    EXPECT_THROW(blend(e, f.ptrs, f.p.query, bad), error);
+    bad = blend_params{};
+    bad.budget = (blend_budget) 7;  // not one of the enum's: refused, not taken as another budget
+    EXPECT_THROW(blend(e, f.ptrs, f.p.query, bad), error);
 
     // a chunk of another model (other shape) or another KV type is refused
     fixture other(test::make_test_model("tiny-qwen3"), 1);
