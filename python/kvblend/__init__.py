@@ -262,6 +262,14 @@ def _choice(table, value, what):
                                    "KVB_ERR_INVALID_ARGUMENT") from None
 
 
+def _int32(value, what):
+    """value as a C int32; ctypes would wrap a wider one silently (2**32 -> 0)."""
+    v = int(value)
+    if not -2**31 <= v < 2**31:
+        raise InvalidArgumentError("%s must fit a 32-bit integer, got %d" % (what, v), "KVB_ERR_INVALID_ARGUMENT")
+    return v
+
+
 class _Callback:
     """A Python callable behind a C callback: its exceptions are kept and raised after the call."""
 
@@ -527,13 +535,13 @@ class Model(_Closing):
         if ratio is not None:
             bp.recomp_ratio = float(ratio)
         if check_layer is not None:
-            bp.check_layer = int(check_layer)
+            bp.check_layer = _int32(check_layer, "check_layer")
         if score is not None:
             bp.score = _choice(_SCORES, score, "score")
         if method is not None:
             bp.method = _choice(_METHODS, method, "method")
         if chunk_head is not None:
-            bp.chunk_head = int(chunk_head)
+            bp.chunk_head = _int32(chunk_head, "chunk_head")
         if head_in_budget is not None:
             bp.head_beyond_budget = not head_in_budget
         if weight_query is not None:
@@ -543,7 +551,7 @@ class Model(_Closing):
         if dev_mass is not None:
             bp.dev_mass = float(dev_mass)
         if schedule:
-            layers = (c_int32 * len(schedule))(*[int(l) for l, _ in schedule])
+            layers = (c_int32 * len(schedule))(*[_int32(l, "a schedule layer") for l, _ in schedule])
             ratios = (c_float * len(schedule))(*[float(r) for _, r in schedule])
             keep += [layers, ratios]
             bp.schedule_layers = layers

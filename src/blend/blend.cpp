@@ -256,6 +256,8 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
             throw error("a blend schedule needs increasing layers and non-increasing ratios");
     }
     if (params.recompute_chunk_head < 0) throw error("recompute_chunk_head must not be negative");
+    if (params.budget != BLEND_BUDGET_GLOBAL && params.budget != BLEND_BUDGET_CHUNK && params.budget != BLEND_BUDGET_MASS)
+        throw error("unknown blend budget " + std::to_string((int) params.budget));
 
     // layout: [c_0 | c_1 … c_k | query], one row per held token (evicted
     // chunks hold fewer rows than tokens; positions count every token)
@@ -293,7 +295,9 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     for (size_t i = 1; i < chunks.size(); ++i) {
         for (int64_t j = 0; j < chunks[i]->n_rows(); ++j) {
             is_doc[chunk_start[i] + j] = 1;
-            if (j < params.recompute_chunk_head) (params.head_in_budget ? head : forced)[chunk_start[i] + j] = 1;
+            // the head is the document's first tokens (an evicted chunk may have dropped them)
+            const int64_t t = chunks[i]->kept.empty() ? j : chunks[i]->kept[j];
+            if (t < params.recompute_chunk_head) (params.head_in_budget ? head : forced)[chunk_start[i] + j] = 1;
         }
     }
     for (int64_t p = n_chunk_tok; p < N; ++p) forced[p] = 1;

@@ -199,6 +199,18 @@ double parse_real(const std::string & s, const std::string & spec) {
     return *v;
 }
 
+// a choice parsed by the flag's parser, its message named by the variant
+// (there is no --budget flag here: "variant 'budget=x': budget must be …")
+template <typename F> auto parse_choice(F parse, const std::string & val, const std::string & spec) {
+    try {
+        return parse(val);
+    } catch (const error & e) {
+        std::string msg = e.what();
+        if (msg.rfind("--", 0) == 0) msg.erase(0, 2);
+        throw error("variant '" + spec + "': " + msg);
+    }
+}
+
 variant parse_variant(const std::string & spec, int n_layer) {
     variant v;
     v.name = spec;
@@ -208,12 +220,12 @@ variant parse_variant(const std::string & spec, int n_layer) {
         const bool has_val = eq != std::string::npos;
         if (s == "default") {
         } else if (s == "prefix") v.prefix = true;
-        else if (key == "score" && has_val) v.bp.score = parse_blend_score(val);
-        else if (key == "method" && has_val) v.bp.method = parse_blend_method(val);
+        else if (key == "score" && has_val) v.bp.score = parse_choice(parse_blend_score, val, spec);
+        else if (key == "method" && has_val) v.bp.method = parse_choice(parse_blend_method, val, spec);
         else if (key == "check" && has_val) v.bp.check_layer = (int) parse_int(val, spec, 0, n_layer - 1);
         else if (key == "head" && has_val) v.bp.recompute_chunk_head = (int) parse_int(val, spec, 0, 1 << 20);
         else if (s == "beyond-budget") v.bp.head_in_budget = false;
-        else if (key == "budget" && has_val) v.bp.budget = parse_blend_budget(val);
+        else if (key == "budget" && has_val) v.bp.budget = parse_choice(parse_blend_budget, val, spec);
         else if (key == "mass" && has_val) {
             v.bp.dev_mass = (float) parse_real(val, spec);
             if (v.bp.dev_mass > 1.0f) throw error("variant '" + spec + "': mass must be in (0, 1], got '" + val + "'");

@@ -37,6 +37,7 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
                           each document, or shares by each document's deviation
   --dev-mass F            adaptive ratio: recompute the fewest tokens holding the
                           share F in (0, 1] of the deviation, --recomp-ratio at most
+                          (0: off, the default)
   --no-weight-query       select by the deviations alone (default: weighted by
                           the query's attention in the layer before the check layer)
   --collect-with-prefix   collect each document behind the prefix chunk

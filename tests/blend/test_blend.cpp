@@ -11,6 +11,7 @@
 #include "blend/fidelity.h"
 #include "engine/driver.h"
 #include "kvblend/blend.h"
+#include "kvblend/evict.h"
 #include "kvblend/vocab.h"
 #include "test_util.h"
 #include "blend/blend_prompt.h"
@@ -144,6 +145,44 @@ TEST(blend, ratio_zero_equals_naive_concatenation) {
     }
 }
 
+// ratio 1 is the full prefill and ratio 0 naive concatenation whatever the
+// selection's settings: every budget, an adaptive ratio of 1, heads inside the
+// budget, the query's weighting on or off
+TEST(blend, ratio_one_and_zero_hold_under_every_selection_option) {
+    fixture f(k_stories, 3);
+    engine full(f.m, f32_params());
+    const std::vector<float> ref_full = full.eval(f.p.all());
+    engine naive(f.m, f32_params());
+    naive.cache().set_n_past(place(naive, f.ptrs));
+    const std::vector<float> ref_naive = naive.eval(f.p.query);
+    const int64_t N = (int64_t) f.p.all().size(), nq = (int64_t) f.p.query.size();
+    for (blend_budget budget : {BLEND_BUDGET_GLOBAL, BLEND_BUDGET_CHUNK, BLEND_BUDGET_MASS}) {
+        for (bool weight : {true, false}) {
+            for (int head : {1, 1 << 20}) {  // one token, or every document whole
+                for (blend_method method : {BLEND_METHOD_GRADUAL, BLEND_METHOD_DENSE}) {
+                    blend_params bp;
+                    bp.budget = budget;
+                    bp.weight_query = weight;
+                    bp.recompute_chunk_head = head;
+                    bp.method = method;
+                    const std::string what = "budget " + std::to_string(budget) + " weight " + std::to_string(weight) +
+                                             " head " + std::to_string(head) + " method " + std::to_string(method);
+                    engine e(f.m, f32_params());
+                    bp.recomp_ratio = 1.0f;
+                    bp.dev_mass = 1.0f;  // the whole deviation: every token that moved at all
+                    blend_result r = blend(e, f.ptrs, f.p.query, bp);
+                    EXPECT_EQ(r.stats.n_selected, N - f.kv[0].n_tokens()) << what;
+                    EXPECT_LE(rel_diff(r.logits, ref_full), 1e-4) << what;
+                    bp.recomp_ratio = 0.0f;
+                    r = blend(e, f.ptrs, f.p.query, bp);
+                    EXPECT_EQ(r.stats.n_selected, nq) << what;
+                    EXPECT_LE(rel_diff(r.logits, ref_naive), 1e-4) << what;
+                }
+            }
+        }
+    }
+}
+
 TEST(blend, gradual_equals_dense) {
     for (const std::string & path : models_under_test()) {
         for (float ratio : {0.15f, 0.4f}) {
@@ -161,6 +200,55 @@ TEST(blend, gradual_equals_dense) {
             expect_same_kv(eg, ed, f.m->hparams().n_layer, N, 1e-5);
             EXPECT_LT(g.stats.deep_frac, 1.0);
             EXPECT_DOUBLE_EQ(d.stats.deep_frac, 1.0);
+        }
+    }
+}
+
+// every selection option keeps the dense reference's selection and numbers
+// (deviations weighted by the query's attention, heads inside the budget,
+// spread per chunk or by mass, adaptive ratio; one check and a schedule)
+TEST(blend, gradual_equals_dense_with_every_selection_option) {
+    struct option {
+        blend_budget budget;
+        float dev_mass;
+        bool weight_query, head_in_budget;
+        int head;
+        bool schedule;
+    };
+    const std::vector<option> options = {
+        {BLEND_BUDGET_MASS, 0.0f, true, true, 1, false},  {BLEND_BUDGET_CHUNK, 0.0f, true, true, 2, false},
+        {BLEND_BUDGET_GLOBAL, 0.5f, true, true, 1, false}, {BLEND_BUDGET_MASS, 0.7f, true, false, 2, false},
+        {BLEND_BUDGET_MASS, 0.6f, true, true, 1, true},    {BLEND_BUDGET_CHUNK, 0.0f, false, true, 3, true},
+        {BLEND_BUDGET_GLOBAL, 0.0f, true, true, 1, true},
+    };
+    for (const std::string & path : models_under_test()) {
+        fixture f(path, 3);
+        for (size_t oi = 0; oi < options.size(); ++oi) {
+            const option & o = options[oi];
+            blend_params bp;
+            bp.recomp_ratio = 0.3f;
+            bp.budget = o.budget;
+            bp.dev_mass = o.dev_mass;
+            bp.weight_query = o.weight_query;
+            bp.head_in_budget = o.head_in_budget;
+            bp.recompute_chunk_head = o.head;
+            if (o.schedule) bp.schedule = {{1, 0.4f}, {2, 0.2f}};
+            engine eg(f.m, f32_params()), ed(f.m, f32_params());
+            bp.method = BLEND_METHOD_GRADUAL;
+            const blend_result g = blend(eg, f.ptrs, f.p.query, bp);
+            bp.method = BLEND_METHOD_DENSE;
+            const blend_result d = blend(ed, f.ptrs, f.p.query, bp);
+            EXPECT_EQ(g.selected, d.selected) << path << " option " << oi;
+            // the last check's scores agree on the rows gradual ran there (dense runs them all)
+            ASSERT_EQ(g.scores.size(), d.scores.size());
+            std::vector<float> gs, ds;
+            for (size_t p = 0; p < g.scores.size(); ++p)
+                if (g.scores[p] != 0.0f || !o.schedule) gs.push_back(g.scores[p]), ds.push_back(d.scores[p]);
+            EXPECT_GT(gs.size(), f.p.query.size()) << path << " option " << oi;
+            EXPECT_LE(rel_diff(gs, ds), 1e-5) << path << " option " << oi;
+            EXPECT_LE(rel_diff(g.logits, d.logits), 1e-5) << path << " option " << oi;
+            expect_same_kv(eg, ed, f.m->hparams().n_layer, g.stats.n_tokens, 1e-5);
+            EXPECT_LT(g.stats.deep_frac, 1.0) << path << " option " << oi;
         }
     }
 }
@@ -289,6 +377,10 @@ TEST(blend, result_is_the_same_in_one_micro_batch_or_many) {
             const blend_result r1 = blend(e1, f.ptrs, f.p.query, bp);
             const blend_result rm = blend(em, f.ptrs, f.p.query, bp);
             ASSERT_GT(r1.stats.n_tokens, 5 * 10);
+            // the query's rows span micro-batches: its attention (weight_query,
+            // on by default) is summed over them
+            ASSERT_TRUE(bp.weight_query);
+            ASSERT_GT((int64_t) f.p.query.size(), 2 * many.n_ubatch) << path;
             EXPECT_EQ(r1.selected, rm.selected) << path;
             EXPECT_LE(rel_diff(rm.logits, r1.logits), 1e-6) << path;
             const int64_t N = r1.stats.n_tokens;
@@ -538,6 +630,7 @@ TEST(blend, query_attention_weights_are_one_layers_softmax_sums) {
         engine_params one = f32_params(), many = f32_params();
         one.n_ubatch = 512;
         many.n_ubatch = 5;  // the query rows land in several micro-batches
+        ASSERT_GT((int64_t) f.p.query.size(), 2 * many.n_ubatch) << path;
         engine e1(f.m, one), em(f.m, many);
         const std::vector<float> a1 = query_attention(e1, f.p, 2), am = query_attention(em, f.p, 2);
         // each query row's attention over the keys sums to 1 per head, at one layer (not both)
@@ -574,6 +667,35 @@ TEST(blend, query_attention_weights_are_one_layers_softmax_sums) {
     EXPECT_EQ(blend(e, f.ptrs, f.p.query, bp).scores, blend(ew, f.ptrs, f.p.query, bw).scores);
 }
 
+// the chunk head is the first tokens of a document: an evicted chunk that
+// dropped them has no head to recompute (its first kept row is not one)
+TEST(blend, chunk_head_of_an_evicted_chunk_is_its_first_tokens_not_its_first_rows) {
+    fixture f(k_stories, 2);
+    engine e(f.m, f32_params());
+    evict_params ev;
+    ev.policy = EVICT_POLICY_STREAMING;
+    ev.n_sink = 0;  // only the most recent half stays: token 0 is gone
+    ev.budget_share = 0.5;
+    std::vector<chunk_kv> kv = {f.kv[0], f.kv[1], collect_evicted(e, f.p.chunks[2], ev)};
+    ASSERT_GT(kv[2].kept.front(), 2);
+    const std::vector<const chunk_kv *> ptrs = test::pointers(kv);
+    const int64_t nq = (int64_t) f.p.query.size(), doc1 = kv[0].n_tokens();
+    for (bool in_budget : {false, true}) {
+        blend_params bp;
+        bp.recompute_chunk_head = 2;
+        bp.head_in_budget = in_budget;
+        bp.recomp_ratio = in_budget ? 4.0f / (float) (kv[1].n_rows() + kv[2].n_rows()) : 0.0f;  // room for 4 heads
+        const blend_result r = blend(e, ptrs, f.p.query, bp);
+        // document 1's first two tokens, nothing of document 2 (its rows start mid-document)
+        EXPECT_TRUE(std::binary_search(r.selected.begin(), r.selected.end(), doc1)) << in_budget;
+        EXPECT_TRUE(std::binary_search(r.selected.begin(), r.selected.end(), doc1 + 1)) << in_budget;
+        const int64_t doc2 = doc1 + kv[1].n_tokens();
+        for (int64_t p : r.selected) EXPECT_FALSE(p >= doc2 && p < doc2 + kv[2].n_tokens() && !in_budget) << p;
+        if (!in_budget) EXPECT_EQ(r.stats.n_selected, nq + 2);
+        else EXPECT_EQ(r.stats.n_selected, nq + 4);  // the two heads, then two by deviation
+    }
+}
+
 TEST(blend, schedule_and_bad_params) {
     fixture f(k_stories, 3);
     engine e(f.m, f32_params());
@@ -596,6 +718,11 @@ TEST(blend, schedule_and_bad_params) {
     bad.dev_mass = 1.5f;
     EXPECT_THROW(blend(e, f.ptrs, f.p.query, bad), error);
     bad.dev_mass = -0.1f;
+    EXPECT_THROW(blend(e, f.ptrs, f.p.query, bad), error);
+    bad.dev_mass = NAN;
+    EXPECT_THROW(blend(e, f.ptrs, f.p.query, bad), error);
+    bad = blend_params{};
+    bad.budget = (blend_budget) 7;  // not one of the enum's: refused, not taken as another budget
     EXPECT_THROW(blend(e, f.ptrs, f.p.query, bad), error);
 
     // a chunk of another model (other shape) or another KV type is refused

@@ -65,6 +65,13 @@ TEST(cli_blend, bad_flags_are_errors) {
         {"blend -m " + k_stories + docs.args() + " --query q --check-layer 9", "--check-layer must be below"},
         {"blend -m " + k_stories + docs.args() + " --query q --method fast", "--method must be gradual or dense"},
         {"blend -m " + k_stories + docs.args() + " --query q --score z", "--score must be v, k or kv"},
+        {"blend -m " + k_stories + docs.args() + " --query q --budget local", "--budget must be global, chunk or mass"},
+        {"blend -m " + k_stories + docs.args() + " --query q --dev-mass nan", "--dev-mass expects a number in [0, 1]"},
+        {"blend -m " + k_stories + docs.args() + " --query q --dev-mass inf", "--dev-mass expects a number in [0, 1]"},
+        {"blend -m " + k_stories + docs.args() + " --query q --dev-mass -0.5", "--dev-mass expects a number in [0, 1]"},
+        {"blend -m " + k_stories + docs.args() + " --query q --dev-mass 1.01", "--dev-mass expects a number in [0, 1]"},
+        {"blend -m " + k_stories + docs.args() + " --query q --chunk-head -1", "--chunk-head must be in [0, "},
+        {"blend -m " + k_stories + docs.args() + " --query q --head-beyond-budget=1", "error:"},
         {"blend -m " + k_stories + docs.args(), "missing --query"},
         {"blend -m " + k_stories + " --doc /nonexistent.txt --query q", "cannot open '/nonexistent.txt'"},
     };

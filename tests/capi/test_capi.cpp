@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -93,6 +94,29 @@ TEST_F(capi, errors_are_statuses_with_a_message_and_leave_outputs_alone) {
                   KVB_ERR_INVALID_ARGUMENT);
         EXPECT_NE(std::string(kvb_last_error()).find(what), std::string::npos) << kvb_last_error();
     }
+    // the selection's new settings: a budget outside the enum, a deviation
+    // mass outside [0, 1] (NaN and infinities too) are refused, not clamped
+    for (int budget : {-1, 3, 42}) {
+        bp = kvb_blend_default_params();
+        bp.budget = (kvb_blend_budget) budget;
+        EXPECT_EQ(kvb_blend(ctx, nullptr, "", docs.data(), docs.size(), "q", &bp, nullptr, nullptr, nullptr),
+                  KVB_ERR_INVALID_ARGUMENT) << budget;
+        EXPECT_NE(std::string(kvb_last_error()).find("budget"), std::string::npos) << kvb_last_error();
+    }
+    for (float mass : {NAN, INFINITY, -INFINITY, -0.1f, 1.5f}) {
+        bp = kvb_blend_default_params();
+        bp.dev_mass = mass;
+        EXPECT_EQ(kvb_blend(ctx, nullptr, "", docs.data(), docs.size(), "q", &bp, nullptr, nullptr, nullptr),
+                  KVB_ERR_INVALID_ARGUMENT) << mass;
+        EXPECT_NE(std::string(kvb_last_error()).find("dev_mass"), std::string::npos) << kvb_last_error();
+    }
+    bp = kvb_blend_default_params();
+    EXPECT_FLOAT_EQ(bp.recomp_ratio, 0.08f);
+    EXPECT_EQ(bp.chunk_head, 1);
+    EXPECT_FALSE(bp.head_beyond_budget);
+    EXPECT_FALSE(bp.no_weight_query);
+    EXPECT_EQ(bp.budget, KVB_BUDGET_GLOBAL);
+    EXPECT_EQ(bp.dev_mass, 0.0f);
     kvb_generate_params gp = kvb_generate_default_params();
     gp.n_predict = -1;
     EXPECT_EQ(kvb_generate(ctx, "Once", &gp, nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT);

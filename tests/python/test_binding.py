@@ -111,6 +111,17 @@ def test_errors_are_exceptions_with_the_c_message(model, tmp_path):
         model.blend(SYSTEM, ["a doc"], QUERY, ratio=2.0)
     with pytest.raises(ValueError, match="check_layer must be in"):
         model.blend(SYSTEM, ["a doc"], QUERY, check_layer=999)
+    # the selection's settings: out of range, NaN, or too wide for the C struct's int32
+    # (which ctypes would silently wrap: 2**32 would become 0)
+    for bad in (float("nan"), float("inf"), -0.1, 1.5):
+        with pytest.raises(kvblend.InvalidArgumentError, match=r"dev_mass must be in \[0, 1\]"):
+            model.blend(SYSTEM, ["a doc"], QUERY, dev_mass=bad)
+    with pytest.raises(kvblend.InvalidArgumentError, match="budget must be one of global, chunk, mass"):
+        model.blend(SYSTEM, ["a doc"], QUERY, budget="local")
+    for kw in (dict(chunk_head=2**32), dict(chunk_head=2**31), dict(check_layer=2**32 + 1),
+               dict(schedule=[(2**32 + 1, 0.2)])):
+        with pytest.raises(kvblend.InvalidArgumentError, match="32-bit"):
+            model.blend(SYSTEM, ["a doc"], QUERY, **kw)
     with pytest.raises(kvblend.InvalidArgumentError, match="KV type|cache_type"):
         kvblend.Model(MODEL, cache_type="f8")
     with kvblend.Store(str(tmp_path / "kv")) as store:
