@@ -312,7 +312,8 @@ typedef enum kvb_blend_budget {
 } kvb_blend_budget;
 
 typedef struct kvb_blend_params {
-    float   recomp_ratio;  // share of document tokens recomputed, chunk heads included, in [0, 1] (default 0.08)
+    float   recomp_ratio;  // share of document tokens recomputed, in [0, 1] (default 0.08); the chunk
+                           // heads count inside it unless head_beyond_budget
     int32_t check_layer;   // layer whose deviation selects the tokens (default 1)
     kvb_blend_score  score;
     kvb_blend_method method;

@@ -220,9 +220,12 @@ int bench_fidelity(const std::string & model_path, const std::vector<double> & r
         bool with_prefix;
     };
     std::vector<variant> variants;
-    for (double r : ratios) variants.push_back({"ratio " + std::to_string(r).substr(0, 4), r, 0, false});
-    variants.push_back({"0.15 + recompute_chunk_head 4", 0.15, 4, false});
-    variants.push_back({"0.15 + collect_with_prefix", 0.15, 0, true});
+    // the default selection at each ratio (its chunk heads inside the ratio),
+    // then more chunk heads, then documents collected behind the prefix
+    const int head = blend_default_params().recompute_chunk_head;
+    for (double r : ratios) variants.push_back({"ratio " + std::to_string(r).substr(0, 4), r, head, false});
+    variants.push_back({"0.15, chunk head 4 inside it", 0.15, 4, false});
+    variants.push_back({"0.15 + collect_with_prefix", 0.15, head, true});
     std::vector<double> kl(variants.size()), top1(variants.size()), greedy(variants.size());
 
     sampler_params gs;
