@@ -59,7 +59,7 @@ struct job {
     int32_t max_tokens = 0;
     sampler_params sp;
     std::vector<std::string> stop;
-    float recomp_ratio = 0.08f;
+    blend_params sel = blend_default_params();  // the token selection (the fields of the request)
     std::vector<layout_span> spans;  // plain prompts: the known documents found in them (chunks of prompt)
     learn_stats learned;             // … and the passages they added
 
@@ -335,8 +335,7 @@ struct server::impl {
             }
             std::vector<const chunk_kv *> ptrs;
             for (const auto & c : kv) ptrs.push_back(&c);
-            blend_params bp = blend_default_params();
-            bp.recomp_ratio = j.recomp_ratio;
+            blend_params bp = j.sel;
             bp.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
             blend_result br = blend(eng, ptrs, j.prompt.query, bp);
             logits = std::move(br.logits);
@@ -454,7 +453,16 @@ struct server::impl {
         j.sp.top_k = 0;
         j.sp.min_p = 0;
         if (b.contains("seed") && !b["seed"].is_null()) j.sp.seed = (uint32_t) num("seed", 0, 4294967295.0, 0);
-        j.recomp_ratio = (float) num("recomp_ratio", 0, 1, p.recomp_ratio);
+        j.sel.recomp_ratio = (float) num("recomp_ratio", 0, 1, p.recomp_ratio);
+        j.sel.recompute_chunk_head = (int) num("chunk_head", 0, 1 << 20, j.sel.recompute_chunk_head);
+        j.sel.dev_mass = (float) num("dev_mass", 0, 1, j.sel.dev_mass);
+        auto flag = [&](const char * k, bool def) { return b.contains(k) && b[k].is_boolean() ? b[k].get<bool>() : def; };
+        j.sel.head_in_budget = flag("head_in_budget", j.sel.head_in_budget);
+        j.sel.weight_query = flag("weight_query", j.sel.weight_query);
+        if (b.contains("budget") && b["budget"].is_string()) {
+            const std::string s = b["budget"].get<std::string>();
+            j.sel.budget = s == "chunk" ? BLEND_BUDGET_CHUNK : s == "mass" ? BLEND_BUDGET_MASS : BLEND_BUDGET_GLOBAL;
+        }
         if (b.contains("stop") && !b["stop"].is_null()) {
             const json & s = b["stop"];
             if (s.is_string()) j.stop.push_back(s.get<std::string>());

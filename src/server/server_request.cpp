@@ -80,6 +80,13 @@ void check_sampling(const json & b) {
     optional_number(b, "top_p", 0, 1);
     optional_integer(b, "seed", 0, 4294967295.0);
     optional_number(b, "recomp_ratio", 0, 1);
+    // the token selection of a fused request (blend_params)
+    optional_integer(b, "chunk_head", 0, 1 << 20);
+    optional_bool(b, "head_in_budget");
+    optional_bool(b, "weight_query");
+    optional_number(b, "dev_mass", 0, 1);
+    if (const json * s = optional_field(b, "budget", "a string", [](const json & x) { return x.is_string(); }))
+        if (*s != "global" && *s != "chunk" && *s != "mass") bad_request("'budget' must be global, chunk or mass");
     if (const json * s = optional_field(b, "stop", "a string or an array of strings",
                                         [](const json & x) { return x.is_string() || x.is_array(); })) {
         if (s->is_array()) {

@@ -107,6 +107,21 @@ TEST(server, documents_come_back_from_the_store_in_another_order) {
                           {"documents", docs2}, {"max_tokens", 8}, {"temperature", 0}, {"recomp_ratio", 0.3}});
     EXPECT_EQ(r2["kvblend"]["store_hits"], 3);  // the prefix and both documents
     EXPECT_EQ(r2["usage"]["prompt_tokens"], r2["kvblend"]["n_prompt"]);
+    // the selection fields reach the blend: the same documents in two orders,
+    // the second with 3 chunk heads per document beyond the ratio
+    const json docs3 = {{{"text", "Sue found a little cat."}}, {{"text", "Ben swam in the lake."}}};
+    const json docs4 = {{{"text", "Ben swam in the lake."}}, {{"text", "Sue found a little cat."}}};
+    auto ask = [&](const json & docs, json extra) {
+        json b = {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "Later that day"}}}},
+                  {"documents", docs}, {"max_tokens", 4}, {"temperature", 0}, {"recomp_ratio", 0.3}};
+        b.update(extra);
+        return post(c, "/v1/chat/completions", b);
+    };
+    const json r3 = ask(docs3, json::object());
+    const json r4 = ask(docs4, {{"chunk_head", 3}, {"head_in_budget", false}, {"weight_query", false}, {"budget", "chunk"}});
+    ASSERT_GT(r3["kvblend"]["n_fused"].get<int>(), 0) << r3.dump();
+    ASSERT_EQ(r4["kvblend"]["n_fused"], r3["kvblend"]["n_fused"]) << r4.dump();
+    EXPECT_EQ(r4["kvblend"]["n_recomputed"].get<int>(), r3["kvblend"]["n_recomputed"].get<int>() + 3 * 2) << r4.dump();
 }
 
 TEST(server, errors_have_openai_shape_and_status) {

@@ -70,6 +70,13 @@ TEST(server_request, fields_are_checked_per_endpoint) {
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","max_tokens":1e300})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","max_tokens":8.0})"), "");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","temperature":-1})"), "invalid_request");
+    // the token selection of fused requests
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"chunk_head":2,"head_in_budget":false,"weight_query":true,)"
+                                                      R"("budget":"mass","dev_mass":0.5,"recomp_ratio":0.1})"),
+              "");
+    for (const char * bad : {R"("chunk_head":-1)", R"("chunk_head":1.5)", R"("head_in_budget":"no")", R"("weight_query":1)",
+                             R"("budget":"local")", R"("budget":2)", R"("dev_mass":1.5)", R"("dev_mass":-0.1)"})
+        EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_request") << bad;
     EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[]})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[{"id":"x"}]})"),
               "invalid_request");  // ids are for chat
