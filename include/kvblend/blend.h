@@ -64,6 +64,20 @@ struct blend_params {
 
 blend_params blend_default_params();
 
+// the options' names, as the CLI, the server and the bindings spell them:
+// v | k | kv, gradual | dense, global | chunk | mass. *_from_name returns
+// false for any other name and leaves out alone; *_names() lists them for a
+// message ("global, chunk or mass").
+const char * blend_score_name(blend_score s);
+const char * blend_method_name(blend_method m);
+const char * blend_budget_name(blend_budget b);
+bool         blend_score_from_name(const std::string & name, blend_score & out);
+bool         blend_method_from_name(const std::string & name, blend_method & out);
+bool         blend_budget_from_name(const std::string & name, blend_budget & out);
+const char * blend_score_names();
+const char * blend_method_names();
+const char * blend_budget_names();
+
 struct blend_stats {
     int64_t n_tokens     = 0;  // N, all positions
     int64_t n_doc_tokens = 0;  // tokens of chunks 1 … k (chunk 0 is the prefix)

@@ -14,6 +14,44 @@ blend_params blend_default_params() { return blend_params{}; }
 
 namespace {
 
+template <typename E, size_t N> struct name_table {
+    std::pair<E, const char *> rows[N];
+    const char *               list;
+
+    const char * name(E e) const {
+        for (const auto & r : rows)
+            if (r.first == e) return r.second;
+        return "?";
+    }
+    bool from(const std::string & s, E & out) const {
+        for (const auto & r : rows)
+            if (s == r.second) return out = r.first, true;
+        return false;
+    }
+};
+
+constexpr name_table<blend_score, 3> k_scores{
+    {{BLEND_SCORE_V, "v"}, {BLEND_SCORE_K, "k"}, {BLEND_SCORE_KV, "kv"}}, "v, k or kv"};
+constexpr name_table<blend_method, 2> k_methods{
+    {{BLEND_METHOD_GRADUAL, "gradual"}, {BLEND_METHOD_DENSE, "dense"}}, "gradual or dense"};
+constexpr name_table<blend_budget, 3> k_budgets{
+    {{BLEND_BUDGET_GLOBAL, "global"}, {BLEND_BUDGET_CHUNK, "chunk"}, {BLEND_BUDGET_MASS, "mass"}},
+    "global, chunk or mass"};
+
+}  // namespace
+
+const char * blend_score_name(blend_score s) { return k_scores.name(s); }
+const char * blend_method_name(blend_method m) { return k_methods.name(m); }
+const char * blend_budget_name(blend_budget b) { return k_budgets.name(b); }
+bool blend_score_from_name(const std::string & name, blend_score & out) { return k_scores.from(name, out); }
+bool blend_method_from_name(const std::string & name, blend_method & out) { return k_methods.from(name, out); }
+bool blend_budget_from_name(const std::string & name, blend_budget & out) { return k_budgets.from(name, out); }
+const char * blend_score_names() { return k_scores.list; }
+const char * blend_method_names() { return k_methods.list; }
+const char * blend_budget_names() { return k_budgets.list; }
+
+namespace {
+
 chunk_kv read_chunk(engine & eng, const std::vector<llama_token> & tokens, int64_t row0, int64_t pos0) {
     kv_cache & cache = eng.cache();
     chunk_kv c;

@@ -621,18 +621,34 @@ kvb_status kvb_generate_tokens(kvb_context * ctx, const kvb_token * prompt, size
 
 // --- blend ------------------------------------------------------------------
 
+namespace {
+
+// the library's selection enums by their C value (the C values are ABI and
+// fixed; the library's may move): index = C value
+constexpr blend_score  k_score_of[]  = {BLEND_SCORE_V, BLEND_SCORE_K, BLEND_SCORE_KV};
+constexpr blend_method k_method_of[] = {BLEND_METHOD_GRADUAL, BLEND_METHOD_DENSE};
+constexpr blend_budget k_budget_of[] = {BLEND_BUDGET_GLOBAL, BLEND_BUDGET_CHUNK, BLEND_BUDGET_MASS};
+
+template <typename C, typename E, size_t N> C c_value_of(const E (&table)[N], E e) {
+    for (size_t i = 0; i < N; ++i)
+        if (table[i] == e) return (C) i;
+    return (C) 0;  // not reached: each table holds every value of its enum
+}
+
+}  // namespace
+
 kvb_blend_params kvb_blend_default_params(void) {
     const blend_params d = blend_default_params();
     kvb_blend_params p;
     std::memset(&p, 0, sizeof(p));
     p.recomp_ratio = d.recomp_ratio;
     p.check_layer = d.check_layer;
-    p.score = KVB_SCORE_V;
-    p.method = KVB_METHOD_GRADUAL;
+    p.score = c_value_of<kvb_blend_score>(k_score_of, d.score);
+    p.method = c_value_of<kvb_blend_method>(k_method_of, d.method);
     p.chunk_head = d.recompute_chunk_head;
     p.head_beyond_budget = !d.head_in_budget;
     p.no_weight_query = !d.weight_query;
-    p.budget = KVB_BUDGET_GLOBAL;
+    p.budget = c_value_of<kvb_blend_budget>(k_budget_of, d.budget);
     p.dev_mass = d.dev_mass;
     return p;
 }
@@ -667,12 +683,12 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         if (!(p.dev_mass >= 0 && p.dev_mass <= 1)) fail(KVB_ERR_INVALID_ARGUMENT, "dev_mass must be in [0, 1]");
         bp.recomp_ratio = p.recomp_ratio;
         bp.check_layer = p.check_layer;
-        bp.score = score == KVB_SCORE_K ? BLEND_SCORE_K : score == KVB_SCORE_KV ? BLEND_SCORE_KV : BLEND_SCORE_V;
-        bp.method = method == KVB_METHOD_DENSE ? BLEND_METHOD_DENSE : BLEND_METHOD_GRADUAL;
+        bp.score = k_score_of[score];
+        bp.method = k_method_of[method];
         bp.recompute_chunk_head = p.chunk_head;
         bp.head_in_budget = !p.head_beyond_budget;
         bp.weight_query = !p.no_weight_query;
-        bp.budget = budget == KVB_BUDGET_CHUNK ? BLEND_BUDGET_CHUNK : budget == KVB_BUDGET_MASS ? BLEND_BUDGET_MASS : BLEND_BUDGET_GLOBAL;
+        bp.budget = k_budget_of[budget];
         bp.dev_mass = p.dev_mass;
         if (p.n_schedule > 0) {
             need(p.schedule_layers, "schedule_layers (with n_schedule > 0)");

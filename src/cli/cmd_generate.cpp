@@ -104,23 +104,23 @@ ggml_type parse_cache_type(const std::string & s) {
 }
 
 blend_score parse_blend_score(const std::string & s) {
-    if (s == "v") return BLEND_SCORE_V;
-    if (s == "k") return BLEND_SCORE_K;
-    if (s == "kv") return BLEND_SCORE_KV;
-    throw error("--score must be v, k or kv, got '" + s + "'");
+    blend_score v;
+    if (!blend_score_from_name(s, v)) throw error(std::string("--score must be ") + blend_score_names() + ", got '" + s + "'");
+    return v;
 }
 
 blend_method parse_blend_method(const std::string & s) {
-    if (s == "gradual") return BLEND_METHOD_GRADUAL;
-    if (s == "dense") return BLEND_METHOD_DENSE;
-    throw error("--method must be gradual or dense, got '" + s + "'");
+    blend_method v;
+    if (!blend_method_from_name(s, v))
+        throw error(std::string("--method must be ") + blend_method_names() + ", got '" + s + "'");
+    return v;
 }
 
 blend_budget parse_blend_budget(const std::string & s) {
-    if (s == "global") return BLEND_BUDGET_GLOBAL;
-    if (s == "chunk") return BLEND_BUDGET_CHUNK;
-    if (s == "mass") return BLEND_BUDGET_MASS;
-    throw error("--budget must be global, chunk or mass, got '" + s + "'");
+    blend_budget v;
+    if (!blend_budget_from_name(s, v))
+        throw error(std::string("--budget must be ") + blend_budget_names() + ", got '" + s + "'");
+    return v;
 }
 
 bool match_sampling_flag(args & a, sampler_params & sp) {

@@ -459,10 +459,7 @@ struct server::impl {
         auto flag = [&](const char * k, bool def) { return b.contains(k) && b[k].is_boolean() ? b[k].get<bool>() : def; };
         j.sel.head_in_budget = flag("head_in_budget", j.sel.head_in_budget);
         j.sel.weight_query = flag("weight_query", j.sel.weight_query);
-        if (b.contains("budget") && b["budget"].is_string()) {
-            const std::string s = b["budget"].get<std::string>();
-            j.sel.budget = s == "chunk" ? BLEND_BUDGET_CHUNK : s == "mass" ? BLEND_BUDGET_MASS : BLEND_BUDGET_GLOBAL;
-        }
+        if (b.contains("budget") && b["budget"].is_string()) blend_budget_from_name(b["budget"].get<std::string>(), j.sel.budget);
         if (b.contains("stop") && !b["stop"].is_null()) {
             const json & s = b["stop"];
             if (s.is_string()) j.stop.push_back(s.get<std::string>());

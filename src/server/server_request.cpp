@@ -1,6 +1,8 @@
 // the model-free checks of a request body (see server_request.h)
 #include "server/server_request.h"
 
+#include "kvblend/blend.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -86,7 +88,8 @@ void check_sampling(const json & b) {
     optional_bool(b, "weight_query");
     optional_number(b, "dev_mass", 0, 1);
     if (const json * s = optional_field(b, "budget", "a string", [](const json & x) { return x.is_string(); }))
-        if (*s != "global" && *s != "chunk" && *s != "mass") bad_request("'budget' must be global, chunk or mass");
+        if (blend_budget b; !blend_budget_from_name(s->get<std::string>(), b))
+            bad_request(std::string("'budget' must be ") + blend_budget_names());
     if (const json * s = optional_field(b, "stop", "a string or an array of strings",
                                         [](const json & x) { return x.is_string() || x.is_array(); })) {
         if (s->is_array()) {

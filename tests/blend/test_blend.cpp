@@ -564,9 +564,10 @@ TEST(blend, chunk_heads_inside_the_budget_keep_the_selected_count) {
         EXPECT_EQ(r.stats.n_selected, (int64_t) f.p.query.size() + (int64_t) std::llround(0.2 * r.stats.n_doc_tokens));
         int64_t at = 0;
         for (size_t i = 0; i < f.kv.size(); ++i) {
-            if (i > 0)
+            if (i > 0) {
                 for (int64_t j = 0; j < head; ++j)
                     EXPECT_TRUE(std::binary_search(r.selected.begin(), r.selected.end(), at + j)) << "head of doc " << i;
+            }
             at += f.kv[i].n_tokens();
         }
     }
@@ -594,7 +595,9 @@ TEST(blend, chunk_heads_inside_the_budget_keep_the_selected_count) {
         }
         for (size_t i = 0; i + nq < r.selected.size(); ++i)
             EXPECT_TRUE(std::binary_search(heads.begin(), heads.end(), r.selected[i])) << r.selected[i];
-        if (k > 0) EXPECT_GE(lo_sel, hi_unsel);
+        if (k > 0) {
+            EXPECT_GE(lo_sel, hi_unsel);
+        }
     }
 }
 
@@ -731,6 +734,41 @@ TEST(blend, schedule_and_bad_params) {
     EXPECT_THROW(blend(e, mixed, f.p.query, blend_default_params()), error);
     engine e16(f.m, engine_default_params());
     EXPECT_THROW(blend(e16, f.ptrs, f.p.query, blend_default_params()), error);
+}
+
+// the option names every surface parses (CLI, server, bindings) come from one table
+TEST(blend, option_names_round_trip_and_refuse_others) {
+    for (blend_score s : {BLEND_SCORE_V, BLEND_SCORE_K, BLEND_SCORE_KV}) {
+        blend_score back = s == BLEND_SCORE_V ? BLEND_SCORE_K : BLEND_SCORE_V;
+        ASSERT_TRUE(blend_score_from_name(blend_score_name(s), back)) << blend_score_name(s);
+        EXPECT_EQ(back, s);
+    }
+    for (blend_method m : {BLEND_METHOD_GRADUAL, BLEND_METHOD_DENSE}) {
+        blend_method back = m == BLEND_METHOD_DENSE ? BLEND_METHOD_GRADUAL : BLEND_METHOD_DENSE;
+        ASSERT_TRUE(blend_method_from_name(blend_method_name(m), back)) << blend_method_name(m);
+        EXPECT_EQ(back, m);
+    }
+    for (blend_budget b : {BLEND_BUDGET_GLOBAL, BLEND_BUDGET_CHUNK, BLEND_BUDGET_MASS}) {
+        blend_budget back = b == BLEND_BUDGET_GLOBAL ? BLEND_BUDGET_MASS : BLEND_BUDGET_GLOBAL;
+        ASSERT_TRUE(blend_budget_from_name(blend_budget_name(b), back)) << blend_budget_name(b);
+        EXPECT_EQ(back, b);
+    }
+    EXPECT_STREQ(blend_budget_name(BLEND_BUDGET_MASS), "mass");
+    EXPECT_STREQ(blend_score_name(BLEND_SCORE_KV), "kv");
+    EXPECT_STREQ(blend_budget_names(), "global, chunk or mass");
+    // unknown, empty, differently cased or padded names are refused and leave the value alone
+    blend_budget b = BLEND_BUDGET_CHUNK;
+    for (const char * bad : {"", "Global", " mass", "mass ", "chunks", "v"}) {
+        EXPECT_FALSE(blend_budget_from_name(bad, b)) << bad;
+    }
+    EXPECT_EQ(b, BLEND_BUDGET_CHUNK);
+    blend_score s = BLEND_SCORE_K;
+    EXPECT_FALSE(blend_score_from_name("V", s));
+    EXPECT_FALSE(blend_score_from_name(std::string("v\0", 2), s));
+    EXPECT_EQ(s, BLEND_SCORE_K);
+    blend_method m = BLEND_METHOD_DENSE;
+    EXPECT_FALSE(blend_method_from_name("global", m));
+    EXPECT_EQ(m, BLEND_METHOD_DENSE);
 }
 
 }  // namespace
