@@ -11,6 +11,7 @@
 
 #include "cli/args.h"
 #include "cli/cli_util.h"
+#include "kvblend/blend.h"
 #include "kvblend/codec.h"
 #include "kvblend/rag_prompt.h"
 
@@ -58,7 +59,7 @@ struct codec_bench_opts {
     std::string model_path, json_path, png;
     std::vector<std::string> codecs;
     int64_t n_prompts = 24, n_docs = 4;
-    float ratio = 0.15f;  // CacheBlend's recompute ratio
+    float ratio = blend_default_params().recomp_ratio;  // CacheBlend's recompute ratio
     engine_params ep = engine_default_params();
 };
 

@@ -29,7 +29,7 @@ trained on such text, e.g. stories260K).
   --codecs LIST       codecs (default f16,q8_0,q4_0,kivi2,kivi4)
   --prompts N         prompts (default 24)
   --docs N            documents per prompt (default 4)
-  --ratio R           recompute ratio of the fused rows (default 0.15)
+  --ratio R           recompute ratio of the fused rows (default: the blend default, 0.08)
   --json FILE         write the results as JSON
   --plot FILE.png     bits per value vs KL
 )";

@@ -34,7 +34,7 @@ Prompts: the built-in short stories (meaningful on stories260K).
                    turboquant3.5+qjl,turboquant4+qjl)
   --prompts N     prompts (default 24)
   --docs N        documents per prompt (default 4)
-  --ratio R       the CacheBlend row's recompute ratio (default 0.15)
+  --ratio R       the CacheBlend row's recompute ratio (default: the blend default, 0.08)
   --gen N         greedy tokens compared (default 16)
   --json FILE     write the grid as JSON
   --plot FILE.png bits per value vs KL, one series per row
