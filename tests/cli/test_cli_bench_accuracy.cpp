@@ -3,6 +3,7 @@
 // blend answers as the full prefill does.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -15,6 +16,11 @@ namespace {
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 // 20 short prompts in the testbed's format (2 people, 3 chunks)
 const std::string k_prompts = std::string(KVBLEND_SOURCE_DIR) + "/tests/data/accuracy_prompts.jsonl";
+
+// the testbed model the project trained (models/testbed.gguf, docs/BENCHMARKS.md,
+// "Answer accuracy") and the testbed's dev set
+const std::string k_testbed = std::string(KVBLEND_SOURCE_DIR) + "/models/testbed.gguf";
+const std::string k_dev = std::string(KVBLEND_SHARED_MODELS) + "/../testbed/dev.jsonl";
 
 nlohmann::json read_json(const std::string & path) {
     std::ifstream f(path);
@@ -30,6 +36,43 @@ const nlohmann::json & row(const nlohmann::json & j, const std::string & variant
 }
 
 void write_file(const std::string & path, const std::string & text) { std::ofstream(path, std::ios::binary) << text; }
+
+// on the testbed the answers need the other chunks: over the 400 dev prompts
+// naive concatenation answers measurably worse than the full prefill (a
+// paired sign test on the prompts where exactly one of them is right, at
+// two standard deviations), and at ratio 1 the blend answers as the full
+// prefill does
+TEST(cli_bench_accuracy, on_the_testbed_naive_is_measurably_below_full_and_ratio_one_is_full) {
+    test::temp_dir dir("acc-testbed");
+    const std::string out = dir.file("acc.json");
+    const test::run_result r =
+        test::run_cli("bench accuracy -m " + k_testbed + " --prompts " + k_dev + " --ratios 1 --json " + out);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const nlohmann::json j = read_json(out);
+    ASSERT_EQ(j["n_prompts"].get<int>(), 400);
+    const std::vector<std::string> gold = j["gold"];
+    const std::vector<std::string> full = row(j, "full", 1.0)["answers"];
+    const std::vector<std::string> naive = row(j, "naive", 0.0)["answers"];
+    const std::vector<std::string> one = row(j, "default", 1.0)["answers"];
+    ASSERT_EQ(full.size(), gold.size());
+    ASSERT_EQ(naive.size(), gold.size());
+    ASSERT_EQ(one.size(), gold.size());
+
+    int64_t only_full = 0, only_naive = 0, same_as_full = 0;
+    for (size_t i = 0; i < gold.size(); ++i) {
+        const bool f = full[i] == gold[i], n = naive[i] == gold[i];
+        only_full += f && !n;
+        only_naive += n && !f;
+        same_as_full += one[i] == full[i];
+        if (i < 20) EXPECT_EQ(one[i], full[i]) << "prompt " << i;
+    }
+    EXPECT_GT(only_full - only_naive, 2.0 * std::sqrt((double) (only_full + only_naive)))
+        << "only full right: " << only_full << ", only naive right: " << only_naive;
+    EXPECT_GT(row(j, "full", 1.0)["exact_match"].get<double>(), row(j, "naive", 0.0)["exact_match"].get<double>());
+    // a near tie may flip an answer or two of 400 (the blend's micro-batches add in another order)
+    EXPECT_GE(same_as_full, 396);
+    EXPECT_LT(row(j, "default", 1.0)["kl"].get<double>(), 1e-3);
+}
 
 TEST(cli_bench_accuracy, ratio_one_answers_as_the_full_prefill) {
     test::temp_dir dir("acc");
