@@ -1,4 +1,5 @@
-// kvblend: the decode KV cache. One K and one V tensor per layer. Dense (the
+// kvblend: the decode KV cache. One K and one V tensor per layer, head-major
+// (each KV head's rows in a block of their own, see k()). Dense (the
 // default): row p holds the post-RoPE key / value of the token at position p,
 // rows [0, n_past) are filled. Sparse (after compact(), token eviction): each
 // layer holds a subset of the positions seen so far, gathered to the front
@@ -10,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -23,6 +25,30 @@ class model;
 // element types a KV cache can hold: f32, f16, and ggml's q8_0 / q4_0 blocks
 // (attended by flash attention without dequantizing the cache)
 bool kv_cache_type_supported(ggml_type t);
+
+// rows [r0, r0 + n) of a head-major cache tensor ([head_dim, cap, n_head]) to
+// or from token-major bytes on the host (row r: the segment of every head in
+// turn, ggml_row_size(type, head_dim * n_head) bytes), as chunks hold them.
+// xfer(offset, size, host) moves one contiguous per-head block between the
+// tensor and a host buffer (ggml_backend_tensor_get / _set, or a counted copy)
+template <typename Get> void kv_rows_to_host(const ggml_tensor * t, int64_t r0, int64_t n, uint8_t * dst, Get && get) {
+    const size_t seg = ggml_row_size(t->type, t->ne[0]), row = seg * (size_t) t->ne[2];
+    if (n <= 0) return;
+    std::vector<uint8_t> block(seg * (size_t) n);
+    for (int64_t h = 0; h < t->ne[2]; ++h) {
+        get(h * t->nb[2] + (size_t) r0 * seg, block.size(), block.data());
+        for (int64_t j = 0; j < n; ++j) std::memcpy(dst + j * row + h * seg, &block[j * seg], seg);
+    }
+}
+template <typename Set> void kv_rows_from_host(ggml_tensor * t, int64_t r0, int64_t n, const uint8_t * src, Set && set) {
+    const size_t seg = ggml_row_size(t->type, t->ne[0]), row = seg * (size_t) t->ne[2];
+    if (n <= 0) return;
+    std::vector<uint8_t> block(seg * (size_t) n);
+    for (int64_t h = 0; h < t->ne[2]; ++h) {
+        for (int64_t j = 0; j < n; ++j) std::memcpy(&block[j * seg], src + j * row + h * seg, seg);
+        set(h * t->nb[2] + (size_t) r0 * seg, block.size(), block.data());
+    }
+}
 
 class kv_cache {
   public:
@@ -46,11 +72,16 @@ class kv_cache {
     uint64_t epoch() const { return epoch_; }  // counts clears: tells a cache's contents apart from earlier ones
 
     int64_t n_layer() const { return (int64_t) k_.size(); }
-    ggml_tensor * k(int il) const { return k_[il]; }  // [n_embd_kv, n_ctx]
-    ggml_tensor * v(int il) const { return v_[il]; }  // [n_embd_kv, n_ctx]
+    // a layer's K and V, head-major: [head_dim, capacity, n_head_kv], each
+    // KV head's rows contiguous, so that attention reads one head's keys in
+    // order (on a CPU, flash attention over rows 2 KB apart, one per token,
+    // decodes at half the speed). chunks and readers see token-major rows
+    // (kv_rows_to_host / kv_rows_from_host below)
+    ggml_tensor * k(int il) const { return k_[il]; }
+    ggml_tensor * v(int il) const { return v_[il]; }
     ggml_type type_k() const { return k_[0]->type; }
     ggml_type type_v() const { return v_[0]->type; }
-    int64_t n_embd_kv() const { return k_[0]->ne[0]; }
+    int64_t n_embd_kv() const { return k_[0]->ne[0] * k_[0]->ne[2]; }
 
     size_t bytes() const;  // allocated bytes of all layers
 

@@ -63,8 +63,8 @@ chunk_kv read_chunk(engine & eng, const std::vector<llama_token> & tokens, int64
     c.data.resize(c.bytes());
     forward_driver drv(eng);
     for (int il = 0; il < c.n_layer; ++il) {
-        drv.download(cache.k(il), c.k(il), c.row_bytes() * row0, c.layer_bytes());
-        drv.download(cache.v(il), c.v(il), c.row_bytes() * row0, c.layer_bytes());
+        drv.download_kv_rows(cache.k(il), c.k(il), row0, c.n_tokens());
+        drv.download_kv_rows(cache.v(il), c.v(il), row0, c.n_tokens());
     }
     return c;
 }
@@ -254,12 +254,11 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
     // the rows go straight into the cache; K rows are then rotated there by
     // the offset change (RoPE rotations compose), all layers in one graph
     forward_driver drv(eng);
-    const size_t row = ggml_row_size(cache.type_k(), hp.n_embd_kv());
     for (int il = layer0; il < hp.n_layer; ++il) {
         int64_t r = 0;
         for (const chunk_kv * c : chunks) {
-            drv.upload(cache.k(il), c->k(il), row * r, c->layer_bytes());
-            drv.upload(cache.v(il), c->v(il), row * r, c->layer_bytes());
+            drv.upload_kv_rows(cache.k(il), c->k(il), r, c->n_rows());
+            drv.upload_kv_rows(cache.v(il), c->v(il), r, c->n_rows());
             r += c->n_rows();
         }
     }

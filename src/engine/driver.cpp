@@ -151,6 +151,15 @@ void forward_driver::download(const ggml_tensor * t, void * data, size_t offset,
     count(t, size, false, true);
 }
 
+void forward_driver::upload_kv_rows(ggml_tensor * t, const void * rows, int64_t r0, int64_t n) {
+    kv_rows_from_host(t, r0, n, static_cast<const uint8_t *>(rows),
+                      [&](size_t off, size_t size, const void * src) { upload(t, src, off, size); });
+}
+
+void forward_driver::download_kv_rows(const ggml_tensor * t, void * rows, int64_t r0, int64_t n) {
+    kv_rows_to_host(t, r0, n, static_cast<uint8_t *>(rows), [&](size_t off, size_t size, void * dst) { download(t, dst, off, size); });
+}
+
 graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
     const model & m = eng_.mdl();
     kv_cache & cache = eng_.cache();
@@ -382,14 +391,15 @@ void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1)
     ggml_tensor * pos = new_input(c, GGML_TYPE_I32, n);
     ggml_tensor * idx = new_input(c, GGML_TYPE_I64, n);
     for (int il = l0; il < l1; ++il) {
-        ggml_tensor * store = cache.k(il);  // [n_embd_kv, n_ctx]
-        ggml_tensor * k = ggml_view_3d(c, store, hp.head_dim, hp.n_head_kv, n, ggml_row_size(store->type, hp.head_dim),
-                                       store->nb[1], 0);  // [head_dim, n_head_kv, n]
-        // RoPE takes f32/f16: a quantized cache's rows are dequantized first
+        ggml_tensor * store = cache.k(il);  // [head_dim, cap, n_head_kv]
+        ggml_tensor * k = ggml_view_3d(c, store, hp.head_dim, n, hp.n_head_kv, store->nb[1], store->nb[2], 0);
+        // RoPE takes f32/f16, one row per (head, token): a copy in that order
+        // (a quantized cache's rows dequantized on the way)
+        k = ggml_cont(c, ggml_permute(c, k, 0, 2, 1, 3));  // [head_dim, n_head_kv, n]
         if (ggml_is_quantized(store->type)) k = ggml_cast(c, k, GGML_TYPE_F32);
         ggml_tensor * kr = ggml_rope_ext(c, k, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train,
                                          hp.rope_base, hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
-        kr = ggml_reshape_2d(c, kr, hp.n_embd_kv(), n);  // [n_embd_kv, n]
+        kr = ggml_permute(c, kr, 0, 2, 1, 3);  // [head_dim, n, n_head_kv]
         ggml_build_forward_expand(gf, ggml_set_rows(c, store, kr, idx));
     }
     ggml_backend_sched_t sched = im_.sched.get();

@@ -66,6 +66,10 @@ class forward_driver {
     // host <-> tensor copies, counted
     void upload(ggml_tensor * t, const void * data, size_t offset, size_t size);
     void download(const ggml_tensor * t, void * data, size_t offset, size_t size);
+    // token-major rows [r0, r0 + n) of a cache layer tensor (head-major on
+    // the backend, kv_rows_to_host), counted
+    void upload_kv_rows(ggml_tensor * t, const void * rows, int64_t r0, int64_t n);
+    void download_kv_rows(const ggml_tensor * t, void * rows, int64_t r0, int64_t n);
 
   private:
     void count(const ggml_tensor * t, size_t size, bool to_backend, bool maybe_hidden);

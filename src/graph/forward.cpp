@@ -48,23 +48,28 @@ kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, gg
                         ggml_tensor * v_store, const attn_inputs & in) {
     const model_hparams & hp = m.hparams();
     const int64_t n_tok = cur.k->ne[2];
-    const int64_t n_embd_kv = hp.n_embd_kv();
-    // rows [0, n_kv) of a store, seen through src (the store or a write into it)
+    // rows [0, n_kv) of a head-major store, seen through src (the store or a
+    // write into it), in the token-major shape the attention takes
     auto rows = [&](ggml_tensor * src, const ggml_tensor * store) {
-        return ggml_view_3d(ctx, src, hp.head_dim, hp.n_head_kv, in.n_kv, ggml_row_size(store->type, hp.head_dim),
-                            ggml_row_size(store->type, n_embd_kv), 0);  // [head_dim, n_head_kv, n_kv]
+        ggml_tensor * r = ggml_view_3d(ctx, src, hp.head_dim, in.n_kv, hp.n_head_kv, store->nb[1], store->nb[2], 0);
+        return ggml_permute(ctx, r, 0, 2, 1, 3);  // [head_dim, n_head_kv, n_kv]
     };
     if (!in.kv_idx) return {rows(k_store, k_store), rows(v_store, v_store)};  // nothing to write
 
-    ggml_tensor * k_rows = ggml_reshape_2d(ctx, cur.k, n_embd_kv, n_tok);  // [n_embd_kv, n_tok]
-    ggml_tensor * v_rows = ggml_reshape_2d(ctx, cur.v, n_embd_kv, n_tok);  // [n_embd_kv, n_tok]
+    ggml_tensor * k_rows = cur.k, * v_rows = cur.v;  // [head_dim, n_head_kv, n_tok]
     if (in.write_rows) {
-        k_rows = ggml_get_rows(ctx, k_rows, in.write_rows);  // [n_embd_kv, n_write]
-        v_rows = ggml_get_rows(ctx, v_rows, in.write_rows);  // [n_embd_kv, n_write]
+        const int64_t n_embd_kv = hp.n_embd_kv(), n_write = in.write_rows->ne[0];
+        k_rows = ggml_get_rows(ctx, ggml_reshape_2d(ctx, k_rows, n_embd_kv, n_tok), in.write_rows);  // [n_embd_kv, n_write]
+        v_rows = ggml_get_rows(ctx, ggml_reshape_2d(ctx, v_rows, n_embd_kv, n_tok), in.write_rows);  // [n_embd_kv, n_write]
+        k_rows = ggml_reshape_3d(ctx, k_rows, hp.head_dim, hp.n_head_kv, n_write);
+        v_rows = ggml_reshape_3d(ctx, v_rows, hp.head_dim, hp.n_head_kv, n_write);
     }
+    // each head's rows go to its own block: [head_dim, n, n_head_kv] into [head_dim, cap, n_head_kv]
+    auto write = [&](ggml_tensor * store, ggml_tensor * x) {
+        return ggml_set_rows(ctx, store, ggml_permute(ctx, x, 0, 2, 1, 3), in.kv_idx);
+    };
     // viewing the set_rows results (not the stores) orders the reads after the writes
-    return {rows(ggml_set_rows(ctx, k_store, k_rows, in.kv_idx), k_store),
-            rows(ggml_set_rows(ctx, v_store, v_rows, in.kv_idx), v_store)};
+    return {rows(write(k_store, k_rows), k_store), rows(write(v_store, v_rows), v_store)};
 }
 
 kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, const qkv & cur,
@@ -141,10 +146,17 @@ ggml_tensor * build_deviation(ggml_context * ctx, const model & m, int il, ggml_
     const model_hparams & hp = m.hparams();
     const int64_t n_tok = x->ne[1];
     ggml_tensor * h = build_norm(ctx, x, m.layers[il].attn_norm, hp.rms_eps);
-    auto dev_of = [&](ggml_tensor * fresh, ggml_tensor * store) {
-        fresh = ggml_reshape_2d(ctx, fresh, hp.n_embd_kv(), n_tok);       // [n_embd_kv, n_tok]
-        ggml_tensor * held = ggml_get_rows(ctx, store, rows);             // F32 [n_embd_kv, n_tok]
-        return ggml_sum_rows(ctx, ggml_sqr(ctx, ggml_sub(ctx, fresh, held)));  // [1, n_tok]
+    // one head at a time: the store keeps each head's rows in a block of its own
+    auto dev_of = [&](ggml_tensor * fresh, ggml_tensor * store) {  // fresh: [head_dim, n_head_kv, n_tok]
+        ggml_tensor * s = nullptr;
+        for (int64_t h = 0; h < hp.n_head_kv; ++h) {
+            ggml_tensor * f = ggml_view_2d(ctx, fresh, hp.head_dim, n_tok, fresh->nb[2], h * fresh->nb[1]);  // [head_dim, n_tok]
+            ggml_tensor * block = ggml_view_2d(ctx, store, hp.head_dim, store->ne[1], store->nb[1], h * store->nb[2]);
+            ggml_tensor * held = ggml_get_rows(ctx, block, rows);                        // F32 [head_dim, n_tok]
+            ggml_tensor * d = ggml_sum_rows(ctx, ggml_sqr(ctx, ggml_sub(ctx, held, f)));  // [1, n_tok]
+            s = s ? ggml_add(ctx, s, d) : d;
+        }
+        return s;
     };
     ggml_tensor * s = with_v ? dev_of(build_v(ctx, m, il, h), v_store) : nullptr;
     if (with_k) {

@@ -44,8 +44,9 @@ qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml
 ggml_tensor * build_k(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos);
 ggml_tensor * build_v(ggml_context * ctx, const model & m, int il, ggml_tensor * x);
 
-// write k/v rows into the layer's store (F16/F32 [n_embd_kv, n_rows]) at
-// in.kv_idx and return views of the store rows [0, n_kv) that depend on the write
+// write k/v rows into the layer's store (head-major, [head_dim, n_rows,
+// n_head_kv], as kv_cache holds it) at in.kv_idx and return views of the
+// store rows [0, n_kv) that depend on the write
 struct kv_views {
     ggml_tensor * k;  // [head_dim, n_head_kv, n_kv]
     ggml_tensor * v;  // [head_dim, n_head_kv, n_kv]

@@ -40,8 +40,8 @@ kv_cache::storage kv_cache::allocate(int64_t cap) const {
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer + 1), nullptr, true};
     s.ctx = ggml_init(ip);
     for (int64_t il = 0; il < hp.n_layer; ++il) {
-        ggml_tensor * k = ggml_new_tensor_2d(s.ctx, type_k_, hp.n_embd_kv(), cap);  // [n_embd_kv, cap]
-        ggml_tensor * v = ggml_new_tensor_2d(s.ctx, type_v_, hp.n_embd_kv(), cap);  // [n_embd_kv, cap]
+        ggml_tensor * k = ggml_new_tensor_3d(s.ctx, type_k_, hp.head_dim, cap, hp.n_head_kv);  // [head_dim, cap, n_head_kv]
+        ggml_tensor * v = ggml_new_tensor_3d(s.ctx, type_v_, hp.head_dim, cap, hp.n_head_kv);  // [head_dim, cap, n_head_kv]
         ggml_format_name(k, "cache_k_l%d", (int) il);
         ggml_format_name(v, "cache_v_l%d", (int) il);
         s.k.push_back(k);
@@ -163,11 +163,19 @@ void kv_cache::advance(int64_t n) {
 
 namespace {
 
-// rows [0, n) of a layer's tensor on the host, as stored
-std::vector<uint8_t> get_raw(const ggml_tensor * t, int64_t n) {
-    std::vector<uint8_t> raw(ggml_row_size(t->type, t->ne[0]) * n);
-    if (n > 0) ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+size_t token_row_bytes(const ggml_tensor * t) { return ggml_row_size(t->type, t->ne[0]) * (size_t) t->ne[2]; }
+
+// rows [r0, r0 + n) of a layer's tensor on the host, token-major
+std::vector<uint8_t> get_raw(const ggml_tensor * t, int64_t n, int64_t r0 = 0) {
+    std::vector<uint8_t> raw(token_row_bytes(t) * n);
+    kv_rows_to_host(t, r0, n, raw.data(), [&](size_t off, size_t size, void * dst) { ggml_backend_tensor_get(t, dst, off, size); });
     return raw;
+}
+
+// token-major rows [0, raw.size() / row bytes) into a layer's tensor
+void set_raw(ggml_tensor * t, const std::vector<uint8_t> & raw) {
+    kv_rows_from_host(t, 0, (int64_t) (raw.size() / token_row_bytes(t)), raw.data(),
+                      [&](size_t off, size_t size, const void * src) { ggml_backend_tensor_set(t, src, off, size); });
 }
 
 }  // namespace
@@ -202,7 +210,7 @@ void kv_cache::compact(const std::vector<std::vector<std::vector<int64_t>>> & ke
         for (int kv = 0; kv < 2; ++kv) {
             ggml_tensor * src = kv == 0 ? k_[il] : v_[il];
             const std::vector<uint8_t> old = get_raw(src, n_rows((int) il));
-            const size_t row = ggml_row_size(src->type, src->ne[0]), seg = ggml_row_size(src->type, hp.head_dim);
+            const size_t row = token_row_bytes(src), seg = ggml_row_size(src->type, hp.head_dim);
             std::vector<uint8_t> out(row * n_keep);
             for (int64_t r = 0; r < n_keep; ++r) {
                 if (kl.size() == 1) {
@@ -212,7 +220,7 @@ void kv_cache::compact(const std::vector<std::vector<std::vector<int64_t>>> & ke
                 for (int64_t h = 0; h < nh; ++h) std::memcpy(&out[r * row + h * seg], &old[kl[h][r] * row + h * seg], seg);
             }
             ggml_tensor * to = realloc ? (kv == 0 ? dst.k[il] : dst.v[il]) : src;
-            if (n_keep > 0) ggml_backend_tensor_set(to, out.data(), 0, out.size());
+            set_raw(to, out);
         }
         layer_rows & L = rows[il];
         L.n_rows = L.n_retained = n_keep;
@@ -256,8 +264,7 @@ void kv_cache::reserve_rows(int64_t n) {
     storage dst = allocate(cap);
     for (int il = 0; il < (int) n_layer(); ++il) {
         for (int kv = 0; kv < 2; ++kv) {
-            const std::vector<uint8_t> raw = get_raw(kv == 0 ? k_[il] : v_[il], n_rows(il));
-            if (!raw.empty()) ggml_backend_tensor_set(kv == 0 ? dst.k[il] : dst.v[il], raw.data(), 0, raw.size());
+            set_raw(kv == 0 ? dst.k[il] : dst.v[il], get_raw(kv == 0 ? k_[il] : v_[il], n_rows(il)));
         }
     }
     adopt(std::move(dst), cap);
@@ -267,8 +274,7 @@ std::unique_ptr<kv_cache> kv_cache::branch(int64_t reserve) const {
     auto c = std::unique_ptr<kv_cache>(new kv_cache(*m_, n_ctx_, type_k_, type_v_, n_rows_max() + std::max<int64_t>(reserve, 0)));
     for (int il = 0; il < (int) n_layer(); ++il) {
         for (int kv = 0; kv < 2; ++kv) {
-            const std::vector<uint8_t> raw = get_raw(kv == 0 ? k_[il] : v_[il], n_rows(il));
-            if (!raw.empty()) ggml_backend_tensor_set(kv == 0 ? c->k_[il] : c->v_[il], raw.data(), 0, raw.size());
+            set_raw(kv == 0 ? c->k_[il] : c->v_[il], get_raw(kv == 0 ? k_[il] : v_[il], n_rows(il)));
         }
     }
     c->n_past_ = n_past_;
@@ -277,14 +283,13 @@ std::unique_ptr<kv_cache> kv_cache::branch(int64_t reserve) const {
 }
 
 static std::vector<float> read_rows(const ggml_tensor * t, int64_t p0, int64_t n) {
-    const size_t row = ggml_row_size(t->type, t->ne[0]);
-    std::vector<uint8_t> raw(row * n);
-    ggml_backend_tensor_get(t, raw.data(), row * p0, row * n);
-    std::vector<float> out(t->ne[0] * n);
+    const std::vector<uint8_t> raw = get_raw(t, n, p0);
+    const int64_t n_val = t->ne[0] * t->ne[2] * n;
+    std::vector<float> out(n_val);
     if (t->type == GGML_TYPE_F32) {
         std::memcpy(out.data(), raw.data(), raw.size());
     } else {
-        ggml_get_type_traits(t->type)->to_float(raw.data(), out.data(), t->ne[0] * n);
+        ggml_get_type_traits(t->type)->to_float(raw.data(), out.data(), n_val);
     }
     return out;
 }
