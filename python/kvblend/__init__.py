@@ -388,6 +388,12 @@ class _Callback:
             raise self.error
 
 
+def _store_of(store):
+    if not isinstance(store, Store):
+        raise TypeError("store must be a kvblend.Store, got %s" % type(store).__name__)
+    return store
+
+
 def _tokens(tokens, what="tokens"):
     """token ids as a kvb_token array, each checked to fit (ctypes would wrap 2**32 + 5 to 5)."""
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
@@ -598,7 +604,7 @@ class Model(_Closing):
         ids = ctypes.POINTER(_lib.kvb_id)()
         n = c_size_t()
         st = _lib.kvb_ingest_stats()
-        with self._using(), store._using(), self._engine() as ctx:
+        with self._using(), _store_of(store)._using(), self._engine() as ctx:
             status = _c.kvb_ingest(ctx, store._h, arr, len(enc), byref(p), byref(ids), byref(n), byref(st))
         guard.reraise()
         _check(status)
@@ -614,7 +620,7 @@ class Model(_Closing):
         """The id a text gets as one document chunk in this model and store (no KV is computed)."""
         text = _b(text)
         out = _lib.kvb_id()
-        with self._using(), store._using():
+        with self._using(), _store_of(store)._using():
             _check(_c.kvb_doc_id(self._ctx, store._h, text, byref(out)))
         return out.hex.decode()
 
@@ -684,7 +690,7 @@ class Model(_Closing):
             bp.n_schedule = len(schedule)
         bp.chat = bool(chat)
         bp.collect_with_prefix = bool(collect_with_prefix)
-        with store._using() if store is not None else contextlib.nullcontext():
+        with _store_of(store)._using() if store is not None else contextlib.nullcontext():
             text, st = self._generating(
                 (n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, keep, _lib.kvb_blend_stats,
                 lambda ctx, gp, out, stats: _c.kvb_blend(ctx, store._h if store is not None else None, system_b,

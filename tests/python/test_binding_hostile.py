@@ -70,6 +70,8 @@ def test_arguments_of_the_wrong_type_are_type_errors_never_addresses(model, tmp_
             lambda: kvblend.Model(MODEL, n_threads=1.5),
             lambda: kvblend.Store(str(tmp_path / "kv2"), max_bytes=1.5),
             lambda: kvblend.Store(5),
+            lambda: model.blend(SYSTEM, [DOC], QUERY, store=str(tmp_path / "kv"), n_predict=2),
+            lambda: model.ingest(str(tmp_path / "kv"), [DOC]),
         ]
         for i, call in enumerate(calls):
             with pytest.raises(TypeError):
