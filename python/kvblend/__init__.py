@@ -20,6 +20,7 @@ the dynamic loader's path.
 import codecs
 import contextlib
 import ctypes
+import numbers
 import operator
 import os
 import queue
@@ -116,6 +117,13 @@ def _int(value, what, lo, hi, kind):
     if not lo <= v <= hi:
         raise InvalidArgumentError("%s must fit %s, got %d" % (what, kind, v), "KVB_ERR_INVALID_ARGUMENT")
     return v
+
+
+def _real(value, what):
+    """value as a C float: a number (the C side checks its range, NaN included), never a str float() would parse."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError("%s must be a number, got %s" % (what, type(value).__name__))
+    return float(value)
 
 
 _I32 = (-2**31, 2**31 - 1, "a 32-bit integer")
@@ -535,10 +543,10 @@ class Model(_Closing):
     def _gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, keep):
         gp = _c.kvb_generate_default_params()
         gp.n_predict = _int(n_predict, "n_predict", *_I32)
-        gp.temp = float(temp)
+        gp.temp = _real(temp, "temp")
         gp.top_k = _int(top_k, "top_k", *_I32)
-        gp.top_p = float(top_p)
-        gp.min_p = float(min_p)
+        gp.top_p = _real(top_p, "top_p")
+        gp.min_p = _real(min_p, "min_p")
         gp.seed = DEFAULT_SEED if seed is None else _int(seed, "seed", *_U32)
         if stop:
             stops = [stop] if isinstance(stop, (str, bytes)) else list(stop)
@@ -664,7 +672,7 @@ class Model(_Closing):
         question_b = _b(question, "question")
         bp = _c.kvb_blend_default_params()
         if ratio is not None:
-            bp.recomp_ratio = float(ratio)
+            bp.recomp_ratio = _real(ratio, "ratio")
         if check_layer is not None:
             bp.check_layer = _int32(check_layer, "check_layer")
         if score is not None:
@@ -680,10 +688,10 @@ class Model(_Closing):
         if budget is not None:
             bp.budget = _choice(_BUDGETS, budget, "budget")
         if dev_mass is not None:
-            bp.dev_mass = float(dev_mass)
+            bp.dev_mass = _real(dev_mass, "dev_mass")
         if schedule:
             layers = (c_int32 * len(schedule))(*[_int32(layer, "a schedule layer") for layer, _ in schedule])
-            ratios = (c_float * len(schedule))(*[float(r) for _, r in schedule])
+            ratios = (c_float * len(schedule))(*[_real(r, "a schedule ratio") for _, r in schedule])
             keep += [layers, ratios]
             bp.schedule_layers = layers
             bp.schedule_ratios = ratios
