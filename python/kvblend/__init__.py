@@ -498,6 +498,8 @@ class Model(_Closing):
         if self._owner == me:
             raise Error("a callback cannot call back into the Model running it", "KVB_ERR_INVALID_ARGUMENT")
         with self._lock:
+            if self._closing:  # closed while this call waited for the one before
+                raise self._closed_during_call()
             self._owner = me
             try:
                 yield self._ctx
@@ -571,7 +573,7 @@ class Model(_Closing):
         gp.on_piece = cfn
 
     def _generating(self, sampling, on_piece, keep, stats_type, call):
-        """Run ``call(gp, text, stats)`` (byrefs) under the lock, with the sampling
+        """Run ``call(ctx, gp, text, stats)`` (byrefs) under the lock, with the sampling
         params and on_piece behind them; returns (text, stats struct)."""
         gp = self._gen_params(*sampling, keep)
         guard = _Callback(self)
