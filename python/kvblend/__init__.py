@@ -424,8 +424,11 @@ class Model(_Closing):
     ``n_gpu_layers`` (llama.cpp's -ngl): -1 all layers on that device, 0 none
     (the CPU runs everything). ``self.device`` names the device the model got,
     "NAME (description)". Calls on one Model are
-    serialized (a lock); use several Models for parallel work. Use it as a
-    context manager, or call close().
+    serialized (a lock); use several Models for parallel work. A callback
+    (on_piece, progress) may not call back into its Model: that raises Error.
+    Use it as a context manager, or call close(): from another thread, it
+    stops a running call at its next callback (the call raises Error) or
+    waits for it.
     """
 
     _what = "model"
