@@ -23,9 +23,10 @@
 //   to the caller, who releases it with kvb_free(). strings inside structs the
 //   library fills (kvb_model_info) belong to the handle and live as long as it.
 // - params pointers may be NULL: the *_default_params() values are used.
-// - a handle is used by one thread at a time. a model may be shared by
-//   contexts on different threads; it is freed when kvb_model_free() was
-//   called and the last context made from it is freed.
+// - a handle is used by one thread at a time: a second call on a context while
+//   one runs (from its callback or another thread) is KVB_ERR_INVALID_ARGUMENT.
+//   a model may be shared by contexts on different threads; it is freed when
+//   kvb_model_free() was called and the last context made from it is freed.
 #ifndef KVBLEND_H
 #define KVBLEND_H
 
@@ -234,9 +235,10 @@ typedef struct kvb_ingest_stats {
 } kvb_ingest_stats;
 
 KVB_API kvb_ingest_params kvb_ingest_default_params(void);
-// collect and store every chunk of the texts. *ids (may be NULL): one id per
-// chunk in order (*n_ids of them), usable as kvb_doc.id; kvb_free().
-// stats may be NULL.
+// collect and store every chunk of the texts; a chunk the store fails to
+// write is KVB_ERR_FAILED (those before it stay stored). *ids (may be NULL):
+// one id per chunk in order (*n_ids of them), usable as kvb_doc.id;
+// kvb_free(). stats may be NULL.
 KVB_API kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const * texts, size_t n_texts,
                               const kvb_ingest_params * params, kvb_id ** ids, size_t * n_ids,
                               kvb_ingest_stats * stats);

@@ -18,7 +18,11 @@ the dynamic loader's path.
 """
 
 import codecs
+import contextlib
 import ctypes
+import numbers
+import operator
+import os
 import queue
 import threading
 from ctypes import byref, c_bool, c_char_p, c_float, c_int32, c_size_t, c_void_p
@@ -82,8 +86,54 @@ def _take_string(ptr, length=None):
         _c.kvb_free(ptr)
 
 
-def _b(s):
-    return s.encode("utf-8") if isinstance(s, str) else s
+def _b(s, what="a text"):
+    """A str (as UTF-8) or bytes for a char *: anything else ctypes would take as
+    an address (an int) or cut at its first NUL."""
+    if isinstance(s, str):
+        s = s.encode("utf-8", "surrogateescape")  # a text read with errors="surrogateescape" keeps its bytes
+    elif not isinstance(s, bytes):
+        raise TypeError("%s must be a str or bytes, got %s" % (what, type(s).__name__))
+    if b"\0" in s:
+        raise ValueError("%s must not contain a NUL character (C would see it end there)" % what)
+    return s
+
+
+def _path(p, what="path"):
+    """A file name as Python's own APIs take it: str (undecodable bytes kept), bytes or os.PathLike."""
+    try:
+        raw = os.fsencode(p)
+    except TypeError:
+        raise TypeError("%s must be a str, bytes or os.PathLike, got %s" % (what, type(p).__name__)) from None
+    return _b(raw, what)
+
+
+def _int(value, what, lo, hi, kind):
+    """value as a C integer in [lo, hi]: an int (or bool), never a float cut by int()
+    or a wider int that ctypes would wrap silently (2**32 -> 0)."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError("%s must be an int, got %s" % (what, type(value).__name__)) from None
+    if not lo <= v <= hi:
+        raise InvalidArgumentError("%s must fit %s, got %d" % (what, kind, v), "KVB_ERR_INVALID_ARGUMENT")
+    return v
+
+
+def _real(value, what):
+    """value as a C float: a number (the C side checks its range, NaN included), never a str float() would parse."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError("%s must be a number, got %s" % (what, type(value).__name__))
+    return float(value)
+
+
+_I32 = (-2**31, 2**31 - 1, "a 32-bit integer")
+_I64 = (-2**63, 2**63 - 1, "a 64-bit integer")
+_U32 = (0, 2**32 - 1, "an unsigned 32-bit integer")
+_U64 = (0, 2**64 - 1, "an unsigned 64-bit integer")
+
+
+def _int32(value, what):
+    return _int(value, what, *_I32)
 
 
 def list_devices():
@@ -185,7 +235,57 @@ class IngestStats:
 
 
 class _Closing:
-    """A handle owner: a context manager whose exit, like its collection, calls close()."""
+    """A handle owner: a context manager whose exit, like its collection, calls close().
+
+    Every call that passes a handle to C runs inside ``_using()``; close() from
+    another thread waits for those calls to end (and asks callbacks to stop),
+    close() from inside one (a callback) frees the handles when it returns:
+    nothing is freed under a running call.
+    """
+
+    _what = "handle"
+
+    def _init_use(self):
+        self._cond = threading.Condition()
+        self._users = {}  # thread id: calls of it running
+        self._closing = False
+
+    @contextlib.contextmanager
+    def _using(self):
+        me = threading.get_ident()
+        with self._cond:
+            if self._closing or not self._alive():
+                raise Error("the %s is closed" % self._what, "KVB_ERR_INVALID_ARGUMENT")
+            self._users[me] = self._users.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._users[me] -= 1
+                if not self._users[me]:
+                    del self._users[me]
+                if self._closing and not self._users:
+                    self._free()
+                self._cond.notify_all()
+
+    def _closed_during_call(self):
+        return Error("the %s was closed during the call" % self._what, "KVB_ERR_CANCELLED")
+
+    def close(self):
+        """Free the handles. Safe to call twice, and from any thread: a call
+        running on another thread is stopped at its next callback, or waited for."""
+        self._release(wait=True)
+
+    def _release(self, wait):
+        cond = getattr(self, "_cond", None)
+        if cond is None:  # __init__ failed before any handle
+            return
+        with cond:
+            self._closing = True
+            if self._users and (not wait or threading.get_ident() in self._users):
+                return  # a callback of a running call (or a collection at exit): freed when it ends
+            cond.wait_for(lambda: not self._users)
+            self._free()
 
     def __enter__(self):
         return self
@@ -194,7 +294,7 @@ class _Closing:
         self.close()
 
     def __del__(self):
-        self.close()
+        self._release(wait=False)  # at exit a daemon thread's call may never end
 
 
 # --- store --------------------------------------------------------------------
@@ -208,39 +308,49 @@ class Store(_Closing):
     manager, or call close().
     """
 
+    _what = "store"
+
     def __init__(self, uri, *, codec="raw", max_bytes=0):
         p = _c.kvb_store_default_params()
-        p.max_bytes = int(max_bytes)
-        self._codec = _b(codec)  # kept alive for the call
-        p.codec = self._codec
+        p.max_bytes = _int(max_bytes, "max_bytes", *_U64)
+        codec_b = _b(codec, "codec")  # kept alive for the call
+        p.codec = codec_b
+        uri_b = _path(uri, "uri")
         h = c_void_p()
-        _check(_c.kvb_store_open(_b(uri), byref(p), byref(h)))
+        _check(_c.kvb_store_open(uri_b, byref(p), byref(h)))
         self._h = h
+        self._init_use()
         self.uri = uri
         self.codec = codec
 
+    def _alive(self):
+        return bool(getattr(self, "_h", None))
+
+    def _free(self):
+        if self._alive():
+            _c.kvb_store_free(self._h)
+            self._h = None
+
     @property
     def handle(self):
-        if not self._h:
+        """The kvb_store * (valid while the store is open; use inside _using())."""
+        if not self._alive():
             raise Error("the store is closed", "KVB_ERR_INVALID_ARGUMENT")
         return self._h
 
     def stats(self):
         """Entries, bytes and budget, as a StoreStats."""
         s = _lib.kvb_store_stats()
-        _check(_c.kvb_store_get_stats(self.handle, byref(s)))
+        with self._using():
+            _check(_c.kvb_store_get_stats(self._h, byref(s)))
         return StoreStats(s.n_entries, s.bytes, s.max_bytes)
 
     def __contains__(self, doc_id):
         out = c_bool()
-        _check(_c.kvb_store_contains(self.handle, _b(doc_id), byref(out)))
+        doc_id = _b(doc_id, "a document id")
+        with self._using():
+            _check(_c.kvb_store_contains(self._h, doc_id, byref(out)))
         return out.value
-
-    def close(self):
-        """Free the store handle (entries stay stored). Safe to call twice."""
-        if getattr(self, "_h", None):
-            _c.kvb_store_free(self._h)
-            self._h = None
 
     def __repr__(self):
         return "kvblend.Store(%r, codec=%r)" % (self.uri, self.codec)
@@ -262,24 +372,20 @@ def _choice(table, value, what):
                                    "KVB_ERR_INVALID_ARGUMENT") from None
 
 
-def _int32(value, what):
-    """value as a C int32; ctypes would wrap a wider one silently (2**32 -> 0)."""
-    v = int(value)
-    if not -2**31 <= v < 2**31:
-        raise InvalidArgumentError("%s must fit a 32-bit integer, got %d" % (what, v), "KVB_ERR_INVALID_ARGUMENT")
-    return v
-
-
 class _Callback:
-    """A Python callable behind a C callback: its exceptions are kept and raised after the call."""
+    """A Python callable behind a C callback: its exceptions are kept and raised
+    after the call; once ``owner`` is closing, the C side is told to stop."""
 
-    def __init__(self):
+    def __init__(self, owner=None):
         self.error = None
+        self.owner = owner
 
     def guard(self, fn, *args):
         if self.error is not None:
             return False
         try:
+            if self.owner is not None and self.owner._closing:
+                raise self.owner._closed_during_call()
             return fn(*args) is not False
         except BaseException as e:  # also KeyboardInterrupt: the C side stops, the caller sees it
             self.error = e
@@ -288,6 +394,20 @@ class _Callback:
     def reraise(self):
         if self.error is not None:
             raise self.error
+
+
+def _store_of(store):
+    if not isinstance(store, Store):
+        raise TypeError("store must be a kvblend.Store, got %s" % type(store).__name__)
+    return store
+
+
+def _tokens(tokens, what="tokens"):
+    """token ids as a kvb_token array, each checked to fit (ctypes would wrap 2**32 + 5 to 5)."""
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+        raise TypeError("%s must be a str or a sequence of token ids, got %s" % (what, type(tokens).__name__))
+    ids = [_int(t, "a token id", *_I32) for t in tokens]
+    return (_lib.kvb_token * len(ids))(*ids)
 
 
 class Model(_Closing):
@@ -304,9 +424,14 @@ class Model(_Closing):
     ``n_gpu_layers`` (llama.cpp's -ngl): -1 all layers on that device, 0 none
     (the CPU runs everything). ``self.device`` names the device the model got,
     "NAME (description)". Calls on one Model are
-    serialized (a lock); use several Models for parallel work. Use it as a
-    context manager, or call close().
+    serialized (a lock); use several Models for parallel work. A callback
+    (on_piece, progress) may not call back into its Model: that raises Error.
+    Use it as a context manager, or call close(): from another thread, it
+    stops a running call at its next callback (the call raises Error) or
+    waits for it.
     """
+
+    _what = "model"
 
     def __init__(self, path, *, n_threads=2, n_ctx=0, n_ubatch=512, cache_type="f16", use_mmap=False, use_gpu=True,
                  device=None, n_gpu_layers=-1):
@@ -315,19 +440,23 @@ class Model(_Closing):
         mp.use_gpu = bool(use_gpu)
         if device is not None and not isinstance(device, (str, bytes)):
             raise TypeError("device must be a str or None, got %r" % (device,))  # ctypes would take an int as an address
-        mp.device = None if device is None else _b(device)  # read during the load only
-        mp.n_gpu_layers = int(n_gpu_layers)
+        device_b = None if device is None else _b(device, "device")  # read during the load only
+        mp.device = device_b
+        mp.n_gpu_layers = _int(n_gpu_layers, "n_gpu_layers", *_I32)
+        cp = _c.kvb_context_default_params()
+        cp.n_threads = _int(n_threads, "n_threads", *_I32)
+        cp.n_ctx = _int(n_ctx, "n_ctx", *_I64)
+        cp.n_ubatch = _int(n_ubatch, "n_ubatch", *_I64)
+        cp.type_k = cp.type_v = _choice(_KV_TYPES, cache_type, "cache_type")
+        path_b = _path(path)
         m = c_void_p()
-        _check(_c.kvb_model_load(_b(str(path)), byref(mp), byref(m)))
+        _check(_c.kvb_model_load(path_b, byref(mp), byref(m)))
         self._m = m
         self._ctx = None
         self._lock = threading.Lock()
+        self._owner = None  # the thread in a call on the context (under _lock)
+        self._init_use()
         try:
-            cp = _c.kvb_context_default_params()
-            cp.n_threads = int(n_threads)
-            cp.n_ctx = int(n_ctx)
-            cp.n_ubatch = int(n_ubatch)
-            cp.type_k = cp.type_v = _choice(_KV_TYPES, cache_type, "cache_type")
             ctx = c_void_p()
             _check(_c.kvb_context_new(self._m, byref(cp), byref(ctx)))
             self._ctx = ctx
@@ -336,7 +465,7 @@ class Model(_Closing):
         except BaseException:
             self.close()
             raise
-        self.path = str(path)
+        self.path = os.fsdecode(path)
         self.arch = info.arch.decode()
         self.description = info.description.decode()
         self.fingerprint = info.fingerprint.decode()
@@ -353,13 +482,10 @@ class Model(_Closing):
         self.device = info.device.decode()
 
     # handles ---------------------------------------------------------------
-    def _handles(self):
-        if not self._m:
-            raise Error("the model is closed", "KVB_ERR_INVALID_ARGUMENT")
-        return self._m, self._ctx
+    def _alive(self):
+        return bool(getattr(self, "_m", None))
 
-    def close(self):
-        """Free the engine and the model. Safe to call twice."""
+    def _free(self):
         if getattr(self, "_ctx", None):
             _c.kvb_context_free(self._ctx)
             self._ctx = None
@@ -367,16 +493,33 @@ class Model(_Closing):
             _c.kvb_model_free(self._m)
             self._m = None
 
+    @contextlib.contextmanager
+    def _engine(self):
+        """The context, one call at a time: a second call from a callback of the
+        first (on its thread) would wait for itself, so it is refused."""
+        me = threading.get_ident()
+        if self._owner == me:
+            raise Error("a callback cannot call back into the Model running it", "KVB_ERR_INVALID_ARGUMENT")
+        with self._lock:
+            if self._closing:  # closed while this call waited for the one before
+                raise self._closed_during_call()
+            self._owner = me
+            try:
+                yield self._ctx
+            finally:
+                self._owner = None
+
     def __repr__(self):
         return "kvblend.Model(%r)" % self.path
 
     # tokens ----------------------------------------------------------------
     def tokenize(self, text, *, add_special=True, parse_special=False):
         """The token ids of a text (BOS as the model asks when add_special)."""
-        m, _ = self._handles()
+        text = _b(text)
         toks = ctypes.POINTER(_lib.kvb_token)()
         n = c_size_t()
-        _check(_c.kvb_tokenize(m, _b(text), add_special, parse_special, byref(toks), byref(n)))
+        with self._using():
+            _check(_c.kvb_tokenize(self._m, text, add_special, parse_special, byref(toks), byref(n)))
         try:
             return toks[:n.value]
         finally:
@@ -384,35 +527,35 @@ class Model(_Closing):
 
     def detokenize(self, tokens, *, special=False):
         """The text of token ids (special tokens written out when special)."""
-        m, _ = self._handles()
-        arr = (_lib.kvb_token * len(tokens))(*tokens)
+        arr = _tokens(tokens)
         out, n = c_void_p(), c_size_t()
-        _check(_c.kvb_detokenize(m, arr, len(tokens), special, byref(out), byref(n)))
+        with self._using():
+            _check(_c.kvb_detokenize(self._m, arr, len(arr), special, byref(out), byref(n)))
         return _take_string(out, n.value)
 
     def apply_chat_template(self, messages, *, add_assistant=True):
         """Render [{"role": …, "content": …}, …] (or (role, content) pairs) with the model's template."""
-        m, _ = self._handles()
         pairs = [(x["role"], x["content"]) if isinstance(x, dict) else tuple(x) for x in messages]
-        keep = [(_b(r), _b(c)) for r, c in pairs]
+        keep = [(_b(r, "a role"), _b(c, "a message's content")) for r, c in pairs]
         arr = (_lib.kvb_chat_message * len(keep))(*[_lib.kvb_chat_message(r, c) for r, c in keep])
         out = c_void_p()
-        _check(_c.kvb_chat_apply_template(m, arr, len(keep), add_assistant, byref(out)))
+        with self._using():
+            _check(_c.kvb_chat_apply_template(self._m, arr, len(keep), add_assistant, byref(out)))
         return _take_string(out)
 
     # parameters --------------------------------------------------------------
     @staticmethod
     def _gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, keep):
         gp = _c.kvb_generate_default_params()
-        gp.n_predict = int(n_predict)
-        gp.temp = float(temp)
-        gp.top_k = int(top_k)
-        gp.top_p = float(top_p)
-        gp.min_p = float(min_p)
-        gp.seed = DEFAULT_SEED if seed is None else int(seed)
+        gp.n_predict = _int(n_predict, "n_predict", *_I32)
+        gp.temp = _real(temp, "temp")
+        gp.top_k = _int(top_k, "top_k", *_I32)
+        gp.top_p = _real(top_p, "top_p")
+        gp.min_p = _real(min_p, "min_p")
+        gp.seed = DEFAULT_SEED if seed is None else _int(seed, "seed", *_U32)
         if stop:
-            stops = [stop] if isinstance(stop, str) else list(stop)
-            arr = (c_char_p * len(stops))(*[_b(s) for s in stops])
+            stops = [stop] if isinstance(stop, (str, bytes)) else list(stop)
+            arr = (c_char_p * len(stops))(*[_b(s, "a stop string") for s in stops])
             keep.append(arr)
             gp.stop = arr
             gp.n_stop = len(stops)
@@ -433,15 +576,15 @@ class Model(_Closing):
         gp.on_piece = cfn
 
     def _generating(self, sampling, on_piece, keep, stats_type, call):
-        """Run ``call(gp, text, stats)`` (byrefs) under the lock, with the sampling
+        """Run ``call(ctx, gp, text, stats)`` (byrefs) under the lock, with the sampling
         params and on_piece behind them; returns (text, stats struct)."""
         gp = self._gen_params(*sampling, keep)
-        guard = _Callback()
+        guard = _Callback(self)
         self._piece_callback(gp, on_piece, guard, keep)
         text = c_void_p()
         st = stats_type()
-        with self._lock:
-            status = call(byref(gp), byref(text), byref(st))
+        with self._using(), self._engine() as ctx:
+            status = call(ctx, byref(gp), byref(text), byref(st))
         guard.reraise()
         _check(status)
         return _take_string(text), st
@@ -456,27 +599,26 @@ class Model(_Closing):
         {"id": …} documents), or (ids, IngestStats) with with_stats.
         ``progress(done, total)`` may return False to stop (CancelledError).
         """
-        _, ctx = self._handles()
-        if isinstance(texts, str):
+        if isinstance(texts, (str, bytes)):
             texts = [texts]
-        enc = [_b(t) for t in texts]
+        enc = [_b(t, "text %d" % i) for i, t in enumerate(texts)]
         arr = (c_char_p * len(enc))(*enc)
         p = _c.kvb_ingest_default_params()
-        p.chunk_size = int(chunk_size)
+        p.chunk_size = _int(chunk_size, "chunk_size", *_I64)
         p.split_paragraphs = bool(split_paragraphs)
         p.collect_with_prefix = bool(collect_with_prefix)
-        sys_b = _b(system or "")
+        sys_b = _b(system or "", "system")
         p.system = sys_b
         p.chat = bool(chat)
-        guard = _Callback()
+        guard = _Callback(self)
         if progress is not None:
             cfn = _lib.kvb_progress_callback(lambda done, total, _u: guard.guard(progress, done, total))
             p.progress = cfn
         ids = ctypes.POINTER(_lib.kvb_id)()
         n = c_size_t()
         st = _lib.kvb_ingest_stats()
-        with self._lock:
-            status = _c.kvb_ingest(ctx, store.handle, arr, len(enc), byref(p), byref(ids), byref(n), byref(st))
+        with self._using(), _store_of(store)._using(), self._engine() as ctx:
+            status = _c.kvb_ingest(ctx, store._h, arr, len(enc), byref(p), byref(ids), byref(n), byref(st))
         guard.reraise()
         _check(status)
         try:
@@ -489,9 +631,10 @@ class Model(_Closing):
 
     def doc_id(self, text, store):
         """The id a text gets as one document chunk in this model and store (no KV is computed)."""
-        _, ctx = self._handles()
+        text = _b(text)
         out = _lib.kvb_id()
-        _check(_c.kvb_doc_id(ctx, store.handle, _b(text), byref(out)))
+        with self._using(), _store_of(store)._using():
+            _check(_c.kvb_doc_id(self._ctx, store._h, text, byref(out)))
         return out.hex.decode()
 
     # blend -------------------------------------------------------------------
@@ -516,8 +659,7 @@ class Model(_Closing):
         by default; ``stop`` strings end it; ``on_piece(text)`` streams it and
         may return False to stop). Returns BlendResult(text, stats).
         """
-        _, ctx = self._handles()
-        docs = [docs] if isinstance(docs, (str, dict)) else list(docs)
+        docs = [docs] if isinstance(docs, (str, bytes, dict)) else list(docs)
         keep = []
         cdocs = (_lib.kvb_doc * len(docs))()
         for i, d in enumerate(docs):
@@ -526,14 +668,16 @@ class Model(_Closing):
                     raise InvalidArgumentError("document %d needs a 'text' or an 'id' (one of them)" % i,
                                                "KVB_ERR_INVALID_ARGUMENT")
                 if "text" in d:
-                    cdocs[i].text = _b(d["text"])
+                    cdocs[i].text = _b(d["text"], "document %d's text" % i)
                 else:
-                    cdocs[i].id = _b(d["id"])
+                    cdocs[i].id = _b(d["id"], "document %d's id" % i)
             else:
-                cdocs[i].text = _b(d)
+                cdocs[i].text = _b(d, "document %d" % i)
+        system_b = _b(system or "", "system")
+        question_b = _b(question, "question")
         bp = _c.kvb_blend_default_params()
         if ratio is not None:
-            bp.recomp_ratio = float(ratio)
+            bp.recomp_ratio = _real(ratio, "ratio")
         if check_layer is not None:
             bp.check_layer = _int32(check_layer, "check_layer")
         if score is not None:
@@ -549,33 +693,33 @@ class Model(_Closing):
         if budget is not None:
             bp.budget = _choice(_BUDGETS, budget, "budget")
         if dev_mass is not None:
-            bp.dev_mass = float(dev_mass)
+            bp.dev_mass = _real(dev_mass, "dev_mass")
         if schedule:
-            layers = (c_int32 * len(schedule))(*[_int32(l, "a schedule layer") for l, _ in schedule])
-            ratios = (c_float * len(schedule))(*[float(r) for _, r in schedule])
+            layers = (c_int32 * len(schedule))(*[_int32(layer, "a schedule layer") for layer, _ in schedule])
+            ratios = (c_float * len(schedule))(*[_real(r, "a schedule ratio") for _, r in schedule])
             keep += [layers, ratios]
             bp.schedule_layers = layers
             bp.schedule_ratios = ratios
             bp.n_schedule = len(schedule)
         bp.chat = bool(chat)
         bp.collect_with_prefix = bool(collect_with_prefix)
-        text, st = self._generating(
-            (n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, keep, _lib.kvb_blend_stats,
-            lambda gp, out, stats: _c.kvb_blend(ctx, store.handle if store is not None else None, _b(system or ""),
-                                                cdocs, len(docs), _b(question), byref(bp), gp, out, stats))
+        with _store_of(store)._using() if store is not None else contextlib.nullcontext():
+            text, st = self._generating(
+                (n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, keep, _lib.kvb_blend_stats,
+                lambda ctx, gp, out, stats: _c.kvb_blend(ctx, store._h if store is not None else None, system_b,
+                                                         cdocs, len(docs), question_b, byref(bp), gp, out, stats))
         return BlendResult(text, _stats_from(BlendStats, st))
 
     # plain generation --------------------------------------------------------
     def complete(self, prompt, *, n_predict=64, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=None, stop=None,
                  on_piece=None):
         """Prefill ``prompt`` (text, or a list of token ids) and generate; returns GenerateResult(text, stats)."""
-        _, ctx = self._handles()
-
-        def call(gp, out, stats):
-            if isinstance(prompt, (str, bytes)):
-                return _c.kvb_generate(ctx, _b(prompt), gp, out, stats)
-            toks = (_lib.kvb_token * len(prompt))(*prompt)
-            return _c.kvb_generate_tokens(ctx, toks, len(prompt), gp, out, stats)
+        if isinstance(prompt, (str, bytes)):
+            text_b = _b(prompt, "prompt")
+            call = lambda ctx, gp, out, stats: _c.kvb_generate(ctx, text_b, gp, out, stats)  # noqa: E731
+        else:
+            toks = _tokens(prompt, "prompt")
+            call = lambda ctx, gp, out, stats: _c.kvb_generate_tokens(ctx, toks, len(toks), gp, out, stats)  # noqa: E731
 
         text, st = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, [],
                                     _lib.kvb_generate_stats, call)

@@ -5,6 +5,7 @@ Options and the --json keys are the kvblend CLI's (a subset of them).
 
 import argparse
 import json
+import math
 import sys
 
 import kvblend
@@ -63,7 +64,11 @@ def _sample_kwargs(a):
 def _open_store(a):
     if not a.store:
         return None
-    return kvblend.Store(a.store, codec=a.codec, max_bytes=int(a.store_max_gb * 1073741824))
+    gb = a.store_max_gb
+    if not 0 <= gb <= 1e6:  # NaN too
+        raise kvblend.Error("--store-max-gb must be in [0, 1e6], got %r" % gb)
+    # as the CLI: any X > 0 is a budget of ceil(X * 2^30) bytes, 0 none
+    return kvblend.Store(a.store, codec=a.codec, max_bytes=math.ceil(gb * 1073741824))
 
 
 def _print_piece(piece):
@@ -197,6 +202,9 @@ def main(argv=None):
         return a.fn(a)
     except kvblend.Error as e:
         print("error: %s" % e.message, file=sys.stderr)
+        return 1
+    except ValueError as e:  # a text the C API cannot take (a NUL in a document, …)
+        print("error: %s" % e, file=sys.stderr)
         return 1
 
 

@@ -3,6 +3,7 @@
 #include "kvblend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -38,6 +39,7 @@ struct kvb_context {
     engine_params ep;
     int64_t fixed_n_ctx = 0;  // 0: sized per request
     std::unique_ptr<engine> eng;
+    std::atomic<bool> busy{false};  // a call is running on it (context_use)
 };
 
 namespace {
@@ -121,6 +123,22 @@ bool is_id(const char * id) {
         if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'f'))) return false;
     return true;
 }
+
+// a context runs one call at a time: a second one, from a callback of the first
+// or from another thread, would replace or reset the engine under it
+class context_use {
+  public:
+    explicit context_use(kvb_context & c) : c_(c) {
+        if (c_.busy.exchange(true))
+            fail(KVB_ERR_INVALID_ARGUMENT, "ctx is in use by another call (from its callback or another thread)");
+    }
+    ~context_use() { c_.busy.store(false); }
+    context_use(const context_use &) = delete;
+    context_use & operator=(const context_use &) = delete;
+
+  private:
+    kvb_context & c_;
+};
 
 void copy_id(const std::string & key, kvb_id & out) {
     std::memset(out.hex, 0, sizeof(out.hex));
@@ -276,7 +294,7 @@ void generate_impl(kvb_context * ctx, const std::vector<llama_token> & toks, con
 const char * kvb_last_error(void) { return t_last_error.c_str(); }
 
 const char * kvb_status_name(kvb_status status) {
-    switch (status) {
+    switch (enum_value(status)) {  // any int may arrive here
         case KVB_OK: return "KVB_OK";
         case KVB_ERR_INVALID_ARGUMENT: return "KVB_ERR_INVALID_ARGUMENT";
         case KVB_ERR_NOT_FOUND: return "KVB_ERR_NOT_FOUND";
@@ -519,6 +537,7 @@ kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const *
         need(store, "store");
         if (n_texts > 0) need(texts, "texts");
         if (ids) need(n_ids, "n_ids (with ids)");
+        const context_use in_use(*ctx);
         const kvb_ingest_params p = params ? *params : kvb_ingest_default_params();
         if (p.chunk_size < 0) fail(KVB_ERR_INVALID_ARGUMENT, "chunk_size must not be negative");
         if (p.chunk_size > 0 && p.split_paragraphs)
@@ -557,7 +576,8 @@ kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const *
             if (store->st->contains(key)) {
                 ++s.n_present;
             } else {
-                chunk_get_or_collect(store->st.get(), eng, prefix, chunks[i], fs, store->codec);
+                // ingest exists to store: a failed write is the call's error, not an id of nothing
+                chunk_get_or_collect(store->st.get(), eng, prefix, chunks[i], fs, store->codec, {}, CHUNK_PUT_REQUIRED);
                 ++s.n_collected;
                 s.n_tokens += (int64_t) chunks[i].size();
             }
@@ -605,6 +625,7 @@ kvb_status kvb_generate(kvb_context * ctx, const char * prompt, const kvb_genera
     return guarded([&] {
         need(ctx, "ctx");
         need(prompt, "prompt");
+        const context_use in_use(*ctx);
         generate_impl(ctx, ctx->m->tokens().tokenize(prompt, true, false), params, text, stats);
     });
 }
@@ -614,6 +635,7 @@ kvb_status kvb_generate_tokens(kvb_context * ctx, const kvb_token * prompt, size
     return guarded([&] {
         need(ctx, "ctx");
         if (n_prompt > 0) need(prompt, "prompt");
+        const context_use in_use(*ctx);
         check_tokens(*ctx->m, prompt, n_prompt);
         generate_impl(ctx, std::vector<llama_token>(prompt, prompt + n_prompt), params, text, stats);
     });
@@ -661,11 +683,16 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         if (n_docs > 0) need(docs, "docs");
         need(question, "question");
         if (!question[0]) fail(KVB_ERR_INVALID_ARGUMENT, "the question must not be empty");
+        const context_use in_use(*ctx);
         const kvb_blend_params p = blend_params ? *blend_params : kvb_blend_default_params();
         const kvb_generate_params gp = gen_params ? *gen_params : kvb_generate_default_params();
         const sampler_params sp = sampling_of(gp);
         const model & m = *ctx->m;
         const int n_layer = (int) m.hparams().n_layer;
+        // every document takes a position at least: more cannot fit, and the count sizes vectors below
+        if (n_docs > (uint64_t) m.hparams().n_ctx_train)
+            fail(KVB_ERR_INVALID_ARGUMENT, std::to_string(n_docs) + " documents cannot fit the model's context of " +
+                                               std::to_string(m.hparams().n_ctx_train) + " tokens");
 
         // the blend params, checked here so that a bad one is an invalid argument
         kvblend::blend_params bp = blend_default_params();
