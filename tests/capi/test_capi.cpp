@@ -9,12 +9,13 @@
 #include <thread>
 #include <vector>
 
+#include "capi_suite.h"
 #include "kvblend.h"
 #include "test_util.h"
 
 namespace {
 
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string & k_stories = kvblend::test::k_capi_stories;
 const char * k_docs[] = {
     "Tom had a red ball. He liked to throw it high in the sky. One day the ball went over the fence.",
     "Sue found a little cat in the garden. The cat was hungry, so Sue gave it some milk.",
@@ -22,20 +23,7 @@ const char * k_docs[] = {
 };
 
 // one model and context for the suite (stories260K loads in milliseconds, but once is enough)
-struct capi : ::testing::Test {
-    static kvb_model * model;
-    static kvb_context * ctx;
-    static void SetUpTestSuite() {
-        ASSERT_EQ(kvb_model_load(k_stories.c_str(), nullptr, &model), KVB_OK) << kvb_last_error();
-        ASSERT_EQ(kvb_context_new(model, nullptr, &ctx), KVB_OK) << kvb_last_error();
-    }
-    static void TearDownTestSuite() {
-        kvb_context_free(ctx);
-        kvb_model_free(model);
-    }
-};
-kvb_model * capi::model = nullptr;
-kvb_context * capi::ctx = nullptr;
+struct capi : kvblend::test::capi_suite {};
 
 struct collected {
     std::string text;

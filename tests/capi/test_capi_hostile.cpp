@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "capi_suite.h"
 #include "kvblend.h"
 #include "test_util.h"
 
@@ -21,27 +22,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string & k_stories = kvblend::test::k_capi_stories;
 const char * k_texts[] = {
     "Tom had a red ball. He liked to throw it high in the sky.",
     "Sue found a little cat in the garden. The cat was hungry.",
     "Lily had a big box of crayons. She drew a house and a tree.",
 };
 
-struct capi_hostile : ::testing::Test {
-    static kvb_model * model;
-    static kvb_context * ctx;
-    static void SetUpTestSuite() {
-        ASSERT_EQ(kvb_model_load(k_stories.c_str(), nullptr, &model), KVB_OK) << kvb_last_error();
-        ASSERT_EQ(kvb_context_new(model, nullptr, &ctx), KVB_OK) << kvb_last_error();
-    }
-    static void TearDownTestSuite() {
-        kvb_context_free(ctx);
-        kvb_model_free(model);
-    }
-};
-kvb_model * capi_hostile::model = nullptr;
-kvb_context * capi_hostile::ctx = nullptr;
+struct capi_hostile : kvblend::test::capi_suite {};
 
 std::string last_error() { return kvb_last_error(); }
 
