@@ -178,6 +178,17 @@ void set_raw(ggml_tensor * t, const std::vector<uint8_t> & raw) {
                       [&](size_t off, size_t size, const void * src) { ggml_backend_tensor_set(t, src, off, size); });
 }
 
+// rows [0, n) of a layer's tensor into another allocation's (capacities may
+// differ): one block per head, both sides head-major, nothing regrouped
+void copy_rows(const ggml_tensor * src, ggml_tensor * dst, int64_t n) {
+    const size_t seg = ggml_row_size(src->type, src->ne[0]);
+    std::vector<uint8_t> block(seg * (size_t) n);
+    for (int64_t h = 0; h < src->ne[2] && n > 0; ++h) {
+        ggml_backend_tensor_get(src, block.data(), h * src->nb[2], block.size());
+        ggml_backend_tensor_set(dst, block.data(), h * dst->nb[2], block.size());
+    }
+}
+
 }  // namespace
 
 void kv_cache::compact(const std::vector<std::vector<std::vector<int64_t>>> & keep, int64_t reserve) {
@@ -264,7 +275,7 @@ void kv_cache::reserve_rows(int64_t n) {
     storage dst = allocate(cap);
     for (int il = 0; il < (int) n_layer(); ++il) {
         for (int kv = 0; kv < 2; ++kv) {
-            set_raw(kv == 0 ? dst.k[il] : dst.v[il], get_raw(kv == 0 ? k_[il] : v_[il], n_rows(il)));
+            copy_rows(kv == 0 ? k_[il] : v_[il], kv == 0 ? dst.k[il] : dst.v[il], n_rows(il));
         }
     }
     adopt(std::move(dst), cap);
@@ -274,7 +285,7 @@ std::unique_ptr<kv_cache> kv_cache::branch(int64_t reserve) const {
     auto c = std::unique_ptr<kv_cache>(new kv_cache(*m_, n_ctx_, type_k_, type_v_, n_rows_max() + std::max<int64_t>(reserve, 0)));
     for (int il = 0; il < (int) n_layer(); ++il) {
         for (int kv = 0; kv < 2; ++kv) {
-            set_raw(kv == 0 ? c->k_[il] : c->v_[il], get_raw(kv == 0 ? k_[il] : v_[il], n_rows(il)));
+            copy_rows(kv == 0 ? k_[il] : v_[il], kv == 0 ? c->k_[il] : c->v_[il], n_rows(il));
         }
     }
     c->n_past_ = n_past_;
