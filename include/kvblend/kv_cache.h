@@ -29,24 +29,37 @@ bool kv_cache_type_supported(ggml_type t);
 // rows [r0, r0 + n) of a head-major cache tensor ([head_dim, cap, n_head]) to
 // or from token-major bytes on the host (row r: the segment of every head in
 // turn, ggml_row_size(type, head_dim * n_head) bytes), as chunks hold them.
-// xfer(offset, size, host) moves one contiguous per-head block between the
-// tensor and a host buffer (ggml_backend_tensor_get / _set, or a counted copy)
+// a tensor in host memory is read or written where its rows lie; otherwise
+// get / set(offset, size, host) moves one contiguous per-head block between
+// the tensor and a staging buffer (ggml_backend_tensor_get / _set). the rows
+// must lie inside the tensor (callers check; asserted here)
+inline bool kv_tensor_on_host(const ggml_tensor * t) { return t->buffer && ggml_backend_buffer_is_host(t->buffer); }
+// bytes of one token-major row: every head's segment
+inline size_t kv_token_row_bytes(const ggml_tensor * t) { return ggml_row_size(t->type, t->ne[0]) * (size_t) t->ne[2]; }
 template <typename Get> void kv_rows_to_host(const ggml_tensor * t, int64_t r0, int64_t n, uint8_t * dst, Get && get) {
     const size_t seg = ggml_row_size(t->type, t->ne[0]), row = seg * (size_t) t->ne[2];
     if (n <= 0) return;
-    std::vector<uint8_t> block(seg * (size_t) n);
+    GGML_ASSERT(r0 >= 0 && r0 + n <= t->ne[1]);
+    const bool host = kv_tensor_on_host(t);
+    std::unique_ptr<uint8_t[]> block(host ? nullptr : new uint8_t[seg * (size_t) n]);
     for (int64_t h = 0; h < t->ne[2]; ++h) {
-        get(h * t->nb[2] + (size_t) r0 * seg, block.size(), block.data());
-        for (int64_t j = 0; j < n; ++j) std::memcpy(dst + j * row + h * seg, &block[j * seg], seg);
+        const size_t off = h * t->nb[2] + (size_t) r0 * seg;
+        const uint8_t * b = host ? static_cast<const uint8_t *>(t->data) + off : block.get();
+        if (!host) get(off, seg * (size_t) n, block.get());
+        for (int64_t j = 0; j < n; ++j) std::memcpy(dst + j * row + h * seg, b + j * seg, seg);
     }
 }
 template <typename Set> void kv_rows_from_host(ggml_tensor * t, int64_t r0, int64_t n, const uint8_t * src, Set && set) {
     const size_t seg = ggml_row_size(t->type, t->ne[0]), row = seg * (size_t) t->ne[2];
     if (n <= 0) return;
-    std::vector<uint8_t> block(seg * (size_t) n);
+    GGML_ASSERT(r0 >= 0 && r0 + n <= t->ne[1]);
+    const bool host = kv_tensor_on_host(t);
+    std::unique_ptr<uint8_t[]> block(host ? nullptr : new uint8_t[seg * (size_t) n]);
     for (int64_t h = 0; h < t->ne[2]; ++h) {
-        for (int64_t j = 0; j < n; ++j) std::memcpy(&block[j * seg], src + j * row + h * seg, seg);
-        set(h * t->nb[2] + (size_t) r0 * seg, block.size(), block.data());
+        const size_t off = h * t->nb[2] + (size_t) r0 * seg;
+        uint8_t * b = host ? static_cast<uint8_t *>(t->data) + off : block.get();
+        for (int64_t j = 0; j < n; ++j) std::memcpy(b + j * seg, src + j * row + h * seg, seg);
+        if (!host) set(off, seg * (size_t) n, block.get());
     }
 }
 

@@ -152,12 +152,17 @@ void forward_driver::download(const ggml_tensor * t, void * data, size_t offset,
 }
 
 void forward_driver::upload_kv_rows(ggml_tensor * t, const void * rows, int64_t r0, int64_t n) {
+    if (n <= 0) return;
     kv_rows_from_host(t, r0, n, static_cast<const uint8_t *>(rows),
-                      [&](size_t off, size_t size, const void * src) { upload(t, src, off, size); });
+                      [&](size_t off, size_t size, const void * src) { ggml_backend_tensor_set(t, src, off, size); });
+    count(t, kv_token_row_bytes(t) * (size_t) n, true, false);
 }
 
 void forward_driver::download_kv_rows(const ggml_tensor * t, void * rows, int64_t r0, int64_t n) {
-    kv_rows_to_host(t, r0, n, static_cast<uint8_t *>(rows), [&](size_t off, size_t size, void * dst) { download(t, dst, off, size); });
+    if (n <= 0) return;
+    kv_rows_to_host(t, r0, n, static_cast<uint8_t *>(rows),
+                    [&](size_t off, size_t size, void * dst) { ggml_backend_tensor_get(t, dst, off, size); });
+    count(t, kv_token_row_bytes(t) * (size_t) n, false, false);
 }
 
 graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
@@ -384,32 +389,70 @@ void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1)
     const int64_t n = (int64_t) delta.size();
     if (n == 0 || l0 >= l1) return;
     im_.decode_graph.reset();
-    ggml_init_params ip = {im_.meta_buf.size(), im_.meta_buf.data(), true};
-    ggml_context_ptr ctx(ggml_init(ip));
-    ggml_context * c = ctx.get();
-    ggml_cgraph * gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
-    ggml_tensor * pos = new_input(c, GGML_TYPE_I32, n);
-    ggml_tensor * idx = new_input(c, GGML_TYPE_I64, n);
-    for (int il = l0; il < l1; ++il) {
-        ggml_tensor * store = cache.k(il);  // [head_dim, cap, n_head_kv]
-        ggml_tensor * k = ggml_view_3d(c, store, hp.head_dim, n, hp.n_head_kv, store->nb[1], store->nb[2], 0);
-        // RoPE takes f32/f16, one row per (head, token): a copy in that order
-        // (a quantized cache's rows dequantized on the way)
-        k = ggml_cont(c, ggml_permute(c, k, 0, 2, 1, 3));  // [head_dim, n_head_kv, n]
-        if (ggml_is_quantized(store->type)) k = ggml_cast(c, k, GGML_TYPE_F32);
-        ggml_tensor * kr = ggml_rope_ext(c, k, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train,
-                                         hp.rope_base, hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
-        kr = ggml_permute(c, kr, 0, 2, 1, 3);  // [head_dim, n, n_head_kv]
-        ggml_build_forward_expand(gf, ggml_set_rows(c, store, kr, idx));
+
+    // the runs of rows moved by one offset (a chunk each)
+    std::vector<int64_t> run0;
+    std::vector<int32_t> run_delta;
+    for (int64_t i = 0; i < n; ++i)
+        if (i == 0 || delta[i] != delta[i - 1]) run0.push_back(i), run_delta.push_back(delta[i]);
+    run0.push_back(n);
+    // f16/f32 with few runs: each run rotated in place, where its rows lie,
+    // as one block of RoPE rows at one position, so the angles are made once
+    // per run, not once per token (4 nodes a run: views, RoPE). otherwise
+    // (a quantized cache, or rows in many short runs) the rows are copied out
+    // one per (head, token), dequantized, rotated and written back
+    const int64_t k_runs_max = 256;
+    const bool in_place = !ggml_is_quantized(cache.type_k()) && (int64_t) run_delta.size() <= k_runs_max;
+    const int64_t nodes_per_layer = in_place ? 4 * (int64_t) run_delta.size() : 8;
+    const int per_graph = (int) std::max<int64_t>(1, graph::k_max_nodes / 2 / nodes_per_layer);
+
+    for (int la = l0; la < l1; la += per_graph) {
+        const int lb = std::min(l1, la + per_graph);
+        ggml_init_params ip = {im_.meta_buf.size(), im_.meta_buf.data(), true};
+        ggml_context_ptr ctx(ggml_init(ip));
+        ggml_context * c = ctx.get();
+        ggml_cgraph * gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
+        ggml_tensor * pos = new_input(c, GGML_TYPE_I32, in_place ? (int64_t) run_delta.size() : n);
+        ggml_tensor * idx = in_place ? nullptr : new_input(c, GGML_TYPE_I64, n);
+        for (int il = la; il < lb; ++il) {
+            ggml_tensor * store = cache.k(il);  // [head_dim, cap, n_head_kv]
+            if (in_place) {
+                for (size_t r = 0; r < run_delta.size(); ++r) {
+                    if (run_delta[r] == 0) continue;
+                    // [head_dim, the run's rows, 1 position, n_head_kv]
+                    ggml_tensor * k = ggml_view_4d(c, store, hp.head_dim, run0[r + 1] - run0[r], 1, hp.n_head_kv,
+                                                   store->nb[1], store->nb[2], store->nb[2],
+                                                   (size_t) run0[r] * store->nb[1]);
+                    ggml_tensor * p = ggml_view_1d(c, pos, 1, r * sizeof(int32_t));
+                    ggml_build_forward_expand(
+                        gf, ggml_rope_ext_inplace(c, k, p, m.rope_freqs, (int) hp.n_rot, hp.rope_mode,
+                                                  (int) hp.n_ctx_train, hp.rope_base, hp.rope_scale, 0.0f, 1.0f,
+                                                  32.0f, 1.0f));
+                }
+                continue;
+            }
+            ggml_tensor * k = ggml_view_3d(c, store, hp.head_dim, n, hp.n_head_kv, store->nb[1], store->nb[2], 0);
+            k = ggml_cont(c, ggml_permute(c, k, 0, 2, 1, 3));  // [head_dim, n_head_kv, n]
+            if (ggml_is_quantized(store->type)) k = ggml_cast(c, k, GGML_TYPE_F32);
+            ggml_tensor * kr = ggml_rope_ext(c, k, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode,
+                                             (int) hp.n_ctx_train, hp.rope_base, hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+            kr = ggml_permute(c, kr, 0, 2, 1, 3);  // [head_dim, n, n_head_kv]
+            ggml_build_forward_expand(gf, ggml_set_rows(c, store, kr, idx));
+        }
+        if (ggml_graph_n_nodes(gf) == 0) return;  // nothing moves
+        ggml_backend_sched_t sched = im_.sched.get();
+        ggml_backend_sched_reset(sched);
+        if (!ggml_backend_sched_alloc_graph(sched, gf)) throw error("cannot allocate the compute graph");
+        if (in_place) {
+            upload(pos, run_delta.data(), 0, ggml_nbytes(pos));
+        } else {
+            upload(pos, delta.data(), 0, ggml_nbytes(pos));
+            std::vector<int64_t> rows(n);
+            for (int64_t i = 0; i < n; ++i) rows[i] = i;
+            upload(idx, rows.data(), 0, ggml_nbytes(idx));
+        }
+        if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
     }
-    ggml_backend_sched_t sched = im_.sched.get();
-    ggml_backend_sched_reset(sched);
-    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw error("cannot allocate the compute graph");
-    std::vector<int64_t> rows(n);
-    for (int64_t i = 0; i < n; ++i) rows[i] = i;
-    upload(pos, delta.data(), 0, ggml_nbytes(pos));
-    upload(idx, rows.data(), 0, ggml_nbytes(idx));
-    if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
 }
 
 }  // namespace kvblend

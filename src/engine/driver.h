@@ -60,7 +60,8 @@ class forward_driver {
     // hidden-state rows [0, n) on the backend (grown as needed, kept by the engine)
     void reserve_hidden(int64_t n);
     // rotate the cache's K rows [0, delta.size()) of layers [l0, l1) by
-    // delta[r] positions (RoPE rotations compose), in one graph
+    // delta[r] positions (RoPE rotations compose): in place, one RoPE block
+    // per run of equal offsets (a chunk), for f16/f32 caches
     void shift_k(const std::vector<int32_t> & delta, int l0, int l1);
 
     // host <-> tensor copies, counted

@@ -163,18 +163,16 @@ void kv_cache::advance(int64_t n) {
 
 namespace {
 
-size_t token_row_bytes(const ggml_tensor * t) { return ggml_row_size(t->type, t->ne[0]) * (size_t) t->ne[2]; }
-
 // rows [r0, r0 + n) of a layer's tensor on the host, token-major
 std::vector<uint8_t> get_raw(const ggml_tensor * t, int64_t n, int64_t r0 = 0) {
-    std::vector<uint8_t> raw(token_row_bytes(t) * n);
+    std::vector<uint8_t> raw(kv_token_row_bytes(t) * n);
     kv_rows_to_host(t, r0, n, raw.data(), [&](size_t off, size_t size, void * dst) { ggml_backend_tensor_get(t, dst, off, size); });
     return raw;
 }
 
 // token-major rows [0, raw.size() / row bytes) into a layer's tensor
 void set_raw(ggml_tensor * t, const std::vector<uint8_t> & raw) {
-    kv_rows_from_host(t, 0, (int64_t) (raw.size() / token_row_bytes(t)), raw.data(),
+    kv_rows_from_host(t, 0, (int64_t) (raw.size() / kv_token_row_bytes(t)), raw.data(),
                       [&](size_t off, size_t size, const void * src) { ggml_backend_tensor_set(t, src, off, size); });
 }
 
@@ -221,7 +219,7 @@ void kv_cache::compact(const std::vector<std::vector<std::vector<int64_t>>> & ke
         for (int kv = 0; kv < 2; ++kv) {
             ggml_tensor * src = kv == 0 ? k_[il] : v_[il];
             const std::vector<uint8_t> old = get_raw(src, n_rows((int) il));
-            const size_t row = token_row_bytes(src), seg = ggml_row_size(src->type, hp.head_dim);
+            const size_t row = kv_token_row_bytes(src), seg = ggml_row_size(src->type, hp.head_dim);
             std::vector<uint8_t> out(row * n_keep);
             for (int64_t r = 0; r < n_keep; ++r) {
                 if (kl.size() == 1) {

@@ -103,6 +103,49 @@ TEST(blend, chunk_placed_at_offset_equals_chunk_collected_there) {
     }
 }
 
+// placing rotates each chunk's K by its offset: in place for f16/f32 caches
+// (one RoPE block per chunk), through dequantized copies for quantized ones,
+// and one row at a time when the rows fall in very many runs (here 300
+// one-token chunks, each at its own offset). a one-token chunk has no
+// context, so collected at 0 and placed at i it must equal it collected at i
+TEST(blend, placing_rotates_k_by_each_chunks_offset_at_every_cache_type) {
+    for (const std::string & path : models_under_test()) {
+        const auto m = model::load(path);
+        const prompt p = make_prompt(*m, 0, 3, 0);
+        std::vector<llama_token> toks = p.all();
+        while (toks.size() < 300) toks.insert(toks.end(), toks.begin(), toks.begin() + std::min<size_t>(toks.size(), 300 - toks.size()));
+        for (ggml_type type : {GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_Q8_0}) {
+            if (ggml_is_quantized(type) && m->hparams().head_dim % ggml_blck_size(type) != 0) continue;  // stories260K's heads of 8
+            engine_params ep = f32_params();
+            ep.type_k = ep.type_v = type;
+            // few runs (a chunk of many tokens each) and many (300 chunks of one)
+            for (const bool many : {false, true}) {
+                engine coll(m, ep), e(m, ep);
+                std::vector<chunk_kv> kv;
+                if (many)
+                    for (llama_token t : toks) kv.push_back(collect(coll, {t}));
+                else
+                    kv = test::collect_all(coll, p);
+                place(e, test::pointers(kv));
+                // the reference: each chunk collected where it is placed
+                engine direct(m, ep);
+                int64_t s = 0;
+                double worst = 0;
+                for (const chunk_kv & c : kv) {
+                    collect(direct, c.tokens, s);
+                    for (int il = 0; il < m->hparams().n_layer; ++il)
+                        worst = std::max(worst, rel_diff(e.cache().read_k(il, s, c.n_tokens()),
+                                                         direct.cache().read_k(il, 0, c.n_tokens())));
+                    s += c.n_tokens();
+                }
+                // f32: exact up to the rotation's rounding; f16 and q8_0: one rounding of the cache type
+                const double tol = type == GGML_TYPE_F32 ? 1e-5 : type == GGML_TYPE_F16 ? 2e-3 : 2e-2;
+                EXPECT_LE(worst, tol) << path << " " << ggml_type_name(type) << (many ? ", 300 chunks" : ", 4 chunks");
+            }
+        }
+    }
+}
+
 TEST(blend, ratio_one_equals_full_prefill) {
     for (const std::string & path : models_under_test()) {
         for (blend_method method : {BLEND_METHOD_GRADUAL, BLEND_METHOD_DENSE}) {
