@@ -18,6 +18,10 @@ vocab::vocab(const std::string & gguf_path) {
 vocab::~vocab() { llama_model_free(model_); }
 
 std::vector<llama_token> vocab::tokenize(const std::string & text, bool add_special, bool parse_special) const {
+    // libllama counts bytes and tokens in int32: a longer text would wrap
+    if (text.size() > (size_t) INT32_MAX - 8)
+        throw error("text of " + std::to_string(text.size()) + " bytes is too long to tokenize (at most " +
+                    std::to_string(INT32_MAX - 8) + ")");
     std::vector<llama_token> out(text.size() + 8);
     int32_t n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special,
                                parse_special);
@@ -41,6 +45,9 @@ std::string vocab::token_to_piece(llama_token tok) const {
 }
 
 std::string vocab::detokenize(const std::vector<llama_token> & toks, bool special) const {
+    if (toks.size() > (size_t) INT32_MAX / 16)
+        throw error(std::to_string(toks.size()) + " tokens are too many to detokenize at once (at most " +
+                    std::to_string(INT32_MAX / 16) + ")");
     std::string out(toks.size() * 8 + 16, '\0');
     int32_t n = llama_detokenize(vocab_, toks.data(), (int32_t) toks.size(), out.data(), (int32_t) out.size(), false, special);
     if (n < 0) {
