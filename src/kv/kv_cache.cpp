@@ -170,12 +170,6 @@ std::vector<uint8_t> get_raw(const ggml_tensor * t, int64_t n, int64_t r0 = 0) {
     return raw;
 }
 
-// token-major rows [0, raw.size() / row bytes) into a layer's tensor
-void set_raw(ggml_tensor * t, const std::vector<uint8_t> & raw) {
-    kv_rows_from_host(t, 0, (int64_t) (raw.size() / kv_token_row_bytes(t)), raw.data(),
-                      [&](size_t off, size_t size, const void * src) { ggml_backend_tensor_set(t, src, off, size); });
-}
-
 // rows [0, n) of a layer's tensor into another allocation's (capacities may
 // differ): one block per head, both sides head-major, nothing regrouped
 void copy_rows(const ggml_tensor * src, ggml_tensor * dst, int64_t n) {
@@ -208,28 +202,30 @@ void kv_cache::compact(const std::vector<std::vector<std::vector<int64_t>>> & ke
         n_keep_max = std::max<int64_t>(n_keep_max, (int64_t) kl[0].size());
     }
     const int64_t cap = std::min(n_ctx_, n_keep_max + reserve);
-    // gather on the host: whole head segments (whole blocks) are copied as they are
+    // gather on the host, one KV head's block at a time (head-major: each
+    // head's rows lie together): whole head segments (whole quantized blocks)
+    // are copied as they are, and a head's block is read in full before it is
+    // written, so compacting in place is safe
     storage dst;
     const bool realloc = cap != cap_;
     if (realloc) dst = allocate(std::max<int64_t>(cap, 1));
     std::vector<layer_rows> rows(nl);
+    std::vector<uint8_t> old, out;
     for (int64_t il = 0; il < nl; ++il) {
         const auto & kl = keep[il];
-        const int64_t n_keep = (int64_t) kl[0].size();
+        const int64_t n_keep = (int64_t) kl[0].size(), n_old = n_rows((int) il);
         for (int kv = 0; kv < 2; ++kv) {
             ggml_tensor * src = kv == 0 ? k_[il] : v_[il];
-            const std::vector<uint8_t> old = get_raw(src, n_rows((int) il));
-            const size_t row = kv_token_row_bytes(src), seg = ggml_row_size(src->type, hp.head_dim);
-            std::vector<uint8_t> out(row * n_keep);
-            for (int64_t r = 0; r < n_keep; ++r) {
-                if (kl.size() == 1) {
-                    std::memcpy(&out[r * row], &old[kl[0][r] * row], row);
-                    continue;
-                }
-                for (int64_t h = 0; h < nh; ++h) std::memcpy(&out[r * row + h * seg], &old[kl[h][r] * row + h * seg], seg);
-            }
             ggml_tensor * to = realloc ? (kv == 0 ? dst.k[il] : dst.v[il]) : src;
-            set_raw(to, out);
+            const size_t seg = ggml_row_size(src->type, hp.head_dim);
+            old.resize(seg * n_old);
+            out.resize(seg * n_keep);
+            for (int64_t h = 0; h < nh; ++h) {
+                const std::vector<int64_t> & kr = kl[kl.size() == 1 ? 0 : h];
+                if (n_old > 0) ggml_backend_tensor_get(src, old.data(), h * src->nb[2], old.size());
+                for (int64_t r = 0; r < n_keep; ++r) std::memcpy(&out[r * seg], &old[kr[r] * seg], seg);
+                if (n_keep > 0) ggml_backend_tensor_set(to, out.data(), h * to->nb[2], out.size());
+            }
         }
         layer_rows & L = rows[il];
         L.n_rows = L.n_retained = n_keep;
