@@ -36,6 +36,8 @@ model, same threads, same KV type, in the same run.
   --profile-ops         after the timed runs, one more prefill each with every
                         ggml node computed and timed on its own: the time per
                         op (ours vs libllama), to find where a gap comes from
+  --profile-shapes      as --profile-ops, each op split by its operands' types
+                        and shapes (which matmul, which attention)
   --json                print one JSON object instead of the table
   -dev, --device DEV    our forward's device (cpu, cuda, rpc:HOST:PORT, …; see kvblend generate --help)
 )";
@@ -54,7 +56,7 @@ double peak_rss_mb() {
 // times every node the scheduler computes while `on` (one node per compute:
 // slower than a normal run, but the same for both sides)
 struct op_timer {
-    bool on = false;
+    bool on = false, shapes = false;
     double t0 = 0;
     std::map<std::string, double> ms;
 
@@ -65,7 +67,12 @@ struct op_timer {
             p->t0 = time_ms();
             return true;
         }
-        p->ms[ggml_op_desc(t)] += time_ms() - p->t0;
+        std::string key = ggml_op_desc(t);
+        for (int i = 0; p->shapes && i < 2 && t->src[i]; ++i)
+            key += (i ? " x " : " ") + std::string(ggml_type_name(t->src[i]->type)) + "[" +
+                   std::to_string(t->src[i]->ne[0]) + "," + std::to_string(t->src[i]->ne[1]) + "," +
+                   std::to_string(t->src[i]->ne[2]) + "]";
+        p->ms[key] += time_ms() - p->t0;
         return true;
     }
 };
@@ -74,7 +81,7 @@ int bench_prefill(args & a) {
     std::string model_path;
     std::vector<int64_t> lens = {512, 2048};
     int64_t n_gen = 32, reps = 3;
-    bool json = false, peer = true, profile = false;
+    bool json = false, peer = true, profile = false, shapes = false;
     model_params mp = model_default_params();
     engine_params ep = engine_default_params();
     while (!a.done()) {
@@ -92,6 +99,7 @@ int bench_prefill(args & a) {
             peer = p == "llama";
         } else if (a.match({"--json"})) json = true;
         else if (a.match({"--profile-ops"})) profile = true;
+        else if (a.match({"--profile-shapes"})) profile = shapes = true;
         else if (a.match({"--mmap"})) mp.use_mmap = true;
         else if (match_device_flag(a, mp)) continue;
         else a.unknown();
@@ -105,6 +113,7 @@ int bench_prefill(args & a) {
                     std::to_string(m->hparams().n_ctx_train));
     ep.n_ctx = n_max;
     op_timer ours_ops, llama_ops;
+    ours_ops.shapes = llama_ops.shapes = shapes;
     if (profile) ep.cb_eval = op_timer::callback, ep.cb_eval_user_data = &ours_ops;
     engine eng(m, ep);
 

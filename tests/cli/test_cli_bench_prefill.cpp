@@ -38,6 +38,21 @@ TEST(cli_bench_prefill, profile_ops_times_the_ops_of_both_forwards) {
     }
 }
 
+TEST(cli_bench_prefill, profile_shapes_splits_each_op_by_its_operands) {
+    const test::run_result r =
+        test::run_cli("bench prefill -m " + k_stories + " --tokens 48 -r 1 --n-gen 0 --json --profile-shapes");
+    ASSERT_EQ(r.status, 0) << r.err;
+    const nlohmann::json ops = nlohmann::json::parse(r.out)["rows"][0]["ops"];
+    // stories260K's q and o projections (f32 [64, 64]) over the 48 prompt
+    // tokens, and its FFN up/gate (f32 [64, 172]): run by both forwards
+    for (const char * op : {"MUL_MAT f32[64,64,1] x f32[64,48,1]", "MUL_MAT f32[64,172,1] x f32[64,48,1]"}) {
+        ASSERT_TRUE(ops.contains(op)) << op << " in " << ops.dump();
+        EXPECT_GT(ops[op].value("ours_ms", 0.0), 0.0) << op;
+        EXPECT_GT(ops[op].value("llama_ms", 0.0), 0.0) << op;
+    }
+    EXPECT_FALSE(ops.contains("MUL_MAT")) << "an op without its shapes";
+}
+
 TEST(cli_bench_prefill, profile_ops_table_names_the_ops) {
     const test::run_result r = test::run_cli("bench prefill -m " + k_stories + " --tokens 48 -r 1 --n-gen 0 --profile-ops");
     ASSERT_EQ(r.status, 0) << r.err;
