@@ -214,7 +214,15 @@ template <typename F> auto parse_choice(F parse, const std::string & val, const 
 variant parse_variant(const std::string & spec, int n_layer) {
     variant v;
     v.name = spec;
+    // codec names may hold a '+' (turboquant3+qjl): a piece that is no
+    // setting of its own continues the codec= before it
+    std::vector<std::string> parts;
     for (const std::string & s : split(spec, '+')) {
+        const bool setting = s.find('=') != std::string::npos || s == "default" || s == "prefix" || s == "beyond-budget";
+        if (!setting && !parts.empty() && parts.back().rfind("codec=", 0) == 0) parts.back() += "+" + s;
+        else parts.push_back(s);
+    }
+    for (const std::string & s : parts) {
         const size_t eq = s.find('=');
         const std::string key = s.substr(0, eq), val = eq == std::string::npos ? "" : s.substr(eq + 1);
         const bool has_val = eq != std::string::npos;

@@ -171,6 +171,28 @@ TEST(cli_bench_accuracy, malformed_lines_are_refused_with_their_number) {
     EXPECT_NE(r.err.find("error: cannot open"), std::string::npos) << r.err;
 }
 
+// a codec whose name holds a '+' (turboquant3+qjl) stays one setting, in
+// --codecs and inside a variant beside other settings; a codec name that
+// does not exist is still refused
+TEST(cli_bench_accuracy, codec_names_with_a_plus_are_one_setting) {
+    const std::string json = testing::TempDir() + "/acc_codec_plus.json";
+    const test::run_result r =
+        test::run_cli("bench accuracy -m " + k_stories + " --prompts " + k_prompts +
+                      " --n 2 --ratios 0.5 --codecs turboquant3+qjl --variants codec=turboquant3+qjl+head=2 --json " + json);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const nlohmann::json j = read_json(json);
+    const nlohmann::json & a = row(j, "codec=turboquant3+qjl", 0.5);
+    const nlohmann::json & b = row(j, "codec=turboquant3+qjl+head=2", 0.5);
+    ASSERT_FALSE(a.is_null());
+    ASSERT_FALSE(b.is_null());
+    // the codec changes the chunks' KV: the next token moves away from the full prefill's
+    EXPECT_GT(a["kl"].get<double>(), 0.0);
+    const test::run_result bad = test::run_cli("bench accuracy -m " + k_stories + " --prompts " + k_prompts +
+                                               " --n 1 --variants codec=turboquant3+nope");
+    EXPECT_EQ(bad.status, 1);
+    EXPECT_NE(bad.err.find("error:"), std::string::npos) << bad.err;
+}
+
 TEST(cli_bench_accuracy, bad_flags_are_messages) {
     const std::string base = "bench accuracy -m " + k_stories + " --prompts " + k_prompts + " --n 1 ";
     const std::vector<std::pair<std::string, std::string>> cases = {
