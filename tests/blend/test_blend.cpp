@@ -106,8 +106,9 @@ TEST(blend, chunk_placed_at_offset_equals_chunk_collected_there) {
 // placing rotates each chunk's K by its offset: in place for f16/f32 caches
 // (one RoPE block per chunk), through dequantized copies for quantized ones,
 // and one row at a time when the rows fall in very many runs (here 300
-// one-token chunks, each at its own offset). a one-token chunk has no
-// context, so collected at 0 and placed at i it must equal it collected at i
+// one-token chunks, each at its own offset), forwards and backwards. a chunk
+// collected alone has no context but itself, so collected at p and placed at
+// s it must equal it collected at s
 TEST(blend, placing_rotates_k_by_each_chunks_offset_at_every_cache_type) {
     for (const std::string & path : models_under_test()) {
         const auto m = model::load(path);
@@ -119,13 +120,16 @@ TEST(blend, placing_rotates_k_by_each_chunks_offset_at_every_cache_type) {
             engine_params ep = f32_params();
             ep.type_k = ep.type_v = type;
             // few runs (a chunk of many tokens each) and many (300 chunks of one)
-            for (const bool many : {false, true}) {
+            // 0: 4 chunks collected at 0; 1: 300 one-token chunks; 2: the 4
+            // chunks collected at 37, so the first ones move back (negative offsets)
+            for (const int mode : {0, 1, 2}) {
+                const bool many = mode == 1;
                 engine coll(m, ep), e(m, ep);
                 std::vector<chunk_kv> kv;
                 if (many)
                     for (llama_token t : toks) kv.push_back(collect(coll, {t}));
                 else
-                    kv = test::collect_all(coll, p);
+                    for (const auto & c : p.chunks) kv.push_back(collect(coll, c, mode == 2 ? 37 : 0));
                 place(e, test::pointers(kv));
                 // the reference: each chunk collected where it is placed
                 engine direct(m, ep);
@@ -140,7 +144,7 @@ TEST(blend, placing_rotates_k_by_each_chunks_offset_at_every_cache_type) {
                 }
                 // f32: exact up to the rotation's rounding; f16 and q8_0: one rounding of the cache type
                 const double tol = type == GGML_TYPE_F32 ? 1e-5 : type == GGML_TYPE_F16 ? 2e-3 : 2e-2;
-                EXPECT_LE(worst, tol) << path << " " << ggml_type_name(type) << (many ? ", 300 chunks" : ", 4 chunks");
+                EXPECT_LE(worst, tol) << path << " " << ggml_type_name(type) << " mode " << mode;
             }
         }
     }
