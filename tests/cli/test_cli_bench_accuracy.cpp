@@ -64,7 +64,9 @@ TEST(cli_bench_accuracy, on_the_testbed_naive_is_measurably_below_full_and_ratio
         only_full += f && !n;
         only_naive += n && !f;
         same_as_full += one[i] == full[i];
-        if (i < 20) EXPECT_EQ(one[i], full[i]) << "prompt " << i;
+        if (i < 20) {
+            EXPECT_EQ(one[i], full[i]) << "prompt " << i;
+        }
     }
     EXPECT_GT(only_full - only_naive, 2.0 * std::sqrt((double) (only_full + only_naive)))
         << "only full right: " << only_full << ", only naive right: " << only_naive;
