@@ -36,31 +36,37 @@ bool kv_cache_type_supported(ggml_type t);
 inline bool kv_tensor_on_host(const ggml_tensor * t) { return t->buffer && ggml_backend_buffer_is_host(t->buffer); }
 // bytes of one token-major row: every head's segment
 inline size_t kv_token_row_bytes(const ggml_tensor * t) { return ggml_row_size(t->type, t->ne[0]) * (size_t) t->ne[2]; }
-template <typename Get> void kv_rows_to_host(const ggml_tensor * t, int64_t r0, int64_t n, uint8_t * dst, Get && get) {
+namespace detail {
+// both directions walk the same blocks: per head, rows [r0, r0 + n) lie
+// together in the tensor (read or written in place in host memory, else
+// staged and moved by xfer), and each row's segment has its place in the
+// token-major host rows
+template <bool ToHost, typename Xfer>
+void kv_rows_walk(const ggml_tensor * t, int64_t r0, int64_t n, uint8_t * rows, Xfer && xfer) {
     const size_t seg = ggml_row_size(t->type, t->ne[0]), row = seg * (size_t) t->ne[2];
     if (n <= 0) return;
     GGML_ASSERT(r0 >= 0 && r0 + n <= t->ne[1]);
     const bool host = kv_tensor_on_host(t);
-    std::unique_ptr<uint8_t[]> block(host ? nullptr : new uint8_t[seg * (size_t) n]);
+    std::unique_ptr<uint8_t[]> stage(host ? nullptr : new uint8_t[seg * (size_t) n]);
     for (int64_t h = 0; h < t->ne[2]; ++h) {
         const size_t off = h * t->nb[2] + (size_t) r0 * seg;
-        const uint8_t * b = host ? static_cast<const uint8_t *>(t->data) + off : block.get();
-        if (!host) get(off, seg * (size_t) n, block.get());
-        for (int64_t j = 0; j < n; ++j) std::memcpy(dst + j * row + h * seg, b + j * seg, seg);
+        uint8_t * b = host ? static_cast<uint8_t *>(t->data) + off : stage.get();
+        if (ToHost && !host) xfer(off, seg * (size_t) n, b);
+        for (int64_t j = 0; j < n; ++j) {
+            uint8_t * r = rows + j * row + h * seg;
+            if (ToHost) std::memcpy(r, b + j * seg, seg);
+            else std::memcpy(b + j * seg, r, seg);
+        }
+        if (!ToHost && !host) xfer(off, seg * (size_t) n, b);
     }
 }
+}  // namespace detail
+template <typename Get> void kv_rows_to_host(const ggml_tensor * t, int64_t r0, int64_t n, uint8_t * dst, Get && get) {
+    detail::kv_rows_walk<true>(t, r0, n, dst, get);
+}
 template <typename Set> void kv_rows_from_host(ggml_tensor * t, int64_t r0, int64_t n, const uint8_t * src, Set && set) {
-    const size_t seg = ggml_row_size(t->type, t->ne[0]), row = seg * (size_t) t->ne[2];
-    if (n <= 0) return;
-    GGML_ASSERT(r0 >= 0 && r0 + n <= t->ne[1]);
-    const bool host = kv_tensor_on_host(t);
-    std::unique_ptr<uint8_t[]> block(host ? nullptr : new uint8_t[seg * (size_t) n]);
-    for (int64_t h = 0; h < t->ne[2]; ++h) {
-        const size_t off = h * t->nb[2] + (size_t) r0 * seg;
-        uint8_t * b = host ? static_cast<uint8_t *>(t->data) + off : block.get();
-        for (int64_t j = 0; j < n; ++j) std::memcpy(b + j * seg, src + j * row + h * seg, seg);
-        if (!host) set(off, seg * (size_t) n, block.get());
-    }
+    // src is only read: the walk copies out of it
+    detail::kv_rows_walk<false>(t, r0, n, const_cast<uint8_t *>(src), set);
 }
 
 class kv_cache {
