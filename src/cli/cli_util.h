@@ -2,12 +2,14 @@
 #pragma once
 
 #include <cstdio>
+#include <map>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 
 #include "cli/args.h"
 #include "ggml.h"
 #include "kvblend/blend.h"
+#include "kvblend/common.h"
 #include "kvblend/engine.h"
 
 namespace kvblend::cli {
@@ -34,6 +36,30 @@ void plot_png(const std::string & png, const std::string & data, const std::stri
 // a benchmark's results as indented JSON at path; nothing when path is empty,
 // a message when the file cannot be written
 void write_json(const std::string & path, const nlohmann::json & j);
+
+// times every node the scheduler computes while `on` (one node per compute:
+// slower than a normal run, but the same for both sides)
+struct op_timer {
+    bool on = false, shapes = false;
+    double t0 = 0;
+    std::map<std::string, double> ms;
+
+    static bool callback(ggml_tensor * t, bool ask, void * user_data) {
+        op_timer * p = static_cast<op_timer *>(user_data);
+        if (!p->on) return !ask;
+        if (ask) {
+            p->t0 = time_ms();
+            return true;
+        }
+        std::string key = ggml_op_desc(t);
+        for (int i = 0; p->shapes && i < 2 && t->src[i]; ++i)
+            key += (i ? " x " : " ") + std::string(ggml_type_name(t->src[i]->type)) + "[" +
+                   std::to_string(t->src[i]->ne[0]) + "," + std::to_string(t->src[i]->ne[1]) + "," +
+                   std::to_string(t->src[i]->ne[2]) + "]";
+        p->ms[key] += time_ms() - p->t0;
+        return true;
+    }
+};
 
 // -h / --help: prints the command's help; true when it was asked for
 inline bool match_help(args & a, const char * help) {

@@ -53,30 +53,6 @@ double peak_rss_mb() {
     return ru.ru_maxrss / 1024.0;  // linux reports KiB
 }
 
-// times every node the scheduler computes while `on` (one node per compute:
-// slower than a normal run, but the same for both sides)
-struct op_timer {
-    bool on = false, shapes = false;
-    double t0 = 0;
-    std::map<std::string, double> ms;
-
-    static bool callback(ggml_tensor * t, bool ask, void * user_data) {
-        op_timer * p = static_cast<op_timer *>(user_data);
-        if (!p->on) return !ask;
-        if (ask) {
-            p->t0 = time_ms();
-            return true;
-        }
-        std::string key = ggml_op_desc(t);
-        for (int i = 0; p->shapes && i < 2 && t->src[i]; ++i)
-            key += (i ? " x " : " ") + std::string(ggml_type_name(t->src[i]->type)) + "[" +
-                   std::to_string(t->src[i]->ne[0]) + "," + std::to_string(t->src[i]->ne[1]) + "," +
-                   std::to_string(t->src[i]->ne[2]) + "]";
-        p->ms[key] += time_ms() - p->t0;
-        return true;
-    }
-};
-
 int bench_prefill(args & a) {
     std::string model_path;
     std::vector<int64_t> lens = {512, 2048};

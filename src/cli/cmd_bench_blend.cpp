@@ -31,6 +31,11 @@ full prefill (ours and libllama's) and a blend of the same tokens are timed.
   --check-layer L       check layer (default 1)
   -r, --reps N          repetitions, the median is kept (default 1)
   --peer none|llama     time libllama's full prefill too (default llama)
+  --profile-ops         after the timed runs, one more blend with every ggml
+                        node computed and timed on its own: the blend's time
+                        per op, to find where it goes
+  --profile-shapes      as --profile-ops, each op split by its operands' types
+                        and shapes (which matmul, attention over how many keys)
 
 Fidelity (--ratios): mean KL to the full prefill, top-1 and greedy agreement
 over --prompts multi-document prompts (built-in short stories: use a model
@@ -54,8 +59,8 @@ double median(std::vector<double> v) {
 }
 
 int bench_speed(const std::string & model_path, const std::vector<int64_t> & contexts, float ratio, int64_t chunk,
-                int check_layer, int64_t reps, bool peer, int32_t threads, const std::string & json_path,
-                const std::string & png) {
+                int check_layer, int64_t reps, bool peer, int profile, int32_t threads,
+                const std::string & json_path, const std::string & png) {
     auto m = model::load(model_path);
     const model_hparams & hp = m->hparams();
     const int64_t n_max = *std::max_element(contexts.begin(), contexts.end());
@@ -64,7 +69,11 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
     ep.n_threads = threads;
     ep.n_ctx = n_max;
     engine eng(m, ep);
-    engine eng_blend(m, ep);  // its own scheduler: compute buffers of a blend alone
+    op_timer ops;  // --profile-ops: the nodes of one more blend, each timed alone
+    ops.shapes = profile > 1;
+    engine_params ep_blend = ep;
+    if (profile) ep_blend.cb_eval = op_timer::callback, ep_blend.cb_eval_user_data = &ops;
+    engine eng_blend(m, ep_blend);  // its own scheduler: compute buffers of a blend alone
     std::unique_ptr<ref::llama_ref> lr;
     if (peer) {
         ref::llama_ref_params rp;
@@ -126,6 +135,15 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
             t_sel.push_back(time_ms() - t0);
         }
         fused = br.logits;
+        nlohmann::json op_ms = nlohmann::json::object();
+        if (profile) {
+            ops.ms.clear();
+            ops.on = true;
+            const blend_result pr = blend(eng_blend, ptrs, query, bp);
+            ops.on = false;
+            for (const auto & [op, ms] : ops.ms) op_ms[op] = ms;
+            op_ms["(blend total)"] = pr.stats.total_ms;
+        }
         size_t chunk_bytes = 0;
         for (const auto & c : kv) chunk_bytes += c.bytes();
         const double full_ms = median(t_full), blend_ms = median(t_blend), sel_ms = median(t_sel);
@@ -157,6 +175,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
                               {"blend_compute_mb", eng_blend.compute_buffer_bytes() / 1048576.0},
                               {"blend_hidden_mb", N * hp.n_embd * 4 / 1048576.0},
                               {"chunk_kv_mb", chunk_bytes / 1048576.0}};
+        if (profile) row["ops"] = op_ms;
         if (lr) {
             row["llama_full_ms"] = median(t_ref);
             row["speedup_vs_llama"] = median(t_ref) / blend_ms;
@@ -188,6 +207,20 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
         std::printf("| %6lld | %23.1f | %16.1f | %22.1f | %11.1f |\n", (long long) r["n_tokens"].get<int64_t>(),
                     r["full_compute_mb"].get<double>(), r["blend_compute_mb"].get<double>(),
                     r["blend_hidden_mb"].get<double>(), r["chunk_kv_mb"].get<double>());
+    for (const auto & r : rows) {
+        if (!r.contains("ops")) continue;
+        double total = 0;
+        for (const auto & [op, ms] : r["ops"].items())
+            if (op[0] != '(') total += ms.get<double>();
+        std::printf("\nops of one %lld-token blend, each node timed alone (%.0f ms in the nodes, %.0f ms in all):\n\n",
+                    (long long) r["n_tokens"].get<int64_t>(), total, r["ops"]["(blend total)"].get<double>());
+        std::printf("| op | ms | share |\n|---|---:|---:|\n");
+        for (const auto & [op, ms] : r["ops"].items()) {
+            const double v = ms.get<double>();
+            if (op[0] == '(' || v < 0.005 * total) continue;  // the many near-free views
+            std::printf("| %s | %.1f | %.1f%% |\n", op.c_str(), v, 100.0 * v / total);
+        }
+    }
     write_json(json_path, out);
     const std::string base = model_path.substr(model_path.find_last_of('/') + 1);
     plot_png(png, dat,
@@ -313,6 +346,7 @@ int bench_blend(args & a) {
     blend_score score = BLEND_SCORE_V;
     int32_t threads = 2;
     bool peer = true;
+    int profile = 0;
     while (!a.done()) {
         if (match_help(a, k_help)) return 0;
         else if (a.match({"-m", "--model"})) model_path = a.str();
@@ -328,6 +362,8 @@ int bench_blend(args & a) {
         else if (a.match({"-t", "--threads"})) threads = (int32_t) a.integer(1, 1024);
         else if (a.match({"--json"})) json_path = a.str();
         else if (a.match({"--plot"})) png = a.str();
+        else if (a.match({"--profile-ops"})) profile = std::max(profile, 1);
+        else if (a.match({"--profile-shapes"})) profile = 2;
         else if (a.match({"--peer"})) {
             const std::string p = a.str();
             if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");
@@ -336,7 +372,7 @@ int bench_blend(args & a) {
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (!ratios.empty()) return bench_fidelity(model_path, ratios, n_prompts, n_docs, check_layer, score, threads, json_path, png);
-    return bench_speed(model_path, contexts, ratio, chunk, check_layer, reps, peer, threads, json_path, png);
+    return bench_speed(model_path, contexts, ratio, chunk, check_layer, reps, peer, profile, threads, json_path, png);
 }
 
 }  // namespace kvblend::cli

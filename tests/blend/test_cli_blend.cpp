@@ -140,6 +140,37 @@ TEST(cli_bench_blend, speed_rows_on_a_small_model) {
     const test::run_result bad = test::run_cli("bench blend -m " + model + " --ratios 0,2");
     EXPECT_EQ(bad.status, 1);
     EXPECT_NE(bad.err.find("--ratios expects comma-separated numbers in [0, 1]"), std::string::npos) << bad.err;
+    EXPECT_FALSE(j["rows"][0].contains("ops"));  // only with --profile-ops
+}
+
+TEST(cli_bench_blend, profile_shapes_times_the_ops_of_one_blend) {
+    const std::string model = test::make_test_model("tiny", GGML_TYPE_F16);
+    test::temp_dir dir("bench");
+    const std::string json = dir.file("ops.json");
+    const test::run_result r = test::run_cli("bench blend -m " + model +
+                                             " --context 300 --chunk 128 --peer none --profile-shapes --json " + json);
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_NE(r.out.find("ops of one 300-token blend"), std::string::npos) << r.out;
+    std::ifstream f(json);
+    const nlohmann::json ops = nlohmann::json::parse(f)["rows"][0]["ops"];
+    // the layers' attention and matmuls, and placing's rotation of the chunks' K,
+    // each under its operands' shapes; no op under its bare name
+    double nodes = 0;
+    int attn = 0, matmul = 0, rope = 0;
+    for (const auto & [op, ms] : ops.items()) {
+        if (op == "(blend total)") continue;
+        EXPECT_NE(op.find(' '), std::string::npos) << "an op without its shapes: " << op;
+        nodes += ms.get<double>();
+        attn += op.rfind("FLASH_ATTN_EXT f32[", 0) == 0;
+        matmul += op.rfind("MUL_MAT ", 0) == 0;
+        rope += op.rfind("ROPE ", 0) == 0;
+    }
+    EXPECT_GT(attn, 1) << ops.dump();  // the early run and the deep run attend over different key counts
+    EXPECT_GT(matmul, 0) << ops.dump();
+    EXPECT_GT(rope, 0) << ops.dump();
+    // every node timed ran inside the blend
+    EXPECT_GT(nodes, 0.0);
+    EXPECT_LE(nodes, ops["(blend total)"].get<double>());
 }
 
 TEST(cli_blend, a_fused_cache_decodes_over_a_live_compressed_cache) {
