@@ -226,6 +226,21 @@ class _Every:
         return seq[self.i] if self.calls == 1 else seq
 
 
+def run_progress(args, step, tokens_seen, elapsed_s):
+    """how far the run is, in [0, 1], for the learning-rate schedule: by --steps,
+    --tokens or --minutes (of this invocation), whichever is furthest. The tokens
+    seen are counted, not estimated from the steps: a run resumed with a larger
+    --tokens goes on from where its tokens put it on the new schedule."""
+    p = [0.0]
+    if args.steps:
+        p.append(step / args.steps)
+    if args.tokens:
+        p.append(tokens_seen / args.tokens)
+    if args.minutes:
+        p.append(elapsed_s / (args.minutes * 60))
+    return min(1.0, max(p))
+
+
 def block_mask(blk, device):
     """attention of a packed row (Batches.pad): the prompt is causal; a question block
     sees the prompt and itself (causal); padding sees itself only. bool [B, 1, T, T]."""
@@ -608,13 +623,7 @@ def main(argv=None):
     run = {"t0": time.time(), "wall0": wall}
 
     def progress():
-        """how far the run is, in [0, 1]: by steps, tokens or minutes, whichever is furthest"""
-        p = [step / total] if total > 0 else []
-        if args.tokens:
-            p.append(tokens_seen / args.tokens)
-        if args.minutes:
-            p.append((time.time() - run["t0"]) / (args.minutes * 60))  # of this invocation
-        return min(1.0, max(p))
+        return run_progress(args, step, tokens_seen, time.time() - run["t0"])
 
     def lr_at(s):
         if s < args.warmup:

@@ -71,3 +71,16 @@ def test_level_up_starts_small_and_ends_on_the_dev_range(tok):
     assert b.people(0.0) == (3, 4)
     level.value = 6
     assert b.people(0.0) == (3, 6)
+
+
+def test_the_schedule_follows_the_tokens_seen_not_a_step_estimate():
+    # a run resumed with a larger --tokens: its steps were longer than the
+    # length estimate assumed, yet it is where its tokens say on the new schedule
+    args = train.parse_args(["--out", "unused", "--tokens", "6.5e7", "--batch", "64"])
+    assert train.run_progress(args, step=11000, tokens_seen=5.0e7, elapsed_s=0) == pytest.approx(5.0 / 6.5)
+    assert train.run_progress(args, step=0, tokens_seen=0, elapsed_s=0) == 0.0
+    assert train.run_progress(args, step=1, tokens_seen=7e7, elapsed_s=0) == 1.0
+    # by steps or minutes, whichever is furthest
+    args = train.parse_args(["--out", "unused", "--steps", "100", "--minutes", "10"])
+    assert train.run_progress(args, step=20, tokens_seen=0, elapsed_s=300) == pytest.approx(0.5)
+    assert train.run_progress(args, step=80, tokens_seen=0, elapsed_s=300) == pytest.approx(0.8)
