@@ -82,14 +82,35 @@ class codec;
 std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std::vector<llama_token> & prefix,
                                   const codec * cd = nullptr);
 
-// parse and verify an entry: magic, version, checksum, the model fingerprint
-// and every shape against m. throws kvblend::error naming what is wrong.
-chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes);
-chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && bytes);  // keeps the bytes: no copy of the KV
+// what an entry says beyond its chunk's KV
+struct chunk_entry_info {
+    std::vector<llama_token> prefix;  // the tokens it was collected behind (collect_with_prefix)
+    std::string codec;                // the codec its header names (a family: "turboquant", not "turboquant4")
+    // the key it is stored under, derived from what it holds; empty where the
+    // entry does not hold all a key names (an evicted chunk; turboquant, minicache)
+    std::string key;
+};
+
+// parse and verify an entry: magic, version, checksum, the model fingerprint,
+// every shape against m, every token id inside m's vocabulary. throws
+// kvblend::error naming what is wrong. info (optional): what else it says.
+chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes, chunk_entry_info * info = nullptr);
+chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && bytes,  // keeps the bytes: no copy of the KV
+                      chunk_entry_info * info = nullptr);
+
+// a document by its id (the key its entry is stored under): the entry decoded
+// and shown to be that id's, from the key it derives, or else from the key its
+// tokens have under `type` and `codec` (the caller's own settings). throws
+// kvblend::error when it is not; *remove then says whether the entry is
+// certainly of no use (corrupt, or another chunk's under this id) rather than
+// possibly another configuration's
+chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const std::string & id, ggml_type type,
+                         const std::string & codec, bool * remove = nullptr);
 
 // what is wrong with an entry ("" when nothing): structure and checksum, and
-// with a model also the fingerprint and shapes
-std::string chunk_entry_check(const std::vector<uint8_t> & bytes, const model * m);
+// with a model also the fingerprint, shapes and token ids, and, given the key it
+// is stored under, that the key it derives (where it derives one) is that key
+std::string chunk_entry_check(const std::vector<uint8_t> & bytes, const model * m, const std::string & key = {});
 
 // get a chunk's KV from the store, or collect it on the engine and put it.
 // a corrupt, truncated or mismatched entry is a miss: it is removed, a

@@ -316,6 +316,10 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
         tokens.push_back(query[i]);
         pos.push_back((int32_t) (s + (int64_t) i));
     }
+    // a chunk is data (a store entry, a caller's struct): its ids are checked
+    // as eval checks a prompt's, before the embedding sees them
+    for (const llama_token t : tokens)
+        if (t < 0 || t >= hp.n_vocab) throw error("token id " + std::to_string(t) + " is outside the vocabulary");
     const int64_t N = (int64_t) tokens.size();               // rows
     const int64_t N_pos = s + (int64_t) query.size();        // positions
     if (N_pos > eng.cache().n_ctx())

@@ -751,10 +751,11 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
             const double t0 = time_ms();
             std::optional<std::vector<uint8_t>> bytes = is_id(d.id) ? store->st->get(id) : std::nullopt;
             if (!bytes) fail(KVB_ERR_NOT_FOUND, "unknown document id '" + id + "'");
+            bool remove = true;
             try {
-                stored[i] = std::make_unique<chunk_kv>(chunk_decode(m, std::move(*bytes)));
+                stored[i] = std::make_unique<chunk_kv>(chunk_decode_id(m, std::move(*bytes), id, ctx->ep.type_k, codec_name, &remove));
             } catch (const error & e) {
-                store->st->erase(id);
+                if (remove) store->st->erase(id);
                 fail(KVB_ERR_NOT_FOUND, "document '" + id + "' is no longer usable (" + e.what() + ")");
             }
             doc_tokens[i] = stored[i]->tokens;

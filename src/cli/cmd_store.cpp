@@ -211,7 +211,7 @@ int cmd_store(int argc, char ** argv) {
             const auto bytes = st->get(e.key);
             // listed but no entry to read: removed meanwhile, or something else
             // in its place (a directory, a redis key of another type)
-            const std::string why = bytes ? chunk_entry_check(*bytes, m.get()) : "not a readable entry";
+            const std::string why = bytes ? chunk_entry_check(*bytes, m.get(), e.key) : "not a readable entry";
             if (!bytes && !st->erase(e.key)) continue;  // removed meanwhile
             if (why.empty()) {
                 ++ok;

@@ -445,6 +445,7 @@ class turboquant_codec : public codec {
     }
 
     std::string entry_name() const override { return "turboquant"; }
+    bool entry_name_is_full() const override { return false; }
 
     // the payload's own settings (rate, QJL, seed) rule: any turboquant codec decodes any turboquant payload
     void decode(const uint8_t * p, size_t n_bytes, chunk_kv & out) const override {

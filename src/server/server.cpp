@@ -600,10 +600,11 @@ struct server::impl {
         if (soft_store::thread_failures() != failures)
             throw request_error{503, "the store is unreachable: document '" + id + "' cannot be read", "server_error", "store_unavailable"};
         if (!bytes) throw request_error{404, "unknown document id '" + id + "'", "invalid_request_error", "document_not_found"};
+        bool remove = true;
         try {
-            return chunk_decode(*m, std::move(*bytes)).tokens;
+            return chunk_decode_id(*m, std::move(*bytes), id, p.type_k, p.codec, &remove).tokens;
         } catch (const error & e) {
-            st->erase(id);
+            if (remove) st->erase(id);
             throw request_error{404, "document '" + id + "' is no longer usable (" + e.what() + ")", "invalid_request_error",
                                 "document_not_found"};
         }

@@ -122,11 +122,53 @@ entry_header parse(const std::vector<uint8_t> & b) {
     return h;
 }
 
-void check_against(const entry_header & h, const model & m) {
+std::vector<llama_token> entry_tokens(const std::vector<uint8_t> & b, size_t at, uint32_t n) {
+    std::vector<llama_token> t(n);
+    if (n) std::memcpy(t.data(), &b[at], 4ull * n);
+    return t;
+}
+std::vector<llama_token> entry_prefix(const entry_header & h, const std::vector<uint8_t> & b) {
+    return entry_tokens(b, k_fixed_header, h.n_prefix);
+}
+std::vector<llama_token> entry_chunk_tokens(const entry_header & h, const std::vector<uint8_t> & b) {
+    return entry_tokens(b, k_fixed_header + 4ull * h.n_prefix, h.n_tokens);
+}
+
+// the entry against the model it is read for: the fingerprint, the shapes, and
+// every token id inside the vocabulary (a checksum is not a signature: whoever
+// can write the store can write a well-formed entry of any token ids, and the
+// forward must never see one the embedding does not hold)
+void check_against(const entry_header & h, const std::vector<uint8_t> & b, const model & m) {
     const model_hparams & hp = m.hparams();
     if (h.fingerprint != m.fingerprint()) throw error("entry belongs to another model (fingerprint " + h.fingerprint + ")");
     if (h.n_layer != hp.n_layer || h.n_head_kv != hp.n_head_kv || h.head_dim != hp.head_dim)
         throw error("entry shape does not match the model");
+    const uint64_t n = (uint64_t) h.n_prefix + h.n_tokens;
+    for (uint64_t i = 0; i < n; ++i) {
+        const int32_t t = (int32_t) get_u32(&b[k_fixed_header + 4 * i]);
+        if (t < 0 || t >= hp.n_vocab)
+            throw error("entry holds token id " + std::to_string(t) + ", outside the model's vocabulary of " +
+                        std::to_string(hp.n_vocab));
+    }
+}
+
+// the key the entry would be stored under, from what it holds; empty where
+// the entry does not hold all the key names: an evicted chunk (its policy is
+// not in the entry) or a codec whose entry names only its family (turboquant,
+// minicache: their settings are in the key, not in the entry's header)
+std::string derived_key(const entry_header & h, const std::vector<uint8_t> & b, const model & m) {
+    if (h.n_kept != 0) return {};
+    std::string codec = h.codec;
+    if (codec != k_codec_raw) {
+        std::unique_ptr<kvblend::codec> cd;
+        try {
+            cd = codec_by_name(h.codec);
+        } catch (const error &) {
+            throw error("entry names an unknown codec '" + h.codec + "'");
+        }
+        if (!cd->entry_name_is_full()) return {};
+    }
+    return chunk_key(m, (ggml_type) h.dtype, codec, entry_prefix(h, b), entry_chunk_tokens(h, b));
 }
 
 }  // namespace
@@ -204,19 +246,27 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     return b;
 }
 
-std::string chunk_entry_check(const std::vector<uint8_t> & bytes, const model * m) {
+std::string chunk_entry_check(const std::vector<uint8_t> & bytes, const model * m, const std::string & key) {
     try {
         const entry_header h = parse(bytes);
-        if (m) check_against(h, *m);
+        if (!m) return {};
+        check_against(h, bytes, *m);
+        const std::string own = key.empty() ? std::string() : derived_key(h, bytes, *m);
+        if (!own.empty() && own != key) throw error("entry holds the chunk of key " + own + ", not of its own key");
         return {};
     } catch (const error & e) {
         return e.what();
     }
 }
 
-chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && b) {
+chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && b, chunk_entry_info * info) {
     const entry_header h = parse(b);
-    check_against(h, m);
+    check_against(h, b, m);
+    if (info) {
+        info->prefix = entry_prefix(h, b);
+        info->codec = h.codec;
+        info->key = derived_key(h, b, m);
+    }
     chunk_kv c;
     c.pos0 = h.pos0;
     c.n_layer = h.n_layer;
@@ -237,8 +287,24 @@ chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && b) {
     return c;
 }
 
-chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes) {
-    return chunk_decode(m, std::vector<uint8_t>(bytes));
+chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes, chunk_entry_info * info) {
+    return chunk_decode(m, std::vector<uint8_t>(bytes), info);
+}
+
+chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const std::string & id, ggml_type type,
+                         const std::string & codec, bool * remove) {
+    if (remove) *remove = true;  // an entry that does not decode is of no use to anyone
+    chunk_entry_info info;
+    chunk_kv c = chunk_decode(m, std::move(bytes), &info);
+    if (!info.key.empty()) {
+        if (info.key != id) throw error("the entry under this id holds another chunk (of key " + info.key + ")");
+        return c;
+    }
+    // the key is not in the entry: the id must be the key its tokens have here
+    if (c.kept.empty() && info.prefix.empty() && chunk_key(m, type, codec_by_name(codec)->name(), {}, c.tokens) == id)
+        return c;
+    if (remove) *remove = false;  // it may be another configuration's entry: left alone
+    throw error("the entry under this id cannot be shown to be its document (codec " + info.codec + ")");
 }
 
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
@@ -257,8 +323,18 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
         std::optional<std::vector<uint8_t>> bytes = st->get(key);
         if (bytes) {
             try {
-                chunk_kv c = chunk_decode(m, std::move(*bytes));
-                if (c.tokens != tokens) throw error("entry holds other tokens than its key says");
+                chunk_entry_info info;
+                chunk_kv c = chunk_decode(m, std::move(*bytes), &info);
+                // what the key names, as the entry holds it (its header is not signed)
+                if (c.tokens != tokens || info.prefix != prefix) throw error("entry holds other tokens than its key says");
+                if (c.type != eng.cache().type_k())
+                    throw error(std::string("entry holds ") + ggml_type_name(c.type) + " KV, the cache is " +
+                                ggml_type_name(eng.cache().type_k()));
+                if (info.codec != cd->entry_name()) throw error("entry is coded with " + info.codec + ", its key names " + cd->name());
+                if (c.kept.empty() != (ev.policy == EVICT_POLICY_NONE))
+                    throw error(c.kept.empty() ? "entry holds every token, its key names an evicted chunk"
+                                               : "entry holds an evicted chunk, its key names every token");
+                if (!info.key.empty() && info.key != key) throw error("entry holds the chunk of key " + info.key);
                 stats.hits++;
                 stats.load_ms += time_ms() - t0;
                 return c;

@@ -14,6 +14,7 @@
 #include "cli_run.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/blend.h"
+#include "kvblend/codec.h"
 #include "kvblend/store.h"
 #include "test_util.h"
 
@@ -135,6 +136,74 @@ TEST(chunk_store, corrupt_truncated_and_foreign_entries_are_misses) {
     chunk_fetch_stats fs;
     expect_same_chunk(chunk_get_or_collect(st.get(), eng, {}, toks, fs), good);
     EXPECT_EQ(fs.misses, 1);
+}
+
+// a checksum is not a signature: whoever can write the store can write a
+// well-formed entry that lies about what it holds. None of these is ever used
+TEST(chunk_store, well_formed_entries_that_lie_are_refused) {
+    auto m = model::load(k_stories);
+    engine eng(m, engine_default_params());
+    const std::vector<llama_token> toks = doc_tokens(*m, 1), other_toks = doc_tokens(*m, 2);
+    const chunk_kv good = collect(eng, toks), other = collect(eng, other_toks);
+    const std::string key = chunk_key(*m, good.type, "raw", {}, toks);
+    const std::string other_key = chunk_key(*m, other.type, "raw", {}, other_toks);
+
+    // token ids outside the vocabulary (the embedding would read past its rows)
+    for (const llama_token bad : {(llama_token) m->hparams().n_vocab, (llama_token) 1000000, (llama_token) -7}) {
+        chunk_kv c = good;
+        c.tokens[1] = bad;
+        const std::vector<uint8_t> b = chunk_encode(*m, c, {});
+        EXPECT_NE(chunk_entry_check(b, m.get()).find("outside the model's vocabulary"), std::string::npos)
+            << chunk_entry_check(b, m.get());
+        EXPECT_THROW(chunk_decode(*m, b), error);
+        // and a chunk built by a caller with such an id is refused by the blend, not fed to ggml
+        std::vector<const chunk_kv *> ptrs = {&good, &c};
+        EXPECT_THROW(blend(eng, ptrs, {1, 2}, blend_default_params()), error);
+    }
+
+    // another chunk's entry under this key: the key it derives is not its own
+    const std::vector<uint8_t> swapped = chunk_encode(*m, other, {});
+    EXPECT_EQ(chunk_entry_check(swapped, m.get(), other_key), "");
+    EXPECT_NE(chunk_entry_check(swapped, m.get(), key).find("not of its own key"), std::string::npos);
+    bool remove = false;
+    EXPECT_THROW(chunk_decode_id(*m, std::vector<uint8_t>(swapped), key, good.type, "raw", &remove), error);
+    EXPECT_TRUE(remove);
+    EXPECT_EQ(chunk_decode_id(*m, std::vector<uint8_t>(swapped), other_key, good.type, "raw").tokens, other_toks);
+
+    // an entry of another element type (f32) under the f16 key
+    engine_params ep32 = engine_default_params();
+    ep32.type_k = ep32.type_v = GGML_TYPE_F32;
+    engine eng32(m, ep32);
+    const std::vector<uint8_t> f32_entry = chunk_encode(*m, collect(eng32, toks), {});
+    EXPECT_NE(chunk_entry_check(f32_entry, m.get(), key), "");
+
+    // through the store: each is a miss, removed, and the chunk collected again
+    test::temp_dir d("store");
+    auto st = store_open(d.path().string());
+    for (const auto & bad : {swapped, f32_entry}) {
+        st->put(key, bad);
+        chunk_fetch_stats fs;
+        expect_same_chunk(chunk_get_or_collect(st.get(), eng, {}, toks, fs), good);
+        EXPECT_EQ(fs.misses, 1);
+        EXPECT_EQ(chunk_entry_check(*st->get(key), m.get(), key), "");
+    }
+    // an entry collected behind a prefix is not the chunk alone
+    const chunk_kv behind = collect_after(eng, other_toks, toks);
+    st->put(key, chunk_encode(*m, behind, other_toks));
+    chunk_fetch_stats fs;
+    expect_same_chunk(chunk_get_or_collect(st.get(), eng, {}, toks, fs), good);
+    EXPECT_EQ(fs.misses, 1);
+
+    // a codec whose entry names only its family: the key cannot be derived;
+    // the id is checked against the caller's own settings, and an entry that
+    // may be another configuration's is refused but not marked for removal
+    const std::unique_ptr<codec> tq = codec_by_name("turboquant4");
+    const std::vector<uint8_t> tq_entry = chunk_encode(*m, good, {}, tq.get());
+    const std::string tq_key = chunk_key(*m, good.type, tq->name(), {}, toks);
+    EXPECT_EQ(chunk_decode_id(*m, std::vector<uint8_t>(tq_entry), tq_key, good.type, "turboquant4").tokens, toks);
+    remove = true;
+    EXPECT_THROW(chunk_decode_id(*m, std::vector<uint8_t>(tq_entry), tq_key, good.type, "turboquant3", &remove), error);
+    EXPECT_FALSE(remove);
 }
 
 TEST(chunk_store, lru_eviction_under_a_budget) {
