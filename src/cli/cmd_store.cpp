@@ -208,10 +208,17 @@ int cmd_store(int argc, char ** argv) {
         if (!model_path.empty()) m = model::load(model_path);
         uint64_t ok = 0, bad = 0;
         for (const auto & e : st->list()) {
-            const auto bytes = st->get(e.key);
+            std::optional<std::vector<uint8_t>> bytes;
+            std::string unreadable;
+            try {
+                bytes = st->get(e.key);
+            } catch (const std::bad_alloc &) {
+                unreadable = "too large to read";  // one such entry must not stop the repair of the rest
+            }
             // listed but no entry to read: removed meanwhile, or something else
             // in its place (a directory, a redis key of another type)
-            const std::string why = bytes ? chunk_entry_check(*bytes, m.get(), e.key) : "not a readable entry";
+            const std::string why = bytes ? chunk_entry_check(*bytes, m.get(), e.key)
+                                    : unreadable.empty() ? "not a readable entry" : unreadable;
             if (!bytes && !st->erase(e.key)) continue;  // removed meanwhile
             if (why.empty()) {
                 ++ok;

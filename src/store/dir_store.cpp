@@ -34,6 +34,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// the largest file read as an entry (a 32k-token chunk of a 70B model in f16 is
+// about 10.7 GB); a larger one is not an entry of ours
+constexpr uint64_t k_max_entry_bytes = 16ull << 30;
+
 std::string sys_error(const std::string & what, const fs::path & p) {
     return what + " '" + p.string() + "': " + std::strerror(errno);
 }
@@ -162,6 +166,10 @@ class dir_store : public store {
         struct stat st {};
         if (fstat(fd.get(), &st) != 0) throw error(sys_error("cannot stat", p));
         if (!S_ISREG(st.st_mode)) return std::nullopt;
+        // no entry is larger than the whole budget, or than k_max_entry_bytes:
+        // such a file (a sparse one, say) is not read into memory, it is no entry
+        const uint64_t cap = opts_.max_bytes ? std::min<uint64_t>(opts_.max_bytes, k_max_entry_bytes) : k_max_entry_bytes;
+        if ((uint64_t) st.st_size > cap) return std::nullopt;
         std::vector<uint8_t> out((size_t) st.st_size);
         size_t done = 0;
         while (done < out.size()) {
@@ -311,12 +319,22 @@ class dir_store : public store {
             int64_t mtime_ns;
             std::string key;
         };
+        // the index is a summary anyone can edit: before anything is evicted,
+        // each entry's size is what its file holds (a wrong size in the index
+        // must never cost the valid entries)
         std::vector<aged> order;
-        for (const auto & [k, n] : idx) {
+        total = 0;
+        for (auto it = idx.begin(); it != idx.end();) {
             struct stat st {};
-            int64_t t = 0;
-            if (stat(entry_path(k).c_str(), &st) == 0) t = (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
-            order.push_back({k == keep ? INT64_MAX : t, k});
+            if (stat(entry_path(it->first).c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+                it = idx.erase(it);  // gone, or not an entry: it holds no bytes of the budget
+                continue;
+            }
+            it->second = (uint64_t) st.st_size;
+            total += it->second;
+            const int64_t t = (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+            order.push_back({it->first == keep ? INT64_MAX : t, it->first});
+            ++it;
         }
         std::sort(order.begin(), order.end(), [](const aged & a, const aged & b) { return a.mtime_ns < b.mtime_ns; });
         uint64_t removed = 0;

@@ -480,14 +480,21 @@ class redis_store : public store {
                 e.info.last_used = now - e.idle;
             }
             const redisReply * s = sizes->element[i];
-            if (s->type == REDIS_REPLY_STRING) {
-                e.info.bytes = std::strtoull(std::string(s->str, s->len).c_str(), nullptr, 10);
-            } else {
+            // a recorded size is a summary anyone can edit: one that is not a
+            // decimal a redis string can have (≤ 512 MiB) is measured instead
+            if (s->type != REDIS_REPLY_STRING || !parse_size(std::string(s->str, s->len), e.info.bytes))
                 unsized.push_back(out.size());
-            }
             out.push_back(std::move(e));
         }
         if (!unsized.empty()) measure(unsized, out);
+    }
+
+    static bool parse_size(const std::string & t, uint64_t & out) {
+        if (t.empty() || t.size() > 10 || t.find_first_not_of("0123456789") != std::string::npos) return false;
+        const uint64_t v = std::stoull(t);
+        if (v > (512ull << 20)) return false;
+        out = v;
+        return true;
     }
 
     // STRLEN the entries the sizes hash lacks and record them there, so this

@@ -238,6 +238,39 @@ TEST(chunk_store, lru_eviction_under_a_budget) {
     EXPECT_EQ(st->list().size(), 1u);
 }
 
+// the index is a summary anyone can edit: a wrong size in it never costs the
+// valid entries, and a file too large to be an entry is not read into memory
+TEST(chunk_store, a_forged_index_size_evicts_no_valid_entry) {
+    test::temp_dir d("store");
+    const std::vector<uint8_t> blob(1000, 7);
+    store_options so;
+    so.max_bytes = 3500;
+    auto st = store_open(d.path().string(), so);
+    const std::vector<std::string> keys = {"aaaa0000aaaa0000", "bbbb0000bbbb0000", "cccc0000cccc0000", "dddd0000dddd0000"};
+    for (int i = 0; i < 3; ++i) {
+        st->put(keys[i], blob);
+        const timeval tv[2] = {{100 * (i + 1), 0}, {100 * (i + 1), 0}};
+        utimes(entry_file(d, keys[i]).c_str(), tv);
+    }
+    {
+        std::ofstream f(d.path() / "index", std::ios::trunc);
+        f << "kvblend-store-index v1\n" << keys[0] << " 1000\n" << keys[1] << " 999999999999\n" << keys[2] << " 1000\n";
+    }
+    st->put(keys[3], blob);  // 4000 real bytes over 3500: only the oldest goes
+    EXPECT_FALSE(st->contains(keys[0]));
+    EXPECT_TRUE(st->contains(keys[1]));
+    EXPECT_TRUE(st->contains(keys[2]));
+    EXPECT_TRUE(st->contains(keys[3]));
+    EXPECT_EQ(st->stats().bytes, 3000u);  // and the index holds the real sizes again
+
+    // a sparse file far larger than the budget in an entry's place: a miss, not an allocation
+    fs::resize_file(entry_file(d, keys[2]), 64ull << 30);
+    EXPECT_FALSE(st->get(keys[2]).has_value());
+    EXPECT_TRUE(st->get(keys[3]).has_value());
+    auto unbounded = store_open(d.path().string());  // no budget: the fixed bound (16 GiB) holds
+    EXPECT_FALSE(unbounded->get(keys[2]).has_value());
+}
+
 TEST(chunk_store, bad_uris_and_keys_are_errors) {
     EXPECT_THROW(store_open(""), error);
     EXPECT_THROW(store_open("ftp://x"), error);

@@ -223,6 +223,19 @@ TEST_F(RedisStore, GcEvictsLeastRecentlyUsedFirst) {
     EXPECT_EQ(tight->stats().bytes, 1000u);
 }
 
+TEST_F(RedisStore, ForgedSizeRecordsEvictNoValidEntry) {
+    auto st = open(3500);
+    const auto value = random_bytes(1000, 3);
+    for (const char * k : {"a", "b", "c", "d"}) st->put(k, value);
+    // sizes no redis string can have: measured again, not trusted
+    ASSERT_EQ(server_->command({"HSET", "kvblend:bytes", "a", "5000000000"}), ":0");
+    ASSERT_EQ(server_->command({"HSET", "kvblend:bytes", "b", "-1"}), ":0");
+    ASSERT_EQ(server_->command({"HSET", "kvblend:bytes", "c", "12abc"}), ":0");
+    EXPECT_EQ(st->stats().bytes, 4000u);
+    EXPECT_EQ(st->gc(), 1u);  // 4000 real bytes over 3500: one entry goes, not all
+    EXPECT_EQ(st->stats().n_entries, 3u);
+}
+
 TEST_F(RedisStore, GcWithoutBudgetKeepsEverything) {
     auto st = open(0);
     for (int i = 0; i < 10; ++i) st->put("k" + std::to_string(i), random_bytes(5000, i));
