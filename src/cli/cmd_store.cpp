@@ -206,19 +206,27 @@ int cmd_store(int argc, char ** argv) {
     } else if (what == "verify") {
         std::shared_ptr<model> m;
         if (!model_path.empty()) m = model::load(model_path);
-        uint64_t ok = 0, bad = 0;
+        uint64_t ok = 0, bad = 0, skipped = 0;
         for (const auto & e : st->list()) {
             std::optional<std::vector<uint8_t>> bytes;
             std::string unreadable;
             try {
                 bytes = st->get(e.key);
             } catch (const std::bad_alloc &) {
-                unreadable = "too large to read";  // one such entry must not stop the repair of the rest
+                unreadable = "too large to read into memory";  // one such entry must not stop the rest
+            }
+            // an entry this process may not read (another user's, its mode
+            // 0600) or will not (larger than any entry) is not known to be bad:
+            // it stays, and is reported
+            if (!bytes && (!unreadable.empty() || st->contains(e.key))) {
+                ++skipped;
+                std::fprintf(stderr, "skipped %s: %s\n", e.key.c_str(),
+                             unreadable.empty() ? "cannot be read (permissions, or larger than any entry)" : unreadable.c_str());
+                continue;
             }
             // listed but no entry to read: removed meanwhile, or something else
             // in its place (a directory, a redis key of another type)
-            const std::string why = bytes ? chunk_entry_check(*bytes, m.get(), e.key)
-                                    : unreadable.empty() ? "not a readable entry" : unreadable;
+            const std::string why = bytes ? chunk_entry_check(*bytes, m.get(), e.key) : "not a readable entry";
             if (!bytes && !st->erase(e.key)) continue;  // removed meanwhile
             if (why.empty()) {
                 ++ok;
@@ -228,9 +236,11 @@ int cmd_store(int argc, char ** argv) {
             if (bytes) st->erase(e.key);
             std::fprintf(stderr, "removed %s: %s\n", e.key.c_str(), why.c_str());
         }
-        if (json) std::printf("%s\n", nlohmann::json({{"ok", ok}, {"removed", bad}}).dump().c_str());
-        else std::printf("verified %llu entries: %llu ok, %llu removed\n", (unsigned long long) (ok + bad),
-                         (unsigned long long) ok, (unsigned long long) bad);
+        if (json) std::printf("%s\n", nlohmann::json({{"ok", ok}, {"removed", bad}, {"skipped", skipped}}).dump().c_str());
+        else std::printf("verified %llu entries: %llu ok, %llu removed%s\n", (unsigned long long) (ok + bad),
+                         (unsigned long long) ok, (unsigned long long) bad,
+                         skipped ? (", " + std::to_string(skipped) + " could not be read (left in place)").c_str() : "");
+        if (skipped) return 1;  // not everything was verified
     } else {
         const uint64_t removed = st->gc();
         const store_stats s = st->stats();

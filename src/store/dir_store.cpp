@@ -299,13 +299,26 @@ class dir_store : public store {
 
     void write_index(const std::map<std::string, uint64_t> & idx) const {
         const fs::path tmp = root_ / "tmp" / ("index." + std::to_string(getpid()));
+        std::string text = "kvblend-store-index v1\n";
+        for (const auto & [k, n] : idx) text += k + ' ' + std::to_string(n) + '\n';
         {
-            std::ofstream f(tmp, std::ios::trunc);
-            f << "kvblend-store-index v1\n";
-            for (const auto & [k, n] : idx) f << k << ' ' << n << '\n';
-            if (!f) throw error("cannot write the store index in '" + root_.string() + "'");
+            // every byte written and synced before it replaces the index: a full
+            // disk is an error here, never a shorter index renamed into place
+            fd_guard fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+            if (fd.get() < 0) throw error(sys_error("cannot write the store index", tmp));
+            try {
+                write_all(fd.get(), (const uint8_t *) text.data(), text.size(), tmp);
+                if (fsync(fd.get()) != 0) throw error(sys_error("cannot fsync", tmp));
+            } catch (...) {
+                unlink(tmp.c_str());
+                throw;
+            }
         }
-        if (rename(tmp.c_str(), (root_ / "index").c_str()) != 0) throw error(sys_error("cannot replace", root_ / "index"));
+        if (rename(tmp.c_str(), (root_ / "index").c_str()) != 0) {
+            const std::string msg = sys_error("cannot replace", root_ / "index");
+            unlink(tmp.c_str());
+            throw error(msg);
+        }
     }
 
     // under the lock: evict least recently used entries until the budget

@@ -2,6 +2,9 @@
 // corruption caught, LRU eviction, concurrent writers, blends from hits.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <csignal>
+#include <sys/wait.h>
+#include <sys/resource.h>
 #include <sys/time.h>
 
 #include <algorithm>
@@ -269,6 +272,45 @@ TEST(chunk_store, a_forged_index_size_evicts_no_valid_entry) {
     EXPECT_TRUE(st->get(keys[3]).has_value());
     auto unbounded = store_open(d.path().string());  // no budget: the fixed bound (16 GiB) holds
     EXPECT_FALSE(unbounded->get(keys[2]).has_value());
+}
+
+// a disk that fills while the index is written (here: a file size limit in a
+// child process, so no root is needed): the put fails, and the index it would
+// have replaced is whole, never a shorter one renamed into place
+TEST(chunk_store, an_index_that_cannot_be_written_whole_is_not_replaced) {
+    test::temp_dir d("store");
+    auto st = store_open(d.path().string());
+    std::vector<std::string> keys;
+    for (int i = 0; i < 200; ++i) {
+        char k[17];
+        std::snprintf(k, sizeof(k), "%016x", 0x10000 + i);
+        keys.push_back(k);
+        st->put(k, std::vector<uint8_t>(100, (uint8_t) i));
+    }
+    const auto index_size = fs::file_size(d.path() / "index");
+    ASSERT_GT(index_size, 4000u);
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead
+        const rlimit lim{4000, 4000};
+        setrlimit(RLIMIT_FSIZE, &lim);
+        int rc = 3;
+        try {
+            store_open(d.path().string())->put("ffff0000ffff0000", std::vector<uint8_t>(100, 1));
+            rc = 0;  // reported as done
+        } catch (const error & e) {
+            rc = std::string(e.what()).find("index") != std::string::npos ? 1 : 2;
+        }
+        _exit(rc);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 1) << "the put should fail naming the index";
+    EXPECT_EQ(fs::file_size(d.path() / "index"), index_size);
+    EXPECT_EQ(st->stats().n_entries, 200u);
+    for (const auto & e : fs::directory_iterator(d.path() / "tmp")) ADD_FAILURE() << "left behind: " << e.path();
 }
 
 TEST(chunk_store, bad_uris_and_keys_are_errors) {

@@ -166,6 +166,29 @@ TEST(store_faults, dir_entry_replaced_by_a_directory_is_a_miss_and_verify_and_gc
     EXPECT_FALSE(fs::exists(entry_file(d.path(), kb)));
 }
 
+// verify removes what is known to be bad, not what it cannot read: an entry
+// another user's mode keeps from it, or (here, as any user can make one) a
+// sparse file larger than any entry. It stays, is named, and verify says it
+// could not verify everything
+TEST(store_faults, verify_leaves_an_entry_it_cannot_read) {
+    docs_dir docs;
+    test::temp_dir d("store");
+    ASSERT_EQ(test::run_cli(ingest_cmd(d.path(), docs.write("a.txt", "Tom had a red ball."))).status, 0);
+    ASSERT_EQ(test::run_cli(ingest_cmd(d.path(), docs.write("b.txt", "Sue found a cat."))).status, 0);
+    const std::vector<store_entry_info> listed = store_open(d.path().string())->list();
+    ASSERT_EQ(listed.size(), 2u);
+    const std::string big = listed[0].key;
+    fs::resize_file(entry_file(d.path(), big), 20ull << 30);
+    const test::run_result v = test::run_cli("store verify --json -m " + k_stories + " --store " + d.path().string());
+    EXPECT_EQ(v.status, 1) << v.out << v.err;
+    const nlohmann::json j = nlohmann::json::parse(v.out);
+    EXPECT_EQ(j["ok"].get<int>(), 1) << v.out;
+    EXPECT_EQ(j["removed"].get<int>(), 0) << v.out;
+    EXPECT_EQ(j["skipped"].get<int>(), 1) << v.out;
+    EXPECT_NE(v.err.find("skipped " + big), std::string::npos) << v.err;
+    EXPECT_TRUE(fs::exists(entry_file(d.path(), big)));
+}
+
 TEST(store_faults, read_only_store_with_a_corrupt_entry_serves_the_rest) {
     docs_dir docs;
     const std::string f1 = docs.write("a.txt", "Tom had a red ball. He liked to throw it high in the sky.");
