@@ -16,8 +16,8 @@ namespace kvblend::cli {
 
 ggml_type parse_cache_type(const std::string & s);  // f16 | f32 | q8_0 | q4_0
 // a document or prompt file: regular files only, at most k_max_text_file bytes
-std::string read_text_file(const std::string & path);
 constexpr uint64_t k_max_text_file = 64ull << 20;
+std::string read_text_file(const std::string & path, uint64_t max_bytes = k_max_text_file);
 // --store-max-gb X: 0 = no budget; any positive X is honoured (at least 1 byte)
 uint64_t parse_store_budget(args & a);
 

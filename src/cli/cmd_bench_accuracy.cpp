@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "blend/fidelity.h"
 #include "cli/args.h"
@@ -79,10 +80,12 @@ struct qa_prompt {
     int64_t line = 0;
 };
 
+constexpr uint64_t k_max_prompts_file = 1ull << 30;
+
 // the prompts of a JSONL file; a malformed line is an error naming it
 std::vector<qa_prompt> read_prompts(const std::string & path) {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) throw error("cannot open '" + path + "'");
+    // a regular file of bounded size (a fifo or /dev/zero is refused, not read forever)
+    std::istringstream f(read_text_file(path, k_max_prompts_file));
     std::vector<qa_prompt> out;
     std::string line;
     int64_t ln = 0;
@@ -94,7 +97,7 @@ std::vector<qa_prompt> read_prompts(const std::string & path) {
         nlohmann::json j;
         try {
             j = nlohmann::json::parse(line);
-        } catch (const nlohmann::json::parse_error & e) {
+        } catch (const nlohmann::json::exception & e) {  // a syntax error, or a number out of range
             bad(std::string("not valid JSON (") + e.what() + ")");
         }
         if (!j.is_object()) bad("expected a JSON object {\"system\", \"chunks\", \"query\", \"answer\"}");

@@ -152,7 +152,7 @@ std::string parse_kv_codec(const std::string & name) {
     return name;
 }
 
-std::string read_text_file(const std::string & path) {
+std::string read_text_file(const std::string & path, uint64_t max_bytes) {
     // a directory, /dev/zero or a fifo is no document: refuse it instead of
     // reading nothing or reading forever
     const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
@@ -165,9 +165,9 @@ std::string read_text_file(const std::string & path) {
     if (fstat(fd, &st) != 0) throw error("cannot stat '" + path + "': " + std::strerror(errno));
     if (S_ISDIR(st.st_mode)) throw error("'" + path + "' is a directory, not a text file");
     if (!S_ISREG(st.st_mode)) throw error("'" + path + "' is not a regular file");
-    if ((uint64_t) st.st_size > k_max_text_file)
+    if ((uint64_t) st.st_size > max_bytes)
         throw error("'" + path + "' has " + std::to_string(st.st_size) + " bytes, more than the limit of " +
-                    std::to_string(k_max_text_file >> 20) + " MiB for a text file");
+                    std::to_string(max_bytes >> 20) + " MiB for this file");
     std::string out;
     char buf[65536];
     for (;;) {
@@ -176,7 +176,7 @@ std::string read_text_file(const std::string & path) {
         if (n < 0) throw error("cannot read '" + path + "': " + std::strerror(errno));
         if (n == 0) break;
         out.append(buf, (size_t) n);
-        if (out.size() > k_max_text_file) throw error("'" + path + "' grew past the limit while being read");
+        if (out.size() > max_bytes) throw error("'" + path + "' grew past the limit while being read");
     }
     return out;
 }

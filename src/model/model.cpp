@@ -261,7 +261,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
 
     // --- the file itself --------------------------------------------------
     fd_owner f;
-    f.fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    f.fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // a fifo must not block the open
     if (f.fd < 0) throw error("cannot open model file '" + path + "': " + std::strerror(errno));
     struct stat st {};
     if (fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode)) throw error("cannot open model file '" + path + "': not a regular file");

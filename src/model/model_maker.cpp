@@ -1,6 +1,8 @@
 // kvblend: synthetic GGUF models of real shapes (random weights, real vocab).
 #include "kvblend/model_maker.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -267,6 +269,9 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     if (out_path.empty()) throw error("make-model: no output path");
 
     // --- vocabulary ---
+    struct stat vst {};
+    if (stat(params.vocab_from.c_str(), &vst) == 0 && !S_ISREG(vst.st_mode))  // a fifo would block the read
+        throw error("make-model: vocab GGUF '" + params.vocab_from + "' is not a regular file");
     gguf_init_params vparams = {/*no_alloc =*/true, /*ctx =*/nullptr};
     gguf_context_ptr vocab(gguf_init_from_file(params.vocab_from.c_str(), vparams));
     if (!vocab) throw error("make-model: cannot read vocab GGUF '" + params.vocab_from + "' (missing or not a GGUF)");

@@ -1,6 +1,7 @@
 // files the CLI reads as text (generate -f, blend --doc, ingest FILE): regular
 // files only, under a size limit; anything else is one clear error and exit 1.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
@@ -51,6 +52,34 @@ TEST(cli_inputs, text_files_must_be_regular_files_of_bounded_size) {
     std::ofstream(d.file("ok.txt")) << "Tom had a red ball.";
     const test::run_result ok = run_limited(blend + d.file("ok.txt"));
     EXPECT_EQ(ok.status, 0) << ok.err;
+}
+
+// a fifo where a model, a vocabulary or a prompts file goes is refused at
+// once (an open that waits for a writer would hang the command forever), and
+// /dev/zero as a prompts file is not read until memory runs out
+TEST(cli_inputs, fifos_and_devices_as_models_or_prompts_are_refused_not_waited_on) {
+    test::temp_dir d("inputs");
+    const std::string fifo = d.file("pipe");
+    ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+    const struct {
+        std::string args, message;
+    } cases[] = {
+        {"generate -m " + fifo + " -p x -n 1", "not a regular file"},
+        {"make-model --preset tiny --vocab-from " + fifo + " -o " + d.file("m.gguf"), "not a regular file"},
+        {"bench accuracy -m " + k_stories + " --prompts " + fifo, "not a regular file"},
+        {"bench accuracy -m " + k_stories + " --prompts /dev/zero", "not a regular file"},
+    };
+    for (const auto & c : cases) {
+        const test::run_result r = run_limited(c.args);
+        EXPECT_EQ(r.status, 1) << c.args << "\n" << r.err;
+        EXPECT_NE(r.err.find(c.message), std::string::npos) << c.args << "\n" << r.err;
+    }
+    // a number no double holds is a bad line, named with its file and line
+    const std::string jsonl = d.file("p.jsonl");
+    std::ofstream(jsonl) << "\n{\"system\": \"s\", \"chunks\": [\"a\"], \"query\": \"q\", \"answer\": \"x\", \"n\": 1e999999}\n";
+    const test::run_result r = run_limited("bench accuracy -m " + k_stories + " --prompts " + jsonl);
+    EXPECT_EQ(r.status, 1) << r.err;
+    EXPECT_NE(r.err.find(jsonl + ":2: "), std::string::npos) << r.err;
 }
 
 // a device named wrong is an error whatever -ngl says (as in llama.cpp), never
