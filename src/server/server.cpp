@@ -48,6 +48,26 @@ class locked_store : public store {
     std::unique_ptr<store> s_;
 };
 
+// what a slot's KV cache holds: the tokens, how many of them from the start
+// were computed exactly (in order, as a full prefill would), and how the rest
+// was: the selection a fusion made them with ("" when all are exact)
+struct slot_cache {
+    std::vector<llama_token> tokens;
+    size_t exact = 0;
+    std::string how;
+};
+
+// every setting of a selection, as one string: two fusions of the same chunks
+// with equal tags give the same KV
+std::string selection_tag(const blend_params & b) {
+    std::string t = std::to_string(b.recomp_ratio) + "/" + std::to_string(b.check_layer) + "/" +
+                    blend_score_name(b.score) + "/" + blend_method_name(b.method) + "/" +
+                    std::to_string(b.recompute_chunk_head) + "/" + std::to_string(b.head_in_budget) + "/" +
+                    blend_budget_name(b.budget) + "/" + std::to_string(b.dev_mass) + "/" + std::to_string(b.weight_query);
+    for (const auto & [l, r] : b.schedule) t += ";" + std::to_string(l) + ":" + std::to_string(r);
+    return t;
+}
+
 struct job {
     // what to compute: a completion, or (ingest) only collecting and storing chunks
     bool ingest = false;
@@ -236,7 +256,7 @@ struct server::impl {
             ep.evict = p.evict;
             auto eng = std::make_shared<engine>(m, ep);  // allocate every slot before serving
             workers.emplace_back([this, eng] {
-                std::vector<llama_token> cached;  // the tokens whose KV the slot's cache holds (fused or exact)
+                slot_cache cached;  // what the slot's cache holds, and how it was computed
                 worker(*eng, cached);
             });
         }
@@ -253,7 +273,7 @@ struct server::impl {
     }
 
     // --- slots ----------------------------------------------------------------
-    void worker(engine & eng, std::vector<llama_token> & cached) {
+    void worker(engine & eng, slot_cache & cached) {
         for (;;) {
             std::shared_ptr<job> j;
             {
@@ -267,14 +287,14 @@ struct server::impl {
             int status = 500;
             const int64_t store_failures = soft_store::thread_failures();
             try {
-                if (j->ingest) run_ingest(eng, *j), cached.clear();
+                if (j->ingest) run_ingest(eng, *j), cached = {};
                 else run(eng, *j, cached);
                 j->store_errors = soft_store::thread_failures() - store_failures;
             } catch (const request_error & e) {
-                cached.clear();
+                cached = {};
                 err = e.message, status = e.status, code = e.code;
             } catch (const std::exception & e) {
-                cached.clear();
+                cached = {};
                 err = e.what();
             }
             // counted before it is answered: a client that reads /metrics next sees it
@@ -310,7 +330,8 @@ struct server::impl {
         j.store_misses = fs.misses;
     }
 
-    void run(engine & eng, job & j, std::vector<llama_token> & cached) {
+    void run(engine & eng, job & j, slot_cache & cache) {
+        std::vector<llama_token> & cached = cache.tokens;
         const vocab & v = m->tokens();
         const int64_t nv = m->hparams().n_vocab;
         std::vector<float> logits;
@@ -321,6 +342,12 @@ struct server::impl {
         // an evicted cache holds a subset of what it saw: no prefix can be cut out
         // of it, it can only be extended by a prompt that starts with all of it
         if (eng.evicted() && keep < cached.size()) keep = 0;
+        // past its exact head, the cached KV is a fusion made with one selection:
+        // it is this request's own only if this request fuses with the same one
+        blend_params bp = j.sel;
+        bp.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
+        const std::string how = j.fuse ? selection_tag(bp) : std::string();
+        if (keep > cache.exact && cache.how != how) keep = cache.exact;
         // a fused prompt whose documents all sit in that prefix (the same documents in the
         // same order) extends a cached prefix: the ordinary path, as a prefix cache would do
         const bool extends = j.fuse && keep + j.prompt.query.size() >= j.tokens.size();
@@ -335,8 +362,6 @@ struct server::impl {
             }
             std::vector<const chunk_kv *> ptrs;
             for (const auto & c : kv) ptrs.push_back(&c);
-            blend_params bp = j.sel;
-            bp.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
             blend_result br = blend(eng, ptrs, j.prompt.query, bp);
             logits = std::move(br.logits);
             if (p.evict.policy != EVICT_POLICY_NONE) {
@@ -347,7 +372,13 @@ struct server::impl {
             j.n_recomputed = br.stats.n_selected;
             j.store_hits = fs.hits;
             j.store_misses = fs.misses;
+            // the first chunk (the system part) is placed as collected at position 0: exact
+            cache.exact = j.prompt.chunks.empty() ? 0 : j.prompt.chunks[0].size();
+            cache.how = how;
         } else {
+            // computed in order from an exact head: all of it is exact (a fused
+            // prefix extended with its own selection stays what it was)
+            if (!extends || cache.how.empty()) cache.exact = j.tokens.size(), cache.how.clear();
             eng.cache().set_n_past((int64_t) keep);
             j.n_cached = (int64_t) keep;
             // prefill applies the slot's eviction policy (plain eval without one)
@@ -366,6 +397,7 @@ struct server::impl {
         for (int32_t i = 0; i < j.max_tokens; ++i) {
             if (j.cancelled) {
                 cached.resize(std::min<size_t>(cached.size(), (size_t) eng.cache().n_past()));
+                cache.exact = std::min(cache.exact, cached.size());
                 return;
             }
             const llama_token tok = smp.sample(logits.data() + logits.size() - nv, (int32_t) nv);

@@ -187,6 +187,11 @@ class dir_store : public store {
     bool contains(const std::string & key) override {
         check_key(key);
         std::error_code ec;
+        // a missing store is an empty one (a put creates it again); something
+        // else in its place is a store that cannot work, and says so
+        const fs::file_status root = fs::status(root_, ec);
+        if (fs::exists(root) && !fs::is_directory(root))
+            throw error("store '" + root_.string() + "' is not a directory");
         return fs::is_regular_file(entry_path(key), ec);
     }
 

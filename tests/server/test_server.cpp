@@ -427,6 +427,33 @@ TEST(server, same_documents_in_the_same_order_extend_the_cached_prefix) {
     EXPECT_EQ(r3["kvblend"]["store_hits"], 3);
 }
 
+// a slot's fused KV is reused only by a request that fuses with the same
+// selection: asking for another ratio (1: exact) over the same documents fuses
+// again and answers as a fresh slot would
+TEST(server, a_cached_fusion_serves_only_its_own_selection) {
+    test::temp_dir d("srvstore");
+    server_params p = small_params(d.path().string());
+    running_server s(p);
+    auto c = s.client();
+    const json docs = {{{"text", "Tom had a red ball. He threw it high."}}, {{"text", "Sue found a little cat. It was hungry."}}};
+    auto ask = [&](double ratio) {
+        return post(c, "/v1/chat/completions",
+                    {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "Once upon a time"}}}},
+                     {"documents", docs}, {"max_tokens", 12}, {"temperature", 0}, {"recomp_ratio", ratio}});
+    };
+    const json exact_fresh = ask(1.0);  // a fresh slot
+    const json naive = ask(0.0);        // another selection: fused again
+    EXPECT_GT(naive["kvblend"]["n_fused"].get<int>(), 0);
+    const json exact_again = ask(1.0);
+    EXPECT_GT(exact_again["kvblend"]["n_fused"].get<int>(), 0) << exact_again.dump();
+    EXPECT_EQ(exact_again["kvblend"]["n_recomputed"], exact_fresh["kvblend"]["n_recomputed"]);
+    EXPECT_EQ(exact_again["choices"][0]["message"]["content"], exact_fresh["choices"][0]["message"]["content"]);
+    // the same selection again: the slot's fusion is reused
+    const json exact_third = ask(1.0);
+    EXPECT_EQ(exact_third["kvblend"]["n_fused"], 0);
+    EXPECT_EQ(exact_third["choices"][0]["message"]["content"], exact_fresh["choices"][0]["message"]["content"]);
+}
+
 TEST(server, live_compressed_slots_say_so_and_refuse_documents) {
     server_params p = small_params();
     p.kv_codec = "turboquant4";

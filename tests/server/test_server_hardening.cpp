@@ -420,6 +420,26 @@ TEST(server_hardening, health_reports_a_store_that_is_down) {
     EXPECT_FALSE(h["store"]["error"].get<std::string>().empty());
 }
 
+// a dir store whose directory was replaced by a file cannot work: /health says
+// so (a removed one is recreated by the next write, and stays healthy)
+TEST(server_hardening, health_reports_a_dir_store_that_cannot_work) {
+    test::temp_dir d("hardstore");
+    const std::filesystem::path root = d.path() / "st";
+    server_params p = small_params();
+    p.store_uri = root.string();
+    live_server s(p);
+    auto c = s.client();
+    EXPECT_EQ(c.Get("/health")->status, 200);
+    std::filesystem::remove_all(root);
+    EXPECT_EQ(c.Get("/health")->status, 200);  // missing: an empty store, made again by a put
+    std::ofstream(root) << "a file";
+    auto down = c.Get("/health");
+    EXPECT_EQ(down->status, 503);
+    const json h = json::parse(down->body);
+    EXPECT_EQ(h["store"]["ok"], false);
+    EXPECT_NE(h["store"]["error"].get<std::string>().find("not a directory"), std::string::npos) << down->body;
+}
+
 TEST(server_hardening, a_document_the_store_failed_to_write_is_a_5xx_not_an_id) {
     test::temp_dir d("hardstore");
     server_params p = small_params();
