@@ -13,6 +13,7 @@
 #include <map>
 
 #include "ggml-backend.h"
+#include "ggml-rpc.h"
 #include "model/device.h"
 
 namespace kvblend {
@@ -24,8 +25,46 @@ std::string lower(std::string s) {
     return s;
 }
 
-// ggml-rpc aborts the process when it cannot connect: try the endpoint first
-// (a plain TCP connect, bounded) so that a wrong address is an error message
+// send or receive n bytes on a non-blocking socket within a deadline
+bool io_all(int fd, void * buf, size_t n, bool out, int timeout_ms) {
+    uint8_t * p = (uint8_t *) buf;
+    while (n > 0) {
+        pollfd pf = {fd, (short) (out ? POLLOUT : POLLIN), 0};
+        const int r = poll(&pf, 1, timeout_ms);
+        if (r <= 0) return false;  // timed out, or failed
+        const ssize_t k = out ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, 0);
+        if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (k <= 0) return false;  // closed, or failed
+        p += k, n -= (size_t) k;
+    }
+    return true;
+}
+
+// the HELLO exchange of ggml's RPC protocol (ggml-rpc.cpp of the pinned
+// source): | cmd 14 | u64 24 | 24 bytes of transport caps (none) |, answered
+// by | u64 28 | major, minor, patch, pad, 24 caps |
+std::string rpc_hello(int fd) {
+    const int t = 3000;  // 3 s: a loopback or LAN server answers in far less
+    uint8_t req[1 + 8 + 24] = {14};
+    const uint64_t req_size = 24;
+    std::memcpy(req + 1, &req_size, 8);
+    if (!io_all(fd, req, sizeof(req), true, t)) return "it does not take a request";
+    uint64_t size = 0;
+    if (!io_all(fd, &size, 8, false, t)) return "no answer to the RPC handshake within 3 s (not a ggml-rpc-server?)";
+    if (size != 28) return "an answer that is not ggml's RPC protocol (not a ggml-rpc-server?)";
+    uint8_t rsp[28] = {};
+    if (!io_all(fd, rsp, sizeof(rsp), false, t)) return "a handshake cut short";
+    if (rsp[0] != RPC_PROTO_MAJOR_VERSION || rsp[1] > RPC_PROTO_MINOR_VERSION)
+        return "protocol " + std::to_string(rsp[0]) + "." + std::to_string(rsp[1]) + "." + std::to_string(rsp[2]) +
+               ", this build speaks " + std::to_string(RPC_PROTO_MAJOR_VERSION) + "." + std::to_string(RPC_PROTO_MINOR_VERSION);
+    return {};
+}
+
+// ggml-rpc aborts the process (or waits forever) when the endpoint is not a
+// working rpc-server: try it first, bounded (a TCP connect, then the protocol's
+// HELLO on that connection) so that a wrong address or a server of another kind
+// or version is an error message. A server that answers HELLO and fails later
+// is beyond this check
 void check_reachable(const std::string & host, const std::string & port, const std::string & endpoint) {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
@@ -34,7 +73,7 @@ void check_reachable(const std::string & host, const std::string & port, const s
     const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
     if (rc != 0) throw error("rpc-server " + endpoint + ": cannot resolve '" + host + "': " + gai_strerror(rc));
     std::string why = "no address";
-    bool ok = false;
+    bool ok = false, spoke = false;
     for (addrinfo * a = res; a && !ok; a = a->ai_next) {
         const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK, a->ai_protocol);
         if (fd < 0) continue;
@@ -43,17 +82,23 @@ void check_reachable(const std::string & host, const std::string & port, const s
             err = errno;
             if (err == EINPROGRESS) {
                 pollfd p = {fd, POLLOUT, 0};
-                const int n = poll(&p, 1, 3000);  // 3 s: a loopback or LAN server answers in far less
+                const int n = poll(&p, 1, 3000);
                 socklen_t len = sizeof(err);
                 if (n == 1) getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
                 else err = n == 0 ? ETIMEDOUT : errno;
             }
         }
+        if (err == 0) {
+            spoke = true;
+            why = rpc_hello(fd);
+            ok = why.empty();
+        } else if (!spoke) {
+            why = std::strerror(err);
+        }
         close(fd);
-        if (err == 0) ok = true;
-        else why = std::strerror(err);
     }
     freeaddrinfo(res);
+    if (!ok && spoke) throw error("rpc-server at " + endpoint + " is not usable: " + why);
     if (!ok) throw error("cannot reach rpc-server at " + endpoint + ": " + why + " (start it with: ggml-rpc-server -H HOST -p PORT)");
 }
 

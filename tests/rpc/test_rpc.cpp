@@ -4,7 +4,15 @@
 // process's, as a GPU's is behind its API: any read or write through a raw
 // tensor->data pointer fails here, where the CPU tests cannot see it.
 // references: libllama on the CPU, and our own CPU path.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
 
 #include <fstream>
 #include <iterator>
@@ -318,6 +326,66 @@ TEST(rpc, bad_devices_are_errors) {
     EXPECT_THROW(model::load(k_stories, mp), error);
     mp.n_gpu_layers = 99;
     EXPECT_TRUE(model::load(k_stories, mp)->on_gpu());
+}
+
+// a port that accepts but is no ggml-rpc-server: it hangs up, answers
+// garbage, or says nothing. Each is an error within seconds, not ggml-rpc's
+// abort of the whole process or a wait forever
+struct fake_endpoint {
+    enum kind { hang_up, garbage, silent } k;
+    int fd = -1, port = 0;
+    std::thread th;
+    std::atomic<bool> stop{false};
+
+    explicit fake_endpoint(kind kk) : k(kk) {
+        fd = socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        bind(fd, (sockaddr *) &a, sizeof(a));
+        socklen_t len = sizeof(a);
+        getsockname(fd, (sockaddr *) &a, &len);
+        port = ntohs(a.sin_port);
+        listen(fd, 8);
+        th = std::thread([this] {
+            while (!stop) {
+                pollfd p = {fd, POLLIN, 0};
+                if (poll(&p, 1, 100) != 1) continue;
+                const int c = accept(fd, nullptr, nullptr);
+                if (c < 0) continue;
+                if (k == garbage) {
+                    char in[64];
+                    (void) !recv(c, in, sizeof(in), 0);
+                    const char out[] = "HTTP/1.1 400 Bad Request\r\n\r\nnot rpc at all, no sir";
+                    (void) !send(c, out, sizeof(out), MSG_NOSIGNAL);
+                }
+                if (k == silent)
+                    for (int i = 0; i < 60 && !stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+                close(c);
+            }
+        });
+    }
+    ~fake_endpoint() {
+        stop = true;
+        th.join();
+        close(fd);
+    }
+};
+
+TEST(rpc, an_endpoint_that_is_no_rpc_server_is_an_error_not_an_abort) {
+    for (const auto k : {fake_endpoint::hang_up, fake_endpoint::garbage, fake_endpoint::silent}) {
+        fake_endpoint f(k);
+        model_params mp;
+        mp.device = "rpc:127.0.0.1:" + std::to_string(f.port);
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+            model::load(k_stories, mp);
+            ADD_FAILURE() << "a fake rpc-server was accepted (kind " << k << ")";
+        } catch (const error & e) {
+            EXPECT_NE(std::string(e.what()).find("is not usable"), std::string::npos) << e.what();
+        }
+        EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10)) << "kind " << k;
+    }
 }
 
 // the C API onto the rpc-server (what a C or Python program embedding kvblend
