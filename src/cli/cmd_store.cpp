@@ -16,6 +16,22 @@ namespace kvblend::cli {
 
 namespace {
 
+// a key as one line of output: a store holds keys others wrote (a redis key
+// may hold a newline), and no key may forge a line of its own
+std::string printable(const std::string & key) {
+    std::string out;
+    for (const unsigned char c : key) {
+        if (c >= 0x21 && c < 0x7f && c != '\\') {
+            out += (char) c;
+        } else {
+            char b[5];
+            std::snprintf(b, sizeof(b), "\\x%02x", c);
+            out += b;
+        }
+    }
+    return out;
+}
+
 const char * k_ingest_help = R"(usage: kvblend ingest -m MODEL --store URI [options] FILE…
 
 Collects every chunk of the files and puts its KV in the store; chunks already
@@ -200,7 +216,7 @@ int cmd_store(int argc, char ** argv) {
         nlohmann::json rows = nlohmann::json::array();
         for (const auto & e : st->list()) {
             if (json) rows.push_back({{"key", e.key}, {"bytes", e.bytes}, {"last_used", e.last_used}});
-            else std::printf("%s %12llu %lld\n", e.key.c_str(), (unsigned long long) e.bytes, (long long) e.last_used);
+            else std::printf("%s %12llu %lld\n", printable(e.key).c_str(), (unsigned long long) e.bytes, (long long) e.last_used);
         }
         if (json) std::printf("%s\n", rows.dump().c_str());
     } else if (what == "verify") {
@@ -220,7 +236,7 @@ int cmd_store(int argc, char ** argv) {
             // it stays, and is reported
             if (!bytes && (!unreadable.empty() || st->contains(e.key))) {
                 ++skipped;
-                std::fprintf(stderr, "skipped %s: %s\n", e.key.c_str(),
+                std::fprintf(stderr, "skipped %s: %s\n", printable(e.key).c_str(),
                              unreadable.empty() ? "cannot be read (permissions, or larger than any entry)" : unreadable.c_str());
                 continue;
             }
@@ -234,7 +250,7 @@ int cmd_store(int argc, char ** argv) {
             }
             ++bad;
             if (bytes) st->erase(e.key);
-            std::fprintf(stderr, "removed %s: %s\n", e.key.c_str(), why.c_str());
+            std::fprintf(stderr, "removed %s: %s\n", printable(e.key).c_str(), why.c_str());
         }
         if (json) std::printf("%s\n", nlohmann::json({{"ok", ok}, {"removed", bad}, {"skipped", skipped}}).dump().c_str());
         else std::printf("verified %llu entries: %llu ok, %llu removed%s\n", (unsigned long long) (ok + bad),

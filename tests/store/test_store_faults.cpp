@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -270,6 +271,20 @@ class store_faults_redis : public ::testing::Test {
     }
     std::unique_ptr<test::redis_server> server_;
 };
+
+// a key someone else wrote under our prefix may hold any byte: store ls and
+// verify print each key on one line, its odd bytes escaped, so that no key
+// forges a line of the listing
+TEST_F(store_faults_redis, a_key_with_a_newline_forges_no_line) {
+    ASSERT_EQ(server_->command({"SET", "kvblend:chunk:fake\n0123456789abcdef0123456789abcdef 999999 0", "x"}), "+OK");
+    ASSERT_EQ(server_->command({"SET", "kvblend:chunk:0123456789abcdef0123456789abcdef", "y"}), "+OK");
+    const test::run_result ls = test::run_cli("store ls --store " + server_->uri());
+    ASSERT_EQ(ls.status, 0) << ls.err;
+    EXPECT_EQ(std::count(ls.out.begin(), ls.out.end(), '\n'), 2) << ls.out;
+    EXPECT_NE(ls.out.find("fake\\x0a0123"), std::string::npos) << ls.out;
+    const test::run_result v = test::run_cli("store verify --store " + server_->uri());
+    EXPECT_NE(v.err.find("removed fake\\x0a0123"), std::string::npos) << v.err;
+}
 
 // a key of another type under our prefix: a miss, listed, and removed by verify
 TEST_F(store_faults_redis, wrong_type_key_is_a_miss_and_verify_removes_it) {
