@@ -198,6 +198,11 @@ class redis_store : public store {
                 throw;
             }
             for (int i = 0; i < 3; ++i) expect_ok(r[i].get(), "SET");
+            if (sizes_of_another_type(r[3].get())) {  // the value is stored; its size record goes in a new hash
+                repair_sizes_hash();
+                run(hset);
+                return;
+            }
             check_exec(r[3].get(), 2, "SET");
         });
     }
@@ -416,12 +421,34 @@ class redis_store : public store {
         for (command * c : {&multi, &del, &hdel, &exec}) append(*c);
         std::vector<reply_ptr> r = read_replies(4);
         for (int i = 0; i < 3; ++i) expect_ok(r[i].get(), "DEL");
-        check_exec(r[3].get(), 2, "DEL");
+        if (sizes_of_another_type(r[3].get())) repair_sizes_hash();
+        else check_exec(r[3].get(), 2, "DEL");
         return integer(r[3]->element[0], "DEL") > 0;
+    }
+
+    // an EXEC of (the entry's command, the sizes hash's) whose second failed
+    // because the sizes hash is a key of another type
+    static bool sizes_of_another_type(const redisReply * exec) {
+        return exec->type == REDIS_REPLY_ARRAY && exec->elements == 2 && exec->element[0] &&
+               exec->element[0]->type != REDIS_REPLY_ERROR && exec->element[1] && wrong_type(exec->element[1]);
+    }
+
+    // the sizes hash is a summary of ours: a key of another type in its place
+    // (it would fail every write and every listing) is removed, and the sizes
+    // are measured again as entries are listed
+    void repair_sizes_hash() {
+        reply_ptr r = run(command().arg("TYPE").arg(sizes_hash));
+        if (r->type != REDIS_REPLY_STATUS) throw unexpected("TYPE", r.get());
+        const std::string t(r->str, r->len);
+        if (t == "hash" || t == "none") return;
+        std::fprintf(stderr, "warning: redis at %s: %s is a %s, not the hash of entry sizes: removed, sizes measured again\n",
+                     where().c_str(), sizes_hash, t.c_str());
+        run(command().arg("DEL").arg(sizes_hash));
     }
 
     // every entry with its size and idle time, touching none of them
     std::vector<entry_scan> scan() {
+        repair_sizes_hash();
         std::vector<entry_scan> out;
         std::unordered_set<std::string> seen;  // SCAN may return a key twice
         const int64_t now = (int64_t) std::time(nullptr);
@@ -532,6 +559,7 @@ class redis_store : public store {
     // sizes of entries that are gone (deleted by hand, evicted by redis' own
     // maxmemory policy): the leftovers gc() is asked to clean up
     void drop_stale_sizes() {
+        repair_sizes_hash();
         std::string cursor = "0";
         do {
             reply_ptr r =

@@ -236,6 +236,31 @@ TEST_F(RedisStore, ForgedSizeRecordsEvictNoValidEntry) {
     EXPECT_EQ(st->stats().n_entries, 3u);
 }
 
+// the sizes hash replaced by a key of another type: it is our summary, so it
+// is rebuilt; every write, listing, removal and gc goes on (before: each failed
+// with WRONGTYPE, and a put whose value was stored reported a failure)
+TEST_F(RedisStore, ASizesHashOfAnotherTypeIsRebuilt) {
+    auto st = open(2500);
+    const auto value = random_bytes(1000, 4);
+    st->put("a", value);
+    ASSERT_EQ(server_->command({"DEL", "kvblend:bytes"}), ":1");
+    ASSERT_EQ(server_->command({"SET", "kvblend:bytes", "not a hash"}), "+OK");
+    EXPECT_NO_THROW(st->put("b", value));
+    EXPECT_TRUE(st->get("b").has_value());
+    ASSERT_EQ(server_->command({"DEL", "kvblend:bytes"}), ":1");
+    ASSERT_EQ(server_->command({"LPUSH", "kvblend:bytes", "x"}), ":1");
+    EXPECT_EQ(st->stats().bytes, 2000u);  // measured again
+    ASSERT_EQ(server_->command({"DEL", "kvblend:bytes"}), ":1");
+    ASSERT_EQ(server_->command({"LPUSH", "kvblend:bytes", "x"}), ":1");
+    EXPECT_TRUE(st->erase("a"));
+    st->put("c", value);
+    st->put("d", value);  // 3000 bytes over 2500
+    ASSERT_EQ(server_->command({"DEL", "kvblend:bytes"}), ":1");
+    ASSERT_EQ(server_->command({"SET", "kvblend:bytes", "1"}), "+OK");
+    EXPECT_EQ(st->gc(), 1u);
+    EXPECT_EQ(st->stats().n_entries, 2u);
+}
+
 TEST_F(RedisStore, GcWithoutBudgetKeepsEverything) {
     auto st = open(0);
     for (int i = 0; i < 10; ++i) st->put("k" + std::to_string(i), random_bytes(5000, i));
