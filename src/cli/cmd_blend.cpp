@@ -75,6 +75,7 @@ int cmd_blend(int argc, char ** argv) {
     sampler_params sp = sampler_default_params();
     engine_params ep = engine_default_params();
     std::string store_uri, codec_name = "raw";
+    std::string store_flag;  // a flag that only means something with --store
     evict_params chunk_ev;
     store_options so;
     model_params mp = model_default_params();
@@ -103,9 +104,11 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--dev-mass"})) bp.dev_mass = (float) a.real(0.0, 1.0);
         else if (a.match({"--no-weight-query"})) bp.weight_query = false;
         else if (a.match({"--collect-with-prefix"})) with_prefix = true;
-        else if (a.match({"--store"})) store_uri = a.str();
-        else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();
-        else if (a.match({"--store-max-gb"})) so.max_bytes = parse_store_budget(a);
+        else if (a.match({"--store"})) {
+            store_uri = a.str();
+            if (store_uri.empty()) throw error("--store needs a URI (dir:PATH, a path, or redis://HOST:PORT)");
+        } else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();
+        else if (a.match({"--store-max-gb"})) so.max_bytes = parse_store_budget(a), store_flag = "--store-max-gb";
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
         else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep) || match_evict_flag(a, ep.evict) ||
                  match_chunk_evict_flag(a, chunk_ev) || match_device_flag(a, mp))
@@ -118,6 +121,7 @@ int cmd_blend(int argc, char ** argv) {
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (!have_query || query.empty()) throw error("missing --query TEXT (see --help)");
+    if (store_uri.empty() && !store_flag.empty()) throw error(store_flag + " applies to a store: give --store URI too");
     check_evict_flags(ep.evict);
     check_chunk_evict_flags(chunk_ev);
 

@@ -125,6 +125,7 @@ int cmd_ingest(int argc, char ** argv) {
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (uri.empty()) throw error("missing --store URI (see --help)");
     if (files.empty()) throw error("no files to ingest");
+    if (!ep.kv_codec.empty()) throw error("--kv-codec is a live decode cache: ingest stores chunks (their codec is --codec)");
     if (chunk_size > 0 && !split.empty()) throw error("--chunk-size and --split exclude each other");
     check_chunk_evict_flags(chunk_ev);
 

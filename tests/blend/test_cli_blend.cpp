@@ -74,6 +74,11 @@ TEST(cli_blend, bad_flags_are_errors) {
         {"blend -m " + k_stories + docs.args() + " --query q --head-beyond-budget=1", "error:"},
         {"blend -m " + k_stories + docs.args(), "missing --query"},
         {"blend -m " + k_stories + " --doc /nonexistent.txt --query q", "cannot open '/nonexistent.txt'"},
+        // flags that mean something only with a store are not silently dropped
+        {"blend -m " + k_stories + docs.args() + " --query q --store ''", "--store needs a URI"},
+        {"blend -m " + k_stories + docs.args() + " --query q --store-max-gb 1", "--store-max-gb applies to a store"},
+        {"ingest -m " + k_stories + " --store dir:/tmp/kvblend-unused-store --kv-codec turboquant4 " + docs.paths[0],
+         "--kv-codec is a live decode cache"},
     };
     for (const auto & [args, expect] : cases) {
         const test::run_result r = test::run_cli(args);
