@@ -21,9 +21,13 @@ class codec {
     // what a store entry records (under 16 characters): the codec's family
     // when its settings are in the payload, which decode then follows
     virtual std::string entry_name() const { return name(); }
-    // whether entry_name() names the codec with all its settings (then a
-    // store key can be derived from an entry), not only its family
-    virtual bool entry_name_is_full() const { return true; }
+    // the full name (settings included, as name() spells them) a payload of
+    // this codec's family was encoded under: its settings are read from the
+    // payload. throws kvblend::error for a payload too short to say
+    virtual std::string payload_name(const uint8_t * p, size_t n) const {
+        (void) p, (void) n;
+        return name();
+    }
     // the encoded payload of every layer's K and V (self-describing: its own
     // parameters are inside). deterministic: the same chunk gives the same bytes.
     virtual std::vector<uint8_t> encode(const chunk_kv & c) const = 0;

@@ -86,8 +86,9 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
 struct chunk_entry_info {
     std::vector<llama_token> prefix;  // the tokens it was collected behind (collect_with_prefix)
     std::string codec;                // the codec its header names (a family: "turboquant", not "turboquant4")
-    // the key it is stored under, derived from what it holds; empty where the
-    // entry does not hold all a key names (an evicted chunk; turboquant, minicache)
+    // the key it is stored under, derived from what it holds (a codec's
+    // settings from its payload); empty for an evicted chunk, whose policy the
+    // entry does not hold
     std::string key;
 };
 

@@ -219,7 +219,8 @@ int cmd_store(int argc, char ** argv) {
             if (json) rows.push_back({{"key", e.key}, {"bytes", e.bytes}, {"last_used", e.last_used}});
             else std::printf("%s %12llu %lld\n", printable(e.key).c_str(), (unsigned long long) e.bytes, (long long) e.last_used);
         }
-        if (json) std::printf("%s\n", rows.dump().c_str());
+        // keys others wrote need not be UTF-8: such bytes are printed as U+FFFD, not an error
+        if (json) std::printf("%s\n", rows.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     } else if (what == "verify") {
         std::shared_ptr<model> m;
         if (!model_path.empty()) m = model::load(model_path);

@@ -141,7 +141,15 @@ class minicache_codec : public codec {
     explicit minicache_codec(const mc::params & p) : p_(p) {}
     std::string name() const override { return mc::name_of(p_); }
     std::string entry_name() const override { return "minicache"; }
-    bool entry_name_is_full() const override { return false; }
+    std::string payload_name(const uint8_t * p, size_t n) const override {
+        payload_reader r{p, p + n, "minicache"};
+        const mc_header h = read_header(r);
+        mc::params pp;
+        pp.start = h.start;
+        pp.t = h.t;
+        pp.threshold = h.threshold;
+        return mc::name_of(pp);
+    }
 
     std::vector<uint8_t> encode(const chunk_kv & c) const override {
         const int64_t d = c.n_embd_kv, n = c.n_tokens();

@@ -445,7 +445,16 @@ class turboquant_codec : public codec {
     }
 
     std::string entry_name() const override { return "turboquant"; }
-    bool entry_name_is_full() const override { return false; }
+    std::string payload_name(const uint8_t * p, size_t n) const override {
+        tq_header h;
+        if (n < sizeof(h)) throw error("turboquant payload is truncated");
+        std::memcpy(&h, p, sizeof(h));
+        if (h.magic != k_tq_magic || h.bits_x2 < 4 || h.bits_x2 > 8 || h.qjl > 1) throw error("turboquant payload has a corrupt header");
+        tq::params pp;
+        pp.bits_x2 = h.bits_x2;
+        pp.qjl = h.qjl != 0;
+        return tq::name_of(pp);
+    }
 
     // the payload's own settings (rate, QJL, seed) rule: any turboquant codec decodes any turboquant payload
     void decode(const uint8_t * p, size_t n_bytes, chunk_kv & out) const override {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <mutex>
 #include <map>
+#include <thread>
 
 #include "ggml-backend.h"
 #include "ggml-rpc.h"
@@ -43,14 +44,20 @@ bool io_all(int fd, void * buf, size_t n, bool out, int timeout_ms) {
 // the HELLO exchange of ggml's RPC protocol (ggml-rpc.cpp of the pinned
 // source): | cmd 14 | u64 24 | 24 bytes of transport caps (none) |, answered
 // by | u64 28 | major, minor, patch, pad, 24 caps |
-std::string rpc_hello(int fd) {
+std::string rpc_hello(int fd, bool * waiting) {
     const int t = 3000;  // 3 s: a loopback or LAN server answers in far less
     uint8_t req[1 + 8 + 24] = {14};
     const uint64_t req_size = 24;
     std::memcpy(req + 1, &req_size, 8);
     if (!io_all(fd, req, sizeof(req), true, t)) return "it does not take a request";
     uint64_t size = 0;
-    if (!io_all(fd, &size, 8, false, t)) return "no answer to the RPC handshake within 3 s (not a ggml-rpc-server?)";
+    pollfd pf = {fd, POLLIN, 0};
+    if (poll(&pf, 1, t) == 0) {
+        *waiting = true;
+        return "no answer to the RPC handshake within 3 s (a ggml-rpc-server serves one client at a time: is "
+               "another connected? or this is not one)";
+    }
+    if (!io_all(fd, &size, 8, false, t)) return "the handshake was not answered (not a ggml-rpc-server?)";
     if (size != 28) return "an answer that is not ggml's RPC protocol (not a ggml-rpc-server?)";
     uint8_t rsp[28] = {};
     if (!io_all(fd, rsp, sizeof(rsp), false, t)) return "a handshake cut short";
@@ -88,14 +95,28 @@ void check_reachable(const std::string & host, const std::string & port, const s
                 else err = n == 0 ? ETIMEDOUT : errno;
             }
         }
+        bool waiting = false;
         if (err == 0) {
             spoke = true;
-            why = rpc_hello(fd);
+            why = rpc_hello(fd, &waiting);
             ok = why.empty();
         } else if (!spoke) {
             why = std::strerror(err);
         }
-        close(fd);
+        if (waiting) {
+            // a busy ggml-rpc-server answers the HELLO when its client leaves,
+            // and dies of SIGPIPE if nobody is there to read it: someone is
+            std::thread([fd] {
+                pollfd pf = {fd, POLLIN, 0};
+                if (poll(&pf, 1, 3600 * 1000) == 1) {
+                    uint8_t rsp[8 + 28];
+                    io_all(fd, rsp, sizeof(rsp), false, 3000);
+                }
+                close(fd);
+            }).detach();
+        } else {
+            close(fd);
+        }
     }
     freeaddrinfo(res);
     if (!ok && spoke) throw error("rpc-server at " + endpoint + " is not usable: " + why);

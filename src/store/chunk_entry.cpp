@@ -152,10 +152,9 @@ void check_against(const entry_header & h, const std::vector<uint8_t> & b, const
     }
 }
 
-// the key the entry would be stored under, from what it holds; empty where
-// the entry does not hold all the key names: an evicted chunk (its policy is
-// not in the entry) or a codec whose entry names only its family (turboquant,
-// minicache: their settings are in the key, not in the entry's header)
+// the key the entry would be stored under, from what it holds (a codec's
+// settings from its payload); empty for an evicted chunk, whose policy is
+// in its key but not in the entry
 std::string derived_key(const entry_header & h, const std::vector<uint8_t> & b, const model & m) {
     if (h.n_kept != 0) return {};
     std::string codec = h.codec;
@@ -166,7 +165,7 @@ std::string derived_key(const entry_header & h, const std::vector<uint8_t> & b, 
         } catch (const error &) {
             throw error("entry names an unknown codec '" + h.codec + "'");
         }
-        if (!cd->entry_name_is_full()) return {};
+        codec = cd->payload_name(&b[h.header_bytes], h.payload_bytes);
     }
     return chunk_key(m, (ggml_type) h.dtype, codec, entry_prefix(h, b), entry_chunk_tokens(h, b));
 }

@@ -37,6 +37,8 @@ namespace {
 // the largest file read as an entry (a 32k-token chunk of a 70B model in f16 is
 // about 10.7 GB); a larger one is not an entry of ours
 constexpr uint64_t k_max_entry_bytes = 16ull << 30;
+// the largest index read (a line is about 50 bytes: millions of entries)
+constexpr uint64_t k_max_index_bytes = 1ull << 30;
 
 std::string sys_error(const std::string & what, const fs::path & p) {
     return what + " '" + p.string() + "': " + std::strerror(errno);
@@ -189,9 +191,10 @@ class dir_store : public store {
         std::error_code ec;
         // a missing store is an empty one (a put creates it again); something
         // else in its place is a store that cannot work, and says so
-        const fs::file_status root = fs::status(root_, ec);
-        if (fs::exists(root) && !fs::is_directory(root))
-            throw error("store '" + root_.string() + "' is not a directory");
+        for (const fs::path & dir : {root_, root_ / "entries"}) {
+            const fs::file_status st = fs::status(dir, ec);
+            if (fs::exists(st) && !fs::is_directory(st)) throw error("store '" + dir.string() + "' is not a directory");
+        }
         return fs::is_regular_file(entry_path(key), ec);
     }
 
@@ -288,7 +291,26 @@ class dir_store : public store {
 
     std::map<std::string, uint64_t> read_index() const {
         std::map<std::string, uint64_t> idx;
-        std::ifstream f(root_ / "index");
+        // the index is a summary: anything but a regular file of a sane size
+        // in its place (a fifo, /dev/zero, a 30 GB file) is not read, the
+        // entries are listed instead
+        std::string text;
+        {
+            struct stat st {};
+            fd_guard fd(open((root_ / "index").c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+            if (fd.get() >= 0 && fstat(fd.get(), &st) == 0 && S_ISREG(st.st_mode) && (uint64_t) st.st_size <= k_max_index_bytes) {
+                text.resize((size_t) st.st_size);
+                size_t done = 0;
+                while (done < text.size()) {
+                    const ssize_t r = read(fd.get(), &text[done], text.size() - done);
+                    if (r < 0 && errno == EINTR) continue;
+                    if (r <= 0) break;  // a read error or a file that shrank: what was read is checked below
+                    done += (size_t) r;
+                }
+                text.resize(done);
+            }
+        }
+        std::istringstream f(text);
         std::string line;
         if (!f || !std::getline(f, line) || line != "kvblend-store-index v1") {
             // missing or unreadable: the entries are the truth, rebuild from them

@@ -39,6 +39,9 @@ class rpc_server {
     std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
     std::string device() const { return "rpc:" + endpoint(); }  // model_params::device
 
+    // the server process is still running (not exited, not killed by a signal)
+    bool alive() const { return pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
+
     void stop() {
         if (pid_ <= 0) return;
         kill(pid_, SIGTERM);

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 
 #include <fstream>
 #include <iterator>
@@ -386,6 +387,39 @@ TEST(rpc, an_endpoint_that_is_no_rpc_server_is_an_error_not_an_abort) {
         }
         EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10)) << "kind " << k;
     }
+}
+
+// a ggml-rpc-server serves one client at a time: while another holds it, the
+// HELLO gets no answer. That is an error naming the likely cause, and the
+// server, which answers the abandoned HELLO once the other client leaves,
+// finds someone there to read it (it died of SIGPIPE before) and serves on
+TEST(rpc, a_busy_rpc_server_is_an_error_and_outlives_the_probe) {
+    test::rpc_server srv;
+    const int other = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons((uint16_t) srv.port());
+    ASSERT_EQ(connect(other, (sockaddr *) &a, sizeof(a)), 0);
+    uint8_t hello[1 + 8 + 24] = {14};
+    const uint64_t n = 24;
+    std::memcpy(hello + 1, &n, 8);
+    ASSERT_EQ(send(other, hello, sizeof(hello), MSG_NOSIGNAL), (ssize_t) sizeof(hello));
+    uint8_t answer[8 + 28];
+    ASSERT_EQ(recv(other, answer, sizeof(answer), MSG_WAITALL), (ssize_t) sizeof(answer));  // the other client's session
+
+    model_params mp;
+    mp.device = srv.device();
+    try {
+        model::load(k_stories, mp);
+        ADD_FAILURE() << "a busy rpc-server was taken";
+    } catch (const error & e) {
+        EXPECT_NE(std::string(e.what()).find("is another connected"), std::string::npos) << e.what();
+    }
+    close(other);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    EXPECT_TRUE(srv.alive()) << "the rpc-server died answering the abandoned handshake";
+    EXPECT_TRUE(model::load(k_stories, mp)->on_gpu());
 }
 
 // the C API onto the rpc-server (what a C or Python program embedding kvblend

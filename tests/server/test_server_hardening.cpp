@@ -438,6 +438,11 @@ TEST(server_hardening, health_reports_a_dir_store_that_cannot_work) {
     const json h = json::parse(down->body);
     EXPECT_EQ(h["store"]["ok"], false);
     EXPECT_NE(h["store"]["error"].get<std::string>().find("not a directory"), std::string::npos) << down->body;
+    // and so is one whose entries/ is a file
+    std::filesystem::remove(root);
+    std::filesystem::create_directories(root);
+    std::ofstream(root / "entries") << "a file";
+    EXPECT_EQ(c.Get("/health")->status, 503);
 }
 
 TEST(server_hardening, a_document_the_store_failed_to_write_is_a_5xx_not_an_id) {

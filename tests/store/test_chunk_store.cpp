@@ -197,16 +197,21 @@ TEST(chunk_store, well_formed_entries_that_lie_are_refused) {
     expect_same_chunk(chunk_get_or_collect(st.get(), eng, {}, toks, fs), good);
     EXPECT_EQ(fs.misses, 1);
 
-    // a codec whose entry names only its family: the key cannot be derived;
-    // the id is checked against the caller's own settings, and an entry that
-    // may be another configuration's is refused but not marked for removal
-    const std::unique_ptr<codec> tq = codec_by_name("turboquant4");
-    const std::vector<uint8_t> tq_entry = chunk_encode(*m, good, {}, tq.get());
-    const std::string tq_key = chunk_key(*m, good.type, tq->name(), {}, toks);
-    EXPECT_EQ(chunk_decode_id(*m, std::vector<uint8_t>(tq_entry), tq_key, good.type, "turboquant4").tokens, toks);
-    remove = true;
-    EXPECT_THROW(chunk_decode_id(*m, std::vector<uint8_t>(tq_entry), tq_key, good.type, "turboquant3", &remove), error);
-    EXPECT_FALSE(remove);
+    // codecs whose entry names only their family: the settings of the key come
+    // from the payload, so an id stays its document's whatever codec the
+    // caller runs now, and another chunk's entry under it is found out
+    for (const char * name : {"turboquant4", "turboquant3.5+qjl", "minicache:thr=0.45"}) {
+        const std::unique_ptr<codec> cd = codec_by_name(name);
+        const std::string own_key = chunk_key(*m, good.type, cd->name(), {}, toks);
+        const std::vector<uint8_t> entry = chunk_encode(*m, good, {}, cd.get());
+        EXPECT_EQ(chunk_entry_check(entry, m.get(), own_key), "") << name;
+        EXPECT_EQ(chunk_decode_id(*m, std::vector<uint8_t>(entry), own_key, good.type, "raw").tokens, toks) << name;
+        const std::vector<uint8_t> other_entry = chunk_encode(*m, other, {}, cd.get());
+        remove = false;
+        EXPECT_THROW(chunk_decode_id(*m, std::vector<uint8_t>(other_entry), own_key, good.type, name, &remove), error);
+        EXPECT_TRUE(remove) << name;
+        EXPECT_NE(chunk_entry_check(other_entry, m.get(), own_key).find("not of its own key"), std::string::npos) << name;
+    }
 }
 
 TEST(chunk_store, lru_eviction_under_a_budget) {

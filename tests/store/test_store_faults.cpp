@@ -167,6 +167,29 @@ TEST(store_faults, dir_entry_replaced_by_a_directory_is_a_miss_and_verify_and_gc
     EXPECT_FALSE(fs::exists(entry_file(d.path(), kb)));
 }
 
+// the index is a summary: a fifo, /dev/zero or a huge file in its place is not
+// read (it hung, or grew without bound); the entries are listed instead
+TEST(store_faults, an_index_that_is_no_plain_file_is_not_read) {
+    docs_dir docs;
+    test::temp_dir d("store");
+    ASSERT_EQ(test::run_cli(ingest_cmd(d.path(), docs.write("a.txt", "Tom had a red ball."))).status, 0);
+    const fs::path index = d.path() / "index";
+    for (int kind = 0; kind < 3; ++kind) {
+        fs::remove(index);
+        if (kind == 0) {
+            ASSERT_EQ(mkfifo(index.c_str(), 0600), 0);
+        }
+        if (kind == 1) fs::create_symlink("/dev/zero", index);
+        if (kind == 2) {
+            std::ofstream(index) << "kvblend-store-index v1\n";
+            fs::resize_file(index, 2ull << 30);
+        }
+        const test::run_result r = test::run_cli("store stats --json --store " + d.path().string(), "timeout 60 ");
+        ASSERT_EQ(r.status, 0) << kind << ": " << r.err;
+        EXPECT_EQ(nlohmann::json::parse(r.out)["entries"].get<int>(), 1) << kind << ": " << r.out;
+    }
+}
+
 // verify removes what is known to be bad, not what it cannot read: an entry
 // another user's mode keeps from it, or (here, as any user can make one) a
 // sparse file larger than any entry. It stays, is named, and verify says it
@@ -284,6 +307,13 @@ TEST_F(store_faults_redis, a_key_with_a_newline_forges_no_line) {
     EXPECT_NE(ls.out.find("fake\\x0a0123"), std::string::npos) << ls.out;
     const test::run_result v = test::run_cli("store verify --store " + server_->uri());
     EXPECT_NE(v.err.find("removed fake\\x0a0123"), std::string::npos) << v.err;
+    // nor is JSON output refused for a key that is not UTF-8
+    ASSERT_EQ(server_->command({"SET", "kvblend:chunk:bad\xff", "z"}), "+OK");
+    const test::run_result js = test::run_cli("store ls --json --store " + server_->uri());
+    ASSERT_EQ(js.status, 0) << js.err;
+    const nlohmann::json rows = nlohmann::json::parse(js.out);  // verify removed the two above
+    ASSERT_EQ(rows.size(), 1u) << js.out;
+    EXPECT_EQ(rows[0]["key"], "bad\xef\xbf\xbd");  // the odd byte as U+FFFD
 }
 
 // a key of another type under our prefix: a miss, listed, and removed by verify
