@@ -264,6 +264,12 @@ class redis_store : public store {
             uint64_t total = 0;
             for (const auto & e : entries) total += e.info.bytes;
             if (total <= opts_.max_bytes) return uint64_t(0);
+            // over the budget: before anything goes, no recorded size may exceed
+            // what its key really takes (the sizes hash is a summary anyone can edit)
+            check_sizes(entries);
+            total = 0;
+            for (const auto & e : entries) total += e.info.bytes;
+            if (total <= opts_.max_bytes) return uint64_t(0);
             // least recently used first; entries whose idle time is unknown (an
             // LFU maxmemory-policy) count as just used
             std::stable_sort(entries.begin(), entries.end(),
@@ -522,6 +528,22 @@ class redis_store : public store {
         if (v > (512ull << 20)) return false;
         out = v;
         return true;
+    }
+
+    // MEMORY USAGE (which, unlike STRLEN, leaves a key's LRU clock alone) bounds
+    // each entry's value; a recorded size above it is measured with STRLEN
+    void check_sizes(std::vector<entry_scan> & entries) {
+        for (const auto & e : entries) {
+            command c;
+            c.arg("MEMORY").arg("USAGE").arg(key_prefix + e.info.key).arg("SAMPLES").arg("0");
+            append(c);
+        }
+        std::vector<size_t> forged;
+        for (size_t i = 0; i < entries.size(); ++i) {
+            reply_ptr r = read_reply();
+            if (r->type == REDIS_REPLY_INTEGER && (uint64_t) r->integer < entries[i].info.bytes) forged.push_back(i);
+        }
+        if (!forged.empty()) measure(forged, entries);
     }
 
     // STRLEN the entries the sizes hash lacks and record them there, so this

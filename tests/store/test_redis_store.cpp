@@ -234,6 +234,14 @@ TEST_F(RedisStore, ForgedSizeRecordsEvictNoValidEntry) {
     EXPECT_EQ(st->stats().bytes, 4000u);
     EXPECT_EQ(st->gc(), 1u);  // 4000 real bytes over 3500: one entry goes, not all
     EXPECT_EQ(st->stats().n_entries, 3u);
+    // a believable size (a redis string may be 400 MB) on the most recently
+    // used entry: checked against the key's memory before anything is evicted
+    std::this_thread::sleep_for(std::chrono::milliseconds(1600));  // idle times have one-second steps
+    st->put("e", value);  // 4000 bytes again
+    ASSERT_EQ(server_->command({"HSET", "kvblend:bytes", "e", "400000000"}), ":0");
+    EXPECT_EQ(st->gc(), 1u);
+    EXPECT_TRUE(st->contains("e"));
+    EXPECT_EQ(st->stats().bytes, 3000u);
 }
 
 // the sizes hash replaced by a key of another type: it is our summary, so it
