@@ -2,6 +2,7 @@
 // libllama (a vocab-only load of the same GGUF).
 #pragma once
 
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,9 +43,16 @@ class vocab {
 
     const llama_vocab * raw() const { return vocab_; }
 
+    // the most bytes one token stands for (special tokens' text included):
+    // a text of B bytes is at least B / max_piece_bytes() tokens, so a text no
+    // context can hold is known before the tokenizer spends time and memory on it
+    size_t max_piece_bytes() const;
+
   private:
     llama_model * model_ = nullptr;  // vocab-only
     const llama_vocab * vocab_ = nullptr;
+    mutable std::once_flag piece_once_;
+    mutable size_t max_piece_ = 1;
 };
 
 }  // namespace kvblend

@@ -11,6 +11,7 @@
 #include "kvblend/blend.h"
 #include "kvblend/common.h"
 #include "kvblend/engine.h"
+#include "kvblend/vocab.h"
 
 namespace kvblend::cli {
 
@@ -20,6 +21,11 @@ constexpr uint64_t k_max_text_file = 64ull << 20;
 std::string read_text_file(const std::string & path, uint64_t max_bytes = k_max_text_file);
 // --store-max-gb X: 0 = no budget; any positive X is honoured (at least 1 byte)
 uint64_t parse_store_budget(args & a);
+
+// a text of `bytes` bytes that no context of n_ctx tokens can hold is refused
+// before it is tokenized (no token covers more than vocab::max_piece_bytes();
+// twice that, for slack): several large --doc files must not cost gigabytes first
+void check_text_fits(const vocab & v, uint64_t bytes, int64_t n_ctx, const std::string & what);
 
 int bench_blend(args & a);  // kvblend bench blend …
 int bench_store(args & a);  // kvblend bench store …

@@ -128,6 +128,9 @@ int cmd_blend(int argc, char ** argv) {
     auto m = model::load(model_path, mp);
     if (bp.check_layer >= m->hparams().n_layer)
         throw error("--check-layer must be below the model's " + std::to_string(m->hparams().n_layer) + " layers");
+    uint64_t text_bytes = system.size() + query.size();
+    for (const auto & d : docs) text_bytes += d.size();
+    check_text_fits(m->tokens(), text_bytes, m->hparams().n_ctx_train, "the system text, documents and query");
     const rag_prompt rp = rag_prompt_build(m->tokens(), system, docs, query, chat);
     const std::vector<llama_token> all = rp.all();
     const int64_t n_greedy = compare ? 32 : 0;

@@ -2,6 +2,8 @@
 // vocab-only load of the model file reads the tokenizer and no weights.
 #include "kvblend/vocab.h"
 
+#include <algorithm>
+
 #include "kvblend/common.h"
 
 namespace kvblend {
@@ -59,6 +61,13 @@ std::string vocab::detokenize(const std::vector<llama_token> & toks, bool specia
 }
 
 int32_t vocab::n_tokens() const { return llama_vocab_n_tokens(vocab_); }
+
+size_t vocab::max_piece_bytes() const {
+    std::call_once(piece_once_, [&] {
+        for (llama_token t = 0; t < n_tokens(); ++t) max_piece_ = std::max(max_piece_, detokenize({t}, true).size());
+    });
+    return max_piece_;
+}
 llama_token vocab::bos() const { return llama_vocab_bos(vocab_); }
 llama_token vocab::eos() const { return llama_vocab_eos(vocab_); }
 bool vocab::is_eog(llama_token tok) const { return llama_vocab_is_eog(vocab_, tok); }

@@ -244,8 +244,7 @@ struct server::impl {
             st = std::make_unique<locked_store>(std::move(s));
         }
         model_id = m->path().substr(m->path().find_last_of('/') + 1);
-        for (llama_token t = 0; t < m->tokens().n_tokens(); ++t)
-            max_piece_bytes = std::max(max_piece_bytes, m->tokens().detokenize({t}, true).size());
+        max_piece_bytes = m->tokens().max_piece_bytes();
         for (int i = 0; i < p.parallel; ++i) {
             engine_params ep = engine_default_params();
             ep.n_ctx = p.n_ctx;

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include "cli_run.h"
 #include "test_util.h"
@@ -52,6 +53,28 @@ TEST(cli_inputs, text_files_must_be_regular_files_of_bounded_size) {
     std::ofstream(d.file("ok.txt")) << "Tom had a red ball.";
     const test::run_result ok = run_limited(blend + d.file("ok.txt"));
     EXPECT_EQ(ok.status, 0) << ok.err;
+}
+
+// texts no context can hold are refused before they are tokenized: each file
+// is bounded, but --doc may be given many times
+TEST(cli_inputs, texts_longer_than_any_context_are_refused_before_tokenizing) {
+    test::temp_dir d("inputs");
+    std::vector<std::string> files;
+    for (int i = 0; i < 3; ++i) {
+        files.push_back(d.file("doc" + std::to_string(i) + ".txt"));
+        std::ofstream f(files.back());
+        for (int j = 0; j < 40000; ++j) f << "Tom had a red ball. ";  // 800 kB
+    }
+    const test::run_result b = run_limited("blend -m " + k_stories + " --query q -n 1 --doc " + files[0] + " --doc " +
+                                           files[1] + " --doc " + files[2]);
+    EXPECT_EQ(b.status, 1) << b.err;
+    EXPECT_NE(b.err.find("cannot fit the model's context of"), std::string::npos) << b.err;
+    const test::run_result g = run_limited("generate -m " + k_stories + " -n 1 -f " + files[0]);
+    EXPECT_EQ(g.status, 1) << g.err;
+    EXPECT_NE(g.err.find("cannot fit the model's context of"), std::string::npos) << g.err;
+    // one that may fit is tokenized and answered as before
+    std::ofstream(d.file("small.txt")) << "Tom had a red ball.";
+    EXPECT_EQ(run_limited("blend -m " + k_stories + " --query q -n 1 --doc " + d.file("small.txt")).status, 0);
 }
 
 // a fifo where a model, a vocabulary or a prompts file goes is refused at
