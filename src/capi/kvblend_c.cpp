@@ -738,6 +738,15 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         std::vector<std::vector<llama_token>> doc_tokens(n_docs);
         std::vector<std::unique_ptr<chunk_kv>> stored(n_docs);
         chunk_fetch_stats fs;
+        // texts no context can hold are refused before they are tokenized (no
+        // token stands for more than the longest piece; twice that, for slack)
+        uint64_t text_bytes = std::strlen(question) + (system ? std::strlen(system) : 0);
+        for (size_t i = 0; i < n_docs; ++i)
+            if (docs[i].text) text_bytes += std::strlen(docs[i].text);
+        if (text_bytes / (2 * v.max_piece_bytes()) > (uint64_t) m.hparams().n_ctx_train)
+            fail(KVB_ERR_FAILED, "the text of the documents and question (" + std::to_string(text_bytes) +
+                                     " bytes) exceeds what the model's context of " + std::to_string(m.hparams().n_ctx_train) +
+                                     " tokens can hold");
         for (size_t i = 0; i < n_docs; ++i) {
             const kvb_doc & d = docs[i];
             if ((d.text != nullptr) == (d.id != nullptr))

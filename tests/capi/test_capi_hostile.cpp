@@ -212,6 +212,11 @@ TEST_F(capi_hostile, empty_invalid_utf8_and_long_texts_are_answered_or_refused_n
     const kvb_doc big = {long_doc.c_str(), nullptr};
     EXPECT_EQ(kvb_blend(ctx, nullptr, "", &big, 1, "q", nullptr, &gp, nullptr, nullptr), KVB_ERR_FAILED);
     EXPECT_NE(last_error().find("exceeds"), std::string::npos) << last_error();
+    // so many bytes that no context of the model can hold them: refused before tokenizing
+    const std::string huge_doc(3 << 20, 'a');
+    const kvb_doc huge[] = {{huge_doc.c_str(), nullptr}, {huge_doc.c_str(), nullptr}};
+    EXPECT_EQ(kvb_blend(ctx, nullptr, "", huge, 2, "q", nullptr, &gp, nullptr, nullptr), KVB_ERR_FAILED);
+    EXPECT_NE(last_error().find("bytes) exceeds what the model's context of"), std::string::npos) << last_error();
     EXPECT_EQ(kvb_generate(ctx, long_doc.c_str(), &gp, nullptr, nullptr), KVB_ERR_FAILED);
     // a document by an empty id, or one with a NUL-free but foreign id, is not found
     const kvb_doc ids[] = {{nullptr, ""}};
