@@ -100,13 +100,11 @@ chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && bytes,  // keeps 
                       chunk_entry_info * info = nullptr);
 
 // a document by its id (the key its entry is stored under): the entry decoded
-// and shown to be that id's, from the key it derives, or else from the key its
-// tokens have under `type` and `codec` (the caller's own settings). throws
-// kvblend::error when it is not; *remove then says whether the entry is
-// certainly of no use (corrupt, or another chunk's under this id) rather than
-// possibly another configuration's
-chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const std::string & id, ggml_type type,
-                         const std::string & codec, bool * remove = nullptr);
+// and shown to be that id's by the key it derives. throws kvblend::error when
+// it is not; *remove then says whether the entry is certainly of no use
+// (corrupt, or another chunk's under this id) rather than an evicted chunk's,
+// whose key cannot be derived
+chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const std::string & id, bool * remove = nullptr);
 
 // what is wrong with an entry ("" when nothing): structure and checksum, and
 // with a model also the fingerprint, shapes and token ids, and, given the key it

@@ -43,10 +43,12 @@ class vocab {
 
     const llama_vocab * raw() const { return vocab_; }
 
-    // the most bytes one token stands for (special tokens' text included):
-    // a text of B bytes is at least B / max_piece_bytes() tokens, so a text no
-    // context can hold is known before the tokenizer spends time and memory on it
+    // the most bytes one token stands for (special tokens' text included)
     size_t max_piece_bytes() const;
+    // fewer tokens than a text of `bytes` bytes can tokenize to (B / the longest
+    // piece, halved for slack): a text no context can hold is known before the
+    // tokenizer spends time and memory on it
+    uint64_t min_tokens(uint64_t bytes) const { return bytes / (2 * max_piece_bytes()); }
 
   private:
     llama_model * model_ = nullptr;  // vocab-only

@@ -738,12 +738,11 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         std::vector<std::vector<llama_token>> doc_tokens(n_docs);
         std::vector<std::unique_ptr<chunk_kv>> stored(n_docs);
         chunk_fetch_stats fs;
-        // texts no context can hold are refused before they are tokenized (no
-        // token stands for more than the longest piece; twice that, for slack)
+        // texts no context can hold are refused before they are tokenized
         uint64_t text_bytes = std::strlen(question) + (system ? std::strlen(system) : 0);
         for (size_t i = 0; i < n_docs; ++i)
             if (docs[i].text) text_bytes += std::strlen(docs[i].text);
-        if (text_bytes / (2 * v.max_piece_bytes()) > (uint64_t) m.hparams().n_ctx_train)
+        if (v.min_tokens(text_bytes) > (uint64_t) m.hparams().n_ctx_train)
             fail(KVB_ERR_FAILED, "the text of the documents and question (" + std::to_string(text_bytes) +
                                      " bytes) exceeds what the model's context of " + std::to_string(m.hparams().n_ctx_train) +
                                      " tokens can hold");
@@ -762,7 +761,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
             if (!bytes) fail(KVB_ERR_NOT_FOUND, "unknown document id '" + id + "'");
             bool remove = true;
             try {
-                stored[i] = std::make_unique<chunk_kv>(chunk_decode_id(m, std::move(*bytes), id, ctx->ep.type_k, codec_name, &remove));
+                stored[i] = std::make_unique<chunk_kv>(chunk_decode_id(m, std::move(*bytes), id, &remove));
             } catch (const error & e) {
                 if (remove) store->st->erase(id);
                 fail(KVB_ERR_NOT_FOUND, "document '" + id + "' is no longer usable (" + e.what() + ")");

@@ -182,8 +182,7 @@ std::string read_text_file(const std::string & path, uint64_t max_bytes) {
 }
 
 void check_text_fits(const vocab & v, uint64_t bytes, int64_t n_ctx, const std::string & what) {
-    const uint64_t n_min = bytes / (2 * v.max_piece_bytes());
-    if (n_min > (uint64_t) n_ctx)
+    if (v.min_tokens(bytes) > (uint64_t) n_ctx)
         throw error(what + " of " + std::to_string(bytes) + " bytes cannot fit the model's context of " +
                     std::to_string(n_ctx) + " tokens (a token stands for at most " + std::to_string(v.max_piece_bytes()) +
                     " bytes)");

@@ -60,11 +60,16 @@ struct slot_cache {
 // every setting of a selection, as one string: two fusions of the same chunks
 // with equal tags give the same KV
 std::string selection_tag(const blend_params & b) {
-    std::string t = std::to_string(b.recomp_ratio) + "/" + std::to_string(b.check_layer) + "/" +
-                    blend_score_name(b.score) + "/" + blend_method_name(b.method) + "/" +
-                    std::to_string(b.recompute_chunk_head) + "/" + std::to_string(b.head_in_budget) + "/" +
-                    blend_budget_name(b.budget) + "/" + std::to_string(b.dev_mass) + "/" + std::to_string(b.weight_query);
-    for (const auto & [l, r] : b.schedule) t += ";" + std::to_string(l) + ":" + std::to_string(r);
+    auto real = [](float x) {  // every float its own spelling (to_string rounds to 6 decimals)
+        char s[32];
+        std::snprintf(s, sizeof(s), "%.9g", x);
+        return std::string(s);
+    };
+    std::string t = real(b.recomp_ratio) + "/" + std::to_string(b.check_layer) + "/" + blend_score_name(b.score) + "/" +
+                    blend_method_name(b.method) + "/" + std::to_string(b.recompute_chunk_head) + "/" +
+                    std::to_string(b.head_in_budget) + "/" + blend_budget_name(b.budget) + "/" + real(b.dev_mass) + "/" +
+                    std::to_string(b.weight_query);
+    for (const auto & [l, r] : b.schedule) t += ";" + std::to_string(l) + ":" + real(r);
     return t;
 }
 
@@ -143,7 +148,6 @@ struct server::impl {
                                  p.max_connections_per_client}};
     mutable doc_index known;  // texts of the documents plain prompts are searched for
     std::atomic<int> bound_port{0};
-    size_t max_piece_bytes = 1;  // the longest text one token stands for (special tokens included)
 
     // Prometheus counters (GET /metrics)
     struct metrics_t {
@@ -244,7 +248,7 @@ struct server::impl {
             st = std::make_unique<locked_store>(std::move(s));
         }
         model_id = m->path().substr(m->path().find_last_of('/') + 1);
-        max_piece_bytes = m->tokens().max_piece_bytes();
+        m->tokens().max_piece_bytes();  // measured once at start, not on a request
         for (int i = 0; i < p.parallel; ++i) {
             engine_params ep = engine_default_params();
             ep.n_ctx = p.n_ctx;
@@ -450,10 +454,9 @@ struct server::impl {
     // the body, checked for its endpoint without the model (server_request.h)
     json parse_body(const httplib::Request & req, request_kind kind, bool * stream = nullptr) const {
         request_spec r = request_parse(kind, req.body);
-        // a text too long for the context is refused before the tokenizer spends time on it:
-        // no token covers more bytes than the longest piece (twice that, for slack)
-        const size_t bytes = request_text_bytes(r), n_min = bytes / (2 * max_piece_bytes);
-        if ((int64_t) n_min > p.n_ctx)
+        // a text too long for the context is refused before the tokenizer spends time on it
+        const size_t bytes = request_text_bytes(r);
+        if (m->tokens().min_tokens(bytes) > (uint64_t) p.n_ctx)
             bad_request("the " + std::string(kind == REQUEST_DOCUMENTS ? "document" : "prompt") + " has " +
                             std::to_string(bytes) + " bytes, more than the context of " + std::to_string(p.n_ctx) +
                             " tokens can hold",
@@ -633,7 +636,7 @@ struct server::impl {
         if (!bytes) throw request_error{404, "unknown document id '" + id + "'", "invalid_request_error", "document_not_found"};
         bool remove = true;
         try {
-            return chunk_decode_id(*m, std::move(*bytes), id, p.type_k, p.codec, &remove).tokens;
+            return chunk_decode_id(*m, std::move(*bytes), id, &remove).tokens;
         } catch (const error & e) {
             if (remove) st->erase(id);
             throw request_error{404, "document '" + id + "' is no longer usable (" + e.what() + ")", "invalid_request_error",

@@ -290,20 +290,16 @@ chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes, chunk
     return chunk_decode(m, std::vector<uint8_t>(bytes), info);
 }
 
-chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const std::string & id, ggml_type type,
-                         const std::string & codec, bool * remove) {
-    if (remove) *remove = true;  // an entry that does not decode is of no use to anyone
+chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const std::string & id, bool * remove) {
+    if (remove) *remove = true;  // an entry that does not decode, or holds another chunk, is of no use to anyone
     chunk_entry_info info;
     chunk_kv c = chunk_decode(m, std::move(bytes), &info);
-    if (!info.key.empty()) {
-        if (info.key != id) throw error("the entry under this id holds another chunk (of key " + info.key + ")");
-        return c;
+    if (info.key.empty()) {
+        if (remove) *remove = false;  // a valid evicted chunk, maybe: left alone
+        throw error("an evicted chunk's entry cannot be shown to be a document (its eviction is not in the entry)");
     }
-    // the key is not in the entry: the id must be the key its tokens have here
-    if (c.kept.empty() && info.prefix.empty() && chunk_key(m, type, codec_by_name(codec)->name(), {}, c.tokens) == id)
-        return c;
-    if (remove) *remove = false;  // it may be another configuration's entry: left alone
-    throw error("the entry under this id cannot be shown to be its document (codec " + info.codec + ")");
+    if (info.key != id) throw error("the entry under this id holds another chunk (of key " + info.key + ")");
+    return c;
 }
 
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,

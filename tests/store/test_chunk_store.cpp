@@ -169,9 +169,9 @@ TEST(chunk_store, well_formed_entries_that_lie_are_refused) {
     EXPECT_EQ(chunk_entry_check(swapped, m.get(), other_key), "");
     EXPECT_NE(chunk_entry_check(swapped, m.get(), key).find("not of its own key"), std::string::npos);
     bool remove = false;
-    EXPECT_THROW(chunk_decode_id(*m, std::vector<uint8_t>(swapped), key, good.type, "raw", &remove), error);
+    EXPECT_THROW(chunk_decode_id(*m, std::vector<uint8_t>(swapped), key, &remove), error);
     EXPECT_TRUE(remove);
-    EXPECT_EQ(chunk_decode_id(*m, std::vector<uint8_t>(swapped), other_key, good.type, "raw").tokens, other_toks);
+    EXPECT_EQ(chunk_decode_id(*m, std::vector<uint8_t>(swapped), other_key).tokens, other_toks);
 
     // an entry of another element type (f32) under the f16 key
     engine_params ep32 = engine_default_params();
@@ -197,18 +197,28 @@ TEST(chunk_store, well_formed_entries_that_lie_are_refused) {
     expect_same_chunk(chunk_get_or_collect(st.get(), eng, {}, toks, fs), good);
     EXPECT_EQ(fs.misses, 1);
 
+    // an evicted chunk's key names its eviction, which the entry does not hold:
+    // refused as a document by id, but not marked for removal
+    evict_params ev;
+    ev.policy = EVICT_POLICY_SNAPKV;
+    ev.budget_share = 0.5;
+    const std::vector<uint8_t> sparse = chunk_encode(*m, collect_evicted(eng, toks, ev), {});
+    remove = true;
+    EXPECT_THROW(chunk_decode_id(*m, std::vector<uint8_t>(sparse), chunk_key(*m, good.type, "raw", {}, toks, ev), &remove), error);
+    EXPECT_FALSE(remove);
+
     // codecs whose entry names only their family: the settings of the key come
-    // from the payload, so an id stays its document's whatever codec the
-    // caller runs now, and another chunk's entry under it is found out
+    // from the payload, so an id is its document's whatever codec the caller
+    // runs now, and another chunk's entry under it is found out
     for (const char * name : {"turboquant4", "turboquant3.5+qjl", "minicache:thr=0.45"}) {
         const std::unique_ptr<codec> cd = codec_by_name(name);
         const std::string own_key = chunk_key(*m, good.type, cd->name(), {}, toks);
         const std::vector<uint8_t> entry = chunk_encode(*m, good, {}, cd.get());
         EXPECT_EQ(chunk_entry_check(entry, m.get(), own_key), "") << name;
-        EXPECT_EQ(chunk_decode_id(*m, std::vector<uint8_t>(entry), own_key, good.type, "raw").tokens, toks) << name;
+        EXPECT_EQ(chunk_decode_id(*m, std::vector<uint8_t>(entry), own_key).tokens, toks) << name;
         const std::vector<uint8_t> other_entry = chunk_encode(*m, other, {}, cd.get());
         remove = false;
-        EXPECT_THROW(chunk_decode_id(*m, std::vector<uint8_t>(other_entry), own_key, good.type, name, &remove), error);
+        EXPECT_THROW(chunk_decode_id(*m, std::vector<uint8_t>(other_entry), own_key, &remove), error);
         EXPECT_TRUE(remove) << name;
         EXPECT_NE(chunk_entry_check(other_entry, m.get(), own_key).find("not of its own key"), std::string::npos) << name;
     }
