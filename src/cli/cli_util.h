@@ -5,6 +5,7 @@
 #include <map>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <vector>
 
 #include "cli/args.h"
 #include "ggml.h"
@@ -42,6 +43,9 @@ void plot_png(const std::string & png, const std::string & data, const std::stri
 // a benchmark's results as indented JSON at path; nothing when path is empty,
 // a message when the file cannot be written
 void write_json(const std::string & path, const nlohmann::json & j);
+
+// the median of repeated timings; an even count averages the middle two
+double median(std::vector<double> v);
 
 // times every node the scheduler computes while `on` (one node per compute:
 // slower than a normal run, but the same for both sides)

@@ -27,7 +27,10 @@ model, same threads, same KV type, in the same run.
   -m, --model FILE      GGUF model
   --tokens LIST         prompt lengths, comma-separated (default 512,2048)
   --n-gen N             decode steps timed after each prefill (default 32)
-  -r, --reps N          repetitions per measurement; the median is kept (default 3)
+  -r, --reps N          repetitions per measurement; the median is kept (default 3).
+                        Each repetition runs ours and libllama's back to back;
+                        the ratios are the median (and range) of the per-repetition
+                        ratios, so a drift of the machine's speed cancels
   -t, --threads N       CPU threads (default 2)
   -b, --ubatch N        micro-batch for both (default 512)
   --cache-type T        f16 (default), f32, q8_0 or q4_0 (both K and V)
@@ -42,9 +45,17 @@ model, same threads, same KV type, in the same run.
   -dev, --device DEV    our forward's device (cpu, cuda, rpc:HOST:PORT, …; see kvblend generate --help)
 )";
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
+// libllama's time over ours, one ratio per repetition: the two ran back to
+// back, so a drift of the machine's speed (other tenants, clocks) moves both
+// and cancels, where a ratio of the two medians would mix different moments.
+// The row gets the median ratio and the lowest and highest.
+void put_ratio(nlohmann::json & row, const std::string & key, const std::vector<double> & ref,
+               const std::vector<double> & ours) {
+    std::vector<double> r;
+    for (size_t i = 0; i < ref.size() && i < ours.size(); ++i) r.push_back(ref[i] / ours[i]);
+    row[key] = median(r);
+    row[key + "_min"] = *std::min_element(r.begin(), r.end());
+    row[key + "_max"] = *std::max_element(r.begin(), r.end());
 }
 
 double peak_rss_mb() {
@@ -160,13 +171,17 @@ int bench_prefill(args & a) {
         nlohmann::json row = {{"n_prompt", n}, {"ours_prefill_ms", median(ours_pp)},
                               {"ours_prefill_tps", n / (median(ours_pp) / 1000.0)}};
         if (n_gen) row["ours_decode_tps"] = n_gen / (median(ours_tg) / 1000.0);
+        row["ours_prefill_ms_each"] = ours_pp;  // every repetition, in the order run
+        if (n_gen) row["ours_decode_ms_each"] = ours_tg;
         if (lr) {
+            row["llama_prefill_ms_each"] = ref_pp;
             row["llama_prefill_ms"] = median(ref_pp);
             row["llama_prefill_tps"] = n / (median(ref_pp) / 1000.0);
-            row["prefill_ratio"] = median(ref_pp) / median(ours_pp);
+            put_ratio(row, "prefill_ratio", ref_pp, ours_pp);
             if (n_gen) {
+                row["llama_decode_ms_each"] = ref_tg;
                 row["llama_decode_tps"] = n_gen / (median(ref_tg) / 1000.0);
-                row["decode_ratio"] = median(ref_tg) / median(ours_tg);
+                put_ratio(row, "decode_ratio", ref_tg, ours_tg);
             }
         }
         if (profile) {
@@ -193,15 +208,22 @@ int bench_prefill(args & a) {
         std::printf("%s\n", out.dump(2).c_str());
         return 0;
     }
-    std::printf("model: %s\n%s, threads %d, ubatch %lld, KV %s, median of %lld\n\n", model_path.c_str(),
+    std::printf("model: %s\n%s, threads %d, ubatch %lld, KV %s, median of %lld; "
+                "a ratio is libllama's time over ours in each repetition (the two run back to back), its median and range\n\n", model_path.c_str(),
                 m->describe().c_str(), ep.n_threads, (long long) ep.n_ubatch, ggml_type_name(ep.type_k), (long long) reps);
-    std::printf("| prompt | ours pp tok/s | llama pp tok/s | pp ratio | ours tg tok/s | llama tg tok/s | tg ratio |\n");
-    std::printf("|-------:|--------------:|---------------:|---------:|--------------:|---------------:|---------:|\n");
+    std::printf("| prompt | ours pp tok/s | llama pp tok/s | pp ratio | pp ratio range | ours tg tok/s | llama tg tok/s | tg ratio | tg ratio range |\n");
+    std::printf("|-------:|--------------:|---------------:|---------:|---------------:|--------------:|---------------:|---------:|---------------:|\n");
     for (const auto & r : rows) {
-        auto f = [&](const char * k) { return r.contains(k) ? r[k].get<double>() : 0.0; };
-        std::printf("| %6lld | %13.1f | %14.1f | %8.3f | %13.2f | %14.2f | %8.3f |\n", (long long) r["n_prompt"].get<int64_t>(),
-                    f("ours_prefill_tps"), f("llama_prefill_tps"), f("prefill_ratio"), f("ours_decode_tps"),
-                    f("llama_decode_tps"), f("decode_ratio"));
+        auto f = [&](const std::string & k) { return r.contains(k) ? r[k].get<double>() : 0.0; };
+        auto range = [&](const std::string & k) {
+            char s[48];
+            std::snprintf(s, sizeof s, "%.3f-%.3f", f(k + "_min"), f(k + "_max"));
+            return std::string(s);
+        };
+        std::printf("| %6lld | %13.1f | %14.1f | %8.3f | %14s | %13.2f | %14.2f | %8.3f | %14s |\n",
+                    (long long) r["n_prompt"].get<int64_t>(), f("ours_prefill_tps"), f("llama_prefill_tps"),
+                    f("prefill_ratio"), range("prefill_ratio").c_str(), f("ours_decode_tps"), f("llama_decode_tps"),
+                    f("decode_ratio"), range("decode_ratio").c_str());
     }
     for (const auto & r : rows) {
         if (!r.contains("ops")) continue;

@@ -53,10 +53,15 @@ Both:
   --plot FILE.png       plot them with gnuplot (speedup vs context, or KL vs ratio)
 )";
 
+}  // namespace
+
 double median(std::vector<double> v) {
     std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
+    const size_t h = v.size() / 2;
+    return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
 }
+
+namespace {
 
 int bench_speed(const std::string & model_path, const std::vector<int64_t> & contexts, float ratio, int64_t chunk,
                 int check_layer, int64_t reps, bool peer, int profile, int32_t threads,

@@ -96,10 +96,6 @@ int bench_match(args & a) {
         without.push_back(time_ms() - t2);
         found_unknown += none;  // any match in unknown text is wrong
     }
-    auto median = [](std::vector<double> v) {
-        std::sort(v.begin(), v.end());
-        return v[v.size() / 2];
-    };
     const double per_prompt = median(with), per_plain = median(without);
     const double chars = (double) chars_total / (double) reps;
     const double per_10k = per_prompt * 10000.0 / chars, plain_per_10k = per_plain * 10000.0 / chars;

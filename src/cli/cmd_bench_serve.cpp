@@ -199,11 +199,6 @@ int bench_serve(args & a) {
             run_ours();
         }
     }
-    auto median = [](std::vector<double> v) {
-        std::sort(v.begin(), v.end());
-        const size_t h = v.size() / 2;
-        return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
-    };
     nlohmann::json rows = nlohmann::json::array();
     std::printf("%lld documents x %lld tokens, median of %lld\n\n", (long long) n_docs, (long long) doc_tokens, (long long) reps);
     std::printf("| request | kvblend TTFT ms | llama-server TTFT ms | ratio |\n|---|---:|---:|---:|\n");

@@ -32,11 +32,6 @@ store, cold (the entry's cached pages dropped first).
   --json FILE           write the results as JSON
 )";
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
 // the dir backend's entry path (docs/STORE_FORMAT.md), for dropping its cached pages
 std::string dir_entry_path(const std::string & uri, const std::string & key) {
     const std::string root = uri.rfind("dir:", 0) == 0 ? uri.substr(4) : uri;

@@ -2,6 +2,9 @@
 // and --profile-ops, the per-op times of both sides.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
 #include "cli_run.h"
@@ -22,6 +25,25 @@ TEST(cli_bench_prefill, json_rows_time_both_sides) {
         EXPECT_GT(row["llama_prefill_ms"].get<double>(), 0.0);
         EXPECT_GT(row["decode_ratio"].get<double>(), 0.0);
         EXPECT_FALSE(row.contains("ops"));  // only with --profile-ops
+    }
+}
+
+TEST(cli_bench_prefill, ratios_are_the_median_of_each_repetitions_ratio) {
+    const test::run_result r = test::run_cli("bench prefill -m " + k_stories + " --tokens 40 -r 4 --n-gen 2 --json");
+    ASSERT_EQ(r.status, 0) << r.err;
+    const nlohmann::json row = nlohmann::json::parse(r.out)["rows"][0];
+    for (const char * what : {"prefill", "decode"}) {
+        const std::string s(what);
+        const auto ours = row["ours_" + s + "_ms_each"].get<std::vector<double>>();
+        const auto ref = row["llama_" + s + "_ms_each"].get<std::vector<double>>();
+        ASSERT_EQ(ours.size(), 4u) << s;
+        ASSERT_EQ(ref.size(), 4u) << s;
+        std::vector<double> ratio;
+        for (size_t i = 0; i < 4; ++i) ratio.push_back(ref[i] / ours[i]);
+        std::sort(ratio.begin(), ratio.end());
+        EXPECT_DOUBLE_EQ(row[s + "_ratio"].get<double>(), 0.5 * (ratio[1] + ratio[2])) << s;  // even count: the middle two
+        EXPECT_DOUBLE_EQ(row[s + "_ratio_min"].get<double>(), ratio.front()) << s;
+        EXPECT_DOUBLE_EQ(row[s + "_ratio_max"].get<double>(), ratio.back()) << s;
     }
 }
 
