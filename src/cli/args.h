@@ -1,6 +1,7 @@
 // kvblend CLI: a small flag parser. every bad flag is a message, not a crash.
 #pragma once
 
+#include <cctype>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -10,8 +11,10 @@
 
 namespace kvblend::cli {
 
-// the whole of s as an integer / a number; nothing when it is not one (or is empty)
+// the whole of s as an integer / a number; nothing when it is not one (or is
+// empty, or begins with a space, which std::stoll and std::stod would skip)
 inline std::optional<int64_t> to_integer(const std::string & s) {
+    if (s.empty() || std::isspace((unsigned char) s[0])) return std::nullopt;
     size_t n = 0;
     long long v = 0;
     try {
@@ -24,6 +27,7 @@ inline std::optional<int64_t> to_integer(const std::string & s) {
 }
 
 inline std::optional<double> to_real(const std::string & s) {
+    if (s.empty() || std::isspace((unsigned char) s[0])) return std::nullopt;
     size_t n = 0;
     double v = 0;
     try {

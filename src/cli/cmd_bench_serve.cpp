@@ -61,11 +61,9 @@ endpoint parse_url(const std::string & url) {
     if (colon == std::string::npos) throw error("URL '" + url + "' needs a port");
     endpoint e;
     e.host = rest.substr(0, colon);
-    try {
-        e.port = std::stoi(rest.substr(colon + 1));
-    } catch (...) {
-        throw error("bad port in '" + url + "'");
-    }
+    const std::optional<int64_t> port = to_integer(rest.substr(colon + 1));
+    if (e.host.empty() || !port || *port < 1 || *port > 65535) throw error("URL '" + url + "' is not http://HOST:PORT");
+    e.port = (int) *port;
     return e;
 }
 

@@ -224,6 +224,7 @@ int cmd_generate(int argc, char ** argv) {
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (!have_prompt) throw error("missing -p PROMPT (see --help)");
+    if (!system.empty() && !chat) throw error("--system applies to --chat (without it the prompt is used as written)");
     check_evict_flags(ep.evict);
 
     mp.use_mmap = mmap;

@@ -60,7 +60,7 @@ int64_t parse_size(const std::string & s, const char * flag) {
     size_t n = 0;
     long long v = -1;
     try {
-        v = std::stoll(s, &n);
+        if (!s.empty() && !std::isspace((unsigned char) s[0])) v = std::stoll(s, &n);
     } catch (...) {
     }
     int64_t mul = 1;

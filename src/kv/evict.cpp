@@ -2,6 +2,7 @@
 #include "kvblend/evict.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -43,7 +44,7 @@ void evict_budget_parse(const std::string & s, evict_params & p) {
     } catch (...) {
         n = 0;
     }
-    if (num.empty() || n != num.size() || !std::isfinite(v))
+    if (num.empty() || std::isspace((unsigned char) num[0]) || n != num.size() || !std::isfinite(v))
         throw error("KV budget must be a share (0.25 or 25%) or a token count (512), got '" + s + "'");
     const bool share = pct || num.find_first_of(".eE") != std::string::npos;
     if (share) {

@@ -39,5 +39,15 @@ TEST(cli_bench_serve, every_row_is_timed_and_reordered_plain_passages_are_store_
     EXPECT_EQ(j["plain_passages_found"], 6) << r.out;
 }
 
+TEST(cli_bench_serve, a_url_that_is_not_http_host_port_is_refused) {
+    for (const char * url : {"http://127.0.0.1:8080x", "http://127.0.0.1:99999", "http://127.0.0.1:0", "http://:8080",
+                             "http://127.0.0.1: 8080", "https://127.0.0.1:8080", "http://127.0.0.1"}) {
+        const test::run_result r = test::run_cli("bench serve -m " + test::k_stories_model + " --url '" + url + "'");
+        EXPECT_EQ(r.status, 1) << url;
+        EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << url << ": " << r.err;
+        EXPECT_NE(r.err.find(url), std::string::npos) << url << ": " << r.err;
+    }
+}
+
 }  // namespace
 }  // namespace kvblend

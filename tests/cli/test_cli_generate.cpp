@@ -78,6 +78,11 @@ TEST(cli_generate, bad_input_is_one_error_line) {
         {"generate -m " + k_stories, "missing -p"},
         {"generate -m " + k_stories + " -p hi -n 1000000", "exceeds the context"},
         {"generate -m " + k_stories + " -p hi --chat", "no chat template"},
+        // std::stoll / std::stod skip a leading space: a value is the whole argument
+        {"generate -m " + k_stories + " -p hi -t ' 2'", "-t expects an integer, got ' 2'"},
+        {"generate -m " + k_stories + " -p hi --temp ' 0.5'", "--temp expects a number"},
+        {"generate -m " + k_stories + " -p hi --evict h2o --kv-budget ' 25%'", "KV budget must be"},
+        {"generate -m " + k_stories + " -p hi --system 'be brief'", "--system applies to --chat"},
         {"bench nope", "unknown benchmark"},
         {"frobnicate", "unknown command"},
     };

@@ -379,9 +379,12 @@ TEST(server_hardening, api_keys_bearer_in_any_case_and_never_empty) {
     const auto r = test::run_cli("serve -m " + test::k_stories_model + " --port 0 --api-key \"\"");
     EXPECT_EQ(r.status, 1);
     EXPECT_NE(r.err.find("error: --api-key is empty"), std::string::npos) << r.err;
-    const auto bad = test::run_cli("serve -m " + test::k_stories_model + " --max-body 12q");
-    EXPECT_EQ(bad.status, 1);
-    EXPECT_NE(bad.err.find("--max-body"), std::string::npos) << bad.err;
+    for (const char * size : {"12q", "' 8M'", "0", "8X"}) {
+        // bounded: a size taken by mistake would start a server that never exits
+        const auto bad = test::run_cli("serve -m " + test::k_stories_model + " --port 0 --max-body " + size, "timeout 60 ");
+        EXPECT_EQ(bad.status, 1) << size;
+        EXPECT_NE(bad.err.find("--max-body"), std::string::npos) << size << ": " << bad.err;
+    }
 }
 
 TEST(server_hardening, metrics_count_error_responses) {
