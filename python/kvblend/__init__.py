@@ -585,8 +585,13 @@ class Model(_Closing):
         st = stats_type()
         with self._using(), self._engine() as ctx:
             status = call(ctx, byref(gp), byref(text), byref(st))
-        guard.reraise()
-        _check(status)
+        try:
+            guard.reraise()  # on_piece raised: the text it stopped at is still ours to free
+            _check(status)
+        except BaseException:
+            if text.value:
+                _c.kvb_free(text)
+            raise
         return _take_string(text), st
 
     # ingest ------------------------------------------------------------------
@@ -619,8 +624,13 @@ class Model(_Closing):
         st = _lib.kvb_ingest_stats()
         with self._using(), _store_of(store)._using(), self._engine() as ctx:
             status = _c.kvb_ingest(ctx, store._h, arr, len(enc), byref(p), byref(ids), byref(n), byref(st))
-        guard.reraise()
-        _check(status)
+        try:
+            guard.reraise()
+            _check(status)
+        except BaseException:
+            if ids:
+                _c.kvb_free(ids)
+            raise
         try:
             out = [ids[i].hex.decode() for i in range(n.value)]
         finally:

@@ -131,6 +131,8 @@ def cmd_ingest(a):
 
 
 def cmd_generate(a):
+    if a.system and not a.chat:
+        raise ValueError("--system applies to --chat (without it the prompt is used as written)")
     with _model(a) as model:
         prompt = a.prompt
         if a.chat:

@@ -746,12 +746,22 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
             fail(KVB_ERR_FAILED, "the text of the documents and question (" + std::to_string(text_bytes) +
                                      " bytes) exceeds what the model's context of " + std::to_string(m.hparams().n_ctx_train) +
                                      " tokens can hold");
+        // the context a blend can have: no further entry is read (and held) once the documents pass it
+        const int64_t n_room = ctx->fixed_n_ctx > 0 ? ctx->eng->cache().n_ctx() : m.hparams().n_ctx_train;
+        int64_t n_doc_tokens = 0;
+        auto count = [&](size_t i) {
+            n_doc_tokens += (int64_t) doc_tokens[i].size();
+            if (n_doc_tokens > n_room)
+                fail(KVB_ERR_FAILED, "documents 0.." + std::to_string(i) + " hold " + std::to_string(n_doc_tokens) +
+                                         " tokens, more than the context of " + std::to_string(n_room));
+        };
         for (size_t i = 0; i < n_docs; ++i) {
             const kvb_doc & d = docs[i];
             if ((d.text != nullptr) == (d.id != nullptr))
                 fail(KVB_ERR_INVALID_ARGUMENT, "document " + std::to_string(i) + " needs a text or an id (one of them)");
             if (d.text) {
                 doc_tokens[i] = rag_doc_tokens(v, d.text);
+                count(i);
                 continue;
             }
             if (!store) fail(KVB_ERR_INVALID_ARGUMENT, "documents by id need a store");
@@ -767,6 +777,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
                 fail(KVB_ERR_NOT_FOUND, "document '" + id + "' is no longer usable (" + e.what() + ")");
             }
             doc_tokens[i] = stored[i]->tokens;
+            count(i);
             // the entry is this chunk's KV in this context only under the key the blend would use
             if (p.collect_with_prefix || chunk_key(m, ctx->ep.type_k, codec_name, {}, doc_tokens[i]) != id) {
                 stored[i].reset();

@@ -81,6 +81,8 @@ std::string vocab::apply_chat_template(const std::vector<chat_message> & msgs, b
     std::vector<llama_chat_message> cm;
     size_t total = 0;
     for (const auto & m : msgs) {
+        if (m.role.find('\0') != std::string::npos || m.content.find('\0') != std::string::npos)
+            throw error("a chat message holds a NUL character (the template would end it there)");
         cm.push_back({m.role.c_str(), m.content.c_str()});
         total += m.role.size() + m.content.size();
     }

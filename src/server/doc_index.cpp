@@ -68,7 +68,9 @@ bool doc_index::add(std::string_view text, const std::string & id) {
         entries_[it->second].id = id;
         return true;
     }
-    while (order_.size() >= max_docs_) forget_oldest();
+    while (n_docs_ >= max_docs_) forget(oldest_);
+    if (auto it = by_head_.find(head); it != by_head_.end() && it->second.size() >= max_per_head)
+        forget(it->second.front());  // a bucket holds its slots oldest first
     uint32_t slot;
     if (!free_.empty()) {
         slot = free_.back();
@@ -77,19 +79,23 @@ bool doc_index::add(std::string_view text, const std::string & id) {
         slot = (uint32_t) entries_.size();
         entries_.emplace_back();
     }
-    entries_[slot] = {head, lo, hi, (uint32_t) text.size(), id};
+    entries_[slot] = {head, lo, hi, (uint32_t) text.size(), newest_, none, id};
+    if (newest_ != none) entries_[newest_].newer = slot;
+    else oldest_ = slot;
+    newest_ = slot;
+    ++n_docs_;
     by_head_[head].push_back(slot);
     by_text_.emplace(tk, slot);
-    order_.push_back(slot);
     const uint64_t f = mix(head) >> (64 - filter_bits_log2);
     filter_[f / 64] |= uint64_t(1) << (f % 64);
     return true;
 }
 
-void doc_index::forget_oldest() {
-    const uint32_t slot = order_.front();
-    order_.pop_front();
+void doc_index::forget(uint32_t slot) {
     entry & e = entries_[slot];
+    (e.older != none ? entries_[e.older].newer : oldest_) = e.newer;
+    (e.newer != none ? entries_[e.newer].older : newest_) = e.older;
+    --n_docs_;
     auto & b = by_head_[e.head];
     b.erase(std::find(b.begin(), b.end(), slot));
     if (b.empty()) by_head_.erase(e.head);  // its filter bit stays: a stale bit costs one map probe
@@ -107,28 +113,44 @@ bool doc_index::contains(std::string_view text) const {
 
 size_t doc_index::size() const {
     std::shared_lock l(mu_);
-    return order_.size();
+    return n_docs_;
 }
 
-std::vector<doc_match> doc_index::find(std::string_view text) const {
+std::vector<doc_match> doc_index::find(std::string_view text, bool * complete) const {
     std::vector<doc_match> out;
+    if (complete) *complete = true;
     const size_t n = text.size();
     if (n < window) return out;
     std::shared_lock l(mu_);
-    if (order_.empty()) return out;
+    if (n_docs_ == 0) return out;
     const char * s = text.data();
+    size_t budget = std::max<size_t>(size_t(64) << 20, n < (SIZE_MAX >> 4) ? 16 * n : SIZE_MAX);  // bytes to verify
     size_t p = 0;
     uint64_t h = head_hash(s);
     while (p + window <= n) {
         const uint64_t f = mix(h) >> (64 - filter_bits_log2);
         if (filter_[f / 64] >> (f % 64) & 1) {
             if (auto it = by_head_.find(h); it != by_head_.end()) {
+                // the longest candidate that is there; one hash per length
+                uint32_t cand[max_per_head];
+                size_t k = 0;
+                for (uint32_t slot : it->second)
+                    if (p + entries_[slot].len <= n && k < max_per_head) cand[k++] = slot;
+                std::sort(cand, cand + k, [&](uint32_t a, uint32_t b) { return entries_[a].len > entries_[b].len; });
                 const entry * best = nullptr;
-                for (uint32_t slot : it->second) {
-                    const entry & e = entries_[slot];
-                    if (p + e.len > n || (best && e.len <= best->len)) continue;
+                for (size_t i = 0; i < k && !best;) {
+                    const uint32_t len = entries_[cand[i]].len;
+                    if (len > budget) {
+                        if (complete) *complete = false;
+                        return out;
+                    }
+                    budget -= len;
                     uint64_t hi = 0;
-                    if (full_lo(text.substr(p, e.len), &hi) == e.h_lo && hi == e.h_hi) best = &e;
+                    const uint64_t lo = full_lo(text.substr(p, len), &hi);
+                    for (; i < k && entries_[cand[i]].len == len; ++i) {
+                        const entry & e = entries_[cand[i]];
+                        if (lo == e.h_lo && hi == e.h_hi) best = &e;
+                    }
                 }
                 if (best) {
                     out.push_back({p, p + best->len, best->id});

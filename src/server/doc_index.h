@@ -15,7 +15,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <shared_mutex>
 #include <string>
 #include <string_view>
@@ -32,29 +31,38 @@ struct doc_match {
 class doc_index {
   public:
     static constexpr size_t window = 48;  // bytes: documents are found by their first `window` bytes
+    // documents kept per first `window` bytes: one more forgets the oldest of
+    // them. a head match verifies each candidate, so this bounds the work one
+    // prompt position can cost however the documents were chosen
+    static constexpr size_t max_per_head = 16;
 
     explicit doc_index(size_t max_docs = 1000000);
 
     // add (or refresh) a document; false when its text is shorter than `window`.
-    // beyond max_docs the oldest documents are forgotten.
+    // beyond max_docs the oldest documents are forgotten, and beyond
+    // max_per_head the oldest of those that begin with the same `window` bytes
     bool add(std::string_view text, const std::string & id);
     bool contains(std::string_view text) const;
     size_t size() const;
 
     // every known document inside text, left to right and non-overlapping: the
-    // leftmost match wins, and of those starting at one byte the longest
-    std::vector<doc_match> find(std::string_view text) const;
+    // leftmost match wins, and of those starting at one byte the longest.
+    // verifying candidates hashes at most max(64 MiB, 16 × text) bytes; past
+    // that the rest of text is not searched (*complete, when given, says so)
+    std::vector<doc_match> find(std::string_view text, bool * complete = nullptr) const;
 
   private:
+    static constexpr uint32_t none = UINT32_MAX;
     struct entry {
         uint64_t head;        // rolling hash of the first `window` bytes
         uint64_t h_lo, h_hi;  // XXH3-128 of the whole text
         uint32_t len;         // bytes
+        uint32_t older = none, newer = none;  // the age list's neighbours
         std::string id;
     };
     uint64_t full_lo(std::string_view s, uint64_t * hi) const;
     uint64_t head_hash(const char * s) const;
-    void forget_oldest();
+    void forget(uint32_t slot);
 
     mutable std::shared_mutex mu_;
     size_t max_docs_;
@@ -63,7 +71,8 @@ class doc_index {
     std::unordered_map<uint64_t, std::vector<uint32_t>> by_head_;  // head hash -> slots in entries_
     std::vector<entry> entries_;                                   // slot -> entry (len 0: free)
     std::vector<uint32_t> free_;
-    std::deque<uint32_t> order_;                         // slots, oldest first
+    uint32_t oldest_ = none, newest_ = none;             // ends of the age list (slots)
+    size_t n_docs_ = 0;
     std::unordered_map<std::string, uint32_t> by_text_;  // 128-bit hash (as 16 bytes) -> slot
 };
 

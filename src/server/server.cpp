@@ -12,6 +12,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <unordered_map>
 
 #include "httplib.h"
 #include "kvblend/codec.h"
@@ -311,6 +312,7 @@ struct server::impl {
         chunk_fetch_stats fs;
         const auto cd = codec_by_name(p.codec);
         for (const auto & d : j.ingest_docs) {
+            if (j.cancelled) throw error("the client went away");
             if ((int64_t) d.size() > eng.cache().n_ctx())
                 bad_request("a document of " + std::to_string(d.size()) + " tokens exceeds the context of " +
                             std::to_string(eng.cache().n_ctx()));
@@ -484,8 +486,8 @@ struct server::impl {
         j.max_tokens = (int32_t) std::min<int64_t>(j.max_tokens, room);
         j.sp.temp = (float) num("temperature", 0, 100, 1.0);
         j.sp.top_p = (float) num("top_p", 0, 1, 1.0);
-        j.sp.top_k = 0;
-        j.sp.min_p = 0;
+        j.sp.top_k = (int32_t) num("top_k", 0, 1 << 30, 0);
+        j.sp.min_p = (float) num("min_p", 0, 1, 0.0);
         if (b.contains("seed") && !b["seed"].is_null()) j.sp.seed = (uint32_t) num("seed", 0, 4294967295.0, 0);
         j.sel.recomp_ratio = (float) num("recomp_ratio", 0, 1, p.recomp_ratio);
         j.sel.recompute_chunk_head = (int) num("chunk_head", 0, 1 << 20, j.sel.recompute_chunk_head);
@@ -580,6 +582,8 @@ struct server::impl {
             if (role != "system" && role != "user" && role != "assistant" && role != "developer")
                 bad_request("unknown message role '" + role + "'");
             msgs.push_back({role == "developer" ? "system" : role, message_text(m.value("content", json()))});
+            // libllama's templates take C strings: a NUL would end the message there
+            if (msgs.back().content.find('\0') != std::string::npos) bad_request("a message's content holds a NUL character");
         }
         auto j = std::make_shared<job>();
         const vocab & v = m->tokens();
@@ -588,26 +592,42 @@ struct server::impl {
             const json & d = b["documents"];
             if (!d.is_array()) bad_request("'documents' must be an array");
             std::vector<std::vector<llama_token>> docs;
+            std::vector<std::pair<std::string, size_t>> texts;     // text documents, remembered once the request is read
+            std::unordered_map<std::string, size_t> by_id;          // an id repeated is read from the store once
+            int64_t n_doc_tokens = 0;
             for (const auto & x : d) {
                 const bool text = x.is_string() || (x.is_object() && x.contains("text") && x["text"].is_string());
+                if (x.is_object() && x.contains("text") && x.contains("id"))
+                    bad_request("a document is {\"text\": string} or {\"id\": string}, not both");
                 if (text) {
                     const std::string t = x.is_string() ? x.get<std::string>() : x["text"].get<std::string>();
                     docs.push_back(rag_doc_tokens(v, t));
-                    remember(t, docs.back());
-                } else if (x.is_object() && x.contains("id") && x["id"].is_string()) docs.push_back(stored_doc(x["id"].get<std::string>()));
-                else bad_request("every document must be {\"text\": string} or {\"id\": string}");
+                    texts.emplace_back(t, docs.size() - 1);
+                } else if (x.is_object() && x.contains("id") && x["id"].is_string()) {
+                    const std::string id = x["id"].get<std::string>();
+                    auto it = by_id.find(id);
+                    docs.push_back(it != by_id.end() ? docs[it->second] : stored_doc(id));
+                    by_id.emplace(id, docs.size() - 1);
+                } else bad_request("every document must be {\"text\": string} or {\"id\": string}");
+                // no store entry is read for a request that can no longer fit
+                n_doc_tokens += (int64_t) docs.back().size();
+                if (n_doc_tokens > p.n_ctx)
+                    bad_request("the documents hold more than the context's " + std::to_string(p.n_ctx) + " tokens");
             }
-            // the system messages and the last user message frame the documents
+            // the system messages and the user messages (in order, one per line) frame the documents
             std::string system, question;
             for (const auto & mm : msgs) {
                 if (mm.role == "system") system += (system.empty() ? "" : "\n") + mm.content;
                 else if (mm.role == "assistant") bad_request("documents with an earlier conversation are not supported yet");
-                else question = mm.content;
+                else question += (question.empty() ? "" : "\n") + mm.content;
             }
             if (question.empty()) bad_request("a request with documents needs a user message");
             j->fuse = true;
             j->prompt = rag_prompt_build_tokens(v, system, docs, question, v.has_chat_template());
             j->tokens = j->prompt.all();
+            read_sampling(b, *j, (int64_t) j->tokens.size());
+            for (const auto & [t, i] : texts) remember(t, docs[i]);
+            return j;
         } else {
             const std::string text = v.has_chat_template() ? v.apply_chat_template(msgs, true) : [&] {
                 std::string t;
@@ -885,16 +905,20 @@ struct server::impl {
                           bad_request("'documents' must be a non-empty array of texts or {\"text\": string}");
                       auto j = std::make_shared<job>();
                       j->ingest = true;
+                      std::vector<std::string> texts;
                       for (const auto & x : b["documents"]) {
                           if (x.is_string() || (x.is_object() && x.contains("text") && x["text"].is_string())) {
-                              const std::string t = x.is_string() ? x.get<std::string>() : x["text"].get<std::string>();
-                              j->ingest_docs.push_back(rag_doc_tokens(m->tokens(), t));
-                              remember(t, j->ingest_docs.back());
+                              texts.push_back(x.is_string() ? x.get<std::string>() : x["text"].get<std::string>());
+                              j->ingest_docs.push_back(rag_doc_tokens(m->tokens(), texts.back()));
                           } else bad_request("every document must be a string or {\"text\": string}");
                       }
                       if (!submit(j)) throw request_error{503, "the server is overloaded", "server_error", "overloaded"};
                       std::unique_lock l(j->mu);
-                      j->cv.wait(l, [&] { return j->done; });
+                      // a client that hangs up stops the documents not yet collected
+                      while (!j->cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j->done; }))
+                          if (!j->cancelled && req.is_connection_closed && req.is_connection_closed()) j->cancelled = true;
+                      // known to plain prompts: the documents the store now holds
+                      for (size_t i = 0; i < j->ingest_keys.size(); ++i) remember(texts[i], j->ingest_docs[i]);
                       if (!j->error.empty())
                           throw request_error{j->error_status, j->error,
                                               j->error_status < 500 ? "invalid_request_error" : "server_error",

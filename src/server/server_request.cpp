@@ -80,6 +80,8 @@ void check_sampling(const json & b) {
     optional_integer(b, "max_completion_tokens", 0, 1e9);
     optional_number(b, "temperature", 0, 100);
     optional_number(b, "top_p", 0, 1);
+    optional_integer(b, "top_k", 0, 1 << 30);  // llama-server's extensions: 0 is off
+    optional_number(b, "min_p", 0, 1);
     optional_integer(b, "seed", 0, 4294967295.0);
     optional_number(b, "recomp_ratio", 0, 1);
     // the token selection of a fused request (blend_params)

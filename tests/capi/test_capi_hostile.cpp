@@ -195,6 +195,28 @@ TEST_F(capi_hostile, a_document_count_no_context_can_hold_is_refused_before_anyt
     }
 }
 
+TEST_F(capi_hostile, documents_by_id_past_the_context_are_refused_before_their_entries_pile_up) {
+    // one stored document named again and again: each entry read is decoded and
+    // held, so the count stops at the context, not after every entry is loaded
+    kvblend::test::temp_dir dir("capi-ids");
+    kvb_store * st = nullptr;
+    ASSERT_EQ(kvb_store_open(dir.file("kv").c_str(), nullptr, &st), KVB_OK);
+    kvb_id * ids = nullptr;
+    size_t n_ids = 0;
+    ASSERT_EQ(kvb_ingest(ctx, st, k_texts, 1, nullptr, &ids, &n_ids, nullptr), KVB_OK) << kvb_last_error();
+    ASSERT_EQ(n_ids, 1u);
+    kvb_model_info info;
+    ASSERT_EQ(kvb_model_get_info(model, &info), KVB_OK);
+    const std::vector<kvb_doc> docs((size_t) info.n_ctx_train, kvb_doc{nullptr, ids[0].hex});  // ≥ 1 token each
+    EXPECT_EQ(kvb_blend(ctx, st, "", docs.data(), docs.size(), "q", nullptr, nullptr, nullptr, nullptr), KVB_ERR_FAILED);
+    EXPECT_NE(last_error().find("more than the context of " + std::to_string(info.n_ctx_train)), std::string::npos)
+        << last_error();
+    // a few of them fit and blend
+    EXPECT_EQ(kvb_blend(ctx, st, "", docs.data(), 2, "q", nullptr, nullptr, nullptr, nullptr), KVB_OK) << last_error();
+    kvb_free(ids);
+    kvb_store_free(st);
+}
+
 TEST_F(capi_hostile, empty_invalid_utf8_and_long_texts_are_answered_or_refused_never_a_crash) {
     const std::string long_doc(40000, 'a');  // far more tokens than stories260K's context
     const kvb_doc docs[] = {{"", nullptr}, {"\xff\xfe\x80 broken \xc3", nullptr}};

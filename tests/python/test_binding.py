@@ -100,6 +100,11 @@ def test_python_m_kvblend_blend_mirrors_the_cli(tmp_path):
                        text=True, timeout=60)
     assert r.returncode == 1
     assert r.stderr.startswith("error: unknown device 'no-such-device'"), r.stderr
+    # --system frames a chat: without --chat it is an error, as in the CLI
+    r = subprocess.run([sys.executable, "-m", "kvblend", "generate", "-m", MODEL, "-p", "hi", "--system", "brief"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: --system applies to --chat"), r.stderr
 
 
 def test_errors_are_exceptions_with_the_c_message(model, tmp_path):

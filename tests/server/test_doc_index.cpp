@@ -101,6 +101,40 @@ TEST(doc_index, forgets_the_oldest_beyond_its_capacity) {
     for (int i = 2; i < 5; ++i) ASSERT_EQ(idx.find(d[i]).size(), 1u) << i;
 }
 
+TEST(doc_index, documents_sharing_their_head_are_bounded_and_a_hostile_prompt_is_cheap) {
+    // 20,000 documents with one 48-byte head: the index keeps the newest
+    // max_per_head of them, so a prompt full of that head costs each position
+    // at most that many hashes (before the bound: minutes for the prompt below)
+    const std::string head(doc_index::window, 'A');
+    doc_index idx;
+    std::vector<std::string> d;
+    for (int i = 0; i < 20000; ++i) idx.add(d.emplace_back(head + "|" + std::to_string(i) + std::string(200, 'B')), std::to_string(i));
+    EXPECT_EQ(idx.size(), doc_index::max_per_head);
+    EXPECT_TRUE(idx.find(d[0]).empty());  // forgotten: older than the newest of its head
+    ASSERT_EQ(idx.find(d.back()).size(), 1u);
+    EXPECT_EQ(idx.find(d.back())[0].id, "19999");
+    // ... and the other documents are not disturbed by that head's turnover
+    idx.add("a document with another beginning, long enough to be indexed here.", "other");
+    EXPECT_EQ(idx.find("x a document with another beginning, long enough to be indexed here. y").size(), 1u);
+
+    // the 16 kept have one length: one hash of 254 bytes a position, within the budget
+    const std::string hostile(200000, 'A');
+    bool complete = false;
+    EXPECT_TRUE(idx.find(hostile, &complete).empty());
+    EXPECT_TRUE(complete);
+
+    // a budget that runs out stops the search instead of hashing on
+    doc_index big;
+    const std::string long_doc = head + std::string(1 << 20, 'C');
+    big.add(long_doc, "long");
+    // 40k head hits, each with room for the 1 MiB document and none of them it: 40 GiB to hash
+    const std::string probe = std::string(40 << 10, 'A') + "tail" + std::string(1 << 20, 'C');
+    EXPECT_TRUE(big.find(probe, &complete).empty());
+    EXPECT_FALSE(complete);
+    ASSERT_EQ(big.find(long_doc, &complete).size(), 1u);
+    EXPECT_TRUE(complete);
+}
+
 TEST(doc_index, hundred_thousand_documents_all_found) {
     std::mt19937_64 rng(5);
     doc_index idx;

@@ -152,6 +152,13 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
         {"/tokenize", R"({"content":"x","parse_special":1})"},
         {"/detokenize", R"({"tokens":[1,"2"]})"},
         {"/v1/documents", R"({"documents":[{"text":5}]})"},
+        // libllama's chat templates take C strings: a NUL would cut the message short
+        {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"Summarize: A\u0000 the rest"}]})"},
+        {"/v1/completions", R"({"prompt":"x","top_k":-1})"},
+        {"/v1/completions", R"({"prompt":"x","top_k":"5"})"},
+        {"/v1/completions", R"({"prompt":"x","min_p":1.5})"},
+        {"/v1/chat/completions",
+         R"({"messages":[{"role":"user","content":"x"}],"documents":[{"text":"a document","id":"0123456789abcdef0123456789abcdef"}]})"},
     };
     for (const auto & [path, body] : cases) {
         auto r = c.Post(path, body, "application/json");
@@ -467,6 +474,38 @@ TEST(server_hardening, a_document_the_store_failed_to_write_is_a_5xx_not_an_id) 
     EXPECT_NE(e["message"].get<std::string>().find("document 0"), std::string::npos) << e["message"];
     // the one stored before is still served
     EXPECT_EQ(c.Post("/v1/documents", R"({"documents":["Tom had a red ball."]})", "application/json")->status, 200);
+}
+
+TEST(server_hardening, documents_by_id_stop_at_the_context_and_every_user_message_is_the_question) {
+    test::temp_dir d("hardids");
+    server_params p = small_params();
+    p.store_uri = d.path().string();
+    live_server s(p);
+    auto c = s.client();
+    auto ok = c.Post("/v1/documents", R"({"documents":["Tom had a red ball. It was new."]})", "application/json");
+    ASSERT_EQ(ok->status, 200) << ok->body;
+    const std::string id = json::parse(ok->body)["data"][0]["id"];
+    const int64_t n_doc = json::parse(ok->body)["data"][0]["n_tokens"];
+    // the same id, more times than the context can hold: a 400 however many there are
+    json many = json::array();
+    for (int64_t i = 0; i < p.n_ctx / n_doc + 2; ++i) many.push_back({{"id", id}});
+    auto r = c.Post("/v1/chat/completions",
+                    json{{"messages", {{{"role", "user"}, {"content", "What had Tom?"}}}}, {"documents", many}}.dump(),
+                    "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400) << r->body;
+    EXPECT_NE(openai_error_of(r)["message"].get<std::string>().find("the documents hold more than the context"), std::string::npos) << r->body;
+    // two user messages: both are the question, neither is dropped
+    auto prompt_tokens = [&](const json & msgs) {
+        auto x = c.Post("/v1/chat/completions",
+                        json{{"messages", msgs}, {"documents", {{{"id", id}}}}, {"max_tokens", 1}}.dump(), "application/json");
+        EXPECT_EQ(x->status, 200) << x->body;
+        return json::parse(x->body)["usage"]["prompt_tokens"].get<int64_t>();
+    };
+    const int64_t one = prompt_tokens({{{"role", "user"}, {"content", "What had Tom?"}}});
+    const int64_t two = prompt_tokens({{{"role", "user"}, {"content", "Answer in one word."}},
+                                       {{"role", "user"}, {"content", "What had Tom?"}}});
+    EXPECT_GT(two, one + 3);
 }
 
 }  // namespace
