@@ -82,6 +82,17 @@ void check_sampling(const json & b) {
     optional_number(b, "top_p", 0, 1);
     optional_integer(b, "top_k", 0, 1 << 30);  // llama-server's extensions: 0 is off
     optional_number(b, "min_p", 0, 1);
+    // what this server cannot do is refused, not ignored: a client asking for
+    // JSON, tool calls or log-probabilities would read a plain answer as one
+    auto unsupported = [](const std::string & what) { bad_request(what + " is not supported", "unsupported_parameter"); };
+    if (const auto it = b.find("response_format"); it != b.end() && !it->is_null())
+        if (!it->is_object() || it->value("type", json()) != "text") unsupported("'response_format' other than {\"type\": \"text\"}");
+    for (const char * k : {"tools", "functions"})
+        if (const auto it = b.find(k); it != b.end() && !it->is_null() && !(it->is_array() && it->empty()))
+            unsupported(std::string("'") + k + "' (tool calls)");
+    for (const char * k : {"logprobs", "top_logprobs"})
+        if (const auto it = b.find(k); it != b.end() && !it->is_null() && *it != false && *it != 0)
+            unsupported(std::string("'") + k + "'");
     optional_integer(b, "seed", 0, 4294967295.0);
     optional_number(b, "recomp_ratio", 0, 1);
     // the token selection of a fused request (blend_params)

@@ -157,6 +157,13 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
         {"/v1/completions", R"({"prompt":"x","top_k":-1})"},
         {"/v1/completions", R"({"prompt":"x","top_k":"5"})"},
         {"/v1/completions", R"({"prompt":"x","min_p":1.5})"},
+        // refused, not ignored: the answer would not be what the client asked for
+        {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}})"},
+        {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"response_format":"json"})"},
+        {"/v1/chat/completions",
+         R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]})"},
+        {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"logprobs":true})"},
+        {"/v1/completions", R"({"prompt":"x","logprobs":2})"},
         {"/v1/chat/completions",
          R"({"messages":[{"role":"user","content":"x"}],"documents":[{"text":"a document","id":"0123456789abcdef0123456789abcdef"}]})"},
     };
@@ -171,6 +178,11 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
     // null is an absent field, as OpenAI reads it
     auto r = c.Post("/v1/completions", R"({"prompt":"x","max_tokens":2,"stream":null,"n":null,"stop":null})",
                     "application/json");
+    EXPECT_EQ(r->status, 200) << r->body;
+    // what clients send by default for these is fine
+    r = c.Post("/v1/chat/completions",
+               R"({"messages":[{"role":"user","content":"x"}],"max_tokens":1,"response_format":{"type":"text"},"tools":[],"logprobs":false,"top_logprobs":0,"top_k":1,"min_p":0.1})",
+               "application/json");
     EXPECT_EQ(r->status, 200) << r->body;
 }
 
@@ -364,6 +376,30 @@ TEST(server_hardening, a_client_that_hangs_up_cancels_a_non_streaming_request) {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     EXPECT_NE(m.find("kvblend_requests_cancelled_total 1"), std::string::npos) << m;
+}
+
+TEST(server_hardening, a_client_that_hangs_up_stops_its_documents) {
+    test::temp_dir d("hangup-docs");
+    server_params p = small_params(d.path().string());
+    p.parallel = 1;
+    live_server s(p);
+    json docs = json::array();
+    for (int i = 0; i < 3000; ++i) docs.push_back("Document " + std::to_string(i) + ": Tom had a red ball and a little cat.");
+    {
+        raw_conn rc(s.port());
+        rc.send(http_post("/v1/documents", json{{"documents", docs}}.dump()));
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
+    // one slot: this answer comes once the documents' job has ended
+    auto c = s.client();
+    c.set_read_timeout(600, 0);
+    auto r = c.Post("/v1/completions", R"({"prompt":"Once","max_tokens":1})", "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200) << r->body;
+    size_t stored = 0;
+    for (const auto & e : std::filesystem::recursive_directory_iterator(d.path() / "entries"))
+        stored += e.is_regular_file();
+    EXPECT_LT(stored, docs.size() / 2);  // stopped when the client left, not after all 3000
 }
 
 TEST(server_hardening, api_keys_bearer_in_any_case_and_never_empty) {
