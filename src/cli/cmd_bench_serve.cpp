@@ -56,7 +56,8 @@ struct endpoint {
 endpoint parse_url(const std::string & url) {
     const std::string p = "http://";
     if (url.rfind(p, 0) != 0) throw error("only http:// URLs are supported, got '" + url + "'");
-    const std::string rest = url.substr(p.size());
+    std::string rest = url.substr(p.size());
+    if (!rest.empty() && rest.back() == '/') rest.pop_back();  // http://HOST:PORT/
     const size_t colon = rest.rfind(':');
     if (colon == std::string::npos) throw error("URL '" + url + "' needs a port");
     endpoint e;

@@ -57,7 +57,7 @@ static std::string text_key(uint64_t lo, uint64_t hi, size_t len) {
     return k;
 }
 
-bool doc_index::add(std::string_view text, const std::string & id) {
+bool doc_index::add(std::string_view text, const std::string & id, bool learned) {
     if (text.size() < window || text.size() > UINT32_MAX) return false;
     uint64_t hi = 0;
     const uint64_t lo = full_lo(text, &hi);
@@ -65,27 +65,44 @@ bool doc_index::add(std::string_view text, const std::string & id) {
     const uint64_t head = head_hash(text.data());
     std::unique_lock l(mu_);
     if (auto it = by_text_.find(tk); it != by_text_.end()) {
-        entries_[it->second].id = id;
+        entry & e = entries_[it->second];
+        e.id = id;
+        e.learned = e.learned && learned;  // given by a client now: no longer only learned
         return true;
     }
-    while (n_docs_ >= max_docs_) forget(oldest_);
-    if (auto it = by_head_.find(head); it != by_head_.end() && it->second.size() >= max_per_head)
-        forget(it->second.front());  // a bucket holds its slots oldest first
-    uint32_t slot;
-    if (!free_.empty()) {
-        slot = free_.back();
-        free_.pop_back();
-    } else {
-        slot = (uint32_t) entries_.size();
-        entries_.emplace_back();
+    if (auto it = by_head_.find(head); it != by_head_.end() && it->second.size() >= max_per_head) {
+        // a full head: its oldest learned passage goes (a bucket holds its slots oldest
+        // first), else its oldest document; a learned passage never pushes out a given one
+        const std::vector<uint32_t> & b = it->second;
+        const auto old_learned = std::find_if(b.begin(), b.end(), [&](uint32_t s) { return entries_[s].learned; });
+        if (old_learned == b.end() && learned) return false;
+        forget(old_learned != b.end() ? *old_learned : b.front());
     }
-    entries_[slot] = {head, lo, hi, (uint32_t) text.size(), newest_, none, id};
+    while (n_docs_ >= max_docs_) forget(oldest_);
+    // every step that allocates comes before the entry is linked: a failed one leaves no half entry
+    const uint32_t slot = free_.empty() ? (uint32_t) entries_.size() : free_.back();
+    if (slot == entries_.size()) entries_.emplace_back();
+    else free_.pop_back();
+    try {
+        entries_[slot] = {head, lo, hi, (uint32_t) text.size(), none, none, learned, id};
+        std::vector<uint32_t> & b = by_head_[head];
+        b.push_back(slot);
+        try {
+            by_text_.emplace(tk, slot);
+        } catch (...) {
+            b.pop_back();
+            throw;
+        }
+    } catch (...) {
+        entries_[slot] = entry{};
+        free_.push_back(slot);
+        throw;
+    }
+    entries_[slot].older = newest_;
     if (newest_ != none) entries_[newest_].newer = slot;
     else oldest_ = slot;
     newest_ = slot;
     ++n_docs_;
-    by_head_[head].push_back(slot);
-    by_text_.emplace(tk, slot);
     const uint64_t f = mix(head) >> (64 - filter_bits_log2);
     filter_[f / 64] |= uint64_t(1) << (f % 64);
     return true;

@@ -39,9 +39,11 @@ class doc_index {
     explicit doc_index(size_t max_docs = 1000000);
 
     // add (or refresh) a document; false when its text is shorter than `window`.
-    // beyond max_docs the oldest documents are forgotten, and beyond
-    // max_per_head the oldest of those that begin with the same `window` bytes
-    bool add(std::string_view text, const std::string & id);
+    // beyond max_docs the oldest documents are forgotten; beyond max_per_head,
+    // of those that begin with the same `window` bytes, the oldest learned one,
+    // else the oldest. a learned passage (one the server found in a prompt, not
+    // one a client gave) never pushes out a given document: false then
+    bool add(std::string_view text, const std::string & id, bool learned = false);
     bool contains(std::string_view text) const;
     size_t size() const;
 
@@ -58,6 +60,7 @@ class doc_index {
         uint64_t h_lo, h_hi;  // XXH3-128 of the whole text
         uint32_t len;         // bytes
         uint32_t older = none, newer = none;  // the age list's neighbours
+        bool learned = false;                 // added by layout_learn
         std::string id;
     };
     uint64_t full_lo(std::string_view s, uint64_t * hi) const;

@@ -44,7 +44,7 @@ struct learn_params {
 
 struct learn_stats {
     int64_t added = 0, bytes = 0;  // passages learned
-    int64_t skipped = 0;           // passages over the request's bound
+    int64_t skipped = 0;           // passages over the request's bound, or whose head is full of given documents
 };
 
 // the passages of a prompt's messages: paragraphs split at blank lines and at
@@ -63,7 +63,8 @@ learn_stats layout_learn(doc_index & idx, const std::vector<std::string> & passa
             s.skipped++;
             continue;
         }
-        if (idx.add(p, id_of(p))) s.added++, s.bytes += (int64_t) p.size();
+        if (idx.add(p, id_of(p), true)) s.added++, s.bytes += (int64_t) p.size();
+        else s.skipped++;
     }
     return s;
 }

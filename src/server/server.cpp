@@ -216,7 +216,7 @@ struct server::impl {
         counter("kvblend_plain_docs_matched_total", "known documents found inside plain prompts", metrics.docs_matched);
         counter("kvblend_plain_docs_learned_total", "passages of plain prompts added as documents", metrics.docs_learned);
         counter("kvblend_plain_learned_bytes_total", "text bytes of the passages added", metrics.learned_bytes);
-        counter("kvblend_plain_learn_skipped_total", "passages not added: over a request's bound", metrics.learn_skipped);
+        counter("kvblend_plain_learn_skipped_total", "passages not added: over a request's bound, or their first 48 bytes those of 16 given documents", metrics.learn_skipped);
         out += "# HELP kvblend_known_documents documents whose text plain prompts are searched for\n";
         out += "# TYPE kvblend_known_documents gauge\nkvblend_known_documents " + std::to_string(known.size()) + "\n";
         out += "# HELP kvblend_time_to_first_token_seconds time from a request's arrival to its first token\n";
@@ -486,7 +486,7 @@ struct server::impl {
         j.max_tokens = (int32_t) std::min<int64_t>(j.max_tokens, room);
         j.sp.temp = (float) num("temperature", 0, 100, 1.0);
         j.sp.top_p = (float) num("top_p", 0, 1, 1.0);
-        j.sp.top_k = (int32_t) num("top_k", 0, 1 << 30, 0);
+        j.sp.top_k = std::max<int32_t>(0, (int32_t) num("top_k", -(1 << 30), 1 << 30, 0));
         j.sp.min_p = (float) num("min_p", 0, 1, 0.0);
         if (b.contains("seed") && !b["seed"].is_null()) j.sp.seed = (uint32_t) num("seed", 0, 4294967295.0, 0);
         j.sel.recomp_ratio = (float) num("recomp_ratio", 0, 1, p.recomp_ratio);

@@ -80,7 +80,7 @@ void check_sampling(const json & b) {
     optional_integer(b, "max_completion_tokens", 0, 1e9);
     optional_number(b, "temperature", 0, 100);
     optional_number(b, "top_p", 0, 1);
-    optional_integer(b, "top_k", 0, 1 << 30);  // llama-server's extensions: 0 is off
+    optional_integer(b, "top_k", -(1 << 30), 1 << 30);  // llama-server's extensions: top_k <= 0 is off (vLLM sends -1)
     optional_number(b, "min_p", 0, 1);
     // what this server cannot do is refused, not ignored: a client asking for
     // JSON, tool calls or log-probabilities would read a plain answer as one

@@ -117,6 +117,25 @@ TEST(doc_index, documents_sharing_their_head_are_bounded_and_a_hostile_prompt_is
     idx.add("a document with another beginning, long enough to be indexed here.", "other");
     EXPECT_EQ(idx.find("x a document with another beginning, long enough to be indexed here. y").size(), 1u);
 
+    // a learned passage (found in a prompt) never pushes out a given document; a given one
+    // pushes out the oldest learned passage of its head first
+    {
+        doc_index g;
+        std::vector<std::string> given;
+        for (size_t i = 0; i < doc_index::max_per_head; ++i) g.add(given.emplace_back(head + "given " + std::to_string(i)), "g" + std::to_string(i));
+        EXPECT_FALSE(g.add(head + "learned", "l", true));
+        EXPECT_EQ(g.size(), doc_index::max_per_head);
+        for (const std::string & t : given) EXPECT_TRUE(g.contains(t)) << t;
+        EXPECT_TRUE(g.add(head + "given again", "g16"));  // the oldest given one goes
+        EXPECT_FALSE(g.contains(given[0]));
+        EXPECT_TRUE(g.contains(given[1]));
+        doc_index m;
+        for (size_t i = 0; i + 1 < doc_index::max_per_head; ++i) m.add(head + "given " + std::to_string(i), "g");
+        EXPECT_TRUE(m.add(head + "learned", "l", true));  // room for it: learned
+        EXPECT_TRUE(m.add(head + "one more given", "g"));
+        EXPECT_FALSE(m.contains(head + "learned"));
+        EXPECT_TRUE(m.contains(head + "given 0"));
+    }
     // the 16 kept have one length: one hash of 254 bytes a position, within the budget
     const std::string hostile(200000, 'A');
     bool complete = false;

@@ -154,7 +154,7 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
         {"/v1/documents", R"({"documents":[{"text":5}]})"},
         // libllama's chat templates take C strings: a NUL would cut the message short
         {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"Summarize: A\u0000 the rest"}]})"},
-        {"/v1/completions", R"({"prompt":"x","top_k":-1})"},
+        {"/v1/completions", R"({"prompt":"x","top_k":2.5})"},
         {"/v1/completions", R"({"prompt":"x","top_k":"5"})"},
         {"/v1/completions", R"({"prompt":"x","min_p":1.5})"},
         // refused, not ignored: the answer would not be what the client asked for
@@ -181,7 +181,7 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
     EXPECT_EQ(r->status, 200) << r->body;
     // what clients send by default for these is fine
     r = c.Post("/v1/chat/completions",
-               R"({"messages":[{"role":"user","content":"x"}],"max_tokens":1,"response_format":{"type":"text"},"tools":[],"logprobs":false,"top_logprobs":0,"top_k":1,"min_p":0.1})",
+               R"({"messages":[{"role":"user","content":"x"}],"max_tokens":1,"response_format":{"type":"text"},"tools":[],"logprobs":false,"top_logprobs":0,"top_k":-1,"min_p":0.1})",
                "application/json");
     EXPECT_EQ(r->status, 200) << r->body;
 }
