@@ -514,8 +514,7 @@ TEST(server_hardening, a_document_the_store_failed_to_write_is_a_5xx_not_an_id) 
 
 TEST(server_hardening, documents_by_id_stop_at_the_context_and_every_user_message_is_the_question) {
     test::temp_dir d("hardids");
-    server_params p = small_params();
-    p.store_uri = d.path().string();
+    const server_params p = small_params(d.path().string());
     live_server s(p);
     auto c = s.client();
     auto ok = c.Post("/v1/documents", R"({"documents":["Tom had a red ball. It was new."]})", "application/json");
