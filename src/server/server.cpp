@@ -582,8 +582,6 @@ struct server::impl {
             if (role != "system" && role != "user" && role != "assistant" && role != "developer")
                 bad_request("unknown message role '" + role + "'");
             msgs.push_back({role == "developer" ? "system" : role, message_text(m.value("content", json()))});
-            // libllama's templates take C strings: a NUL would end the message there
-            if (msgs.back().content.find('\0') != std::string::npos) bad_request("a message's content holds a NUL character");
         }
         auto j = std::make_shared<job>();
         const vocab & v = m->tokens();
@@ -597,8 +595,6 @@ struct server::impl {
             int64_t n_doc_tokens = 0;
             for (const auto & x : d) {
                 const bool text = x.is_string() || (x.is_object() && x.contains("text") && x["text"].is_string());
-                if (x.is_object() && x.contains("text") && x.contains("id"))
-                    bad_request("a document is {\"text\": string} or {\"id\": string}, not both");
                 if (text) {
                     const std::string t = x.is_string() ? x.get<std::string>() : x["text"].get<std::string>();
                     docs.push_back(rag_doc_tokens(v, t));
@@ -703,6 +699,13 @@ struct server::impl {
         return std::string(prefix) + std::to_string((uint64_t) time(nullptr)) + "-" + std::to_string(counter++);
     }
 
+    // wait (l holding j.mu) until j is done; a client that hangs up meanwhile
+    // cancels its work, as a stream's does
+    static void wait_done(job & j, std::unique_lock<std::mutex> & l, const httplib::Request & req) {
+        while (!j.cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j.done; }))
+            if (!j.cancelled && req.is_connection_closed && req.is_connection_closed()) j.cancelled = true;
+    }
+
     // run a job to the end or stream it; chat: chat.completion(.chunk), else text_completion
     void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const httplib::Request & req,
                  httplib::Response & res) {
@@ -713,9 +716,7 @@ struct server::impl {
         if (!stream) {
             std::string text;
             std::unique_lock l(j->mu);
-            // a client that hangs up cancels its work, as a stream's does
-            while (!j->cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j->done; }))
-                if (!j->cancelled && req.is_connection_closed && req.is_connection_closed()) j->cancelled = true;
+            wait_done(*j, l, req);
             for (auto & s : j->pieces) text += s;
             if (!j->error.empty())
                 throw request_error{j->error_status, j->error,
@@ -914,9 +915,7 @@ struct server::impl {
                       }
                       if (!submit(j)) throw request_error{503, "the server is overloaded", "server_error", "overloaded"};
                       std::unique_lock l(j->mu);
-                      // a client that hangs up stops the documents not yet collected
-                      while (!j->cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j->done; }))
-                          if (!j->cancelled && req.is_connection_closed && req.is_connection_closed()) j->cancelled = true;
+                      wait_done(*j, l, req);  // a client that hangs up stops the documents not yet collected
                       // known to plain prompts: the documents the store now holds
                       for (size_t i = 0; i < j->ingest_keys.size(); ++i) remember(texts[i], j->ingest_docs[i]);
                       if (!j->error.empty())

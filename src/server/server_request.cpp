@@ -122,14 +122,24 @@ void check_messages(const json & b) {
         const std::string role = m["role"].get<std::string>();
         if (role != "system" && role != "user" && role != "assistant" && role != "developer")
             bad_request("unknown message role '" + role + "'");
+        // libllama's chat templates take C strings: a NUL would end the message there
+        auto no_nul = [](const json & t) {
+            if (t.get_ref<const std::string &>().find('\0') != std::string::npos)
+                bad_request("a message's content holds a NUL character");
+        };
         auto c = m.find("content");
-        if (c == m.end() || c->is_null() || c->is_string()) continue;
+        if (c == m.end() || c->is_null()) continue;
+        if (c->is_string()) {
+            no_nul(*c);
+            continue;
+        }
         if (!c->is_array()) bad_request("message content must be a string or an array of text parts");
         for (const auto & part : *c) {
             if (!part.is_object()) bad_request("message content must be a string or an array of text parts");
             auto type = part.find("type"), text = part.find("text");
             if (type == part.end() || !type->is_string() || *type != "text" || text == part.end() || !text->is_string())
                 bad_request("only text content parts are supported");
+            no_nul(*text);
         }
     }
 }
@@ -146,6 +156,8 @@ size_t check_documents(const json & b, bool by_id, bool required) {
                              : "'documents' must be an array");
     for (const auto & x : *it) {
         if (x.is_string()) continue;
+        if (x.is_object() && x.contains("text") && x.contains("id"))
+            bad_request("a document is {\"text\": string} or {\"id\": string}, not both");
         if (x.is_object() && x.contains("text") && x["text"].is_string()) continue;
         if (by_id && x.is_object() && x.contains("id") && x["id"].is_string()) continue;
         bad_request(by_id ? "every document must be {\"text\": string} or {\"id\": string}"

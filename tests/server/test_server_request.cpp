@@ -77,6 +77,19 @@ TEST(server_request, fields_are_checked_per_endpoint) {
     for (const char * bad : {R"("chunk_head":-1)", R"("chunk_head":1.5)", R"("head_in_budget":"no")", R"("weight_query":1)",
                              R"("budget":"local")", R"("budget":2)", R"("dev_mass":1.5)", R"("dev_mass":-0.1)"})
         EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_request") << bad;
+    // a NUL in a message, as a string or a text part (libllama's templates would end it there)
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":"a\u0000b"}]})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":[{"type":"text","text":"a\u0000"}]}]})"),
+              "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"documents":[{"text":"t","id":"a"}]})"), "invalid_request");
+    // refused rather than ignored; the values clients send by default pass
+    for (const char * bad : {R"("response_format":{"type":"json_object"})", R"("tools":[{"type":"function"}])",
+                             R"("logprobs":true)", R"("top_logprobs":2)"})
+        EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "unsupported_parameter") << bad;
+    for (const char * bad : {R"("top_k":1.5)", R"("min_p":2)"})
+        EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_request") << bad;
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"response_format":{"type":"text"},"tools":[],"logprobs":false,"top_k":-1})"),
+              "");
     EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[]})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[{"id":"x"}]})"),
               "invalid_request");  // ids are for chat
