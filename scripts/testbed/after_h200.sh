@@ -19,6 +19,6 @@ dev=$root/../shared/testbed/dev.jsonl
   --variants default,score=k,score=kv,check=2,head=1,head=2,head=4,prefix,schedule=1@2/4@1 \
   --json "$run/accuracy.json" --plot "$run/accuracy.png" | tee "$run/accuracy.md"
 # composition at the default ratio: stored chunks through codecs, the fused cache evicted
-"$root/build/bin/kvblend" bench accuracy -m "$run/model.gguf" --prompts "$dev" --n "$n" --ratios 0.15 \
+"$root/build/bin/kvblend" bench accuracy -m "$run/model.gguf" --prompts "$dev" --n "$n" --ratios 0.08 \
   --codecs q8_0,q4_0,kivi4,cachegen,turboquant4 --evict snapkv:50% \
   --json "$run/composition.json" | tee "$run/composition.md"
