@@ -1,28 +1,62 @@
 // sampling: llama.cpp's sampler chain applied to a row of our logits.
 #include "kvblend/sampler.h"
 
+#include "kvblend/common.h"
+
 namespace kvblend {
 
 sampler_params sampler_default_params() { return sampler_params{}; }
 
-sampler::sampler(const sampler_params & p) {
+uint32_t sampler_seed(int64_t seed) {
+    if (seed < 0) return LLAMA_DEFAULT_SEED;
+    if (seed < (int64_t) LLAMA_DEFAULT_SEED) return (uint32_t) seed;
+    uint64_t z = (uint64_t) seed + 0x9e3779b97f4a7c15ull;  // splitmix64's finaliser
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return (uint32_t) ((z ^ (z >> 31)) % LLAMA_DEFAULT_SEED);
+}
+
+sampler::sampler(const sampler_params & p) : p_(p) {}
+
+void sampler::build(int32_t n_vocab) {
+    n_vocab_ = n_vocab;
     chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
-    if (p.temp <= 0.0f) {
-        llama_sampler_chain_add(chain_, llama_sampler_init_greedy());
-        return;
+    if (!p_.logit_bias.empty()) {
+        for (const auto & b : p_.logit_bias)
+            if (b.token < 0 || b.token >= n_vocab) throw error("a logit bias names token " + std::to_string(b.token) +
+                                                               ", outside the vocabulary of " + std::to_string(n_vocab));
+        llama_sampler_chain_add(chain_, llama_sampler_init_logit_bias(n_vocab, (int32_t) p_.logit_bias.size(),
+                                                                      p_.logit_bias.data()));
     }
-    if (p.top_k > 0) llama_sampler_chain_add(chain_, llama_sampler_init_top_k(p.top_k));
-    if (p.top_p < 1.0f) llama_sampler_chain_add(chain_, llama_sampler_init_top_p(p.top_p, 1));
-    if (p.min_p > 0.0f) llama_sampler_chain_add(chain_, llama_sampler_init_min_p(p.min_p, 1));
-    llama_sampler_chain_add(chain_, llama_sampler_init_temp(p.temp));
-    llama_sampler_chain_add(chain_, llama_sampler_init_dist(p.seed));
+    if (p_.penalty_last_n != 0 && (p_.repeat_penalty != 1.0f || p_.freq_penalty != 0.0f || p_.presence_penalty != 0.0f))
+        llama_sampler_chain_add(chain_, llama_sampler_init_penalties(n_vocab, p_.penalty_last_n, p_.repeat_penalty,
+                                                                     p_.freq_penalty, p_.presence_penalty));
+    if (p_.temp <= 0.0f) {
+        llama_sampler_chain_add(chain_, llama_sampler_init_greedy());
+    } else {
+        if (p_.top_k > 0) llama_sampler_chain_add(chain_, llama_sampler_init_top_k(p_.top_k));
+        if (p_.top_p < 1.0f) llama_sampler_chain_add(chain_, llama_sampler_init_top_p(p_.top_p, 1));
+        if (p_.min_p > 0.0f) llama_sampler_chain_add(chain_, llama_sampler_init_min_p(p_.min_p, 1));
+        llama_sampler_chain_add(chain_, llama_sampler_init_temp(p_.temp));
+        llama_sampler_chain_add(chain_, llama_sampler_init_dist(p_.seed));
+    }
+    for (llama_token t : pending_) llama_sampler_accept(chain_, t);
+    pending_.clear();
 }
 
 sampler::~sampler() {
-    llama_sampler_free(chain_);
+    if (chain_) llama_sampler_free(chain_);
+}
+
+void sampler::accept(llama_token tok) {
+    if (chain_) llama_sampler_accept(chain_, tok);
+    else pending_.push_back(tok);
 }
 
 llama_token sampler::sample(const float * logits, int32_t n_vocab) {
+    if (!chain_) build(n_vocab);
+    if (n_vocab != n_vocab_) throw error("the sampler was built for " + std::to_string(n_vocab_) + " logits, given " +
+                                         std::to_string(n_vocab));
     buf_.resize(n_vocab);
     for (int32_t i = 0; i < n_vocab; ++i) buf_[i] = {i, logits[i], 0.0f};
     llama_token_data_array arr = {buf_.data(), buf_.size(), -1, false};

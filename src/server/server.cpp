@@ -24,6 +24,7 @@
 #include "server/doc_index.h"
 #include "server/prompt_layout.h"
 #include "server/soft_store.h"
+#include "server/stream_text.h"
 
 namespace kvblend {
 
@@ -394,10 +395,11 @@ struct server::impl {
         j.prefill_ms = time_ms() - t0;
 
         sampler smp(j.sp);
+        // the penalties look back over the prompt too (as llama-server's do)
+        const size_t back = j.sp.penalty_last_n < 0 ? j.tokens.size() : (size_t) j.sp.penalty_last_n;
+        for (size_t i = j.tokens.size() - std::min(back, j.tokens.size()); i < j.tokens.size(); ++i) smp.accept(j.tokens[i]);
         std::string text;       // everything generated, for stop strings
         size_t sent = 0;        // bytes of text already emitted
-        size_t hold = 0;        // longest stop string - 1: a tail that may still become one
-        for (const auto & s : j.stop) hold = std::max(hold, s.size() ? s.size() - 1 : 0);
         j.finish_reason = "length";
         for (int32_t i = 0; i < j.max_tokens; ++i) {
             if (j.cancelled) {
@@ -424,9 +426,8 @@ struct server::impl {
                 j.finish_reason = "stop";
                 break;
             }
-            // emit what can no longer be the start of a stop string; keep whole UTF-8 characters
-            size_t upto = text.size() > hold ? text.size() - hold : 0;
-            while (upto > sent && upto < text.size() && ((unsigned char) text[upto] & 0xc0) == 0x80) --upto;
+            // emit what can no longer be the start of a stop string, in whole UTF-8 characters
+            const size_t upto = utf8_whole(text, text.size() - stop_prefix_tail(text, j.stop));
             if (upto > sent) {
                 j.emit(text.substr(sent, upto - sent));
                 sent = upto;
@@ -488,7 +489,19 @@ struct server::impl {
         j.sp.top_p = (float) num("top_p", 0, 1, 1.0);
         j.sp.top_k = std::max<int32_t>(0, (int32_t) num("top_k", -(1 << 30), 1 << 30, 0));
         j.sp.min_p = (float) num("min_p", 0, 1, 0.0);
-        if (b.contains("seed") && !b["seed"].is_null()) j.sp.seed = (uint32_t) num("seed", 0, 4294967295.0, 0);
+        if (b.contains("seed") && !b["seed"].is_null()) j.sp.seed = sampler_seed(b["seed"].get<int64_t>());
+        j.sp.freq_penalty = (float) num("frequency_penalty", -2, 2, 0.0);
+        j.sp.presence_penalty = (float) num("presence_penalty", -2, 2, 0.0);
+        j.sp.repeat_penalty = (float) num(b.contains("repetition_penalty") ? "repetition_penalty" : "repeat_penalty", 0.01, 10, 1.0);
+        j.sp.penalty_last_n = (int32_t) num("repeat_last_n", -1, 1 << 20, 64);
+        if (b.contains("logit_bias") && b["logit_bias"].is_object())
+            for (const auto & [k, x] : b["logit_bias"].items()) {
+                const int64_t id = std::stoll(k);
+                if (id >= m->hparams().n_vocab)
+                    bad_request("'logit_bias' names token " + k + ", outside the vocabulary of " +
+                                std::to_string(m->hparams().n_vocab) + " tokens");
+                j.sp.logit_bias.push_back({(llama_token) id, x.get<float>()});
+            }
         j.sel.recomp_ratio = (float) num("recomp_ratio", 0, 1, p.recomp_ratio);
         j.sel.recompute_chunk_head = (int) num("chunk_head", 0, 1 << 20, j.sel.recompute_chunk_head);
         j.sel.dev_mass = (float) num("dev_mass", 0, 1, j.sel.dev_mass);
@@ -721,6 +734,11 @@ struct server::impl {
             if (!j->error.empty())
                 throw request_error{j->error_status, j->error,
                                     j->error_status < 500 ? "invalid_request_error" : "server_error", j->error_code};
+            // stopped early because the client closed its side: what was made is
+            // no answer, and is never sent as a complete one
+            if (j->cancelled)
+                throw request_error{400, "the request was cancelled: the client closed its side of the connection",
+                                    "invalid_request_error", "client_closed_request"};
             json out = {{"id", id}, {"created", created}, {"model", model_id}, {"usage", usage_of(*j)}, {"kvblend", kvblend_of(*j)}};
             if (chat) {
                 out["object"] = "chat.completion";
@@ -746,12 +764,18 @@ struct server::impl {
             return "data: " + c.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
         };
         auto started = std::make_shared<bool>(false);
-        auto provider = [=](size_t, httplib::DataSink & sink) {
+        auto provider = [=, &req](size_t, httplib::DataSink & sink) {
             std::string out;
             bool finished = false;
             {
                 std::unique_lock l(j->mu);
-                j->cv.wait(l, [&] { return j->done || !j->pieces.empty(); });
+                // nothing to send yet (a tail held back for a stop string, a long
+                // prefill): a client that hangs up meanwhile still cancels its work
+                while (!j->cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j->done || !j->pieces.empty(); }))
+                    if (req.is_connection_closed && req.is_connection_closed()) {
+                        j->cancelled = true;
+                        return false;
+                    }
                 if (!*started && chat) out += chunk({{"role", "assistant"}, {"content", ""}}, nullptr);
                 *started = true;
                 while (!j->pieces.empty()) {
@@ -879,10 +903,21 @@ struct server::impl {
             }
             res.set_content(h.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
         });
-        http.Get("/v1/models", [this](const httplib::Request &, httplib::Response & res) {
-            res.set_content(json{{"object", "list"},
-                                 {"data", json::array({{{"id", model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "kvblend"}}})}}
-                                .dump(),
+        const json model_card = {{"id", model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "kvblend"}};
+        http.Get("/v1/models", [model_card](const httplib::Request &, httplib::Response & res) {
+            res.set_content(json{{"object", "list"}, {"data", json::array({model_card})}}.dump(-1, ' ', false, json::error_handler_t::replace),
+                            "application/json");
+        });
+        // models.retrieve(id): the one model this server runs, by its id
+        http.Get(R"(/v1/models/(.+))", [this, model_card](const httplib::Request & req, httplib::Response & res) {
+            if (req.matches[1] == model_id) {
+                res.set_content(model_card.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+                return;
+            }
+            res.status = 404;
+            res.set_content(error_body("the model '" + std::string(req.matches[1]) + "' does not exist; this server runs '" +
+                                           model_id + "'",
+                                       "invalid_request_error", "model_not_found"),
                             "application/json");
         });
         http.Post("/v1/chat/completions", guarded([this](const httplib::Request & req, httplib::Response & res) {

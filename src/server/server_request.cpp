@@ -93,7 +93,39 @@ void check_sampling(const json & b) {
     for (const char * k : {"logprobs", "top_logprobs"})
         if (const auto it = b.find(k); it != b.end() && !it->is_null() && *it != false && *it != 0)
             unsupported(std::string("'") + k + "'");
-    optional_integer(b, "seed", 0, 4294967295.0);
+    // what clients send as defaults passes; anything else a plain answer cannot honour is refused
+    auto non_default = [&](const char * k, const json & def) {
+        const auto it = b.find(k);
+        return it != b.end() && !it->is_null() && *it != def;
+    };
+    if (non_default("echo", false)) unsupported("'echo'");
+    if (non_default("suffix", "")) unsupported("'suffix'");
+    if (non_default("best_of", 1)) unsupported("'best_of' other than 1");
+    for (const char * k : {"grammar", "json_schema"})  // llama-server's constrained output
+        if (non_default(k, "") && !(b[k].is_object() && b[k].empty())) unsupported(std::string("'") + k + "'");
+    if (non_default("n_probs", 0)) unsupported("'n_probs'");
+    if (non_default("mirostat", 0)) unsupported("'mirostat'");
+    if (non_default("typical_p", 1)) unsupported("'typical_p' other than 1");
+    // -1: a random seed (llama-server's); others are hashed to 32 bits when they do not fit
+    optional_integer(b, "seed", -1, 9.2e18);
+    // penalties (OpenAI's ranges; repeat_penalty is llama-server's name, repetition_penalty vLLM's)
+    optional_number(b, "frequency_penalty", -2, 2);
+    optional_number(b, "presence_penalty", -2, 2);
+    if (b.contains("repeat_penalty") && b.contains("repetition_penalty"))
+        bad_request("give 'repeat_penalty' or 'repetition_penalty', not both");
+    optional_number(b, "repeat_penalty", 0.01, 10);
+    optional_number(b, "repetition_penalty", 0.01, 10);
+    optional_integer(b, "repeat_last_n", -1, 1 << 20);
+    if (const json * lb = optional_field(b, "logit_bias", "an object of token ids to numbers",
+                                         [](const json & x) { return x.is_object(); })) {
+        if (lb->size() > 1024) bad_request("'logit_bias' may hold at most 1024 tokens");
+        for (const auto & [k, v] : lb->items()) {
+            const bool digits = !k.empty() && k.size() <= 10 && std::all_of(k.begin(), k.end(), [](char c) { return c >= '0' && c <= '9'; });
+            if (!digits || std::stoll(k) > INT32_MAX) bad_request("'logit_bias' keys must be token ids, not '" + k + "'");
+            if (!v.is_number() || !(v.get<double>() >= -100 && v.get<double>() <= 100))
+                bad_request("'logit_bias' values must be numbers in [-100, 100]");
+        }
+    }
     optional_number(b, "recomp_ratio", 0, 1);
     // the token selection of a fused request (blend_params)
     optional_integer(b, "chunk_head", 0, 1 << 20);
@@ -110,6 +142,11 @@ void check_sampling(const json & b) {
             for (const auto & x : *s)
                 if (!x.is_string()) bad_request("'stop' must be a string or an array of strings");
         }
+        // a stop string is held back from a stream until it cannot be one: a long
+        // one would hold back the whole answer
+        for (const json & x : s->is_array() ? *s : json::array({*s}))
+            if (x.get_ref<const std::string &>().size() > k_max_stop_bytes)
+                bad_request("a stop string may have at most " + std::to_string(k_max_stop_bytes) + " bytes");
     }
 }
 

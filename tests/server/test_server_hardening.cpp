@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 
 #include "cli_run.h"
@@ -79,6 +80,7 @@ class raw_conn {
         if (fd_ >= 0) ::close(fd_);
         fd_ = -1;
     }
+    void shut_write() { ::shutdown(fd_, SHUT_WR); }
 
   private:
     int fd_ = -1;
@@ -144,7 +146,7 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
         {"/v1/completions", R"({"prompt":"x","stream":1})"},
         {"/v1/completions", R"({"prompt":"x","max_tokens":"ten"})"},
         {"/v1/completions", R"({"prompt":"x","max_tokens":1.5})"},
-        {"/v1/completions", R"({"prompt":"x","seed":-1})"},
+        {"/v1/completions", R"({"prompt":"x","seed":-2})"},
         {"/v1/completions", R"({"prompt":"x","stop":[1]})"},
         {"/v1/chat/completions", R"({"messages":[{"role":"user","content":[{"type":3,"text":"x"}]}]})"},
         {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"stream_options":"yes"})"},
@@ -541,6 +543,116 @@ TEST(server_hardening, documents_by_id_stop_at_the_context_and_every_user_messag
     const int64_t two = prompt_tokens({{{"role", "user"}, {"content", "Answer in one word."}},
                                        {{"role", "user"}, {"content", "What had Tom?"}}});
     EXPECT_GT(two, one + 3);
+}
+
+// the text of a streamed completion, and every delta it came in
+std::vector<std::string> stream_deltas(httplib::Client & c, json body) {
+    body["stream"] = true;
+    auto r = c.Post("/v1/completions", body.dump(), "application/json");
+    std::vector<std::string> out;
+    EXPECT_TRUE(r && r->status == 200);
+    if (!r) return out;
+    std::istringstream in(r->body);
+    for (std::string line; std::getline(in, line);)
+        if (line.rfind("data: {", 0) == 0) {
+            const std::string t = json::parse(line.substr(6))["choices"][0]["text"].get<std::string>();
+            if (!t.empty()) out.push_back(t);
+        }
+    return out;
+}
+
+TEST(server_hardening, a_stream_never_splits_a_utf8_character) {
+    live_server s(small_params());
+    auto c = s.client();
+    // a hot, unfiltered sampling picks the model's byte tokens: characters of 2-4 bytes, one byte a token
+    int multibyte = 0;
+    for (int seed = 0; seed < 4; ++seed) {
+        const json body = {{"prompt", "Once"}, {"max_tokens", 100}, {"temperature", 100}, {"top_k", 0}, {"top_p", 1},
+                           {"seed", seed}};
+        const std::string whole = test::post(c, "/v1/completions", body)["choices"][0]["text"].get<std::string>();
+        std::string joined;
+        // a delta that ended inside a character reached the client as U+FFFD: the
+        // deltas then differ from the whole text
+        for (const std::string & d : stream_deltas(c, body)) joined += d;
+        EXPECT_EQ(joined, whole) << "seed " << seed;
+        for (size_t i = 0; i < whole.size(); ++i)  // lead bytes of characters other than U+FFFD
+            multibyte += (unsigned char) whole[i] >= 0xc0 && whole.compare(i, 3, "\xef\xbf\xbd") != 0;
+    }
+    EXPECT_GT(multibyte, 0) << "no multi-byte character was generated: the test checked nothing";
+}
+
+TEST(server_hardening, a_request_cut_short_by_its_client_is_never_answered_as_complete) {
+    live_server s(small_params());
+    raw_conn rc(s.port());
+    ASSERT_TRUE(rc.ok());
+    // the client sends its request, closes its sending side and waits for the answer:
+    // the server reads that as a hang-up and stops; what it made is no complete answer
+    rc.send(http_post("/v1/completions", R"({"prompt":"Once upon a time","max_tokens":480,"temperature":1,"seed":3})"));
+    rc.shut_write();
+    const std::string r = rc.read_all(20000);
+    EXPECT_EQ(status_of(r), 400) << r;
+    EXPECT_NE(body_of(r).find("client_closed_request"), std::string::npos) << r;
+}
+
+TEST(server_hardening, a_form_encoded_json_body_is_bounded_by_max_body_not_8k) {
+    live_server s(small_params());
+    auto c = s.client();
+    // curl -d sends its body as application/x-www-form-urlencoded
+    const std::string text(20000, 'a');
+    auto r = c.Post("/tokenize", json{{"content", text}}.dump(), "application/x-www-form-urlencoded");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200) << r->body.substr(0, 300);
+}
+
+TEST(server_hardening, penalties_logit_bias_and_every_seed_are_honoured) {
+    live_server s(small_params());
+    auto c = s.client();
+    const json base = {{"prompt", "Once upon a time, there was a little girl"}, {"max_tokens", 24}, {"temperature", 0}};
+    auto text_of = [&](json extra) {
+        json b = base;
+        b.update(extra);
+        return test::post(c, "/v1/completions", b)["choices"][0]["text"].get<std::string>();
+    };
+    // a bias of +100 makes one token the only choice, greedy or not
+    const int64_t id = test::post(c, "/tokenize", json{{"content", "Once upon a time"}})["tokens"].back().get<int64_t>();
+    const json bias = {{std::to_string(id), 100}};
+    const std::string piece = text_of({{"max_tokens", 1}, {"logit_bias", bias}});
+    ASSERT_FALSE(piece.empty());
+    std::string five;
+    for (int i = 0; i < 5; ++i) five += piece;
+    EXPECT_NE(text_of({{"max_tokens", 5}}), five);
+    EXPECT_EQ(text_of({{"max_tokens", 5}, {"logit_bias", bias}}), five);
+    EXPECT_EQ(text_of({{"max_tokens", 5}, {"temperature", 0.8}, {"seed", 1}, {"logit_bias", bias}}), five);
+    EXPECT_EQ(openai_error_of(c.Post("/v1/completions", json{{"prompt", "x"}, {"logit_bias", {{"4000000", 1}}}}.dump(),
+                                     "application/json"))["code"],
+              "invalid_request");
+    // greedy stories260K repeats itself; penalties change what it says
+    const std::string plain = text_of(json::object());
+    EXPECT_NE(text_of({{"frequency_penalty", 2}}), plain);
+    EXPECT_NE(text_of({{"presence_penalty", 2}}), plain);
+    EXPECT_NE(text_of({{"repeat_penalty", 3}}), plain);
+    EXPECT_EQ(text_of({{"frequency_penalty", 0}, {"presence_penalty", 0}, {"repeat_penalty", 1}}), plain);
+    // 2^32 - 1 is libllama's "random": a client's seed never means that
+    for (const json seed : {json(4294967295ull), json(int64_t(1) << 40)}) {
+        const json hot = {{"temperature", 1.5}, {"seed", seed}};
+        EXPECT_EQ(text_of(hot), text_of(hot)) << seed;
+    }
+}
+
+TEST(server_hardening, models_retrieve_finds_the_model_by_its_id) {
+    live_server s(small_params());
+    auto c = s.client();
+    auto list = c.Get("/v1/models");
+    ASSERT_TRUE(list && list->status == 200);
+    const std::string id = json::parse(list->body)["data"][0]["id"].get<std::string>();
+    auto one = c.Get("/v1/models/" + id);
+    ASSERT_TRUE(one);
+    EXPECT_EQ(one->status, 200);
+    EXPECT_EQ(json::parse(one->body)["id"], id);
+    auto other = c.Get("/v1/models/gpt-4o");
+    ASSERT_TRUE(other);
+    EXPECT_EQ(other->status, 404);
+    EXPECT_EQ(openai_error_of(other)["code"], "model_not_found");
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "server/server_request.h"
+#include "server/stream_text.h"
 
 namespace kvblend {
 namespace {
@@ -90,6 +91,30 @@ TEST(server_request, fields_are_checked_per_endpoint) {
         EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_request") << bad;
     EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"response_format":{"type":"text"},"tools":[],"logprobs":false,"top_k":-1})"),
               "");
+    // OpenAI's and llama-server's other fields: honoured, refused, or passed at their defaults
+    for (const char * bad : {R"("echo":true)", R"("suffix":"end")", R"("best_of":3)", R"("grammar":"root ::= x")",
+                             R"("json_schema":{"type":"object"})", R"("n_probs":5)", R"("mirostat":2)", R"("typical_p":0.5)"})
+        EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x",)" + std::string(bad) + "}"), "unsupported_parameter") << bad;
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","echo":false,"suffix":null,"best_of":1,"grammar":"",)"
+                                                R"("json_schema":{},"n_probs":0,"mirostat":0,"typical_p":1,"logit_bias":{},)"
+                                                R"("frequency_penalty":0,"presence_penalty":0,"seed":-1})"),
+              "");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"logit_bias":{"13":-100,"400":5.5},"frequency_penalty":1.5,)"
+                                                      R"("presence_penalty":-2,"repeat_penalty":1.1,"repeat_last_n":-1,)"
+                                                      R"("seed":9000000000000000000})"),
+              "");
+    for (const char * bad : {R"("logit_bias":{"x":1})", R"("logit_bias":{"-1":1})", R"("logit_bias":{"1":101})",
+                             R"("logit_bias":{"1":"1"})", R"("logit_bias":[1])", R"("logit_bias":{"99999999999":1})",
+                             R"("frequency_penalty":2.5)", R"("presence_penalty":"1")", R"("repeat_penalty":0)",
+                             R"("repeat_penalty":1.1,"repetition_penalty":1.1)", R"("repeat_last_n":-2)", R"("seed":-2)",
+                             R"("seed":1.5)"})
+        EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_request") << bad;
+    // a stop string is held back from a stream while it may still appear: its length is bounded
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","stop":")" + std::string(k_max_stop_bytes, 'q') + R"("})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","stop":")" + std::string(k_max_stop_bytes + 1, 'q') + R"("})"),
+              "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","stop":["a",")" + std::string(k_max_stop_bytes + 1, 'q') + R"("]})"),
+              "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[]})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[{"id":"x"}]})"),
               "invalid_request");  // ids are for chat
@@ -99,6 +124,26 @@ TEST(server_request, fields_are_checked_per_endpoint) {
     const request_spec r = request_parse(REQUEST_COMPLETION, R"({"prompt":"x","stream":true,"n":null})");
     EXPECT_TRUE(r.stream);
     EXPECT_FALSE(r.body.contains("n"));
+}
+
+// what a stream may emit: whole UTF-8 characters, nothing that may begin a stop string
+TEST(server_request, a_stream_emits_whole_characters_and_holds_only_a_stop_prefix) {
+    const std::string two = "\xd2\x8c", three = "\xe2\x82\xac", four = "\xf0\x9f\x98\x80";
+    EXPECT_EQ(utf8_whole("abc", 3), 3u);
+    EXPECT_EQ(utf8_whole("", 0), 0u);
+    for (const std::string & c : {two, three, four}) {
+        const std::string t = "be" + c;
+        EXPECT_EQ(utf8_whole(t, t.size()), t.size()) << c.size();
+        for (size_t cut = 1; cut < c.size(); ++cut) EXPECT_EQ(utf8_whole(t, 2 + cut), 2u) << c.size() << "/" << cut;
+    }
+    // bytes no continuation can complete pass through
+    EXPECT_EQ(utf8_whole("a\x80\x80\x80\x80", 5), 5u);
+    EXPECT_EQ(utf8_whole("a\xff", 2), 2u);
+    EXPECT_EQ(stop_prefix_tail("the end. Que", {"Question:"}), 3u);
+    EXPECT_EQ(stop_prefix_tail("the end. Quo", {"Question:"}), 0u);
+    EXPECT_EQ(stop_prefix_tail("a\n", {"\n\n", "xyz"}), 1u);
+    EXPECT_EQ(stop_prefix_tail("ab", {""}), 0u);
+    EXPECT_EQ(stop_prefix_tail("x", {std::string(1000, 'x')}), 1u);
 }
 
 }  // namespace
