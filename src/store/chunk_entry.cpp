@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 
 #include "kvblend/blend.h"
 #include "kvblend/codec.h"
@@ -249,6 +250,10 @@ std::string chunk_entry_check(const std::vector<uint8_t> & bytes, const model * 
     try {
         const entry_header h = parse(bytes);
         if (!m) return {};
+        // under a key of its own model, another model's whole entry is that model's
+        // (stores may be shared): checked for its structure only. only under the key
+        // this model would give its chunk is it wrong
+        if (!key.empty() && h.fingerprint != m->fingerprint() && derived_key(h, bytes, *m) != key) return {};
         check_against(h, bytes, *m);
         const std::string own = key.empty() ? std::string() : derived_key(h, bytes, *m);
         if (!own.empty() && own != key) throw error("entry holds the chunk of key " + own + ", not of its own key");
@@ -292,6 +297,19 @@ chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes, chunk
 
 chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const std::string & id, bool * remove) {
     if (remove) *remove = true;  // an entry that does not decode, or holds another chunk, is of no use to anyone
+    // a whole entry of another model is that model's document (a store may be
+    // shared by several models: the id names the model too): never ours to remove
+    if (remove) {
+        std::optional<entry_header> h;
+        try {
+            h = parse(bytes);
+        } catch (const error &) {
+        }
+        if (h && h->fingerprint != m.fingerprint()) {
+            *remove = false;
+            throw error("the entry belongs to another model (fingerprint " + h->fingerprint + ")");
+        }
+    }
     chunk_entry_info info;
     chunk_kv c = chunk_decode(m, std::move(bytes), &info);
     if (info.key.empty()) {
