@@ -261,7 +261,7 @@ typedef enum kvb_stop_reason {
 
 typedef struct kvb_generate_params {
     int32_t  n_predict;  // tokens to generate at most (default 64; 0: none)
-    float    temp;       // <= 0: greedy (the default)
+    float    temp;       // below 1e-6 (0 included): greedy (the default)
     int32_t  top_k;      // default 40; <= 0: off
     float    top_p;      // default 0.95; >= 1: off
     float    min_p;      // default 0.05; <= 0: off

@@ -8,8 +8,10 @@
 
 namespace kvblend {
 
+constexpr float k_min_temp = 1e-6f;  // lower temperatures (and 0) sample greedily
+
 struct sampler_params {
-    float    temp  = 0.0f;  // <= 0: greedy
+    float    temp  = 0.0f;  // < k_min_temp: greedy
     int32_t  top_k = 40;    // <= 0: off
     float    top_p = 0.95f; // >= 1: off
     float    min_p = 0.05f; // <= 0: off

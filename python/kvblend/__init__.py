@@ -33,6 +33,29 @@ from ._lib import DEFAULT_SEED
 
 _c = _lib.load()
 
+# GNU OpenMP's worker threads do not survive fork(): in a child forked after the
+# parent ran a model, the next computation would wait for them forever. Such a
+# child is told so instead (multiprocessing's default start method on Linux is fork).
+_ran = False
+_forked_after_run = False
+
+
+def _after_fork_in_child():
+    global _forked_after_run
+    _forked_after_run = _forked_after_run or _ran
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _check_not_forked():
+    if _forked_after_run:
+        raise Error("kvblend cannot run in a process forked after its parent ran a model (the parent's OpenMP "
+                    "threads are not in the child, which would wait for them forever): start worker processes "
+                    "with multiprocessing's 'spawn' or 'forkserver' method, or load and run models only in the "
+                    "children", "KVB_ERR_FAILED")
+
 __version__ = _c.kvb_version().decode()
 library_path = _c.path
 
@@ -271,6 +294,18 @@ class _Closing:
     def _closed_during_call(self):
         return Error("the %s was closed during the call" % self._what, "KVB_ERR_CANCELLED")
 
+    # a copy would share the C handles and free them under the original
+    def __copy__(self):
+        raise TypeError("a kvblend.%s owns C handles and cannot be copied; share the object itself"
+                        % type(self).__name__)
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce__(self):
+        raise TypeError("a kvblend.%s owns C handles and cannot be pickled; open it again in the other process"
+                        % type(self).__name__)
+
     def close(self):
         """Free the handles. Safe to call twice, and from any thread: a call
         running on another thread is stopped at its next callback, or waited for."""
@@ -435,6 +470,7 @@ class Model(_Closing):
 
     def __init__(self, path, *, n_threads=2, n_ctx=0, n_ubatch=512, cache_type="f16", use_mmap=False, use_gpu=True,
                  device=None, n_gpu_layers=-1):
+        _check_not_forked()
         mp = _c.kvb_model_default_params()
         mp.use_mmap = bool(use_mmap)
         mp.use_gpu = bool(use_gpu)
@@ -497,10 +533,13 @@ class Model(_Closing):
     def _engine(self):
         """The context, one call at a time: a second call from a callback of the
         first (on its thread) would wait for itself, so it is refused."""
+        global _ran
+        _check_not_forked()
         me = threading.get_ident()
         if self._owner == me:
             raise Error("a callback cannot call back into the Model running it", "KVB_ERR_INVALID_ARGUMENT")
         with self._lock:
+            _ran = True
             if self._closing:  # closed while this call waited for the one before
                 raise self._closed_during_call()
             self._owner = me
@@ -553,7 +592,7 @@ class Model(_Closing):
         gp.top_p = _real(top_p, "top_p")
         gp.min_p = _real(min_p, "min_p")
         gp.seed = DEFAULT_SEED if seed is None else _int(seed, "seed", *_U32)
-        if stop:
+        if stop is not None:
             stops = [stop] if isinstance(stop, (str, bytes)) else list(stop)
             arr = (c_char_p * len(stops))(*[_b(s, "a stop string") for s in stops])
             keep.append(arr)
@@ -612,7 +651,7 @@ class Model(_Closing):
         p.chunk_size = _int(chunk_size, "chunk_size", *_I64)
         p.split_paragraphs = bool(split_paragraphs)
         p.collect_with_prefix = bool(collect_with_prefix)
-        sys_b = _b(system or "", "system")
+        sys_b = _b("" if system is None else system, "system")
         p.system = sys_b
         p.chat = bool(chat)
         guard = _Callback(self)
@@ -683,7 +722,7 @@ class Model(_Closing):
                     cdocs[i].id = _b(d["id"], "document %d's id" % i)
             else:
                 cdocs[i].text = _b(d, "document %d" % i)
-        system_b = _b(system or "", "system")
+        system_b = _b("" if system is None else system, "system")
         question_b = _b(question, "question")
         bp = _c.kvb_blend_default_params()
         if ratio is not None:

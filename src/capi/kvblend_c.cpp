@@ -163,6 +163,12 @@ engine & engine_for(kvb_context & c, int64_t want, const char * what) {
     return *c.eng;
 }
 
+// n_predict is "at most": a prompt that leaves less room generates until the context is full
+int32_t n_predict_in_room(const kvb_context & c, int64_t n_prompt, int32_t n_predict) {
+    const int64_t cap = c.fixed_n_ctx > 0 ? c.eng->cache().n_ctx() : c.m->hparams().n_ctx_train;
+    return n_prompt < cap ? (int32_t) std::min<int64_t>(n_predict, cap - n_prompt) : n_predict;
+}
+
 sampler_params sampling_of(const kvb_generate_params & gp) {
     if (gp.n_predict < 0) fail(KVB_ERR_INVALID_ARGUMENT, "n_predict must not be negative");
     if (!(gp.temp >= 0 && gp.temp <= 100)) fail(KVB_ERR_INVALID_ARGUMENT, "temp must be in [0, 100]");
@@ -267,9 +273,10 @@ void check_tokens(const model & m, const kvb_token * toks, size_t n) {
 
 void generate_impl(kvb_context * ctx, const std::vector<llama_token> & toks, const kvb_generate_params * params,
                    char ** text, kvb_generate_stats * stats) {
-    const kvb_generate_params gp = params ? *params : kvb_generate_default_params();
+    kvb_generate_params gp = params ? *params : kvb_generate_default_params();
     const sampler_params sp = sampling_of(gp);
     if (toks.empty()) fail(KVB_ERR_INVALID_ARGUMENT, "the prompt tokenizes to nothing");
+    gp.n_predict = n_predict_in_room(*ctx, (int64_t) toks.size(), gp.n_predict);
     engine & eng = engine_for(*ctx, (int64_t) toks.size() + gp.n_predict,
                               ("prompt (" + std::to_string(toks.size()) + " tokens) plus n_predict " +
                                std::to_string(gp.n_predict))
@@ -573,11 +580,14 @@ kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const *
         for (size_t i = 0; i < chunks.size(); ++i) {
             const std::string key = chunk_key(m, eng.cache().type_k(), store->codec, prefix, chunks[i]);
             copy_id(key, out[i]);
-            if (store->st->contains(key)) {
+            // a stored entry counts only once it is read and checked: a damaged one is
+            // collected again. ingest exists to store: a failed write is the call's
+            // error, not an id of nothing
+            const int64_t hits = fs.hits;
+            chunk_get_or_collect(store->st.get(), eng, prefix, chunks[i], fs, store->codec, {}, CHUNK_PUT_REQUIRED);
+            if (fs.hits > hits) {
                 ++s.n_present;
             } else {
-                // ingest exists to store: a failed write is the call's error, not an id of nothing
-                chunk_get_or_collect(store->st.get(), eng, prefix, chunks[i], fs, store->codec, {}, CHUNK_PUT_REQUIRED);
                 ++s.n_collected;
                 s.n_tokens += (int64_t) chunks[i].size();
             }
@@ -586,6 +596,14 @@ kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const *
                 fail(KVB_ERR_CANCELLED, "ingest cancelled by the progress callback after " + std::to_string(i + 1) + " of " +
                                             std::to_string(chunks.size()) + " chunks");
         }
+        // a budget too small for the whole ingest evicts its first chunks: their ids
+        // would name nothing
+        size_t gone = 0;
+        for (const kvb_id & id : out) gone += !store->st->contains(std::string(id.hex, strnlen(id.hex, KVB_ID_LEN)));
+        if (gone)
+            fail(KVB_ERR_FAILED, std::to_string(gone) + " of the " + std::to_string(out.size()) +
+                                     " chunks were evicted again by the store's budget before the ingest ended: the budget "
+                                     "cannot hold them all");
         if (stats) *stats = s;
         if (ids) {
             *ids = dup_array(out);
@@ -685,7 +703,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         if (!question[0]) fail(KVB_ERR_INVALID_ARGUMENT, "the question must not be empty");
         const context_use in_use(*ctx);
         const kvb_blend_params p = blend_params ? *blend_params : kvb_blend_default_params();
-        const kvb_generate_params gp = gen_params ? *gen_params : kvb_generate_default_params();
+        kvb_generate_params gp = gen_params ? *gen_params : kvb_generate_default_params();
         const sampler_params sp = sampling_of(gp);
         const model & m = *ctx->m;
         const int n_layer = (int) m.hparams().n_layer;
@@ -788,6 +806,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         }
         const rag_prompt rp = rag_prompt_build_tokens(v, system ? system : "", doc_tokens, question, p.chat);
         const int64_t n_all = (int64_t) rp.all().size();
+        gp.n_predict = n_predict_in_room(*ctx, n_all, gp.n_predict);
         engine & eng = engine_for(*ctx, n_all + gp.n_predict,
                                   ("prompt (" + std::to_string(n_all) + " tokens) plus generation").c_str());
 

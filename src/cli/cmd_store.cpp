@@ -161,21 +161,26 @@ int cmd_ingest(int argc, char ** argv) {
 
     chunk_fetch_stats fs;
     progress bar(chunks.size());
-    int64_t tokens = 0, skipped = 0;
+    int64_t tokens = 0;
+    std::vector<std::string> keys;
     for (size_t i = 0; i < chunks.size(); ++i) {
         if (chunks[i].empty()) continue;
-        const std::string key = chunk_key(*m, ep.type_k, codec_name, prefix, chunks[i], chunk_ev);
-        if (st->contains(key)) {
-            ++skipped;
-        } else {
-            // ingest exists to store: a failed put fails it, with the reason
-            chunk_get_or_collect(st.get(), eng, prefix, chunks[i], fs, codec_name, chunk_ev, CHUNK_PUT_REQUIRED);
-            tokens += (int64_t) chunks[i].size();
-        }
+        keys.push_back(chunk_key(*m, ep.type_k, codec_name, prefix, chunks[i], chunk_ev));
+        // a stored entry counts once it is read and checked (a damaged one is
+        // collected again); ingest exists to store: a failed put fails it, with the reason
+        const int64_t misses = fs.misses;
+        chunk_get_or_collect(st.get(), eng, prefix, chunks[i], fs, codec_name, chunk_ev, CHUNK_PUT_REQUIRED);
+        if (fs.misses > misses) tokens += (int64_t) chunks[i].size();
         bar.update(i + 1, tokens);
     }
     std::printf("ingested %zu chunks into %s: %lld collected (%lld tokens, %.1f s), %lld already stored\n", chunks.size(),
-                st->uri().c_str(), (long long) fs.misses, (long long) tokens, fs.collect_ms / 1000.0, (long long) skipped);
+                st->uri().c_str(), (long long) fs.misses, (long long) tokens, fs.collect_ms / 1000.0, (long long) fs.hits);
+    // a budget too small for the whole ingest evicts its first chunks again
+    size_t gone = 0;
+    for (const auto & k : keys) gone += !st->contains(k);
+    if (gone)
+        throw error(std::to_string(gone) + " of the " + std::to_string(keys.size()) +
+                    " chunks were evicted again by the store's budget before the ingest ended (--store-max-gb cannot hold them all)");
     return 0;
 }
 

@@ -247,12 +247,15 @@ generate_result engine::generate_from(std::vector<float> logits, int32_t n_predi
         const llama_token tok = smp.sample(logits.data() + logits.size() - n_vocab, n_vocab);
         if (m.tokens().is_eog(tok)) break;
         r.tokens.push_back(tok);
-        if (on_token && !on_token(m.tokens().token_to_piece(tok))) break;
+        // the text is the pieces as they follow the prompt (a detokenization of the
+        // new tokens alone would drop the first one's leading space)
+        const std::string piece = m.tokens().token_to_piece(tok);
+        r.text += piece;
+        if (on_token && !on_token(piece)) break;
         if (i + 1 == n_predict || cache_->n_past() >= cache_->n_ctx()) break;
         logits = eval({tok});
     }
     r.decode_ms = time_ms() - t0;
-    r.text = m.tokens().detokenize(r.tokens);
     return r;
 }
 

@@ -31,7 +31,9 @@ void sampler::build(int32_t n_vocab) {
     if (p_.penalty_last_n != 0 && (p_.repeat_penalty != 1.0f || p_.freq_penalty != 0.0f || p_.presence_penalty != 0.0f))
         llama_sampler_chain_add(chain_, llama_sampler_init_penalties(n_vocab, p_.penalty_last_n, p_.repeat_penalty,
                                                                      p_.freq_penalty, p_.presence_penalty));
-    if (p_.temp <= 0.0f) {
+    // logits divided by a temperature near zero overflow to inf (1e-38 gave garbage);
+    // below 1e-6 any two logits that differ at all are already a greedy choice
+    if (!(p_.temp >= k_min_temp)) {
         llama_sampler_chain_add(chain_, llama_sampler_init_greedy());
     } else {
         if (p_.top_k > 0) llama_sampler_chain_add(chain_, llama_sampler_init_top_k(p_.top_k));

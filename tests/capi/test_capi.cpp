@@ -313,13 +313,21 @@ TEST_F(capi, a_grown_context_and_a_fresh_one_give_the_same_blend_and_contexts_ou
     EXPECT_EQ(a.n_selected, b.n_selected);
     kvb_context_free(fresh);
 
-    // a fixed context that is too small says so
+    // a fixed context too small for the prompt says so; n_predict is "at most":
+    // a prompt that fits generates until the context is full
     kvb_context_params cp = kvb_context_default_params();
     cp.n_ctx = 16;
     kvb_context * small = nullptr;
     ASSERT_EQ(kvb_context_new(model, &cp, &small), KVB_OK);
-    EXPECT_EQ(kvb_generate(small, "Once upon a time", nullptr, nullptr, nullptr), KVB_ERR_FAILED);
+    EXPECT_EQ(kvb_generate(small, "Once upon a time there was a little girl named Lily who liked to play", nullptr,
+                           nullptr, nullptr),
+              KVB_ERR_FAILED);
     EXPECT_NE(std::string(kvb_last_error()).find("exceeds the context of 16"), std::string::npos) << kvb_last_error();
+    kvb_generate_stats gs{};
+    gp.n_predict = 64;
+    ASSERT_EQ(kvb_generate(small, "Once upon a time", &gp, nullptr, &gs), KVB_OK) << kvb_last_error();
+    EXPECT_EQ(gs.n_prompt + gs.n_gen, 16);
+    EXPECT_EQ(gs.stop_reason, KVB_STOP_LENGTH);
     kvb_context_free(small);
 }
 

@@ -283,3 +283,83 @@ def test_two_threads_on_one_model_and_on_two_models_give_what_each_gives_alone(m
     assert sorted(results) == ["a", "b", "c"]
     for name, rs in results.items():
         assert rs == [(want, want_blend)] * 2, name
+
+
+def test_a_copy_of_a_model_or_a_store_is_refused_not_a_second_owner_of_its_handles(model, tmp_path):
+    import copy
+    import pickle
+
+    with kvblend.Store("dir:%s" % (tmp_path / "kv")) as store:
+        for obj in (model, store):
+            for make in (copy.copy, copy.deepcopy, pickle.dumps):
+                with pytest.raises(TypeError):
+                    make(obj)
+    gc.collect()
+    # the original still works: no copy freed its handles
+    assert model.complete("Once upon a time", n_predict=2).stats.n_gen == 2
+
+
+def _run_in_fork(fn):
+    """fn() in a forked child: its exception's name (or "ok") through a pipe, or "hang"."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports and leaves without running the parent's cleanup
+        os.close(r)
+        signal.alarm(20)
+        try:
+            fn()
+            out = "ok"
+        except BaseException as e:
+            out = type(e).__name__ + ": " + str(e)
+        os.write(w, out.encode()[:4000])
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    return out if os.WIFEXITED(status) else "hang"
+
+
+def test_a_child_forked_after_a_model_ran_is_told_so_instead_of_hanging():
+    # a fresh interpreter: whether a model ran before the fork is this process's history
+    code = r'''
+import os, signal, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(%r)))
+import test_binding_hostile as t, kvblend
+M = os.environ["KVBLEND_TEST_MODEL"]
+with kvblend.Model(M) as m:
+    print("before:", t._run_in_fork(lambda: kvblend.Model(M).complete("Once", n_predict=2)))
+    m.complete("Once", n_predict=2)
+    print("after:", t._run_in_fork(lambda: kvblend.Model(M).complete("Once", n_predict=2)))
+    print("inherited:", t._run_in_fork(lambda: m.complete("Once", n_predict=2)))
+''' % __file__
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert lines.get("before") == "ok", out  # nothing ran yet: a child may use kvblend
+    for k in ("after", "inherited"):
+        assert lines.get(k, "").startswith("Error: kvblend cannot run in a process forked"), out
+
+
+def test_empty_stop_strings_and_non_text_systems_are_refused_not_dropped(model):
+    for stop in ("", b"", [""]):
+        with pytest.raises(kvblend.InvalidArgumentError):
+            model.complete("Once", n_predict=2, stop=stop)
+    for system in (0, False):
+        with pytest.raises(TypeError):
+            model.blend(system, [DOC], QUERY, n_predict=2)
+
+
+def test_the_text_is_the_streamed_pieces_and_holds_no_part_of_a_stop_string(model):
+    pieces = []
+    r = model.complete("Once upon a", n_predict=8, on_piece=pieces.append)
+    assert r.text == "".join(pieces)
+    assert r.text.startswith(" "), r.text  # the first piece's space is the text's
+    first = r.text.split(",")[0]
+    cut = model.complete("Once upon a", n_predict=8, stop=[first])
+    assert cut.text == "" and cut.stats.stop_reason == "stop", cut
+    pieces = []
+    b = model.blend(SYSTEM, [DOC], QUERY, n_predict=8, on_piece=pieces.append)
+    assert b.text == "".join(pieces)
