@@ -64,7 +64,10 @@ class fd_guard {
 // exclusive flock on DIR/lock for the life of the object
 class dir_lock {
   public:
-    explicit dir_lock(const fs::path & file) : fd_(open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) {
+    // a link in the lock's place is not followed (no file is made outside the
+    // store), a fifo not waited on
+    explicit dir_lock(const fs::path & file)
+        : fd_(open(file.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644)) {
         if (fd_.get() < 0) throw error(sys_error("cannot open the store lock", file));
         while (flock(fd_.get(), LOCK_EX) != 0)
             if (errno != EINTR) throw error(sys_error("cannot lock", file));
@@ -85,6 +88,10 @@ void write_all(int fd, const uint8_t * p, size_t n, const fs::path & path) {
         n -= (size_t) w;
     }
 }
+
+// a temp file is always a new one: O_EXCL fails on anything already there
+// (a link is not followed, a fifo not opened)
+constexpr int k_temp_flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
 
 void fsync_dir(const fs::path & dir) {
     fd_guard d(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
@@ -121,9 +128,9 @@ class dir_store : public store {
             fs::create_directories(p, ec);
             if (ec) throw error("cannot create '" + p.string() + "': " + ec.message());
         }
-        const fs::path tmp = root_ / "tmp" / (key + "." + std::to_string(getpid()) + "." + std::to_string(random_()));
+        const fs::path tmp = root_ / "tmp" / temp_name(key);
         {
-            fd_guard fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+            fd_guard fd(open(tmp.c_str(), k_temp_flags, 0644));
             if (fd.get() < 0) throw error(sys_error("cannot create", tmp));
             try {
                 write_all(fd.get(), bytes.data(), bytes.size(), tmp);
@@ -285,6 +292,11 @@ class dir_store : public store {
   private:
     fs::path entry_path(const std::string & key) const { return root_ / "entries" / key.substr(0, 2) / (key + ".kvb"); }
 
+    // a file in tmp/: STEM.PID.N, N random (gc knows these names, and only these)
+    std::string temp_name(const std::string & stem) {
+        return stem + "." + std::to_string(getpid()) + "." + std::to_string(random_());
+    }
+
     static void check_key(const std::string & key) {
         if (!valid_key(key)) throw error("invalid store key '" + key + "'");
     }
@@ -324,14 +336,16 @@ class dir_store : public store {
         return idx;
     }
 
-    void write_index(const std::map<std::string, uint64_t> & idx) const {
-        const fs::path tmp = root_ / "tmp" / ("index." + std::to_string(getpid()));
+    void write_index(const std::map<std::string, uint64_t> & idx) {
+        // a name nobody can guess, made new: whatever someone planted in tmp/
+        // (a link out of the store, a fifo) is never followed or waited on
+        const fs::path tmp = root_ / "tmp" / temp_name("index");
         std::string text = "kvblend-store-index v1\n";
         for (const auto & [k, n] : idx) text += k + ' ' + std::to_string(n) + '\n';
         {
             // every byte written and synced before it replaces the index: a full
             // disk is an error here, never a shorter index renamed into place
-            fd_guard fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+            fd_guard fd(open(tmp.c_str(), k_temp_flags, 0644));
             if (fd.get() < 0) throw error(sys_error("cannot write the store index", tmp));
             try {
                 write_all(fd.get(), (const uint8_t *) text.data(), text.size(), tmp);

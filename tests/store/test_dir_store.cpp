@@ -1,0 +1,83 @@
+// the dir store against what others leave in and around it: links and fifos
+// planted where it writes, a tmp/ that is a link, a directory that is no store,
+// a failed index write in the middle of a put; and reads that must not count
+// as a use (verify).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cli_run.h"
+#include "kvblend/store.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string slurp(const fs::path & p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// the old index writer opened the predictable tmp/index.<pid> with O_TRUNC and
+// followed what it found there: a link made a put overwrite a file outside the
+// store (and the index became that link), a fifo made gc wait forever while it
+// held the store's lock
+TEST(dir_store, the_index_is_written_through_no_planted_link_or_fifo) {
+    test::temp_dir d("store"), outside("victim");
+    auto st = store_open(d.path().string());
+    st->put("aaaa0000aaaa0000", std::vector<uint8_t>(100, 1));
+    const fs::path victim = outside.path() / "precious";
+    std::ofstream(victim) << "precious";
+    const fs::path planted = d.path() / "tmp" / ("index." + std::to_string(getpid()));
+    fs::create_symlink(victim, planted);
+    st->put("bbbb0000bbbb0000", std::vector<uint8_t>(100, 2));
+    EXPECT_EQ(slurp(victim), "precious");
+    EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(d.path() / "index")));
+    EXPECT_EQ(st->stats().n_entries, 2u);
+
+    // a fifo where the index would be written: gc runs in a child (the name
+    // has the writer's pid in it), which must finish, not wait for a reader
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        const fs::path fifo = d.path() / "tmp" / ("index." + std::to_string(getpid()));
+        if (mkfifo(fifo.c_str(), 0600) != 0) _exit(3);
+        int rc = 0;
+        try {
+            store_open(d.path().string())->gc();
+        } catch (const std::exception &) {
+            rc = 1;
+        }
+        unlink(fifo.c_str());
+        _exit(rc);
+    }
+    int status = 0;
+    pid_t done = 0;
+    for (int i = 0; i < 300 && done == 0; ++i) {
+        done = waitpid(pid, &status, WNOHANG);
+        if (done == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    if (done == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        FAIL() << "gc waited on a fifo in tmp/ for 30 s";
+    }
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 0);
+    EXPECT_EQ(st->stats().n_entries, 2u);
+}
+
+}  // namespace
+}  // namespace kvblend
