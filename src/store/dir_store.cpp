@@ -3,7 +3,8 @@
 //   DIR/entries/ab/<key>.kvb   entries (ab = the key's first two hex digits)
 //   DIR/index                  "key bytes" lines: what the budget counts
 //   DIR/lock                   flock(2): serialises index updates and eviction
-//   DIR/tmp/                   entries being written
+//   DIR/tmp/                   entries and the index being written: KEY.PID.N,
+//                              index.PID.N (N random); gc removes only these
 //
 // writes go to tmp/, are fsynced and renamed into place, so a reader sees a
 // whole entry or none; several processes may put the same key at once (the
@@ -11,6 +12,7 @@
 // refreshed on every hit. reads take no lock and need no write access; a
 // path of an entry that is not a regular file (a directory, a fifo) is a miss
 // for reads and is listed, so verify and gc remove it.
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -18,7 +20,7 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
+#include <ctime>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -47,6 +49,21 @@ std::string sys_error(const std::string & what, const fs::path & p) {
 bool valid_key(const std::string & key) {
     if (key.size() < 8 || key.size() > 128) return false;
     return std::all_of(key.begin(), key.end(), [](char c) { return std::isxdigit((unsigned char) c); });
+}
+
+// a name put or write_index gives a file in tmp/: KEY.PID.N or index.PID.N
+// (and index.PID, the name older versions wrote the index under)
+bool is_temp_name(const std::string & name) {
+    auto number = [](const std::string & s) {
+        return !s.empty() && s.size() <= 20 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
+    const size_t a = name.find('.');
+    if (a == std::string::npos) return false;
+    const std::string stem = name.substr(0, a), rest = name.substr(a + 1);
+    if (stem != "index" && !valid_key(stem)) return false;
+    const size_t b = rest.find('.');
+    if (b == std::string::npos) return stem == "index" && number(rest);
+    return number(rest.substr(0, b)) && number(rest.substr(b + 1));
 }
 
 class fd_guard {
@@ -269,12 +286,7 @@ class dir_store : public store {
         if (!fs::is_directory(root_, ec)) return 0;  // nothing to clean, nothing to create
         dir_lock lock(root_ / "lock");
         uint64_t removed = 0;
-        // leftovers of writers that died: tmp files older than ten minutes
-        const auto now = fs::file_time_type::clock::now();
-        for (auto it = fs::directory_iterator(root_ / "tmp", ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
-            const auto age = now - it->last_write_time(ec);
-            if (!ec && age > std::chrono::minutes(10) && fs::remove(it->path(), ec)) ++removed;
-        }
+        removed += remove_dead_temp_files();
         // rebuild the index from the entries themselves (repairs any drift)
         std::map<std::string, uint64_t> idx;
         for (const auto & e : scan(true)) {
@@ -295,6 +307,29 @@ class dir_store : public store {
     // a file in tmp/: STEM.PID.N, N random (gc knows these names, and only these)
     std::string temp_name(const std::string & stem) {
         return stem + "." + std::to_string(getpid()) + "." + std::to_string(random_());
+    }
+
+    // leftovers of writers that died: files of our temp names older than ten
+    // minutes, nothing else. tmp/ is opened without following a link (it would
+    // clean someone else's folder) and each name is judged by lstat, so a link
+    // named like ours goes, not what it points to
+    uint64_t remove_dead_temp_files() const {
+        const int dfd = open((root_ / "tmp").c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (dfd < 0) return 0;
+        DIR * dir = fdopendir(dfd);
+        if (!dir) {
+            close(dfd);
+            return 0;
+        }
+        const time_t cutoff = time(nullptr) - 10 * 60;
+        uint64_t removed = 0;
+        while (const dirent * e = readdir(dir)) {
+            struct stat st {};
+            if (!is_temp_name(e->d_name) || fstatat(dfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+            if (!S_ISDIR(st.st_mode) && st.st_mtime < cutoff && unlinkat(dfd, e->d_name, 0) == 0) ++removed;
+        }
+        closedir(dir);  // closes dfd
+        return removed;
     }
 
     static void check_key(const std::string & key) {

@@ -30,6 +30,14 @@ std::string slurp(const fs::path & p) {
     return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
+// the path itself (a link, not its target) last modified at unix second t
+void set_mtime(const fs::path & p, time_t t) {
+    const timespec ts[2] = {{t, 0}, {t, 0}};
+    ASSERT_EQ(utimensat(AT_FDCWD, p.c_str(), ts, AT_SYMLINK_NOFOLLOW), 0) << p;
+}
+
+const time_t k_an_hour_ago = time(nullptr) - 3600;
+
 // the old index writer opened the predictable tmp/index.<pid> with O_TRUNC and
 // followed what it found there: a link made a put overwrite a file outside the
 // store (and the index became that link), a fifo made gc wait forever while it
@@ -77,6 +85,45 @@ TEST(dir_store, the_index_is_written_through_no_planted_link_or_fifo) {
     ASSERT_TRUE(WIFEXITED(status));
     EXPECT_EQ(WEXITSTATUS(status), 0);
     EXPECT_EQ(st->stats().n_entries, 2u);
+}
+
+// gc cleans up after writers that died: only the names it writes itself, by
+// the name's own age, and never through a tmp/ that is a link
+TEST(dir_store, gc_removes_only_its_own_leftovers_and_never_through_a_linked_tmp) {
+    test::temp_dir d("store"), other("user");
+    auto st = store_open(d.path().string());
+    st->put("aaaa0000aaaa0000", std::vector<uint8_t>(100, 1));
+    const fs::path tmp = d.path() / "tmp";
+    auto old_file = [&](const fs::path & p) {
+        std::ofstream(p) << "x";
+        set_mtime(p, k_an_hour_ago);
+    };
+    old_file(tmp / "notes.txt");                   // not ours
+    old_file(tmp / "0123456789abcdef.123.456");    // an entry being written by a writer that died
+    old_file(tmp / "index.123.789");               // an index being written
+    old_file(tmp / "index.123");                   // an index of the old writer
+    std::ofstream(tmp / "0123456789abcdef.1.2") << "x";  // being written now
+    // a link named like ours: the link goes, not what it points to
+    old_file(other.path() / "keep");
+    fs::create_symlink(other.path() / "keep", tmp / "fedcba9876543210.5.6");
+    set_mtime(tmp / "fedcba9876543210.5.6", k_an_hour_ago);
+    st->gc();
+    EXPECT_TRUE(fs::exists(tmp / "notes.txt"));
+    EXPECT_FALSE(fs::exists(tmp / "0123456789abcdef.123.456"));
+    EXPECT_FALSE(fs::exists(tmp / "index.123.789"));
+    EXPECT_FALSE(fs::exists(tmp / "index.123"));
+    EXPECT_TRUE(fs::exists(tmp / "0123456789abcdef.1.2"));
+    EXPECT_FALSE(fs::exists(fs::symlink_status(tmp / "fedcba9876543210.5.6")));
+    EXPECT_TRUE(fs::exists(other.path() / "keep"));
+
+    // tmp/ itself a link to someone's folder: gc does not clean there
+    fs::remove_all(tmp);
+    fs::create_symlink(other.path(), tmp);
+    old_file(other.path() / "0123456789abcdef.9.9");
+    st->gc();
+    EXPECT_TRUE(fs::exists(other.path() / "0123456789abcdef.9.9"));
+    EXPECT_TRUE(fs::exists(other.path() / "keep"));
+    EXPECT_TRUE(st->contains("aaaa0000aaaa0000"));
 }
 
 }  // namespace
