@@ -39,6 +39,8 @@ namespace {
 // the largest file read as an entry (a 32k-token chunk of a 70B model in f16 is
 // about 10.7 GB); a larger one is not an entry of ours
 constexpr uint64_t k_max_entry_bytes = 16ull << 30;
+// the first line of every index: what makes a folder a store without entries/
+constexpr char k_index_header[] = "kvblend-store-index v1\n";
 // the largest index read (a line is about 50 bytes: millions of entries)
 constexpr uint64_t k_max_index_bytes = 1ull << 30;
 
@@ -119,10 +121,11 @@ class dir_store : public store {
   public:
     dir_store(const std::string & path, const store_options & opts) : root_(path), opts_(opts) {
         std::error_code ec;
-        const bool exists = fs::exists(root_, ec);
-        if (exists && !fs::is_directory(root_, ec)) throw error("store path '" + path + "' is not a directory");
-        // an existing store is used as it is (it may be read-only): puts make what they need
-        if (!exists && opts_.create) {
+        const bool fresh = check_is_store();
+        // an existing store is used as it is (it may be read-only): puts make
+        // what they need. entries/ first: another process opening the folder
+        // meanwhile sees it empty or a store, never tmp/ alone
+        if (fresh && opts_.create) {
             for (const fs::path & p : {root_ / "entries", root_ / "tmp"}) {
                 fs::create_directories(p, ec);
                 if (ec) throw error("cannot create the store directory '" + p.string() + "': " + ec.message());
@@ -140,6 +143,7 @@ class dir_store : public store {
                         std::to_string(opts_.max_bytes) + " bytes");
         const fs::path dst = entry_path(key);
         std::error_code ec;
+        check_is_store();  // it may have gone since it was opened, and something else come in its place
         if (!opts_.create && !fs::is_directory(root_, ec)) throw error("store '" + root_.string() + "' does not exist");
         for (const fs::path & p : {dst.parent_path(), root_ / "tmp"}) {
             fs::create_directories(p, ec);
@@ -224,6 +228,7 @@ class dir_store : public store {
 
     bool erase(const std::string & key) override {
         check_key(key);
+        check_is_store();
         dir_lock lock(root_ / "lock");
         bool removed = unlink(entry_path(key).c_str()) == 0;
         if (!removed && (errno == EISDIR || errno == EPERM)) {  // a directory in the entry's place
@@ -284,6 +289,7 @@ class dir_store : public store {
     uint64_t gc() override {
         std::error_code ec;
         if (!fs::is_directory(root_, ec)) return 0;  // nothing to clean, nothing to create
+        check_is_store();
         dir_lock lock(root_ / "lock");
         uint64_t removed = 0;
         removed += remove_dead_temp_files();
@@ -307,6 +313,40 @@ class dir_store : public store {
     // a file in tmp/: STEM.PID.N, N random (gc knows these names, and only these)
     std::string temp_name(const std::string & stem) {
         return stem + "." + std::to_string(getpid()) + "." + std::to_string(random_());
+    }
+
+    // a folder of someone else's files is no store: no put may write an index
+    // into it, no gc clean its tmp/, and what reads find there is not ours.
+    // a store has entries/ or an index of ours; true: a missing or empty
+    // folder, a store to make
+    bool check_is_store() const {
+        std::error_code ec;
+        const fs::file_status st = fs::status(root_, ec);
+        if (!fs::exists(st)) return true;
+        if (!fs::is_directory(st)) throw error("store path '" + root_.string() + "' is not a directory");
+        if (fs::is_directory(root_ / "entries", ec) || index_is_ours()) return false;
+        const fs::directory_iterator it(root_, ec);
+        if (!ec && it == fs::directory_iterator()) return true;
+        throw error("'" + root_.string() + "' is not a kvblend store: " +
+                    (ec ? "it cannot be listed (" + ec.message() + ")"
+                        : std::string("it holds other files, and no entries/ or index of a store") +
+                              " (use an empty or a new directory)"));
+    }
+
+    // DIR/index is a regular file that begins with our header line
+    bool index_is_ours() const {
+        fd_guard fd(open((root_ / "index").c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+        struct stat st {};
+        if (fd.get() < 0 || fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
+        char head[sizeof(k_index_header) - 1];
+        size_t done = 0;
+        while (done < sizeof(head)) {
+            const ssize_t r = read(fd.get(), head + done, sizeof(head) - done);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) break;
+            done += (size_t) r;
+        }
+        return done == sizeof(head) && std::memcmp(head, k_index_header, sizeof(head)) == 0;
     }
 
     // leftovers of writers that died: files of our temp names older than ten
@@ -359,7 +399,7 @@ class dir_store : public store {
         }
         std::istringstream f(text);
         std::string line;
-        if (!f || !std::getline(f, line) || line != "kvblend-store-index v1") {
+        if (!f || !std::getline(f, line) || line + '\n' != k_index_header) {
             // missing or unreadable: the entries are the truth, rebuild from them
             for (const auto & e : scan(false)) idx[e.info.key] = e.info.bytes;
             return idx;
@@ -374,8 +414,9 @@ class dir_store : public store {
     void write_index(const std::map<std::string, uint64_t> & idx) {
         // a name nobody can guess, made new: whatever someone planted in tmp/
         // (a link out of the store, a fifo) is never followed or waited on
+        mkdir((root_ / "tmp").c_str(), 0755);  // a gc of an empty folder has none yet; a failure shows below
         const fs::path tmp = root_ / "tmp" / temp_name("index");
-        std::string text = "kvblend-store-index v1\n";
+        std::string text = k_index_header;
         for (const auto & [k, n] : idx) text += k + ' ' + std::to_string(n) + '\n';
         {
             // every byte written and synced before it replaces the index: a full

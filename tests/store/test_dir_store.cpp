@@ -25,6 +25,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
+const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+
 std::string slurp(const fs::path & p) {
     std::ifstream f(p, std::ios::binary);
     return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -124,6 +126,47 @@ TEST(dir_store, gc_removes_only_its_own_leftovers_and_never_through_a_linked_tmp
     EXPECT_TRUE(fs::exists(other.path() / "0123456789abcdef.9.9"));
     EXPECT_TRUE(fs::exists(other.path() / "keep"));
     EXPECT_TRUE(st->contains("aaaa0000aaaa0000"));
+}
+
+// a directory of other files is no store: no command writes an index into it
+// or cleans its tmp/, reads are refused too. An empty or missing one is fine
+TEST(dir_store, a_directory_that_is_no_store_is_refused) {
+    test::temp_dir d("proj"), docs("docs");
+    const std::string users_index = "chapter 1: page 3\n";
+    std::ofstream(d.path() / "index") << users_index;
+    fs::create_directories(d.path() / "tmp");
+    std::ofstream(d.path() / "tmp" / "draft.txt") << "draft";
+    set_mtime(d.path() / "tmp" / "draft.txt", k_an_hour_ago);
+    for (const bool create : {true, false}) {
+        store_options so;
+        so.create = create;
+        const std::string e = test::error_of([&] { store_open(d.path().string(), so); });
+        EXPECT_NE(e.find("'" + d.path().string() + "' is not a kvblend store"), std::string::npos) << e;
+    }
+    const std::string doc = docs.file("a.txt");
+    std::ofstream(doc) << "Tom had a red ball.";
+    for (const std::string & cmd : std::vector<std::string>{"store gc", "store stats", "store verify",
+                                  "ingest -m " + k_stories + " " + doc}) {
+        const test::run_result r = test::run_cli(cmd + " --store " + d.path().string());
+        EXPECT_EQ(r.status, 1) << cmd << ": " << r.out;
+        EXPECT_NE(r.err.find("is not a kvblend store"), std::string::npos) << cmd << ": " << r.err;
+    }
+    EXPECT_EQ(slurp(d.path() / "index"), users_index);
+    EXPECT_TRUE(fs::exists(d.path() / "tmp" / "draft.txt"));
+    EXPECT_FALSE(fs::exists(d.path() / "entries"));
+
+    // an empty folder becomes a store, a missing one is made on put, and a
+    // store with nothing but its index (a gc of an empty folder) is one
+    test::temp_dir e("store");
+    store_open(e.path().string())->put("aaaa0000aaaa0000", std::vector<uint8_t>(100, 1));
+    EXPECT_EQ(store_open(e.path().string())->stats().n_entries, 1u);
+    store_open(e.file("new"))->put("aaaa0000aaaa0000", std::vector<uint8_t>(100, 1));
+    EXPECT_EQ(store_open(e.file("new"))->stats().n_entries, 1u);
+    fs::create_directories(e.path() / "gc");
+    store_options ro;
+    ro.create = false;
+    store_open(e.file("gc"), ro)->gc();
+    EXPECT_EQ(store_open(e.file("gc"), ro)->stats().n_entries, 0u);
 }
 
 }  // namespace
