@@ -9,7 +9,7 @@
 // writes go to tmp/, are fsynced and renamed into place, so a reader sees a
 // whole entry or none; several processes may put the same key at once (the
 // bytes are the same). recency for LRU eviction is the entry file's mtime,
-// refreshed on every hit. reads take no lock and need no write access; a
+// refreshed on every hit (get; peek leaves it). reads take no lock and need no write access; a
 // path of an entry that is not a regular file (a directory, a fifo) is a miss
 // for reads and is listed, so verify and gc remove it.
 #include <dirent.h>
@@ -181,7 +181,11 @@ class dir_store : public store {
         write_index(idx);
     }
 
-    std::optional<std::vector<uint8_t>> get(const std::string & key) override {
+    std::optional<std::vector<uint8_t>> get(const std::string & key) override { return read_entry(key, true); }
+    std::optional<std::vector<uint8_t>> peek(const std::string & key) override { return read_entry(key, false); }
+
+    // use: a hit is a use, its recency for LRU is now
+    std::optional<std::vector<uint8_t>> read_entry(const std::string & key, bool use) {
         check_key(key);
         const fs::path p = entry_path(key);
         // O_NONBLOCK: a fifo in the entry's place must not block the open
@@ -210,7 +214,7 @@ class dir_store : public store {
             done += (size_t) r;
         }
         out.resize(done);
-        futimens(fd.get(), nullptr);  // recency for LRU: now
+        if (use) futimens(fd.get(), nullptr);
         return out;
     }
 

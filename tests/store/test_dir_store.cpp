@@ -27,6 +27,10 @@ namespace fs = std::filesystem;
 
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
+fs::path entry_file(const fs::path & root, const std::string & key) {
+    return root / "entries" / key.substr(0, 2) / (key + ".kvb");
+}
+
 std::string slurp(const fs::path & p) {
     std::ifstream f(p, std::ios::binary);
     return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -36,6 +40,12 @@ std::string slurp(const fs::path & p) {
 void set_mtime(const fs::path & p, time_t t) {
     const timespec ts[2] = {{t, 0}, {t, 0}};
     ASSERT_EQ(utimensat(AT_FDCWD, p.c_str(), ts, AT_SYMLINK_NOFOLLOW), 0) << p;
+}
+
+time_t mtime_of(const fs::path & p) {
+    struct stat st {};
+    EXPECT_EQ(stat(p.c_str(), &st), 0) << p;
+    return st.st_mtime;
 }
 
 const time_t k_an_hour_ago = time(nullptr) - 3600;
@@ -167,6 +177,34 @@ TEST(dir_store, a_directory_that_is_no_store_is_refused) {
     ro.create = false;
     store_open(e.file("gc"), ro)->gc();
     EXPECT_EQ(store_open(e.file("gc"), ro)->stats().n_entries, 0u);
+}
+
+// verify reads every entry: that is no use of it, or the next put under a
+// budget would evict the entries that are really hot
+TEST(dir_store, verify_and_peek_leave_recency_alone) {
+    test::temp_dir d("store"), docs("docs");
+    const std::string f1 = docs.file("a.txt"), f2 = docs.file("b.txt");
+    std::ofstream(f1) << "Tom had a red ball.";
+    std::ofstream(f2) << "Sue found a cat.";
+    ASSERT_EQ(test::run_cli("ingest -m " + k_stories + " --store " + d.path().string() + " " + f1 + " " + f2).status, 0);
+    auto st = store_open(d.path().string());
+    const std::vector<store_entry_info> listed = st->list();
+    ASSERT_EQ(listed.size(), 2u);
+    const fs::path a = entry_file(d.path(), listed[0].key), b = entry_file(d.path(), listed[1].key);
+    set_mtime(a, 100);
+    set_mtime(b, 200);
+    const test::run_result v = test::run_cli("store verify --json -m " + k_stories + " --store " + d.path().string());
+    ASSERT_EQ(v.status, 0) << v.err;
+    EXPECT_EQ(nlohmann::json::parse(v.out)["ok"].get<int>(), 2) << v.out;
+    EXPECT_EQ(mtime_of(a), 100);
+    EXPECT_EQ(mtime_of(b), 200);
+
+    const auto peeked = st->peek(listed[0].key);
+    ASSERT_TRUE(peeked.has_value());
+    EXPECT_EQ(mtime_of(a), 100);
+    EXPECT_EQ(st->get(listed[0].key), peeked);  // a get is a use
+    EXPECT_GT(mtime_of(a), 200);
+    EXPECT_FALSE(st->peek("0123456789abcdef").has_value());
 }
 
 }  // namespace
