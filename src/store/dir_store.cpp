@@ -7,11 +7,13 @@
 //                              index.PID.N (N random); gc removes only these
 //
 // writes go to tmp/, are fsynced and renamed into place, so a reader sees a
-// whole entry or none; several processes may put the same key at once (the
-// bytes are the same). recency for LRU eviction is the entry file's mtime,
-// refreshed on every hit (get; peek leaves it). reads take no lock and need no write access; a
-// path of an entry that is not a regular file (a directory, a fifo) is a miss
-// for reads and is listed, so verify and gc remove it.
+// whole entry or none; the index counts an entry before its rename (a crash
+// leaves an over-count, which eviction repairs, never an uncounted entry).
+// several processes may put the same key at once (the bytes are the same).
+// recency for LRU eviction is the entry file's mtime, refreshed on every hit
+// (get; peek leaves it). reads take no lock and need no write access; a path
+// of an entry that is not a regular file (a directory, a fifo) is a miss for
+// reads and is listed, so verify and gc remove it.
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
@@ -161,24 +163,30 @@ class dir_store : public store {
                 throw;
             }
         }
-        bool placed = rename(tmp.c_str(), dst.c_str()) == 0;
-        if (!placed && (errno == EISDIR || errno == ENOTEMPTY || errno == EEXIST)) {
-            // a directory where the entry goes: not ours to keep, replace it
-            fs::remove_all(dst, ec);
-            placed = rename(tmp.c_str(), dst.c_str()) == 0;
+        // counted before it is in place: a crash from here on can leave the
+        // index counting an entry that is missing (enforce_budget drops it by
+        // stat), never an entry on disk that no budget counts
+        try {
+            dir_lock lock(root_ / "lock");
+            std::map<std::string, uint64_t> idx = read_index();
+            idx[key] = bytes.size();
+            write_index(idx);  // fails: nothing is stored
+            place(tmp, dst);
+            // after the rename: the budget stats the entries, this one too
+            const std::map<std::string, uint64_t> counted = idx;
+            enforce_budget(idx, key);
+            if (idx != counted) {
+                try {
+                    write_index(idx);
+                } catch (const error &) {
+                    // the entry is stored: the index still counting what was
+                    // evicted is an over-count the next budget check repairs
+                }
+            }
+        } catch (...) {
+            unlink(tmp.c_str());  // not in place (or already renamed: then no such file)
+            throw;
         }
-        if (!placed) {
-            const std::string msg = sys_error("cannot rename into", dst);
-            unlink(tmp.c_str());
-            throw error(msg);
-        }
-        fsync_dir(dst.parent_path());
-
-        dir_lock lock(root_ / "lock");
-        std::map<std::string, uint64_t> idx = read_index();
-        idx[key] = bytes.size();
-        enforce_budget(idx, key);
-        write_index(idx);
     }
 
     std::optional<std::vector<uint8_t>> get(const std::string & key) override { return read_entry(key, true); }
@@ -374,6 +382,19 @@ class dir_store : public store {
         }
         closedir(dir);  // closes dfd
         return removed;
+    }
+
+    // rename a written temp file into the entry's place
+    static void place(const fs::path & tmp, const fs::path & dst) {
+        bool placed = rename(tmp.c_str(), dst.c_str()) == 0;
+        if (!placed && (errno == EISDIR || errno == ENOTEMPTY || errno == EEXIST)) {
+            // a directory where the entry goes: not ours to keep, replace it
+            std::error_code ec;
+            fs::remove_all(dst, ec);
+            placed = rename(tmp.c_str(), dst.c_str()) == 0;
+        }
+        if (!placed) throw error(sys_error("cannot rename into", dst));
+        fsync_dir(dst.parent_path());
     }
 
     static void check_key(const std::string & key) {

@@ -207,5 +207,51 @@ TEST(dir_store, verify_and_peek_leave_recency_alone) {
     EXPECT_FALSE(st->peek("0123456789abcdef").has_value());
 }
 
+// a put records its entry in the index before the entry is in place: an index
+// that cannot be written fails the put with nothing stored (before, the entry
+// stayed, counted by no budget, and the put still reported a failure)
+TEST(dir_store, a_put_whose_index_cannot_be_written_stores_nothing) {
+    test::temp_dir d("store");
+    auto st = store_open(d.path().string());
+    st->put("aaaa0000aaaa0000", std::vector<uint8_t>(100, 1));
+    fs::remove(d.path() / "index");
+    fs::create_directories(d.path() / "index" / "sub");  // no file can be renamed onto it
+    const std::string e = test::error_of([&] { st->put("bbbb0000bbbb0000", std::vector<uint8_t>(100, 2)); });
+    EXPECT_NE(e.find("index"), std::string::npos) << e;
+    EXPECT_FALSE(fs::exists(fs::symlink_status(entry_file(d.path(), "bbbb0000bbbb0000"))));
+    EXPECT_FALSE(st->contains("bbbb0000bbbb0000"));
+    for (const auto & f : fs::directory_iterator(d.path() / "tmp")) ADD_FAILURE() << "left behind: " << f.path();
+    fs::remove_all(d.path() / "index");
+    st->put("bbbb0000bbbb0000", std::vector<uint8_t>(100, 2));
+    EXPECT_EQ(st->stats().n_entries, 2u);
+}
+
+// what a crash between a put's index write and its rename leaves: an index line
+// for an entry that is not there. It holds no bytes of the budget, so the
+// budget still holds and evicts no more than it must
+TEST(dir_store, the_budget_holds_when_the_index_lists_a_missing_entry) {
+    test::temp_dir d("store");
+    store_options so;
+    so.max_bytes = 2500;
+    auto st = store_open(d.path().string(), so);
+    const std::vector<uint8_t> blob(1000, 7);
+    st->put("aaaa0000aaaa0000", blob);
+    st->put("bbbb0000bbbb0000", blob);
+    set_mtime(entry_file(d.path(), "aaaa0000aaaa0000"), 100);
+    set_mtime(entry_file(d.path(), "bbbb0000bbbb0000"), 200);
+    std::ofstream(d.path() / "index", std::ios::trunc)
+        << "kvblend-store-index v1\naaaa0000aaaa0000 1000\nbbbb0000bbbb0000 1000\ncccc0000cccc0000 1000\n";
+    st->put("dddd0000dddd0000", blob);  // 3000 bytes on disk: the oldest goes, only it
+    EXPECT_FALSE(st->contains("aaaa0000aaaa0000"));
+    EXPECT_TRUE(st->contains("bbbb0000bbbb0000"));
+    EXPECT_TRUE(st->contains("dddd0000dddd0000"));
+    const store_stats s = st->stats();
+    EXPECT_EQ(s.n_entries, 2u);
+    EXPECT_EQ(s.bytes, 2000u);
+    uint64_t on_disk = 0;
+    for (const auto & e : st->list()) on_disk += e.bytes;
+    EXPECT_LE(on_disk, so.max_bytes);
+}
+
 }  // namespace
 }  // namespace kvblend
