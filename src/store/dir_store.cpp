@@ -22,8 +22,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <ctime>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -59,7 +59,8 @@ bool valid_key(const std::string & key) {
 // (and index.PID, the name older versions wrote the index under)
 bool is_temp_name(const std::string & name) {
     auto number = [](const std::string & s) {
-        return !s.empty() && s.size() <= 20 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+        return !s.empty() && s.size() <= 20 &&
+               std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
     };
     const size_t a = name.find('.');
     if (a == std::string::npos) return false;
@@ -339,10 +340,9 @@ class dir_store : public store {
         if (fs::is_directory(root_ / "entries", ec) || index_is_ours()) return false;
         const fs::directory_iterator it(root_, ec);
         if (!ec && it == fs::directory_iterator()) return true;
-        throw error("'" + root_.string() + "' is not a kvblend store: " +
-                    (ec ? "it cannot be listed (" + ec.message() + ")"
-                        : std::string("it holds other files, and no entries/ or index of a store") +
-                              " (use an empty or a new directory)"));
+        const std::string why = ec ? "it cannot be listed (" + ec.message() + ")"
+                                   : "it holds other files, but no entries/ and no kvblend index";
+        throw error("'" + root_.string() + "' is not a kvblend store: " + why + " (use an empty or a new directory)");
     }
 
     // DIR/index is a regular file that begins with our header line
@@ -437,9 +437,9 @@ class dir_store : public store {
     }
 
     void write_index(const std::map<std::string, uint64_t> & idx) {
+        mkdir((root_ / "tmp").c_str(), 0755);  // a gc of an empty folder has none yet; a failure shows below
         // a name nobody can guess, made new: whatever someone planted in tmp/
         // (a link out of the store, a fifo) is never followed or waited on
-        mkdir((root_ / "tmp").c_str(), 0755);  // a gc of an empty folder has none yet; a failure shows below
         const fs::path tmp = root_ / "tmp" / temp_name("index");
         std::string text = k_index_header;
         for (const auto & [k, n] : idx) text += k + ' ' + std::to_string(n) + '\n';

@@ -110,10 +110,10 @@ TEST(dir_store, gc_removes_only_its_own_leftovers_and_never_through_a_linked_tmp
         std::ofstream(p) << "x";
         set_mtime(p, k_an_hour_ago);
     };
-    old_file(tmp / "notes.txt");                   // not ours
-    old_file(tmp / "0123456789abcdef.123.456");    // an entry being written by a writer that died
-    old_file(tmp / "index.123.789");               // an index being written
-    old_file(tmp / "index.123");                   // an index of the old writer
+    old_file(tmp / "notes.txt");                         // not ours
+    old_file(tmp / "0123456789abcdef.123.456");          // an entry being written by a writer that died
+    old_file(tmp / "index.123.789");                     // an index being written
+    old_file(tmp / "index.123");                         // an index of the old writer
     std::ofstream(tmp / "0123456789abcdef.1.2") << "x";  // being written now
     // a link named like ours: the link goes, not what it points to
     old_file(other.path() / "keep");
@@ -155,8 +155,8 @@ TEST(dir_store, a_directory_that_is_no_store_is_refused) {
     }
     const std::string doc = docs.file("a.txt");
     std::ofstream(doc) << "Tom had a red ball.";
-    for (const std::string & cmd : std::vector<std::string>{"store gc", "store stats", "store verify",
-                                  "ingest -m " + k_stories + " " + doc}) {
+    for (const std::string & cmd :
+         std::vector<std::string>{"store gc", "store stats", "store verify", "ingest -m " + k_stories + " " + doc}) {
         const test::run_result r = test::run_cli(cmd + " --store " + d.path().string());
         EXPECT_EQ(r.status, 1) << cmd << ": " << r.out;
         EXPECT_NE(r.err.find("is not a kvblend store"), std::string::npos) << cmd << ": " << r.err;
@@ -186,7 +186,8 @@ TEST(dir_store, verify_and_peek_leave_recency_alone) {
     const std::string f1 = docs.file("a.txt"), f2 = docs.file("b.txt");
     std::ofstream(f1) << "Tom had a red ball.";
     std::ofstream(f2) << "Sue found a cat.";
-    ASSERT_EQ(test::run_cli("ingest -m " + k_stories + " --store " + d.path().string() + " " + f1 + " " + f2).status, 0);
+    ASSERT_EQ(test::run_cli("ingest -m " + k_stories + " --store " + d.path().string() + " " + f1 + " " + f2).status,
+              0);
     auto st = store_open(d.path().string());
     const std::vector<store_entry_info> listed = st->list();
     ASSERT_EQ(listed.size(), 2u);
