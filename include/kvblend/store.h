@@ -53,6 +53,11 @@ class store {
     // marks it used. an entry that cannot be read as one (a directory or other
     // non-file in its place, a redis key of another type) is a miss: nullopt
     virtual std::optional<std::vector<uint8_t>> get(const std::string & key) = 0;
+    // get without counting as a use: for checks that read every entry (store
+    // verify), which must not make them all recent and the hot ones next to
+    // be evicted. the default is get(), for a backend that has no such read
+    // (redis: a verify counts as a use there, docs/RELIABILITY.md)
+    virtual std::optional<std::vector<uint8_t>> peek(const std::string & key) { return get(key); }
     virtual bool contains(const std::string & key) = 0;  // a readable entry is there
     virtual bool erase(const std::string & key) = 0;     // true when something was removed
     // every entry, also unreadable ones (store verify finds and removes those)

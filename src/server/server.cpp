@@ -38,6 +38,7 @@ class locked_store : public store {
     explicit locked_store(std::unique_ptr<store> s) : s_(std::move(s)) {}
     void put(const std::string & k, const std::vector<uint8_t> & b) override { std::lock_guard l(m_); s_->put(k, b); }
     std::optional<std::vector<uint8_t>> get(const std::string & k) override { std::lock_guard l(m_); return s_->get(k); }
+    std::optional<std::vector<uint8_t>> peek(const std::string & k) override { std::lock_guard l(m_); return s_->peek(k); }
     bool contains(const std::string & k) override { std::lock_guard l(m_); return s_->contains(k); }
     bool erase(const std::string & k) override { std::lock_guard l(m_); return s_->erase(k); }
     std::vector<store_entry_info> list() override { std::lock_guard l(m_); return s_->list(); }

@@ -59,6 +59,10 @@ std::optional<std::vector<uint8_t>> soft_store::get(const std::string & k) {
     return guarded("get", std::optional<std::vector<uint8_t>>(), [&] { return s_->get(k); });
 }
 
+std::optional<std::vector<uint8_t>> soft_store::peek(const std::string & k) {
+    return guarded("peek", std::optional<std::vector<uint8_t>>(), [&] { return s_->peek(k); });
+}
+
 bool soft_store::contains(const std::string & k) {
     return guarded("contains", false, [&] { return s_->contains(k); });
 }

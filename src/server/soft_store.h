@@ -19,6 +19,7 @@ class soft_store : public store {
 
     void put(const std::string & k, const std::vector<uint8_t> & b) override;
     std::optional<std::vector<uint8_t>> get(const std::string & k) override;
+    std::optional<std::vector<uint8_t>> peek(const std::string & k) override;
     bool contains(const std::string & k) override;
     bool erase(const std::string & k) override;
     // inspection and maintenance report their failure

@@ -3,14 +3,18 @@
 //   DIR/entries/ab/<key>.kvb   entries (ab = the key's first two hex digits)
 //   DIR/index                  "key bytes" lines: what the budget counts
 //   DIR/lock                   flock(2): serialises index updates and eviction
-//   DIR/tmp/                   entries being written
+//   DIR/tmp/                   entries and the index being written: KEY.PID.N,
+//                              index.PID.N (N random); gc removes only these
 //
 // writes go to tmp/, are fsynced and renamed into place, so a reader sees a
-// whole entry or none; several processes may put the same key at once (the
-// bytes are the same). recency for LRU eviction is the entry file's mtime,
-// refreshed on every hit. reads take no lock and need no write access; a
-// path of an entry that is not a regular file (a directory, a fifo) is a miss
-// for reads and is listed, so verify and gc remove it.
+// whole entry or none; the index counts an entry before its rename (a crash
+// leaves an over-count, which eviction repairs, never an uncounted entry).
+// several processes may put the same key at once (the bytes are the same).
+// recency for LRU eviction is the entry file's mtime, refreshed on every hit
+// (get; peek leaves it). reads take no lock and need no write access; a path
+// of an entry that is not a regular file (a directory, a fifo) is a miss for
+// reads and is listed, so verify and gc remove it.
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -18,8 +22,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -37,6 +41,8 @@ namespace {
 // the largest file read as an entry (a 32k-token chunk of a 70B model in f16 is
 // about 10.7 GB); a larger one is not an entry of ours
 constexpr uint64_t k_max_entry_bytes = 16ull << 30;
+// the first line of every index: what makes a folder a store without entries/
+constexpr char k_index_header[] = "kvblend-store-index v1\n";
 // the largest index read (a line is about 50 bytes: millions of entries)
 constexpr uint64_t k_max_index_bytes = 1ull << 30;
 
@@ -47,6 +53,22 @@ std::string sys_error(const std::string & what, const fs::path & p) {
 bool valid_key(const std::string & key) {
     if (key.size() < 8 || key.size() > 128) return false;
     return std::all_of(key.begin(), key.end(), [](char c) { return std::isxdigit((unsigned char) c); });
+}
+
+// a name put or write_index gives a file in tmp/: KEY.PID.N or index.PID.N
+// (and index.PID, the name older versions wrote the index under)
+bool is_temp_name(const std::string & name) {
+    auto number = [](const std::string & s) {
+        return !s.empty() && s.size() <= 20 &&
+               std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
+    const size_t a = name.find('.');
+    if (a == std::string::npos) return false;
+    const std::string stem = name.substr(0, a), rest = name.substr(a + 1);
+    if (stem != "index" && !valid_key(stem)) return false;
+    const size_t b = rest.find('.');
+    if (b == std::string::npos) return stem == "index" && number(rest);
+    return number(rest.substr(0, b)) && number(rest.substr(b + 1));
 }
 
 class fd_guard {
@@ -64,7 +86,10 @@ class fd_guard {
 // exclusive flock on DIR/lock for the life of the object
 class dir_lock {
   public:
-    explicit dir_lock(const fs::path & file) : fd_(open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) {
+    // a link in the lock's place is not followed (no file is made outside the
+    // store), a fifo not waited on
+    explicit dir_lock(const fs::path & file)
+        : fd_(open(file.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644)) {
         if (fd_.get() < 0) throw error(sys_error("cannot open the store lock", file));
         while (flock(fd_.get(), LOCK_EX) != 0)
             if (errno != EINTR) throw error(sys_error("cannot lock", file));
@@ -86,6 +111,10 @@ void write_all(int fd, const uint8_t * p, size_t n, const fs::path & path) {
     }
 }
 
+// a temp file is always a new one: O_EXCL fails on anything already there
+// (a link is not followed, a fifo not opened)
+constexpr int k_temp_flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
+
 void fsync_dir(const fs::path & dir) {
     fd_guard d(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (d.get() >= 0) fsync(d.get());
@@ -95,10 +124,11 @@ class dir_store : public store {
   public:
     dir_store(const std::string & path, const store_options & opts) : root_(path), opts_(opts) {
         std::error_code ec;
-        const bool exists = fs::exists(root_, ec);
-        if (exists && !fs::is_directory(root_, ec)) throw error("store path '" + path + "' is not a directory");
-        // an existing store is used as it is (it may be read-only): puts make what they need
-        if (!exists && opts_.create) {
+        const bool fresh = check_is_store();
+        // an existing store is used as it is (it may be read-only): puts make
+        // what they need. entries/ first: another process opening the folder
+        // meanwhile sees it empty or a store, never tmp/ alone
+        if (fresh && opts_.create) {
             for (const fs::path & p : {root_ / "entries", root_ / "tmp"}) {
                 fs::create_directories(p, ec);
                 if (ec) throw error("cannot create the store directory '" + p.string() + "': " + ec.message());
@@ -116,14 +146,15 @@ class dir_store : public store {
                         std::to_string(opts_.max_bytes) + " bytes");
         const fs::path dst = entry_path(key);
         std::error_code ec;
+        check_is_store();  // it may have gone since it was opened, and something else come in its place
         if (!opts_.create && !fs::is_directory(root_, ec)) throw error("store '" + root_.string() + "' does not exist");
         for (const fs::path & p : {dst.parent_path(), root_ / "tmp"}) {
             fs::create_directories(p, ec);
             if (ec) throw error("cannot create '" + p.string() + "': " + ec.message());
         }
-        const fs::path tmp = root_ / "tmp" / (key + "." + std::to_string(getpid()) + "." + std::to_string(random_()));
+        const fs::path tmp = root_ / "tmp" / temp_name(key);
         {
-            fd_guard fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+            fd_guard fd(open(tmp.c_str(), k_temp_flags, 0644));
             if (fd.get() < 0) throw error(sys_error("cannot create", tmp));
             try {
                 write_all(fd.get(), bytes.data(), bytes.size(), tmp);
@@ -133,27 +164,37 @@ class dir_store : public store {
                 throw;
             }
         }
-        bool placed = rename(tmp.c_str(), dst.c_str()) == 0;
-        if (!placed && (errno == EISDIR || errno == ENOTEMPTY || errno == EEXIST)) {
-            // a directory where the entry goes: not ours to keep, replace it
-            fs::remove_all(dst, ec);
-            placed = rename(tmp.c_str(), dst.c_str()) == 0;
+        // counted before it is in place: a crash from here on can leave the
+        // index counting an entry that is missing (enforce_budget drops it by
+        // stat), never an entry on disk that no budget counts
+        try {
+            dir_lock lock(root_ / "lock");
+            std::map<std::string, uint64_t> idx = read_index();
+            idx[key] = bytes.size();
+            write_index(idx);  // fails: nothing is stored
+            place(tmp, dst);
+            // after the rename: the budget stats the entries, this one too
+            const std::map<std::string, uint64_t> counted = idx;
+            enforce_budget(idx, key);
+            if (idx != counted) {
+                try {
+                    write_index(idx);
+                } catch (const error &) {
+                    // the entry is stored: the index still counting what was
+                    // evicted is an over-count the next budget check repairs
+                }
+            }
+        } catch (...) {
+            unlink(tmp.c_str());  // not in place (or already renamed: then no such file)
+            throw;
         }
-        if (!placed) {
-            const std::string msg = sys_error("cannot rename into", dst);
-            unlink(tmp.c_str());
-            throw error(msg);
-        }
-        fsync_dir(dst.parent_path());
-
-        dir_lock lock(root_ / "lock");
-        std::map<std::string, uint64_t> idx = read_index();
-        idx[key] = bytes.size();
-        enforce_budget(idx, key);
-        write_index(idx);
     }
 
-    std::optional<std::vector<uint8_t>> get(const std::string & key) override {
+    std::optional<std::vector<uint8_t>> get(const std::string & key) override { return read_entry(key, true); }
+    std::optional<std::vector<uint8_t>> peek(const std::string & key) override { return read_entry(key, false); }
+
+    // use: a hit is a use, its recency for LRU is now
+    std::optional<std::vector<uint8_t>> read_entry(const std::string & key, bool use) {
         check_key(key);
         const fs::path p = entry_path(key);
         // O_NONBLOCK: a fifo in the entry's place must not block the open
@@ -182,7 +223,7 @@ class dir_store : public store {
             done += (size_t) r;
         }
         out.resize(done);
-        futimens(fd.get(), nullptr);  // recency for LRU: now
+        if (use) futimens(fd.get(), nullptr);
         return out;
     }
 
@@ -200,6 +241,7 @@ class dir_store : public store {
 
     bool erase(const std::string & key) override {
         check_key(key);
+        check_is_store();
         dir_lock lock(root_ / "lock");
         bool removed = unlink(entry_path(key).c_str()) == 0;
         if (!removed && (errno == EISDIR || errno == EPERM)) {  // a directory in the entry's place
@@ -260,14 +302,10 @@ class dir_store : public store {
     uint64_t gc() override {
         std::error_code ec;
         if (!fs::is_directory(root_, ec)) return 0;  // nothing to clean, nothing to create
+        check_is_store();
         dir_lock lock(root_ / "lock");
         uint64_t removed = 0;
-        // leftovers of writers that died: tmp files older than ten minutes
-        const auto now = fs::file_time_type::clock::now();
-        for (auto it = fs::directory_iterator(root_ / "tmp", ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
-            const auto age = now - it->last_write_time(ec);
-            if (!ec && age > std::chrono::minutes(10) && fs::remove(it->path(), ec)) ++removed;
-        }
+        removed += remove_dead_temp_files();
         // rebuild the index from the entries themselves (repairs any drift)
         std::map<std::string, uint64_t> idx;
         for (const auto & e : scan(true)) {
@@ -284,6 +322,80 @@ class dir_store : public store {
 
   private:
     fs::path entry_path(const std::string & key) const { return root_ / "entries" / key.substr(0, 2) / (key + ".kvb"); }
+
+    // a file in tmp/: STEM.PID.N, N random (gc knows these names, and only these)
+    std::string temp_name(const std::string & stem) {
+        return stem + "." + std::to_string(getpid()) + "." + std::to_string(random_());
+    }
+
+    // a folder of someone else's files is no store: no put may write an index
+    // into it, no gc clean its tmp/, and what reads find there is not ours.
+    // a store has entries/ or an index of ours; true: a missing or empty
+    // folder, a store to make
+    bool check_is_store() const {
+        std::error_code ec;
+        const fs::file_status st = fs::status(root_, ec);
+        if (!fs::exists(st)) return true;
+        if (!fs::is_directory(st)) throw error("store path '" + root_.string() + "' is not a directory");
+        if (fs::is_directory(root_ / "entries", ec) || index_is_ours()) return false;
+        const fs::directory_iterator it(root_, ec);
+        if (!ec && it == fs::directory_iterator()) return true;
+        const std::string why = ec ? "it cannot be listed (" + ec.message() + ")"
+                                   : "it holds other files, but no entries/ and no kvblend index";
+        throw error("'" + root_.string() + "' is not a kvblend store: " + why + " (use an empty or a new directory)");
+    }
+
+    // DIR/index is a regular file that begins with our header line
+    bool index_is_ours() const {
+        fd_guard fd(open((root_ / "index").c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+        struct stat st {};
+        if (fd.get() < 0 || fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
+        char head[sizeof(k_index_header) - 1];
+        size_t done = 0;
+        while (done < sizeof(head)) {
+            const ssize_t r = read(fd.get(), head + done, sizeof(head) - done);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) break;
+            done += (size_t) r;
+        }
+        return done == sizeof(head) && std::memcmp(head, k_index_header, sizeof(head)) == 0;
+    }
+
+    // leftovers of writers that died: files of our temp names older than ten
+    // minutes, nothing else. tmp/ is opened without following a link (it would
+    // clean someone else's folder) and each name is judged by lstat, so a link
+    // named like ours goes, not what it points to
+    uint64_t remove_dead_temp_files() const {
+        const int dfd = open((root_ / "tmp").c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (dfd < 0) return 0;
+        DIR * dir = fdopendir(dfd);
+        if (!dir) {
+            close(dfd);
+            return 0;
+        }
+        const time_t cutoff = time(nullptr) - 10 * 60;
+        uint64_t removed = 0;
+        while (const dirent * e = readdir(dir)) {
+            struct stat st {};
+            if (!is_temp_name(e->d_name) || fstatat(dfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+            if (!S_ISDIR(st.st_mode) && st.st_mtime < cutoff && unlinkat(dfd, e->d_name, 0) == 0) ++removed;
+        }
+        closedir(dir);  // closes dfd
+        return removed;
+    }
+
+    // rename a written temp file into the entry's place
+    static void place(const fs::path & tmp, const fs::path & dst) {
+        bool placed = rename(tmp.c_str(), dst.c_str()) == 0;
+        if (!placed && (errno == EISDIR || errno == ENOTEMPTY || errno == EEXIST)) {
+            // a directory where the entry goes: not ours to keep, replace it
+            std::error_code ec;
+            fs::remove_all(dst, ec);
+            placed = rename(tmp.c_str(), dst.c_str()) == 0;
+        }
+        if (!placed) throw error(sys_error("cannot rename into", dst));
+        fsync_dir(dst.parent_path());
+    }
 
     static void check_key(const std::string & key) {
         if (!valid_key(key)) throw error("invalid store key '" + key + "'");
@@ -312,7 +424,7 @@ class dir_store : public store {
         }
         std::istringstream f(text);
         std::string line;
-        if (!f || !std::getline(f, line) || line != "kvblend-store-index v1") {
+        if (!f || !std::getline(f, line) || line + '\n' != k_index_header) {
             // missing or unreadable: the entries are the truth, rebuild from them
             for (const auto & e : scan(false)) idx[e.info.key] = e.info.bytes;
             return idx;
@@ -324,14 +436,17 @@ class dir_store : public store {
         return idx;
     }
 
-    void write_index(const std::map<std::string, uint64_t> & idx) const {
-        const fs::path tmp = root_ / "tmp" / ("index." + std::to_string(getpid()));
-        std::string text = "kvblend-store-index v1\n";
+    void write_index(const std::map<std::string, uint64_t> & idx) {
+        mkdir((root_ / "tmp").c_str(), 0755);  // a gc of an empty folder has none yet; a failure shows below
+        // a name nobody can guess, made new: whatever someone planted in tmp/
+        // (a link out of the store, a fifo) is never followed or waited on
+        const fs::path tmp = root_ / "tmp" / temp_name("index");
+        std::string text = k_index_header;
         for (const auto & [k, n] : idx) text += k + ' ' + std::to_string(n) + '\n';
         {
             // every byte written and synced before it replaces the index: a full
             // disk is an error here, never a shorter index renamed into place
-            fd_guard fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+            fd_guard fd(open(tmp.c_str(), k_temp_flags, 0644));
             if (fd.get() < 0) throw error(sys_error("cannot write the store index", tmp));
             try {
                 write_all(fd.get(), (const uint8_t *) text.data(), text.size(), tmp);
