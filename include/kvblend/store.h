@@ -2,7 +2,8 @@
 // hashes everything that changes its KV (model fingerprint, KV layout and
 // codec, token ids, the prefix it was collected behind). Entries are
 // self-describing and checksummed (docs/STORE_FORMAT.md). Backends by URI:
-// "dir:PATH" or a bare path (the embedded default), "redis://HOST:PORT[/DB]".
+// "dir:PATH" or a bare path (the embedded default), "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]"
+// (uri() and stats show the password as ***).
 #pragma once
 
 #include <cstdint>

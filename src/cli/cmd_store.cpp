@@ -39,7 +39,8 @@ stored are skipped. By default each file is one chunk, cut exactly as
 `kvblend blend --doc FILE` cuts it, so a later blend finds it.
 
   -m, --model FILE        GGUF model
-  --store URI             dir:PATH (or a bare path) or redis://HOST:PORT[/DB]
+  --store URI             dir:PATH (or a bare path) or
+                          redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]
   --chunk-size N          cut each file into chunks of N tokens instead
   --split paragraph       one chunk per paragraph (blank-line separated) instead
   --collect-with-prefix   collect each chunk behind the prefix chunk (as blend's option)
@@ -58,7 +59,8 @@ const char * k_store_help = R"(usage: kvblend store stats|ls|verify|gc --store U
              that it belongs to MODEL); unusable entries are removed
   gc         enforce the size budget (least recently used first) and clean up
 
-  --store URI        dir:PATH (or a bare path) or redis://HOST:PORT[/DB]
+  --store URI        dir:PATH (or a bare path) or
+                     redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]
   -m, --model FILE   (verify) also check entries against this model
   --store-max-gb X   (gc) the size budget
   --json             machine-readable output

@@ -4,6 +4,7 @@
 // and list()/stats() must not disturb the order gc() evicts in. a key under
 // our prefix that is not a string (written by something else) is a miss for
 // get() and is listed with 0 bytes, so store verify finds and removes it.
+#include <arpa/inet.h>
 #include <hiredis/hiredis.h>
 #include <pthread.h>
 #include <sys/time.h>
@@ -90,25 +91,82 @@ class sigpipe_guard {
 };
 
 struct redis_address {
-    std::string host;
+    std::string host;  // a name, an IPv4 address or an IPv6 one (without brackets)
     int port = 6379;
     int db = 0;
+    bool auth = false;  // the URI names a password: AUTH after every connect
+    std::string user;   // empty: AUTH PASSWORD (redis' default user, or requirepass)
+    std::string password;
 };
 
 bool all_digits(const std::string & s) {
     return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-// redis://HOST[:PORT][/DB]; HOST a name or IPv4 address
+// the URI as it may be shown (uri(), stats, /health, every message): the
+// password replaced by ***. userinfo ends at the last '@', as in parse_uri; a
+// userinfo without ':' is all hidden (redis-cli reads that as a password)
+std::string redact_uri(const std::string & uri) {
+    const std::string scheme = "redis://";
+    if (uri.compare(0, scheme.size(), scheme) != 0) return uri;
+    const size_t at = uri.rfind('@');
+    if (at == std::string::npos || at < scheme.size()) return uri;
+    const size_t colon = uri.find(':', scheme.size());
+    const std::string user = colon < at ? uri.substr(scheme.size(), colon - scheme.size()) + ":" : "";
+    return scheme + user + "***" + uri.substr(at);
+}
+
+int hex_digit(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+// %XX escapes, so a password may hold '@', ':' or '/'; false on a bad escape
+bool percent_decode(const std::string & in, std::string & out) {
+    out.clear();
+    for (size_t i = 0; i < in.size(); ++i) {
+        if (in[i] != '%') {
+            out += in[i];
+            continue;
+        }
+        const int hi = i + 1 < in.size() ? hex_digit(in[i + 1]) : -1;
+        const int lo = i + 2 < in.size() ? hex_digit(in[i + 2]) : -1;
+        if (hi < 0 || lo < 0) return false;
+        out += (char) (hi * 16 + lo);
+        i += 2;
+    }
+    return true;
+}
+
+// redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]; HOST a name, an IPv4 address or
+// a bracketed IPv6 one. messages show the URI redacted: never the password
 redis_address parse_uri(const std::string & uri) {
     auto bad = [&](const std::string & why) {
-        return error("malformed redis URI '" + uri + "': " + why + " (expected redis://HOST:PORT[/DB])");
+        return error("malformed redis URI '" + redact_uri(uri) + "': " + why +
+                     " (expected redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])");
     };
     const std::string scheme = "redis://";
     if (uri.compare(0, scheme.size(), scheme) != 0) throw bad("it does not start with redis://");
     std::string rest = uri.substr(scheme.size());
 
     redis_address a;
+    // the last '@': one left unescaped in a password still ends up in it
+    const size_t at = rest.rfind('@');
+    if (at != std::string::npos) {
+        const std::string userinfo = rest.substr(0, at);
+        rest = rest.substr(at + 1);
+        const size_t colon = userinfo.find(':');
+        if (colon == std::string::npos)
+            throw bad("a user without a password (a password alone is redis://:PASSWORD@HOST)");
+        if (!percent_decode(userinfo.substr(0, colon), a.user))
+            throw bad("a '%' in the user name is not followed by two hex digits");
+        if (!percent_decode(userinfo.substr(colon + 1), a.password))
+            throw bad("a '%' in the password is not followed by two hex digits");
+        if (a.password.empty()) throw bad("an empty password");
+        a.auth = true;
+    }
     const size_t slash = rest.find('/');
     if (slash != std::string::npos) {
         const std::string db = rest.substr(slash + 1);
@@ -119,20 +177,31 @@ redis_address parse_uri(const std::string & uri) {
             a.db = std::atoi(db.c_str());
         }
     }
-    const size_t colon = rest.find(':');
-    a.host = rest.substr(0, colon);
+    size_t colon = rest.find(':');
+    if (!rest.empty() && rest[0] == '[') {
+        const size_t close = rest.find(']');
+        if (close == std::string::npos) throw bad("no ']' after the IPv6 address");
+        a.host = rest.substr(1, close - 1);
+        in6_addr v6{};
+        if (inet_pton(AF_INET6, a.host.c_str(), &v6) != 1) throw bad("'" + a.host + "' is not an IPv6 address");
+        if (close + 1 < rest.size() && rest[close + 1] != ':')
+            throw bad("'" + rest.substr(close + 1) + "' after the IPv6 address");
+        colon = close + 1 < rest.size() ? close + 1 : std::string::npos;
+    } else {
+        a.host = rest.substr(0, colon);
+        if (a.host.empty()) throw bad("no host");
+        const bool host_ok = std::all_of(a.host.begin(), a.host.end(), [](char c) {
+            return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-' ||
+                   c == '_';
+        });
+        if (!host_ok) throw bad("host '" + a.host + "' is not a host name, an IPv4 address or a bracketed IPv6 one");
+    }
     if (colon != std::string::npos) {
         const std::string port = rest.substr(colon + 1);
         if (!all_digits(port) || port.size() > 5) throw bad("port '" + port + "' is not a number in 1..65535");
         a.port = std::atoi(port.c_str());
         if (a.port < 1 || a.port > 65535) throw bad("port " + port + " is not in 1..65535");
     }
-    if (a.host.empty()) throw bad("no host");
-    const bool host_ok = std::all_of(a.host.begin(), a.host.end(), [](char c) {
-        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-' ||
-               c == '_';
-    });
-    if (!host_ok) throw bad("host '" + a.host + "' is not a host name or IPv4 address");
     return a;
 }
 
@@ -169,6 +238,7 @@ struct entry_scan {
 
 class redis_store : public store {
   public:
+    // uri: as it may be shown, the password redacted
     redis_store(std::string uri, redis_address addr, const store_options & opts)
         : uri_(std::move(uri)), addr_(std::move(addr)), opts_(opts) {
         std::lock_guard<std::mutex> lock(mtx_);
@@ -294,7 +364,10 @@ class redis_store : public store {
     context_ptr ctx_;
     size_t pending_ = 0;  // commands sent whose replies are not read yet
 
-    std::string where() const { return addr_.host + ":" + std::to_string(addr_.port); }
+    std::string where() const {
+        const bool v6 = addr_.host.find(':') != std::string::npos;
+        return (v6 ? "[" + addr_.host + "]" : addr_.host) + ":" + std::to_string(addr_.port);
+    }
 
     void connect() {
         pending_ = 0;
@@ -311,7 +384,18 @@ class redis_store : public store {
             throw error("cannot reach redis at " + where() + ": " + why);
         }
         try {
-            expect_ok(run(command().arg("SELECT").arg(std::to_string(addr_.db))).get(), "SELECT");
+            // a reconnect is a new client: AUTH again, before anything else
+            if (addr_.auth) authenticate();
+            command select;
+            select.arg("SELECT").arg(std::to_string(addr_.db));
+            append(select);
+            reply_ptr r = read_reply();
+            if (r->type == REDIS_REPLY_ERROR && r->len >= 6 && std::memcmp(r->str, "NOAUTH", 6) == 0) {
+                throw error("redis at " + where() + " asks for a password (" + std::string(r->str, r->len) +
+                            "): give it in the URI, redis://:PASSWORD@HOST (USER:PASSWORD@ for an ACL user)");
+            }
+            if (r->type == REDIS_REPLY_ERROR) throw server_error(select, r.get());
+            expect_ok(r.get(), "SELECT");
         } catch (const io_error & e) {
             disconnect();
             throw error("cannot reach redis at " + where() + ": " + e.what());
@@ -319,6 +403,23 @@ class redis_store : public store {
             disconnect();
             throw;
         }
+    }
+
+    // AUTH PASSWORD, or AUTH USER PASSWORD (redis 6 ACLs). the reply is the
+    // server's words, which never hold the password; neither does any of ours
+    void authenticate() {
+        command auth;
+        auth.arg("AUTH");
+        if (!addr_.user.empty()) auth.arg(addr_.user);
+        auth.arg(addr_.password);
+        append(auth);
+        reply_ptr r = read_reply();
+        if (r->type == REDIS_REPLY_ERROR) {
+            const std::string whose = addr_.user.empty() ? "" : " of user '" + addr_.user + "'";
+            throw error("redis at " + where() + " refused the password" + whose + ": " +
+                        std::string(r->str ? r->str : "?", r->len));
+        }
+        expect_ok(r.get(), "AUTH");
     }
 
     // run op under the lock; when the connection drops, reconnect once and run it again
@@ -618,7 +719,7 @@ class redis_store : public store {
 
 std::unique_ptr<store> redis_store_open(const std::string & uri, const store_options & opts) {
     redis_address addr = parse_uri(uri);
-    return std::make_unique<redis_store>(uri, std::move(addr), opts);
+    return std::make_unique<redis_store>(redact_uri(uri), std::move(addr), opts);
 }
 
 }  // namespace kvblend

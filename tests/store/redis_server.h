@@ -62,8 +62,10 @@ inline int free_loopback_port() {
 }
 
 // send one command to 127.0.0.1:port and return the first line of the reply
-// ("+PONG", ":1", "-ERR ..."); "" when nothing answers within timeout_ms
-inline std::string redis_raw_command(int port, const std::vector<std::string> & args, int timeout_ms = 1000) {
+// ("+PONG", ":1", "-ERR ..."); "" when nothing answers within timeout_ms.
+// password: an AUTH first (its one-line reply is skipped)
+inline std::string redis_raw_command(int port, const std::vector<std::string> & args, int timeout_ms = 1000,
+                                     const std::string & password = "") {
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) return "";
     struct closer {
@@ -76,8 +78,14 @@ inline std::string redis_raw_command(int port, const std::vector<std::string> & 
     a.sin_port = htons((uint16_t) port);
     if (::connect(fd, (sockaddr *) &a, sizeof(a)) != 0) return "";
 
-    std::string req = "*" + std::to_string(args.size()) + "\r\n";
-    for (const auto & s : args) req += "$" + std::to_string(s.size()) + "\r\n" + s + "\r\n";
+    std::string req;
+    auto add = [&](const std::vector<std::string> & cmd) {
+        req += "*" + std::to_string(cmd.size()) + "\r\n";
+        for (const auto & s : cmd) req += "$" + std::to_string(s.size()) + "\r\n" + s + "\r\n";
+    };
+    if (!password.empty()) add({"AUTH", password});
+    add(args);
+    const size_t skip = password.empty() ? 0 : 1;  // reply lines before ours
     for (size_t off = 0; off < req.size();) {
         const ssize_t n = ::send(fd, req.data() + off, req.size() - off, MSG_NOSIGNAL);
         if (n <= 0) return "";
@@ -85,7 +93,16 @@ inline std::string redis_raw_command(int port, const std::vector<std::string> & 
     }
     std::string reply;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (reply.find("\r\n") == std::string::npos) {
+    auto line_start = [&]() -> size_t {  // where our reply's line begins; npos until it is whole
+        size_t at = 0;
+        for (size_t i = 0; i < skip; ++i) {
+            const size_t e = reply.find("\r\n", at);
+            if (e == std::string::npos) return std::string::npos;
+            at = e + 2;
+        }
+        return reply.find("\r\n", at) == std::string::npos ? std::string::npos : at;
+    };
+    while (line_start() == std::string::npos) {
         const auto left =
             std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
         pollfd p{fd, POLLIN, 0};
@@ -95,15 +112,19 @@ inline std::string redis_raw_command(int port, const std::vector<std::string> & 
         if (n <= 0) return "";
         reply.append(buf, (size_t) n);
     }
-    return reply.substr(0, reply.find("\r\n"));
+    const size_t at = line_start();
+    return reply.substr(at, reply.find("\r\n", at) - at);
 }
 
 // a redis-server child process on 127.0.0.1, answering PING once constructed;
 // throws std::runtime_error (naming scripts/setup.sh when redis is missing)
 class redis_server {
   public:
-    // on a free port (0) or on the given one (a restart, for tests)
-    explicit redis_server(int port = 0) : dir_("redis") {
+    // on a free port (0) or on the given one (a restart, for tests);
+    // password: --requirepass (command() then sends AUTH first); bind: the
+    // addresses it listens on, 127.0.0.1 among them
+    explicit redis_server(int port = 0, std::string password = "", std::vector<std::string> bind = {"127.0.0.1"})
+        : dir_("redis"), password_(std::move(password)), bind_(std::move(bind)) {
         binary_ = redis_server_binary();
         if (binary_.empty()) {
             throw std::runtime_error(
@@ -138,10 +159,14 @@ class redis_server {
     }
 
     // the first line of the server's reply to a raw command (see redis_raw_command)
-    std::string command(const std::vector<std::string> & args) const { return redis_raw_command(port_, args); }
+    std::string command(const std::vector<std::string> & args) const {
+        return redis_raw_command(port_, args, 1000, password_);
+    }
 
   private:
     temp_dir dir_;  // redis' working dir and its log
+    std::string password_;
+    std::vector<std::string> bind_;
     std::string binary_;
     int port_ = 0;
     pid_t pid_ = -1;
@@ -154,15 +179,18 @@ class redis_server {
     bool start(std::string & why) {
         const std::string port = std::to_string(port_);
         const std::string dir = dir_.path().string();
-        const std::vector<std::pair<std::string, std::string>> opts = {
-            {"--port", port},      {"--bind", "127.0.0.1"}, {"--save", ""},    {"--appendonly", "no"},
-            {"--daemonize", "no"}, {"--dir", dir},          {"--logfile", ""},
+        std::vector<std::pair<std::string, std::string>> opts = {
+            {"--port", port},      {"--save", ""}, {"--appendonly", "no"},
+            {"--daemonize", "no"}, {"--dir", dir}, {"--logfile", ""},
         };
+        if (!password_.empty()) opts.push_back({"--requirepass", password_});
         std::vector<std::string> args = {binary_};
         for (const auto & [k, v] : opts) {
             args.push_back(k);
             args.push_back(v);
         }
+        args.push_back("--bind");  // one word per address
+        for (const auto & b : bind_) args.push_back(b);
         std::vector<char *> argv;
         for (auto & a : args) argv.push_back(a.data());
         argv.push_back(nullptr);
@@ -198,7 +226,7 @@ class redis_server {
                 why = "it exited early; its log:\n" + log();
                 return false;
             }
-            if (redis_raw_command(port_, {"PING"}, 200) == "+PONG") return true;
+            if (redis_raw_command(port_, {"PING"}, 200, password_) == "+PONG") return true;
             std::this_thread::sleep_for(std::chrono::milliseconds(20));
         }
         stop();

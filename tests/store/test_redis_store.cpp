@@ -349,10 +349,113 @@ TEST_F(RedisStore, ReconnectsAfterServerRestart) {
 TEST(RedisStoreUri, MalformedUrisAreErrors) {
     for (const std::string uri : {"redis://", "redis://host:notaport", "redis://h:70000", "redis://h:1/x",
                                   "redis://h:0", "redis://h:", "redis://:6379", "redis://h:1/-1", "http://h:1",
-                                  "redis://user@h:1", "redis://h:1:2", "redis://h:99999999999999999999"}) {
+                                  "redis://h:1:2", "redis://h:99999999999999999999", "redis://[::1", "redis://[::1]x",
+                                  "redis://[nothex]:1", "redis://[::1]:", "redis://[]:1", "redis://::1:6379"}) {
         const std::string msg = error_of([&] { redis_store_open(uri, {}); });
         EXPECT_NE(msg.find("'" + uri + "'"), std::string::npos) << uri << " -> " << msg;
     }
+    // userinfo is named with its password hidden (redis-cli reads a lone word as one)
+    const std::vector<std::pair<std::string, std::string>> hidden = {
+        {"redis://user@h:1", "'redis://***@h:1'"},
+        {"redis://:@h:1", "'redis://:***@h:1'"},
+        {"redis://:pw%zz@h:1", "'redis://:***@h:1'"},
+        {"redis://us%er:pw%4@h:1", "'redis://us%er:***@h:1'"},
+        {"redis://:pwpw@h:notaport", "'redis://:***@h:notaport'"},
+    };
+    for (const auto & [uri, shown] : hidden) {
+        const std::string msg = error_of([&] { redis_store_open(uri, {}); });
+        EXPECT_NE(msg.find(shown), std::string::npos) << uri << " -> " << msg;
+        EXPECT_EQ(msg.find("pw"), std::string::npos) << uri << " -> " << msg;
+    }
+}
+
+// before: "port 'secret@127.0.0.1:…' is not a number" and "port ':1]:…' is not a number"
+TEST(RedisStoreUri, PasswordsAndIpv6LiteralsParse) {
+    const std::string port = std::to_string(kvblend::test::free_loopback_port());  // nobody listens there
+    for (const std::string & uri :
+         {"redis://:secret@127.0.0.1:" + port, "redis://default:secret@127.0.0.1:" + port + "/2",
+          "redis://us:se%40cret@127.0.0.1:" + port}) {
+        const std::string msg = error_of([&] { redis_store_open(uri, {}); });
+        EXPECT_NE(msg.find("cannot reach redis at 127.0.0.1:" + port), std::string::npos) << msg;
+        EXPECT_EQ(msg.find("secret"), std::string::npos) << msg;
+        EXPECT_EQ(msg.find("cret"), std::string::npos) << msg;
+    }
+    const std::string msg = error_of([&] { redis_store_open("redis://[::1]:" + port + "/1", {}); });
+    EXPECT_NE(msg.find("cannot reach redis at [::1]:" + port), std::string::npos) << msg;
+}
+
+// a redis with requirepass, and an ACL user: AUTH before SELECT, on every
+// connect; the password is in no message and not in uri() or stats
+TEST(RedisStoreAuth, PasswordsAreSentAndNeverShown) {
+    const std::string password = "s3cr:t@pw/x";  // ':', '@' and '/' percent-encoded in the URI
+    const std::string encoded = "s3cr%3At%40pw%2Fx";
+    std::unique_ptr<redis_server> srv;
+    try {
+        srv = std::make_unique<redis_server>(0, password);
+    } catch (const std::exception & e) {
+        FAIL() << e.what();
+    }
+    const std::string hostport = "127.0.0.1:" + std::to_string(srv->port());
+    auto shows_no_secret = [&](const std::string & text) {
+        return text.find("s3cr") == std::string::npos && text.find("pw") == std::string::npos &&
+               text.find("alicepass") == std::string::npos;
+    };
+
+    // no password: says that one is needed (before: "SELECT: NOAUTH Authentication required.")
+    std::string msg = error_of([&] { redis_store_open("redis://" + hostport + "/0", {}); });
+    EXPECT_NE(msg.find("asks for a password"), std::string::npos) << msg;
+    // a wrong one: refused, and neither password shows
+    msg = error_of([&] { redis_store_open("redis://:wrongpw@" + hostport + "/0", {}); });
+    EXPECT_NE(msg.find("refused the password"), std::string::npos) << msg;
+    EXPECT_TRUE(shows_no_secret(msg)) << msg;
+
+    // the right one, with and without the default user's name
+    auto st = redis_store_open("redis://:" + encoded + "@" + hostport + "/0", {});
+    st->put("a", {1, 2});
+    EXPECT_TRUE(*st->get("a") == (std::vector<uint8_t>{1, 2}));
+    EXPECT_EQ(st->uri(), "redis://:***@" + hostport + "/0");
+    EXPECT_EQ(st->stats().backend, st->uri());
+    auto named = redis_store_open("redis://default:" + encoded + "@" + hostport + "/0", {});
+    EXPECT_TRUE(named->contains("a"));
+    EXPECT_EQ(named->uri(), "redis://default:***@" + hostport + "/0");
+
+    // an ACL user (redis 6): AUTH USER PASSWORD
+    ASSERT_EQ(srv->command({"ACL", "SETUSER", "alice", "on", ">alicepass", "~*", "+@all"}), "+OK");
+    auto alice = redis_store_open("redis://alice:alicepass@" + hostport + "/0", {});
+    EXPECT_TRUE(alice->contains("a"));
+    EXPECT_EQ(alice->uri(), "redis://alice:***@" + hostport + "/0");
+    msg = error_of([&] { redis_store_open("redis://alice:" + encoded + "@" + hostport + "/0", {}); });
+    EXPECT_NE(msg.find("refused the password of user 'alice'"), std::string::npos) << msg;
+    EXPECT_TRUE(shows_no_secret(msg)) << msg;
+
+    // a restart on the same port: the reconnect authenticates again
+    const int port = srv->port();
+    srv.reset();
+    try {
+        srv = std::make_unique<redis_server>(port, password);
+    } catch (const std::exception & e) {
+        FAIL() << e.what();
+    }
+    EXPECT_FALSE(st->get("a").has_value());
+    st->put("b", {3});
+    EXPECT_TRUE(*st->get("b") == std::vector<uint8_t>{3});
+    // the server gone: the errors name the redacted store, never the password
+    srv->stop();
+    EXPECT_TRUE(shows_no_secret(error_of([&] { st->get("b"); })));
+}
+
+// an IPv6 loopback literal reaches a redis listening there
+TEST(RedisStoreUri, Ipv6LiteralReachesTheServer) {
+    std::unique_ptr<redis_server> srv;
+    try {
+        srv = std::make_unique<redis_server>(0, "", std::vector<std::string>{"127.0.0.1", "::1"});
+    } catch (const std::exception & e) {
+        GTEST_SKIP() << "no redis on ::1 here: " << e.what();
+    }
+    auto st = redis_store_open("redis://[::1]:" + std::to_string(srv->port()) + "/0", {});
+    st->put("v6", {6});
+    EXPECT_EQ(srv->command({"EXISTS", "kvblend:chunk:v6"}), ":1");
+    EXPECT_EQ(st->uri(), "redis://[::1]:" + std::to_string(srv->port()) + "/0");
 }
 
 TEST(RedisStoreUri, UnreachableServerIsAnError) {
