@@ -34,7 +34,7 @@ struct store_stats {
 };
 
 struct store_options {
-    uint64_t max_bytes = 0;  // size budget (dir: LRU eviction on put); 0 = none
+    uint64_t max_bytes = 0;  // size budget (LRU eviction after each put, and by gc); 0 = none
     // dir: create the directory when it is missing. false (the read-only
     // commands): a missing store is an empty one, nothing is created, put throws
     bool create = true;

@@ -44,7 +44,7 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   --store URI             chunk store (dir:PATH, a path, or
                           redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]):
                           hits are loaded, misses collected and put
-  --store-max-gb X        size budget of a dir store
+  --store-max-gb X        size budget of the store (least recently used go first)
   --codec NAME            how stored chunks hold their KV: raw (default), f16,
                           q8_0, q4_0, kivi2, kivi4 (part of the store key)
   -n, --n-predict N       tokens to generate (default 64)

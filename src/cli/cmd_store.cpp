@@ -45,7 +45,7 @@ stored are skipped. By default each file is one chunk, cut exactly as
   --split paragraph       one chunk per paragraph (blank-line separated) instead
   --collect-with-prefix   collect each chunk behind the prefix chunk (as blend's option)
   --system TEXT, --chat   the prefix chunk, as blend would build it (with --collect-with-prefix)
-  --store-max-gb X        size budget of a dir store (least recently used go first)
+  --store-max-gb X        size budget of the store (least recently used go first)
   --codec NAME            how entries hold the KV: raw (default), f16, q8_0, q4_0, kivi2, kivi4
   -t, --threads N         CPU threads (default 2)
   --cache-type f16|f32    KV element type (default f16; part of the key)

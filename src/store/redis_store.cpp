@@ -247,33 +247,14 @@ class redis_store : public store {
     }
 
     void put(const std::string & key, const std::vector<uint8_t> & bytes) override {
+        // the budget would evict the entry at once: that is no write
+        if (opts_.max_bytes && bytes.size() > opts_.max_bytes)
+            throw error("an entry of " + std::to_string(bytes.size()) + " bytes is larger than the store budget of " +
+                        std::to_string(opts_.max_bytes) + " bytes");
         retrying([&] {
-            const std::string k = key_prefix + key;
-            // one transaction, so a reader never sees a value without its size
-            command multi, set, hset, exec;
-            multi.arg("MULTI");
-            set.arg("SET").arg(k).arg(bytes.data(), bytes.size());
-            hset.arg("HSET").arg(sizes_hash).arg(key).arg(std::to_string(bytes.size()));
-            exec.arg("EXEC");
-            for (command * c : {&multi, &set, &hset, &exec}) append(*c);
-            std::vector<reply_ptr> r;
-            try {
-                r = read_replies(4);
-            } catch (const io_error & e) {
-                // the server drops a client that sends a value over its limit; no use retrying
-                if (bytes.size() > proto_max_bulk_len) {
-                    throw error(std::string(e.what()) + " (a " + std::to_string(bytes.size()) +
-                                "-byte value: redis refuses values over proto-max-bulk-len, 512 MB by default)");
-                }
-                throw;
-            }
-            for (int i = 0; i < 3; ++i) expect_ok(r[i].get(), "SET");
-            if (sizes_of_another_type(r[3].get())) {  // the value is stored; its size record goes in a new hash
-                repair_sizes_hash();
-                run(hset);
-                return;
-            }
-            check_exec(r[3].get(), 2, "SET");
+            write(key, bytes);
+            // as the dir store: the least recently used go until the budget holds
+            if (opts_.max_bytes) evict_over_budget(scan(), key);
         });
     }
 
@@ -330,27 +311,7 @@ class redis_store : public store {
         return retrying([&] {
             drop_stale_sizes();
             if (opts_.max_bytes == 0) return uint64_t(0);
-            std::vector<entry_scan> entries = scan();
-            uint64_t total = 0;
-            for (const auto & e : entries) total += e.info.bytes;
-            if (total <= opts_.max_bytes) return uint64_t(0);
-            // over the budget: before anything goes, no recorded size may exceed
-            // what its key really takes (the sizes hash is a summary anyone can edit)
-            check_sizes(entries);
-            total = 0;
-            for (const auto & e : entries) total += e.info.bytes;
-            if (total <= opts_.max_bytes) return uint64_t(0);
-            // least recently used first; entries whose idle time is unknown (an
-            // LFU maxmemory-policy) count as just used
-            std::stable_sort(entries.begin(), entries.end(),
-                             [](const entry_scan & a, const entry_scan & b) { return a.idle > b.idle; });
-            uint64_t removed = 0;
-            for (const auto & e : entries) {
-                if (total <= opts_.max_bytes) break;
-                if (remove(e.info.key)) removed += 1;
-                total -= e.info.bytes;  // gone either way, maybe by another process
-            }
-            return removed;
+            return evict_over_budget(scan(), "");
         });
     }
 
@@ -517,6 +478,63 @@ class redis_store : public store {
             if (r->element[i] == nullptr) throw error("redis at " + where() + ": empty reply to " + what);
             if (r->element[i]->type == REDIS_REPLY_ERROR) throw server_error(what, r->element[i]);
         }
+    }
+
+    // the value and its size record, in one transaction: a reader never sees a value without its size
+    void write(const std::string & key, const std::vector<uint8_t> & bytes) {
+        const std::string k = key_prefix + key;
+        command multi, set, hset, exec;
+        multi.arg("MULTI");
+        set.arg("SET").arg(k).arg(bytes.data(), bytes.size());
+        hset.arg("HSET").arg(sizes_hash).arg(key).arg(std::to_string(bytes.size()));
+        exec.arg("EXEC");
+        for (command * c : {&multi, &set, &hset, &exec}) append(*c);
+        std::vector<reply_ptr> r;
+        try {
+            r = read_replies(4);
+        } catch (const io_error & e) {
+            // the server drops a client that sends a value over its limit; no use retrying
+            if (bytes.size() > proto_max_bulk_len) {
+                throw error(std::string(e.what()) + " (a " + std::to_string(bytes.size()) +
+                            "-byte value: redis refuses values over proto-max-bulk-len, 512 MB by default)");
+            }
+            throw;
+        }
+        for (int i = 0; i < 3; ++i) expect_ok(r[i].get(), "SET");
+        if (sizes_of_another_type(r[3].get())) {  // the value is stored; its size record goes in a new hash
+            repair_sizes_hash();
+            run(hset);
+            return;
+        }
+        check_exec(r[3].get(), 2, "SET");
+    }
+
+    // evict least recently used entries until the budget holds, by the sizes
+    // stats() counts; `keep` (the entry just written) never goes. several
+    // processes evicting at once walk the same order, so together they remove
+    // about what one would: an entry another one removed first still counts
+    uint64_t evict_over_budget(std::vector<entry_scan> entries, const std::string & keep) {
+        uint64_t total = 0;
+        for (const auto & e : entries) total += e.info.bytes;
+        if (total <= opts_.max_bytes) return 0;
+        // over the budget: before anything goes, no recorded size may exceed
+        // what its key really takes (the sizes hash is a summary anyone can edit)
+        check_sizes(entries);
+        total = 0;
+        for (const auto & e : entries) total += e.info.bytes;
+        if (total <= opts_.max_bytes) return 0;
+        // least recently used first; entries whose idle time is unknown (an
+        // LFU maxmemory-policy) count as just used
+        std::stable_sort(entries.begin(), entries.end(),
+                         [](const entry_scan & a, const entry_scan & b) { return a.idle > b.idle; });
+        uint64_t removed = 0;
+        for (const auto & e : entries) {
+            if (total <= opts_.max_bytes) break;
+            if (e.info.key == keep) continue;
+            if (remove(e.info.key)) removed += 1;
+            total -= e.info.bytes;  // gone either way, maybe by another process
+        }
+        return removed;
     }
 
     bool remove(const std::string & key) {

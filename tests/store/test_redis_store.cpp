@@ -186,7 +186,8 @@ TEST_F(RedisStore, DatabasesAreSeparate) {
 
 TEST_F(RedisStore, GcEvictsLeastRecentlyUsedFirst) {
     const auto value = random_bytes(1000, 9);
-    auto st = open(3500);
+    // written without a budget (a put would enforce it), collected with one
+    auto st = open();
 
     // idle times have one-second steps: space the uses out
     st->put("a", value);
@@ -206,13 +207,14 @@ TEST_F(RedisStore, GcEvictsLeastRecentlyUsedFirst) {
     EXPECT_LT(listed["c"].last_used, listed["a"].last_used);
 
     // 4000 bytes over a 3500 budget: only b goes
-    EXPECT_EQ(st->gc(), 1u);
+    auto budget = open(3500);
+    EXPECT_EQ(budget->gc(), 1u);
     EXPECT_FALSE(st->contains("b"));
     EXPECT_TRUE(st->contains("a"));
     EXPECT_TRUE(st->contains("c"));
     EXPECT_TRUE(st->contains("d"));
     EXPECT_EQ(st->stats().bytes, 3000u);
-    EXPECT_EQ(st->gc(), 0u);  // under budget now
+    EXPECT_EQ(budget->gc(), 0u);  // under budget now
 
     // a tighter budget takes c and d, the older ones, and keeps a
     auto tight = open(1500);
@@ -223,10 +225,49 @@ TEST_F(RedisStore, GcEvictsLeastRecentlyUsedFirst) {
     EXPECT_EQ(tight->stats().bytes, 1000u);
 }
 
+// as the dir store: a put past the budget evicts the least recently used
+// entries (never the one just written), and an entry larger than the whole
+// budget is an error (before: stored, "5 entries, 0.1 MB of a 0.0 MB budget")
+TEST_F(RedisStore, PutEnforcesTheBudget) {
+    const auto value = random_bytes(1000, 11);
+    auto st = open(3500);
+    st->put("a", value);
+    st->put("b", value);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1600));  // idle times have one-second steps
+    st->put("c", value);
+    ASSERT_TRUE(st->get("a").has_value());  // b is now the least recently used
+    st->put("d", value);                    // 4000 bytes over 3500: b goes
+    EXPECT_FALSE(st->contains("b"));
+    for (const char * k : {"a", "c", "d"}) EXPECT_TRUE(st->contains(k)) << k;
+    EXPECT_EQ(st->stats().bytes, 3000u);
+
+    // the entry just written stays even when it is the one idle longest by
+    // the clock (an LFU policy reports no idle time: all look just used)
+    auto tight = open(1500);
+    tight->put("e", value);
+    EXPECT_TRUE(tight->contains("e"));
+    EXPECT_EQ(tight->stats().n_entries, 1u);
+    EXPECT_LE(tight->stats().bytes, 1500u);
+
+    const std::string msg = error_of([&] { tight->put("big", random_bytes(1501, 12)); });
+    EXPECT_NE(msg.find("larger than the store budget of 1500 bytes"), std::string::npos) << msg;
+    EXPECT_FALSE(tight->contains("big"));
+    EXPECT_TRUE(tight->contains("e"));  // a refused put evicts nothing
+
+    // two connections (two servers) writing by turns: together they stay in the budget
+    auto other = open(3500);
+    for (int i = 0; i < 10; ++i) (i % 2 ? st : other)->put("s" + std::to_string(i), value);
+    const store_stats s = st->stats();
+    EXPECT_LE(s.bytes, 3500u);
+    EXPECT_EQ(s.n_entries, 3u);
+    EXPECT_TRUE(st->contains("s9"));  // the last written (s8 may go: idle times have one-second steps)
+}
+
 TEST_F(RedisStore, ForgedSizeRecordsEvictNoValidEntry) {
+    auto writer = open();  // no budget: a put would enforce it
     auto st = open(3500);
     const auto value = random_bytes(1000, 3);
-    for (const char * k : {"a", "b", "c", "d"}) st->put(k, value);
+    for (const char * k : {"a", "b", "c", "d"}) writer->put(k, value);
     // sizes no redis string can have: measured again, not trusted
     ASSERT_EQ(server_->command({"HSET", "kvblend:bytes", "a", "5000000000"}), ":0");
     ASSERT_EQ(server_->command({"HSET", "kvblend:bytes", "b", "-1"}), ":0");
@@ -237,7 +278,7 @@ TEST_F(RedisStore, ForgedSizeRecordsEvictNoValidEntry) {
     // a believable size (a redis string may be 400 MB) on the most recently
     // used entry: checked against the key's memory before anything is evicted
     std::this_thread::sleep_for(std::chrono::milliseconds(1600));  // idle times have one-second steps
-    st->put("e", value);  // 4000 bytes again
+    writer->put("e", value);  // 4000 bytes again
     ASSERT_EQ(server_->command({"HSET", "kvblend:bytes", "e", "400000000"}), ":0");
     EXPECT_EQ(st->gc(), 1u);
     EXPECT_TRUE(st->contains("e"));
@@ -261,8 +302,9 @@ TEST_F(RedisStore, ASizesHashOfAnotherTypeIsRebuilt) {
     ASSERT_EQ(server_->command({"DEL", "kvblend:bytes"}), ":1");
     ASSERT_EQ(server_->command({"LPUSH", "kvblend:bytes", "x"}), ":1");
     EXPECT_TRUE(st->erase("a"));
-    st->put("c", value);
-    st->put("d", value);  // 3000 bytes over 2500
+    auto writer = open();  // no budget: a put would enforce it
+    writer->put("c", value);
+    writer->put("d", value);  // 3000 bytes over 2500
     ASSERT_EQ(server_->command({"DEL", "kvblend:bytes"}), ":1");
     ASSERT_EQ(server_->command({"SET", "kvblend:bytes", "1"}), "+OK");
     EXPECT_EQ(st->gc(), 1u);
