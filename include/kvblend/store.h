@@ -38,6 +38,11 @@ struct store_options {
     // dir: create the directory when it is missing. false (the read-only
     // commands): a missing store is an empty one, nothing is created, put throws
     bool create = true;
+    // redis: a command that has not been answered within this many seconds,
+    // plus 1 s per MB it moves, fails ("did not answer within N s"), however
+    // slowly the server trickles bytes. put/get callers treat it as any other
+    // store failure (a blend, the server: a miss and a warning)
+    double timeout_s = 10;
 };
 
 // raw key -> bytes storage. every method throws kvblend::error on I/O failure

@@ -6,12 +6,17 @@
 // get() and is listed with 0 bytes, so store verify finds and removes it.
 #include <arpa/inet.h>
 #include <hiredis/hiredis.h>
+#include <poll.h>
 #include <pthread.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
 #include <sys/time.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
@@ -31,8 +36,11 @@ const char * const sizes_hash = "kvblend:bytes";
 constexpr int scan_count = 1000;                       // SCAN hint, and the most keys per pipelined batch
 constexpr uint64_t proto_max_bulk_len = 512ull << 20;  // redis' default limit on one value
 constexpr timeval connect_timeout{2, 0};
-// per socket read/write; generous so a slow link can still move 100+ MB values
-constexpr timeval command_timeout{10, 0};
+// a command's deadline grows by this per byte it moves (1 s per MB, on top of
+// store_options::timeout_s): a slow link still moves a 100 MB value, while a
+// server that trickles a byte now and then is given up on in seconds
+constexpr double deadline_ms_per_byte = 1000.0 / (1 << 20);
+constexpr size_t read_chunk = 16 * 1024;  // what one redisBufferRead reads at most (hiredis' buffer)
 
 struct reply_deleter {
     void operator()(redisReply * r) const { freeReplyObject(r); }
@@ -323,7 +331,8 @@ class redis_store : public store {
     store_options opts_;
     std::mutex mtx_;  // one connection, one command stream at a time
     context_ptr ctx_;
-    size_t pending_ = 0;  // commands sent whose replies are not read yet
+    size_t pending_ = 0;   // commands sent whose replies are not read yet
+    uint64_t unsent_ = 0;  // bytes of those appended since the last wait: they extend its deadline
 
     std::string where() const {
         const bool v6 = addr_.host.find(':') != std::string::npos;
@@ -339,6 +348,8 @@ class redis_store : public store {
             disconnect();
             throw error("cannot reach redis at " + where() + ": " + why);
         }
+        // a bound on each read()/write() besides the deadline that wait_reply keeps
+        const timeval command_timeout = to_timeval(opts_.timeout_s * 1000);
         if (redisSetTimeout(ctx_.get(), command_timeout) != REDIS_OK || redisEnableKeepAlive(ctx_.get()) != REDIS_OK) {
             const std::string why = ctx_->errstr;
             disconnect();
@@ -413,6 +424,7 @@ class redis_store : public store {
     void disconnect() {
         ctx_.reset();
         pending_ = 0;
+        unsent_ = 0;
     }
 
     [[noreturn]] void lost() {
@@ -423,13 +435,67 @@ class redis_store : public store {
     void append(command & c) {
         if (redisAppendCommandArgv(ctx_.get(), c.argc(), c.argv(), c.argvlen()) != REDIS_OK) lost();
         pending_ += 1;
+        for (int i = 0; i < c.argc(); ++i) unsent_ += c.argvlen()[i];
     }
 
     reply_ptr read_reply() {
         void * raw = nullptr;
-        if (redisGetReply(ctx_.get(), &raw) != REDIS_OK || raw == nullptr) lost();
+        if (redisGetReplyFromReader(ctx_.get(), &raw) != REDIS_OK) lost();  // one already read in a pipeline
+        if (raw == nullptr) raw = wait_reply();
         pending_ -= 1;
         return reply_ptr(static_cast<redisReply *>(raw));
+    }
+
+    static timeval to_timeval(double ms) {
+        const long long us = std::max(1000LL, (long long) (ms * 1000));  // 0 would be no timeout at all
+        return timeval{(time_t) (us / 1000000), (suseconds_t) (us % 1000000)};
+    }
+
+    // hiredis' redisGetReply (send what is buffered, read until a reply is
+    // whole) under one deadline: the socket timeout bounds each read() alone,
+    // so a server that sends a byte every few seconds was waited on for hours
+    void * wait_reply() {
+        const double start = time_ms();
+        double allowed_ms = opts_.timeout_s * 1000 + (double) unsent_ * deadline_ms_per_byte;
+        unsent_ = 0;
+        auto left_ms = [&] { return allowed_ms - (time_ms() - start); };
+        auto late = [&] {
+            char s[32];
+            std::snprintf(s, sizeof(s), "%.1f", allowed_ms / 1000);
+            return error("redis at " + where() + " did not answer within " + s + " s");
+        };
+        // wait until the socket is ready for `events`, or throw at the deadline
+        auto ready = [&](short events) {
+            for (;;) {
+                const double left = left_ms();
+                if (left <= 0) throw late();
+                pollfd p{ctx_->fd, events, 0};
+                const int n = poll(&p, 1, (int) std::min(std::ceil(left), 60000.0));
+                if (n > 0) return;
+                if (n < 0 && errno != EINTR) lost();
+            }
+        };
+        int done = 0;
+        while (!done) {
+            ready(POLLOUT);
+            // a blocking write() of a large value waits for buffer space: not past the deadline
+            const timeval tv = to_timeval(left_ms());
+            setsockopt(ctx_->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+            if (redisBufferWrite(ctx_.get(), &done) != REDIS_OK) {
+                if (errno == EAGAIN || errno == EWOULDBLOCK || left_ms() <= 0) throw late();
+                lost();
+            }
+        }
+        void * raw = nullptr;
+        while (raw == nullptr) {
+            ready(POLLIN);
+            int queued = 0;  // what this read takes: bytes moved extend the deadline
+            if (ioctl(ctx_->fd, FIONREAD, &queued) == 0 && queued > 0)
+                allowed_ms += (double) std::min<size_t>((size_t) queued, read_chunk) * deadline_ms_per_byte;
+            if (redisBufferRead(ctx_.get()) != REDIS_OK) lost();
+            if (redisGetReplyFromReader(ctx_.get(), &raw) != REDIS_OK) lost();
+        }
+        return raw;
     }
 
     // all replies of a pipeline before looking at any, so the stream stays in step
@@ -737,6 +803,8 @@ class redis_store : public store {
 
 std::unique_ptr<store> redis_store_open(const std::string & uri, const store_options & opts) {
     redis_address addr = parse_uri(uri);
+    if (!(opts.timeout_s > 0) || opts.timeout_s > 1e6)
+        throw error("store timeout " + std::to_string(opts.timeout_s) + " s is not in (0, 1e6]");
     return std::make_unique<redis_store>(redact_uri(uri), std::move(addr), opts);
 }
 

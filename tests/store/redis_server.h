@@ -14,12 +14,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -232,6 +234,136 @@ class redis_server {
         stop();
         why = "no answer to PING on 127.0.0.1:" + port + " within 5 s; its log:\n" + log();
         return false;
+    }
+};
+
+// a TCP proxy on a free loopback port to a redis on 127.0.0.1:upstream: it
+// forwards requests as they come and replies at full speed, or, once
+// trickle(interval) is set, one byte of each reply per interval (a server on
+// a dying link that answers, but hardly)
+class trickle_proxy {
+  public:
+    explicit trickle_proxy(int upstream) : upstream_(upstream) {
+        listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        socklen_t len = sizeof(a);
+        if (listen_fd_ < 0 || ::bind(listen_fd_, (sockaddr *) &a, sizeof(a)) != 0 || ::listen(listen_fd_, 8) != 0 ||
+            ::getsockname(listen_fd_, (sockaddr *) &a, &len) != 0) {
+            if (listen_fd_ >= 0) ::close(listen_fd_);
+            throw std::runtime_error("trickle_proxy: cannot listen on loopback");
+        }
+        port_ = ntohs(a.sin_port);
+        thread_ = std::thread([this] { loop(); });
+    }
+    ~trickle_proxy() { stop(); }
+    trickle_proxy(const trickle_proxy &) = delete;
+    trickle_proxy & operator=(const trickle_proxy &) = delete;
+
+    int port() const { return port_; }
+    // 0: replies at full speed
+    void trickle(std::chrono::milliseconds every) { every_ms_ = every.count(); }
+    // stop forwarding and close every connection (its clients see them drop)
+    void stop() {
+        if (!thread_.joinable()) return;
+        stop_ = true;
+        thread_.join();
+        ::close(listen_fd_);
+    }
+
+  private:
+    struct link {
+        int client = -1, server = -1;
+        std::string to_client;  // reply bytes not passed on yet
+        std::chrono::steady_clock::time_point last{};
+        bool dead = false;
+    };
+    int upstream_;
+    int listen_fd_ = -1;
+    int port_ = 0;
+    std::atomic<int64_t> every_ms_{0};
+    std::atomic<bool> stop_{false};
+    std::thread thread_;
+
+    static bool send_all(int fd, const char * p, size_t n) {
+        while (n > 0) {
+            const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+            if (k <= 0) return false;
+            p += k;
+            n -= (size_t) k;
+        }
+        return true;
+    }
+
+    void loop() {
+        std::vector<std::unique_ptr<link>> links;
+        char buf[65536];
+        while (!stop_) {
+            std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}};
+            for (auto & l : links) {
+                fds.push_back({l->client, POLLIN, 0});
+                fds.push_back({l->server, POLLIN, 0});
+            }
+            ::poll(fds.data(), fds.size(), 10);
+            const auto now = std::chrono::steady_clock::now();
+            const int64_t every = every_ms_;
+            for (size_t i = 0; i < links.size(); ++i) {
+                link & l = *links[i];
+                if (fds[1 + 2 * i].revents) {
+                    const ssize_t n = ::recv(l.client, buf, sizeof(buf), 0);
+                    if (n <= 0 || !send_all(l.server, buf, (size_t) n)) l.dead = true;
+                }
+                if (fds[2 + 2 * i].revents) {
+                    const ssize_t n = ::recv(l.server, buf, sizeof(buf), 0);
+                    if (n <= 0) {
+                        l.dead = true;
+                    } else {
+                        l.to_client.append(buf, (size_t) n);
+                    }
+                }
+                if (l.to_client.empty()) continue;
+                if (every == 0) {
+                    if (!send_all(l.client, l.to_client.data(), l.to_client.size())) l.dead = true;
+                    l.to_client.clear();
+                } else if (now - l.last >= std::chrono::milliseconds(every)) {
+                    if (!send_all(l.client, l.to_client.data(), 1)) l.dead = true;
+                    l.to_client.erase(0, 1);
+                    l.last = now;
+                }
+            }
+            for (auto it = links.begin(); it != links.end();) {
+                if (!(*it)->dead) {
+                    ++it;
+                    continue;
+                }
+                ::close((*it)->client);
+                ::close((*it)->server);
+                it = links.erase(it);
+            }
+            if (fds[0].revents & POLLIN) {
+                const int c = ::accept(listen_fd_, nullptr, nullptr);
+                if (c < 0) continue;
+                const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+                sockaddr_in a{};
+                a.sin_family = AF_INET;
+                a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+                a.sin_port = htons((uint16_t) upstream_);
+                if (s < 0 || ::connect(s, (sockaddr *) &a, sizeof(a)) != 0) {
+                    ::close(c);
+                    if (s >= 0) ::close(s);
+                    continue;
+                }
+                auto l = std::make_unique<link>();
+                l->client = c;
+                l->server = s;
+                links.push_back(std::move(l));
+            }
+        }
+        for (auto & l : links) {
+            ::close(l->client);
+            ::close(l->server);
+        }
     }
 };
 

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <random>
@@ -386,6 +388,44 @@ TEST_F(RedisStore, ReconnectsAfterServerRestart) {
     EXPECT_FALSE(st->get("a").has_value());  // the dropped connection is reopened once
     st->put("b", {2});
     EXPECT_TRUE(*st->get("b") == std::vector<uint8_t>{2});
+}
+
+// a server that trickles its replies (a byte every 200 ms; each read() well
+// within the socket timeout) fails a command at its deadline, here 1 s plus
+// 1 s per MB. before: a 26 KB entry took ~1.5 h at this pace (~15 h at 2 s)
+TEST_F(RedisStore, ATricklingServerFailsAtTheDeadline) {
+    kvblend::test::trickle_proxy proxy(server_->port());
+    store_options opts;
+    opts.timeout_s = 1;
+    auto st = redis_store_open("redis://127.0.0.1:" + std::to_string(proxy.port()) + "/0", opts);
+    const auto value = random_bytes(26000, 13);
+    st->put("x", value);
+    ASSERT_TRUE(*st->get("x") == value);  // at full speed
+
+    proxy.trickle(std::chrono::milliseconds(200));
+    auto timed = [&](const std::function<void()> & call, double & seconds) {
+        const auto t0 = std::chrono::steady_clock::now();
+        auto pending = std::async(std::launch::async, [&] { return error_of(call); });
+        const bool returned = pending.wait_for(std::chrono::seconds(6)) == std::future_status::ready;
+        if (!returned) proxy.stop();  // drops the connection: the call returns, and the test fails
+        const std::string msg = pending.get();
+        seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        EXPECT_TRUE(returned) << "still waiting after 6 s";
+        return msg;
+    };
+    double s = 0;
+    std::string msg = timed([&] { st->get("x"); }, s);
+    EXPECT_NE(msg.find("redis at 127.0.0.1:" + std::to_string(proxy.port()) + " did not answer within 1.0 s"),
+              std::string::npos)
+        << msg;
+    EXPECT_LT(s, 3.0);
+    msg = timed([&] { st->put("y", value); }, s);  // its reply trickles too: 1 s plus 26 KB's share
+    EXPECT_NE(msg.find("did not answer within 1.0 s"), std::string::npos) << msg;
+    EXPECT_LT(s, 3.0);
+
+    // at full speed again, the next command reconnects
+    proxy.trickle(std::chrono::milliseconds(0));
+    EXPECT_EQ(error_of([&] { EXPECT_TRUE(*st->get("x") == value); }), "");
 }
 
 TEST(RedisStoreUri, MalformedUrisAreErrors) {
