@@ -2,7 +2,8 @@
 // hashes everything that changes its KV (model fingerprint, KV layout and
 // codec, token ids, the prefix it was collected behind). Entries are
 // self-describing and checksummed (docs/STORE_FORMAT.md). Backends by URI:
-// "dir:PATH" or a bare path (the embedded default), "redis://HOST:PORT[/DB]".
+// "dir:PATH" or a bare path (the embedded default), "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]"
+// (uri() and stats show the password as ***).
 #pragma once
 
 #include <cstdint>
@@ -33,10 +34,15 @@ struct store_stats {
 };
 
 struct store_options {
-    uint64_t max_bytes = 0;  // size budget (dir: LRU eviction on put); 0 = none
+    uint64_t max_bytes = 0;  // size budget (LRU eviction after each put, and by gc); 0 = none
     // dir: create the directory when it is missing. false (the read-only
     // commands): a missing store is an empty one, nothing is created, put throws
     bool create = true;
+    // redis: a command that has not been answered within this many seconds,
+    // plus 1 s per MB it moves, fails ("did not answer within N s"), however
+    // slowly the server trickles bytes. put/get callers treat it as any other
+    // store failure (a blend, the server: a miss and a warning)
+    double timeout_s = 10;
 };
 
 // raw key -> bytes storage. every method throws kvblend::error on I/O failure

@@ -106,6 +106,7 @@ int bench_store(args & a) {
             st->put(keys.back(), entries[i]);
         }
         const bool is_dir = uri.rfind("redis://", 0) != 0;
+        const std::string shown = is_dir ? uri : st->uri();  // a redis URI's password as ***
         for (const char * cache : {"warm", "cold"}) {
             const bool cold = std::string(cache) == "cold";
             if (cold && !is_dir) continue;
@@ -117,21 +118,21 @@ int bench_store(args & a) {
                     const double t0 = time_ms();
                     auto bytes = st->get(keys[i]);
                     t_get.push_back(time_ms() - t0);
-                    if (!bytes) throw error("entry vanished from " + uri);
+                    if (!bytes) throw error("entry vanished from " + shown);
                     const chunk_kv c = chunk_decode(*m, std::move(*bytes));
                     t_load.push_back(time_ms() - t0);
                     if (c.tokens != toks[i]) throw error("store returned another chunk");
                 }
             }
             if (cold && !dropped) {
-                std::printf("| %s | cold | (could not drop the page cache) | | | |\n", uri.c_str());
+                std::printf("| %s | cold | (could not drop the page cache) | | | |\n", shown.c_str());
                 continue;
             }
             const double load_ms = median(t_load);
             const double gbps = entries[0].size() / (load_ms / 1000.0) / 1e9;
-            rows.push_back({{"store", uri}, {"cache", cache}, {"load_ms", load_ms}, {"get_ms", median(t_get)}, {"gb_per_s", gbps},
+            rows.push_back({{"store", shown}, {"cache", cache}, {"load_ms", load_ms}, {"get_ms", median(t_get)}, {"gb_per_s", gbps},
                             {"collect_ms", collect_ms}, {"speedup", collect_ms / load_ms}, {"entry_bytes", entries[0].size()}});
-            std::printf("| %s | %s | %.2f | %.2f | %.2f | %.0fx |\n", uri.c_str(), cache, load_ms, median(t_get), gbps,
+            std::printf("| %s | %s | %.2f | %.2f | %.2f | %.0fx |\n", shown.c_str(), cache, load_ms, median(t_get), gbps,
                         collect_ms / load_ms);
         }
         for (const auto & k : keys) st->erase(k);

@@ -41,9 +41,10 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   --no-weight-query       select by the deviations alone (default: weighted by
                           the query's attention in the layer before the check layer)
   --collect-with-prefix   collect each document behind the prefix chunk
-  --store URI             chunk store (dir:PATH, a path, or redis://HOST:PORT[/DB]):
+  --store URI             chunk store (dir:PATH, a path, or
+                          redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]):
                           hits are loaded, misses collected and put
-  --store-max-gb X        size budget of a dir store
+  --store-max-gb X        size budget of the store (least recently used go first)
   --codec NAME            how stored chunks hold their KV: raw (default), f16,
                           q8_0, q4_0, kivi2, kivi4 (part of the store key)
   -n, --n-predict N       tokens to generate (default 64)
@@ -106,7 +107,7 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--collect-with-prefix"})) with_prefix = true;
         else if (a.match({"--store"})) {
             store_uri = a.str();
-            if (store_uri.empty()) throw error("--store needs a URI (dir:PATH, a path, or redis://HOST:PORT)");
+            if (store_uri.empty()) throw error("--store needs a URI (dir:PATH, a path, or redis://HOST[:PORT])");
         } else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();
         else if (a.match({"--store-max-gb"})) so.max_bytes = parse_store_budget(a), store_flag = "--store-max-gb";
         else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);

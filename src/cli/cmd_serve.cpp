@@ -22,7 +22,8 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   -m, --model FILE          GGUF model
   --host H                  address to listen on (default 127.0.0.1)
   --port N                  port (default 8080)
-  --store URI               chunk store (dir:PATH, a path, or redis://HOST:PORT[/DB])
+  --store URI               chunk store (dir:PATH, a path, or
+                            redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])
   --codec NAME              how stored chunks hold their KV (default raw)
   -c, --ctx-size N          context per slot (default 4096)
   --parallel N              slots computing at once (default 1)

@@ -39,12 +39,13 @@ stored are skipped. By default each file is one chunk, cut exactly as
 `kvblend blend --doc FILE` cuts it, so a later blend finds it.
 
   -m, --model FILE        GGUF model
-  --store URI             dir:PATH (or a bare path) or redis://HOST:PORT[/DB]
+  --store URI             dir:PATH (or a bare path) or
+                          redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]
   --chunk-size N          cut each file into chunks of N tokens instead
   --split paragraph       one chunk per paragraph (blank-line separated) instead
   --collect-with-prefix   collect each chunk behind the prefix chunk (as blend's option)
   --system TEXT, --chat   the prefix chunk, as blend would build it (with --collect-with-prefix)
-  --store-max-gb X        size budget of a dir store (least recently used go first)
+  --store-max-gb X        size budget of the store (least recently used go first)
   --codec NAME            how entries hold the KV: raw (default), f16, q8_0, q4_0, kivi2, kivi4
   -t, --threads N         CPU threads (default 2)
   --cache-type f16|f32    KV element type (default f16; part of the key)
@@ -58,7 +59,8 @@ const char * k_store_help = R"(usage: kvblend store stats|ls|verify|gc --store U
              that it belongs to MODEL); unusable entries are removed
   gc         enforce the size budget (least recently used first) and clean up
 
-  --store URI        dir:PATH (or a bare path) or redis://HOST:PORT[/DB]
+  --store URI        dir:PATH (or a bare path) or
+                     redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]
   -m, --model FILE   (verify) also check entries against this model
   --store-max-gb X   (gc) the size budget
   --json             machine-readable output

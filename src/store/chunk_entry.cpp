@@ -386,7 +386,9 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
 std::unique_ptr<store> store_open(const std::string & uri, const store_options & opts) {
     if (uri.rfind("redis://", 0) == 0) return redis_store_open(uri, opts);
     if (uri.rfind("dir:", 0) == 0) return dir_store_open(uri.substr(4), opts);
-    if (uri.find("://") != std::string::npos) throw error("unknown store URI scheme in '" + uri + "' (use dir:PATH or redis://HOST:PORT)");
+    // names the scheme only: the rest of a URI may hold a password
+    if (const size_t sep = uri.find("://"); sep != std::string::npos)
+        throw error("unknown store URI scheme '" + uri.substr(0, sep + 3) + "' (use dir:PATH or redis://HOST[:PORT])");
     if (uri.empty()) throw error("empty store URI");
     return dir_store_open(uri, opts);
 }

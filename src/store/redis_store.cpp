@@ -4,13 +4,19 @@
 // and list()/stats() must not disturb the order gc() evicts in. a key under
 // our prefix that is not a string (written by something else) is a miss for
 // get() and is listed with 0 bytes, so store verify finds and removes it.
+#include <arpa/inet.h>
 #include <hiredis/hiredis.h>
+#include <poll.h>
 #include <pthread.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
 #include <sys/time.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
@@ -30,8 +36,11 @@ const char * const sizes_hash = "kvblend:bytes";
 constexpr int scan_count = 1000;                       // SCAN hint, and the most keys per pipelined batch
 constexpr uint64_t proto_max_bulk_len = 512ull << 20;  // redis' default limit on one value
 constexpr timeval connect_timeout{2, 0};
-// per socket read/write; generous so a slow link can still move 100+ MB values
-constexpr timeval command_timeout{10, 0};
+// a command's deadline grows by this per byte it moves (1 s per MB, on top of
+// store_options::timeout_s): a slow link still moves a 100 MB value, while a
+// server that trickles a byte now and then is given up on in seconds
+constexpr double deadline_ms_per_byte = 1000.0 / (1 << 20);
+constexpr size_t read_chunk = 16 * 1024;  // what one redisBufferRead reads at most (hiredis' buffer)
 
 struct reply_deleter {
     void operator()(redisReply * r) const { freeReplyObject(r); }
@@ -90,25 +99,82 @@ class sigpipe_guard {
 };
 
 struct redis_address {
-    std::string host;
+    std::string host;  // a name, an IPv4 address or an IPv6 one (without brackets)
     int port = 6379;
     int db = 0;
+    bool auth = false;  // the URI names a password: AUTH after every connect
+    std::string user;   // empty: AUTH PASSWORD (redis' default user, or requirepass)
+    std::string password;
 };
 
 bool all_digits(const std::string & s) {
     return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-// redis://HOST[:PORT][/DB]; HOST a name or IPv4 address
+// the URI as it may be shown (uri(), stats, /health, every message): the
+// password replaced by ***. userinfo ends at the last '@', as in parse_uri; a
+// userinfo without ':' is all hidden (redis-cli reads that as a password)
+std::string redact_uri(const std::string & uri) {
+    const std::string scheme = "redis://";
+    if (uri.compare(0, scheme.size(), scheme) != 0) return uri;
+    const size_t at = uri.rfind('@');
+    if (at == std::string::npos || at < scheme.size()) return uri;
+    const size_t colon = uri.find(':', scheme.size());
+    const std::string user = colon < at ? uri.substr(scheme.size(), colon - scheme.size()) + ":" : "";
+    return scheme + user + "***" + uri.substr(at);
+}
+
+int hex_digit(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+// %XX escapes, so a password may hold '@', ':' or '/'; false on a bad escape
+bool percent_decode(const std::string & in, std::string & out) {
+    out.clear();
+    for (size_t i = 0; i < in.size(); ++i) {
+        if (in[i] != '%') {
+            out += in[i];
+            continue;
+        }
+        const int hi = i + 1 < in.size() ? hex_digit(in[i + 1]) : -1;
+        const int lo = i + 2 < in.size() ? hex_digit(in[i + 2]) : -1;
+        if (hi < 0 || lo < 0) return false;
+        out += (char) (hi * 16 + lo);
+        i += 2;
+    }
+    return true;
+}
+
+// redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]; HOST a name, an IPv4 address or
+// a bracketed IPv6 one. messages show the URI redacted: never the password
 redis_address parse_uri(const std::string & uri) {
     auto bad = [&](const std::string & why) {
-        return error("malformed redis URI '" + uri + "': " + why + " (expected redis://HOST:PORT[/DB])");
+        return error("malformed redis URI '" + redact_uri(uri) + "': " + why +
+                     " (expected redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])");
     };
     const std::string scheme = "redis://";
     if (uri.compare(0, scheme.size(), scheme) != 0) throw bad("it does not start with redis://");
     std::string rest = uri.substr(scheme.size());
 
     redis_address a;
+    // the last '@': one left unescaped in a password still ends up in it
+    const size_t at = rest.rfind('@');
+    if (at != std::string::npos) {
+        const std::string userinfo = rest.substr(0, at);
+        rest = rest.substr(at + 1);
+        const size_t colon = userinfo.find(':');
+        if (colon == std::string::npos)
+            throw bad("a user without a password (a password alone is redis://:PASSWORD@HOST)");
+        if (!percent_decode(userinfo.substr(0, colon), a.user))
+            throw bad("a '%' in the user name is not followed by two hex digits");
+        if (!percent_decode(userinfo.substr(colon + 1), a.password))
+            throw bad("a '%' in the password is not followed by two hex digits");
+        if (a.password.empty()) throw bad("an empty password");
+        a.auth = true;
+    }
     const size_t slash = rest.find('/');
     if (slash != std::string::npos) {
         const std::string db = rest.substr(slash + 1);
@@ -119,20 +185,31 @@ redis_address parse_uri(const std::string & uri) {
             a.db = std::atoi(db.c_str());
         }
     }
-    const size_t colon = rest.find(':');
-    a.host = rest.substr(0, colon);
+    size_t colon = rest.find(':');
+    if (!rest.empty() && rest[0] == '[') {
+        const size_t close = rest.find(']');
+        if (close == std::string::npos) throw bad("no ']' after the IPv6 address");
+        a.host = rest.substr(1, close - 1);
+        in6_addr v6{};
+        if (inet_pton(AF_INET6, a.host.c_str(), &v6) != 1) throw bad("'" + a.host + "' is not an IPv6 address");
+        if (close + 1 < rest.size() && rest[close + 1] != ':')
+            throw bad("'" + rest.substr(close + 1) + "' after the IPv6 address");
+        colon = close + 1 < rest.size() ? close + 1 : std::string::npos;
+    } else {
+        a.host = rest.substr(0, colon);
+        if (a.host.empty()) throw bad("no host");
+        const bool host_ok = std::all_of(a.host.begin(), a.host.end(), [](char c) {
+            return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-' ||
+                   c == '_';
+        });
+        if (!host_ok) throw bad("host '" + a.host + "' is not a host name, an IPv4 address or a bracketed IPv6 one");
+    }
     if (colon != std::string::npos) {
         const std::string port = rest.substr(colon + 1);
         if (!all_digits(port) || port.size() > 5) throw bad("port '" + port + "' is not a number in 1..65535");
         a.port = std::atoi(port.c_str());
         if (a.port < 1 || a.port > 65535) throw bad("port " + port + " is not in 1..65535");
     }
-    if (a.host.empty()) throw bad("no host");
-    const bool host_ok = std::all_of(a.host.begin(), a.host.end(), [](char c) {
-        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-' ||
-               c == '_';
-    });
-    if (!host_ok) throw bad("host '" + a.host + "' is not a host name or IPv4 address");
     return a;
 }
 
@@ -169,6 +246,7 @@ struct entry_scan {
 
 class redis_store : public store {
   public:
+    // uri: as it may be shown, the password redacted
     redis_store(std::string uri, redis_address addr, const store_options & opts)
         : uri_(std::move(uri)), addr_(std::move(addr)), opts_(opts) {
         std::lock_guard<std::mutex> lock(mtx_);
@@ -177,33 +255,14 @@ class redis_store : public store {
     }
 
     void put(const std::string & key, const std::vector<uint8_t> & bytes) override {
+        // the budget would evict the entry at once: that is no write
+        if (opts_.max_bytes && bytes.size() > opts_.max_bytes)
+            throw error("an entry of " + std::to_string(bytes.size()) + " bytes is larger than the store budget of " +
+                        std::to_string(opts_.max_bytes) + " bytes");
         retrying([&] {
-            const std::string k = key_prefix + key;
-            // one transaction, so a reader never sees a value without its size
-            command multi, set, hset, exec;
-            multi.arg("MULTI");
-            set.arg("SET").arg(k).arg(bytes.data(), bytes.size());
-            hset.arg("HSET").arg(sizes_hash).arg(key).arg(std::to_string(bytes.size()));
-            exec.arg("EXEC");
-            for (command * c : {&multi, &set, &hset, &exec}) append(*c);
-            std::vector<reply_ptr> r;
-            try {
-                r = read_replies(4);
-            } catch (const io_error & e) {
-                // the server drops a client that sends a value over its limit; no use retrying
-                if (bytes.size() > proto_max_bulk_len) {
-                    throw error(std::string(e.what()) + " (a " + std::to_string(bytes.size()) +
-                                "-byte value: redis refuses values over proto-max-bulk-len, 512 MB by default)");
-                }
-                throw;
-            }
-            for (int i = 0; i < 3; ++i) expect_ok(r[i].get(), "SET");
-            if (sizes_of_another_type(r[3].get())) {  // the value is stored; its size record goes in a new hash
-                repair_sizes_hash();
-                run(hset);
-                return;
-            }
-            check_exec(r[3].get(), 2, "SET");
+            write(key, bytes);
+            // as the dir store: the least recently used go until the budget holds
+            if (opts_.max_bytes) evict_over_budget(scan(), key);
         });
     }
 
@@ -260,27 +319,7 @@ class redis_store : public store {
         return retrying([&] {
             drop_stale_sizes();
             if (opts_.max_bytes == 0) return uint64_t(0);
-            std::vector<entry_scan> entries = scan();
-            uint64_t total = 0;
-            for (const auto & e : entries) total += e.info.bytes;
-            if (total <= opts_.max_bytes) return uint64_t(0);
-            // over the budget: before anything goes, no recorded size may exceed
-            // what its key really takes (the sizes hash is a summary anyone can edit)
-            check_sizes(entries);
-            total = 0;
-            for (const auto & e : entries) total += e.info.bytes;
-            if (total <= opts_.max_bytes) return uint64_t(0);
-            // least recently used first; entries whose idle time is unknown (an
-            // LFU maxmemory-policy) count as just used
-            std::stable_sort(entries.begin(), entries.end(),
-                             [](const entry_scan & a, const entry_scan & b) { return a.idle > b.idle; });
-            uint64_t removed = 0;
-            for (const auto & e : entries) {
-                if (total <= opts_.max_bytes) break;
-                if (remove(e.info.key)) removed += 1;
-                total -= e.info.bytes;  // gone either way, maybe by another process
-            }
-            return removed;
+            return evict_over_budget(scan(), "");
         });
     }
 
@@ -292,9 +331,13 @@ class redis_store : public store {
     store_options opts_;
     std::mutex mtx_;  // one connection, one command stream at a time
     context_ptr ctx_;
-    size_t pending_ = 0;  // commands sent whose replies are not read yet
+    size_t pending_ = 0;   // commands sent whose replies are not read yet
+    uint64_t unsent_ = 0;  // bytes of those appended since the last wait: they extend its deadline
 
-    std::string where() const { return addr_.host + ":" + std::to_string(addr_.port); }
+    std::string where() const {
+        const bool v6 = addr_.host.find(':') != std::string::npos;
+        return (v6 ? "[" + addr_.host + "]" : addr_.host) + ":" + std::to_string(addr_.port);
+    }
 
     void connect() {
         pending_ = 0;
@@ -305,13 +348,26 @@ class redis_store : public store {
             disconnect();
             throw error("cannot reach redis at " + where() + ": " + why);
         }
+        // a bound on each read()/write() besides the deadline that wait_reply keeps
+        const timeval command_timeout = to_timeval(opts_.timeout_s * 1000);
         if (redisSetTimeout(ctx_.get(), command_timeout) != REDIS_OK || redisEnableKeepAlive(ctx_.get()) != REDIS_OK) {
             const std::string why = ctx_->errstr;
             disconnect();
             throw error("cannot reach redis at " + where() + ": " + why);
         }
         try {
-            expect_ok(run(command().arg("SELECT").arg(std::to_string(addr_.db))).get(), "SELECT");
+            // a reconnect is a new client: AUTH again, before anything else
+            if (addr_.auth) authenticate();
+            command select;
+            select.arg("SELECT").arg(std::to_string(addr_.db));
+            append(select);
+            reply_ptr r = read_reply();
+            if (r->type == REDIS_REPLY_ERROR && r->len >= 6 && std::memcmp(r->str, "NOAUTH", 6) == 0) {
+                throw error("redis at " + where() + " asks for a password (" + std::string(r->str, r->len) +
+                            "): give it in the URI, redis://:PASSWORD@HOST (USER:PASSWORD@ for an ACL user)");
+            }
+            if (r->type == REDIS_REPLY_ERROR) throw server_error(select, r.get());
+            expect_ok(r.get(), "SELECT");
         } catch (const io_error & e) {
             disconnect();
             throw error("cannot reach redis at " + where() + ": " + e.what());
@@ -319,6 +375,23 @@ class redis_store : public store {
             disconnect();
             throw;
         }
+    }
+
+    // AUTH PASSWORD, or AUTH USER PASSWORD (redis 6 ACLs). the reply is the
+    // server's words, which never hold the password; neither does any of ours
+    void authenticate() {
+        command auth;
+        auth.arg("AUTH");
+        if (!addr_.user.empty()) auth.arg(addr_.user);
+        auth.arg(addr_.password);
+        append(auth);
+        reply_ptr r = read_reply();
+        if (r->type == REDIS_REPLY_ERROR) {
+            const std::string whose = addr_.user.empty() ? "" : " of user '" + addr_.user + "'";
+            throw error("redis at " + where() + " refused the password" + whose + ": " +
+                        std::string(r->str ? r->str : "?", r->len));
+        }
+        expect_ok(r.get(), "AUTH");
     }
 
     // run op under the lock; when the connection drops, reconnect once and run it again
@@ -351,6 +424,7 @@ class redis_store : public store {
     void disconnect() {
         ctx_.reset();
         pending_ = 0;
+        unsent_ = 0;
     }
 
     [[noreturn]] void lost() {
@@ -361,13 +435,67 @@ class redis_store : public store {
     void append(command & c) {
         if (redisAppendCommandArgv(ctx_.get(), c.argc(), c.argv(), c.argvlen()) != REDIS_OK) lost();
         pending_ += 1;
+        for (int i = 0; i < c.argc(); ++i) unsent_ += c.argvlen()[i];
     }
 
     reply_ptr read_reply() {
         void * raw = nullptr;
-        if (redisGetReply(ctx_.get(), &raw) != REDIS_OK || raw == nullptr) lost();
+        if (redisGetReplyFromReader(ctx_.get(), &raw) != REDIS_OK) lost();  // one already read in a pipeline
+        if (raw == nullptr) raw = wait_reply();
         pending_ -= 1;
         return reply_ptr(static_cast<redisReply *>(raw));
+    }
+
+    static timeval to_timeval(double ms) {
+        const long long us = std::max(1000LL, (long long) (ms * 1000));  // 0 would be no timeout at all
+        return timeval{(time_t) (us / 1000000), (suseconds_t) (us % 1000000)};
+    }
+
+    // hiredis' redisGetReply (send what is buffered, read until a reply is
+    // whole) under one deadline: the socket timeout bounds each read() alone,
+    // so a server that sends a byte every few seconds was waited on for hours
+    void * wait_reply() {
+        const double start = time_ms();
+        double allowed_ms = opts_.timeout_s * 1000 + (double) unsent_ * deadline_ms_per_byte;
+        unsent_ = 0;
+        auto left_ms = [&] { return allowed_ms - (time_ms() - start); };
+        auto late = [&] {
+            char s[32];
+            std::snprintf(s, sizeof(s), "%.1f", allowed_ms / 1000);
+            return error("redis at " + where() + " did not answer within " + s + " s");
+        };
+        // wait until the socket is ready for `events`, or throw at the deadline
+        auto ready = [&](short events) {
+            for (;;) {
+                const double left = left_ms();
+                if (left <= 0) throw late();
+                pollfd p{ctx_->fd, events, 0};
+                const int n = poll(&p, 1, (int) std::min(std::ceil(left), 60000.0));
+                if (n > 0) return;
+                if (n < 0 && errno != EINTR) lost();
+            }
+        };
+        int done = 0;
+        while (!done) {
+            ready(POLLOUT);
+            // a blocking write() of a large value waits for buffer space: not past the deadline
+            const timeval tv = to_timeval(left_ms());
+            setsockopt(ctx_->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+            if (redisBufferWrite(ctx_.get(), &done) != REDIS_OK) {
+                if (errno == EAGAIN || errno == EWOULDBLOCK || left_ms() <= 0) throw late();
+                lost();
+            }
+        }
+        void * raw = nullptr;
+        while (raw == nullptr) {
+            ready(POLLIN);
+            int queued = 0;  // what this read takes: bytes moved extend the deadline
+            if (ioctl(ctx_->fd, FIONREAD, &queued) == 0 && queued > 0)
+                allowed_ms += (double) std::min<size_t>((size_t) queued, read_chunk) * deadline_ms_per_byte;
+            if (redisBufferRead(ctx_.get()) != REDIS_OK) lost();
+            if (redisGetReplyFromReader(ctx_.get(), &raw) != REDIS_OK) lost();
+        }
+        return raw;
     }
 
     // all replies of a pipeline before looking at any, so the stream stays in step
@@ -416,6 +544,63 @@ class redis_store : public store {
             if (r->element[i] == nullptr) throw error("redis at " + where() + ": empty reply to " + what);
             if (r->element[i]->type == REDIS_REPLY_ERROR) throw server_error(what, r->element[i]);
         }
+    }
+
+    // the value and its size record, in one transaction: a reader never sees a value without its size
+    void write(const std::string & key, const std::vector<uint8_t> & bytes) {
+        const std::string k = key_prefix + key;
+        command multi, set, hset, exec;
+        multi.arg("MULTI");
+        set.arg("SET").arg(k).arg(bytes.data(), bytes.size());
+        hset.arg("HSET").arg(sizes_hash).arg(key).arg(std::to_string(bytes.size()));
+        exec.arg("EXEC");
+        for (command * c : {&multi, &set, &hset, &exec}) append(*c);
+        std::vector<reply_ptr> r;
+        try {
+            r = read_replies(4);
+        } catch (const io_error & e) {
+            // the server drops a client that sends a value over its limit; no use retrying
+            if (bytes.size() > proto_max_bulk_len) {
+                throw error(std::string(e.what()) + " (a " + std::to_string(bytes.size()) +
+                            "-byte value: redis refuses values over proto-max-bulk-len, 512 MB by default)");
+            }
+            throw;
+        }
+        for (int i = 0; i < 3; ++i) expect_ok(r[i].get(), "SET");
+        if (sizes_of_another_type(r[3].get())) {  // the value is stored; its size record goes in a new hash
+            repair_sizes_hash();
+            run(hset);
+            return;
+        }
+        check_exec(r[3].get(), 2, "SET");
+    }
+
+    // evict least recently used entries until the budget holds, by the sizes
+    // stats() counts; `keep` (the entry just written) never goes. several
+    // processes evicting at once walk the same order, so together they remove
+    // about what one would: an entry another one removed first still counts
+    uint64_t evict_over_budget(std::vector<entry_scan> entries, const std::string & keep) {
+        uint64_t total = 0;
+        for (const auto & e : entries) total += e.info.bytes;
+        if (total <= opts_.max_bytes) return 0;
+        // over the budget: before anything goes, no recorded size may exceed
+        // what its key really takes (the sizes hash is a summary anyone can edit)
+        check_sizes(entries);
+        total = 0;
+        for (const auto & e : entries) total += e.info.bytes;
+        if (total <= opts_.max_bytes) return 0;
+        // least recently used first; entries whose idle time is unknown (an
+        // LFU maxmemory-policy) count as just used
+        std::stable_sort(entries.begin(), entries.end(),
+                         [](const entry_scan & a, const entry_scan & b) { return a.idle > b.idle; });
+        uint64_t removed = 0;
+        for (const auto & e : entries) {
+            if (total <= opts_.max_bytes) break;
+            if (e.info.key == keep) continue;
+            if (remove(e.info.key)) removed += 1;
+            total -= e.info.bytes;  // gone either way, maybe by another process
+        }
+        return removed;
     }
 
     bool remove(const std::string & key) {
@@ -618,7 +803,9 @@ class redis_store : public store {
 
 std::unique_ptr<store> redis_store_open(const std::string & uri, const store_options & opts) {
     redis_address addr = parse_uri(uri);
-    return std::make_unique<redis_store>(uri, std::move(addr), opts);
+    if (!(opts.timeout_s > 0) || opts.timeout_s > 1e6)
+        throw error("store timeout " + std::to_string(opts.timeout_s) + " s is not in (0, 1e6]");
+    return std::make_unique<redis_store>(redact_uri(uri), std::move(addr), opts);
 }
 
 }  // namespace kvblend

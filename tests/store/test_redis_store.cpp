@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <random>
@@ -186,7 +188,8 @@ TEST_F(RedisStore, DatabasesAreSeparate) {
 
 TEST_F(RedisStore, GcEvictsLeastRecentlyUsedFirst) {
     const auto value = random_bytes(1000, 9);
-    auto st = open(3500);
+    // written without a budget (a put would enforce it), collected with one
+    auto st = open();
 
     // idle times have one-second steps: space the uses out
     st->put("a", value);
@@ -206,13 +209,14 @@ TEST_F(RedisStore, GcEvictsLeastRecentlyUsedFirst) {
     EXPECT_LT(listed["c"].last_used, listed["a"].last_used);
 
     // 4000 bytes over a 3500 budget: only b goes
-    EXPECT_EQ(st->gc(), 1u);
+    auto budget = open(3500);
+    EXPECT_EQ(budget->gc(), 1u);
     EXPECT_FALSE(st->contains("b"));
     EXPECT_TRUE(st->contains("a"));
     EXPECT_TRUE(st->contains("c"));
     EXPECT_TRUE(st->contains("d"));
     EXPECT_EQ(st->stats().bytes, 3000u);
-    EXPECT_EQ(st->gc(), 0u);  // under budget now
+    EXPECT_EQ(budget->gc(), 0u);  // under budget now
 
     // a tighter budget takes c and d, the older ones, and keeps a
     auto tight = open(1500);
@@ -223,10 +227,49 @@ TEST_F(RedisStore, GcEvictsLeastRecentlyUsedFirst) {
     EXPECT_EQ(tight->stats().bytes, 1000u);
 }
 
+// as the dir store: a put past the budget evicts the least recently used
+// entries (never the one just written), and an entry larger than the whole
+// budget is an error (before: stored, "5 entries, 0.1 MB of a 0.0 MB budget")
+TEST_F(RedisStore, PutEnforcesTheBudget) {
+    const auto value = random_bytes(1000, 11);
+    auto st = open(3500);
+    st->put("a", value);
+    st->put("b", value);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1600));  // idle times have one-second steps
+    st->put("c", value);
+    ASSERT_TRUE(st->get("a").has_value());  // b is now the least recently used
+    st->put("d", value);                    // 4000 bytes over 3500: b goes
+    EXPECT_FALSE(st->contains("b"));
+    for (const char * k : {"a", "c", "d"}) EXPECT_TRUE(st->contains(k)) << k;
+    EXPECT_EQ(st->stats().bytes, 3000u);
+
+    // the entry just written stays even when it is the one idle longest by
+    // the clock (an LFU policy reports no idle time: all look just used)
+    auto tight = open(1500);
+    tight->put("e", value);
+    EXPECT_TRUE(tight->contains("e"));
+    EXPECT_EQ(tight->stats().n_entries, 1u);
+    EXPECT_LE(tight->stats().bytes, 1500u);
+
+    const std::string msg = error_of([&] { tight->put("big", random_bytes(1501, 12)); });
+    EXPECT_NE(msg.find("larger than the store budget of 1500 bytes"), std::string::npos) << msg;
+    EXPECT_FALSE(tight->contains("big"));
+    EXPECT_TRUE(tight->contains("e"));  // a refused put evicts nothing
+
+    // two connections (two servers) writing by turns: together they stay in the budget
+    auto other = open(3500);
+    for (int i = 0; i < 10; ++i) (i % 2 ? st : other)->put("s" + std::to_string(i), value);
+    const store_stats s = st->stats();
+    EXPECT_LE(s.bytes, 3500u);
+    EXPECT_EQ(s.n_entries, 3u);
+    EXPECT_TRUE(st->contains("s9"));  // the last written (s8 may go: idle times have one-second steps)
+}
+
 TEST_F(RedisStore, ForgedSizeRecordsEvictNoValidEntry) {
+    auto writer = open();  // no budget: a put would enforce it
     auto st = open(3500);
     const auto value = random_bytes(1000, 3);
-    for (const char * k : {"a", "b", "c", "d"}) st->put(k, value);
+    for (const char * k : {"a", "b", "c", "d"}) writer->put(k, value);
     // sizes no redis string can have: measured again, not trusted
     ASSERT_EQ(server_->command({"HSET", "kvblend:bytes", "a", "5000000000"}), ":0");
     ASSERT_EQ(server_->command({"HSET", "kvblend:bytes", "b", "-1"}), ":0");
@@ -237,7 +280,7 @@ TEST_F(RedisStore, ForgedSizeRecordsEvictNoValidEntry) {
     // a believable size (a redis string may be 400 MB) on the most recently
     // used entry: checked against the key's memory before anything is evicted
     std::this_thread::sleep_for(std::chrono::milliseconds(1600));  // idle times have one-second steps
-    st->put("e", value);  // 4000 bytes again
+    writer->put("e", value);  // 4000 bytes again
     ASSERT_EQ(server_->command({"HSET", "kvblend:bytes", "e", "400000000"}), ":0");
     EXPECT_EQ(st->gc(), 1u);
     EXPECT_TRUE(st->contains("e"));
@@ -261,8 +304,9 @@ TEST_F(RedisStore, ASizesHashOfAnotherTypeIsRebuilt) {
     ASSERT_EQ(server_->command({"DEL", "kvblend:bytes"}), ":1");
     ASSERT_EQ(server_->command({"LPUSH", "kvblend:bytes", "x"}), ":1");
     EXPECT_TRUE(st->erase("a"));
-    st->put("c", value);
-    st->put("d", value);  // 3000 bytes over 2500
+    auto writer = open();  // no budget: a put would enforce it
+    writer->put("c", value);
+    writer->put("d", value);  // 3000 bytes over 2500
     ASSERT_EQ(server_->command({"DEL", "kvblend:bytes"}), ":1");
     ASSERT_EQ(server_->command({"SET", "kvblend:bytes", "1"}), "+OK");
     EXPECT_EQ(st->gc(), 1u);
@@ -346,13 +390,154 @@ TEST_F(RedisStore, ReconnectsAfterServerRestart) {
     EXPECT_TRUE(*st->get("b") == std::vector<uint8_t>{2});
 }
 
+// a server that trickles its replies (a byte every 200 ms; each read() well
+// within the socket timeout) fails a command at its deadline, here 1 s plus
+// 1 s per MB. before: a 26 KB entry took ~1.5 h at this pace (~15 h at 2 s)
+TEST_F(RedisStore, ATricklingServerFailsAtTheDeadline) {
+    kvblend::test::trickle_proxy proxy(server_->port());
+    store_options opts;
+    opts.timeout_s = 1;
+    auto st = redis_store_open("redis://127.0.0.1:" + std::to_string(proxy.port()) + "/0", opts);
+    const auto value = random_bytes(26000, 13);
+    st->put("x", value);
+    ASSERT_TRUE(*st->get("x") == value);  // at full speed
+
+    proxy.trickle(std::chrono::milliseconds(200));
+    auto timed = [&](const std::function<void()> & call, double & seconds) {
+        const auto t0 = std::chrono::steady_clock::now();
+        auto pending = std::async(std::launch::async, [&] { return error_of(call); });
+        const bool returned = pending.wait_for(std::chrono::seconds(6)) == std::future_status::ready;
+        if (!returned) proxy.stop();  // drops the connection: the call returns, and the test fails
+        const std::string msg = pending.get();
+        seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        EXPECT_TRUE(returned) << "still waiting after 6 s";
+        return msg;
+    };
+    double s = 0;
+    std::string msg = timed([&] { st->get("x"); }, s);
+    EXPECT_NE(msg.find("redis at 127.0.0.1:" + std::to_string(proxy.port()) + " did not answer within 1.0 s"),
+              std::string::npos)
+        << msg;
+    EXPECT_LT(s, 3.0);
+    msg = timed([&] { st->put("y", value); }, s);  // its reply trickles too: 1 s plus 26 KB's share
+    EXPECT_NE(msg.find("did not answer within 1.0 s"), std::string::npos) << msg;
+    EXPECT_LT(s, 3.0);
+
+    // at full speed again, the next command reconnects
+    proxy.trickle(std::chrono::milliseconds(0));
+    EXPECT_EQ(error_of([&] { EXPECT_TRUE(*st->get("x") == value); }), "");
+}
+
 TEST(RedisStoreUri, MalformedUrisAreErrors) {
     for (const std::string uri : {"redis://", "redis://host:notaport", "redis://h:70000", "redis://h:1/x",
                                   "redis://h:0", "redis://h:", "redis://:6379", "redis://h:1/-1", "http://h:1",
-                                  "redis://user@h:1", "redis://h:1:2", "redis://h:99999999999999999999"}) {
+                                  "redis://h:1:2", "redis://h:99999999999999999999", "redis://[::1", "redis://[::1]x",
+                                  "redis://[nothex]:1", "redis://[::1]:", "redis://[]:1", "redis://::1:6379"}) {
         const std::string msg = error_of([&] { redis_store_open(uri, {}); });
         EXPECT_NE(msg.find("'" + uri + "'"), std::string::npos) << uri << " -> " << msg;
     }
+    // userinfo is named with its password hidden (redis-cli reads a lone word as one)
+    const std::vector<std::pair<std::string, std::string>> hidden = {
+        {"redis://user@h:1", "'redis://***@h:1'"},
+        {"redis://:@h:1", "'redis://:***@h:1'"},
+        {"redis://:pw%zz@h:1", "'redis://:***@h:1'"},
+        {"redis://us%er:pw%4@h:1", "'redis://us%er:***@h:1'"},
+        {"redis://:pwpw@h:notaport", "'redis://:***@h:notaport'"},
+    };
+    for (const auto & [uri, shown] : hidden) {
+        const std::string msg = error_of([&] { redis_store_open(uri, {}); });
+        EXPECT_NE(msg.find(shown), std::string::npos) << uri << " -> " << msg;
+        EXPECT_EQ(msg.find("pw"), std::string::npos) << uri << " -> " << msg;
+    }
+}
+
+// before: "port 'secret@127.0.0.1:…' is not a number" and "port ':1]:…' is not a number"
+TEST(RedisStoreUri, PasswordsAndIpv6LiteralsParse) {
+    const std::string port = std::to_string(kvblend::test::free_loopback_port());  // nobody listens there
+    for (const std::string & uri :
+         {"redis://:secret@127.0.0.1:" + port, "redis://default:secret@127.0.0.1:" + port + "/2",
+          "redis://us:se%40cret@127.0.0.1:" + port}) {
+        const std::string msg = error_of([&] { redis_store_open(uri, {}); });
+        EXPECT_NE(msg.find("cannot reach redis at 127.0.0.1:" + port), std::string::npos) << msg;
+        EXPECT_EQ(msg.find("secret"), std::string::npos) << msg;
+        EXPECT_EQ(msg.find("cret"), std::string::npos) << msg;
+    }
+    const std::string msg = error_of([&] { redis_store_open("redis://[::1]:" + port + "/1", {}); });
+    EXPECT_NE(msg.find("cannot reach redis at [::1]:" + port), std::string::npos) << msg;
+}
+
+// a redis with requirepass, and an ACL user: AUTH before SELECT, on every
+// connect; the password is in no message and not in uri() or stats
+TEST(RedisStoreAuth, PasswordsAreSentAndNeverShown) {
+    const std::string password = "s3cr:t@pw/x";  // ':', '@' and '/' percent-encoded in the URI
+    const std::string encoded = "s3cr%3At%40pw%2Fx";
+    std::unique_ptr<redis_server> srv;
+    try {
+        srv = std::make_unique<redis_server>(0, password);
+    } catch (const std::exception & e) {
+        FAIL() << e.what();
+    }
+    const std::string hostport = "127.0.0.1:" + std::to_string(srv->port());
+    auto shows_no_secret = [&](const std::string & text) {
+        return text.find("s3cr") == std::string::npos && text.find("pw") == std::string::npos &&
+               text.find("alicepass") == std::string::npos;
+    };
+
+    // no password: says that one is needed (before: "SELECT: NOAUTH Authentication required.")
+    std::string msg = error_of([&] { redis_store_open("redis://" + hostport + "/0", {}); });
+    EXPECT_NE(msg.find("asks for a password"), std::string::npos) << msg;
+    // a wrong one: refused, and neither password shows
+    msg = error_of([&] { redis_store_open("redis://:wrongpw@" + hostport + "/0", {}); });
+    EXPECT_NE(msg.find("refused the password"), std::string::npos) << msg;
+    EXPECT_TRUE(shows_no_secret(msg)) << msg;
+
+    // the right one, with and without the default user's name
+    auto st = redis_store_open("redis://:" + encoded + "@" + hostport + "/0", {});
+    st->put("a", {1, 2});
+    EXPECT_TRUE(*st->get("a") == (std::vector<uint8_t>{1, 2}));
+    EXPECT_EQ(st->uri(), "redis://:***@" + hostport + "/0");
+    EXPECT_EQ(st->stats().backend, st->uri());
+    auto named = redis_store_open("redis://default:" + encoded + "@" + hostport + "/0", {});
+    EXPECT_TRUE(named->contains("a"));
+    EXPECT_EQ(named->uri(), "redis://default:***@" + hostport + "/0");
+
+    // an ACL user (redis 6): AUTH USER PASSWORD
+    ASSERT_EQ(srv->command({"ACL", "SETUSER", "alice", "on", ">alicepass", "~*", "+@all"}), "+OK");
+    auto alice = redis_store_open("redis://alice:alicepass@" + hostport + "/0", {});
+    EXPECT_TRUE(alice->contains("a"));
+    EXPECT_EQ(alice->uri(), "redis://alice:***@" + hostport + "/0");
+    msg = error_of([&] { redis_store_open("redis://alice:" + encoded + "@" + hostport + "/0", {}); });
+    EXPECT_NE(msg.find("refused the password of user 'alice'"), std::string::npos) << msg;
+    EXPECT_TRUE(shows_no_secret(msg)) << msg;
+
+    // a restart on the same port: the reconnect authenticates again
+    const int port = srv->port();
+    srv.reset();
+    try {
+        srv = std::make_unique<redis_server>(port, password);
+    } catch (const std::exception & e) {
+        FAIL() << e.what();
+    }
+    EXPECT_FALSE(st->get("a").has_value());
+    st->put("b", {3});
+    EXPECT_TRUE(*st->get("b") == std::vector<uint8_t>{3});
+    // the server gone: the errors name the redacted store, never the password
+    srv->stop();
+    EXPECT_TRUE(shows_no_secret(error_of([&] { st->get("b"); })));
+}
+
+// an IPv6 loopback literal reaches a redis listening there
+TEST(RedisStoreUri, Ipv6LiteralReachesTheServer) {
+    std::unique_ptr<redis_server> srv;
+    try {
+        srv = std::make_unique<redis_server>(0, "", std::vector<std::string>{"127.0.0.1", "::1"});
+    } catch (const std::exception & e) {
+        GTEST_SKIP() << "no redis on ::1 here: " << e.what();
+    }
+    auto st = redis_store_open("redis://[::1]:" + std::to_string(srv->port()) + "/0", {});
+    st->put("v6", {6});
+    EXPECT_EQ(srv->command({"EXISTS", "kvblend:chunk:v6"}), ":1");
+    EXPECT_EQ(st->uri(), "redis://[::1]:" + std::to_string(srv->port()) + "/0");
 }
 
 TEST(RedisStoreUri, UnreachableServerIsAnError) {
