@@ -27,6 +27,9 @@
 //   one runs (from its callback or another thread) is KVB_ERR_INVALID_ARGUMENT.
 //   a model may be shared by contexts on different threads; it is freed when
 //   kvb_model_free() was called and the last context made from it is freed.
+// - fork(): a child forked after the parent ran a model must not call the
+//   library (GNU OpenMP's worker threads are not in the child: its next
+//   computation waits for them forever). Fork before the first call, or exec.
 #ifndef KVBLEND_H
 #define KVBLEND_H
 

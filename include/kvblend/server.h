@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kvblend/blend.h"
 
@@ -32,6 +33,11 @@ struct server_params {
     int64_t     learn_min_chars = 256;          // shorter paragraphs are not learned
     int64_t     known_docs_max  = 250000;       // documents the text index holds (~300 bytes each; oldest forgotten)
     std::string api_key;                        // empty: no authentication
+    // web pages that may call the server (CORS): a request with an Origin header
+    // from elsewhere is refused (403), so a page the user visits cannot drive a
+    // local server. loopback origins (http(s)://localhost, 127.0.0.1, [::1], any
+    // port) are always allowed; "*" allows every origin
+    std::vector<std::string> allow_origins;
     int32_t     n_threads       = 2;
     ggml_type   type_k          = GGML_TYPE_F16;
     ggml_type   type_v          = GGML_TYPE_F16;

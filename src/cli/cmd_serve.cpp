@@ -40,6 +40,8 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --known-docs N            document texts searched for in plain prompts, oldest forgotten (default 250000)
   --api-key KEY             require "Authorization: Bearer KEY" (an empty key is refused)
   --api-key-file F          the same, the key read from a file
+  --allow-origin ORIGIN     a web page origin that may call the server (repeatable; '*': any). Requests
+                            with another Origin header get 403; loopback origins are always allowed
   --max-body N              largest request body in bytes, k/M suffixes (default 8M); more gets 413
   --read-timeout S          a request's headers and body must arrive within S seconds (default 15)
   --max-connections N       open connections at once (default 256); more get 503
@@ -116,6 +118,12 @@ int cmd_serve(int argc, char ** argv) {
         else if (a.match({"--read-timeout"})) sp.read_timeout_s = (int) a.integer(1, 3600);
         else if (a.match({"--max-connections"})) sp.max_connections = (int) a.integer(1, 65536);
         else if (a.match({"--max-conns-per-client"})) sp.max_connections_per_client = (int) a.integer(0, 65536);
+        else if (a.match({"--allow-origin"})) {
+            const std::string o = a.str();
+            if (o.empty() || o.find_first_of(" \t\r\n,") != std::string::npos || (o != "*" && o.find("://") == std::string::npos))
+                throw error("--allow-origin takes one origin, as a browser sends it (https://app.example:8443), or '*'");
+            sp.allow_origins.push_back(o);
+        }
         else if (a.match({"--api-key-file"})) {
             std::string k = read_text_file(a.str());
             while (!k.empty() && (k.back() == '\n' || k.back() == '\r' || k.back() == ' ')) k.pop_back();

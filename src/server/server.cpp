@@ -842,6 +842,28 @@ struct server::impl {
     void routes() {
         // before any body is read: the key, then the declared length
         auto refuse_early = [this](const httplib::Request & req, httplib::Response & res) {
+            // a browser names the page behind a request: one of another origin must not
+            // drive a server on this machine (a form post needs no CORS preflight)
+            if (req.has_header("Origin")) {
+                const std::string origin = req.get_header_value("Origin");
+                if (!http_origin_allowed(origin, p.allow_origins)) {
+                    res.status = 403;
+                    res.set_content(error_body("requests from web pages of origin '" + origin +
+                                                   "' are refused; start the server with --allow-origin to allow one",
+                                               "invalid_request_error", "forbidden_origin"),
+                                    "application/json");
+                    return true;
+                }
+                res.set_header("Access-Control-Allow-Origin", origin);
+                res.set_header("Vary", "Origin");
+                if (req.method == "OPTIONS") {  // a preflight: no key, no body
+                    res.status = 204;
+                    res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+                    res.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
+                    res.set_header("Access-Control-Max-Age", "600");
+                    return true;
+                }
+            }
             if (!p.api_key.empty() && req.path != "/health" && !http_bearer_matches(req, p.api_key)) {
                 res.status = 401;
                 res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"),

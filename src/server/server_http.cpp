@@ -315,4 +315,23 @@ bool http_can_chunk(const httplib::Request & req) {
     return req.version != "HTTP/1.0" && req.version != "HTTP/0.9";
 }
 
+bool http_origin_allowed(const std::string & origin, const std::vector<std::string> & allowed) {
+    for (const auto & a : allowed)
+        if (a == "*" || a == origin) return true;
+    // scheme://host[:port], host a loopback name; "null" (a sandboxed page, a file) is none
+    for (const char * scheme : {"http://", "https://"}) {
+        if (origin.rfind(scheme, 0) != 0) continue;
+        std::string host = origin.substr(std::strlen(scheme));
+        size_t end = host[0] == '[' ? host.find(']') + 1 : host.find(':');
+        if (end == 0) return false;  // '[' without ']'
+        const std::string rest = end == std::string::npos ? "" : host.substr(end);
+        host = host.substr(0, end);
+        if (!rest.empty() && (rest[0] != ':' || rest.size() < 2 || rest.size() > 6 ||
+                              rest.find_first_not_of("0123456789", 1) != std::string::npos))
+            return false;
+        return host == "localhost" || host == "127.0.0.1" || host == "[::1]";
+    }
+    return false;
+}
+
 }  // namespace kvblend

@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "httplib.h"
 
@@ -46,5 +47,9 @@ bool http_bearer_matches(const httplib::Request & req, const std::string & key);
 
 // whether the client can read a chunked response (HTTP/1.1 and later)
 bool http_can_chunk(const httplib::Request & req);
+
+// whether a web page of `origin` (an Origin header's value) may call the server:
+// a loopback origin, one listed, or any when the list holds "*"
+bool http_origin_allowed(const std::string & origin, const std::vector<std::string> & allowed);
 
 }  // namespace kvblend

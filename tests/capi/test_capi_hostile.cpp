@@ -279,6 +279,48 @@ TEST_F(capi_hostile, an_ingest_whose_writes_fail_is_an_error_not_ids_of_nothing)
     kvb_store_free(st);
 }
 
+TEST_F(capi_hostile, an_ingest_past_its_budget_or_over_a_damaged_entry_returns_no_dead_ids) {
+    kvblend::test::temp_dir dir("capi-budget");
+    const std::string path = dir.file("kv");
+    // one chunk's entry, measured, then a budget of a chunk and a half
+    kvb_store * st = nullptr;
+    ASSERT_EQ(kvb_store_open(path.c_str(), nullptr, &st), KVB_OK) << kvb_last_error();
+    ASSERT_EQ(kvb_ingest(ctx, st, k_texts, 1, nullptr, nullptr, nullptr, nullptr), KVB_OK) << kvb_last_error();
+    kvb_store_stats ss;
+    ASSERT_EQ(kvb_store_get_stats(st, &ss), KVB_OK);
+    ASSERT_EQ(ss.n_entries, 1u);
+    kvb_store_free(st);
+    fs::remove_all(path);
+
+    kvb_store_params sp = kvb_store_default_params();
+    sp.max_bytes = ss.bytes * 3 / 2;
+    ASSERT_EQ(kvb_store_open(path.c_str(), &sp, &st), KVB_OK) << kvb_last_error();
+    kvb_id * ids = reinterpret_cast<kvb_id *>(0x1);
+    size_t n_ids = 7;
+    // three chunks through a budget that holds one: the first two are evicted again
+    EXPECT_EQ(kvb_ingest(ctx, st, k_texts, 3, nullptr, &ids, &n_ids, nullptr), KVB_ERR_FAILED);
+    EXPECT_NE(last_error().find("evicted"), std::string::npos) << last_error();
+    EXPECT_EQ(ids, reinterpret_cast<kvb_id *>(0x1));
+    EXPECT_EQ(n_ids, 7u);
+    kvb_store_free(st);
+
+    // a stored entry that is damaged is collected again, not counted as stored
+    fs::remove_all(path);
+    ASSERT_EQ(kvb_store_open(path.c_str(), nullptr, &st), KVB_OK) << kvb_last_error();
+    ASSERT_EQ(kvb_ingest(ctx, st, k_texts, 1, nullptr, &ids, &n_ids, nullptr), KVB_OK) << kvb_last_error();
+    const std::string id(ids[0].hex, strnlen(ids[0].hex, KVB_ID_LEN));
+    kvb_free(ids);
+    std::ofstream(fs::path(path) / "entries" / id.substr(0, 2) / (id + ".kvb"), std::ios::trunc);  // truncated to 0 bytes
+    kvb_ingest_stats is{};
+    ASSERT_EQ(kvb_ingest(ctx, st, k_texts, 1, nullptr, nullptr, nullptr, &is), KVB_OK) << kvb_last_error();
+    EXPECT_EQ(is.n_present, 0);
+    EXPECT_EQ(is.n_collected, 1);
+    // and the id names a usable document again
+    kvb_doc doc = {nullptr, id.c_str()};
+    EXPECT_EQ(kvb_blend(ctx, st, "", &doc, 1, "q", nullptr, nullptr, nullptr, nullptr), KVB_OK) << kvb_last_error();
+    kvb_store_free(st);
+}
+
 struct vanish {
     std::string path;
     int calls = 0;

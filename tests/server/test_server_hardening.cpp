@@ -19,6 +19,7 @@
 #include "httplib.h"
 #include "kvblend/server.h"
 #include "server/running_server.h"
+#include "server/server_http.h"
 #include "store/redis_server.h"
 #include "test_util.h"
 
@@ -653,6 +654,55 @@ TEST(server_hardening, models_retrieve_finds_the_model_by_its_id) {
     ASSERT_TRUE(other);
     EXPECT_EQ(other->status, 404);
     EXPECT_EQ(openai_error_of(other)["code"], "model_not_found");
+}
+
+TEST(server_hardening, web_pages_of_other_origins_cannot_drive_the_server) {
+    server_params p = small_params();
+    p.api_key = "k";
+    p.allow_origins = {"https://app.example"};
+    live_server s(p);
+    const std::string body = R"({"prompt":"Once","max_tokens":2})";
+    const std::string key = "Authorization: Bearer k\r\n";
+    auto send = [&](const std::string & request) {
+        raw_conn rc(s.port());
+        rc.send(request);
+        return rc.read_all(5000);
+    };
+    // a form post from a page elsewhere (no preflight, no key needed to start it) is refused
+    for (const char * origin : {"http://evil.example", "null", "http://localhost.evil.example", "http://127.0.0.1.evil:80"}) {
+        const std::string r = send(http_post("/v1/completions", body, key + "Origin: " + origin + "\r\n"));
+        EXPECT_EQ(status_of(r), 403) << origin << ": " << r;
+        EXPECT_NE(body_of(r).find("forbidden_origin"), std::string::npos) << r;
+    }
+    // loopback pages and listed origins may call it, and may read the answer (CORS)
+    for (const char * origin : {"http://localhost:3000", "http://127.0.0.1", "https://[::1]:8443", "https://app.example"}) {
+        const std::string r = send(http_post("/v1/completions", body, key + "Origin: " + origin + "\r\n"));
+        EXPECT_EQ(status_of(r), 200) << origin << ": " << r;
+        EXPECT_NE(r.find(std::string("Access-Control-Allow-Origin: ") + origin), std::string::npos) << r;
+    }
+    // a preflight needs no key; its answer lets the page send JSON with a key
+    const std::string pre = send("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: https://app.example\r\n"
+                                 "Access-Control-Request-Method: POST\r\n"
+                                 "Access-Control-Request-Headers: authorization, content-type\r\n\r\n");
+    EXPECT_EQ(status_of(pre), 204) << pre;
+    EXPECT_NE(pre.find("Access-Control-Allow-Headers: Authorization, Content-Type"), std::string::npos) << pre;
+    EXPECT_EQ(status_of(send("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: http://evil.example\r\n\r\n")), 403);
+    // clients that are no browser send no Origin: as before
+    EXPECT_EQ(status_of(send(http_post("/v1/completions", body, key))), 200);
+    EXPECT_EQ(status_of(send(http_post("/v1/completions", body))), 401);
+}
+
+TEST(server_hardening, origins_are_matched_whole) {
+    EXPECT_TRUE(http_origin_allowed("http://localhost", {}));
+    EXPECT_TRUE(http_origin_allowed("https://localhost:65535", {}));
+    EXPECT_TRUE(http_origin_allowed("http://[::1]:80", {}));
+    for (const char * o : {"", "null", "localhost", "http://", "http://[", "http://[::1", "http://localhost:", "http://localhost:abc",
+                           "http://localhost:1234567", "http://localhost/", "http://localhost.example", "ftp://localhost",
+                           "http://127.0.0.2", "http://0.0.0.0"})
+        EXPECT_FALSE(http_origin_allowed(o, {})) << o;
+    EXPECT_TRUE(http_origin_allowed("https://app.example", {"https://app.example"}));
+    EXPECT_FALSE(http_origin_allowed("https://app.example:444", {"https://app.example"}));
+    EXPECT_TRUE(http_origin_allowed("http://anything", {"*"}));
 }
 
 }  // namespace
