@@ -126,6 +126,11 @@ std::string error_of(F && f) {
 }
 
 // the largest |a - b| over the largest |b| (infinite when the sizes differ)
+// where the dir store keeps the entry of a key (docs/STORE_FORMAT.md)
+inline std::filesystem::path dir_entry_file(const std::filesystem::path & root, const std::string & key) {
+    return root / "entries" / key.substr(0, 2) / (key + ".kvb");
+}
+
 inline double max_rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
     if (a.size() != b.size()) return INFINITY;
     double d = 0, mx = 0;

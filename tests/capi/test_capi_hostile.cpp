@@ -310,7 +310,7 @@ TEST_F(capi_hostile, an_ingest_past_its_budget_or_over_a_damaged_entry_returns_n
     ASSERT_EQ(kvb_ingest(ctx, st, k_texts, 1, nullptr, &ids, &n_ids, nullptr), KVB_OK) << kvb_last_error();
     const std::string id(ids[0].hex, strnlen(ids[0].hex, KVB_ID_LEN));
     kvb_free(ids);
-    std::ofstream(fs::path(path) / "entries" / id.substr(0, 2) / (id + ".kvb"), std::ios::trunc);  // truncated to 0 bytes
+    std::ofstream(kvblend::test::dir_entry_file(path, id), std::ios::trunc);  // truncated to 0 bytes
     kvb_ingest_stats is{};
     ASSERT_EQ(kvb_ingest(ctx, st, k_texts, 1, nullptr, nullptr, nullptr, &is), KVB_OK) << kvb_last_error();
     EXPECT_EQ(is.n_present, 0);

@@ -38,9 +38,7 @@ std::vector<llama_token> doc_tokens(const model & m, int i) {
     return rag_doc_tokens(m.tokens(), docs[i % 4]);
 }
 
-fs::path entry_file(const test::temp_dir & d, const std::string & key) {
-    return d.path() / "entries" / key.substr(0, 2) / (key + ".kvb");
-}
+fs::path entry_file(const test::temp_dir & d, const std::string & key) { return test::dir_entry_file(d.path(), key); }
 
 void expect_same_chunk(const chunk_kv & a, const chunk_kv & b) {
     EXPECT_EQ(a.tokens, b.tokens);

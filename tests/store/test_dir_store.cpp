@@ -27,9 +27,7 @@ namespace fs = std::filesystem;
 
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
-fs::path entry_file(const fs::path & root, const std::string & key) {
-    return root / "entries" / key.substr(0, 2) / (key + ".kvb");
-}
+fs::path entry_file(const fs::path & root, const std::string & key) { return test::dir_entry_file(root, key); }
 
 std::string slurp(const fs::path & p) {
     std::ifstream f(p, std::ios::binary);
