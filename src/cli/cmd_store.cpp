@@ -175,14 +175,14 @@ int cmd_ingest(int argc, char ** argv) {
         if (fs.misses > misses) tokens += (int64_t) chunks[i].size();
         bar.update(i + 1, tokens);
     }
-    std::printf("ingested %zu chunks into %s: %lld collected (%lld tokens, %.1f s), %lld already stored\n", chunks.size(),
-                st->uri().c_str(), (long long) fs.misses, (long long) tokens, fs.collect_ms / 1000.0, (long long) fs.hits);
     // a budget too small for the whole ingest evicts its first chunks again
     size_t gone = 0;
     for (const auto & k : keys) gone += !st->contains(k);
     if (gone)
         throw error(std::to_string(gone) + " of the " + std::to_string(keys.size()) +
                     " chunks were evicted again by the store's budget before the ingest ended (--store-max-gb cannot hold them all)");
+    std::printf("ingested %zu chunks into %s: %lld collected (%lld tokens, %.1f s), %lld already stored\n", chunks.size(),
+                st->uri().c_str(), (long long) fs.misses, (long long) tokens, fs.collect_ms / 1000.0, (long long) fs.hits);
     return 0;
 }
 

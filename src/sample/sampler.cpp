@@ -19,6 +19,7 @@ uint32_t sampler_seed(int64_t seed) {
 sampler::sampler(const sampler_params & p) : p_(p) {}
 
 void sampler::build(int32_t n_vocab) {
+    if (p_.penalty_last_n < 0) throw error("penalty_last_n must not be negative");
     n_vocab_ = n_vocab;
     chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
     if (!p_.logit_bias.empty()) {

@@ -495,6 +495,7 @@ struct server::impl {
         j.sp.presence_penalty = (float) num("presence_penalty", -2, 2, 0.0);
         j.sp.repeat_penalty = (float) num(b.contains("repetition_penalty") ? "repetition_penalty" : "repeat_penalty", 0.01, 10, 1.0);
         j.sp.penalty_last_n = (int32_t) num("repeat_last_n", -1, 1 << 20, 64);
+        if (j.sp.penalty_last_n < 0) j.sp.penalty_last_n = (int32_t) p.n_ctx;  // -1: the whole context (libllama's -1 is off)
         if (b.contains("logit_bias") && b["logit_bias"].is_object())
             for (const auto & [k, x] : b["logit_bias"].items()) {
                 const int64_t id = std::stoll(k);

@@ -1,5 +1,6 @@
 // chunk entries: keys, the self-describing entry format (docs/STORE_FORMAT.md),
 // and the get-or-collect path every caller of the store uses.
+#include <cctype>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -390,6 +391,13 @@ std::unique_ptr<store> store_open(const std::string & uri, const store_options &
     if (const size_t sep = uri.find("://"); sep != std::string::npos)
         throw error("unknown store URI scheme '" + uri.substr(0, sep + 3) + "' (use dir:PATH or redis://HOST[:PORT])");
     if (uri.empty()) throw error("empty store URI");
+    // "redis:/…", "REDIS://…": a mistyped URI, never a folder of that name (whose
+    // name, password and all, /health and stats would then show)
+    std::string head = uri.substr(0, 6);
+    for (char & ch : head) ch = (char) std::tolower((unsigned char) ch);
+    if (head.rfind("redis:", 0) == 0 || head.rfind("rediss", 0) == 0)
+        throw error("the store URI begins like a Redis one but is not redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]; "
+                    "write dir:PATH for a folder of that name");
     return dir_store_open(uri, opts);
 }
 

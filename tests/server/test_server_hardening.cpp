@@ -632,6 +632,9 @@ TEST(server_hardening, penalties_logit_bias_and_every_seed_are_honoured) {
     EXPECT_NE(text_of({{"frequency_penalty", 2}}), plain);
     EXPECT_NE(text_of({{"presence_penalty", 2}}), plain);
     EXPECT_NE(text_of({{"repeat_penalty", 3}}), plain);
+    // -1: over the whole context (libllama's own -1 would turn the penalties off)
+    EXPECT_EQ(text_of({{"repeat_penalty", 3}, {"repeat_last_n", -1}}), text_of({{"repeat_penalty", 3}, {"repeat_last_n", 512}}));
+    EXPECT_NE(text_of({{"frequency_penalty", 2}, {"repeat_last_n", -1}}), plain);
     EXPECT_EQ(text_of({{"frequency_penalty", 0}, {"presence_penalty", 0}, {"repeat_penalty", 1}}), plain);
     // 2^32 - 1 is libllama's "random": a client's seed never means that
     for (const json seed : {json(4294967295ull), json(int64_t(1) << 40)}) {

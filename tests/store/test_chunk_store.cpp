@@ -330,6 +330,16 @@ TEST(chunk_store, bad_uris_and_keys_are_errors) {
     EXPECT_THROW(store_open(""), error);
     EXPECT_THROW(store_open("ftp://x"), error);
     EXPECT_THROW(store_open("dir:/proc/kvblend-cannot-create"), error);
+    // a mistyped Redis URI is no folder of that name (whose name, password and all, stats would show)
+    for (const char * typo : {"redis:/:SECRET@127.0.0.1", "redis:SECRET@h", "REDIS:/h", "rediss:h"}) {
+        try {
+            store_open(typo);
+            ADD_FAILURE() << typo << " opened";
+        } catch (const error & e) {
+            EXPECT_EQ(std::string(e.what()).find("SECRET"), std::string::npos) << e.what();
+        }
+        EXPECT_FALSE(fs::exists(typo)) << typo;
+    }
     test::temp_dir d("store");
     auto st = store_open(d.path().string());
     EXPECT_THROW(st->put("../../etc/passwd", {1}), error);
