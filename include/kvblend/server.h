@@ -17,6 +17,7 @@ struct server_params {
     std::string host            = "127.0.0.1";  // loopback unless asked otherwise
     int         port            = 8080;         // 0: any free port (see server::port())
     std::string store_uri;                      // empty: chunks are collected per request, not kept
+    uint64_t    store_max_bytes = 0;            // the store's budget (least recently used go first); 0: none
     std::string codec           = "raw";
     int64_t     n_ctx           = 4096;         // per slot
     int         parallel        = 1;            // slots: requests computed at once

@@ -24,6 +24,7 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --port N                  port (default 8080)
   --store URI               chunk store (dir:PATH, a path, or
                             redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])
+  --store-max-gb X          size budget of the store (least recently used go first; default none)
   --codec NAME              how stored chunks hold their KV (default raw)
   -c, --ctx-size N          context per slot (default 4096)
   --parallel N              slots computing at once (default 1)
@@ -118,6 +119,7 @@ int cmd_serve(int argc, char ** argv) {
         else if (a.match({"--read-timeout"})) sp.read_timeout_s = (int) a.integer(1, 3600);
         else if (a.match({"--max-connections"})) sp.max_connections = (int) a.integer(1, 65536);
         else if (a.match({"--max-conns-per-client"})) sp.max_connections_per_client = (int) a.integer(0, 65536);
+        else if (a.match({"--store-max-gb"})) sp.store_max_bytes = parse_store_budget(a);
         else if (a.match({"--allow-origin"})) {
             const std::string o = a.str();
             if (o.empty() || o.find_first_of(" \t\r\n,") != std::string::npos || (o != "*" && o.find("://") == std::string::npos))

@@ -246,7 +246,9 @@ struct server::impl {
         codec_by_name(p.codec);  // a bad codec name fails at start
         if (!p.kv_codec.empty()) codec_by_name(p.kv_codec);  // … and a bad live cache name (its options too)
         if (!p.store_uri.empty()) {
-            auto s = std::make_unique<soft_store>(store_open(p.store_uri));
+            store_options so;
+            so.max_bytes = p.store_max_bytes;
+            auto s = std::make_unique<soft_store>(store_open(p.store_uri, so));
             soft = s.get();
             st = std::make_unique<locked_store>(std::move(s));
         }
@@ -333,6 +335,14 @@ struct server::impl {
             }
             j.ingest_keys.push_back(key);
         }
+        // a budget too small for the whole request evicts its first documents again
+        store & direct = soft ? soft->backend() : *st;
+        for (size_t i = 0; i < j.ingest_keys.size(); ++i)
+            if (!direct.contains(j.ingest_keys[i]))
+                throw request_error{507,
+                                    "the store's budget cannot hold every document of this request: document " +
+                                        std::to_string(i) + " was evicted again before the request ended",
+                                    "server_error", "store_budget_exceeded"};
         j.store_hits = fs.hits;
         j.store_misses = fs.misses;
     }

@@ -18,6 +18,7 @@
 #include "cli_run.h"
 #include "httplib.h"
 #include "kvblend/server.h"
+#include "kvblend/store.h"
 #include "server/running_server.h"
 #include "server/server_http.h"
 #include "store/redis_server.h"
@@ -513,6 +514,34 @@ TEST(server_hardening, a_document_the_store_failed_to_write_is_a_5xx_not_an_id) 
     EXPECT_NE(e["message"].get<std::string>().find("document 0"), std::string::npos) << e["message"];
     // the one stored before is still served
     EXPECT_EQ(c.Post("/v1/documents", R"({"documents":["Tom had a red ball."]})", "application/json")->status, 200);
+}
+
+TEST(server_hardening, the_store_budget_holds_and_documents_it_cannot_hold_get_no_ids) {
+    test::temp_dir d("hardbudget");
+    uint64_t one = 0;
+    {
+        live_server s(small_params((d.path() / "measure").string()));
+        auto c = s.client();
+        ASSERT_EQ(c.Post("/v1/documents", R"({"documents":["Tom had a red ball."]})", "application/json")->status, 200);
+        one = store_open((d.path() / "measure").string())->stats().bytes;
+        ASSERT_GT(one, 0u);
+    }
+    server_params p = small_params((d.path() / "kv").string());
+    p.store_max_bytes = one * 5 / 2;  // two documents' entries
+    live_server s(p);
+    auto c = s.client();
+    for (const char * doc : {"Tom had a red ball.", "Sue found a cat.", "Lily drew a tree.", "Max kept a bird warm."})
+        EXPECT_EQ(c.Post("/v1/documents", json{{"documents", {doc}}}.dump(), "application/json")->status, 200) << doc;
+    const store_stats st = store_open((d.path() / "kv").string())->stats();
+    EXPECT_LE(st.bytes, p.store_max_bytes);
+    EXPECT_LT(st.n_entries, 4u);  // the least recently used went
+    // three at once cannot all be held: no ids of evicted documents
+    auto r = c.Post("/v1/documents", json{{"documents", {"Tom had a red ball and a blue kite.", "Sue found a little cat in the garden.",
+                                           "Lily had a big box of crayons today."}}}.dump(),
+                    "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 507) << r->body;
+    EXPECT_EQ(openai_error_of(r)["code"], "store_budget_exceeded");
 }
 
 TEST(server_hardening, documents_by_id_stop_at_the_context_and_every_user_message_is_the_question) {
