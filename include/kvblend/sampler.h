@@ -46,6 +46,7 @@ class sampler {
 
   private:
     void build(int32_t n_vocab);
+    bool penalized() const;  // some penalty is on
 
     sampler_params p_;
     llama_sampler * chain_ = nullptr;     // built by the first sample(): some samplers need n_vocab

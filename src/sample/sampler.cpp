@@ -29,7 +29,7 @@ void sampler::build(int32_t n_vocab) {
         llama_sampler_chain_add(chain_, llama_sampler_init_logit_bias(n_vocab, (int32_t) p_.logit_bias.size(),
                                                                       p_.logit_bias.data()));
     }
-    if (p_.penalty_last_n != 0 && (p_.repeat_penalty != 1.0f || p_.freq_penalty != 0.0f || p_.presence_penalty != 0.0f))
+    if (penalized())
         llama_sampler_chain_add(chain_, llama_sampler_init_penalties(n_vocab, p_.penalty_last_n, p_.repeat_penalty,
                                                                      p_.freq_penalty, p_.presence_penalty));
     // logits divided by a temperature near zero overflow to inf (1e-38 gave garbage);
@@ -51,7 +51,12 @@ sampler::~sampler() {
     if (chain_) llama_sampler_free(chain_);
 }
 
+bool sampler::penalized() const {
+    return p_.penalty_last_n != 0 && (p_.repeat_penalty != 1.0f || p_.freq_penalty != 0.0f || p_.presence_penalty != 0.0f);
+}
+
 void sampler::accept(llama_token tok) {
+    if (!penalized()) return;  // only the penalties look back at tokens that were not sampled
     if (chain_) llama_sampler_accept(chain_, tok);
     else pending_.push_back(tok);
 }

@@ -407,8 +407,8 @@ struct server::impl {
 
         sampler smp(j.sp);
         // the penalties look back over the prompt too (as llama-server's do)
-        const size_t back = j.sp.penalty_last_n < 0 ? j.tokens.size() : (size_t) j.sp.penalty_last_n;
-        for (size_t i = j.tokens.size() - std::min(back, j.tokens.size()); i < j.tokens.size(); ++i) smp.accept(j.tokens[i]);
+        const size_t back = std::min((size_t) j.sp.penalty_last_n, j.tokens.size());
+        for (size_t i = j.tokens.size() - back; i < j.tokens.size(); ++i) smp.accept(j.tokens[i]);
         std::string text;       // everything generated, for stop strings
         size_t sent = 0;        // bytes of text already emitted
         j.finish_reason = "length";

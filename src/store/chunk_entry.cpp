@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <optional>
 
 #include "kvblend/blend.h"
 #include "kvblend/codec.h"
@@ -264,8 +263,10 @@ std::string chunk_entry_check(const std::vector<uint8_t> & bytes, const model * 
     }
 }
 
-chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && b, chunk_entry_info * info) {
-    const entry_header h = parse(b);
+namespace {
+
+// an entry whose header parse() has read, for model m
+chunk_kv decode_parsed(const model & m, const entry_header & h, std::vector<uint8_t> && b, chunk_entry_info * info) {
     check_against(h, b, m);
     if (info) {
         info->prefix = entry_prefix(h, b);
@@ -292,27 +293,28 @@ chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && b, chunk_entry_in
     return c;
 }
 
+}  // namespace
+
+chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && b, chunk_entry_info * info) {
+    const entry_header h = parse(b);
+    return decode_parsed(m, h, std::move(b), info);
+}
+
 chunk_kv chunk_decode(const model & m, const std::vector<uint8_t> & bytes, chunk_entry_info * info) {
     return chunk_decode(m, std::vector<uint8_t>(bytes), info);
 }
 
 chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const std::string & id, bool * remove) {
     if (remove) *remove = true;  // an entry that does not decode, or holds another chunk, is of no use to anyone
+    const entry_header h = parse(bytes);
     // a whole entry of another model is that model's document (a store may be
     // shared by several models: the id names the model too): never ours to remove
-    if (remove) {
-        std::optional<entry_header> h;
-        try {
-            h = parse(bytes);
-        } catch (const error &) {
-        }
-        if (h && h->fingerprint != m.fingerprint()) {
-            *remove = false;
-            throw error("the entry belongs to another model (fingerprint " + h->fingerprint + ")");
-        }
+    if (h.fingerprint != m.fingerprint()) {
+        if (remove) *remove = false;
+        throw error("the entry belongs to another model (fingerprint " + h.fingerprint + ")");
     }
     chunk_entry_info info;
-    chunk_kv c = chunk_decode(m, std::move(bytes), &info);
+    chunk_kv c = decode_parsed(m, h, std::move(bytes), &info);
     if (info.key.empty()) {
         if (remove) *remove = false;  // a valid evicted chunk, maybe: left alone
         throw error("an evicted chunk's entry cannot be shown to be a document (its eviction is not in the entry)");
