@@ -241,7 +241,7 @@ class dir_store : public store {
 
     bool erase(const std::string & key) override {
         check_key(key);
-        check_is_store();
+        if (check_is_store()) return false;  // no store yet: nothing to erase, nothing to make
         dir_lock lock(root_ / "lock");
         bool removed = unlink(entry_path(key).c_str()) == 0;
         if (!removed && (errno == EISDIR || errno == EPERM)) {  // a directory in the entry's place
@@ -330,18 +330,33 @@ class dir_store : public store {
 
     // a folder of someone else's files is no store: no put may write an index
     // into it, no gc clean its tmp/, and what reads find there is not ours.
-    // a store has entries/ or an index of ours; true: a missing or empty
-    // folder, a store to make
+    // a store has entries/ or an index of ours; true: a store to make, a
+    // missing folder or one holding nothing but what a store makes before its
+    // entries/ (the lock and tmp/ of an erase or gc there, or of a process
+    // making the store this moment)
     bool check_is_store() const {
         std::error_code ec;
         const fs::file_status st = fs::status(root_, ec);
         if (!fs::exists(st)) return true;
         if (!fs::is_directory(st)) throw error("store path '" + root_.string() + "' is not a directory");
         if (fs::is_directory(root_ / "entries", ec) || index_is_ours()) return false;
-        const fs::directory_iterator it(root_, ec);
-        if (!ec && it == fs::directory_iterator()) return true;
+        std::string stranger;
+        for (fs::directory_iterator it(root_, ec), end; !ec && it != end; it.increment(ec)) {
+            const std::string name = it->path().filename().string();
+            const fs::file_type type = it->symlink_status(ec).type();
+            if (ec) break;
+            if ((name == "lock" && type == fs::file_type::regular) || (name == "tmp" && type == fs::file_type::directory))
+                continue;
+            // entries/ or an index that came in while the folder was listed:
+            // a store another process is making
+            if ((name == "entries" || name == "index") && (fs::is_directory(root_ / "entries") || index_is_ours()))
+                return false;
+            stranger = name;
+            break;
+        }
+        if (!ec && stranger.empty()) return true;
         const std::string why = ec ? "it cannot be listed (" + ec.message() + ")"
-                                   : "it holds other files, but no entries/ and no kvblend index";
+                                   : "it holds other files ('" + stranger + "'), but no entries/ and no kvblend index";
         throw error("'" + root_.string() + "' is not a kvblend store: " + why + " (use an empty or a new directory)");
     }
 

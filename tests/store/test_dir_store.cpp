@@ -175,6 +175,24 @@ TEST(dir_store, a_directory_that_is_no_store_is_refused) {
     ro.create = false;
     store_open(e.file("gc"), ro)->gc();
     EXPECT_EQ(store_open(e.file("gc"), ro)->stats().n_entries, 0u);
+
+    // what a store makes before its entries/ (its lock, tmp/) is no stranger:
+    // a second process that lists the folder while the first one makes the
+    // store, or after an erase there, sees a store to make
+    fs::create_directories(e.path() / "early" / "tmp");
+    std::ofstream(e.path() / "early" / "lock");
+    EXPECT_FALSE(store_open(e.file("early"), ro)->erase("aaaa0000aaaa0000"));
+    store_open(e.file("early"))->put("aaaa0000aaaa0000", std::vector<uint8_t>(100, 1));
+    EXPECT_EQ(store_open(e.file("early"), ro)->stats().n_entries, 1u);
+    fs::create_directories(e.path() / "erased");
+    EXPECT_FALSE(store_open(e.file("erased"), ro)->erase("aaaa0000aaaa0000"));
+    EXPECT_TRUE(fs::is_empty(e.path() / "erased"));  // nothing made in a folder that is no store yet
+
+    // a stranger's name is in the error
+    fs::create_directories(e.path() / "notes" / "tmp");
+    std::ofstream(e.path() / "notes" / "todo.txt") << "buy milk";
+    const std::string err = test::error_of([&] { store_open(e.file("notes")); });
+    EXPECT_NE(err.find("'todo.txt'"), std::string::npos) << err;
 }
 
 // verify reads every entry: that is no use of it, or the next put under a
