@@ -2,7 +2,7 @@
 // hashes everything that changes its KV (model fingerprint, KV layout and
 // codec, token ids, the prefix it was collected behind). Entries are
 // self-describing and checksummed (docs/STORE_FORMAT.md). Backends by URI:
-// "dir:PATH" or a bare path (the embedded default), "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]"
+// "dir:PATH" or a bare path (the embedded default), "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S]"
 // (uri() and stats show the password as ***).
 #pragma once
 
@@ -42,7 +42,7 @@ struct store_options {
     // plus 1 s per MB it moves, fails ("did not answer within N s"), however
     // slowly the server trickles bytes. put/get callers treat it as any other
     // store failure (a blend, the server: a miss and a warning)
-    double timeout_s = 10;
+    double timeout_s = 10;  // a redis URI's ?timeout=S replaces it
 };
 
 // raw key -> bytes storage. every method throws kvblend::error on I/O failure

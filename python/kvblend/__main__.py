@@ -51,7 +51,7 @@ def _sampling(p):
 
 
 def _store_opts(p, required):
-    p.add_argument("--store", required=required, help="dir:PATH, a path, or redis://HOST:PORT[/DB]")
+    p.add_argument("--store", required=required, help="dir:PATH, a path, or redis://HOST:PORT[/DB][?timeout=S]")
     p.add_argument("--store-max-gb", type=float, default=0.0, help="size budget of a dir store")
     p.add_argument("--codec", default="raw", help="how stored chunks hold their KV (default raw)")
 

@@ -42,7 +42,7 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
                           the query's attention in the layer before the check layer)
   --collect-with-prefix   collect each document behind the prefix chunk
   --store URI             chunk store (dir:PATH, a path, or
-                          redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]):
+                          redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S]):
                           hits are loaded, misses collected and put
   --store-max-gb X        size budget of the store (least recently used go first)
   --codec NAME            how stored chunks hold their KV: raw (default), f16,

@@ -23,7 +23,7 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --host H                  address to listen on (default 127.0.0.1)
   --port N                  port (default 8080)
   --store URI               chunk store (dir:PATH, a path, or
-                            redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])
+                            redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S])
   --store-max-gb X          size budget of the store (least recently used go first; default none)
   --codec NAME              how stored chunks hold their KV (default raw)
   -c, --ctx-size N          context per slot (default 4096)

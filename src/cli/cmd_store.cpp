@@ -40,7 +40,7 @@ stored are skipped. By default each file is one chunk, cut exactly as
 
   -m, --model FILE        GGUF model
   --store URI             dir:PATH (or a bare path) or
-                          redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]
+                          redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S]
   --chunk-size N          cut each file into chunks of N tokens instead
   --split paragraph       one chunk per paragraph (blank-line separated) instead
   --collect-with-prefix   collect each chunk behind the prefix chunk (as blend's option)
@@ -60,7 +60,7 @@ const char * k_store_help = R"(usage: kvblend store stats|ls|verify|gc --store U
   gc         enforce the size budget (least recently used first) and clean up
 
   --store URI        dir:PATH (or a bare path) or
-                     redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]
+                     redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S]
   -m, --model FILE   (verify) also check entries against this model
   --store-max-gb X   (gc) the size budget
   --json             machine-readable output

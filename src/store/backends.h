@@ -11,7 +11,7 @@ namespace kvblend {
 // the embedded default: one file per entry plus an index, in a directory
 std::unique_ptr<store> dir_store_open(const std::string & path, const store_options & opts);
 
-// redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] (HOST may be [IPv6]), through
+// redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S] (HOST may be [IPv6]), through
 // hiredis; entries live under "kvblend:chunk:<key>". uri() hides the password
 std::unique_ptr<store> redis_store_open(const std::string & uri, const store_options & opts);
 

@@ -398,7 +398,7 @@ std::unique_ptr<store> store_open(const std::string & uri, const store_options &
     std::string head = uri.substr(0, 6);
     for (char & ch : head) ch = (char) std::tolower((unsigned char) ch);
     if (head.rfind("redis:", 0) == 0 || head.rfind("rediss", 0) == 0)
-        throw error("the store URI begins like a Redis one but is not redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]; "
+        throw error("the store URI begins like a Redis one but is not redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S]; "
                     "write dir:PATH for a folder of that name");
     return dir_store_open(uri, opts);
 }

@@ -105,6 +105,7 @@ struct redis_address {
     bool auth = false;  // the URI names a password: AUTH after every connect
     std::string user;   // empty: AUTH PASSWORD (redis' default user, or requirepass)
     std::string password;
+    double timeout_s = 0;  // ?timeout=S: the per-command deadline; 0 = store_options::timeout_s
 };
 
 bool all_digits(const std::string & s) {
@@ -148,12 +149,13 @@ bool percent_decode(const std::string & in, std::string & out) {
     return true;
 }
 
-// redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]; HOST a name, an IPv4 address or
-// a bracketed IPv6 one. messages show the URI redacted: never the password
+// redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=SECONDS]; HOST a name,
+// an IPv4 address or a bracketed IPv6 one. messages show the URI redacted:
+// never the password
 redis_address parse_uri(const std::string & uri) {
     auto bad = [&](const std::string & why) {
         return error("malformed redis URI '" + redact_uri(uri) + "': " + why +
-                     " (expected redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])");
+                     " (expected redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=SECONDS])");
     };
     const std::string scheme = "redis://";
     if (uri.compare(0, scheme.size(), scheme) != 0) throw bad("it does not start with redis://");
@@ -174,6 +176,25 @@ redis_address parse_uri(const std::string & uri) {
             throw bad("a '%' in the password is not followed by two hex digits");
         if (a.password.empty()) throw bad("an empty password");
         a.auth = true;
+    }
+    const size_t query = rest.find('?');
+    if (query != std::string::npos) {
+        const std::string q = rest.substr(query + 1);
+        rest.resize(query);
+        for (size_t b = 0; b <= q.size();) {
+            const size_t e = std::min(q.find('&', b), q.size());
+            const std::string kv = q.substr(b, e - b);
+            const size_t eq = kv.find('=');
+            const std::string key = kv.substr(0, eq), val = eq == std::string::npos ? "" : kv.substr(eq + 1);
+            if (key != "timeout") throw bad("unknown option '" + key + "' (the one option is timeout=SECONDS)");
+            char * end = nullptr;
+            errno = 0;
+            const double t = val.empty() ? 0 : std::strtod(val.c_str(), &end);
+            if (val.empty() || errno || *end || !(t > 0) || t > 1e6)
+                throw bad("timeout '" + val + "' is not a number of seconds in (0, 1e6]");
+            a.timeout_s = t;
+            b = e + 1;
+        }
     }
     const size_t slash = rest.find('/');
     if (slash != std::string::npos) {
@@ -803,9 +824,11 @@ class redis_store : public store {
 
 std::unique_ptr<store> redis_store_open(const std::string & uri, const store_options & opts) {
     redis_address addr = parse_uri(uri);
-    if (!(opts.timeout_s > 0) || opts.timeout_s > 1e6)
-        throw error("store timeout " + std::to_string(opts.timeout_s) + " s is not in (0, 1e6]");
-    return std::make_unique<redis_store>(redact_uri(uri), std::move(addr), opts);
+    store_options o = opts;
+    if (addr.timeout_s > 0) o.timeout_s = addr.timeout_s;  // the URI's own deadline wins: it travels with the store's name
+    if (!(o.timeout_s > 0) || o.timeout_s > 1e6)
+        throw error("store timeout " + std::to_string(o.timeout_s) + " s is not in (0, 1e6]");
+    return std::make_unique<redis_store>(redact_uri(uri), std::move(addr), o);
 }
 
 }  // namespace kvblend

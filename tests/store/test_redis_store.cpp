@@ -423,6 +423,14 @@ TEST_F(RedisStore, ATricklingServerFailsAtTheDeadline) {
     EXPECT_NE(msg.find("did not answer within 1.0 s"), std::string::npos) << msg;
     EXPECT_LT(s, 3.0);
 
+    // the URI's ?timeout= is the deadline, whatever the options say (a store
+    // named to the server, the C API or Python carries its own)
+    opts.timeout_s = 30;
+    auto by_uri = redis_store_open("redis://127.0.0.1:" + std::to_string(proxy.port()) + "/0?timeout=1", opts);
+    msg = timed([&] { by_uri->get("x"); }, s);
+    EXPECT_NE(msg.find("did not answer within 1.0 s"), std::string::npos) << msg;
+    EXPECT_LT(s, 3.0);
+
     // at full speed again, the next command reconnects
     proxy.trickle(std::chrono::milliseconds(0));
     EXPECT_EQ(error_of([&] { EXPECT_TRUE(*st->get("x") == value); }), "");
@@ -432,7 +440,10 @@ TEST(RedisStoreUri, MalformedUrisAreErrors) {
     for (const std::string uri : {"redis://", "redis://host:notaport", "redis://h:70000", "redis://h:1/x",
                                   "redis://h:0", "redis://h:", "redis://:6379", "redis://h:1/-1", "http://h:1",
                                   "redis://h:1:2", "redis://h:99999999999999999999", "redis://[::1", "redis://[::1]x",
-                                  "redis://[nothex]:1", "redis://[::1]:", "redis://[]:1", "redis://::1:6379"}) {
+                                  "redis://[nothex]:1", "redis://[::1]:", "redis://[]:1", "redis://::1:6379",
+                                  "redis://h:1?timeout=0", "redis://h:1?timeout=x", "redis://h:1?timeout=",
+                                  "redis://h:1/0?timeout=1e7", "redis://h:1?timeout=nan", "redis://h:1?timeout=-1",
+                                  "redis://h:1?db=2", "redis://h:1?timeout=1&", "redis://h:1?timeout=2s"}) {
         const std::string msg = error_of([&] { redis_store_open(uri, {}); });
         EXPECT_NE(msg.find("'" + uri + "'"), std::string::npos) << uri << " -> " << msg;
     }
