@@ -7,7 +7,7 @@
 #   scripts/fuzz.sh --seeds NAME   rewrite fuzz/corpus/NAME/ from the target's seed writer
 #
 # the seeds in fuzz/corpus/NAME/ are read, never written: what a run finds
-# goes to a scratch corpus in the build folder (kept between runs), and a crash
+# goes to a scratch corpus in the build folder (kept between runs but seeded ones), and a crash
 # leaves its input there as crash-* (reproduce: build-fuzz/fuzz/bin/fuzz_NAME FILE).
 # exits non-zero when the target crashed, leaked or a sanitizer reported.
 #
@@ -67,6 +67,9 @@ seconds=${2:?usage: scripts/fuzz.sh NAME SECONDS}
 build
 bin="$BUILD_DIR/fuzz/bin/fuzz_$name"
 work="$BUILD_DIR/fuzz/run/$name"
+# a seeded run (ctest's) starts from the seeds alone: what it explores does not
+# depend on what earlier runs on this machine left in the scratch corpus
+[[ -n "${KVBLEND_FUZZ_SEED:-}" ]] && rm -rf "$work/corpus"
 mkdir -p "$work/corpus"
 seeds=()
 [[ -d "fuzz/corpus/$name" ]] && seeds=("fuzz/corpus/$name")

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -25,7 +26,7 @@ namespace kvblend::test {
 class temp_dir {
   public:
     explicit temp_dir(const std::string & tag = "tmp") {
-        static int counter = 0;
+        static std::atomic<int> counter{0};  // tests make these from several threads
         const auto base = std::filesystem::temp_directory_path();
         for (;;) {
             path_ = base / ("kvblend-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));

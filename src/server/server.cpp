@@ -725,10 +725,11 @@ struct server::impl {
     }
 
     // wait (l holding j.mu) until j is done; a client that hangs up meanwhile
-    // cancels its work, as a stream's does
+    // (or had before the wait: looked at first) cancels its work, as a stream's does
     static void wait_done(job & j, std::unique_lock<std::mutex> & l, const httplib::Request & req) {
-        while (!j.cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j.done; }))
+        do {
             if (!j.cancelled && req.is_connection_closed && req.is_connection_closed()) j.cancelled = true;
+        } while (!j.cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j.done; }));
     }
 
     // run a job to the end or stream it; chat: chat.completion(.chunk), else text_completion

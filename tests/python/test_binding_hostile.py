@@ -168,9 +168,8 @@ def test_bytes_and_paths_are_what_python_apis_take(model, tmp_path):
         assert store.stats().n_entries == 1
 
 
-def test_a_callback_that_calls_back_into_its_model_raises_instead_of_hanging():
-    with kvblend.Model(MODEL) as m, kvblend.Store(os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                                                              "kvblend-py-reenter-%d" % os.getpid())) as store:
+def test_a_callback_that_calls_back_into_its_model_raises_instead_of_hanging(tmp_path):
+    with kvblend.Model(MODEL) as m, kvblend.Store(str(tmp_path / "store")) as store:
         nested = lambda *_: m.complete("Once", n_predict=2)
         for call in (lambda: m.complete("Once", n_predict=8, on_piece=nested),
                      lambda: m.blend(SYSTEM, [DOC], QUERY, n_predict=8, on_piece=nested),

@@ -350,7 +350,7 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
         std::atomic<double> health_worst_ms{0};
         std::thread probe([&] {
             auto c = s.client();
-            c.set_read_timeout(2, 0);
+            c.set_read_timeout(10, 0);  // the slots' threads share the cores: slow is no failure, no answer is
             while (!done) {
                 const double t0 = time_ms();
                 auto r = c.Get("/health");
@@ -379,7 +379,10 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
                 (long long) rss_started, (long long) rss1, (long long) rss2);
     EXPECT_EQ(failed, 0);
     EXPECT_EQ(ok + hung_up + rejected, 400);
-    EXPECT_LE(rss2, rss1 + rss1 / 10 + 8192);  // a second round leaves memory where the first did
+    // a second round leaves memory where the first did (the slack: malloc's
+    // per-thread arenas, touched as the scheduler happens to run threads; a
+    // leak of 100 KB a request is 20 MB)
+    EXPECT_LE(rss2, rss1 + rss1 / 10 + 16384);
     auto c = s.client();
     EXPECT_EQ(json::parse(c.Get("/health")->body)["status"], "ok");
     const std::string m = c.Get("/metrics")->body;
