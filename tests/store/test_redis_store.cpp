@@ -576,7 +576,10 @@ TEST(RedisStoreUri, UnreachableServerIsAnError) {
 }
 
 TEST(RedisStoreUri, DefaultPortIs6379) {
-    if (kvblend::test::redis_raw_command(6379, {"PING"}, 200) == "+PONG") GTEST_SKIP() << "a redis answers on 6379";
+    // anything that answers there (a system redis, one with a password: -NOAUTH)
+    // makes the port a reachable one
+    const std::string there = kvblend::test::redis_raw_command(6379, {"PING"}, 1000);
+    if (!there.empty()) GTEST_SKIP() << "something answers on 6379: " << there;
     const std::string msg = error_of([&] { redis_store_open("redis://127.0.0.1", {}); });
     EXPECT_NE(msg.find("cannot reach redis at 127.0.0.1:6379"), std::string::npos) << msg;
 }
