@@ -36,7 +36,8 @@ int main(int argc, char ** argv) {
     kvb_store * store = NULL;
     kvb_context_params cp = kvb_context_default_params();
     cp.n_threads = atoi(argv[5]);
-    if (kvb_model_load(argv[1], NULL, &model) || kvb_context_new(model, &cp, &ctx) || kvb_store_open(argv[2], NULL, &store)) {
+    if (kvb_model_load(argv[1], NULL, &model) || kvb_context_new(model, &cp, &ctx) ||
+        kvb_store_open(argv[2], NULL, &store)) {
         fprintf(stderr, "error: %s\n", kvb_last_error());
         return 1;
     }

@@ -61,7 +61,8 @@ int main(int argc, char ** argv) {
     gp.on_piece = print_piece;
     kvb_blend_stats st;
     printf("answer: ");
-    if (kvb_blend(ctx, store, "Here are some documents.", docs, (size_t) n_docs, argv[3], &bp, &gp, NULL, &st)) goto fail;
+    if (kvb_blend(ctx, store, "Here are some documents.", docs, (size_t) n_docs, argv[3], &bp, &gp, NULL, &st))
+        goto fail;
     printf("\nchunks: %lld from the store (%.1f ms), %lld collected (%.1f ms)\n", (long long) st.store_hits, st.load_ms,
            (long long) st.store_misses, st.collect_ms);
     printf("blend: %lld tokens, %lld recomputed, %.1f ms\n", (long long) st.n_tokens, (long long) st.n_selected,

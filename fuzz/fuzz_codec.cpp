@@ -12,10 +12,20 @@ using namespace kvblend;
 namespace {
 
 const std::vector<std::string> & names() {
-    static const std::vector<std::string> n = {"f16",         "q8_0",          "q4_0",        "kivi2",
-                                               "kivi4",       "cachegen",      "minicache",   "turboquant2",
-                                               "turboquant2.5", "turboquant3", "turboquant4", "turboquant3+qjl",
-                                               "turboquant4+qjl", "minicache:start=0:t=0.5"};
+    static const std::vector<std::string> n = {"f16",
+                                               "q8_0",
+                                               "q4_0",
+                                               "kivi2",
+                                               "kivi4",
+                                               "cachegen",
+                                               "minicache",
+                                               "turboquant2",
+                                               "turboquant2.5",
+                                               "turboquant3",
+                                               "turboquant4",
+                                               "turboquant3+qjl",
+                                               "turboquant4+qjl",
+                                               "minicache:start=0:t=0.5"};
     return n;
 }
 

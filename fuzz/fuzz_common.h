@@ -54,7 +54,9 @@ inline model_spec tiny_spec(model_arch arch = MODEL_ARCH_LLAMA) {
     return s;
 }
 
-inline std::string tiny_vocab() { return std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf"; }
+inline std::string tiny_vocab() {
+    return std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+}
 
 inline std::string make_tiny_model(const std::string & name, model_arch arch, ggml_type wtype) {
     const std::string path = (work_dir() / name).string();
@@ -100,7 +102,8 @@ void maybe_write_seeds(F && make) {
     for (const std::vector<uint8_t> & seed : make()) {
         char name[32];
         std::snprintf(name, sizeof(name), "seed-%02d", i++);
-        std::ofstream(std::filesystem::path(dir) / name, std::ios::binary).write((const char *) seed.data(), (std::streamsize) seed.size());
+        std::ofstream(std::filesystem::path(dir) / name, std::ios::binary)
+            .write((const char *) seed.data(), (std::streamsize) seed.size());
     }
     std::fprintf(stderr, "wrote %d seeds to %s\n", i, dir);
     std::exit(0);

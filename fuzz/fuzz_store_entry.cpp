@@ -58,7 +58,8 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         const model & m = fuzz::tiny_model();
         std::vector<std::vector<uint8_t>> seeds;
         uint32_t seed = 1;
-        for (const char * name : {"raw", "f16", "q8_0", "kivi2", "cachegen", "minicache", "turboquant3", "turboquant2.5+qjl"}) {
+        for (const char * name :
+             {"raw", "f16", "q8_0", "kivi2", "cachegen", "minicache", "turboquant3", "turboquant2.5+qjl"}) {
             const chunk_kv c = random_chunk(m, 5, GGML_TYPE_F16, seed++);
             seeds.push_back(chunk_encode(m, c, {}, codec_by_name(name).get()));
         }

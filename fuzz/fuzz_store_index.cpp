@@ -12,7 +12,8 @@ using namespace kvblend;
 extern "C" int LLVMFuzzerInitialize(int *, char ***) {
     fuzz::maybe_write_seeds([] {
         const std::string a = "kvblend-store-index v1\n0123456789abcdef0123456789abcdef 1234\n";
-        const std::string b = "kvblend-store-index v1\nabcdef0123456789 18446744073709551615\nzz 1\n0123456789abcdef -5\n";
+        const std::string b =
+            "kvblend-store-index v1\nabcdef0123456789 18446744073709551615\nzz 1\n0123456789abcdef -5\n";
         const std::string c = "kvblend-store-index v2\n";
         return std::vector<std::vector<uint8_t>>{{a.begin(), a.end()}, {b.begin(), b.end()}, {c.begin(), c.end()}};
     });
@@ -30,7 +31,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         store_open(root.string(), so)->put("00000000aaaaaaaa", std::vector<uint8_t>(100, 1));
         made = true;
     }
-    std::ofstream(root / "index", std::ios::binary | std::ios::trunc).write((const char *) data, (std::streamsize) size);
+    std::ofstream(root / "index", std::ios::binary | std::ios::trunc)
+        .write((const char *) data, (std::streamsize) size);
     try {
         auto st = store_open(root.string(), so);
         const store_stats s = st->stats();

@@ -38,9 +38,9 @@
 #include <stdint.h>
 
 #if defined(__GNUC__)
-#    define KVB_API __attribute__((visibility("default")))
+#define KVB_API __attribute__((visibility("default")))
 #else
-#    define KVB_API
+#define KVB_API
 #endif
 
 #ifdef __cplusplus
@@ -48,11 +48,11 @@ extern "C" {
 #endif
 
 #define KVB_DEFAULT_SEED 0xFFFFFFFFu  // a random seed per generation
-#define KVB_ID_LEN       32           // hex digits of a stored document's id
+#define KVB_ID_LEN 32                 // hex digits of a stored document's id
 
-typedef struct kvb_model   kvb_model;    // weights, hyper-parameters, vocabulary (immutable)
+typedef struct kvb_model kvb_model;      // weights, hyper-parameters, vocabulary (immutable)
 typedef struct kvb_context kvb_context;  // an engine: KV cache, scheduler, threads
-typedef struct kvb_store   kvb_store;    // a persistent chunk-KV store (a directory or Redis)
+typedef struct kvb_store kvb_store;      // a persistent chunk-KV store (a directory or Redis)
 
 typedef int32_t kvb_token;
 
@@ -62,13 +62,13 @@ typedef struct kvb_id {
 } kvb_id;
 
 typedef enum kvb_status {
-    KVB_OK                   = 0,
+    KVB_OK = 0,
     KVB_ERR_INVALID_ARGUMENT = 1,  // a NULL handle or pointer, a parameter out of range
-    KVB_ERR_NOT_FOUND        = 2,  // a document id that the store does not hold (or holds unusable)
-    KVB_ERR_CANCELLED        = 3,  // a progress callback asked to stop
-    KVB_ERR_OUT_OF_MEMORY    = 4,
-    KVB_ERR_FAILED           = 5,  // a bad file, an unreachable store, a prompt too long, …: see the message
-    KVB_ERR_INTERNAL         = 6,  // an unexpected error inside kvblend (a bug: please report it)
+    KVB_ERR_NOT_FOUND = 2,         // a document id that the store does not hold (or holds unusable)
+    KVB_ERR_CANCELLED = 3,         // a progress callback asked to stop
+    KVB_ERR_OUT_OF_MEMORY = 4,
+    KVB_ERR_FAILED = 5,    // a bad file, an unreachable store, a prompt too long, …: see the message
+    KVB_ERR_INTERNAL = 6,  // an unexpected error inside kvblend (a bug: please report it)
 } kvb_status;
 
 // --- errors, memory, version -------------------------------------------------
@@ -111,23 +111,23 @@ typedef struct kvb_model_info {
     const char * arch;         // "llama", "qwen2", "qwen3"
     const char * description;  // one line: arch, shape, weight type, size
     const char * fingerprint;  // hex digest of the weights (part of every store key)
-    int64_t   n_vocab;
-    int64_t   n_ctx_train;     // the longest prompt + generation, in tokens
-    int64_t   n_embd;
-    int64_t   n_layer;
-    int64_t   n_head;
-    int64_t   n_head_kv;
-    uint64_t  weights_bytes;
-    kvb_token bos;             // -1 when the vocabulary has none
+    int64_t n_vocab;
+    int64_t n_ctx_train;  // the longest prompt + generation, in tokens
+    int64_t n_embd;
+    int64_t n_layer;
+    int64_t n_head;
+    int64_t n_head_kv;
+    uint64_t weights_bytes;
+    kvb_token bos;  // -1 when the vocabulary has none
     kvb_token eos;
-    bool      has_chat_template;
-    const char * device;       // the device the weights live on, "NAME (description)": "CPU (…)", "RPC0 (HOST:PORT)", …
+    bool has_chat_template;
+    const char * device;  // the device the weights live on, "NAME (description)": "CPU (…)", "RPC0 (HOST:PORT)", …
 } kvb_model_info;
 
 KVB_API kvb_model_params kvb_model_default_params(void);
 // load a GGUF file (llama, mistral, qwen2, qwen3); *out is set on success
 KVB_API kvb_status kvb_model_load(const char * path, const kvb_model_params * params, kvb_model ** out);
-KVB_API void       kvb_model_free(kvb_model * model);
+KVB_API void kvb_model_free(kvb_model * model);
 KVB_API kvb_status kvb_model_get_info(const kvb_model * model, kvb_model_info * out);
 
 // the devices a model could use (kvb_model_params.device), one line each,
@@ -160,36 +160,36 @@ typedef struct kvb_chat_message {
 
 // render messages with the model's chat template (KVB_ERR_FAILED when it has
 // none); add_assistant opens the assistant's turn. *text: kvb_free()
-KVB_API kvb_status kvb_chat_apply_template(const kvb_model * model, const kvb_chat_message * messages, size_t n_messages,
-                                           bool add_assistant, char ** text);
+KVB_API kvb_status kvb_chat_apply_template(const kvb_model * model, const kvb_chat_message * messages,
+                                           size_t n_messages, bool add_assistant, char ** text);
 
 // --- context (an engine over a model) ---------------------------------------
 
 typedef enum kvb_kv_type {
-    KVB_KV_F16  = 0,  // the default
-    KVB_KV_F32  = 1,
+    KVB_KV_F16 = 0,  // the default
+    KVB_KV_F32 = 1,
     KVB_KV_Q8_0 = 2,
     KVB_KV_Q4_0 = 3,
 } kvb_kv_type;
 
 typedef struct kvb_context_params {
-    int32_t     n_threads;  // CPU threads (default 2)
+    int32_t n_threads;  // CPU threads (default 2)
     // KV capacity in tokens. 0 (the default): sized to each request (prompt +
     // n_predict) up to the model's trained context, grown when one needs more
-    int64_t     n_ctx;
-    int64_t     n_ubatch;   // tokens per prefill micro-batch (default 512)
-    kvb_kv_type type_k;     // KV element types (default f16; the store key
-    kvb_kv_type type_v;     // includes them; ingest and blend need type_k == type_v)
+    int64_t n_ctx;
+    int64_t n_ubatch;    // tokens per prefill micro-batch (default 512)
+    kvb_kv_type type_k;  // KV element types (default f16; the store key
+    kvb_kv_type type_v;  // includes them; ingest and blend need type_k == type_v)
 } kvb_context_params;
 
 KVB_API kvb_context_params kvb_context_default_params(void);
 KVB_API kvb_status kvb_context_new(kvb_model * model, const kvb_context_params * params, kvb_context ** out);
-KVB_API void       kvb_context_free(kvb_context * ctx);
+KVB_API void kvb_context_free(kvb_context * ctx);
 
 // --- store ------------------------------------------------------------------
 
 typedef struct kvb_store_params {
-    uint64_t     max_bytes;  // size budget of a dir store, least recently used go first (0: none)
+    uint64_t max_bytes;  // size budget of a dir store, least recently used go first (0: none)
     // how entries hold the KV: "raw" (NULL, the default), "f16", "q8_0",
     // "q4_0", "kivi2", "kivi4", "cachegen", … (part of every key)
     const char * codec;
@@ -204,7 +204,7 @@ typedef struct kvb_store_stats {
 KVB_API kvb_store_params kvb_store_default_params(void);
 // "dir:PATH" or a bare path (created when missing), or "redis://HOST:PORT[/DB][?timeout=S]"
 KVB_API kvb_status kvb_store_open(const char * uri, const kvb_store_params * params, kvb_store ** out);
-KVB_API void       kvb_store_free(kvb_store * store);
+KVB_API void kvb_store_free(kvb_store * store);
 KVB_API kvb_status kvb_store_get_stats(kvb_store * store, kvb_store_stats * out);
 // whether the store holds an entry of this id
 KVB_API kvb_status kvb_store_contains(kvb_store * store, const char * id, bool * out);
@@ -218,15 +218,15 @@ typedef bool (*kvb_progress_callback)(size_t done, size_t total, void * user_dat
 typedef struct kvb_ingest_params {
     // 0 (the default): each text is one chunk, cut exactly as kvb_blend cuts a
     // document, so a later blend finds it; > 0: chunks of this many tokens
-    int64_t      chunk_size;
-    bool         split_paragraphs;     // one chunk per blank-line separated paragraph instead
+    int64_t chunk_size;
+    bool split_paragraphs;  // one chunk per blank-line separated paragraph instead
     // collect each chunk behind the prefix a blend would build from system
     // (and the chat template): for blends with collect_with_prefix
-    bool         collect_with_prefix;
+    bool collect_with_prefix;
     const char * system;
-    bool         chat;
-    kvb_progress_callback progress;    // may be NULL
-    void *       user_data;
+    bool chat;
+    kvb_progress_callback progress;  // may be NULL
+    void * user_data;
 } kvb_ingest_params;
 
 typedef struct kvb_ingest_stats {
@@ -234,7 +234,7 @@ typedef struct kvb_ingest_stats {
     int64_t n_collected;  // computed and put
     int64_t n_present;    // already stored: skipped
     int64_t n_tokens;     // tokens collected
-    double  collect_ms;
+    double collect_ms;
 } kvb_ingest_stats;
 
 KVB_API kvb_ingest_params kvb_ingest_default_params(void);
@@ -256,32 +256,32 @@ KVB_API kvb_status kvb_doc_id(kvb_context * ctx, const kvb_store * store, const 
 typedef bool (*kvb_piece_callback)(const char * piece, size_t len, void * user_data);
 
 typedef enum kvb_stop_reason {
-    KVB_STOP_EOG      = 0,  // the model ended its turn (end-of-generation token)
-    KVB_STOP_LENGTH   = 1,  // n_predict tokens, or the context is full
-    KVB_STOP_STRING   = 2,  // a stop string appeared (it is not part of the text)
+    KVB_STOP_EOG = 0,       // the model ended its turn (end-of-generation token)
+    KVB_STOP_LENGTH = 1,    // n_predict tokens, or the context is full
+    KVB_STOP_STRING = 2,    // a stop string appeared (it is not part of the text)
     KVB_STOP_CALLBACK = 3,  // on_piece returned false
 } kvb_stop_reason;
 
 typedef struct kvb_generate_params {
-    int32_t  n_predict;  // tokens to generate at most (default 64; 0: none)
-    float    temp;       // below 1e-6 (0 included): greedy (the default)
-    int32_t  top_k;      // default 40; <= 0: off
-    float    top_p;      // default 0.95; >= 1: off
-    float    min_p;      // default 0.05; <= 0: off
-    uint32_t seed;       // KVB_DEFAULT_SEED: random
+    int32_t n_predict;  // tokens to generate at most (default 64; 0: none)
+    float temp;         // below 1e-6 (0 included): greedy (the default)
+    int32_t top_k;      // default 40; <= 0: off
+    float top_p;        // default 0.95; >= 1: off
+    float min_p;        // default 0.05; <= 0: off
+    uint32_t seed;      // KVB_DEFAULT_SEED: random
     // generation stops where the text would contain one of these; the text
     // (and the streamed pieces) end before it
     const char * const * stop;
-    size_t   n_stop;
+    size_t n_stop;
     kvb_piece_callback on_piece;  // streaming; may be NULL
-    void *   user_data;
+    void * user_data;
 } kvb_generate_params;
 
 typedef struct kvb_generate_stats {
     int64_t n_prompt;  // prompt tokens
     int64_t n_gen;     // tokens generated
-    double  prefill_ms;
-    double  decode_ms;
+    double prefill_ms;
+    double decode_ms;
     kvb_stop_reason stop_reason;
 } kvb_generate_stats;
 
@@ -290,8 +290,8 @@ KVB_API kvb_generate_params kvb_generate_default_params(void);
 // plain generation: a full prefill of the prompt (tokenized with BOS as the
 // model asks, no special-token parsing), then sampling. *text (may be NULL):
 // the generated text, kvb_free(); stats may be NULL.
-KVB_API kvb_status kvb_generate(kvb_context * ctx, const char * prompt, const kvb_generate_params * params, char ** text,
-                                kvb_generate_stats * stats);
+KVB_API kvb_status kvb_generate(kvb_context * ctx, const char * prompt, const kvb_generate_params * params,
+                                char ** text, kvb_generate_stats * stats);
 // the same from tokens (e.g. kvb_chat_apply_template + kvb_tokenize with parse_special)
 KVB_API kvb_status kvb_generate_tokens(kvb_context * ctx, const kvb_token * prompt, size_t n_prompt,
                                        const kvb_generate_params * params, char ** text, kvb_generate_stats * stats);
@@ -299,43 +299,43 @@ KVB_API kvb_status kvb_generate_tokens(kvb_context * ctx, const kvb_token * prom
 // --- blend: a RAG prompt with CacheBlend prefill ------------------------------
 
 typedef enum kvb_blend_score {
-    KVB_SCORE_V  = 0,  // ||V_fresh - V_chunk||^2 (the default, the paper's choice)
-    KVB_SCORE_K  = 1,
+    KVB_SCORE_V = 0,  // ||V_fresh - V_chunk||^2 (the default, the paper's choice)
+    KVB_SCORE_K = 1,
     KVB_SCORE_KV = 2,
 } kvb_blend_score;
 
 typedef enum kvb_blend_method {
     KVB_METHOD_GRADUAL = 0,  // only the selected tokens run the deeper layers (the default)
-    KVB_METHOD_DENSE   = 1,  // every token runs every layer (the reference: same result, slower)
+    KVB_METHOD_DENSE = 1,    // every token runs every layer (the reference: same result, slower)
 } kvb_blend_method;
 
 // how the recompute budget is spread over the documents
 typedef enum kvb_blend_budget {
     KVB_BUDGET_GLOBAL = 0,  // one top-k over every document token (the default)
-    KVB_BUDGET_CHUNK  = 1,  // each document gets the ratio of its own tokens
-    KVB_BUDGET_MASS   = 2,  // each document's share follows its deviation mass
+    KVB_BUDGET_CHUNK = 1,   // each document gets the ratio of its own tokens
+    KVB_BUDGET_MASS = 2,    // each document's share follows its deviation mass
 } kvb_blend_budget;
 
 typedef struct kvb_blend_params {
-    float   recomp_ratio;  // share of document tokens recomputed, in [0, 1] (default 0.08); the chunk
-                           // heads count inside it unless head_beyond_budget
-    int32_t check_layer;   // layer whose deviation selects the tokens (default 1)
-    kvb_blend_score  score;
+    float recomp_ratio;   // share of document tokens recomputed, in [0, 1] (default 0.08); the chunk
+                          // heads count inside it unless head_beyond_budget
+    int32_t check_layer;  // layer whose deviation selects the tokens (default 1)
+    kvb_blend_score score;
     kvb_blend_method method;
-    int32_t chunk_head;    // recompute the first chunk_head tokens of each document first (default 1)
+    int32_t chunk_head;  // recompute the first chunk_head tokens of each document first (default 1)
     // multi-step selection (optional): n_schedule (layer, ratio) pairs with
     // increasing layers and non-increasing ratios; replaces check_layer and
     // recomp_ratio when n_schedule > 0
     const int32_t * schedule_layers;
-    const float *   schedule_ratios;
-    size_t  n_schedule;
-    bool    chat;                 // lay the prompt out with the model's chat template
-    bool    collect_with_prefix;  // collect each document behind the system prefix
-    bool    head_beyond_budget;   // the chunk heads on top of recomp_ratio instead of inside it (default false)
-    bool    no_weight_query;      // select by deviation alone, not weighted by the question's attention (default false)
-    kvb_blend_budget budget;      // default KVB_BUDGET_GLOBAL
-    float   dev_mass;             // adaptive ratio in (0, 1]: stop once the selection holds this share of
-                                  // the deviation, recomp_ratio at most (default 0: off)
+    const float * schedule_ratios;
+    size_t n_schedule;
+    bool chat;                 // lay the prompt out with the model's chat template
+    bool collect_with_prefix;  // collect each document behind the system prefix
+    bool head_beyond_budget;   // the chunk heads on top of recomp_ratio instead of inside it (default false)
+    bool no_weight_query;      // select by deviation alone, not weighted by the question's attention (default false)
+    kvb_blend_budget budget;   // default KVB_BUDGET_GLOBAL
+    float dev_mass;            // adaptive ratio in (0, 1]: stop once the selection holds this share of
+                               // the deviation, recomp_ratio at most (default 0: off)
 } kvb_blend_params;
 
 // a document of a blend: its text, or the id of a stored one (kvb_ingest)
@@ -348,18 +348,18 @@ typedef struct kvb_blend_stats {
     int64_t n_tokens;      // prompt tokens (all positions)
     int64_t n_doc_tokens;  // of them in the documents
     int64_t n_selected;    // tokens the deepest layers recomputed (the question's included)
-    double  deep_frac;     // share of the tokens the deepest layers ran
+    double deep_frac;      // share of the tokens the deepest layers ran
     int64_t store_hits;    // chunks loaded from the store
     int64_t store_misses;  // chunks collected (and put, with a store)
-    double  load_ms;
-    double  collect_ms;
-    double  place_ms;      // the blend's phases
-    double  early_ms;
-    double  check_ms;
-    double  deep_ms;
-    double  blend_ms;      // the whole fusion (place + early + check + deep)
+    double load_ms;
+    double collect_ms;
+    double place_ms;  // the blend's phases
+    double early_ms;
+    double check_ms;
+    double deep_ms;
+    double blend_ms;  // the whole fusion (place + early + check + deep)
     int64_t n_gen;
-    double  decode_ms;
+    double decode_ms;
     kvb_stop_reason stop_reason;
 } kvb_blend_stats;
 

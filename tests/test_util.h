@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "ggml.h"
-#include "llama.h"
 #include "kvblend/chunk_kv.h"
 #include "kvblend/model.h"
 #include "kvblend/model_maker.h"
+#include "llama.h"
 
 namespace kvblend::test {
 
@@ -73,8 +73,8 @@ inline std::string make_test_model(const std::string & preset, ggml_type wtype =
     static std::map<std::string, std::string> cache;
 
     const std::string vocab = vocab_file.empty() ? default_vocab_for(preset) : vocab_file;
-    const std::string key = preset + "|" + ggml_type_name(wtype) + "|" + vocab + "|" + std::to_string(seed) + "|" +
-                            std::to_string(n_layer);
+    const std::string key =
+        preset + "|" + ggml_type_name(wtype) + "|" + vocab + "|" + std::to_string(seed) + "|" + std::to_string(n_layer);
     std::lock_guard<std::mutex> lock(mtx);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;

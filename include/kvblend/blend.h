@@ -38,28 +38,28 @@ struct blend_params {
     // the defaults: 8% of the document tokens, the first of each document
     // among them, chosen by V deviation at layer 1 weighted by the query's
     // attention (docs/ARCHITECTURE.md, "Choosing the tokens")
-    float        recomp_ratio = 0.08f;  // share of document tokens refreshed, in [0, 1]
-    int          check_layer  = 1;      // layer whose deviation picks the tokens
-    blend_score  score        = BLEND_SCORE_V;
-    blend_method method       = BLEND_METHOD_GRADUAL;
+    float recomp_ratio = 0.08f;  // share of document tokens refreshed, in [0, 1]
+    int check_layer = 1;         // layer whose deviation picks the tokens
+    blend_score score = BLEND_SCORE_V;
+    blend_method method = BLEND_METHOD_GRADUAL;
     // optional multi-step filtering: (layer, ratio) pairs with increasing
     // layers and non-increasing ratios; when set it replaces check_layer and
     // recomp_ratio (the first pair is the check layer)
     std::vector<std::pair<int, float>> schedule;
-    int          recompute_chunk_head = 1;  // always refresh the first K tokens of each document (EPIC)
+    int recompute_chunk_head = 1;  // always refresh the first K tokens of each document (EPIC)
     // the chunk-head tokens count inside recomp_ratio: they take the budget
     // first (by deviation, when it cannot hold them all), so ratio 0 stays
     // naive concatenation and the recomputed share is the ratio
-    bool         head_in_budget = true;
-    blend_budget budget       = BLEND_BUDGET_GLOBAL;
+    bool head_in_budget = true;
+    blend_budget budget = BLEND_BUDGET_GLOBAL;
     // adaptive ratio, in (0, 1]: select the fewest top tokens whose deviation
     // reaches this share of all candidates' deviation; the ratio is the cap.
     // 0: off (the ratio is spent whole)
-    float        dev_mass     = 0.0f;
+    float dev_mass = 0.0f;
     // weight each token's deviation by the attention the query tokens pay to
     // it in the layer before the check layer (at check layer 0, which has no
     // layer before it, the deviations are used as they are)
-    bool         weight_query = true;
+    bool weight_query = true;
 };
 
 blend_params blend_default_params();
@@ -71,34 +71,34 @@ blend_params blend_default_params();
 const char * blend_score_name(blend_score s);
 const char * blend_method_name(blend_method m);
 const char * blend_budget_name(blend_budget b);
-bool         blend_score_from_name(const std::string & name, blend_score & out);
-bool         blend_method_from_name(const std::string & name, blend_method & out);
-bool         blend_budget_from_name(const std::string & name, blend_budget & out);
+bool blend_score_from_name(const std::string & name, blend_score & out);
+bool blend_method_from_name(const std::string & name, blend_method & out);
+bool blend_budget_from_name(const std::string & name, blend_budget & out);
 const char * blend_score_names();
 const char * blend_method_names();
 const char * blend_budget_names();
 
 struct blend_stats {
-    int64_t n_tokens     = 0;  // N, all positions
+    int64_t n_tokens = 0;      // N, all positions
     int64_t n_doc_tokens = 0;  // tokens of chunks 1 … k (chunk 0 is the prefix)
-    int64_t n_selected   = 0;  // tokens recomputed by the deepest layers (query included)
-    double  deep_frac    = 0;  // share of the N tokens that the deepest layers ran
-    double  place_ms     = 0;  // chunk KV placed at its offsets
-    double  early_ms     = 0;  // layers before the check layer, all tokens, with the check layer's deviation
-    double  check_ms     = 0;  // check layer(s): selection from the deviations
-    double  deep_ms      = 0;  // the remaining layers on the selection, and the logits
-    double  total_ms     = 0;
-    double  outside_ms   = 0;  // total outside the layer runs: place, selection, set-up
+    int64_t n_selected = 0;    // tokens recomputed by the deepest layers (query included)
+    double deep_frac = 0;      // share of the N tokens that the deepest layers ran
+    double place_ms = 0;       // chunk KV placed at its offsets
+    double early_ms = 0;       // layers before the check layer, all tokens, with the check layer's deviation
+    double check_ms = 0;       // check layer(s): selection from the deviations
+    double deep_ms = 0;        // the remaining layers on the selection, and the logits
+    double total_ms = 0;
+    double outside_ms = 0;  // total outside the layer runs: place, selection, set-up
 };
 
 struct blend_result {
-    std::vector<float>   logits;    // last token's, n_vocab
+    std::vector<float> logits;      // last token's, n_vocab
     std::vector<int64_t> selected;  // positions refreshed by the deepest layers, ascending
     // the score each row had at the last check (its deviation, times the
     // query's attention to it with weight_query); 0 for rows that check did
     // not run. Rows are the positions unless chunks were evicted.
-    std::vector<float>   scores;
-    blend_stats          stats;
+    std::vector<float> scores;
+    blend_stats stats;
 };
 
 // prefill tokens alone at positions pos0 … in the engine's cache (which it

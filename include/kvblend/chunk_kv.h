@@ -16,15 +16,15 @@ namespace kvblend {
 // (RoPE rotations compose). V rows do not depend on the position.
 struct chunk_kv {
     std::vector<llama_token> tokens;
-    int64_t   pos0      = 0;  // position of the first token when collected
-    int64_t   n_layer   = 0;
-    int64_t   n_embd_kv = 0;  // values per row (head_dim * n_head_kv)
-    ggml_type type      = GGML_TYPE_F16;  // element type of the rows (the engine's cache type)
+    int64_t pos0 = 0;  // position of the first token when collected
+    int64_t n_layer = 0;
+    int64_t n_embd_kv = 0;           // values per row (head_dim * n_head_kv)
+    ggml_type type = GGML_TYPE_F16;  // element type of the rows (the engine's cache type)
     // layer by layer, K rows then V rows ([n_embd_kv, n_tokens] each), from
     // data_offset on: the payload layout of a store entry, so a decoded entry
     // keeps its bytes where they were read
     std::vector<uint8_t> data;
-    size_t               data_offset = 0;
+    size_t data_offset = 0;
     // token eviction: the chunk holds only the rows of these token indices
     // (ascending; empty: every token), the same ones in every layer and head.
     // placed at offset s, row j is position s + kept[j]
@@ -32,9 +32,9 @@ struct chunk_kv {
 
     int64_t n_tokens() const { return (int64_t) tokens.size(); }
     int64_t n_rows() const { return kept.empty() ? n_tokens() : (int64_t) kept.size(); }  // rows held per layer
-    size_t  row_bytes() const { return ggml_row_size(type, n_embd_kv); }                  // one K (or V) row
-    size_t  layer_bytes() const { return row_bytes() * n_rows(); }                        // K (or V) of one layer
-    size_t  bytes() const { return 2 * (size_t) n_layer * layer_bytes(); }                  // payload of all layers
+    size_t row_bytes() const { return ggml_row_size(type, n_embd_kv); }                   // one K (or V) row
+    size_t layer_bytes() const { return row_bytes() * n_rows(); }                         // K (or V) of one layer
+    size_t bytes() const { return 2 * (size_t) n_layer * layer_bytes(); }                 // payload of all layers
     // the token index of row j (kept rows of an evicted chunk)
     int64_t row_token(int64_t j) const { return kept.empty() ? j : kept[j]; }
     const uint8_t * k(int64_t il) const { return data.data() + data_offset + 2 * il * layer_bytes(); }

@@ -18,15 +18,15 @@ namespace kvblend {
 class live_kv;
 
 struct engine_params {
-    int32_t   n_threads = 2;
-    int64_t   n_ctx     = 4096;  // KV capacity in tokens (clamped to the model's trained context)
-    int64_t   n_ubatch  = 512;   // tokens per prefill micro-batch
-    ggml_type type_k    = GGML_TYPE_F16;
-    ggml_type type_v    = GGML_TYPE_F16;
+    int32_t n_threads = 2;
+    int64_t n_ctx = 4096;    // KV capacity in tokens (clamped to the model's trained context)
+    int64_t n_ubatch = 512;  // tokens per prefill micro-batch
+    ggml_type type_k = GGML_TYPE_F16;
+    ggml_type type_v = GGML_TYPE_F16;
     // a live compressed cache instead of ggml rows: turboquantB[+qjl] or
     // minicache[:…] (CPU only; an append-only cache that blend cannot fuse into)
     std::string kv_codec;
-    evict_params evict;              // token eviction of prefilled (and fused) caches: none by default
+    evict_params evict;  // token eviction of prefilled (and fused) caches: none by default
     // called by the scheduler around every node it computes (as llama.cpp's
     // cb_eval): to inspect or time single ops; nullptr for none
     ggml_backend_sched_eval_callback cb_eval = nullptr;
@@ -114,9 +114,9 @@ class engine {
     // hidden: those of them that were hidden states (F32 rows n_embd wide),
     // which a blend keeps on the backend
     struct transfer_stats {
-        uint64_t to_backend   = 0;
+        uint64_t to_backend = 0;
         uint64_t from_backend = 0;
-        uint64_t hidden       = 0;
+        uint64_t hidden = 0;
     };
     const transfer_stats & transfers() const;
 

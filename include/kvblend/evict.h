@@ -23,16 +23,16 @@ enum evict_policy {
 };
 
 struct evict_params {
-    evict_policy policy        = EVICT_POLICY_NONE;
-    double       budget_share  = 0;     // share of the prompt's positions kept, in (0, 1]
-    int64_t      budget_tokens = 0;     // or: rows kept per layer (> 0 wins over the share)
-    int64_t      n_sink        = 4;     // streaming: first positions always kept (attention sinks)
-    double       recent_share  = 0.5;   // h2o: share of the budget kept for the most recent positions
-    int64_t      window        = 32;    // snapkv, pyramidkv: observation window (last prompt tokens, always kept)
-    int64_t      kernel        = 5;     // snapkv, pyramidkv: width of the average pooling over keys (odd)
-    double       pyramid_beta  = 20;    // pyramidkv: the top layer keeps 1/beta of what the mean layer keeps
-    bool         per_head      = true;  // h2o, snapkv, pyramidkv: each KV head keeps its own positions
-    int64_t      slack         = 64;    // decode (streaming, h2o): rows beyond the budget before evicting again
+    evict_policy policy = EVICT_POLICY_NONE;
+    double budget_share = 0;    // share of the prompt's positions kept, in (0, 1]
+    int64_t budget_tokens = 0;  // or: rows kept per layer (> 0 wins over the share)
+    int64_t n_sink = 4;         // streaming: first positions always kept (attention sinks)
+    double recent_share = 0.5;  // h2o: share of the budget kept for the most recent positions
+    int64_t window = 32;        // snapkv, pyramidkv: observation window (last prompt tokens, always kept)
+    int64_t kernel = 5;         // snapkv, pyramidkv: width of the average pooling over keys (odd)
+    double pyramid_beta = 20;   // pyramidkv: the top layer keeps 1/beta of what the mean layer keeps
+    bool per_head = true;       // h2o, snapkv, pyramidkv: each KV head keeps its own positions
+    int64_t slack = 64;         // decode (streaming, h2o): rows beyond the budget before evicting again
 };
 
 evict_params evict_default_params();

@@ -33,9 +33,13 @@ bool kv_cache_type_supported(ggml_type t);
 // get / set(offset, size, host) moves one contiguous per-head block between
 // the tensor and a staging buffer (ggml_backend_tensor_get / _set). the rows
 // must lie inside the tensor (callers check; asserted here)
-inline bool kv_tensor_on_host(const ggml_tensor * t) { return t->buffer && ggml_backend_buffer_is_host(t->buffer); }
+inline bool kv_tensor_on_host(const ggml_tensor * t) {
+    return t->buffer && ggml_backend_buffer_is_host(t->buffer);
+}
 // bytes of one token-major row: every head's segment
-inline size_t kv_token_row_bytes(const ggml_tensor * t) { return ggml_row_size(t->type, t->ne[0]) * (size_t) t->ne[2]; }
+inline size_t kv_token_row_bytes(const ggml_tensor * t) {
+    return ggml_row_size(t->type, t->ne[0]) * (size_t) t->ne[2];
+}
 namespace detail {
 // both directions walk the same blocks: per head, rows [r0, r0 + n) lie
 // together in the tensor (read or written in place in host memory, else
@@ -54,17 +58,21 @@ void kv_rows_walk(const ggml_tensor * t, int64_t r0, int64_t n, uint8_t * rows, 
         if (ToHost && !host) xfer(off, seg * (size_t) n, b);
         for (int64_t j = 0; j < n; ++j) {
             uint8_t * r = rows + j * row + h * seg;
-            if (ToHost) std::memcpy(r, b + j * seg, seg);
-            else std::memcpy(b + j * seg, r, seg);
+            if (ToHost)
+                std::memcpy(r, b + j * seg, seg);
+            else
+                std::memcpy(b + j * seg, r, seg);
         }
         if (!ToHost && !host) xfer(off, seg * (size_t) n, b);
     }
 }
 }  // namespace detail
-template <typename Get> void kv_rows_to_host(const ggml_tensor * t, int64_t r0, int64_t n, uint8_t * dst, Get && get) {
+template <typename Get>
+void kv_rows_to_host(const ggml_tensor * t, int64_t r0, int64_t n, uint8_t * dst, Get && get) {
     detail::kv_rows_walk<true>(t, r0, n, dst, get);
 }
-template <typename Set> void kv_rows_from_host(ggml_tensor * t, int64_t r0, int64_t n, const uint8_t * src, Set && set) {
+template <typename Set>
+void kv_rows_from_host(ggml_tensor * t, int64_t r0, int64_t n, const uint8_t * src, Set && set) {
     // src is only read: the walk copies out of it
     detail::kv_rows_walk<false>(t, r0, n, const_cast<uint8_t *>(src), set);
 }
@@ -81,13 +89,13 @@ class kv_cache {
     kv_cache(const kv_cache &) = delete;
     kv_cache & operator=(const kv_cache &) = delete;
 
-    int64_t n_ctx() const { return n_ctx_; }     // positions the cache may reach (logical context)
-    int64_t n_past() const { return n_past_; }   // positions [0, n_past) have been seen
+    int64_t n_ctx() const { return n_ctx_; }    // positions the cache may reach (logical context)
+    int64_t n_past() const { return n_past_; }  // positions [0, n_past) have been seen
     // truncate (or mark rows written by a graph). a sparse cache can be
     // cleared (n = 0) or cut back only over rows appended since its last
     // compaction (positions >= n); cutting into retained rows throws
     void set_n_past(int64_t n);
-    void clear();  // empty and dense again, with the full allocation
+    void clear();                              // empty and dense again, with the full allocation
     uint64_t epoch() const { return epoch_; }  // counts clears: tells a cache's contents apart from earlier ones
 
     int64_t n_layer() const { return (int64_t) k_.size(); }
@@ -106,7 +114,7 @@ class kv_cache {
 
     // --- sparse state (token eviction) ---------------------------------------
     bool sparse() const { return !rows_.empty(); }
-    int64_t capacity() const { return cap_; }             // rows allocated per layer
+    int64_t capacity() const { return cap_; }              // rows allocated per layer
     int64_t n_rows(int il) const;                          // rows held by a layer (dense: n_past)
     int64_t n_rows_max() const;                            // the most rows any layer holds
     int64_t n_retained(int il) const;                      // rows kept by the last compaction (dense: 0)

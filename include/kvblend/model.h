@@ -24,24 +24,24 @@ struct model_hparams {
     model_arch arch = MODEL_ARCH_LLAMA;
     std::string arch_name;  // as written in general.architecture
 
-    int64_t n_vocab     = 0;
+    int64_t n_vocab = 0;
     int64_t n_ctx_train = 0;
-    int64_t n_embd      = 0;
-    int64_t n_layer     = 0;
-    int64_t n_head      = 0;
-    int64_t n_head_kv   = 0;
-    int64_t head_dim    = 0;  // per-head size of q and k (== v for the supported archs)
-    int64_t n_ff        = 0;
-    int64_t n_rot       = 0;  // rotated dims per head
+    int64_t n_embd = 0;
+    int64_t n_layer = 0;
+    int64_t n_head = 0;
+    int64_t n_head_kv = 0;
+    int64_t head_dim = 0;  // per-head size of q and k (== v for the supported archs)
+    int64_t n_ff = 0;
+    int64_t n_rot = 0;  // rotated dims per head
 
-    float rms_eps    = 1e-5f;
-    float rope_base  = 10000.0f;
+    float rms_eps = 1e-5f;
+    float rope_base = 10000.0f;
     float rope_scale = 1.0f;  // frequency scale (1 / linear scaling factor)
-    int   rope_mode  = 0;     // GGML_ROPE_TYPE_NORMAL or GGML_ROPE_TYPE_NEOX
+    int rope_mode = 0;        // GGML_ROPE_TYPE_NORMAL or GGML_ROPE_TYPE_NEOX
 
     bool tied_output = false;  // output projection shares token_embd
-    bool qkv_bias    = false;
-    bool qk_norm     = false;
+    bool qkv_bias = false;
+    bool qk_norm = false;
 
     int64_t n_embd_q() const { return head_dim * n_head; }
     int64_t n_embd_kv() const { return head_dim * n_head_kv; }  // K or V row per token
@@ -60,7 +60,7 @@ struct model_layer {
     ggml_tensor * k_norm = nullptr;     // [head_dim]   qwen3
     ggml_tensor * ffn_norm = nullptr;   // [n_embd]
     ggml_tensor * ffn_gate = nullptr;   // [n_embd, n_ff]
-    ggml_tensor * ffn_up   = nullptr;   // [n_embd, n_ff]
+    ggml_tensor * ffn_up = nullptr;     // [n_embd, n_ff]
     ggml_tensor * ffn_down = nullptr;   // [n_ff, n_embd]
 };
 
@@ -68,7 +68,7 @@ struct model_params {
     // map the file instead of reading it (CPU only). off by default: weights
     // read into anonymous memory ran prefill ~10% faster here (huge pages)
     bool use_mmap = false;
-    bool use_gpu  = true;   // put weights on the first GPU device when one is built in
+    bool use_gpu = true;  // put weights on the first GPU device when one is built in
     // the ggml device that holds the weights, the KV caches and the blend's
     // hidden states and runs the forward, named as llama.cpp's --device names it:
     //   ""             auto: the first GPU when one is built in (and use_gpu), else the CPU

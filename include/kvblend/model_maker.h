@@ -12,19 +12,19 @@
 namespace kvblend {
 
 struct model_spec {
-    model_arch arch     = MODEL_ARCH_LLAMA;
-    int64_t n_layer     = 2;
-    int64_t n_embd      = 64;
-    int64_t n_head      = 4;
-    int64_t n_head_kv   = 2;
-    int64_t head_dim    = 16;
-    int64_t n_ff        = 128;
+    model_arch arch = MODEL_ARCH_LLAMA;
+    int64_t n_layer = 2;
+    int64_t n_embd = 64;
+    int64_t n_head = 4;
+    int64_t n_head_kv = 2;
+    int64_t head_dim = 16;
+    int64_t n_ff = 128;
     int64_t n_ctx_train = 2048;
-    float   rope_base   = 10000.0f;
-    float   rms_eps     = 1e-5f;
-    bool    tied_output = false;
-    bool    qkv_bias    = false;  // qwen2
-    bool    qk_norm     = false;  // qwen3
+    float rope_base = 10000.0f;
+    float rms_eps = 1e-5f;
+    bool tied_output = false;
+    bool qkv_bias = false;  // qwen2
+    bool qk_norm = false;   // qwen3
 };
 
 // named real shapes: tiny (small llama), tiny-qwen2, tiny-qwen3,
@@ -33,15 +33,15 @@ model_spec model_spec_preset(const std::string & name);
 std::vector<std::string> model_spec_preset_names();
 
 struct make_model_params {
-    ggml_type   wtype = GGML_TYPE_F16;  // type of the 2-D weight matrices; norms and biases stay f32
-    std::string vocab_from;             // vocab-only GGUF whose tokenizer keys are copied
-    uint64_t    seed  = 42;
-    std::string name  = "kvblend-synthetic";
+    ggml_type wtype = GGML_TYPE_F16;  // type of the 2-D weight matrices; norms and biases stay f32
+    std::string vocab_from;           // vocab-only GGUF whose tokenizer keys are copied
+    uint64_t seed = 42;
+    std::string name = "kvblend-synthetic";
 };
 
 struct make_model_result {
-    int64_t  n_vocab    = 0;  // tokens copied from the vocab file
-    int64_t  n_tensors  = 0;
+    int64_t n_vocab = 0;  // tokens copied from the vocab file
+    int64_t n_tensors = 0;
     uint64_t file_bytes = 0;  // size of the written file
 };
 

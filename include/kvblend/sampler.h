@@ -11,17 +11,17 @@ namespace kvblend {
 constexpr float k_min_temp = 1e-6f;  // lower temperatures (and 0) sample greedily
 
 struct sampler_params {
-    float    temp  = 0.0f;  // < k_min_temp: greedy
-    int32_t  top_k = 40;    // <= 0: off
-    float    top_p = 0.95f; // >= 1: off
-    float    min_p = 0.05f; // <= 0: off
-    uint32_t seed  = LLAMA_DEFAULT_SEED;
+    float temp = 0.0f;    // < k_min_temp: greedy
+    int32_t top_k = 40;   // <= 0: off
+    float top_p = 0.95f;  // >= 1: off
+    float min_p = 0.05f;  // <= 0: off
+    uint32_t seed = LLAMA_DEFAULT_SEED;
     // applied before the choice, greedy included (llama-server's order: the
     // logit biases, then the penalties over the last penalty_last_n tokens)
-    float    repeat_penalty   = 1.0f;  // 1: off; > 1 divides a repeated token's positive logit
-    float    freq_penalty     = 0.0f;  // subtracted once per earlier occurrence
-    float    presence_penalty = 0.0f;  // subtracted once if the token occurred
-    int32_t  penalty_last_n   = 64;    // tokens the penalties look back over
+    float repeat_penalty = 1.0f;               // 1: off; > 1 divides a repeated token's positive logit
+    float freq_penalty = 0.0f;                 // subtracted once per earlier occurrence
+    float presence_penalty = 0.0f;             // subtracted once if the token occurred
+    int32_t penalty_last_n = 64;               // tokens the penalties look back over
     std::vector<llama_logit_bias> logit_bias;  // added to a token's logit
 };
 
@@ -49,10 +49,10 @@ class sampler {
     bool penalized() const;  // some penalty is on
 
     sampler_params p_;
-    llama_sampler * chain_ = nullptr;     // built by the first sample(): some samplers need n_vocab
+    llama_sampler * chain_ = nullptr;  // built by the first sample(): some samplers need n_vocab
     int32_t n_vocab_ = 0;
-    std::vector<llama_token> pending_;    // accepted before the chain existed
-    std::vector<llama_token_data> buf_;   // candidates, reused between calls
+    std::vector<llama_token> pending_;   // accepted before the chain existed
+    std::vector<llama_token_data> buf_;  // candidates, reused between calls
 };
 
 }  // namespace kvblend

@@ -14,45 +14,45 @@
 namespace kvblend {
 
 struct server_params {
-    std::string host            = "127.0.0.1";  // loopback unless asked otherwise
-    int         port            = 8080;         // 0: any free port (see server::port())
-    std::string store_uri;                      // empty: chunks are collected per request, not kept
-    uint64_t    store_max_bytes = 0;            // the store's budget (least recently used go first); 0: none
-    std::string codec           = "raw";
-    int64_t     n_ctx           = 4096;         // per slot
-    int         parallel        = 1;            // slots: requests computed at once
-    int         max_queue       = 64;           // waiting requests beyond the slots; more get 503
-    float       recomp_ratio    = 0.08f;        // blend_default_params()'s
-    int         check_layer     = 1;
-    int64_t     chunk_size      = 256;          // plain long prompts: chunk length
-    int64_t     min_fuse_tokens = 512;          // plain prompts at least this long are chunked and fused
+    std::string host = "127.0.0.1";  // loopback unless asked otherwise
+    int port = 8080;                 // 0: any free port (see server::port())
+    std::string store_uri;           // empty: chunks are collected per request, not kept
+    uint64_t store_max_bytes = 0;    // the store's budget (least recently used go first); 0: none
+    std::string codec = "raw";
+    int64_t n_ctx = 4096;        // per slot
+    int parallel = 1;            // slots: requests computed at once
+    int max_queue = 64;          // waiting requests beyond the slots; more get 503
+    float recomp_ratio = 0.08f;  // blend_default_params()'s
+    int check_layer = 1;
+    int64_t chunk_size = 256;       // plain long prompts: chunk length
+    int64_t min_fuse_tokens = 512;  // plain prompts at least this long are chunked and fused
     // plain prompts (no "documents" field): known documents found in the text are
     // fused from the store; prompts of min_fuse_tokens or more teach it their passages
-    bool        learn           = true;
-    int64_t     learn_max_docs  = 16;           // most passages one request may add
-    int64_t     learn_max_bytes = 1 << 16;      // most text one request may add
-    int64_t     learn_min_chars = 256;          // shorter paragraphs are not learned
-    int64_t     known_docs_max  = 250000;       // documents the text index holds (~300 bytes each; oldest forgotten)
-    std::string api_key;                        // empty: no authentication
+    bool learn = true;
+    int64_t learn_max_docs = 16;        // most passages one request may add
+    int64_t learn_max_bytes = 1 << 16;  // most text one request may add
+    int64_t learn_min_chars = 256;      // shorter paragraphs are not learned
+    int64_t known_docs_max = 250000;    // documents the text index holds (~300 bytes each; oldest forgotten)
+    std::string api_key;                // empty: no authentication
     // web pages that may call the server (CORS): a request with an Origin header
     // from elsewhere is refused (403), so a page the user visits cannot drive a
     // local server. loopback origins (http(s)://localhost, 127.0.0.1, [::1], any
     // port) are always allowed; "*" allows every origin
     std::vector<std::string> allow_origins;
-    int32_t     n_threads       = 2;
-    ggml_type   type_k          = GGML_TYPE_F16;
-    ggml_type   type_v          = GGML_TYPE_F16;
+    int32_t n_threads = 2;
+    ggml_type type_k = GGML_TYPE_F16;
+    ggml_type type_v = GGML_TYPE_F16;
     // a live compressed cache per slot (turboquantB[+qjl], minicache[:…]):
     // prompts are prefilled whole (no fusion) and documents are refused, as
     // they are fused into a dense cache
     std::string kv_codec;
-    evict_params evict;                         // token eviction of each slot's cache after its prompt
+    evict_params evict;  // token eviction of each slot's cache after its prompt
     // limits of the HTTP layer
-    size_t      max_body        = 8u << 20;     // bytes of a request body; longer ones get 413 before any is read
-    int         read_timeout_s  = 15;           // a request's line, headers and body must arrive within this
-    int         write_timeout_s = 10;           // a response write that makes no progress this long ends the connection
-    int         max_connections = 256;          // open connections; more are answered 503 and closed
-    int         max_connections_per_client = 64;  // from one address; more get 429 (0: no limit)
+    size_t max_body = 8u << 20;           // bytes of a request body; longer ones get 413 before any is read
+    int read_timeout_s = 15;              // a request's line, headers and body must arrive within this
+    int write_timeout_s = 10;             // a response write that makes no progress this long ends the connection
+    int max_connections = 256;            // open connections; more are answered 503 and closed
+    int max_connections_per_client = 64;  // from one address; more get 429 (0: no limit)
 };
 
 class server {

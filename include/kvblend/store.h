@@ -22,13 +22,13 @@ class engine;
 
 struct store_entry_info {
     std::string key;
-    uint64_t    bytes     = 0;
-    int64_t     last_used = 0;  // unix seconds (0 where the backend does not track it)
+    uint64_t bytes = 0;
+    int64_t last_used = 0;  // unix seconds (0 where the backend does not track it)
 };
 
 struct store_stats {
     uint64_t n_entries = 0;
-    uint64_t bytes     = 0;
+    uint64_t bytes = 0;
     uint64_t max_bytes = 0;  // 0: no budget
     std::string backend;     // "dir:PATH" or "redis://…"
 };
@@ -83,8 +83,9 @@ std::unique_ptr<store> store_open(const std::string & uri, const store_options &
 // the key of a chunk: 32 hex digits (XXH3-128) over the model fingerprint, the
 // KV layout (element type, codec), the prefix token ids (collect_with_prefix),
 // the chunk's token ids and, for an evicted chunk, the policy and its knobs
-std::string chunk_key(const model & m, ggml_type type, const std::string & codec, const std::vector<llama_token> & prefix,
-                      const std::vector<llama_token> & tokens, const evict_params & ev = {});
+std::string chunk_key(const model & m, ggml_type type, const std::string & codec,
+                      const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens,
+                      const evict_params & ev = {});
 
 class codec;
 
@@ -115,7 +116,8 @@ chunk_kv chunk_decode(const model & m, std::vector<uint8_t> && bytes,  // keeps 
 // it is not; *remove then says whether the entry is certainly of no use
 // (corrupt, or another chunk's under this id) rather than an evicted chunk's,
 // whose key cannot be derived
-chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const std::string & id, bool * remove = nullptr);
+chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const std::string & id,
+                         bool * remove = nullptr);
 
 // what is wrong with an entry ("" when nothing): structure and checksum, and
 // with a model also the fingerprint, shapes and token ids, and, given the key it
@@ -127,7 +129,7 @@ std::string chunk_entry_check(const std::vector<uint8_t> & bytes, const model * 
 // warning goes to stderr, and the chunk is collected again.
 struct chunk_fetch_stats {
     int64_t hits = 0, misses = 0;
-    double  load_ms = 0, collect_ms = 0;
+    double load_ms = 0, collect_ms = 0;
 };
 // codec: how the entry stores the KV (include/kvblend/codec.h; part of the key).
 // with a lossy codec a miss returns the chunk as a later hit will (encoded and

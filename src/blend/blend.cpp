@@ -10,13 +10,16 @@
 
 namespace kvblend {
 
-blend_params blend_default_params() { return blend_params{}; }
+blend_params blend_default_params() {
+    return blend_params{};
+}
 
 namespace {
 
-template <typename E, size_t N> struct name_table {
+template <typename E, size_t N>
+struct name_table {
     std::pair<E, const char *> rows[N];
-    const char *               list;
+    const char * list;
 
     const char * name(E e) const {
         for (const auto & r : rows)
@@ -30,25 +33,43 @@ template <typename E, size_t N> struct name_table {
     }
 };
 
-constexpr name_table<blend_score, 3> k_scores{
-    {{BLEND_SCORE_V, "v"}, {BLEND_SCORE_K, "k"}, {BLEND_SCORE_KV, "kv"}}, "v, k or kv"};
-constexpr name_table<blend_method, 2> k_methods{
-    {{BLEND_METHOD_GRADUAL, "gradual"}, {BLEND_METHOD_DENSE, "dense"}}, "gradual or dense"};
+constexpr name_table<blend_score, 3> k_scores{{{BLEND_SCORE_V, "v"}, {BLEND_SCORE_K, "k"}, {BLEND_SCORE_KV, "kv"}},
+                                              "v, k or kv"};
+constexpr name_table<blend_method, 2> k_methods{{{BLEND_METHOD_GRADUAL, "gradual"}, {BLEND_METHOD_DENSE, "dense"}},
+                                                "gradual or dense"};
 constexpr name_table<blend_budget, 3> k_budgets{
     {{BLEND_BUDGET_GLOBAL, "global"}, {BLEND_BUDGET_CHUNK, "chunk"}, {BLEND_BUDGET_MASS, "mass"}},
     "global, chunk or mass"};
 
 }  // namespace
 
-const char * blend_score_name(blend_score s) { return k_scores.name(s); }
-const char * blend_method_name(blend_method m) { return k_methods.name(m); }
-const char * blend_budget_name(blend_budget b) { return k_budgets.name(b); }
-bool blend_score_from_name(const std::string & name, blend_score & out) { return k_scores.from(name, out); }
-bool blend_method_from_name(const std::string & name, blend_method & out) { return k_methods.from(name, out); }
-bool blend_budget_from_name(const std::string & name, blend_budget & out) { return k_budgets.from(name, out); }
-const char * blend_score_names() { return k_scores.list; }
-const char * blend_method_names() { return k_methods.list; }
-const char * blend_budget_names() { return k_budgets.list; }
+const char * blend_score_name(blend_score s) {
+    return k_scores.name(s);
+}
+const char * blend_method_name(blend_method m) {
+    return k_methods.name(m);
+}
+const char * blend_budget_name(blend_budget b) {
+    return k_budgets.name(b);
+}
+bool blend_score_from_name(const std::string & name, blend_score & out) {
+    return k_scores.from(name, out);
+}
+bool blend_method_from_name(const std::string & name, blend_method & out) {
+    return k_methods.from(name, out);
+}
+bool blend_budget_from_name(const std::string & name, blend_budget & out) {
+    return k_budgets.from(name, out);
+}
+const char * blend_score_names() {
+    return k_scores.list;
+}
+const char * blend_method_names() {
+    return k_methods.list;
+}
+const char * blend_budget_names() {
+    return k_budgets.list;
+}
 
 namespace {
 
@@ -186,8 +207,10 @@ chunk_kv collect_evicted(engine & eng, const std::vector<llama_token> & tokens, 
     eng.cache().clear();
     attn_scores sc;
     const bool scored = evict_needs_scores(ev.policy);
-    if (scored) eng.eval(tokens, false, 0, &sc, evict_score_from(ev, n));
-    else eng.eval(tokens);
+    if (scored)
+        eng.eval(tokens, false, 0, &sc, evict_score_from(ev, n));
+    else
+        eng.eval(tokens);
     // one selection for the whole chunk: the attention summed over layers and heads
     std::vector<float> sum;
     if (scored) {
@@ -197,7 +220,8 @@ chunk_kv collect_evicted(engine & eng, const std::vector<llama_token> & tokens, 
     }
     evict_params one = ev;
     one.per_head = false;
-    const std::vector<int64_t> rows = evict_select_rows(one, n, evict_budgets(ev, n, 1)[0], scored ? sum.data() : nullptr, nh)[0];
+    const std::vector<int64_t> rows =
+        evict_select_rows(one, n, evict_budgets(ev, n, 1)[0], scored ? sum.data() : nullptr, nh)[0];
     chunk_kv c = read_chunk(eng, tokens, 0, 0);
     if ((int64_t) rows.size() == n) return c;
     const size_t row = ggml_row_size(c.type, c.n_embd_kv);
@@ -236,7 +260,8 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
         n_pos += c->n_tokens();
     }
     if (n_pos > cache.n_ctx())
-        throw error("chunks of " + std::to_string(n_pos) + " tokens exceed the context of " + std::to_string(cache.n_ctx()));
+        throw error("chunks of " + std::to_string(n_pos) + " tokens exceed the context of " +
+                    std::to_string(cache.n_ctx()));
 
     // per-row rotation: row j of chunk i moves from position pos0_i + t_j to s_i + t_j
     // (t_j its token index): by s_i - pos0_i, whichever tokens the chunk kept
@@ -293,7 +318,8 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
             throw error("a blend schedule needs increasing layers and non-increasing ratios");
     }
     if (params.recompute_chunk_head < 0) throw error("recompute_chunk_head must not be negative");
-    if (params.budget != BLEND_BUDGET_GLOBAL && params.budget != BLEND_BUDGET_CHUNK && params.budget != BLEND_BUDGET_MASS)
+    if (params.budget != BLEND_BUDGET_GLOBAL && params.budget != BLEND_BUDGET_CHUNK &&
+        params.budget != BLEND_BUDGET_MASS)
         throw error("unknown blend budget " + std::to_string((int) params.budget));
 
     // layout: [c_0 | c_1 … c_k | query], one row per held token (evicted
@@ -320,10 +346,11 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     // as eval checks a prompt's, before the embedding sees them
     for (const llama_token t : tokens)
         if (t < 0 || t >= hp.n_vocab) throw error("token id " + std::to_string(t) + " is outside the vocabulary");
-    const int64_t N = (int64_t) tokens.size();               // rows
-    const int64_t N_pos = s + (int64_t) query.size();        // positions
+    const int64_t N = (int64_t) tokens.size();         // rows
+    const int64_t N_pos = s + (int64_t) query.size();  // positions
     if (N_pos > eng.cache().n_ctx())
-        throw error("blend of " + std::to_string(N_pos) + " tokens exceeds the context of " + std::to_string(eng.cache().n_ctx()));
+        throw error("blend of " + std::to_string(N_pos) + " tokens exceeds the context of " +
+                    std::to_string(eng.cache().n_ctx()));
 
     blend_result res;
     blend_stats & st = res.stats;
@@ -346,7 +373,8 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     for (size_t i = 0; i < chunks.size(); ++i)
         for (int64_t j = 0; j < chunks[i]->n_rows(); ++j) chunk_of[chunk_start[i] + j] = (int32_t) i;
     if (!(params.dev_mass >= 0.0f && params.dev_mass <= 1.0f))
-        throw error("the deviation mass of an adaptive ratio must be in [0, 1], got " + std::to_string(params.dev_mass));
+        throw error("the deviation mass of an adaptive ratio must be in [0, 1], got " +
+                    std::to_string(params.dev_mass));
 
     // the layers below the first check are recomputed for every token: place the rest
     double t0 = time_ms();
@@ -388,8 +416,10 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
         drv.run_rows(rr, &dev, weigh ? &attn : nullptr);
         rr.score = nullptr;
         const double t1 = time_ms();
-        if (si == 0) st.early_ms += t1 - t0;
-        else st.deep_ms += t1 - t0;
+        if (si == 0)
+            st.early_ms += t1 - t0;
+        else
+            st.deep_ms += t1 - t0;
 
         if (weigh)
             for (int64_t p = 0; p < N; ++p) dev[p] *= attn[p];
@@ -427,8 +457,10 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     rr.dev_v = rr.dev_k = false;
     res.logits = drv.run_rows(rr);
     st.deep_ms += time_ms() - t0;
-    if (N == N_pos) eng.cache().set_n_past(N);
-    else eng.cache().set_positions(pos, N_pos);  // evicted chunks: a sparse cache
+    if (N == N_pos)
+        eng.cache().set_n_past(N);
+    else
+        eng.cache().set_positions(pos, N_pos);  // evicted chunks: a sparse cache
 
     for (int64_t p = 0; p < N; ++p)
         if (write[p]) res.selected.push_back(pos[p]);

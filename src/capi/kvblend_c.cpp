@@ -1,7 +1,5 @@
 // the C API (include/kvblend.h), written on the public C++ headers only.
 // every entry point catches everything: no exception crosses into C.
-#include "kvblend.h"
-
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -13,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "kvblend.h"
 #include "kvblend/blend.h"
 #include "kvblend/codec.h"
 #include "kvblend/engine.h"
@@ -52,9 +51,12 @@ struct capi_error {
     std::string msg;
 };
 
-[[noreturn]] void fail(kvb_status status, const std::string & msg) { throw capi_error{status, msg}; }
+[[noreturn]] void fail(kvb_status status, const std::string & msg) {
+    throw capi_error{status, msg};
+}
 
-template <class F> kvb_status guarded(F && f) {
+template <class F>
+kvb_status guarded(F && f) {
     try {
         f();
         return KVB_OK;
@@ -91,7 +93,8 @@ char * dup_string(const std::string & s) {
     return p;
 }
 
-template <class T> T * dup_array(const std::vector<T> & v) {
+template <class T>
+T * dup_array(const std::vector<T> & v) {
     T * p = static_cast<T *>(std::malloc(std::max<size_t>(1, v.size() * sizeof(T))));
     if (!p) throw std::bad_alloc();
     if (!v.empty()) std::memcpy(p, v.data(), v.size() * sizeof(T));
@@ -100,7 +103,8 @@ template <class T> T * dup_array(const std::vector<T> & v) {
 
 // a C caller may put any int in an enum field: read it as an int, since loading
 // an out-of-range value as the C++ enum type is undefined behaviour
-template <typename E> int enum_value(const E & e) {
+template <typename E>
+int enum_value(const E & e) {
     static_assert(sizeof(E) == sizeof(int), "C enums are int-sized here");
     int v = 0;
     std::memcpy(&v, &e, sizeof v);
@@ -150,10 +154,12 @@ engine & engine_for(kvb_context & c, int64_t want, const char * what) {
     const int64_t n_train = c.m->hparams().n_ctx_train;
     if (c.fixed_n_ctx > 0) {
         const int64_t cap = c.eng->cache().n_ctx();
-        if (want > cap) fail(KVB_ERR_FAILED, std::string(what) + " exceeds the context of " + std::to_string(cap) + " tokens");
+        if (want > cap)
+            fail(KVB_ERR_FAILED, std::string(what) + " exceeds the context of " + std::to_string(cap) + " tokens");
         return *c.eng;
     }
-    if (want > n_train) fail(KVB_ERR_FAILED, std::string(what) + " exceeds the model's context of " + std::to_string(n_train));
+    if (want > n_train)
+        fail(KVB_ERR_FAILED, std::string(what) + " exceeds the model's context of " + std::to_string(n_train));
     if (!c.eng || c.eng->cache().n_ctx() < want) {
         c.eng.reset();  // the old cache goes before the new one is allocated
         engine_params ep = c.ep;
@@ -217,7 +223,8 @@ class piece_stream {
     bool on_piece(const std::string & piece) {
         seen_ += piece;
         // a stop string can only end inside the new piece
-        const size_t from = seen_.size() - piece.size() - std::min(seen_.size() - piece.size(), max_stop_ ? max_stop_ - 1 : 0);
+        const size_t from =
+            seen_.size() - piece.size() - std::min(seen_.size() - piece.size(), max_stop_ ? max_stop_ - 1 : 0);
         size_t cut = std::string::npos;
         for (const auto & s : stops_) cut = std::min(cut, seen_.find(s, from));
         if (cut != std::string::npos) {
@@ -250,8 +257,8 @@ class piece_stream {
     const kvb_generate_params & gp_;
     std::vector<std::string> stops_;
     size_t max_stop_ = 0;
-    std::string seen_;     // every piece so far
-    size_t emitted_ = 0;   // bytes of seen_ passed to on_piece
+    std::string seen_;    // every piece so far
+    size_t emitted_ = 0;  // bytes of seen_ passed to on_piece
     bool stopped_string_ = false, stopped_cb_ = false;
 };
 
@@ -277,10 +284,9 @@ void generate_impl(kvb_context * ctx, const std::vector<llama_token> & toks, con
     const sampler_params sp = sampling_of(gp);
     if (toks.empty()) fail(KVB_ERR_INVALID_ARGUMENT, "the prompt tokenizes to nothing");
     gp.n_predict = n_predict_in_room(*ctx, (int64_t) toks.size(), gp.n_predict);
-    engine & eng = engine_for(*ctx, (int64_t) toks.size() + gp.n_predict,
-                              ("prompt (" + std::to_string(toks.size()) + " tokens) plus n_predict " +
-                               std::to_string(gp.n_predict))
-                                  .c_str());
+    engine & eng = engine_for(
+        *ctx, (int64_t) toks.size() + gp.n_predict,
+        ("prompt (" + std::to_string(toks.size()) + " tokens) plus n_predict " + std::to_string(gp.n_predict)).c_str());
     piece_stream ps(gp);
     const generate_result r = eng.generate(toks, gp.n_predict, sp, ps.callback());
     std::string out = ps.finish(r.text);
@@ -298,7 +304,9 @@ void generate_impl(kvb_context * ctx, const std::vector<llama_token> & toks, con
 
 // --- errors, memory, version -------------------------------------------------
 
-const char * kvb_last_error(void) { return t_last_error.c_str(); }
+const char * kvb_last_error(void) {
+    return t_last_error.c_str();
+}
 
 const char * kvb_status_name(kvb_status status) {
     switch (enum_value(status)) {  // any int may arrive here
@@ -313,9 +321,13 @@ const char * kvb_status_name(kvb_status status) {
     return "KVB_ERR_UNKNOWN";
 }
 
-void kvb_free(void * ptr) { std::free(ptr); }
+void kvb_free(void * ptr) {
+    std::free(ptr);
+}
 
-const char * kvb_version(void) { return KVBLEND_VERSION_STRING; }
+const char * kvb_version(void) {
+    return KVBLEND_VERSION_STRING;
+}
 
 void kvb_log_set_verbose(bool verbose) {
     try {
@@ -354,7 +366,9 @@ kvb_status kvb_model_load(const char * path, const kvb_model_params * params, kv
     });
 }
 
-void kvb_model_free(kvb_model * model) { delete model; }
+void kvb_model_free(kvb_model * model) {
+    delete model;
+}
 
 kvb_status kvb_list_devices(char ** text) {
     return guarded([&] {
@@ -413,14 +427,15 @@ kvb_status kvb_tokenize(const kvb_model * model, const char * text, bool add_spe
     });
 }
 
-kvb_status kvb_detokenize(const kvb_model * model, const kvb_token * tokens, size_t n_tokens, bool special, char ** text,
-                          size_t * len) {
+kvb_status kvb_detokenize(const kvb_model * model, const kvb_token * tokens, size_t n_tokens, bool special,
+                          char ** text, size_t * len) {
     return guarded([&] {
         need(model, "model");
         if (n_tokens > 0) need(tokens, "tokens");
         need(text, "text");
         check_tokens(*model->m, tokens, n_tokens);
-        const std::string s = model->m->tokens().detokenize(std::vector<llama_token>(tokens, tokens + n_tokens), special);
+        const std::string s =
+            model->m->tokens().detokenize(std::vector<llama_token>(tokens, tokens + n_tokens), special);
         *text = dup_string(s);
         if (len) *len = s.size();
     });
@@ -478,7 +493,9 @@ kvb_status kvb_context_new(kvb_model * model, const kvb_context_params * params,
     });
 }
 
-void kvb_context_free(kvb_context * ctx) { delete ctx; }
+void kvb_context_free(kvb_context * ctx) {
+    delete ctx;
+}
 
 // --- store ------------------------------------------------------------------
 
@@ -507,7 +524,9 @@ kvb_status kvb_store_open(const char * uri, const kvb_store_params * params, kvb
     });
 }
 
-void kvb_store_free(kvb_store * store) { delete store; }
+void kvb_store_free(kvb_store * store) {
+    delete store;
+}
 
 kvb_status kvb_store_get_stats(kvb_store * store, kvb_store_stats * out) {
     return guarded([&] {
@@ -567,7 +586,8 @@ kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const *
                 chunks.push_back(rag_doc_tokens(v, texts[i]));
             }
         }
-        chunks.erase(std::remove_if(chunks.begin(), chunks.end(), [](const auto & c) { return c.empty(); }), chunks.end());
+        chunks.erase(std::remove_if(chunks.begin(), chunks.end(), [](const auto & c) { return c.empty(); }),
+                     chunks.end());
         int64_t longest = 1;
         for (const auto & c : chunks) longest = std::max<int64_t>(longest, (int64_t) c.size());
         engine & eng = engine_for(*ctx, longest + (int64_t) prefix.size(),
@@ -593,17 +613,18 @@ kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const *
             }
             s.collect_ms = fs.collect_ms;
             if (p.progress && !p.progress(i + 1, chunks.size(), p.user_data))
-                fail(KVB_ERR_CANCELLED, "ingest cancelled by the progress callback after " + std::to_string(i + 1) + " of " +
-                                            std::to_string(chunks.size()) + " chunks");
+                fail(KVB_ERR_CANCELLED, "ingest cancelled by the progress callback after " + std::to_string(i + 1) +
+                                            " of " + std::to_string(chunks.size()) + " chunks");
         }
         // a budget too small for the whole ingest evicts its first chunks: their ids
         // would name nothing
         size_t gone = 0;
         for (const kvb_id & id : out) gone += !store->st->contains(std::string(id.hex, strnlen(id.hex, KVB_ID_LEN)));
         if (gone)
-            fail(KVB_ERR_FAILED, std::to_string(gone) + " of the " + std::to_string(out.size()) +
-                                     " chunks were evicted again by the store's budget before the ingest ended: the budget "
-                                     "cannot hold them all");
+            fail(KVB_ERR_FAILED,
+                 std::to_string(gone) + " of the " + std::to_string(out.size()) +
+                     " chunks were evicted again by the store's budget before the ingest ended: the budget "
+                     "cannot hold them all");
         if (stats) *stats = s;
         if (ids) {
             *ids = dup_array(out);
@@ -665,11 +686,12 @@ namespace {
 
 // the library's selection enums by their C value (the C values are ABI and
 // fixed; the library's may move): index = C value
-constexpr blend_score  k_score_of[]  = {BLEND_SCORE_V, BLEND_SCORE_K, BLEND_SCORE_KV};
+constexpr blend_score k_score_of[] = {BLEND_SCORE_V, BLEND_SCORE_K, BLEND_SCORE_KV};
 constexpr blend_method k_method_of[] = {BLEND_METHOD_GRADUAL, BLEND_METHOD_DENSE};
 constexpr blend_budget k_budget_of[] = {BLEND_BUDGET_GLOBAL, BLEND_BUDGET_CHUNK, BLEND_BUDGET_MASS};
 
-template <typename C, typename E, size_t N> C c_value_of(const E (&table)[N], E e) {
+template <typename C, typename E, size_t N>
+C c_value_of(const E (&table)[N], E e) {
     for (size_t i = 0; i < N; ++i)
         if (table[i] == e) return (C) i;
     return (C) 0;  // not reached: each table holds every value of its enum
@@ -694,8 +716,8 @@ kvb_blend_params kvb_blend_default_params(void) {
 }
 
 kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, const kvb_doc * docs, size_t n_docs,
-                     const char * question, const kvb_blend_params * blend_params, const kvb_generate_params * gen_params,
-                     char ** text, kvb_blend_stats * stats) {
+                     const char * question, const kvb_blend_params * blend_params,
+                     const kvb_generate_params * gen_params, char ** text, kvb_blend_stats * stats) {
     return guarded([&] {
         need(ctx, "ctx");
         if (n_docs > 0) need(docs, "docs");
@@ -714,11 +736,13 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
 
         // the blend params, checked here so that a bad one is an invalid argument
         kvblend::blend_params bp = blend_default_params();
-        if (!(p.recomp_ratio >= 0 && p.recomp_ratio <= 1)) fail(KVB_ERR_INVALID_ARGUMENT, "recomp_ratio must be in [0, 1]");
+        if (!(p.recomp_ratio >= 0 && p.recomp_ratio <= 1))
+            fail(KVB_ERR_INVALID_ARGUMENT, "recomp_ratio must be in [0, 1]");
         if (p.check_layer < 0 || p.check_layer >= n_layer)
             fail(KVB_ERR_INVALID_ARGUMENT, "check_layer must be in [0, " + std::to_string(n_layer - 1) + "]");
         const int score = enum_value(p.score), method = enum_value(p.method);
-        if (score < KVB_SCORE_V || score > KVB_SCORE_KV) fail(KVB_ERR_INVALID_ARGUMENT, "score must be KVB_SCORE_V, K or KV");
+        if (score < KVB_SCORE_V || score > KVB_SCORE_KV)
+            fail(KVB_ERR_INVALID_ARGUMENT, "score must be KVB_SCORE_V, K or KV");
         if (method != KVB_METHOD_GRADUAL && method != KVB_METHOD_DENSE)
             fail(KVB_ERR_INVALID_ARGUMENT, "method must be KVB_METHOD_GRADUAL or KVB_METHOD_DENSE");
         if (p.chunk_head < 0) fail(KVB_ERR_INVALID_ARGUMENT, "chunk_head must not be negative");
@@ -762,8 +786,8 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
             if (docs[i].text) text_bytes += std::strlen(docs[i].text);
         if (v.min_tokens(text_bytes) > (uint64_t) m.hparams().n_ctx_train)
             fail(KVB_ERR_FAILED, "the text of the documents and question (" + std::to_string(text_bytes) +
-                                     " bytes) exceeds what the model's context of " + std::to_string(m.hparams().n_ctx_train) +
-                                     " tokens can hold");
+                                     " bytes) exceeds what the model's context of " +
+                                     std::to_string(m.hparams().n_ctx_train) + " tokens can hold");
         // the context a blend can have: no further entry is read (and held) once the documents pass it
         const int64_t n_room = ctx->fixed_n_ctx > 0 ? ctx->eng->cache().n_ctx() : m.hparams().n_ctx_train;
         int64_t n_doc_tokens = 0;
@@ -776,7 +800,8 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         for (size_t i = 0; i < n_docs; ++i) {
             const kvb_doc & d = docs[i];
             if ((d.text != nullptr) == (d.id != nullptr))
-                fail(KVB_ERR_INVALID_ARGUMENT, "document " + std::to_string(i) + " needs a text or an id (one of them)");
+                fail(KVB_ERR_INVALID_ARGUMENT,
+                     "document " + std::to_string(i) + " needs a text or an id (one of them)");
             if (d.text) {
                 doc_tokens[i] = rag_doc_tokens(v, d.text);
                 count(i);

@@ -66,14 +66,22 @@ struct codec_bench_opts {
 // -m, --codecs, --prompts, --docs, --ratio, --json, --plot and the engine
 // flags; true when one was consumed
 inline bool match_codec_bench_flag(args & a, codec_bench_opts & o) {
-    if (a.match({"-m", "--model"})) o.model_path = a.str();
-    else if (a.match({"--codecs"})) o.codecs = a.names();
-    else if (a.match({"--prompts"})) o.n_prompts = a.integer(1, 10000);
-    else if (a.match({"--docs"})) o.n_docs = a.integer(1, 64);
-    else if (a.match({"--ratio"})) o.ratio = (float) a.real(0.0, 1.0);
-    else if (a.match({"--json"})) o.json_path = a.str();
-    else if (a.match({"--plot"})) o.png = a.str();
-    else return match_engine_flag(a, o.ep);
+    if (a.match({"-m", "--model"}))
+        o.model_path = a.str();
+    else if (a.match({"--codecs"}))
+        o.codecs = a.names();
+    else if (a.match({"--prompts"}))
+        o.n_prompts = a.integer(1, 10000);
+    else if (a.match({"--docs"}))
+        o.n_docs = a.integer(1, 64);
+    else if (a.match({"--ratio"}))
+        o.ratio = (float) a.real(0.0, 1.0);
+    else if (a.match({"--json"}))
+        o.json_path = a.str();
+    else if (a.match({"--plot"}))
+        o.png = a.str();
+    else
+        return match_engine_flag(a, o.ep);
     return true;
 }
 

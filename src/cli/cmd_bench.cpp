@@ -17,7 +17,8 @@ namespace kvblend::cli {
 
 namespace {
 
-const char * k_help = R"(usage: kvblend bench prefill|blend|store|codec|grid|serve|evict|match|accuracy -m MODEL [options]   (kvblend bench blend --help, …)
+const char * k_help =
+    R"(usage: kvblend bench prefill|blend|store|codec|grid|serve|evict|match|accuracy -m MODEL [options]   (kvblend bench blend --help, …)
 
 kvblend bench prefill -m MODEL [options]
 
@@ -72,24 +73,38 @@ int bench_prefill(args & a) {
     model_params mp = model_default_params();
     engine_params ep = engine_default_params();
     while (!a.done()) {
-        if (match_help(a, k_help)) return 0;
-        else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"--tokens"})) lens = a.integers(1, 1 << 20);
-        else if (a.match({"--n-gen"})) n_gen = a.integer(0, 4096);
-        else if (a.match({"-r", "--reps"})) reps = a.integer(1, 100);
-        else if (a.match({"-t", "--threads"})) ep.n_threads = (int32_t) a.integer(1, 1024);
-        else if (a.match({"-b", "--ubatch"})) ep.n_ubatch = a.integer(1, 1 << 16);
-        else if (a.match({"--cache-type", "--cache-type-k", "--cache-type-v"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
+        if (match_help(a, k_help))
+            return 0;
+        else if (a.match({"-m", "--model"}))
+            model_path = a.str();
+        else if (a.match({"--tokens"}))
+            lens = a.integers(1, 1 << 20);
+        else if (a.match({"--n-gen"}))
+            n_gen = a.integer(0, 4096);
+        else if (a.match({"-r", "--reps"}))
+            reps = a.integer(1, 100);
+        else if (a.match({"-t", "--threads"}))
+            ep.n_threads = (int32_t) a.integer(1, 1024);
+        else if (a.match({"-b", "--ubatch"}))
+            ep.n_ubatch = a.integer(1, 1 << 16);
+        else if (a.match({"--cache-type", "--cache-type-k", "--cache-type-v"}))
+            ep.type_k = ep.type_v = parse_cache_type(a.str());
         else if (a.match({"--peer"})) {
             const std::string p = a.str();
             if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");
             peer = p == "llama";
-        } else if (a.match({"--json"})) json = true;
-        else if (a.match({"--profile-ops"})) profile = true;
-        else if (a.match({"--profile-shapes"})) profile = shapes = true;
-        else if (a.match({"--mmap"})) mp.use_mmap = true;
-        else if (match_device_flag(a, mp)) continue;
-        else a.unknown();
+        } else if (a.match({"--json"}))
+            json = true;
+        else if (a.match({"--profile-ops"}))
+            profile = true;
+        else if (a.match({"--profile-shapes"}))
+            profile = shapes = true;
+        else if (a.match({"--mmap"}))
+            mp.use_mmap = true;
+        else if (match_device_flag(a, mp))
+            continue;
+        else
+            a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
 
@@ -113,7 +128,8 @@ int bench_prefill(args & a) {
         rp.n_ubatch = ep.n_ubatch;
         rp.type_k = ep.type_k;
         rp.type_v = ep.type_v;
-        rp.use_gpu = m->on_gpu();  // libllama offloads to the registered GPU/RPC devices, or stays on the CPU as ours does
+        rp.use_gpu =
+            m->on_gpu();  // libllama offloads to the registered GPU/RPC devices, or stays on the CPU as ours does
         if (profile) rp.cb_eval = op_timer::callback, rp.cb_eval_user_data = &llama_ops;
         lr = std::make_unique<ref::llama_ref>(model_path, rp);
     }
@@ -168,7 +184,8 @@ int bench_prefill(args & a) {
             if (lr) lr->clear(), lr->eval(toks, false);
             ours_ops.on = llama_ops.on = false;
         }
-        nlohmann::json row = {{"n_prompt", n}, {"ours_prefill_ms", median(ours_pp)},
+        nlohmann::json row = {{"n_prompt", n},
+                              {"ours_prefill_ms", median(ours_pp)},
                               {"ours_prefill_tps", n / (median(ours_pp) / 1000.0)}};
         if (n_gen) row["ours_decode_tps"] = n_gen / (median(ours_tg) / 1000.0);
         row["ours_prefill_ms_each"] = ours_pp;  // every repetition, in the order run
@@ -208,11 +225,17 @@ int bench_prefill(args & a) {
         std::printf("%s\n", out.dump(2).c_str());
         return 0;
     }
-    std::printf("model: %s\n%s, threads %d, ubatch %lld, KV %s, median of %lld; "
-                "a ratio is libllama's time over ours in each repetition (the two run back to back), its median and range\n\n", model_path.c_str(),
-                m->describe().c_str(), ep.n_threads, (long long) ep.n_ubatch, ggml_type_name(ep.type_k), (long long) reps);
-    std::printf("| prompt | ours pp tok/s | llama pp tok/s | pp ratio | pp ratio range | ours tg tok/s | llama tg tok/s | tg ratio | tg ratio range |\n");
-    std::printf("|-------:|--------------:|---------------:|---------:|---------------:|--------------:|---------------:|---------:|---------------:|\n");
+    std::printf(
+        "model: %s\n%s, threads %d, ubatch %lld, KV %s, median of %lld; "
+        "a ratio is libllama's time over ours in each repetition (the two run back to back), its median and range\n\n",
+        model_path.c_str(), m->describe().c_str(), ep.n_threads, (long long) ep.n_ubatch, ggml_type_name(ep.type_k),
+        (long long) reps);
+    std::printf(
+        "| prompt | ours pp tok/s | llama pp tok/s | pp ratio | pp ratio range | ours tg tok/s | llama tg tok/s | tg "
+        "ratio | tg ratio range |\n");
+    std::printf(
+        "|-------:|--------------:|---------------:|---------:|---------------:|--------------:|---------------:|------"
+        "---:|---------------:|\n");
     for (const auto & r : rows) {
         auto f = [&](const std::string & k) { return r.contains(k) ? r[k].get<double>() : 0.0; };
         auto range = [&](const std::string & k) {
@@ -263,7 +286,8 @@ int cmd_bench(int argc, char ** argv) {
     if (what == "evict") return bench_evict(a);
     if (what == "match") return bench_match(a);
     if (what == "accuracy") return bench_accuracy(a);
-    throw error("unknown benchmark '" + what + "' (available: prefill, blend, store, codec, grid, serve, evict, match, accuracy)");
+    throw error("unknown benchmark '" + what +
+                "' (available: prefill, blend, store, codec, grid, serve, evict, match, accuracy)");
 }
 
 }  // namespace kvblend::cli

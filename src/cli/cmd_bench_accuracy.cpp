@@ -135,7 +135,9 @@ std::string trim(const std::string & s) {
 }
 
 // the answer in a generation: up to the first newline or period, trimmed
-std::string answer_of(const std::string & text) { return trim(text.substr(0, text.find_first_of("\n."))); }
+std::string answer_of(const std::string & text) {
+    return trim(text.substr(0, text.find_first_of("\n.")));
+}
 
 // SQuAD's normalization: lowercase, no punctuation, no articles, words
 std::vector<std::string> answer_words(const std::string & s) {
@@ -146,8 +148,10 @@ std::vector<std::string> answer_words(const std::string & s) {
         w.clear();
     };
     for (unsigned char c : s) {
-        if (std::isspace(c)) flush();
-        else if (!std::ispunct(c)) w += (char) std::tolower(c);
+        if (std::isspace(c))
+            flush();
+        else if (!std::ispunct(c))
+            w += (char) std::tolower(c);
     }
     flush();
     return words;
@@ -190,8 +194,8 @@ void parse_evict_setting(const std::string & s, evict_params & ev, const std::st
 int64_t parse_int(const std::string & s, const std::string & spec, int64_t lo, int64_t hi) {
     const std::optional<int64_t> v = to_integer(s);
     if (!v || *v < lo || *v > hi)
-        throw error("variant '" + spec + "': expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                    "], got '" + s + "'");
+        throw error("variant '" + spec + "': expected an integer in [" + std::to_string(lo) + ", " +
+                    std::to_string(hi) + "], got '" + s + "'");
     return *v;
 }
 
@@ -204,7 +208,8 @@ double parse_real(const std::string & s, const std::string & spec) {
 
 // a choice parsed by the flag's parser, its message named by the variant
 // (there is no --budget flag here: "variant 'budget=x': budget must be …")
-template <typename F> auto parse_choice(F parse, const std::string & val, const std::string & spec) {
+template <typename F>
+auto parse_choice(F parse, const std::string & val, const std::string & spec) {
     try {
         return parse(val);
     } catch (const error & e) {
@@ -221,22 +226,32 @@ variant parse_variant(const std::string & spec, int n_layer) {
     // setting of its own continues the codec= before it
     std::vector<std::string> parts;
     for (const std::string & s : split(spec, '+')) {
-        const bool setting = s.find('=') != std::string::npos || s == "default" || s == "prefix" || s == "beyond-budget";
-        if (!setting && !parts.empty() && parts.back().rfind("codec=", 0) == 0) parts.back() += "+" + s;
-        else parts.push_back(s);
+        const bool setting =
+            s.find('=') != std::string::npos || s == "default" || s == "prefix" || s == "beyond-budget";
+        if (!setting && !parts.empty() && parts.back().rfind("codec=", 0) == 0)
+            parts.back() += "+" + s;
+        else
+            parts.push_back(s);
     }
     for (const std::string & s : parts) {
         const size_t eq = s.find('=');
         const std::string key = s.substr(0, eq), val = eq == std::string::npos ? "" : s.substr(eq + 1);
         const bool has_val = eq != std::string::npos;
         if (s == "default") {
-        } else if (s == "prefix") v.prefix = true;
-        else if (key == "score" && has_val) v.bp.score = parse_choice(parse_blend_score, val, spec);
-        else if (key == "method" && has_val) v.bp.method = parse_choice(parse_blend_method, val, spec);
-        else if (key == "check" && has_val) v.bp.check_layer = (int) parse_int(val, spec, 0, n_layer - 1);
-        else if (key == "head" && has_val) v.bp.recompute_chunk_head = (int) parse_int(val, spec, 0, 1 << 20);
-        else if (s == "beyond-budget") v.bp.head_in_budget = false;
-        else if (key == "budget" && has_val) v.bp.budget = parse_choice(parse_blend_budget, val, spec);
+        } else if (s == "prefix")
+            v.prefix = true;
+        else if (key == "score" && has_val)
+            v.bp.score = parse_choice(parse_blend_score, val, spec);
+        else if (key == "method" && has_val)
+            v.bp.method = parse_choice(parse_blend_method, val, spec);
+        else if (key == "check" && has_val)
+            v.bp.check_layer = (int) parse_int(val, spec, 0, n_layer - 1);
+        else if (key == "head" && has_val)
+            v.bp.recompute_chunk_head = (int) parse_int(val, spec, 0, 1 << 20);
+        else if (s == "beyond-budget")
+            v.bp.head_in_budget = false;
+        else if (key == "budget" && has_val)
+            v.bp.budget = parse_choice(parse_blend_budget, val, spec);
         else if (key == "mass" && has_val) {
             v.bp.dev_mass = (float) parse_real(val, spec);
             if (v.bp.dev_mass > 1.0f) throw error("variant '" + spec + "': mass must be in (0, 1], got '" + val + "'");
@@ -244,9 +259,10 @@ variant parse_variant(const std::string & spec, int n_layer) {
             if (val != "query" && val != "none")
                 throw error("variant '" + spec + "': weight must be query or none, got '" + val + "'");
             v.bp.weight_query = val == "query";
-        }
-        else if (key == "codec" && has_val) v.codec = codec_by_name(val)->name();
-        else if (key == "evict" && has_val) parse_evict_setting(val, v.ev, spec);
+        } else if (key == "codec" && has_val)
+            v.codec = codec_by_name(val)->name();
+        else if (key == "evict" && has_val)
+            parse_evict_setting(val, v.ev, spec);
         else if (key == "schedule" && has_val) {
             for (const std::string & step : split(val, '/')) {
                 const size_t at = step.find('@');
@@ -260,7 +276,8 @@ variant parse_variant(const std::string & spec, int n_layer) {
             }
         } else {
             throw error("unknown variant setting '" + s + "' in '" + spec +
-                        "' (known: default, score=, check=, head=, beyond-budget, budget=, mass=, weight=, prefix, method=, schedule=, codec=, evict=)");
+                        "' (known: default, score=, check=, head=, beyond-budget, budget=, mass=, weight=, prefix, "
+                        "method=, schedule=, codec=, evict=)");
         }
     }
     return v;
@@ -284,19 +301,32 @@ int bench_accuracy(args & a) {
     bool chat = false;
     engine_params ep = engine_default_params();
     while (!a.done()) {
-        if (match_help(a, k_help)) return 0;
-        else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"--prompts"})) prompts_path = a.str();
-        else if (a.match({"--n"})) n_max = a.integer(1, 1 << 30);
-        else if (a.match({"--ratios"})) ratios = a.reals(0.0, 1.0);
-        else if (a.match({"--variants"})) specs = a.names();
-        else if (a.match({"--codecs"})) codecs = a.names();
-        else if (a.match({"--evict"})) evicts = a.names();
-        else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(1, 4096);
-        else if (a.match({"--chat"})) chat = true;
-        else if (a.match({"--json"})) json_path = a.str();
-        else if (a.match({"--plot"})) png = a.str();
-        else if (!match_engine_flag(a, ep)) a.unknown();
+        if (match_help(a, k_help))
+            return 0;
+        else if (a.match({"-m", "--model"}))
+            model_path = a.str();
+        else if (a.match({"--prompts"}))
+            prompts_path = a.str();
+        else if (a.match({"--n"}))
+            n_max = a.integer(1, 1 << 30);
+        else if (a.match({"--ratios"}))
+            ratios = a.reals(0.0, 1.0);
+        else if (a.match({"--variants"}))
+            specs = a.names();
+        else if (a.match({"--codecs"}))
+            codecs = a.names();
+        else if (a.match({"--evict"}))
+            evicts = a.names();
+        else if (a.match({"-n", "--n-predict"}))
+            n_predict = a.integer(1, 4096);
+        else if (a.match({"--chat"}))
+            chat = true;
+        else if (a.match({"--json"}))
+            json_path = a.str();
+        else if (a.match({"--plot"}))
+            png = a.str();
+        else if (!match_engine_flag(a, ep))
+            a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (prompts_path.empty()) throw error("missing --prompts FILE.jsonl (see --help)");
@@ -325,7 +355,8 @@ int bench_accuracy(args & a) {
         rps.push_back(rag_prompt_build(m->tokens(), p.system, p.chunks, p.query, chat));
         const int64_t need = (int64_t) rps.back().all().size() + n_predict;
         if (need > hp.n_ctx_train)
-            throw error(prompts_path + ":" + std::to_string(p.line) + ": the prompt (" + std::to_string(rps.back().all().size()) +
+            throw error(prompts_path + ":" + std::to_string(p.line) + ": the prompt (" +
+                        std::to_string(rps.back().all().size()) +
                         " tokens) plus --n-predict exceeds the model's context of " + std::to_string(hp.n_ctx_train));
         n_ctx = std::max(n_ctx, need);
     }
@@ -337,8 +368,8 @@ int bench_accuracy(args & a) {
     engs.push_back(std::make_unique<engine>(m, ep));
     for (auto & v : vars) {
         if (v.ev.policy == EVICT_POLICY_NONE) continue;
-        const std::string key = std::string(evict_policy_name(v.ev.policy)) + "/" + std::to_string(v.ev.budget_share) + "/" +
-                                std::to_string(v.ev.budget_tokens);
+        const std::string key = std::string(evict_policy_name(v.ev.policy)) + "/" + std::to_string(v.ev.budget_share) +
+                                "/" + std::to_string(v.ev.budget_tokens);
         const auto it = std::find(eng_keys.begin(), eng_keys.end(), key);
         if (it != eng_keys.end()) {
             v.engine_ix = (size_t) (it - eng_keys.begin());
@@ -417,7 +448,8 @@ int bench_accuracy(args & a) {
             return ptrs;
         };
 
-        auto record = [&](size_t ri, const std::vector<float> & logits, const std::string & ans, double recomputed, double deep) {
+        auto record = [&](size_t ri, const std::vector<float> & logits, const std::string & ans, double recomputed,
+                          double deep) {
             tally & t = rows[ri];
             const bool right = ans == gold;
             t.em += right;
@@ -475,8 +507,8 @@ int bench_accuracy(args & a) {
     for (size_t ri = 0; ri < ids.size(); ++ri) {
         const tally & t = rows[ri];
         const double n = (double) std::max<int64_t>(t.n, 1);
-        std::printf("| %s | %.2f | %.3f | %.3f | %.3f | %.5f | %.3f | %.3f | %.3f |\n", ids[ri].variant.c_str(), ids[ri].ratio,
-                    t.em / n, t.f1 / n, t.same / n, t.kl / n, t.top1 / n, t.recomputed / n, t.deep / n);
+        std::printf("| %s | %.2f | %.3f | %.3f | %.3f | %.5f | %.3f | %.3f | %.3f |\n", ids[ri].variant.c_str(),
+                    ids[ri].ratio, t.em / n, t.f1 / n, t.same / n, t.kl / n, t.top1 / n, t.recomputed / n, t.deep / n);
         nlohmann::json kinds = nlohmann::json::object();
         for (const auto & [k, rt] : t.by_kind) kinds[k] = (double) rt.first / (double) rt.second;
         jrows.push_back({{"variant", ids[ri].variant},
@@ -511,7 +543,7 @@ int bench_accuracy(args & a) {
     if (!png.empty()) {
         // one gnuplot data block per variant: recomputed share vs exact match over its ratios
         std::string dat, plot;
-        const tally & tf = rows[0], & tn = rows[1];
+        const tally &tf = rows[0], &tn = rows[1];
         for (size_t vi = 0; vi < vars.size(); ++vi) {
             for (size_t ri = 2; ri < ids.size(); ++ri) {
                 if (ids[ri].vi != (int) vi) continue;
@@ -519,17 +551,19 @@ int bench_accuracy(args & a) {
                 dat += std::to_string(t.recomputed / t.n) + " " + std::to_string(t.em / t.n) + "\n";
             }
             dat += "\n\n";
-            plot += std::string(vi ? ", " : "") + "'" + png + ".dat' index " + std::to_string(vi) + " u 1:2 w lp lw 2 pt 7 t '" +
-                    vars[vi].name + "'";
+            plot += std::string(vi ? ", " : "") + "'" + png + ".dat' index " + std::to_string(vi) +
+                    " u 1:2 w lp lw 2 pt 7 t '" + vars[vi].name + "'";
         }
         const std::string base = model_path.substr(model_path.find_last_of('/') + 1);
         plot_png(png, dat,
                  "set title 'answer accuracy vs recomputed share: " + base + ", " + std::to_string(prompts.size()) +
                      " prompts' noenhanced\n"
                      "set xlabel 'share of document tokens recomputed'\nset ylabel 'exact match'\n"
-                     "set yrange [*:*]\nset offsets 0, 0, 0.02, 0.02\nset xrange [0:*]\nset key outside right top noenhanced\n"
-                     "plot " + std::to_string(tf.em / tf.n) + " w l dt 2 lw 2 t 'full prefill', " +
-                     std::to_string(tn.em / tn.n) + " w l dt 3 lw 2 t 'naive concatenation', " + plot + "\n");
+                     "set yrange [*:*]\nset offsets 0, 0, 0.02, 0.02\nset xrange [0:*]\nset key outside right top "
+                     "noenhanced\n"
+                     "plot " +
+                     std::to_string(tf.em / tf.n) + " w l dt 2 lw 2 t 'full prefill', " + std::to_string(tn.em / tn.n) +
+                     " w l dt 3 lw 2 t 'naive concatenation', " + plot + "\n");
     }
     return 0;
 }

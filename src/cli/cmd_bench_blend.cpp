@@ -9,8 +9,8 @@
 
 #include "blend/fidelity.h"
 #include "cli/args.h"
-#include "cli/cli_util.h"
 #include "cli/bench_corpus.h"
+#include "cli/cli_util.h"
 #include "cli/commands.h"
 #include "kvblend/blend.h"
 #include "kvblend/rag_prompt.h"
@@ -64,12 +64,13 @@ double median(std::vector<double> v) {
 namespace {
 
 int bench_speed(const std::string & model_path, const std::vector<int64_t> & contexts, float ratio, int64_t chunk,
-                int check_layer, int64_t reps, bool peer, int profile, int32_t threads,
-                const std::string & json_path, const std::string & png) {
+                int check_layer, int64_t reps, bool peer, int profile, int32_t threads, const std::string & json_path,
+                const std::string & png) {
     auto m = model::load(model_path);
     const model_hparams & hp = m->hparams();
     const int64_t n_max = *std::max_element(contexts.begin(), contexts.end());
-    if (n_max > hp.n_ctx_train) throw error("--context exceeds the model's context of " + std::to_string(hp.n_ctx_train));
+    if (n_max > hp.n_ctx_train)
+        throw error("--context exceeds the model's context of " + std::to_string(hp.n_ctx_train));
     engine_params ep = engine_default_params();
     ep.n_threads = threads;
     ep.n_ctx = n_max;
@@ -105,7 +106,8 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
         const int64_t n_prefix = 32, n_query = 32;
         if (N < n_prefix + n_query + 1) throw error("--context values must be at least 65");
         std::vector<std::vector<llama_token>> parts = {random_tokens(n_prefix)};
-        for (int64_t left = N - n_prefix - n_query; left > 0; left -= chunk) parts.push_back(random_tokens(std::min(chunk, left)));
+        for (int64_t left = N - n_prefix - n_query; left > 0; left -= chunk)
+            parts.push_back(random_tokens(std::min(chunk, left)));
         const std::vector<llama_token> query = random_tokens(n_query);
         std::vector<llama_token> all;
         for (const auto & p : parts) all.insert(all.end(), p.begin(), p.end());
@@ -190,21 +192,28 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
                std::to_string(lr ? median(t_ref) / blend_ms : 0.0) + " " + std::to_string(ideal) + " " +
                std::to_string(bound) + "\n";
     }
-    const nlohmann::json out = {{"model", model_path},   {"model_desc", m->describe()}, {"threads", threads},
-                                {"ratio", ratio},        {"chunk", chunk},              {"check_layer", check_layer},
-                                {"reps", reps},          {"rows", rows}};
+    const nlohmann::json out = {
+        {"model", model_path}, {"model_desc", m->describe()}, {"threads", threads}, {"ratio", ratio},
+        {"chunk", chunk},      {"check_layer", check_layer},  {"reps", reps},       {"rows", rows}};
     std::printf("model: %s\n%s, threads %d, ratio %.2f, chunk %lld, check layer %d, median of %lld\n\n",
-                model_path.c_str(), m->describe().c_str(), threads, ratio, (long long) chunk, check_layer, (long long) reps);
-    std::printf("| tokens | full ms (ours) | full ms (llama) | blend ms | outside layers ms | speedup vs ours | vs llama | ideal | bound | share of bound | deep tokens | KL |\n");
-    std::printf("|-------:|---------------:|----------------:|---------:|------------------:|----------------:|---------:|------:|------:|---------------:|------------:|---:|\n");
+                model_path.c_str(), m->describe().c_str(), threads, ratio, (long long) chunk, check_layer,
+                (long long) reps);
+    std::printf(
+        "| tokens | full ms (ours) | full ms (llama) | blend ms | outside layers ms | speedup vs ours | vs llama | "
+        "ideal | bound | share of bound | deep tokens | KL |\n");
+    std::printf(
+        "|-------:|---------------:|----------------:|---------:|------------------:|----------------:|---------:|-----"
+        "-:|------:|---------------:|------------:|---:|\n");
     for (const auto & r : rows) {
-        std::printf("| %6lld | %14.0f | %15.0f | %8.0f | %17.1f | %14.2fx | %7.2fx | %4.2fx | %4.2fx | %13.0f%% | %10.1f%% | %.4f |\n",
-                    (long long) r["n_tokens"].get<int64_t>(), r["full_ms"].get<double>(),
-                    r.contains("llama_full_ms") ? r["llama_full_ms"].get<double>() : 0.0, r["blend_ms"].get<double>(),
-                    r["outside_ms"].get<double>(),
-                    r["speedup_vs_ours"].get<double>(), r.contains("speedup_vs_llama") ? r["speedup_vs_llama"].get<double>() : 0.0,
-                    r["ideal_speedup"].get<double>(), r["bound_speedup"].get<double>(), 100.0 * r["share_of_bound"].get<double>(),
-                    r["deep_token_pct"].get<double>(), r["kl"].get<double>());
+        std::printf(
+            "| %6lld | %14.0f | %15.0f | %8.0f | %17.1f | %14.2fx | %7.2fx | %4.2fx | %4.2fx | %13.0f%% | %10.1f%% | "
+            "%.4f |\n",
+            (long long) r["n_tokens"].get<int64_t>(), r["full_ms"].get<double>(),
+            r.contains("llama_full_ms") ? r["llama_full_ms"].get<double>() : 0.0, r["blend_ms"].get<double>(),
+            r["outside_ms"].get<double>(), r["speedup_vs_ours"].get<double>(),
+            r.contains("speedup_vs_llama") ? r["speedup_vs_llama"].get<double>() : 0.0,
+            r["ideal_speedup"].get<double>(), r["bound_speedup"].get<double>(),
+            100.0 * r["share_of_bound"].get<double>(), r["deep_token_pct"].get<double>(), r["kl"].get<double>());
     }
     std::printf("\n| tokens | full prefill compute MB | blend compute MB | blend hidden states MB | chunk KV MB |\n");
     std::printf("|-------:|------------------------:|-----------------:|-----------------------:|------------:|\n");
@@ -228,13 +237,16 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
     }
     write_json(json_path, out);
     const std::string base = model_path.substr(model_path.find_last_of('/') + 1);
-    plot_png(png, dat,
-         "set title 'CacheBlend speedup over a full prefill: " + base + ", ratio " + std::to_string(ratio).substr(0, 4) +
-             ", " + std::to_string(threads) + " threads' noenhanced\n"
-             "set xlabel 'prompt tokens'\nset ylabel 'speedup (x)'\nset key bottom right\nset yrange [0:*]\n"
-             "plot '" + png + ".dat' u 1:2 w lp lw 2 pt 7 t 'vs our full prefill'" +
-             (lr ? std::string(", '' u 1:3 w lp lw 2 pt 5 t 'vs libllama full prefill'") : std::string()) +
-             ", '' u 1:5 w l lw 2 dt 2 t 'bound from measured times', '' u 1:4 w l lw 2 dt 3 t 'matmul-only ideal'\n");
+    plot_png(
+        png, dat,
+        "set title 'CacheBlend speedup over a full prefill: " + base + ", ratio " + std::to_string(ratio).substr(0, 4) +
+            ", " + std::to_string(threads) +
+            " threads' noenhanced\n"
+            "set xlabel 'prompt tokens'\nset ylabel 'speedup (x)'\nset key bottom right\nset yrange [0:*]\n"
+            "plot '" +
+            png + ".dat' u 1:2 w lp lw 2 pt 7 t 'vs our full prefill'" +
+            (lr ? std::string(", '' u 1:3 w lp lw 2 pt 5 t 'vs libllama full prefill'") : std::string()) +
+            ", '' u 1:5 w l lw 2 dt 2 t 'bound from measured times', '' u 1:4 w l lw 2 dt 3 t 'matmul-only ideal'\n");
 
     return 0;
 }
@@ -304,18 +316,28 @@ int bench_fidelity(const std::string & model_path, const std::vector<double> & r
                 m->describe().c_str(), (long long) n_prompts, (long long) n_docs, check_layer);
     std::printf("| variant | mean KL | top-1 agreement | greedy agreement (32) |\n|---|---:|---:|---:|\n");
     for (size_t vi = 0; vi < variants.size(); ++vi) {
-        rows.push_back({{"variant", variants[vi].name}, {"ratio", variants[vi].ratio}, {"recompute_chunk_head", variants[vi].head},
-                        {"collect_with_prefix", variants[vi].with_prefix}, {"kl", kl[vi]}, {"top1_agree", top1[vi]},
+        rows.push_back({{"variant", variants[vi].name},
+                        {"ratio", variants[vi].ratio},
+                        {"recompute_chunk_head", variants[vi].head},
+                        {"collect_with_prefix", variants[vi].with_prefix},
+                        {"kl", kl[vi]},
+                        {"top1_agree", top1[vi]},
                         {"greedy_agree_32", greedy[vi]}});
         std::printf("| %s | %.6f | %.3f | %.3f |\n", variants[vi].name.c_str(), kl[vi], top1[vi], greedy[vi]);
         if (vi < ratios.size()) dat += std::to_string(variants[vi].ratio) + " " + std::to_string(kl[vi]) + "\n";
     }
-    write_json(json_path, {{"model", model_path}, {"prompts", n_prompts}, {"docs", n_docs}, {"check_layer", check_layer}, {"rows", rows}});
+    write_json(json_path, {{"model", model_path},
+                           {"prompts", n_prompts},
+                           {"docs", n_docs},
+                           {"check_layer", check_layer},
+                           {"rows", rows}});
     plot_png(png, dat,
-         "set title 'KL(full prefill || blend) vs recompute ratio: " +
-             model_path.substr(model_path.find_last_of('/') + 1) + "' noenhanced\n"
-         "set xlabel 'recompute ratio'\nset ylabel 'mean KL (nats)'\nset key off\n"
-         "plot '" + png + ".dat' u 1:2 w lp lw 2 pt 7\n");
+             "set title 'KL(full prefill || blend) vs recompute ratio: " +
+                 model_path.substr(model_path.find_last_of('/') + 1) +
+                 "' noenhanced\n"
+                 "set xlabel 'recompute ratio'\nset ylabel 'mean KL (nats)'\nset key off\n"
+                 "plot '" +
+                 png + ".dat' u 1:2 w lp lw 2 pt 7\n");
     return 0;
 }
 
@@ -353,30 +375,48 @@ int bench_blend(args & a) {
     bool peer = true;
     int profile = 0;
     while (!a.done()) {
-        if (match_help(a, k_help)) return 0;
-        else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"--context"})) contexts = a.integers(1, 1 << 20);
-        else if (a.match({"--ratio"})) ratio = (float) a.real(0.0, 1.0);
-        else if (a.match({"--ratios"})) ratios = a.reals(0.0, 1.0);
-        else if (a.match({"--chunk"})) chunk = a.integer(1, 1 << 20);
-        else if (a.match({"--check-layer"})) check_layer = (int) a.integer(0, 4096);
-        else if (a.match({"--score"})) score = parse_blend_score(a.str());
-        else if (a.match({"-r", "--reps"})) reps = a.integer(1, 100);
-        else if (a.match({"--prompts"})) n_prompts = a.integer(1, 10000);
-        else if (a.match({"--docs"})) n_docs = a.integer(1, 64);
-        else if (a.match({"-t", "--threads"})) threads = (int32_t) a.integer(1, 1024);
-        else if (a.match({"--json"})) json_path = a.str();
-        else if (a.match({"--plot"})) png = a.str();
-        else if (a.match({"--profile-ops"})) profile = std::max(profile, 1);
-        else if (a.match({"--profile-shapes"})) profile = 2;
+        if (match_help(a, k_help))
+            return 0;
+        else if (a.match({"-m", "--model"}))
+            model_path = a.str();
+        else if (a.match({"--context"}))
+            contexts = a.integers(1, 1 << 20);
+        else if (a.match({"--ratio"}))
+            ratio = (float) a.real(0.0, 1.0);
+        else if (a.match({"--ratios"}))
+            ratios = a.reals(0.0, 1.0);
+        else if (a.match({"--chunk"}))
+            chunk = a.integer(1, 1 << 20);
+        else if (a.match({"--check-layer"}))
+            check_layer = (int) a.integer(0, 4096);
+        else if (a.match({"--score"}))
+            score = parse_blend_score(a.str());
+        else if (a.match({"-r", "--reps"}))
+            reps = a.integer(1, 100);
+        else if (a.match({"--prompts"}))
+            n_prompts = a.integer(1, 10000);
+        else if (a.match({"--docs"}))
+            n_docs = a.integer(1, 64);
+        else if (a.match({"-t", "--threads"}))
+            threads = (int32_t) a.integer(1, 1024);
+        else if (a.match({"--json"}))
+            json_path = a.str();
+        else if (a.match({"--plot"}))
+            png = a.str();
+        else if (a.match({"--profile-ops"}))
+            profile = std::max(profile, 1);
+        else if (a.match({"--profile-shapes"}))
+            profile = 2;
         else if (a.match({"--peer"})) {
             const std::string p = a.str();
             if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");
             peer = p == "llama";
-        } else a.unknown();
+        } else
+            a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
-    if (!ratios.empty()) return bench_fidelity(model_path, ratios, n_prompts, n_docs, check_layer, score, threads, json_path, png);
+    if (!ratios.empty())
+        return bench_fidelity(model_path, ratios, n_prompts, n_docs, check_layer, score, threads, json_path, png);
     return bench_speed(model_path, contexts, ratio, chunk, check_layer, reps, peer, profile, threads, json_path, png);
 }
 

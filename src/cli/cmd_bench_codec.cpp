@@ -40,8 +40,10 @@ int bench_codec(args & a) {
     codec_bench_opts o;
     o.codecs = {"f16", "q8_0", "q4_0", "kivi2", "kivi4"};
     while (!a.done()) {
-        if (match_help(a, k_help)) return 0;
-        else if (!match_codec_bench_flag(a, o)) a.unknown();
+        if (match_help(a, k_help))
+            return 0;
+        else if (!match_codec_bench_flag(a, o))
+            a.unknown();
     }
     const std::vector<std::unique_ptr<codec>> codecs = codec_bench_codecs(o);
     auto m = codec_bench_model(o);
@@ -111,28 +113,47 @@ int bench_codec(args & a) {
 
     nlohmann::json rows = nlohmann::json::array();
     std::string dat;
-    std::printf("model: %s\n%s, %lld prompts x %lld documents, cache %s; fused rows: blend at %.2f (uncompressed chunks: KL %.6f)\n\n",
-                o.model_path.c_str(), m->describe().c_str(), (long long) o.n_prompts, (long long) o.n_docs,
-                ggml_type_name(o.ep.type_k), o.ratio, kl_fused_f16_ref);
-    std::printf("| codec | bits/value | bytes/token | ratio vs f16 | KL | top-1 | KL fused | top-1 fused | encode MB/s | decode MB/s |\n");
+    std::printf(
+        "model: %s\n%s, %lld prompts x %lld documents, cache %s; fused rows: blend at %.2f (uncompressed chunks: KL "
+        "%.6f)\n\n",
+        o.model_path.c_str(), m->describe().c_str(), (long long) o.n_prompts, (long long) o.n_docs,
+        ggml_type_name(o.ep.type_k), o.ratio, kl_fused_f16_ref);
+    std::printf(
+        "| codec | bits/value | bytes/token | ratio vs f16 | KL | top-1 | KL fused | top-1 fused | encode MB/s | "
+        "decode MB/s |\n");
     std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (size_t ci = 0; ci < codecs.size(); ++ci) {
         const acc & x = r[ci];
-        const double bits = 8.0 * x.enc_bytes / x.values, bpt = x.enc_bytes / x.tokens, ratio_f16 = x.f16_bytes / x.enc_bytes;
-        const double enc_mbps = x.f16_bytes / 1e6 / (x.enc_ms / 1000.0), dec_mbps = x.f16_bytes / 1e6 / (x.dec_ms / 1000.0);
-        rows.push_back({{"codec", o.codecs[ci]}, {"bits_per_value", bits}, {"bytes_per_token", bpt}, {"ratio_vs_f16", ratio_f16},
-                        {"kl", x.kl}, {"top1_agree", x.top1}, {"kl_fused", x.kl_fused}, {"top1_agree_fused", x.top1_fused},
-                        {"encode_mbps", enc_mbps}, {"decode_mbps", dec_mbps}});
-        std::printf("| %s | %.2f | %.0f | %.2f | %.6f | %.3f | %.6f | %.3f | %.0f | %.0f |\n", o.codecs[ci].c_str(), bits, bpt,
-                    ratio_f16, x.kl, x.top1, x.kl_fused, x.top1_fused, enc_mbps, dec_mbps);
+        const double bits = 8.0 * x.enc_bytes / x.values, bpt = x.enc_bytes / x.tokens,
+                     ratio_f16 = x.f16_bytes / x.enc_bytes;
+        const double enc_mbps = x.f16_bytes / 1e6 / (x.enc_ms / 1000.0),
+                     dec_mbps = x.f16_bytes / 1e6 / (x.dec_ms / 1000.0);
+        rows.push_back({{"codec", o.codecs[ci]},
+                        {"bits_per_value", bits},
+                        {"bytes_per_token", bpt},
+                        {"ratio_vs_f16", ratio_f16},
+                        {"kl", x.kl},
+                        {"top1_agree", x.top1},
+                        {"kl_fused", x.kl_fused},
+                        {"top1_agree_fused", x.top1_fused},
+                        {"encode_mbps", enc_mbps},
+                        {"decode_mbps", dec_mbps}});
+        std::printf("| %s | %.2f | %.0f | %.2f | %.6f | %.3f | %.6f | %.3f | %.0f | %.0f |\n", o.codecs[ci].c_str(),
+                    bits, bpt, ratio_f16, x.kl, x.top1, x.kl_fused, x.top1_fused, enc_mbps, dec_mbps);
         dat += o.codecs[ci] + " " + std::to_string(bits) + " " + std::to_string(std::max(x.kl, 1e-9)) + "\n";
     }
-    write_json(o.json_path, {{"model", o.model_path}, {"prompts", o.n_prompts}, {"docs", o.n_docs}, {"ratio", o.ratio},
-                             {"kl_fused_uncompressed", kl_fused_f16_ref}, {"rows", rows}});
-    plot_png(o.png, dat,
-             "set title 'KV codecs: bits per value vs KL to the f16 full prefill' noenhanced\n"
-             "set xlabel 'bits per value (real encoded bytes)'\nset ylabel 'mean KL (nats)'\nset logscale y\nset key off\n"
-             "plot '" + o.png + ".dat' u 2:3 w p pt 7 ps 1.5, '' u 2:3:1 w labels offset 0,1 noenhanced\n");
+    write_json(o.json_path, {{"model", o.model_path},
+                             {"prompts", o.n_prompts},
+                             {"docs", o.n_docs},
+                             {"ratio", o.ratio},
+                             {"kl_fused_uncompressed", kl_fused_f16_ref},
+                             {"rows", rows}});
+    plot_png(
+        o.png, dat,
+        "set title 'KV codecs: bits per value vs KL to the f16 full prefill' noenhanced\n"
+        "set xlabel 'bits per value (real encoded bytes)'\nset ylabel 'mean KL (nats)'\nset logscale y\nset key off\n"
+        "plot '" +
+            o.png + ".dat' u 2:3 w p pt 7 ps 1.5, '' u 2:3:1 w labels offset 0,1 noenhanced\n");
     return 0;
 }
 

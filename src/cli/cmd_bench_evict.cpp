@@ -60,7 +60,8 @@ double mean_rows(const kv_cache & c) {
 
 struct bench_opts {
     std::string model_path, json_path, png;
-    std::vector<evict_policy> policies = {EVICT_POLICY_STREAMING, EVICT_POLICY_H2O, EVICT_POLICY_SNAPKV, EVICT_POLICY_PYRAMIDKV};
+    std::vector<evict_policy> policies = {EVICT_POLICY_STREAMING, EVICT_POLICY_H2O, EVICT_POLICY_SNAPKV,
+                                          EVICT_POLICY_PYRAMIDKV};
     std::vector<double> budgets = {0.1, 0.25, 0.5, 0.75};
     int64_t n_prompts = 24, n_docs = 8, n_gen = 32, context = 4096, reps = 3;
     evict_params base = evict_default_params();
@@ -87,7 +88,8 @@ int bench_fidelity(const bench_opts & o) {
         const rag_prompt p = story_prompt(m->tokens(), rng, o.n_docs, pi);
         std::vector<llama_token> ctx;
         for (const auto & c : p.chunks) ctx.insert(ctx.end(), c.begin(), c.end());
-        if ((int64_t) (ctx.size() + p.query.size()) + o.n_gen > ep.n_ctx) throw error("benchmark prompt longer than the context");
+        if ((int64_t) (ctx.size() + p.query.size()) + o.n_gen > ep.n_ctx)
+            throw error("benchmark prompt longer than the context");
         ctx_tokens += (double) ctx.size() / o.n_prompts;
 
         dense.cache().clear();
@@ -110,17 +112,20 @@ int bench_fidelity(const bench_opts & o) {
                 const std::vector<float> l = eng.eval(p.query);
                 x.kl += kl_divergence(full.data(), l.data(), nv) / o.n_prompts;
                 x.top1 += (top1_agree(full.data(), l.data(), nv) ? 1.0 : 0.0) / o.n_prompts;
-                x.greedy += greedy_agreement(g_full, eng.generate_from(l, (int32_t) o.n_gen, greedy).tokens) / o.n_prompts;
+                x.greedy +=
+                    greedy_agreement(g_full, eng.generate_from(l, (int32_t) o.n_gen, greedy).tokens) / o.n_prompts;
             }
         }
     }
 
-    std::printf("model: %s\n%s, %lld prompts x %lld documents (context %.0f tokens on average, then the question), "
-                "KV %s, window %lld, %s selection; greedy agreement over %lld tokens\n\n",
-                o.model_path.c_str(), m->describe().c_str(), (long long) o.n_prompts, (long long) o.n_docs, ctx_tokens,
-                ggml_type_name(ep.type_k), (long long) o.base.window, o.base.per_head ? "per-head" : "shared",
-                (long long) o.n_gen);
-    std::printf("| policy | budget | rows kept (mean per layer) | KV held vs dense | KL | top-1 | greedy agreement |\n");
+    std::printf(
+        "model: %s\n%s, %lld prompts x %lld documents (context %.0f tokens on average, then the question), "
+        "KV %s, window %lld, %s selection; greedy agreement over %lld tokens\n\n",
+        o.model_path.c_str(), m->describe().c_str(), (long long) o.n_prompts, (long long) o.n_docs, ctx_tokens,
+        ggml_type_name(ep.type_k), (long long) o.base.window, o.base.per_head ? "per-head" : "shared",
+        (long long) o.n_gen);
+    std::printf(
+        "| policy | budget | rows kept (mean per layer) | KV held vs dense | KL | top-1 | greedy agreement |\n");
     std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
     std::printf("| dense | 1.00 | %.1f | 1.000 | 0 | 1.000 | 1.000 |\n", ctx_tokens);
     nlohmann::json rows = nlohmann::json::array();
@@ -129,29 +134,41 @@ int bench_fidelity(const bench_opts & o) {
         const char * name = evict_policy_name(o.policies[pj]);
         for (size_t bj = 0; bj < o.budgets.size(); ++bj) {
             const acc & x = r[pj][bj];
-            std::printf("| %s | %.2f | %.1f | %.3f | %.5f | %.3f | %.3f |\n", name, o.budgets[bj], x.rows, x.held / dense_held, x.kl,
-                        x.top1, x.greedy);
-            rows.push_back({{"policy", name}, {"budget", o.budgets[bj]}, {"rows", x.rows}, {"held_vs_dense", x.held / dense_held},
-                            {"kl", x.kl}, {"top1_agree", x.top1}, {"greedy_agree", x.greedy}});
+            std::printf("| %s | %.2f | %.1f | %.3f | %.5f | %.3f | %.3f |\n", name, o.budgets[bj], x.rows,
+                        x.held / dense_held, x.kl, x.top1, x.greedy);
+            rows.push_back({{"policy", name},
+                            {"budget", o.budgets[bj]},
+                            {"rows", x.rows},
+                            {"held_vs_dense", x.held / dense_held},
+                            {"kl", x.kl},
+                            {"top1_agree", x.top1},
+                            {"greedy_agree", x.greedy}});
             dat += std::to_string(o.budgets[bj]) + " " + std::to_string(std::max(x.kl, 1e-9)) + "\n";
         }
         dat += "\n\n";  // one gnuplot data block per policy
     }
-    write_json(o.json_path, {{"model", o.model_path}, {"prompts", o.n_prompts}, {"docs", o.n_docs}, {"n_gen", o.n_gen},
-                             {"context_tokens", ctx_tokens}, {"window", o.base.window}, {"per_head", o.base.per_head},
+    write_json(o.json_path, {{"model", o.model_path},
+                             {"prompts", o.n_prompts},
+                             {"docs", o.n_docs},
+                             {"n_gen", o.n_gen},
+                             {"context_tokens", ctx_tokens},
+                             {"window", o.base.window},
+                             {"per_head", o.base.per_head},
                              {"rows", rows}});
-    std::string plot = "set title 'token eviction: KL to the dense full prefill' noenhanced\n"
-                       "set xlabel 'share of the context kept'\nset ylabel 'mean KL (nats)'\nset logscale y\nset key top right\nplot ";
+    std::string plot =
+        "set title 'token eviction: KL to the dense full prefill' noenhanced\n"
+        "set xlabel 'share of the context kept'\nset ylabel 'mean KL (nats)'\nset logscale y\nset key top right\nplot ";
     for (size_t pj = 0; pj < o.policies.size(); ++pj)
-        plot += std::string(pj ? ", " : "") + "'" + o.png + ".dat' index " + std::to_string(pj) + " u 1:2 w lp pt 7 t '" +
-                evict_policy_name(o.policies[pj]) + "'";
+        plot += std::string(pj ? ", " : "") + "'" + o.png + ".dat' index " + std::to_string(pj) +
+                " u 1:2 w lp pt 7 t '" + evict_policy_name(o.policies[pj]) + "'";
     plot_png(o.png, dat, plot + "\n");
     return 0;
 }
 
 int bench_speed(const bench_opts & o) {
     auto m = model::load(o.model_path);
-    if (o.context + o.n_gen > m->hparams().n_ctx_train) throw error("--context plus --n-gen exceeds the model's context");
+    if (o.context + o.n_gen > m->hparams().n_ctx_train)
+        throw error("--context plus --n-gen exceeds the model's context");
     std::mt19937 rng(11);
     std::uniform_int_distribution<int> dist(0, (int) m->hparams().n_vocab - 1);
     std::vector<llama_token> prompt(o.context);
@@ -214,22 +231,36 @@ int bench_speed(const bench_opts & o) {
             all[i]->cache().set_n_past(n0);
         }
     for (size_t i = 0; i < all.size(); ++i)
-        rows.push_back({names[i].first, names[i].second, evict_ms[i], o.n_gen / (best[i] / 1000.0), n_rows[i], held[i], alloc[i]});
+        rows.push_back(
+            {names[i].first, names[i].second, evict_ms[i], o.n_gen / (best[i] / 1000.0), n_rows[i], held[i], alloc[i]});
 
     const row & d = rows[0];
-    std::printf("model: %s\n%s, context %lld (dense prefill %.0f ms), %lld decode steps, fastest of %lld, threads %d, KV %s\n\n",
-                o.model_path.c_str(), m->describe().c_str(), (long long) o.context, prefill_ms, (long long) o.n_gen,
-                (long long) o.reps, o.ep.n_threads, ggml_type_name(o.ep.type_k));
-    std::printf("| policy | budget | rows kept (mean per layer) | KV held MiB | KV allocated MiB | held vs dense | evict ms | decode tok/s | decode vs dense |\n");
+    std::printf(
+        "model: %s\n%s, context %lld (dense prefill %.0f ms), %lld decode steps, fastest of %lld, threads %d, KV "
+        "%s\n\n",
+        o.model_path.c_str(), m->describe().c_str(), (long long) o.context, prefill_ms, (long long) o.n_gen,
+        (long long) o.reps, o.ep.n_threads, ggml_type_name(o.ep.type_k));
+    std::printf(
+        "| policy | budget | rows kept (mean per layer) | KV held MiB | KV allocated MiB | held vs dense | evict ms | "
+        "decode tok/s | decode vs dense |\n");
     std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     nlohmann::json out = nlohmann::json::array();
     for (const row & x : rows) {
-        std::printf("| %s | %.2f | %.0f | %.1f | %.1f | %.3f | %.0f | %.2f | %.2f |\n", x.policy.c_str(), x.budget, x.rows, x.held / 1048576.0, x.alloc / 1048576.0, (double) x.held / d.held, x.evict_ms,
-                    x.decode_tps, x.decode_tps / d.decode_tps);
-        out.push_back({{"policy", x.policy}, {"budget", x.budget}, {"rows", x.rows}, {"kv_bytes_held", x.held},
-                       {"kv_bytes_alloc", x.alloc}, {"evict_ms", x.evict_ms}, {"decode_tps", x.decode_tps}});
+        std::printf("| %s | %.2f | %.0f | %.1f | %.1f | %.3f | %.0f | %.2f | %.2f |\n", x.policy.c_str(), x.budget,
+                    x.rows, x.held / 1048576.0, x.alloc / 1048576.0, (double) x.held / d.held, x.evict_ms, x.decode_tps,
+                    x.decode_tps / d.decode_tps);
+        out.push_back({{"policy", x.policy},
+                       {"budget", x.budget},
+                       {"rows", x.rows},
+                       {"kv_bytes_held", x.held},
+                       {"kv_bytes_alloc", x.alloc},
+                       {"evict_ms", x.evict_ms},
+                       {"decode_tps", x.decode_tps}});
     }
-    write_json(o.json_path, {{"model", o.model_path}, {"context", o.context}, {"n_gen", o.n_gen}, {"threads", o.ep.n_threads},
+    write_json(o.json_path, {{"model", o.model_path},
+                             {"context", o.context},
+                             {"n_gen", o.n_gen},
+                             {"threads", o.ep.n_threads},
                              {"prefill_ms", prefill_ms},
                              {"rows", out}});
     return 0;
@@ -241,8 +272,10 @@ int bench_evict(args & a) {
     bench_opts o;
     bool speed = false, have_policies = false, have_budgets = false;
     while (!a.done()) {
-        if (match_help(a, k_help)) return 0;
-        else if (a.match({"-m", "--model"})) o.model_path = a.str();
+        if (match_help(a, k_help))
+            return 0;
+        else if (a.match({"-m", "--model"}))
+            o.model_path = a.str();
         else if (a.match({"--policies"})) {
             o.policies.clear();
             for (const auto & n : a.names()) {
@@ -256,18 +289,30 @@ int bench_evict(args & a) {
             for (double b : o.budgets)
                 if (!(b > 0.0)) throw error("--budgets: every share must be in (0, 1]");
             have_budgets = true;
-        } else if (a.match({"--prompts"})) o.n_prompts = a.integer(1, 10000);
-        else if (a.match({"--docs"})) o.n_docs = a.integer(1, 64);
-        else if (a.match({"--n-gen"})) o.n_gen = a.integer(1, 4096);
-        else if (a.match({"--context"})) o.context = a.integer(16, 1 << 20);
-        else if (a.match({"-r", "--reps"})) o.reps = a.integer(1, 100);
-        else if (a.match({"--evict-window"})) o.base.window = a.integer(1, 1 << 20);
-        else if (a.match({"--evict-shared"})) o.base.per_head = false;
-        else if (a.match({"--speed"})) speed = true;
-        else if (a.match({"--json"})) o.json_path = a.str();
-        else if (a.match({"--plot"})) o.png = a.str();
-        else if (match_engine_flag(a, o.ep)) continue;
-        else a.unknown();
+        } else if (a.match({"--prompts"}))
+            o.n_prompts = a.integer(1, 10000);
+        else if (a.match({"--docs"}))
+            o.n_docs = a.integer(1, 64);
+        else if (a.match({"--n-gen"}))
+            o.n_gen = a.integer(1, 4096);
+        else if (a.match({"--context"}))
+            o.context = a.integer(16, 1 << 20);
+        else if (a.match({"-r", "--reps"}))
+            o.reps = a.integer(1, 100);
+        else if (a.match({"--evict-window"}))
+            o.base.window = a.integer(1, 1 << 20);
+        else if (a.match({"--evict-shared"}))
+            o.base.per_head = false;
+        else if (a.match({"--speed"}))
+            speed = true;
+        else if (a.match({"--json"}))
+            o.json_path = a.str();
+        else if (a.match({"--plot"}))
+            o.png = a.str();
+        else if (match_engine_flag(a, o.ep))
+            continue;
+        else
+            a.unknown();
     }
     if (o.model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (speed) {

@@ -52,14 +52,27 @@ double agreement(const std::vector<llama_token> & a, const std::vector<llama_tok
 
 int bench_grid(args & a) {
     codec_bench_opts o;
-    o.codecs = {"f16",         "q8_0",          "q4_0",        "kivi2",           "kivi4",
-                "cachegen",    "minicache",     "turboquant3", "turboquant3.5",   "turboquant4",
-                "turboquant3+qjl", "turboquant3.5+qjl", "turboquant4+qjl"};
+    o.codecs = {"f16",
+                "q8_0",
+                "q4_0",
+                "kivi2",
+                "kivi4",
+                "cachegen",
+                "minicache",
+                "turboquant3",
+                "turboquant3.5",
+                "turboquant4",
+                "turboquant3+qjl",
+                "turboquant3.5+qjl",
+                "turboquant4+qjl"};
     int32_t n_gen = 16;
     while (!a.done()) {
-        if (match_help(a, k_help)) return 0;
-        else if (a.match({"--gen"})) n_gen = (int32_t) a.integer(1, 1024);
-        else if (!match_codec_bench_flag(a, o)) a.unknown();
+        if (match_help(a, k_help))
+            return 0;
+        else if (a.match({"--gen"}))
+            n_gen = (int32_t) a.integer(1, 1024);
+        else if (!match_codec_bench_flag(a, o))
+            a.unknown();
     }
     const std::vector<std::unique_ptr<codec>> codecs = codec_bench_codecs(o);
     auto m = codec_bench_model(o);
@@ -126,10 +139,14 @@ int bench_grid(args & a) {
     }
 
     const char * row_name[2] = {"naive", "cacheblend"};
-    std::printf("model: %s\n%s, %lld prompts x %lld documents, cache %s; CacheBlend at %.2f; greedy agreement over %d tokens\n\n",
-                o.model_path.c_str(), m->describe().c_str(), (long long) o.n_prompts, (long long) o.n_docs,
-                ggml_type_name(o.ep.type_k), o.ratio, n_gen);
-    std::printf("| codec | bits/value | ratio vs f16 | KL naive | agree naive | KL CacheBlend | agree CacheBlend | minicache retained |\n");
+    std::printf(
+        "model: %s\n%s, %lld prompts x %lld documents, cache %s; CacheBlend at %.2f; greedy agreement over %d "
+        "tokens\n\n",
+        o.model_path.c_str(), m->describe().c_str(), (long long) o.n_prompts, (long long) o.n_docs,
+        ggml_type_name(o.ep.type_k), o.ratio, n_gen);
+    std::printf(
+        "| codec | bits/value | ratio vs f16 | KL naive | agree naive | KL CacheBlend | agree CacheBlend | minicache "
+        "retained |\n");
     std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
     nlohmann::json rows = nlohmann::json::array();
     std::string dat[2];
@@ -147,20 +164,28 @@ int bench_grid(args & a) {
         for (int r = 0; r < 2; ++r) {
             j[std::string("kl_") + row_name[r]] = c.row[r].kl;
             j[std::string("agree_") + row_name[r]] = c.row[r].agree;
-            dat[r] += o.codecs[ci] + " " + std::to_string(bits) + " " + std::to_string(std::max(c.row[r].kl, 1e-9)) + "\n";
+            dat[r] +=
+                o.codecs[ci] + " " + std::to_string(bits) + " " + std::to_string(std::max(c.row[r].kl, 1e-9)) + "\n";
         }
         rows.push_back(j);
-        std::printf("| %s | %.2f | %.2f | %.6f | %.3f | %.6f | %.3f | %s |\n", o.codecs[ci].c_str(), bits, r16, c.row[0].kl,
-                    c.row[0].agree, c.row[1].kl, c.row[1].agree, ret.empty() ? "" : ret.c_str());
+        std::printf("| %s | %.2f | %.2f | %.6f | %.3f | %.6f | %.3f | %s |\n", o.codecs[ci].c_str(), bits, r16,
+                    c.row[0].kl, c.row[0].agree, c.row[1].kl, c.row[1].agree, ret.empty() ? "" : ret.c_str());
     }
-    write_json(o.json_path, {{"model", o.model_path}, {"prompts", o.n_prompts}, {"docs", o.n_docs}, {"ratio", o.ratio},
-                             {"gen", n_gen}, {"rows", rows}});
+    write_json(o.json_path, {{"model", o.model_path},
+                             {"prompts", o.n_prompts},
+                             {"docs", o.n_docs},
+                             {"ratio", o.ratio},
+                             {"gen", n_gen},
+                             {"rows", rows}});
     plot_png(o.png, dat[0] + "\n\n" + dat[1],
              "set title 'composition: codec bits per value vs KL (naive concatenation and CacheBlend)' noenhanced\n"
              "set xlabel 'bits per value (real encoded bytes)'\nset ylabel 'mean KL to the f16 full prefill (nats)'\n"
              "set logscale y\nset key top right\n"
-             "plot '" + o.png + ".dat' index 0 u 2:3 w p pt 7 ps 1.4 t 'naive concatenation', "
-             "'' index 1 u 2:3 w p pt 5 ps 1.4 t 'CacheBlend', '' index 1 u 2:3:1 w labels offset 0,1 font ',8' noenhanced notitle\n");
+             "plot '" +
+                 o.png +
+                 ".dat' index 0 u 2:3 w p pt 7 ps 1.4 t 'naive concatenation', "
+                 "'' index 1 u 2:3 w p pt 5 ps 1.4 t 'CacheBlend', '' index 1 u 2:3:1 w labels offset 0,1 font ',8' "
+                 "noenhanced notitle\n");
     return 0;
 }
 

@@ -49,7 +49,8 @@ int bench_match(args & a) {
     int64_t n_docs = 100000, doc_chars = 2000, prompt_chars = 10000, in_prompt = 4, reps = 200;
     bool json = false;
     while (!a.done()) {
-        if (match_help(a, k_help)) return 0;
+        if (match_help(a, k_help))
+            return 0;
         else if (a.match({"--docs"}))
             n_docs = a.integer(1, 10000000);
         else if (a.match({"--doc-chars"}))

@@ -88,16 +88,26 @@ int bench_serve(args & a) {
     std::string model_path, url, peer_url, json_path;
     int64_t n_docs = 4, doc_tokens = 512, reps = 2, settle_ms = 1000;
     while (!a.done()) {
-        if (match_help(a, k_help)) return 0;
-        else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"--url"})) url = a.str();
-        else if (a.match({"--peer"})) peer_url = a.str();
-        else if (a.match({"--docs"})) n_docs = a.integer(2, 64);
-        else if (a.match({"--doc-tokens"})) doc_tokens = a.integer(8, 1 << 16);
-        else if (a.match({"-r", "--reps"})) reps = a.integer(1, 100);
-        else if (a.match({"--settle-ms"})) settle_ms = a.integer(0, 60000);
-        else if (a.match({"--json"})) json_path = a.str();
-        else a.unknown();
+        if (match_help(a, k_help))
+            return 0;
+        else if (a.match({"-m", "--model"}))
+            model_path = a.str();
+        else if (a.match({"--url"}))
+            url = a.str();
+        else if (a.match({"--peer"}))
+            peer_url = a.str();
+        else if (a.match({"--docs"}))
+            n_docs = a.integer(2, 64);
+        else if (a.match({"--doc-tokens"}))
+            doc_tokens = a.integer(8, 1 << 16);
+        else if (a.match({"-r", "--reps"}))
+            reps = a.integer(1, 100);
+        else if (a.match({"--settle-ms"}))
+            settle_ms = a.integer(0, 60000);
+        else if (a.match({"--json"}))
+            json_path = a.str();
+        else
+            a.unknown();
     }
     if (model_path.empty() || url.empty()) throw error("missing -m MODEL or --url URL (see --help)");
     const endpoint ours = parse_url(url);
@@ -112,7 +122,8 @@ int bench_serve(args & a) {
         const std::string w = voc.token_to_piece(t);
         const size_t start = !w.empty() && w[0] == ' ' ? 1 : 0;
         if (w.size() < start + 3) continue;
-        if (std::all_of(w.begin() + start, w.end(), [](char ch) { return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z'); }))
+        if (std::all_of(w.begin() + start, w.end(),
+                        [](char ch) { return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z'); }))
             words.push_back(w.substr(start));
     }
     if (words.empty()) throw error("the vocabulary has no plain words to make documents from");
@@ -130,19 +141,29 @@ int bench_serve(args & a) {
     auto body_ours = [&](const std::vector<std::string> & docs, const std::string & q) {
         nlohmann::json d = nlohmann::json::array();
         for (const auto & x : docs) d.push_back({{"text", x}});
-        return nlohmann::json{{"messages", {{{"role", "system"}, {"content", "Answer from the documents."}}, {{"role", "user"}, {"content", q}}}},
-                              {"documents", d}, {"max_tokens", 1}, {"temperature", 0}};
+        return nlohmann::json{
+            {"messages",
+             {{{"role", "system"}, {"content", "Answer from the documents."}}, {{"role", "user"}, {"content", q}}}},
+            {"documents", d},
+            {"max_tokens", 1},
+            {"temperature", 0}};
     };
     auto body_peer = [&](const std::vector<std::string> & docs, const std::string & q) {
         std::string user;
         for (const auto & x : docs) user += x + "\n\n";  // the layout kvblend's chat template path builds
         user += q;
-        return nlohmann::json{{"messages", {{{"role", "system"}, {"content", "Answer from the documents."}}, {{"role", "user"}, {"content", user}}}},
-                              {"max_tokens", 1}, {"temperature", 0}, {"cache_prompt", true}};
+        return nlohmann::json{
+            {"messages",
+             {{{"role", "system"}, {"content", "Answer from the documents."}}, {{"role", "user"}, {"content", user}}}},
+            {"max_tokens", 1},
+            {"temperature", 0},
+            {"cache_prompt", true}};
     };
 
-    const char * names[] = {"first request (nothing cached)", "new question, same documents, same order",
-                            "new question, subset in another order", "plain prompt, first (passages learned)",
+    const char * names[] = {"first request (nothing cached)",
+                            "new question, same documents, same order",
+                            "new question, subset in another order",
+                            "plain prompt, first (passages learned)",
                             "plain prompt, reordered behind the same first passage, new question",
                             "plain prompt, every passage moved, new question"};
     constexpr int n_rows = 6;
@@ -176,8 +197,8 @@ int bench_serve(args & a) {
         auto run_ours = [&] {
             for (int s = 0; s < n_rows; ++s) {
                 nlohmann::json res;
-                const nlohmann::json body = seq[s].plain ? body_peer(seq[s].docs, seq[s].question)
-                                                         : body_ours(seq[s].docs, seq[s].question);
+                const nlohmann::json body =
+                    seq[s].plain ? body_peer(seq[s].docs, seq[s].question) : body_ours(seq[s].docs, seq[s].question);
                 t_ours[s].push_back(ttft_ms(ours, body, settle_ms, &res));
                 if (s < 4) continue;  // rows 4 and 5: the reordered plain prompts, found in the text?
                 plain_expected += n_docs;
@@ -199,17 +220,22 @@ int bench_serve(args & a) {
         }
     }
     nlohmann::json rows = nlohmann::json::array();
-    std::printf("%lld documents x %lld tokens, median of %lld\n\n", (long long) n_docs, (long long) doc_tokens, (long long) reps);
+    std::printf("%lld documents x %lld tokens, median of %lld\n\n", (long long) n_docs, (long long) doc_tokens,
+                (long long) reps);
     std::printf("| request | kvblend TTFT ms | llama-server TTFT ms | ratio |\n|---|---:|---:|---:|\n");
     for (int s = 0; s < n_rows; ++s) {
         const double o = median(t_ours[s]), p = have_peer ? median(t_peer[s]) : 0.0;
         rows.push_back({{"request", names[s]}, {"kvblend_ms", o}, {"peer_ms", p}, {"ratio", have_peer ? p / o : 0.0}});
         std::printf("| %s | %.0f | %.0f | %.2fx |\n", names[s], o, p, have_peer ? p / o : 0.0);
     }
-    write_json(json_path, {{"docs", n_docs}, {"doc_tokens", doc_tokens}, {"reps", reps}, {"rows", rows},
-                           {"plain_passages_found", plain_found}, {"plain_passages", plain_expected}});
-    std::printf("\nplain prompts: kvblend took %lld of %lld reordered passages from the store\n", (long long) plain_found,
-                (long long) plain_expected);
+    write_json(json_path, {{"docs", n_docs},
+                           {"doc_tokens", doc_tokens},
+                           {"reps", reps},
+                           {"rows", rows},
+                           {"plain_passages_found", plain_found},
+                           {"plain_passages", plain_expected}});
+    std::printf("\nplain prompts: kvblend took %lld of %lld reordered passages from the store\n",
+                (long long) plain_found, (long long) plain_expected);
     return 0;
 }
 

@@ -55,15 +55,24 @@ int bench_store(args & a) {
     int64_t chunk = 512, n = 4, reps = 3;
     engine_params ep = engine_default_params();
     while (!a.done()) {
-        if (match_help(a, k_help)) return 0;
-        else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"--chunk"})) chunk = a.integer(1, 1 << 20);
-        else if (a.match({"--n"})) n = a.integer(1, 1000);
-        else if (a.match({"--store"})) uris.push_back(a.str());
-        else if (a.match({"-r", "--reps"})) reps = a.integer(1, 100);
-        else if (a.match({"--json"})) json_path = a.str();
-        else if (match_engine_flag(a, ep)) continue;
-        else a.unknown();
+        if (match_help(a, k_help))
+            return 0;
+        else if (a.match({"-m", "--model"}))
+            model_path = a.str();
+        else if (a.match({"--chunk"}))
+            chunk = a.integer(1, 1 << 20);
+        else if (a.match({"--n"}))
+            n = a.integer(1, 1000);
+        else if (a.match({"--store"}))
+            uris.push_back(a.str());
+        else if (a.match({"-r", "--reps"}))
+            reps = a.integer(1, 100);
+        else if (a.match({"--json"}))
+            json_path = a.str();
+        else if (match_engine_flag(a, ep))
+            continue;
+        else
+            a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     auto m = model::load(model_path);
@@ -73,7 +82,8 @@ int bench_store(args & a) {
 
     std::string tmp_dir;
     if (uris.empty()) {
-        tmp_dir = (std::filesystem::temp_directory_path() / ("kvblend-bench-store-" + std::to_string(getpid()))).string();
+        tmp_dir =
+            (std::filesystem::temp_directory_path() / ("kvblend-bench-store-" + std::to_string(getpid()))).string();
         uris.push_back("dir:" + tmp_dir);
     }
 
@@ -94,10 +104,12 @@ int bench_store(args & a) {
     const double entry_mb = entries[0].size() / 1e6;
 
     nlohmann::json rows = nlohmann::json::array();
-    std::printf("model: %s\n%s, chunk %lld tokens, entry %.1f MB (%s KV), %lld chunks, threads %d\n\n", model_path.c_str(),
-                m->describe().c_str(), (long long) chunk, entry_mb, ggml_type_name(ep.type_k), (long long) n, ep.n_threads);
+    std::printf("model: %s\n%s, chunk %lld tokens, entry %.1f MB (%s KV), %lld chunks, threads %d\n\n",
+                model_path.c_str(), m->describe().c_str(), (long long) chunk, entry_mb, ggml_type_name(ep.type_k),
+                (long long) n, ep.n_threads);
     std::printf("collect (prefill of one chunk): %.1f ms\n\n", collect_ms);
-    std::printf("| store | cache | load ms | of which get ms | GB/s | collect / load |\n|---|---|---:|---:|---:|---:|\n");
+    std::printf(
+        "| store | cache | load ms | of which get ms | GB/s | collect / load |\n|---|---|---:|---:|---:|---:|\n");
     for (const std::string & uri : uris) {
         auto st = store_open(uri);
         std::vector<std::string> keys;
@@ -130,15 +142,22 @@ int bench_store(args & a) {
             }
             const double load_ms = median(t_load);
             const double gbps = entries[0].size() / (load_ms / 1000.0) / 1e9;
-            rows.push_back({{"store", shown}, {"cache", cache}, {"load_ms", load_ms}, {"get_ms", median(t_get)}, {"gb_per_s", gbps},
-                            {"collect_ms", collect_ms}, {"speedup", collect_ms / load_ms}, {"entry_bytes", entries[0].size()}});
-            std::printf("| %s | %s | %.2f | %.2f | %.2f | %.0fx |\n", shown.c_str(), cache, load_ms, median(t_get), gbps,
-                        collect_ms / load_ms);
+            rows.push_back({{"store", shown},
+                            {"cache", cache},
+                            {"load_ms", load_ms},
+                            {"get_ms", median(t_get)},
+                            {"gb_per_s", gbps},
+                            {"collect_ms", collect_ms},
+                            {"speedup", collect_ms / load_ms},
+                            {"entry_bytes", entries[0].size()}});
+            std::printf("| %s | %s | %.2f | %.2f | %.2f | %.0fx |\n", shown.c_str(), cache, load_ms, median(t_get),
+                        gbps, collect_ms / load_ms);
         }
         for (const auto & k : keys) st->erase(k);
     }
     if (!tmp_dir.empty()) std::filesystem::remove_all(tmp_dir);
-    write_json(json_path, {{"model", model_path}, {"chunk", chunk}, {"n", n}, {"collect_ms", collect_ms}, {"rows", rows}});
+    write_json(json_path,
+               {{"model", model_path}, {"chunk", chunk}, {"n", n}, {"collect_ms", collect_ms}, {"rows", rows}});
     return 0;
 }
 

@@ -91,34 +91,56 @@ int cmd_blend(int argc, char ** argv) {
             std::fputs("\nStored chunks (with or without --store):\n", stdout);
             std::fputs(k_chunk_evict_help, stdout);
             return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"--system"})) system = a.str();
-        else if (a.match({"--doc"})) docs.push_back(read_text_file(a.str()));
-        else if (a.match({"--query"})) query = a.str(), have_query = true;
-        else if (a.match({"--recomp-ratio"})) bp.recomp_ratio = (float) a.real(0.0, 1.0);
-        else if (a.match({"--check-layer"})) bp.check_layer = (int) a.integer(0, 4096);
-        else if (a.match({"--score"})) bp.score = parse_blend_score(a.str());
-        else if (a.match({"--method"})) bp.method = parse_blend_method(a.str());
-        else if (a.match({"--chunk-head"})) bp.recompute_chunk_head = (int) a.integer(0, 1 << 20);
-        else if (a.match({"--head-beyond-budget"})) bp.head_in_budget = false;
-        else if (a.match({"--budget"})) bp.budget = parse_blend_budget(a.str());
-        else if (a.match({"--dev-mass"})) bp.dev_mass = (float) a.real(0.0, 1.0);
-        else if (a.match({"--no-weight-query"})) bp.weight_query = false;
-        else if (a.match({"--collect-with-prefix"})) with_prefix = true;
+        } else if (a.match({"-m", "--model"}))
+            model_path = a.str();
+        else if (a.match({"--system"}))
+            system = a.str();
+        else if (a.match({"--doc"}))
+            docs.push_back(read_text_file(a.str()));
+        else if (a.match({"--query"}))
+            query = a.str(), have_query = true;
+        else if (a.match({"--recomp-ratio"}))
+            bp.recomp_ratio = (float) a.real(0.0, 1.0);
+        else if (a.match({"--check-layer"}))
+            bp.check_layer = (int) a.integer(0, 4096);
+        else if (a.match({"--score"}))
+            bp.score = parse_blend_score(a.str());
+        else if (a.match({"--method"}))
+            bp.method = parse_blend_method(a.str());
+        else if (a.match({"--chunk-head"}))
+            bp.recompute_chunk_head = (int) a.integer(0, 1 << 20);
+        else if (a.match({"--head-beyond-budget"}))
+            bp.head_in_budget = false;
+        else if (a.match({"--budget"}))
+            bp.budget = parse_blend_budget(a.str());
+        else if (a.match({"--dev-mass"}))
+            bp.dev_mass = (float) a.real(0.0, 1.0);
+        else if (a.match({"--no-weight-query"}))
+            bp.weight_query = false;
+        else if (a.match({"--collect-with-prefix"}))
+            with_prefix = true;
         else if (a.match({"--store"})) {
             store_uri = a.str();
             if (store_uri.empty()) throw error("--store needs a URI (dir:PATH, a path, or redis://HOST[:PORT])");
-        } else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();
-        else if (a.match({"--store-max-gb"})) so.max_bytes = parse_store_budget(a), store_flag = "--store-max-gb";
-        else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
+        } else if (a.match({"--codec"}))
+            codec_name = codec_by_name(a.str())->name();
+        else if (a.match({"--store-max-gb"}))
+            so.max_bytes = parse_store_budget(a), store_flag = "--store-max-gb";
+        else if (a.match({"-n", "--n-predict"}))
+            n_predict = a.integer(0, 1 << 20);
         else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep) || match_evict_flag(a, ep.evict) ||
                  match_chunk_evict_flag(a, chunk_ev) || match_device_flag(a, mp))
             continue;
-        else if (a.match({"--chat"})) chat = true;
-        else if (a.match({"--compare-full"})) compare = true;
-        else if (a.match({"--json"})) json = true;
-        else if (a.match({"-v", "--verbose"})) log_set_verbose(true);
-        else a.unknown();
+        else if (a.match({"--chat"}))
+            chat = true;
+        else if (a.match({"--compare-full"}))
+            compare = true;
+        else if (a.match({"--json"}))
+            json = true;
+        else if (a.match({"-v", "--verbose"}))
+            log_set_verbose(true);
+        else
+            a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (!have_query || query.empty()) throw error("missing --query TEXT (see --help)");
@@ -137,7 +159,8 @@ int cmd_blend(int argc, char ** argv) {
     const int64_t n_greedy = compare ? 32 : 0;
     const int64_t need = (int64_t) all.size() + std::max(n_predict, n_greedy);
     if (need > m->hparams().n_ctx_train)
-        throw error("prompt (" + std::to_string(all.size()) + " tokens) plus generation exceeds the model's context of " +
+        throw error("prompt (" + std::to_string(all.size()) +
+                    " tokens) plus generation exceeds the model's context of " +
                     std::to_string(m->hparams().n_ctx_train));
     ep.n_ctx = need;
     // with --kv-codec the blend runs on a dense cache and the fused cache is
@@ -155,8 +178,8 @@ int cmd_blend(int argc, char ** argv) {
         if (rp.chunks[i].empty()) continue;
         const bool behind = with_prefix && i > 0 && !rp.chunks[0].empty();
         // the prefix chunk (system text, sinks) is kept whole; documents may be evicted
-        kv.push_back(chunk_get_or_collect(st.get(), eng, behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i], fs,
-                                          codec_name, i > 0 ? chunk_ev : evict_params{}));
+        kv.push_back(chunk_get_or_collect(st.get(), eng, behind ? rp.chunks[0] : std::vector<llama_token>{},
+                                          rp.chunks[i], fs, codec_name, i > 0 ? chunk_ev : evict_params{}));
     }
     const double collect_ms = fs.collect_ms;
     std::vector<const chunk_kv *> ptrs;
@@ -240,10 +263,11 @@ int cmd_blend(int argc, char ** argv) {
         std::fprintf(stderr, "; %s kept %lld of %lld positions (%.1f ms)", evict_policy_name(ep.evict.policy),
                      (long long) kv_rows, (long long) N, evict_ms);
     if (live)
-        std::fprintf(stderr, "; decoded over a %s cache of %.1f KiB (f16: %.1f KiB)", ep.kv_codec.c_str(), kv_held / 1024.0,
-                     kv_f16 / 1024.0);
+        std::fprintf(stderr, "; decoded over a %s cache of %.1f KiB (f16: %.1f KiB)", ep.kv_codec.c_str(),
+                     kv_held / 1024.0, kv_f16 / 1024.0);
     if (st)
-        std::fprintf(stderr, "; store %lld hits (%.1f ms), %lld misses", (long long) fs.hits, fs.load_ms, (long long) fs.misses);
+        std::fprintf(stderr, "; store %lld hits (%.1f ms), %lld misses", (long long) fs.hits, fs.load_ms,
+                     (long long) fs.misses);
     if (compare)
         std::fprintf(stderr, "; full prefill %.1f ms, speedup %.2fx, KL %.4g, top-1 %s, greedy agreement %.2f",
                      j["full_ms"].get<double>(), j["speedup"].get<double>(), j["kl"].get<double>(),

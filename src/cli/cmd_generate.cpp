@@ -61,33 +61,44 @@ const char * k_evict_help = R"(  --evict POLICY        token eviction after the 
                         (default: per KV head)
 )";
 
-const char * k_chunk_evict_help = R"(  --chunk-evict POLICY  store only the positions of each chunk that streaming, h2o or
+const char * k_chunk_evict_help =
+    R"(  --chunk-evict POLICY  store only the positions of each chunk that streaming, h2o or
                         snapkv keeps (scored on the chunk's own prefill; one set for
                         all layers and heads; raw codec; part of the store key)
   --chunk-budget B      share (0.5 or 50%) or token count each chunk keeps
 )";
 
 bool match_chunk_evict_flag(args & a, evict_params & ev) {
-    if (a.match({"--chunk-evict"})) ev.policy = evict_policy_parse(a.str());
-    else if (a.match({"--chunk-budget"})) evict_budget_parse(a.str(), ev);
-    else return false;
+    if (a.match({"--chunk-evict"}))
+        ev.policy = evict_policy_parse(a.str());
+    else if (a.match({"--chunk-budget"}))
+        evict_budget_parse(a.str(), ev);
+    else
+        return false;
     return true;
 }
 
 void check_chunk_evict_flags(const evict_params & ev) {
     if (ev.policy == EVICT_POLICY_NONE && (ev.budget_share > 0 || ev.budget_tokens > 0))
         throw error("--chunk-budget needs --chunk-evict POLICY");
-    if (ev.policy == EVICT_POLICY_PYRAMIDKV) throw error("--chunk-evict pyramidkv: a stored chunk keeps one set of positions (use snapkv)");
+    if (ev.policy == EVICT_POLICY_PYRAMIDKV)
+        throw error("--chunk-evict pyramidkv: a stored chunk keeps one set of positions (use snapkv)");
     evict_check(ev);
 }
 
 bool match_evict_flag(args & a, evict_params & ev) {
-    if (a.match({"--evict"})) ev.policy = evict_policy_parse(a.str());
-    else if (a.match({"--kv-budget"})) evict_budget_parse(a.str(), ev);
-    else if (a.match({"--evict-sinks"})) ev.n_sink = a.integer(0, 1 << 20);
-    else if (a.match({"--evict-window"})) ev.window = a.integer(1, 1 << 20);
-    else if (a.match({"--evict-shared"})) ev.per_head = false;
-    else return false;
+    if (a.match({"--evict"}))
+        ev.policy = evict_policy_parse(a.str());
+    else if (a.match({"--kv-budget"}))
+        evict_budget_parse(a.str(), ev);
+    else if (a.match({"--evict-sinks"}))
+        ev.n_sink = a.integer(0, 1 << 20);
+    else if (a.match({"--evict-window"}))
+        ev.window = a.integer(1, 1 << 20);
+    else if (a.match({"--evict-shared"}))
+        ev.per_head = false;
+    else
+        return false;
     return true;
 }
 
@@ -105,7 +116,8 @@ ggml_type parse_cache_type(const std::string & s) {
 
 blend_score parse_blend_score(const std::string & s) {
     blend_score v;
-    if (!blend_score_from_name(s, v)) throw error(std::string("--score must be ") + blend_score_names() + ", got '" + s + "'");
+    if (!blend_score_from_name(s, v))
+        throw error(std::string("--score must be ") + blend_score_names() + ", got '" + s + "'");
     return v;
 }
 
@@ -124,30 +136,44 @@ blend_budget parse_blend_budget(const std::string & s) {
 }
 
 bool match_sampling_flag(args & a, sampler_params & sp) {
-    if (a.match({"--temp"})) sp.temp = (float) a.real(0.0, 100.0);
-    else if (a.match({"--top-k"})) sp.top_k = (int32_t) a.integer(0, 1 << 24);
-    else if (a.match({"--top-p"})) sp.top_p = (float) a.real(0.0, 1.0);
-    else if (a.match({"--min-p"})) sp.min_p = (float) a.real(0.0, 1.0);
-    else if (a.match({"--seed"})) sp.seed = (uint32_t) a.integer(0, UINT32_MAX);
-    else return false;
+    if (a.match({"--temp"}))
+        sp.temp = (float) a.real(0.0, 100.0);
+    else if (a.match({"--top-k"}))
+        sp.top_k = (int32_t) a.integer(0, 1 << 24);
+    else if (a.match({"--top-p"}))
+        sp.top_p = (float) a.real(0.0, 1.0);
+    else if (a.match({"--min-p"}))
+        sp.min_p = (float) a.real(0.0, 1.0);
+    else if (a.match({"--seed"}))
+        sp.seed = (uint32_t) a.integer(0, UINT32_MAX);
+    else
+        return false;
     return true;
 }
 
 bool match_engine_flag(args & a, engine_params & ep) {
-    if (a.match({"-t", "--threads"})) ep.n_threads = (int32_t) a.integer(1, 1024);
-    else if (a.match({"-b", "--ubatch"})) ep.n_ubatch = a.integer(1, 1 << 16);
-    else if (a.match({"--cache-type"})) ep.type_k = ep.type_v = parse_cache_type(a.str());
-    else if (a.match({"--cache-type-k", "-ctk"})) ep.type_k = parse_cache_type(a.str());
-    else if (a.match({"--cache-type-v", "-ctv"})) ep.type_v = parse_cache_type(a.str());
-    else if (a.match({"--kv-codec"})) ep.kv_codec = parse_kv_codec(a.str());
-    else return false;
+    if (a.match({"-t", "--threads"}))
+        ep.n_threads = (int32_t) a.integer(1, 1024);
+    else if (a.match({"-b", "--ubatch"}))
+        ep.n_ubatch = a.integer(1, 1 << 16);
+    else if (a.match({"--cache-type"}))
+        ep.type_k = ep.type_v = parse_cache_type(a.str());
+    else if (a.match({"--cache-type-k", "-ctk"}))
+        ep.type_k = parse_cache_type(a.str());
+    else if (a.match({"--cache-type-v", "-ctv"}))
+        ep.type_v = parse_cache_type(a.str());
+    else if (a.match({"--kv-codec"}))
+        ep.kv_codec = parse_kv_codec(a.str());
+    else
+        return false;
     return true;
 }
 
 std::string parse_kv_codec(const std::string & name) {
     if (!live_kv::is_live_name(name))
-        throw error("--kv-codec takes turboquantB[+qjl] (B: 2, 2.5, 3, 3.5, 4) or minicache[:start=S:t=T:thr=G], not '" +
-                    name + "'");
+        throw error(
+            "--kv-codec takes turboquantB[+qjl] (B: 2, 2.5, 3, 3.5, 4) or minicache[:start=S:t=T:thr=G], not '" + name +
+            "'");
     codec_by_name(name);  // validates the options (minicache:thr=…)
     return name;
 }
@@ -184,8 +210,8 @@ std::string read_text_file(const std::string & path, uint64_t max_bytes) {
 void check_text_fits(const vocab & v, uint64_t bytes, int64_t n_ctx, const std::string & what) {
     if (v.min_tokens(bytes) > (uint64_t) n_ctx)
         throw error(what + " of " + std::to_string(bytes) + " bytes cannot fit the model's context of " +
-                    std::to_string(n_ctx) + " tokens (a token stands for at most " + std::to_string(v.max_piece_bytes()) +
-                    " bytes)");
+                    std::to_string(n_ctx) + " tokens (a token stands for at most " +
+                    std::to_string(v.max_piece_bytes()) + " bytes)");
 }
 
 uint64_t parse_store_budget(args & a) {
@@ -207,20 +233,31 @@ int cmd_generate(int argc, char ** argv) {
         if (a.match({"-h", "--help"})) {
             std::printf(k_help, k_evict_help, k_device_help);
             return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"-p", "--prompt"})) prompt = a.str(), have_prompt = true;
-        else if (a.match({"-f", "--file"})) prompt = read_text_file(a.str()), have_prompt = true;
-        else if (a.match({"-n", "--n-predict"})) n_predict = a.integer(0, 1 << 20);
+        } else if (a.match({"-m", "--model"}))
+            model_path = a.str();
+        else if (a.match({"-p", "--prompt"}))
+            prompt = a.str(), have_prompt = true;
+        else if (a.match({"-f", "--file"}))
+            prompt = read_text_file(a.str()), have_prompt = true;
+        else if (a.match({"-n", "--n-predict"}))
+            n_predict = a.integer(0, 1 << 20);
         else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep) || match_evict_flag(a, ep.evict) ||
                  match_device_flag(a, mp))
             continue;
-        else if (a.match({"-c", "--ctx-size"})) n_ctx = a.integer(1, 1 << 24);
-        else if (a.match({"--chat"})) chat = true;
-        else if (a.match({"--system"})) system = a.str();
-        else if (a.match({"--mmap"})) mmap = true;
-        else if (a.match({"--json"})) json = true;
-        else if (a.match({"-v", "--verbose"})) log_set_verbose(true);
-        else a.unknown();
+        else if (a.match({"-c", "--ctx-size"}))
+            n_ctx = a.integer(1, 1 << 24);
+        else if (a.match({"--chat"}))
+            chat = true;
+        else if (a.match({"--system"}))
+            system = a.str();
+        else if (a.match({"--mmap"}))
+            mmap = true;
+        else if (a.match({"--json"}))
+            json = true;
+        else if (a.match({"-v", "--verbose"}))
+            log_set_verbose(true);
+        else
+            a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (!have_prompt) throw error("missing -p PROMPT (see --help)");
@@ -247,7 +284,8 @@ int cmd_generate(int argc, char ** argv) {
     ep.n_ctx = n_ctx > 0 ? n_ctx : std::min(need, m->hparams().n_ctx_train);
     if (need > std::min(ep.n_ctx, m->hparams().n_ctx_train))
         throw error("prompt (" + std::to_string(toks.size()) + " tokens) plus -n " + std::to_string(n_predict) +
-                    " exceeds the context of " + std::to_string(std::min(ep.n_ctx, m->hparams().n_ctx_train)) + " tokens");
+                    " exceeds the context of " + std::to_string(std::min(ep.n_ctx, m->hparams().n_ctx_train)) +
+                    " tokens");
     engine eng(m, ep);
 
     std::function<bool(const std::string &)> stream;
@@ -277,10 +315,11 @@ int cmd_generate(int argc, char ** argv) {
         if (eng.evicted())
             std::fprintf(stderr, "; %s kept %lld of %lld positions, KV %.1f KiB held (%.1f KiB allocated)",
                          evict_policy_name(ep.evict.policy), (long long) eng.cache().n_rows_max(),
-                         (long long) eng.cache().n_past(), eng.cache().bytes_held() / 1024.0, eng.cache().bytes() / 1024.0);
+                         (long long) eng.cache().n_past(), eng.cache().bytes_held() / 1024.0,
+                         eng.cache().bytes() / 1024.0);
         if (eng.live())
-            std::fprintf(stderr, "; %s KV %.1f KiB held (f16: %.1f KiB)", ep.kv_codec.c_str(), eng.kv_bytes_held() / 1024.0,
-                         eng.kv_bytes_f16() / 1024.0);
+            std::fprintf(stderr, "; %s KV %.1f KiB held (f16: %.1f KiB)", ep.kv_codec.c_str(),
+                         eng.kv_bytes_held() / 1024.0, eng.kv_bytes_f16() / 1024.0);
         std::fprintf(stderr, "]\n");
     }
     return 0;

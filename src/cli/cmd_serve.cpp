@@ -1,8 +1,8 @@
 // kvblend serve: the OpenAI-compatible server.
 #include <csignal>
+#include <cstdio>
 #include <string>
 #include <thread>
-#include <cstdio>
 
 #include "cli/args.h"
 #include "cli/cli_util.h"
@@ -69,11 +69,16 @@ int64_t parse_size(const std::string & s, const char * flag) {
     }
     int64_t mul = 1;
     const std::string rest = n < s.size() ? s.substr(n) : "";
-    if (rest == "k" || rest == "K") mul = 1 << 10;
-    else if (rest == "m" || rest == "M") mul = 1 << 20;
-    else if (rest == "g" || rest == "G") mul = 1 << 30;
-    else if (!rest.empty()) v = -1;
-    if (v < 1 || v > (int64_t(1) << 40) / mul) throw error(std::string(flag) + " expects a size in bytes such as 8M, got '" + s + "'");
+    if (rest == "k" || rest == "K")
+        mul = 1 << 10;
+    else if (rest == "m" || rest == "M")
+        mul = 1 << 20;
+    else if (rest == "g" || rest == "G")
+        mul = 1 << 30;
+    else if (!rest.empty())
+        v = -1;
+    if (v < 1 || v > (int64_t(1) << 40) / mul)
+        throw error(std::string(flag) + " expects a size in bytes such as 8M, got '" + s + "'");
     return v * mul;
 }
 
@@ -95,53 +100,85 @@ int cmd_serve(int argc, char ** argv) {
             std::fputs("\nDevice:\n", stdout);
             std::fputs(k_device_help, stdout);
             return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"--host"})) sp.host = a.str();
-        else if (a.match({"--port"})) sp.port = (int) a.integer(0, 65535);
-        else if (a.match({"--store"})) sp.store_uri = a.str();
-        else if (a.match({"--codec"})) sp.codec = a.str();
-        else if (a.match({"-c", "--ctx-size"})) sp.n_ctx = a.integer(16, 1 << 24);
-        else if (a.match({"--parallel", "-np"})) sp.parallel = (int) a.integer(1, 256);
-        else if (a.match({"--queue"})) sp.max_queue = (int) a.integer(0, 1 << 20);
-        else if (a.match({"--recomp-ratio"})) sp.recomp_ratio = (float) a.real(0.0, 1.0);
-        else if (a.match({"--check-layer"})) sp.check_layer = (int) a.integer(0, 4096);
-        else if (a.match({"--chunk-size"})) sp.chunk_size = a.integer(1, 1 << 20);
-        else if (a.match({"--min-fuse-tokens"})) sp.min_fuse_tokens = a.integer(1, 1 << 24);
-        else if (a.match({"--no-learn"})) sp.learn = false;
-        else if (a.match({"--learn-max-docs"})) sp.learn_max_docs = a.integer(0, 1 << 20);
-        else if (a.match({"--learn-max-bytes"})) sp.learn_max_bytes = a.integer(0, 1 << 30);
-        else if (a.match({"--learn-min-chars"})) sp.learn_min_chars = a.integer((int64_t) 1, 1 << 30);
-        else if (a.match({"--known-docs"})) sp.known_docs_max = a.integer(1, 1 << 26);
+        } else if (a.match({"-m", "--model"}))
+            model_path = a.str();
+        else if (a.match({"--host"}))
+            sp.host = a.str();
+        else if (a.match({"--port"}))
+            sp.port = (int) a.integer(0, 65535);
+        else if (a.match({"--store"}))
+            sp.store_uri = a.str();
+        else if (a.match({"--codec"}))
+            sp.codec = a.str();
+        else if (a.match({"-c", "--ctx-size"}))
+            sp.n_ctx = a.integer(16, 1 << 24);
+        else if (a.match({"--parallel", "-np"}))
+            sp.parallel = (int) a.integer(1, 256);
+        else if (a.match({"--queue"}))
+            sp.max_queue = (int) a.integer(0, 1 << 20);
+        else if (a.match({"--recomp-ratio"}))
+            sp.recomp_ratio = (float) a.real(0.0, 1.0);
+        else if (a.match({"--check-layer"}))
+            sp.check_layer = (int) a.integer(0, 4096);
+        else if (a.match({"--chunk-size"}))
+            sp.chunk_size = a.integer(1, 1 << 20);
+        else if (a.match({"--min-fuse-tokens"}))
+            sp.min_fuse_tokens = a.integer(1, 1 << 24);
+        else if (a.match({"--no-learn"}))
+            sp.learn = false;
+        else if (a.match({"--learn-max-docs"}))
+            sp.learn_max_docs = a.integer(0, 1 << 20);
+        else if (a.match({"--learn-max-bytes"}))
+            sp.learn_max_bytes = a.integer(0, 1 << 30);
+        else if (a.match({"--learn-min-chars"}))
+            sp.learn_min_chars = a.integer((int64_t) 1, 1 << 30);
+        else if (a.match({"--known-docs"}))
+            sp.known_docs_max = a.integer(1, 1 << 26);
         else if (a.match({"--api-key"})) {
             sp.api_key = a.str();
-            if (sp.api_key.empty()) throw error("--api-key is empty: give a key, or leave the flag out to serve without one");
-        } else if (a.match({"--max-body"})) sp.max_body = (size_t) parse_size(a.str(), "--max-body");
-        else if (a.match({"--read-timeout"})) sp.read_timeout_s = (int) a.integer(1, 3600);
-        else if (a.match({"--max-connections"})) sp.max_connections = (int) a.integer(1, 65536);
-        else if (a.match({"--max-conns-per-client"})) sp.max_connections_per_client = (int) a.integer(0, 65536);
-        else if (a.match({"--store-max-gb"})) sp.store_max_bytes = parse_store_budget(a);
+            if (sp.api_key.empty())
+                throw error("--api-key is empty: give a key, or leave the flag out to serve without one");
+        } else if (a.match({"--max-body"}))
+            sp.max_body = (size_t) parse_size(a.str(), "--max-body");
+        else if (a.match({"--read-timeout"}))
+            sp.read_timeout_s = (int) a.integer(1, 3600);
+        else if (a.match({"--max-connections"}))
+            sp.max_connections = (int) a.integer(1, 65536);
+        else if (a.match({"--max-conns-per-client"}))
+            sp.max_connections_per_client = (int) a.integer(0, 65536);
+        else if (a.match({"--store-max-gb"}))
+            sp.store_max_bytes = parse_store_budget(a);
         else if (a.match({"--allow-origin"})) {
             const std::string o = a.str();
-            if (o.empty() || o.find_first_of(" \t\r\n,") != std::string::npos || (o != "*" && o.find("://") == std::string::npos))
-                throw error("--allow-origin takes one origin, as a browser sends it (https://app.example:8443), or '*'");
+            if (o.empty() || o.find_first_of(" \t\r\n,") != std::string::npos ||
+                (o != "*" && o.find("://") == std::string::npos))
+                throw error(
+                    "--allow-origin takes one origin, as a browser sends it (https://app.example:8443), or '*'");
             sp.allow_origins.push_back(o);
-        }
-        else if (a.match({"--api-key-file"})) {
+        } else if (a.match({"--api-key-file"})) {
             std::string k = read_text_file(a.str());
             while (!k.empty() && (k.back() == '\n' || k.back() == '\r' || k.back() == ' ')) k.pop_back();
             if (k.empty()) throw error("--api-key-file holds no key");
             sp.api_key = k;
-        } else if (a.match({"-t", "--threads"})) sp.n_threads = (int32_t) a.integer(1, 1024);
-        else if (a.match({"--cache-type"})) sp.type_k = sp.type_v = parse_cache_type(a.str());
-        else if (a.match({"--cache-type-k", "-ctk"})) sp.type_k = parse_cache_type(a.str());
-        else if (a.match({"--cache-type-v", "-ctv"})) sp.type_v = parse_cache_type(a.str());
-        else if (a.match({"--kv-codec"})) sp.kv_codec = parse_kv_codec(a.str());
-        else if (match_evict_flag(a, sp.evict) || match_device_flag(a, mp)) continue;
-        else a.unknown();
+        } else if (a.match({"-t", "--threads"}))
+            sp.n_threads = (int32_t) a.integer(1, 1024);
+        else if (a.match({"--cache-type"}))
+            sp.type_k = sp.type_v = parse_cache_type(a.str());
+        else if (a.match({"--cache-type-k", "-ctk"}))
+            sp.type_k = parse_cache_type(a.str());
+        else if (a.match({"--cache-type-v", "-ctv"}))
+            sp.type_v = parse_cache_type(a.str());
+        else if (a.match({"--kv-codec"}))
+            sp.kv_codec = parse_kv_codec(a.str());
+        else if (match_evict_flag(a, sp.evict) || match_device_flag(a, mp))
+            continue;
+        else
+            a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (sp.api_key.empty() && sp.host != "127.0.0.1" && sp.host != "localhost" && sp.host != "::1")
-        std::fprintf(stderr, "warning: serving on %s without an API key: anyone who can reach it can use it (--api-key)\n",
+        std::fprintf(stderr,
+                     "warning: serving on %s without an API key: anyone who can reach it can use it (--api-key)\n",
                      sp.host.c_str());
     check_evict_flags(sp.evict);
     auto m = model::load(model_path, mp);

@@ -77,8 +77,8 @@ class progress {
         if (tty_) {
             const int width = 30, fill = total_ ? (int) (width * done / total_) : width;
             std::fprintf(stderr, "\r[%.*s%.*s] %zu/%zu chunks  %.0f tok/s  ETA %d:%02d ", fill,
-                         "==============================", width - fill, "                              ", done, total_, tps,
-                         (int) eta / 60, (int) eta % 60);
+                         "==============================", width - fill, "                              ", done, total_,
+                         tps, (int) eta / 60, (int) eta % 60);
             if (done == total_) std::fputc('\n', stderr);
         } else {
             std::fprintf(stderr, "ingest: %zu/%zu chunks, %.0f tok/s, ETA %.0f s\n", done, total_, tps, eta);
@@ -108,26 +108,39 @@ int cmd_ingest(int argc, char ** argv) {
             std::fputs(k_ingest_help, stdout);
             std::fputs(k_chunk_evict_help, stdout);
             return 0;
-        } else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"--store"})) uri = a.str();
-        else if (a.match({"--chunk-size"})) chunk_size = a.integer(1, 1 << 20);
+        } else if (a.match({"-m", "--model"}))
+            model_path = a.str();
+        else if (a.match({"--store"}))
+            uri = a.str();
+        else if (a.match({"--chunk-size"}))
+            chunk_size = a.integer(1, 1 << 20);
         else if (a.match({"--split"})) {
             split = a.str();
             if (split != "paragraph") throw error("--split must be 'paragraph', got '" + split + "'");
-        } else if (a.match({"--collect-with-prefix"})) with_prefix = true;
-        else if (a.match({"--system"})) system = a.str();
-        else if (a.match({"--chat"})) chat = true;
-        else if (a.match({"--store-max-gb"})) so.max_bytes = parse_store_budget(a);
-        else if (a.match({"--codec"})) codec_name = codec_by_name(a.str())->name();
-        else if (match_chunk_evict_flag(a, chunk_ev)) continue;
-        else if (match_engine_flag(a, ep)) continue;
-        else if (!a.peek().empty() && a.peek()[0] == '-') a.unknown();
-        else files.push_back(a.str());
+        } else if (a.match({"--collect-with-prefix"}))
+            with_prefix = true;
+        else if (a.match({"--system"}))
+            system = a.str();
+        else if (a.match({"--chat"}))
+            chat = true;
+        else if (a.match({"--store-max-gb"}))
+            so.max_bytes = parse_store_budget(a);
+        else if (a.match({"--codec"}))
+            codec_name = codec_by_name(a.str())->name();
+        else if (match_chunk_evict_flag(a, chunk_ev))
+            continue;
+        else if (match_engine_flag(a, ep))
+            continue;
+        else if (!a.peek().empty() && a.peek()[0] == '-')
+            a.unknown();
+        else
+            files.push_back(a.str());
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
     if (uri.empty()) throw error("missing --store URI (see --help)");
     if (files.empty()) throw error("no files to ingest");
-    if (!ep.kv_codec.empty()) throw error("--kv-codec is a live decode cache: ingest stores chunks (their codec is --codec)");
+    if (!ep.kv_codec.empty())
+        throw error("--kv-codec is a live decode cache: ingest stores chunks (their codec is --codec)");
     if (chunk_size > 0 && !split.empty()) throw error("--chunk-size and --split exclude each other");
     check_chunk_evict_flags(chunk_ev);
 
@@ -180,9 +193,11 @@ int cmd_ingest(int argc, char ** argv) {
     for (const auto & k : keys) gone += !st->contains(k);
     if (gone)
         throw error(std::to_string(gone) + " of the " + std::to_string(keys.size()) +
-                    " chunks were evicted again by the store's budget before the ingest ended (--store-max-gb cannot hold them all)");
-    std::printf("ingested %zu chunks into %s: %lld collected (%lld tokens, %.1f s), %lld already stored\n", chunks.size(),
-                st->uri().c_str(), (long long) fs.misses, (long long) tokens, fs.collect_ms / 1000.0, (long long) fs.hits);
+                    " chunks were evicted again by the store's budget before the ingest ended (--store-max-gb cannot "
+                    "hold them all)");
+    std::printf("ingested %zu chunks into %s: %lld collected (%lld tokens, %.1f s), %lld already stored\n",
+                chunks.size(), st->uri().c_str(), (long long) fs.misses, (long long) tokens, fs.collect_ms / 1000.0,
+                (long long) fs.hits);
     return 0;
 }
 
@@ -199,12 +214,18 @@ int cmd_store(int argc, char ** argv) {
     store_options so;
     args a(argc, argv, 2);
     while (!a.done()) {
-        if (match_help(a, k_store_help)) return 0;
-        else if (a.match({"--store"})) uri = a.str();
-        else if (a.match({"-m", "--model"})) model_path = a.str();
-        else if (a.match({"--store-max-gb"})) so.max_bytes = parse_store_budget(a);
-        else if (a.match({"--json"})) json = true;
-        else a.unknown();
+        if (match_help(a, k_store_help))
+            return 0;
+        else if (a.match({"--store"}))
+            uri = a.str();
+        else if (a.match({"-m", "--model"}))
+            model_path = a.str();
+        else if (a.match({"--store-max-gb"}))
+            so.max_bytes = parse_store_budget(a);
+        else if (a.match({"--json"}))
+            json = true;
+        else
+            a.unknown();
     }
     if (uri.empty()) throw error("missing --store URI (see --help)");
     so.create = false;  // a store that is not there is empty: nothing is created
@@ -213,18 +234,26 @@ int cmd_store(int argc, char ** argv) {
     if (what == "stats") {
         const store_stats s = st->stats();
         if (json) {
-            std::printf("%s\n", nlohmann::json({{"backend", s.backend}, {"entries", s.n_entries}, {"bytes", s.bytes},
-                                                {"max_bytes", s.max_bytes}}).dump().c_str());
+            std::printf(
+                "%s\n",
+                nlohmann::json(
+                    {{"backend", s.backend}, {"entries", s.n_entries}, {"bytes", s.bytes}, {"max_bytes", s.max_bytes}})
+                    .dump()
+                    .c_str());
         } else {
-            std::printf("%s: %llu entries, %.1f MB", s.backend.c_str(), (unsigned long long) s.n_entries, s.bytes / 1e6);
+            std::printf("%s: %llu entries, %.1f MB", s.backend.c_str(), (unsigned long long) s.n_entries,
+                        s.bytes / 1e6);
             if (s.max_bytes) std::printf(" of a %.1f MB budget", s.max_bytes / 1e6);
             std::printf("\n");
         }
     } else if (what == "ls") {
         nlohmann::json rows = nlohmann::json::array();
         for (const auto & e : st->list()) {
-            if (json) rows.push_back({{"key", e.key}, {"bytes", e.bytes}, {"last_used", e.last_used}});
-            else std::printf("%s %12llu %lld\n", printable(e.key).c_str(), (unsigned long long) e.bytes, (long long) e.last_used);
+            if (json)
+                rows.push_back({{"key", e.key}, {"bytes", e.bytes}, {"last_used", e.last_used}});
+            else
+                std::printf("%s %12llu %lld\n", printable(e.key).c_str(), (unsigned long long) e.bytes,
+                            (long long) e.last_used);
         }
         // keys others wrote need not be UTF-8: such bytes are printed as U+FFFD, not an error
         if (json) std::printf("%s\n", rows.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
@@ -245,8 +274,9 @@ int cmd_store(int argc, char ** argv) {
             // it stays, and is reported
             if (!bytes && (!unreadable.empty() || st->contains(e.key))) {
                 ++skipped;
-                std::fprintf(stderr, "skipped %s: %s\n", printable(e.key).c_str(),
-                             unreadable.empty() ? "cannot be read (permissions, or larger than any entry)" : unreadable.c_str());
+                std::fprintf(
+                    stderr, "skipped %s: %s\n", printable(e.key).c_str(),
+                    unreadable.empty() ? "cannot be read (permissions, or larger than any entry)" : unreadable.c_str());
                 continue;
             }
             // listed but no entry to read: removed meanwhile, or something else
@@ -261,17 +291,23 @@ int cmd_store(int argc, char ** argv) {
             if (bytes) st->erase(e.key);
             std::fprintf(stderr, "removed %s: %s\n", printable(e.key).c_str(), why.c_str());
         }
-        if (json) std::printf("%s\n", nlohmann::json({{"ok", ok}, {"removed", bad}, {"skipped", skipped}}).dump().c_str());
-        else std::printf("verified %llu entries: %llu ok, %llu removed%s\n", (unsigned long long) (ok + bad),
-                         (unsigned long long) ok, (unsigned long long) bad,
-                         skipped ? (", " + std::to_string(skipped) + " could not be read (left in place)").c_str() : "");
+        if (json)
+            std::printf("%s\n", nlohmann::json({{"ok", ok}, {"removed", bad}, {"skipped", skipped}}).dump().c_str());
+        else
+            std::printf("verified %llu entries: %llu ok, %llu removed%s\n", (unsigned long long) (ok + bad),
+                        (unsigned long long) ok, (unsigned long long) bad,
+                        skipped ? (", " + std::to_string(skipped) + " could not be read (left in place)").c_str() : "");
         if (skipped) return 1;  // not everything was verified
     } else {
         const uint64_t removed = st->gc();
         const store_stats s = st->stats();
-        if (json) std::printf("%s\n", nlohmann::json({{"removed", removed}, {"entries", s.n_entries}, {"bytes", s.bytes}}).dump().c_str());
-        else std::printf("gc: removed %llu, %llu entries left (%.1f MB)\n", (unsigned long long) removed,
-                         (unsigned long long) s.n_entries, s.bytes / 1e6);
+        if (json)
+            std::printf(
+                "%s\n",
+                nlohmann::json({{"removed", removed}, {"entries", s.n_entries}, {"bytes", s.bytes}}).dump().c_str());
+        else
+            std::printf("gc: removed %llu, %llu entries left (%.1f MB)\n", (unsigned long long) removed,
+                        (unsigned long long) s.n_entries, s.bytes / 1e6);
     }
     return 0;
 }

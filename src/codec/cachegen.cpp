@@ -3,11 +3,12 @@
 // from the decoded anchor at a layer-dependent number of bits (shallow layers
 // more), and every symbol entropy coded with rANS under probabilities kept per
 // (layer, K/V, channel group, anchor/delta) in the payload.
+#include "codec/cachegen.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-#include "codec/cachegen.h"
 #include "codec/rans.h"
 #include "ggml.h"
 
@@ -33,7 +34,10 @@ struct byte_writer {
         b.resize(at + n);
         std::memcpy(b.data() + at, p, n);
     }
-    template <typename T> void put(T v) { raw(&v, sizeof(T)); }
+    template <typename T>
+    void put(T v) {
+        raw(&v, sizeof(T));
+    }
 };
 
 // one coded symbol stream with its table: sym_min, count, freqs, length, bytes
@@ -56,13 +60,13 @@ void put_stream(byte_writer & w, const std::vector<uint8_t> & sym) {
 // a coded stream's place in the payload: every stream of a layer is found
 // before any is decoded, so that they can be decoded two at a time
 struct stream_at {
-    int             lo;       // first symbol with a frequency
-    int             span;     // frequencies stored: span + 1 (u16)
+    int lo;    // first symbol with a frequency
+    int span;  // frequencies stored: span + 1 (u16)
     const uint8_t * freq;
     const uint8_t * bytes;
-    uint32_t        n_bytes;
-    uint8_t *       out;      // where its symbols go
-    size_t          n;        // symbols
+    uint32_t n_bytes;
+    uint8_t * out;  // where its symbols go
+    size_t n;       // symbols
 };
 
 // symbols above max_sym cannot be decoded: checked once on the table, so the
@@ -126,7 +130,8 @@ class cachegen_codec : public codec {
                     w.put(sh);
                     const float s = ggml_fp16_to_fp32(sh);
                     for (int64_t ch = 0; ch < d; ++ch) {
-                        const int q = s > 0 ? std::clamp((int) std::lround(x[t * d + ch] / s), -k_anchor_qmax, k_anchor_qmax) : 0;
+                        const int q =
+                            s > 0 ? std::clamp((int) std::lround(x[t * d + ch] / s), -k_anchor_qmax, k_anchor_qmax) : 0;
                         qa[t * d + ch] = (uint8_t) (q + k_anchor_qmax);
                         xa[t * d + ch] = s * (float) q;
                     }
@@ -135,7 +140,8 @@ class cachegen_codec : public codec {
                 for (int64_t ch = 0; ch < d; ++ch) {
                     float dmax = 0;
                     for (int64_t t = 0; t < n; ++t)
-                        if (t % k_group) dmax = std::max(dmax, std::fabs(x[t * d + ch] - xa[(t - t % k_group) * d + ch]));
+                        if (t % k_group)
+                            dmax = std::max(dmax, std::fabs(x[t * d + ch] - xa[(t - t % k_group) * d + ch]));
                     const ggml_fp16_t sh = ggml_fp32_to_fp16(dmax / (float) qmax);
                     w.put(sh);
                     const float s = ggml_fp16_to_fp32(sh);
@@ -168,7 +174,8 @@ class cachegen_codec : public codec {
         payload_reader r{p, p + n_bytes, "cachegen"};
         const int64_t n = out.n_tokens(), d = out.n_embd_kv;
         if (r.get<uint32_t>() != k_magic) throw error("cachegen payload has a bad magic");
-        if (r.get<uint32_t>() != (uint32_t) n || r.get<uint32_t>() != (uint32_t) d || r.get<uint32_t>() != (uint32_t) out.n_layer)
+        if (r.get<uint32_t>() != (uint32_t) n || r.get<uint32_t>() != (uint32_t) d ||
+            r.get<uint32_t>() != (uint32_t) out.n_layer)
             throw error("cachegen payload does not match the chunk's shape");
         const int64_t n_anchor = (n + k_group - 1) / k_group, n_delta = n - n_anchor;
         std::vector<float> x((size_t) n * d), a_scale(2 * n_anchor), d_step(2 * d);
@@ -183,12 +190,14 @@ class cachegen_codec : public codec {
                 const int bits = r.get<uint8_t>();
                 if (bits < 2 || bits > 8) throw error("cachegen payload is corrupt (bits)");
                 qmax[kv] = (1 << (bits - 1)) - 1;
-                for (int64_t a = 0; a < n_anchor; ++a) a_scale[kv * n_anchor + a] = ggml_fp16_to_fp32(r.get<ggml_fp16_t>());
+                for (int64_t a = 0; a < n_anchor; ++a)
+                    a_scale[kv * n_anchor + a] = ggml_fp16_to_fp32(r.get<ggml_fp16_t>());
                 for (int64_t ch = 0; ch < d; ++ch) d_step[kv * d + ch] = ggml_fp16_to_fp32(r.get<ggml_fp16_t>());
                 for (int64_t c0 = 0; c0 < d; c0 += k_chan_group) {
                     const int64_t w = std::min(d, c0 + k_chan_group) - c0;
                     // data() + offset, not &v[i]: sym_d is empty for a one-token chunk
-                    anchors.push_back(get_stream(r, 2 * k_anchor_qmax, sym_a.data() + (kv * d + c0) * n_anchor, n_anchor * w));
+                    anchors.push_back(
+                        get_stream(r, 2 * k_anchor_qmax, sym_a.data() + (kv * d + c0) * n_anchor, n_anchor * w));
                     deltas.push_back(get_stream(r, 2 * qmax[kv], sym_d.data() + (kv * d + c0) * n_delta, n_delta * w));
                 }
             }
@@ -207,11 +216,13 @@ class cachegen_codec : public codec {
                         const int64_t t0 = a * k_group, t1 = std::min(n, t0 + k_group);
                         float * base = &x[t0 * d + c0];
                         const float s = as[a];
-                        for (int64_t ch = 0; ch < w; ++ch) base[ch] = s * (float) ((int) qa[a * w + ch] - k_anchor_qmax);
+                        for (int64_t ch = 0; ch < w; ++ch)
+                            base[ch] = s * (float) ((int) qa[a * w + ch] - k_anchor_qmax);
                         for (int64_t t = t0 + 1; t < t1; ++t) {
                             float * dst = &x[t * d + c0];
                             const uint8_t * q = &qd[(t - 1 - a) * w];
-                            for (int64_t ch = 0; ch < w; ++ch) dst[ch] = base[ch] + st[ch] * (float) ((int) q[ch] - qmax[kv]);
+                            for (int64_t ch = 0; ch < w; ++ch)
+                                dst[ch] = base[ch] + st[ch] * (float) ((int) q[ch] - qmax[kv]);
                         }
                     }
                 }
@@ -224,6 +235,8 @@ class cachegen_codec : public codec {
 
 }  // namespace
 
-std::unique_ptr<codec> cachegen_codec_make() { return std::make_unique<cachegen_codec>(); }
+std::unique_ptr<codec> cachegen_codec_make() {
+    return std::make_unique<cachegen_codec>();
+}
 
 }  // namespace kvblend

@@ -20,7 +20,7 @@ void codec_store_rows(chunk_kv & c, int64_t il, int kv, const float * x);
 struct payload_reader {
     const uint8_t * p;
     const uint8_t * end;
-    const char *    what;  // the codec, for the message
+    const char * what;  // the codec, for the message
     const uint8_t * skip(size_t n) {
         if ((size_t) (end - p) < n) throw error(std::string(what) + " payload is truncated");
         const uint8_t * at = p;
@@ -28,7 +28,8 @@ struct payload_reader {
         return at;
     }
     void take(void * dst, size_t n) { std::memcpy(dst, skip(n), n); }
-    template <typename T> T get() {
+    template <typename T>
+    T get() {
         T v;
         take(&v, sizeof(T));
         return v;

@@ -2,12 +2,11 @@
 // its KV cache) and KIVI-style asymmetric quantization.
 #include "kvblend/codec.h"
 
-#include "codec/cachegen.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "codec/cachegen.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
 
@@ -16,17 +15,23 @@ namespace kvblend {
 void codec_rows_f32(const chunk_kv & c, int64_t il, int kv, float * out) {
     const uint8_t * src = kv ? c.v(il) : c.k(il);
     const size_t n = (size_t) c.n_tokens() * c.n_embd_kv;
-    if (c.type == GGML_TYPE_F32) std::memcpy(out, src, n * sizeof(float));
-    else if (c.type == GGML_TYPE_F16) ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) src, out, (int64_t) n);  // vectorized
-    else ggml_get_type_traits(c.type)->to_float(src, out, (int64_t) n);  // a quantized cache type
+    if (c.type == GGML_TYPE_F32)
+        std::memcpy(out, src, n * sizeof(float));
+    else if (c.type == GGML_TYPE_F16)
+        ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) src, out, (int64_t) n);  // vectorized
+    else
+        ggml_get_type_traits(c.type)->to_float(src, out, (int64_t) n);  // a quantized cache type
 }
 
 void codec_store_rows(chunk_kv & c, int64_t il, int kv, const float * x) {
     uint8_t * dst = kv ? c.v(il) : c.k(il);
     const size_t n = (size_t) c.n_tokens() * c.n_embd_kv;
-    if (c.type == GGML_TYPE_F32) std::memcpy(dst, x, n * sizeof(float));
-    else if (c.type == GGML_TYPE_F16) ggml_cpu_fp32_to_fp16(x, (ggml_fp16_t *) dst, (int64_t) n);  // vectorized
-    else ggml_quantize_chunk(c.type, x, dst, 0, c.n_tokens(), c.n_embd_kv, nullptr);  // a quantized cache type
+    if (c.type == GGML_TYPE_F32)
+        std::memcpy(dst, x, n * sizeof(float));
+    else if (c.type == GGML_TYPE_F16)
+        ggml_cpu_fp32_to_fp16(x, (ggml_fp16_t *) dst, (int64_t) n);  // vectorized
+    else
+        ggml_quantize_chunk(c.type, x, dst, 0, c.n_tokens(), c.n_embd_kv, nullptr);  // a quantized cache type
 }
 
 namespace {
@@ -37,7 +42,9 @@ std::vector<float> rows_f32(const chunk_kv & c, int64_t il, int kv) {
     return out;
 }
 
-void store_rows(chunk_kv & c, int64_t il, int kv, const float * x) { codec_store_rows(c, il, kv, x); }
+void store_rows(chunk_kv & c, int64_t il, int kv, const float * x) {
+    codec_store_rows(c, il, kv, x);
+}
 
 void append(std::vector<uint8_t> & b, const void * p, size_t n) {
     const size_t at = b.size();
@@ -53,7 +60,8 @@ class raw_codec : public codec {
         return std::vector<uint8_t>(c.k(0), c.k(0) + c.bytes());
     }
     void decode(const uint8_t * p, size_t n, chunk_kv & out) const override {
-        if (n != out.bytes()) throw error("raw payload has " + std::to_string(n) + " bytes, expected " + std::to_string(out.bytes()));
+        if (n != out.bytes())
+            throw error("raw payload has " + std::to_string(n) + " bytes, expected " + std::to_string(out.bytes()));
         std::memcpy(out.k(0), p, n);
     }
 };
@@ -72,7 +80,8 @@ class ggml_codec : public codec {
         for (int64_t il = 0; il < c.n_layer; ++il)
             for (int kv = 0; kv < 2; ++kv) {
                 const std::vector<float> x = rows_f32(c, il, kv);
-                ggml_quantize_chunk(t_, x.data(), b.data() + part * (2 * il + kv), 0, c.n_tokens(), c.n_embd_kv, nullptr);
+                ggml_quantize_chunk(t_, x.data(), b.data() + part * (2 * il + kv), 0, c.n_tokens(), c.n_embd_kv,
+                                    nullptr);
             }
         return b;
     }
@@ -204,9 +213,21 @@ class kivi_codec : public codec {
 }  // namespace
 
 std::vector<std::string> codec_names() {
-    return {"raw",           "f16",         "q8_0",          "q4_0",        "kivi2",
-            "kivi4",         "cachegen",    "minicache",     "turboquant2", "turboquant2.5",
-            "turboquant3",   "turboquant3.5", "turboquant4", "turboquant3+qjl", "turboquant3.5+qjl",
+    return {"raw",
+            "f16",
+            "q8_0",
+            "q4_0",
+            "kivi2",
+            "kivi4",
+            "cachegen",
+            "minicache",
+            "turboquant2",
+            "turboquant2.5",
+            "turboquant3",
+            "turboquant3.5",
+            "turboquant4",
+            "turboquant3+qjl",
+            "turboquant3.5+qjl",
             "turboquant4+qjl"};
 }
 

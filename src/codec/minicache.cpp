@@ -43,7 +43,8 @@ bool parse_name(const std::string & name, params & p) {
         const std::string key = kv.substr(0, eq), val = kv.substr(eq + 1);
         char * rest = nullptr;
         const float v = std::strtof(val.c_str(), &rest);
-        if (val.empty() || *rest != '\0' || !std::isfinite(v)) throw error("minicache option '" + kv + "' has a bad number");
+        if (val.empty() || *rest != '\0' || !std::isfinite(v))
+            throw error("minicache option '" + kv + "' has a bad number");
         if (key == "start") {
             if (v < 0 || v > 1) throw error("minicache start must be in [0, 1]");
             q.start = v;
@@ -71,7 +72,9 @@ std::string name_of(const params & p) {
     return n;
 }
 
-int64_t first_merged_layer(const params & p, int64_t n_layer) { return (int64_t) std::floor(p.start * (double) n_layer); }
+int64_t first_merged_layer(const params & p, int64_t n_layer) {
+    return (int64_t) std::floor(p.start * (double) n_layer);
+}
 
 float angular_distance(const float * a, const float * b, int64_t n) {
     const double na = norm2(a, n), nb = norm2(b, n);
@@ -120,13 +123,15 @@ constexpr uint32_t k_mc_magic = 0x3130434d;  // "MC01"
 
 struct mc_header {
     uint32_t magic;
-    float    start, t, threshold;
+    float start, t, threshold;
     uint32_t n_tokens, n_embd, n_layer, first;
     uint32_t elem;  // retained and untouched rows: 0 = f16, 1 = f32
 };
 
 // a merged token: direction f16 [n_embd] then the two norms (f32)
-size_t merged_record(int64_t d) { return (size_t) d * 2 + 8; }
+size_t merged_record(int64_t d) {
+    return (size_t) d * 2 + 8;
+}
 
 mc_header read_header(payload_reader & r) {
     mc_header h;
@@ -155,8 +160,8 @@ class minicache_codec : public codec {
         const int64_t d = c.n_embd_kv, n = c.n_tokens();
         const int64_t first = mc::first_merged_layer(p_, c.n_layer);
         const uint32_t elem = c.type == GGML_TYPE_F32 ? 1 : 0;
-        const mc_header h{k_mc_magic, p_.start, p_.t, p_.threshold, (uint32_t) n, (uint32_t) d, (uint32_t) c.n_layer,
-                          (uint32_t) first, elem};
+        const mc_header h{k_mc_magic,           p_.start,         p_.t, p_.threshold, (uint32_t) n, (uint32_t) d,
+                          (uint32_t) c.n_layer, (uint32_t) first, elem};
         std::vector<uint8_t> b(sizeof(h));
         std::memcpy(b.data(), &h, sizeof(h));
         std::vector<float> xa((size_t) n * d), xb((size_t) n * d), dir(d);
@@ -221,8 +226,10 @@ class minicache_codec : public codec {
         std::vector<float> xa((size_t) n * d), xb((size_t) n * d);
         auto get_rows = [&](float * x, int64_t rows) {
             const uint8_t * src = r.skip((size_t) rows * d * esz);
-            if (h.elem) std::memcpy(x, src, (size_t) rows * d * 4);
-            else ggml_fp16_to_fp32_row((const ggml_fp16_t *) src, x, rows * d);
+            if (h.elem)
+                std::memcpy(x, src, (size_t) rows * d * 4);
+            else
+                ggml_fp16_to_fp32_row((const ggml_fp16_t *) src, x, rows * d);
         };
         for (int64_t il = 0; il < out.n_layer; ++il) {
             const bool paired = il >= (int64_t) h.first && il + 1 < out.n_layer;
@@ -245,7 +252,8 @@ class minicache_codec : public codec {
                     float na, nb;
                     std::memcpy(&na, rec + d * 2, 4);
                     std::memcpy(&nb, rec + d * 2 + 4, 4);
-                    if (!std::isfinite(na) || !std::isfinite(nb)) throw error("minicache payload is corrupt (non-finite norm)");
+                    if (!std::isfinite(na) || !std::isfinite(nb))
+                        throw error("minicache payload is corrupt (non-finite norm)");
                     ggml_fp16_to_fp32_row((const ggml_fp16_t *) rec, &xa[t * d], d);
                     for (int64_t i = 0; i < d; ++i) {
                         xb[t * d + i] = nb * xa[t * d + i];

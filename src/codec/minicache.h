@@ -13,8 +13,8 @@
 namespace kvblend::mc {
 
 struct params {
-    float start     = 0.5f;   // first merged layer, as a share of the depth
-    float t         = 0.5f;   // SLERP weight of the pair's second layer
+    float start = 0.5f;       // first merged layer, as a share of the depth
+    float t = 0.5f;           // SLERP weight of the pair's second layer
     float threshold = 0.25f;  // retain tokens whose angle / pi exceeds this (< 0: retain all)
 };
 
@@ -35,10 +35,10 @@ bool merge(const float * a, const float * b, int64_t n, const params & p, float 
 
 // what a minicache payload holds, read from its header and retention maps
 struct payload_stats {
-    int64_t merged_tokens   = 0;  // (pair, K/V, token) triples stored as direction + norms
+    int64_t merged_tokens = 0;    // (pair, K/V, token) triples stored as direction + norms
     int64_t retained_tokens = 0;  // … stored whole
-    size_t  merged_bytes    = 0;  // payload bytes of the paired layers
-    size_t  merged_f16      = 0;  // the same layers in f16
+    size_t merged_bytes = 0;      // payload bytes of the paired layers
+    size_t merged_f16 = 0;        // the same layers in f16
 };
 payload_stats inspect(const uint8_t * p, size_t n);  // throws kvblend::error on a bad payload
 

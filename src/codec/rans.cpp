@@ -63,7 +63,8 @@ table table::from_counts(const std::array<uint32_t, 256> & counts) {
             sum = k_prob_scale;
         } else {
             int s_max = 0;
-            for (int s = 1; s < 256; ++s) if (t.freq[s] > t.freq[s_max]) s_max = s;
+            for (int s = 1; s < 256; ++s)
+                if (t.freq[s] > t.freq[s_max]) s_max = s;
             const int64_t take = std::min<int64_t>(sum - k_prob_scale, t.freq[s_max] - 1);
             t.freq[s_max] -= (uint16_t) take;
             sum -= take;
@@ -117,20 +118,21 @@ namespace {
 
 // one stream being decoded: its four states, where it reads and where it writes
 struct lanes {
-    uint32_t        x0, x1, x2, x3;
+    uint32_t x0, x1, x2, x3;
     const uint8_t * q;
     const uint8_t * end;
     const uint32_t * slots;
-    int             lone;
-    uint8_t *       out;      // the next symbol's place
-    uint8_t *       out_end;
+    int lone;
+    uint8_t * out;  // the next symbol's place
+    uint8_t * out_end;
 };
 
 lanes lanes_open(const stream & s) {
     if (s.n_bytes < 4 * k_ways) throw error("rANS stream is truncated");
     const uint8_t * p = s.bytes;
     uint32_t x[k_ways];
-    for (int w = 0; w < k_ways; ++w, p += 4) x[w] = ((uint32_t) p[0] << 24) | ((uint32_t) p[1] << 16) | ((uint32_t) p[2] << 8) | p[3];
+    for (int w = 0; w < k_ways; ++w, p += 4)
+        x[w] = ((uint32_t) p[0] << 24) | ((uint32_t) p[1] << 16) | ((uint32_t) p[2] << 8) | p[3];
     for (int w = 0; w < k_ways; ++w)
         if (x[w] < k_lower) throw error("rANS stream is corrupt");
     return lanes{x[0], x[1], x[2], x[3], p, s.bytes + s.n_bytes, s.t->slot.data(), s.t->lone, s.out, s.out + s.n};
@@ -138,7 +140,9 @@ lanes lanes_open(const stream & s) {
 
 // steps the fast path can take unchecked: a step decodes four symbols and
 // reads at most eight bytes (one 16-bit word each); checked once per run of steps
-inline size_t lanes_steps(const lanes & d) { return std::min((size_t) (d.out_end - d.out) / k_ways, (size_t) (d.end - d.q) / (2 * k_ways)); }
+inline size_t lanes_steps(const lanes & d) {
+    return std::min((size_t) (d.out_end - d.out) / k_ways, (size_t) (d.end - d.q) / (2 * k_ways));
+}
 
 // one symbol of one state: a table load, a multiply and an add, then the
 // renormalization without a branch: whether a state takes a word is data that
@@ -151,7 +155,7 @@ inline void lanes_step1(uint32_t & x, const uint32_t * slots, const uint8_t *& q
     *out = (uint8_t) e;
     x = ((e >> 8) & 0xfff) * (x >> k_prob_bits) + (e >> 20);
 #if defined(__GNUC__) && defined(__x86_64__)
-    const uint32_t  y = (x << 16) | read16(q);
+    const uint32_t y = (x << 16) | read16(q);
     const uint8_t * q2 = q + 2;
     __asm__("cmpl %[lo], %[x]\n\tcmovb %[y], %[x]\n\tcmovb %[q2], %[q]"
             : [x] "+r"(x), [q] "+r"(q)

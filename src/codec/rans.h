@@ -50,10 +50,10 @@ void decode(const uint8_t * bytes, size_t n_bytes, const table & t, uint8_t * sy
 // one coded stream to decode: its bytes, its table, and where its n symbols go
 struct stream {
     const uint8_t * bytes;
-    size_t          n_bytes;
-    const table *   t;
-    uint8_t *       out;
-    size_t          n;
+    size_t n_bytes;
+    const table * t;
+    uint8_t * out;
+    size_t n;
 };
 
 // decode two streams at once, their steps interleaved (twice the independent

@@ -1,7 +1,5 @@
 #include "codec/turboquant.h"
 
-#include "codec/cachegen.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,6 +7,7 @@
 #include <mutex>
 #include <numeric>
 
+#include "codec/cachegen.h"
 #include "ggml.h"
 #include "kvblend/common.h"
 
@@ -49,7 +48,9 @@ void fwht(float * x, int n) {
             }
 }
 
-bool pow2(int64_t n) { return n > 0 && (n & (n - 1)) == 0; }
+bool pow2(int64_t n) {
+    return n > 0 && (n & (n - 1)) == 0;
+}
 
 // n codes of `bits` bits, packed low bits first into a zeroed dst
 void pack_codes(const uint8_t * code, int64_t n, int bits, uint8_t * dst) {
@@ -62,7 +63,8 @@ void pack_codes(const uint8_t * code, int64_t n, int bits, uint8_t * dst) {
         for (int64_t i = 0; i < n; i += 8) {
             uint32_t w = 0;
             for (int k = 0; k < 8; ++k) w |= (uint32_t) code[i + k] << (3 * k);
-            dst[i / 8 * 3] = (uint8_t) w, dst[i / 8 * 3 + 1] = (uint8_t) (w >> 8), dst[i / 8 * 3 + 2] = (uint8_t) (w >> 16);
+            dst[i / 8 * 3] = (uint8_t) w, dst[i / 8 * 3 + 1] = (uint8_t) (w >> 8),
+                        dst[i / 8 * 3 + 2] = (uint8_t) (w >> 16);
         }
     } else {
         for (int64_t i = 0; i < n; ++i)
@@ -402,8 +404,8 @@ constexpr uint32_t k_tq_magic = 0x31305154;  // "TQ01"
 
 struct tq_header {
     uint32_t magic;
-    uint8_t  bits_x2;
-    uint8_t  qjl;
+    uint8_t bits_x2;
+    uint8_t qjl;
     uint16_t reserved;
     uint64_t seed;
     uint32_t n_tokens;
@@ -421,8 +423,8 @@ class turboquant_codec : public codec {
         const int64_t d = c.n_embd_kv, n = c.n_tokens();
         const int64_t block = tq::pick_block(d);
         if (block == 0) throw error(name() + " needs rows of a multiple of 8 values");
-        tq_header h{k_tq_magic, (uint8_t) p_.bits_x2, (uint8_t) p_.qjl, 0, p_.seed, (uint32_t) n, (uint32_t) d,
-                    (uint32_t) block, (uint32_t) c.n_layer};
+        tq_header h{k_tq_magic,   (uint8_t) p_.bits_x2, (uint8_t) p_.qjl,    0, p_.seed, (uint32_t) n,
+                    (uint32_t) d, (uint32_t) block,     (uint32_t) c.n_layer};
         std::vector<uint8_t> b(sizeof(h));
         std::memcpy(b.data(), &h, sizeof(h));
         std::vector<float> x((size_t) n * d);
@@ -449,7 +451,8 @@ class turboquant_codec : public codec {
         tq_header h;
         if (n < sizeof(h)) throw error("turboquant payload is truncated");
         std::memcpy(&h, p, sizeof(h));
-        if (h.magic != k_tq_magic || h.bits_x2 < 4 || h.bits_x2 > 8 || h.qjl > 1) throw error("turboquant payload has a corrupt header");
+        if (h.magic != k_tq_magic || h.bits_x2 < 4 || h.bits_x2 > 8 || h.qjl > 1)
+            throw error("turboquant payload has a corrupt header");
         tq::params pp;
         pp.bits_x2 = h.bits_x2;
         pp.qjl = h.qjl != 0;
@@ -499,6 +502,8 @@ class turboquant_codec : public codec {
 
 }  // namespace
 
-std::unique_ptr<codec> turboquant_codec_make(const tq::params & p) { return std::make_unique<turboquant_codec>(p); }
+std::unique_ptr<codec> turboquant_codec_make(const tq::params & p) {
+    return std::make_unique<turboquant_codec>(p);
+}
 
 }  // namespace kvblend

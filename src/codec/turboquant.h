@@ -18,9 +18,9 @@
 namespace kvblend::tq {
 
 struct params {
-    int      bits_x2 = 7;      // twice the bits per value: 4 … 8 (2, 2.5, 3, 3.5, 4)
-    bool     qjl     = false;  // keys: (bits - 1)-bit quantizer + 1-bit QJL residual sketch
-    uint64_t seed    = 0x7b5a1c3d9e2f4a61ull;
+    int bits_x2 = 7;   // twice the bits per value: 4 … 8 (2, 2.5, 3, 3.5, 4)
+    bool qjl = false;  // keys: (bits - 1)-bit quantizer + 1-bit QJL residual sketch
+    uint64_t seed = 0x7b5a1c3d9e2f4a61ull;
 };
 
 // "turboquant3.5", "turboquant4+qjl", … false when the name is not one
@@ -63,10 +63,10 @@ class row_coder {
 
   private:
     struct subset {
-        int bits = 0;                    // quantizer bits
-        std::vector<int8_t> signs;       // the subset's RHT signs
+        int bits = 0;               // quantizer bits
+        std::vector<int8_t> signs;  // the subset's RHT signs
         const std::vector<float> * levels = nullptr;
-        std::vector<float> thresholds;   // midpoints between levels
+        std::vector<float> thresholds;  // midpoints between levels
     };
     void layout();
 

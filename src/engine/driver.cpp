@@ -17,9 +17,9 @@ struct ubatch_graph {
     ggml_cgraph * gf = nullptr;
     ggml_tensor *tok = nullptr, *x_rows = nullptr, *pos = nullptr, *write_rows = nullptr;
     ggml_tensor *out_x = nullptr, *logit_rows = nullptr, *sel = nullptr, *dev_rows = nullptr;
-    std::vector<graph::attn_inputs> in;      // per group
-    std::vector<ggml_tensor *> score_mask;   // per group, F32 [n_kv, n_sel]
-    std::vector<ggml_tensor *> score_out;    // per layer l0…l1-1, F32 [n_kv, n_head]
+    std::vector<graph::attn_inputs> in;     // per group
+    std::vector<ggml_tensor *> score_mask;  // per group, F32 [n_kv, n_sel]
+    std::vector<ggml_tensor *> score_out;   // per layer l0…l1-1, F32 [n_kv, n_head]
     ggml_tensor *logits = nullptr, *dev = nullptr;
 };
 
@@ -44,7 +44,8 @@ struct score_taps : graph::layer_taps {
     score_taps(const model & m, ubatch_graph & g, const std::vector<int> & group_of, int l0)
         : m(m), g(g), group_of(group_of), l0(l0) {}
     int only = -1;  // >= 0: this layer's scores only
-    void attn(ggml_context * ctx, ggml_cgraph * gf, int il, const graph::qkv & cur, const graph::kv_views & kv) override {
+    void attn(ggml_context * ctx, ggml_cgraph * gf, int il, const graph::qkv & cur,
+              const graph::kv_views & kv) override {
         if (only >= 0 && il != only) return;
         ggml_tensor * s = graph::build_attn_weight_sums(ctx, m, cur.q, kv.k, g.sel, g.score_mask[group_of[il]]);
         ggml_set_output(s);
@@ -122,7 +123,7 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
     }
     if (n_logit > 0) {
         ggml_tensor * xl = !reduce && g.logit_rows ? ggml_get_rows(c, x, g.logit_rows) : x;  // [n_embd, n_logit]
-        g.logits = graph::build_logits(c, m, xl);                                          // [n_vocab, n_logit]
+        g.logits = graph::build_logits(c, m, xl);                                            // [n_vocab, n_logit]
         ggml_set_output(g.logits);
         ggml_build_forward_expand(g.gf, g.logits);
     }
@@ -178,8 +179,10 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
     if (n_tok == 1 && !ub.tokens.empty() && ub.score_rows.empty() && ub.dev == graph::UBATCH_DEV_NONE &&
         ub.out_x_rows.empty() && !eng_.live_ && ub.l0 == 0 && ub.logit_rows.size() == 1) {
         key = {ub.l1, cache.capacity()};
-        for (const ggml_tensor * t : {cache.k(0), cache.v(0)}) key.insert(key.end(), {(int64_t) (uintptr_t) t, (int64_t) (uintptr_t) t->data});
-        for (const graph::ubatch_attn & a : ub.groups) key.insert(key.end(), {a.n_kv, a.mask_heads, (int64_t) a.kv_idx.size()});
+        for (const ggml_tensor * t : {cache.k(0), cache.v(0)})
+            key.insert(key.end(), {(int64_t) (uintptr_t) t, (int64_t) (uintptr_t) t->data});
+        for (const graph::ubatch_attn & a : ub.groups)
+            key.insert(key.end(), {a.n_kv, a.mask_heads, (int64_t) a.kv_idx.size()});
         key.insert(key.end(), ub.group_of.begin(), ub.group_of.end());
     }
     ggml_backend_sched_t sched = im_.sched.get();
@@ -279,12 +282,15 @@ graph::ubatch forward_driver::append_ubatch(const llama_token * tokens, int64_t 
         // a decode step attends over whole blocks of rows (the rows past the
         // cache's are hidden): its graph is the same for k_decode_pad steps.
         // live caches read exactly the rows they hold
-        if (n == 1 && !eng_.live_) a.n_kv = std::min(cache.capacity(), (a.n_kv + k_decode_pad - 1) / k_decode_pad * k_decode_pad);
+        if (n == 1 && !eng_.live_)
+            a.n_kv = std::min(cache.capacity(), (a.n_kv + k_decode_pad - 1) / k_decode_pad * k_decode_pad);
         // key positions: a dense cache's row r is position r (+ shift); a sparse
         // cache's retained rows are visible to all, newer rows causal
         a.kpos.assign(a.n_kv, -1);
-        if (cache.sparse()) cache.mask_pos(il, a.kpos.data());
-        else for (int64_t j = 0; j < n_rows; ++j) a.kpos[j] = (int32_t) (j + pos_shift);
+        if (cache.sparse())
+            cache.mask_pos(il, a.kpos.data());
+        else
+            for (int64_t j = 0; j < n_rows; ++j) a.kpos[j] = (int32_t) (j + pos_shift);
         for (int64_t i = 0; i < n; ++i) a.kpos[n_rows + i] = ub.pos[i];
         a.kv_idx.resize(n);
         for (int64_t i = 0; i < n; ++i) a.kv_idx[i] = n_rows + i;
@@ -345,8 +351,10 @@ std::vector<float> forward_driver::run_rows(const rows_run & r, std::vector<floa
         a.kpos.assign(r.pos->begin(), r.pos->begin() + a.n_kv);
         for (int64_t i = 0; i < nt; ++i) {
             const int64_t row = rows[b0 + i];
-            if (r.from_tokens) ub.tokens.push_back((*r.tokens)[row]);
-            else ub.x_rows.push_back((int32_t) row);
+            if (r.from_tokens)
+                ub.tokens.push_back((*r.tokens)[row]);
+            else
+                ub.x_rows.push_back((int32_t) row);
             ub.pos.push_back((*r.pos)[row]);
             if (r.score && (*r.score)[row]) ub.score_rows.push_back((int32_t) i);
             if ((*r.write)[row]) {
@@ -420,22 +428,23 @@ void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1)
                 for (size_t r = 0; r < run_delta.size(); ++r) {
                     if (run_delta[r] == 0) continue;
                     // [head_dim, the run's rows, 1 position, n_head_kv]
-                    ggml_tensor * k = ggml_view_4d(c, store, hp.head_dim, run0[r + 1] - run0[r], 1, hp.n_head_kv,
-                                                   store->nb[1], store->nb[2], store->nb[2],
-                                                   (size_t) run0[r] * store->nb[1]);
+                    ggml_tensor * k =
+                        ggml_view_4d(c, store, hp.head_dim, run0[r + 1] - run0[r], 1, hp.n_head_kv, store->nb[1],
+                                     store->nb[2], store->nb[2], (size_t) run0[r] * store->nb[1]);
                     ggml_tensor * p = ggml_view_1d(c, pos, 1, r * sizeof(int32_t));
                     ggml_build_forward_expand(
-                        gf, ggml_rope_ext_inplace(c, k, p, m.rope_freqs, (int) hp.n_rot, hp.rope_mode,
-                                                  (int) hp.n_ctx_train, hp.rope_base, hp.rope_scale, 0.0f, 1.0f,
-                                                  32.0f, 1.0f));
+                        gf,
+                        ggml_rope_ext_inplace(c, k, p, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train,
+                                              hp.rope_base, hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f));
                 }
                 continue;
             }
             ggml_tensor * k = ggml_view_3d(c, store, hp.head_dim, n, hp.n_head_kv, store->nb[1], store->nb[2], 0);
             k = ggml_cont(c, ggml_permute(c, k, 0, 2, 1, 3));  // [head_dim, n_head_kv, n]
             if (ggml_is_quantized(store->type)) k = ggml_cast(c, k, GGML_TYPE_F32);
-            ggml_tensor * kr = ggml_rope_ext(c, k, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode,
-                                             (int) hp.n_ctx_train, hp.rope_base, hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+            ggml_tensor * kr =
+                ggml_rope_ext(c, k, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base,
+                              hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
             kr = ggml_permute(c, kr, 0, 2, 1, 3);  // [head_dim, n, n_head_kv]
             ggml_build_forward_expand(gf, ggml_set_rows(c, store, kr, idx));
         }

@@ -44,10 +44,10 @@ class forward_driver {
         const std::vector<llama_token> * tokens = nullptr;  // by row
         const std::vector<int32_t> * pos = nullptr;         // position of each row
         const std::vector<int64_t> * rows = nullptr;        // the rows that run, ascending
-        const std::vector<char> * write = nullptr;          // write[r]: row r writes its fresh K/V (else keeps the cache's)
-        bool from_tokens = false;  // input: the rows' token embeddings, else their held hidden states
-        int l0 = 0, l1 = 0;        // layers [l0, l1)
-        bool logits = false;       // return the last run row's logits (else the rows' outputs are held)
+        const std::vector<char> * write = nullptr;  // write[r]: row r writes its fresh K/V (else keeps the cache's)
+        bool from_tokens = false;                   // input: the rows' token embeddings, else their held hidden states
+        int l0 = 0, l1 = 0;                         // layers [l0, l1)
+        bool logits = false;  // return the last run row's logits (else the rows' outputs are held)
         // deviation of each run row's fresh V and/or K at layer l1 from the cache rows (CacheBlend scoring)
         bool dev_v = false, dev_k = false;
         // score[r]: run row r's attention at layer l1 - 1 is summed (heads, score rows) per key row

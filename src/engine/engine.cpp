@@ -15,8 +15,9 @@
 
 namespace kvblend {
 
-engine_params engine_default_params() { return engine_params{}; }
-
+engine_params engine_default_params() {
+    return engine_params{};
+}
 
 engine::engine(std::shared_ptr<const model> m, const engine_params & params)
     : impl_(std::make_unique<impl>()), model_(std::move(m)), params_(params) {
@@ -48,8 +49,10 @@ engine::engine(std::shared_ptr<const model> m, const engine_params & params)
     std::vector<ggml_backend_t> raw;
     for (auto & b : impl_->backends) raw.push_back(b.get());
     impl_->sched.reset(ggml_backend_sched_new(raw.data(), nullptr, (int) raw.size(), graph::k_max_nodes, false, true));
-    if (params_.cb_eval) ggml_backend_sched_set_eval_callback(impl_->sched.get(), params_.cb_eval, params_.cb_eval_user_data);
-    impl_->meta_buf.resize(ggml_tensor_overhead() * graph::k_max_nodes + ggml_graph_overhead_custom(graph::k_max_nodes, false));
+    if (params_.cb_eval)
+        ggml_backend_sched_set_eval_callback(impl_->sched.get(), params_.cb_eval, params_.cb_eval_user_data);
+    impl_->meta_buf.resize(ggml_tensor_overhead() * graph::k_max_nodes +
+                           ggml_graph_overhead_custom(graph::k_max_nodes, false));
     forward_driver(*this).reserve();
 }
 
@@ -66,12 +69,14 @@ size_t engine::kv_bytes_f16() const {
 
 void engine::import_cache(const kv_cache & dense) {
     if (!live_) throw error("importing a cache needs an engine with a live compressed cache (kv_codec)");
-    if (dense.sparse() || !dense.holds_rows()) throw error("only a dense KV cache can be brought into a live compressed cache");
+    if (dense.sparse() || !dense.holds_rows())
+        throw error("only a dense KV cache can be brought into a live compressed cache");
     if (dense.n_layer() != model_->hparams().n_layer || dense.n_embd_kv() != model_->hparams().n_embd_kv())
         throw error("the KV cache to import has another shape than this model's");
     const int64_t n = dense.n_past();
     if (n > cache_->n_ctx())
-        throw error("a cache of " + std::to_string(n) + " positions exceeds the context of " + std::to_string(cache_->n_ctx()));
+        throw error("a cache of " + std::to_string(n) + " positions exceeds the context of " +
+                    std::to_string(cache_->n_ctx()));
     cache_->clear();
     live_->import_rows(dense, n);
     cache_->set_n_past(n);
@@ -95,7 +100,9 @@ size_t engine::compute_buffer_bytes() const {
     return n;
 }
 
-const engine::transfer_stats & engine::transfers() const { return impl_->transfers; }
+const engine::transfer_stats & engine::transfers() const {
+    return impl_->transfers;
+}
 
 namespace {
 
@@ -149,7 +156,8 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
             if (b0 + i >= score_from) sel.push_back((int32_t) i);
         cache.reserve_rows(n_tok);
         const graph::ubatch_out out = drv.run(drv.append_ubatch(tokens.data() + b0, n_tok, pos_shift, n_out, sel));
-        if (!out.scores.empty()) add_scores(*sc, out, hp);
+        if (!out.scores.empty())
+            add_scores(*sc, out, hp);
         else if (sc)
             for (int il = 0; il < hp.n_layer; ++il) sc->s[il].resize((cache.n_rows(il) + n_tok) * hp.n_head_kv, 0.0f);
         cache.advance(n_tok);
@@ -182,9 +190,10 @@ std::vector<float> engine::prefill(const std::vector<llama_token> & prompt) {
     evict_check(ev);
     impl_->ev_scores = attn_scores{};
     const int64_t n0 = cache_->n_past();
-    std::vector<float> logits = evict_needs_scores(ev.policy)
-                                    ? eval(prompt, false, 0, &impl_->ev_scores, evict_score_from(ev, n0 + (int64_t) prompt.size()) - n0)
-                                    : eval(prompt);
+    std::vector<float> logits =
+        evict_needs_scores(ev.policy)
+            ? eval(prompt, false, 0, &impl_->ev_scores, evict_score_from(ev, n0 + (int64_t) prompt.size()) - n0)
+            : eval(prompt);
     apply_evict(evict_budgets(ev, cache_->n_past(), model_->hparams().n_layer));
     return logits;
 }
@@ -208,7 +217,9 @@ std::vector<float> engine::evict(const std::vector<llama_token> & tail) {
     return logits;
 }
 
-std::unique_ptr<kv_cache> engine::branch_cache(int64_t reserve) const { return cache_->branch(reserve); }
+std::unique_ptr<kv_cache> engine::branch_cache(int64_t reserve) const {
+    return cache_->branch(reserve);
+}
 
 void engine::set_cache(std::unique_ptr<kv_cache> c) {
     if (!c || c->n_layer() != model_->hparams().n_layer || c->n_embd_kv() != model_->hparams().n_embd_kv())

@@ -31,11 +31,11 @@ struct engine::impl {
     std::shared_ptr<ubatch_graph> decode_graph;
     std::vector<int64_t> decode_key;
     // token eviction of the current cache
-    bool ev_active = false;             // the cache was evicted by params.evict (rolling applies)
+    bool ev_active = false;               // the cache was evicted by params.evict (rolling applies)
     const kv_cache * ev_cache = nullptr;  // … this cache, since its clear number ev_epoch
     uint64_t ev_epoch = 0;
-    std::vector<int64_t> ev_budget;     // rows each layer keeps
-    attn_scores ev_scores;              // h2o: accumulated attention of the held rows
+    std::vector<int64_t> ev_budget;  // rows each layer keeps
+    attn_scores ev_scores;           // h2o: accumulated attention of the held rows
 };
 
 }  // namespace kvblend

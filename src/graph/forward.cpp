@@ -56,11 +56,13 @@ kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, gg
     };
     if (!in.kv_idx) return {rows(k_store, k_store), rows(v_store, v_store)};  // nothing to write
 
-    ggml_tensor * k_rows = cur.k, * v_rows = cur.v;  // [head_dim, n_head_kv, n_tok]
+    ggml_tensor *k_rows = cur.k, *v_rows = cur.v;  // [head_dim, n_head_kv, n_tok]
     if (in.write_rows) {
         const int64_t n_embd_kv = hp.n_embd_kv(), n_write = in.write_rows->ne[0];
-        k_rows = ggml_get_rows(ctx, ggml_reshape_2d(ctx, k_rows, n_embd_kv, n_tok), in.write_rows);  // [n_embd_kv, n_write]
-        v_rows = ggml_get_rows(ctx, ggml_reshape_2d(ctx, v_rows, n_embd_kv, n_tok), in.write_rows);  // [n_embd_kv, n_write]
+        k_rows =
+            ggml_get_rows(ctx, ggml_reshape_2d(ctx, k_rows, n_embd_kv, n_tok), in.write_rows);  // [n_embd_kv, n_write]
+        v_rows =
+            ggml_get_rows(ctx, ggml_reshape_2d(ctx, v_rows, n_embd_kv, n_tok), in.write_rows);  // [n_embd_kv, n_write]
         k_rows = ggml_reshape_3d(ctx, k_rows, hp.head_dim, hp.n_head_kv, n_write);
         v_rows = ggml_reshape_3d(ctx, v_rows, hp.head_dim, hp.n_head_kv, n_write);
     }
@@ -72,9 +74,10 @@ kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, gg
     return {rows(write(k_store, k_rows), k_store), rows(write(v_store, v_rows), v_store)};
 }
 
-kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, const qkv & cur,
-                  ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in) {
-    const kv_views kv = in.hook ? in.hook->build(ctx, gf, m, il, cur, in) : build_kv_write(ctx, m, cur, k_store, v_store, in);
+kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, const qkv & cur, ggml_tensor * k_store,
+                  ggml_tensor * v_store, const attn_inputs & in) {
+    const kv_views kv =
+        in.hook ? in.hook->build(ctx, gf, m, il, cur, in) : build_kv_write(ctx, m, cur, k_store, v_store, in);
     ggml_build_forward_expand(gf, kv.k);
     ggml_build_forward_expand(gf, kv.v);
     return kv;
@@ -86,13 +89,13 @@ ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_t
     const int64_t n_tok = q->ne[2];
     const float scale = 1.0f / std::sqrt((float) hp.head_dim);
 
-    ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);     // [head_dim, n_tok, n_head]
-    ggml_tensor * kp = ggml_permute(ctx, kv.k, 0, 2, 1, 3);  // [head_dim, n_kv, n_head_kv]
-    ggml_tensor * vp = ggml_permute(ctx, kv.v, 0, 2, 1, 3);  // [head_dim, n_kv, n_head_kv]
+    ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);                                 // [head_dim, n_tok, n_head]
+    ggml_tensor * kp = ggml_permute(ctx, kv.k, 0, 2, 1, 3);                              // [head_dim, n_kv, n_head_kv]
+    ggml_tensor * vp = ggml_permute(ctx, kv.v, 0, 2, 1, 3);                              // [head_dim, n_kv, n_head_kv]
     ggml_tensor * o = ggml_flash_attn_ext(ctx, qp, kp, vp, kq_mask, scale, 0.0f, 0.0f);  // [head_dim, n_head, n_tok]
     ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
-    o = ggml_reshape_2d(ctx, o, hp.n_embd_q(), n_tok);         // [n_embd_q, n_tok]
-    return ggml_mul_mat(ctx, m.layers[il].wo, o);              // [n_embd, n_tok]
+    o = ggml_reshape_2d(ctx, o, hp.n_embd_q(), n_tok);  // [n_embd_q, n_tok]
+    return ggml_mul_mat(ctx, m.layers[il].wo, o);       // [n_embd, n_tok]
 }
 
 ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
@@ -129,15 +132,15 @@ ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m,
 ggml_tensor * build_attn_weight_sums(ggml_context * ctx, const model & m, ggml_tensor * q, ggml_tensor * k,
                                      ggml_tensor * sel, ggml_tensor * mask) {
     const model_hparams & hp = m.hparams();
-    ggml_tensor * q2 = ggml_reshape_2d(ctx, q, hp.n_embd_q(), q->ne[2]);                   // [n_embd_q, n_tok]
+    ggml_tensor * q2 = ggml_reshape_2d(ctx, q, hp.n_embd_q(), q->ne[2]);  // [n_embd_q, n_tok]
     ggml_tensor * qs = ggml_reshape_3d(ctx, ggml_get_rows(ctx, q2, sel), hp.head_dim, hp.n_head, sel->ne[0]);
-    ggml_tensor * qp = ggml_permute(ctx, qs, 0, 2, 1, 3);                                 // [head_dim, n_sel, n_head]
-    ggml_tensor * kp = ggml_permute(ctx, k, 0, 2, 1, 3);                                  // [head_dim, n_kv, n_head_kv]
-    ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);                                         // [n_kv, n_sel, n_head]
+    ggml_tensor * qp = ggml_permute(ctx, qs, 0, 2, 1, 3);  // [head_dim, n_sel, n_head]
+    ggml_tensor * kp = ggml_permute(ctx, k, 0, 2, 1, 3);   // [head_dim, n_kv, n_head_kv]
+    ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);          // [n_kv, n_sel, n_head]
     ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
     kq = ggml_soft_max_ext(ctx, kq, mask, 1.0f / std::sqrt((float) hp.head_dim), 0.0f);
-    kq = ggml_cont(ctx, ggml_permute(ctx, kq, 1, 0, 2, 3));                               // [n_sel, n_kv, n_head]
-    return ggml_reshape_2d(ctx, ggml_sum_rows(ctx, kq), k->ne[2], hp.n_head);             // [n_kv, n_head]
+    kq = ggml_cont(ctx, ggml_permute(ctx, kq, 1, 0, 2, 3));                    // [n_sel, n_kv, n_head]
+    return ggml_reshape_2d(ctx, ggml_sum_rows(ctx, kq), k->ne[2], hp.n_head);  // [n_kv, n_head]
 }
 
 ggml_tensor * build_deviation(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos,
@@ -150,9 +153,10 @@ ggml_tensor * build_deviation(ggml_context * ctx, const model & m, int il, ggml_
     auto dev_of = [&](ggml_tensor * fresh, ggml_tensor * store) {  // fresh: [head_dim, n_head_kv, n_tok]
         ggml_tensor * s = nullptr;
         for (int64_t h = 0; h < hp.n_head_kv; ++h) {
-            ggml_tensor * f = ggml_view_2d(ctx, fresh, hp.head_dim, n_tok, fresh->nb[2], h * fresh->nb[1]);  // [head_dim, n_tok]
+            ggml_tensor * f =
+                ggml_view_2d(ctx, fresh, hp.head_dim, n_tok, fresh->nb[2], h * fresh->nb[1]);  // [head_dim, n_tok]
             ggml_tensor * block = ggml_view_2d(ctx, store, hp.head_dim, store->ne[1], store->nb[1], h * store->nb[2]);
-            ggml_tensor * held = ggml_get_rows(ctx, block, rows);                        // F32 [head_dim, n_tok]
+            ggml_tensor * held = ggml_get_rows(ctx, block, rows);                         // F32 [head_dim, n_tok]
             ggml_tensor * d = ggml_sum_rows(ctx, ggml_sqr(ctx, ggml_sub(ctx, held, f)));  // [1, n_tok]
             s = s ? ggml_add(ctx, s, d) : d;
         }

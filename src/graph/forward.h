@@ -24,10 +24,10 @@ struct kv_store_hook;
 
 // the attention inputs of one layer run
 struct attn_inputs {
-    ggml_tensor * pos     = nullptr;  // I32 [n_tok] positions of the tokens
-    ggml_tensor * kv_idx  = nullptr;  // I64 [n_tok] store rows that receive the fresh K/V (nullptr: no write)
+    ggml_tensor * pos = nullptr;      // I32 [n_tok] positions of the tokens
+    ggml_tensor * kv_idx = nullptr;   // I64 [n_tok] store rows that receive the fresh K/V (nullptr: no write)
     ggml_tensor * kq_mask = nullptr;  // F16 [n_kv, n_tok] 0 = visible, -inf = hidden
-    int64_t       n_kv    = 0;        // attend over store rows [0, n_kv)
+    int64_t n_kv = 0;                 // attend over store rows [0, n_kv)
     // optional I32 [n_write]: only these token rows write their fresh K/V (to
     // kv_idx, which then has n_write entries); the others keep what the store holds
     ggml_tensor * write_rows = nullptr;
@@ -64,8 +64,8 @@ struct kv_store_hook {
 };
 
 // the K/V views of layer il after its write: through in.hook when set, else build_kv_write
-kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, const qkv & cur,
-                  ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in);
+kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, const qkv & cur, ggml_tensor * k_store,
+                  ggml_tensor * v_store, const attn_inputs & in);
 
 // softmax(q k^T * scale + mask) v, then the output projection -> F32 [n_embd, n_tok]
 ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_tensor * q, const kv_views & kv,

@@ -66,9 +66,10 @@ struct ubatch {
 
 // what a ubatch returns to the host
 struct ubatch_out {
-    std::vector<float> logits;               // [n_logit][n_vocab]
-    std::vector<std::vector<float>> scores;  // per layer l0…l1-1: F32 [n_kv, n_head] attention sums (score_rows; empty: not scored)
-    std::vector<float> dev;                  // [n_tok] deviations (dev)
+    std::vector<float> logits;  // [n_logit][n_vocab]
+    std::vector<std::vector<float>>
+        scores;              // per layer l0…l1-1: F32 [n_kv, n_head] attention sums (score_rows; empty: not scored)
+    std::vector<float> dev;  // [n_tok] deviations (dev)
 };
 
 }  // namespace kvblend::graph

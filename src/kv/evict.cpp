@@ -12,7 +12,9 @@
 
 namespace kvblend {
 
-evict_params evict_default_params() { return evict_params{}; }
+evict_params evict_default_params() {
+    return evict_params{};
+}
 
 evict_policy evict_policy_parse(const std::string & name) {
     if (name == "none") return EVICT_POLICY_NONE;
@@ -54,7 +56,8 @@ void evict_budget_parse(const std::string & s, evict_params & p) {
         p.budget_tokens = 0;
         return;
     }
-    if (v < 1 || v != std::floor(v) || v > 1e9) throw error("KV budget token count must be a positive integer, got '" + s + "'");
+    if (v < 1 || v != std::floor(v) || v > 1e9)
+        throw error("KV budget token count must be a positive integer, got '" + s + "'");
     p.budget_tokens = (int64_t) v;
     p.budget_share = 0;
 }
@@ -73,15 +76,20 @@ void evict_check(const evict_params & p) {
     if (p.slack < 0) throw error("eviction slack must not be negative");
 }
 
-bool evict_needs_scores(evict_policy p) { return p == EVICT_POLICY_H2O || p == EVICT_POLICY_SNAPKV || p == EVICT_POLICY_PYRAMIDKV; }
+bool evict_needs_scores(evict_policy p) {
+    return p == EVICT_POLICY_H2O || p == EVICT_POLICY_SNAPKV || p == EVICT_POLICY_PYRAMIDKV;
+}
 
 int64_t evict_score_from(const evict_params & p, int64_t n) {
     if (p.policy == EVICT_POLICY_H2O) return 0;
-    if (p.policy == EVICT_POLICY_SNAPKV || p.policy == EVICT_POLICY_PYRAMIDKV) return std::max<int64_t>(0, n - p.window);
+    if (p.policy == EVICT_POLICY_SNAPKV || p.policy == EVICT_POLICY_PYRAMIDKV)
+        return std::max<int64_t>(0, n - p.window);
     return n;
 }
 
-bool evict_rolls(evict_policy p) { return p == EVICT_POLICY_STREAMING || p == EVICT_POLICY_H2O; }
+bool evict_rolls(evict_policy p) {
+    return p == EVICT_POLICY_STREAMING || p == EVICT_POLICY_H2O;
+}
 
 std::vector<int64_t> evict_budgets(const evict_params & p, int64_t n, int64_t n_layer) {
     int64_t k = p.budget_tokens > 0 ? p.budget_tokens : (int64_t) std::ceil(p.budget_share * (double) n - 1e-9);
@@ -177,7 +185,8 @@ evict_keep evict_select(const evict_params & p, const kv_cache & cache, const at
         const int64_t n = cache.n_rows((int) il);
         const float * s = nullptr;
         if (evict_needs_scores(p.policy)) {
-            if ((int64_t) scores->s[il].size() < n * scores->n_head_kv) throw error("eviction: the attention scores do not cover the cache");
+            if ((int64_t) scores->s[il].size() < n * scores->n_head_kv)
+                throw error("eviction: the attention scores do not cover the cache");
             s = scores->s[il].data();
         }
         keep[il] = evict_select_rows(p, n, budget[il], s, scores ? scores->n_head_kv : 0);

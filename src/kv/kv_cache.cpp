@@ -40,8 +40,10 @@ kv_cache::storage kv_cache::allocate(int64_t cap) const {
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer + 1), nullptr, true};
     s.ctx = ggml_init(ip);
     for (int64_t il = 0; il < hp.n_layer; ++il) {
-        ggml_tensor * k = ggml_new_tensor_3d(s.ctx, type_k_, hp.head_dim, cap, hp.n_head_kv);  // [head_dim, cap, n_head_kv]
-        ggml_tensor * v = ggml_new_tensor_3d(s.ctx, type_v_, hp.head_dim, cap, hp.n_head_kv);  // [head_dim, cap, n_head_kv]
+        ggml_tensor * k =
+            ggml_new_tensor_3d(s.ctx, type_k_, hp.head_dim, cap, hp.n_head_kv);  // [head_dim, cap, n_head_kv]
+        ggml_tensor * v =
+            ggml_new_tensor_3d(s.ctx, type_v_, hp.head_dim, cap, hp.n_head_kv);  // [head_dim, cap, n_head_kv]
         ggml_format_name(k, "cache_k_l%d", (int) il);
         ggml_format_name(v, "cache_v_l%d", (int) il);
         s.k.push_back(k);
@@ -110,13 +112,18 @@ void kv_cache::set_n_past(int64_t n) {
         n_past_ = n;
         return;
     }
-    if (n < 0 || n > n_ctx_) throw error("KV cache position " + std::to_string(n) + " is outside [0, " + std::to_string(n_ctx_) + "]");
+    if (n < 0 || n > n_ctx_)
+        throw error("KV cache position " + std::to_string(n) + " is outside [0, " + std::to_string(n_ctx_) + "]");
     n_past_ = n;
 }
 
-size_t kv_cache::bytes() const { return ggml_backend_buffer_get_size(buf_); }
+size_t kv_cache::bytes() const {
+    return ggml_backend_buffer_get_size(buf_);
+}
 
-int64_t kv_cache::n_rows(int il) const { return sparse() ? rows_[il].n_rows : n_past_; }
+int64_t kv_cache::n_rows(int il) const {
+    return sparse() ? rows_[il].n_rows : n_past_;
+}
 
 int64_t kv_cache::n_rows_max() const {
     int64_t n = 0;
@@ -124,9 +131,13 @@ int64_t kv_cache::n_rows_max() const {
     return n;
 }
 
-int64_t kv_cache::n_retained(int il) const { return sparse() ? rows_[il].n_retained : 0; }
+int64_t kv_cache::n_retained(int il) const {
+    return sparse() ? rows_[il].n_retained : 0;
+}
 
-bool kv_cache::per_head(int il) const { return sparse() && rows_[il].n_pos_head > 1; }
+bool kv_cache::per_head(int il) const {
+    return sparse() && rows_[il].n_pos_head > 1;
+}
 
 int32_t kv_cache::row_pos(int il, int head, int64_t row) const {
     if (!sparse()) return (int32_t) row;
@@ -150,7 +161,8 @@ size_t kv_cache::bytes_held() const {
 }
 
 void kv_cache::advance(int64_t n) {
-    if (n < 0 || n_past_ + n > n_ctx_ || (holds_rows_ && n_rows_max() + n > cap_)) throw error("KV cache advance past its end");
+    if (n < 0 || n_past_ + n > n_ctx_ || (holds_rows_ && n_rows_max() + n > cap_))
+        throw error("KV cache advance past its end");
     if (sparse()) {
         for (layer_rows & L : rows_) {
             for (int64_t i = 0; i < n; ++i)
@@ -166,7 +178,8 @@ namespace {
 // rows [r0, r0 + n) of a layer's tensor on the host, token-major
 std::vector<uint8_t> get_raw(const ggml_tensor * t, int64_t n, int64_t r0 = 0) {
     std::vector<uint8_t> raw(kv_token_row_bytes(t) * n);
-    kv_rows_to_host(t, r0, n, raw.data(), [&](size_t off, size_t size, void * dst) { ggml_backend_tensor_get(t, dst, off, size); });
+    kv_rows_to_host(t, r0, n, raw.data(),
+                    [&](size_t off, size_t size, void * dst) { ggml_backend_tensor_get(t, dst, off, size); });
     return raw;
 }
 
@@ -257,13 +270,15 @@ void kv_cache::set_positions(const std::vector<int32_t> & pos, int64_t n_past) {
 void kv_cache::reserve_rows(int64_t n) {
     const int64_t need = n_rows_max() + n;
     if (!holds_rows_) {  // the rows live elsewhere: only the context bounds them
-        if (need > n_ctx_) throw error("KV cache overflow: " + std::to_string(need) + " positions exceed the context of " + std::to_string(n_ctx_));
+        if (need > n_ctx_)
+            throw error("KV cache overflow: " + std::to_string(need) + " positions exceed the context of " +
+                        std::to_string(n_ctx_));
         return;
     }
     if (need <= cap_) return;
     if (need > n_ctx_)
-        throw error("KV cache overflow: " + std::to_string(need) + " rows exceed the " + std::to_string(std::min(cap_, n_ctx_)) +
-                    " it can hold");
+        throw error("KV cache overflow: " + std::to_string(need) + " rows exceed the " +
+                    std::to_string(std::min(cap_, n_ctx_)) + " it can hold");
     // grow by half again, so a decode that outgrows its reserve does not copy every step
     const int64_t cap = std::min(n_ctx_, std::max(need, cap_ + cap_ / 2));
     storage dst = allocate(cap);
@@ -276,7 +291,8 @@ void kv_cache::reserve_rows(int64_t n) {
 }
 
 std::unique_ptr<kv_cache> kv_cache::branch(int64_t reserve) const {
-    auto c = std::unique_ptr<kv_cache>(new kv_cache(*m_, n_ctx_, type_k_, type_v_, n_rows_max() + std::max<int64_t>(reserve, 0)));
+    auto c = std::unique_ptr<kv_cache>(
+        new kv_cache(*m_, n_ctx_, type_k_, type_v_, n_rows_max() + std::max<int64_t>(reserve, 0)));
     for (int il = 0; il < (int) n_layer(); ++il) {
         for (int kv = 0; kv < 2; ++kv) {
             copy_rows(kv == 0 ? k_[il] : v_[il], kv == 0 ? c->k_[il] : c->v_[il], n_rows(il));
@@ -299,7 +315,11 @@ static std::vector<float> read_rows(const ggml_tensor * t, int64_t p0, int64_t n
     return out;
 }
 
-std::vector<float> kv_cache::read_k(int il, int64_t p0, int64_t n) const { return read_rows(k_[il], p0, n); }
-std::vector<float> kv_cache::read_v(int il, int64_t p0, int64_t n) const { return read_rows(v_[il], p0, n); }
+std::vector<float> kv_cache::read_k(int il, int64_t p0, int64_t n) const {
+    return read_rows(k_[il], p0, n);
+}
+std::vector<float> kv_cache::read_v(int il, int64_t p0, int64_t n) const {
+    return read_rows(v_[il], p0, n);
+}
 
 }  // namespace kvblend

@@ -23,7 +23,9 @@ const float * fresh_row(const ggml_tensor * t, int64_t r) {  // F32 [head_dim, n
     return (const float *) ((const char *) t->data + r * t->nb[2]);
 }
 
-ggml_fp16_t * dst_row(ggml_tensor * t, int64_t r) { return (ggml_fp16_t *) ((char *) t->data + r * t->nb[2]); }
+ggml_fp16_t * dst_row(ggml_tensor * t, int64_t r) {
+    return (ggml_fp16_t *) ((char *) t->data + r * t->nb[2]);
+}
 
 // rows [r0, r1) of a fresh F32 tensor rounded through f16, as a dense f16
 // cache would hold them: a live cache encodes exactly what a stored chunk's codec sees
@@ -73,8 +75,8 @@ class tq_live : public live_kv {
         }
         // kv_idx rides along unused: the graph's inputs must all be allocated
         ggml_tensor * args[3] = {cur.k, cur.v, in.kv_idx};
-        ggml_build_forward_expand(gf, ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, 3, write, GGML_N_TASKS_MAX,
-                                                     &ops_[2 * il]));
+        ggml_build_forward_expand(
+            gf, ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, 3, write, GGML_N_TASKS_MAX, &ops_[2 * il]));
         return {out[0], out[1]};
     }
 
@@ -175,7 +177,8 @@ class mc_live : public live_kv {
             if (role_[il] == ROLE_SECOND) continue;
             reserve(il, n);
             std::vector<float> rows[4] = {dense.read_k((int) il, 0, n), dense.read_v((int) il, 0, n)};
-            if (role_[il] == ROLE_FIRST) rows[2] = dense.read_k((int) il + 1, 0, n), rows[3] = dense.read_v((int) il + 1, 0, n);
+            if (role_[il] == ROLE_FIRST)
+                rows[2] = dense.read_k((int) il + 1, 0, n), rows[3] = dense.read_v((int) il + 1, 0, n);
             put_rows(il, 0, n, rows);
         }
     }
@@ -210,8 +213,8 @@ class mc_live : public live_kv {
                 args[4] = in.kv_idx;
                 n_args = 5;
             }
-            ggml_build_forward_expand(gf, ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, n_args, write, 1,
-                                                         &ops_[2 * il]));
+            ggml_build_forward_expand(
+                gf, ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, n_args, write, 1, &ops_[2 * il]));
         }
         return {out[0], out[1]};
     }
@@ -283,7 +286,8 @@ class mc_live : public live_kv {
         for (int kv = 0; kv < 2; ++kv) {
             lane & l = lanes_[2 * il + kv];
             if (role_[il] == ROLE_PLAIN) {
-                for (int64_t r = 0; r < n_new; ++r) ggml_cpu_fp32_to_fp16(&rows[kv][r * d], &l.plain[(n_stored + r) * d], d);
+                for (int64_t r = 0; r < n_new; ++r)
+                    ggml_cpu_fp32_to_fp16(&rows[kv][r * d], &l.plain[(n_stored + r) * d], d);
                 continue;
             }
             if (n_stored == 0) {  // a fresh cache: the pools restart
@@ -360,7 +364,8 @@ std::unique_ptr<live_kv> live_kv::make(const model & m, const std::string & name
     if (tq::parse_name(name, tp)) return std::make_unique<tq_live>(m, tp, n_ctx);
     mc::params mp;
     if (mc::parse_name(name, mp)) return std::make_unique<mc_live>(m, mp, n_ctx);
-    throw error("unknown live KV codec '" + name + "' (turboquantB[+qjl] with B in 2, 2.5, 3, 3.5, 4, or minicache[:thr=G])");
+    throw error("unknown live KV codec '" + name +
+                "' (turboquantB[+qjl] with B in 2, 2.5, 3, 3.5, 4, or minicache[:thr=G])");
 }
 
 ggml_tensor * live_kv::new_read(ggml_context * ctx, const graph::attn_inputs & in, ggml_tensor * fresh,
@@ -373,7 +378,8 @@ int64_t live_kv::check_append(const graph::qkv & cur, const graph::attn_inputs &
     const int64_t n_new = cur.k->ne[2];
     if (!in.kv_idx || in.write_rows || in.n_kv < n_new || in.n_kv > n_ctx_)
         throw error("a live " + name() + " cache only appends tokens: collect, place and blend need a dense cache");
-    if (!ggml_is_contiguous(cur.k) || !ggml_is_contiguous(cur.v)) throw error("live cache: fresh rows are not contiguous");
+    if (!ggml_is_contiguous(cur.k) || !ggml_is_contiguous(cur.v))
+        throw error("live cache: fresh rows are not contiguous");
     return in.n_kv - n_new;
 }
 

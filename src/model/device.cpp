@@ -1,5 +1,7 @@
 // which ggml device a model runs on: model_params::device, named as llama.cpp
 // names devices (--device, --rpc, -ngl), resolved to a registered device.
+#include "model/device.h"
+
 #include <fcntl.h>
 #include <netdb.h>
 #include <poll.h>
@@ -9,13 +11,12 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "ggml-backend.h"
 #include "ggml-rpc.h"
-#include "model/device.h"
 
 namespace kvblend {
 
@@ -63,7 +64,8 @@ std::string rpc_hello(int fd, bool * waiting) {
     if (!io_all(fd, rsp, sizeof(rsp), false, t)) return "a handshake cut short";
     if (rsp[0] != RPC_PROTO_MAJOR_VERSION || rsp[1] > RPC_PROTO_MINOR_VERSION)
         return "protocol " + std::to_string(rsp[0]) + "." + std::to_string(rsp[1]) + "." + std::to_string(rsp[2]) +
-               ", this build speaks " + std::to_string(RPC_PROTO_MAJOR_VERSION) + "." + std::to_string(RPC_PROTO_MINOR_VERSION);
+               ", this build speaks " + std::to_string(RPC_PROTO_MAJOR_VERSION) + "." +
+               std::to_string(RPC_PROTO_MINOR_VERSION);
     return {};
 }
 
@@ -91,8 +93,10 @@ void check_reachable(const std::string & host, const std::string & port, const s
                 pollfd p = {fd, POLLOUT, 0};
                 const int n = poll(&p, 1, 3000);
                 socklen_t len = sizeof(err);
-                if (n == 1) getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-                else err = n == 0 ? ETIMEDOUT : errno;
+                if (n == 1)
+                    getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+                else
+                    err = n == 0 ? ETIMEDOUT : errno;
             }
         }
         bool waiting = false;
@@ -120,7 +124,9 @@ void check_reachable(const std::string & host, const std::string & port, const s
     }
     freeaddrinfo(res);
     if (!ok && spoke) throw error("rpc-server at " + endpoint + " is not usable: " + why);
-    if (!ok) throw error("cannot reach rpc-server at " + endpoint + ": " + why + " (start it with: ggml-rpc-server -H HOST -p PORT)");
+    if (!ok)
+        throw error("cannot reach rpc-server at " + endpoint + ": " + why +
+                    " (start it with: ggml-rpc-server -H HOST -p PORT)");
 }
 
 // the first registered device whose registry is named reg_name (CUDA, …)
@@ -147,7 +153,8 @@ ggml_backend_dev_t backend_add_rpc_server(const std::string & endpoint) {
     const std::string port = colon == std::string::npos ? "" : endpoint.substr(colon + 1);
     bool digits = !port.empty() && port.size() <= 5;
     for (char c : port) digits = digits && c >= '0' && c <= '9';
-    if (host.empty() || !digits || std::stoi(port) < 1 || std::stoi(port) > 65535 || host.find(':') != std::string::npos)
+    if (host.empty() || !digits || std::stoi(port) < 1 || std::stoi(port) > 65535 ||
+        host.find(':') != std::string::npos)
         throw device_error("rpc endpoint '" + endpoint + "' is not HOST:PORT (e.g. 127.0.0.1:50052)");
     ggml_backend_reg_t rpc = ggml_backend_reg_by_name("RPC");
     if (!rpc) throw device_error("this build has no RPC backend (ggml was built without GGML_RPC)");
@@ -187,23 +194,27 @@ ggml_backend_dev_t device_resolve(const model_params & p, int64_t n_layer) {
     ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     if (!cpu) throw error("no ggml CPU device is registered");
     if (p.n_gpu_layers < -1)
-        throw device_error("n_gpu_layers must be -1 (all), 0 (none) or a layer count, got " + std::to_string(p.n_gpu_layers));
+        throw device_error("n_gpu_layers must be -1 (all), 0 (none) or a layer count, got " +
+                           std::to_string(p.n_gpu_layers));
     if (p.n_gpu_layers > 0 && p.n_gpu_layers < n_layer)
-        throw error("-ngl " + std::to_string(p.n_gpu_layers) + " would split the model's " + std::to_string(n_layer) +
-                    " layers between two devices; kvblend runs every layer on one device: use -ngl 0 (CPU) or -ngl all");
+        throw error(
+            "-ngl " + std::to_string(p.n_gpu_layers) + " would split the model's " + std::to_string(n_layer) +
+            " layers between two devices; kvblend runs every layer on one device: use -ngl 0 (CPU) or -ngl all");
     const std::string d = lower(p.device);
     // the name is checked whatever -ngl says: a typo is an error, not a run elsewhere
     ggml_backend_dev_t named = nullptr;
     if (d.rfind("rpc:", 0) == 0) {
         named = backend_add_rpc_server(p.device.substr(4));
     } else if (d == "cuda") {
-        if (!ggml_backend_reg_by_name("CUDA")) throw device_error("this build has no CUDA backend (build with KVBLEND_CUDA=1)");
+        if (!ggml_backend_reg_by_name("CUDA"))
+            throw device_error("this build has no CUDA backend (build with KVBLEND_CUDA=1)");
         named = first_of("CUDA");
         if (!named && p.use_gpu && p.n_gpu_layers != 0) throw error("no CUDA device found");
     } else if (!d.empty() && d != "cpu" && d != "none") {
         named = ggml_backend_dev_by_name(p.device.c_str());
         if (!named)
-            throw device_error("unknown device '" + p.device + "' (devices: " + known_devices() + "; cpu, cuda, rpc:HOST:PORT)");
+            throw device_error("unknown device '" + p.device + "' (devices: " + known_devices() +
+                               "; cpu, cuda, rpc:HOST:PORT)");
     }
     // -ngl 0 keeps every layer on the CPU, whatever the device (as in llama.cpp)
     if (!p.use_gpu || p.n_gpu_layers == 0 || d == "cpu" || d == "none") return cpu;

@@ -31,7 +31,9 @@ const char * model_arch_name(model_arch arch) {
     return "?";
 }
 
-model_params model_default_params() { return model_params{}; }
+model_params model_default_params() {
+    return model_params{};
+}
 
 namespace {
 
@@ -74,8 +76,10 @@ class kv_reader {
             int64_t first = 0;
             for (size_t i = 0; i < n; ++i) {
                 const int64_t v = scalar(at, data + i * size, key);
-                if (i == 0) first = v;
-                else if (v != first) fail("key " + key + " varies per layer, which kvblend does not support");
+                if (i == 0)
+                    first = v;
+                else if (v != first)
+                    fail("key " + key + " varies per layer, which kvblend does not support");
             }
             return first;
         }
@@ -87,8 +91,8 @@ class kv_reader {
     int64_t dim(const std::string & key, int64_t def, bool required, int64_t lo = 1, int64_t hi = INT32_MAX) const {
         const int64_t v = integer(key, def, required);
         if (v < lo || v > hi)
-            fail("inconsistent hyper-parameters: " + key + " = " + std::to_string(v) + " is outside [" + std::to_string(lo) +
-                 ", " + std::to_string(hi) + "]");
+            fail("inconsistent hyper-parameters: " + key + " = " + std::to_string(v) + " is outside [" +
+                 std::to_string(lo) + ", " + std::to_string(hi) + "]");
         return v;
     }
 
@@ -101,7 +105,9 @@ class kv_reader {
         switch (gguf_get_kv_type(g_, id)) {
             case GGUF_TYPE_FLOAT32: return gguf_get_val_f32(g_, id);
             case GGUF_TYPE_FLOAT64: return gguf_get_val_f64(g_, id);
-            case GGUF_TYPE_STRING: case GGUF_TYPE_ARRAY: case GGUF_TYPE_BOOL: fail("key " + key + " is not a number");
+            case GGUF_TYPE_STRING:
+            case GGUF_TYPE_ARRAY:
+            case GGUF_TYPE_BOOL: fail("key " + key + " is not a number");
             default: return (double) integer(key, 0, true);
         }
     }
@@ -119,10 +125,14 @@ class kv_reader {
   private:
     size_t int_size(gguf_type t, const std::string & key) const {
         switch (t) {
-            case GGUF_TYPE_UINT8: case GGUF_TYPE_INT8: return 1;
-            case GGUF_TYPE_UINT16: case GGUF_TYPE_INT16: return 2;
-            case GGUF_TYPE_UINT32: case GGUF_TYPE_INT32: return 4;
-            case GGUF_TYPE_UINT64: case GGUF_TYPE_INT64: return 8;
+            case GGUF_TYPE_UINT8:
+            case GGUF_TYPE_INT8: return 1;
+            case GGUF_TYPE_UINT16:
+            case GGUF_TYPE_INT16: return 2;
+            case GGUF_TYPE_UINT32:
+            case GGUF_TYPE_INT32: return 4;
+            case GGUF_TYPE_UINT64:
+            case GGUF_TYPE_INT64: return 8;
             default: fail("key " + key + " has type " + gguf_type_name(t) + ", expected an integer");
         }
     }
@@ -185,7 +195,8 @@ bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op 
         if (op == GGML_OP_MUL_MAT) {
             const ggml_type_traits_cpu * tc = ggml_get_type_traits_cpu(t->type);
             if (!tc->vec_dot) return false;
-            if (tc->vec_dot_type != GGML_TYPE_F32 && !ggml_get_type_traits_cpu(tc->vec_dot_type)->from_float) return false;
+            if (tc->vec_dot_type != GGML_TYPE_F32 && !ggml_get_type_traits_cpu(tc->vec_dot_type)->from_float)
+                return false;
         } else if (t->type != GGML_TYPE_F32 && !ggml_get_type_traits(t->type)->to_float) {
             return false;
         }
@@ -209,8 +220,8 @@ void check_tokens(const gguf_context * g, const kv_reader & kv) {
         if (word.empty()) word = "[EMPTY_" + std::to_string(i) + "]";
         auto [it, fresh] = seen.emplace(std::move(word), i);
         if (!fresh)
-            kv.fail(std::string(key) + " has the token '" + it->first + "' twice (ids " + std::to_string(it->second) + " and " +
-                    std::to_string(i) + ")");
+            kv.fail(std::string(key) + " has the token '" + it->first + "' twice (ids " + std::to_string(it->second) +
+                    " and " + std::to_string(i) + ")");
     }
 }
 
@@ -224,7 +235,8 @@ void check_weight_ops(const model & m, ggml_backend_dev_t dev, const kv_reader &
     need(m.tok_embd, GGML_OP_GET_ROWS);
     need(m.output, GGML_OP_MUL_MAT);
     for (const model_layer & L : m.layers)
-        for (const ggml_tensor * t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down}) need(t, GGML_OP_MUL_MAT);
+        for (const ggml_tensor * t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down})
+            need(t, GGML_OP_MUL_MAT);
 }
 
 }  // namespace
@@ -245,7 +257,9 @@ struct model::impl {
 
 model::~model() = default;
 
-bool model::on_gpu() const { return device_ && ggml_backend_dev_type(device_) != GGML_BACKEND_DEVICE_TYPE_CPU; }
+bool model::on_gpu() const {
+    return device_ && ggml_backend_dev_type(device_) != GGML_BACKEND_DEVICE_TYPE_CPU;
+}
 
 std::string model::describe() const {
     std::ostringstream os;
@@ -264,7 +278,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     f.fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // a fifo must not block the open
     if (f.fd < 0) throw error("cannot open model file '" + path + "': " + std::strerror(errno));
     struct stat st {};
-    if (fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode)) throw error("cannot open model file '" + path + "': not a regular file");
+    if (fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode))
+        throw error("cannot open model file '" + path + "': not a regular file");
     const size_t file_size = (size_t) st.st_size;
     char magic[4] = {};
     if (file_size < 4 || pread(f.fd, magic, 4, 0) != 4 || std::memcmp(magic, "GGUF", 4) != 0)
@@ -286,14 +301,20 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     model_hparams & hp = m->hp_;
     hp.arch_name = kv.str("general.architecture");
     if (hp.arch_name.empty()) kv.fail("no general.architecture key: not a model file");
-    if (hp.arch_name == "llama") hp.arch = MODEL_ARCH_LLAMA;
-    else if (hp.arch_name == "qwen2") hp.arch = MODEL_ARCH_QWEN2;
-    else if (hp.arch_name == "qwen3") hp.arch = MODEL_ARCH_QWEN3;
-    else kv.fail("unsupported architecture '" + hp.arch_name + "' (supported: llama, qwen2, qwen3)");
+    if (hp.arch_name == "llama")
+        hp.arch = MODEL_ARCH_LLAMA;
+    else if (hp.arch_name == "qwen2")
+        hp.arch = MODEL_ARCH_QWEN2;
+    else if (hp.arch_name == "qwen3")
+        hp.arch = MODEL_ARCH_QWEN3;
+    else
+        kv.fail("unsupported architecture '" + hp.arch_name + "' (supported: llama, qwen2, qwen3)");
 
     const std::string a = hp.arch_name + ".";
     const int64_t n_expert = kv.integer(a + "expert_count", 0, false);
-    if (n_expert > 0) kv.fail("mixture-of-experts models are not supported (" + a + "expert_count = " + std::to_string(n_expert) + ")");
+    if (n_expert > 0)
+        kv.fail("mixture-of-experts models are not supported (" + a + "expert_count = " + std::to_string(n_expert) +
+                ")");
 
     // bounded before anything is sized by them: each dimension fits an int32 (so
     // products of two fit an int64) and every layer needs tensors the file has
@@ -306,7 +327,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.n_head_kv = kv.dim(a + "attention.head_count_kv", hp.n_head, false);
     const int64_t swa = kv.integer(a + "attention.sliding_window", 0, false);
     if (swa > 0 && swa < hp.n_ctx_train)
-        kv.fail("sliding-window attention is not supported (" + a + "attention.sliding_window = " + std::to_string(swa) + ")");
+        kv.fail("sliding-window attention is not supported (" + a +
+                "attention.sliding_window = " + std::to_string(swa) + ")");
 
     auto inconsistent = [&](const std::string & why) { kv.fail("inconsistent hyper-parameters: " + why); };
     if (hp.n_layer <= 0) inconsistent("block_count must be positive, got " + std::to_string(hp.n_layer));
@@ -315,8 +337,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     if (hp.n_ctx_train <= 0) inconsistent("context_length must be positive, got " + std::to_string(hp.n_ctx_train));
     if (hp.n_head <= 0 || hp.n_head_kv <= 0) inconsistent("attention head counts must be positive");
     if (hp.n_head % hp.n_head_kv != 0)
-        inconsistent("attention.head_count (" + std::to_string(hp.n_head) + ") is not a multiple of attention.head_count_kv (" +
-                     std::to_string(hp.n_head_kv) + ")");
+        inconsistent("attention.head_count (" + std::to_string(hp.n_head) +
+                     ") is not a multiple of attention.head_count_kv (" + std::to_string(hp.n_head_kv) + ")");
     const int64_t def_head_dim = hp.n_embd % hp.n_head == 0 ? hp.n_embd / hp.n_head : 0;
     hp.head_dim = kv.dim(a + "attention.key_length", def_head_dim, def_head_dim == 0);
     const int64_t head_dim_v = kv.dim(a + "attention.value_length", hp.head_dim, false);
@@ -326,10 +348,11 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
                      std::to_string(hp.head_dim) + ")");
     hp.n_rot = kv.dim(a + "rope.dimension_count", hp.head_dim, false);
     if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0)
-        inconsistent("rope.dimension_count (" + std::to_string(hp.n_rot) + ") must be even and at most the head size (" +
-                     std::to_string(hp.head_dim) + ")");
+        inconsistent("rope.dimension_count (" + std::to_string(hp.n_rot) +
+                     ") must be even and at most the head size (" + std::to_string(hp.head_dim) + ")");
     hp.rms_eps = (float) kv.real(a + "attention.layer_norm_rms_epsilon", 0.0, true);
-    if (!(hp.rms_eps > 0.0f) || !std::isfinite(hp.rms_eps)) inconsistent("attention.layer_norm_rms_epsilon must be positive");
+    if (!(hp.rms_eps > 0.0f) || !std::isfinite(hp.rms_eps))
+        inconsistent("attention.layer_norm_rms_epsilon must be positive");
     hp.rope_base = (float) kv.real(a + "rope.freq_base", 10000.0, false);
     if (!(hp.rope_base > 0.0f) || !std::isfinite(hp.rope_base)) inconsistent("rope.freq_base must be positive");
 
@@ -364,17 +387,18 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         bool ok = true;
         for (int i = 0; i < GGML_MAX_DIMS; ++i) ok = ok && t->ne[i] == want[i];
         if (!ok)
-            kv.fail("tensor '" + std::string(t->name) + "' has shape " + shape_str(t->ne, ggml_n_dims(t)) + ", expected " +
-                    shape_str(want, n));
+            kv.fail("tensor '" + std::string(t->name) + "' has shape " + shape_str(t->ne, ggml_n_dims(t)) +
+                    ", expected " + shape_str(want, n));
         if (!matrix && t->type != GGML_TYPE_F32)
             kv.fail("tensor '" + std::string(t->name) + "' has type " + ggml_type_name(t->type) + ", expected f32");
         if (matrix && ggml_is_quantized(t->type) && t->ne[0] % ggml_blck_size(t->type) != 0)
-            kv.fail("tensor '" + std::string(t->name) + "' rows do not fill whole " + ggml_type_name(t->type) + " blocks");
+            kv.fail("tensor '" + std::string(t->name) + "' rows do not fill whole " + ggml_type_name(t->type) +
+                    " blocks");
         const int64_t id = gguf_find_tensor(g, t->name);
         const size_t end = data_offset + gguf_get_tensor_offset(g, id) + ggml_nbytes(t);
         if (end > file_size)
-            throw error("'" + path + "' is truncated: tensor '" + t->name + "' needs bytes up to " + std::to_string(end) +
-                        ", the file has " + std::to_string(file_size));
+            throw error("'" + path + "' is truncated: tensor '" + t->name + "' needs bytes up to " +
+                        std::to_string(end) + ", the file has " + std::to_string(file_size));
         used.push_back(t);
         return t;
     };
@@ -430,7 +454,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
             im.buf.reset(ggml_backend_cpu_buffer_from_ptr(base, file_size - data_offset));
             for (ggml_tensor * t : used) {
                 const int64_t id = gguf_find_tensor(g, t->name);
-                if (t->data == nullptr) ggml_backend_tensor_alloc(im.buf.get(), t, base + gguf_get_tensor_offset(g, id));
+                if (t->data == nullptr)
+                    ggml_backend_tensor_alloc(im.buf.get(), t, base + gguf_get_tensor_offset(g, id));
             }
         }
     }
@@ -449,7 +474,9 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
             pairs.emplace_back(t, w);
         }
         im.buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(wctx.get(), buft));
-        if (!im.buf) throw error("cannot allocate " + std::to_string(file_size >> 20) + " MiB for the weights of '" + path + "'");
+        if (!im.buf)
+            throw error("cannot allocate " + std::to_string(file_size >> 20) + " MiB for the weights of '" + path +
+                        "'");
         ggml_backend_buffer_set_usage(im.buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         std::vector<char> tmp;
         for (auto & [t, w] : pairs) {
@@ -459,7 +486,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
             char * dst = host ? (char *) w->data : (tmp.resize(nb), tmp.data());
             size_t done = 0;
             while (done < nb) {
-                const ssize_t r = pread(f.fd, dst + done, nb - done, (off_t) (data_offset + gguf_get_tensor_offset(g, id) + done));
+                const ssize_t r =
+                    pread(f.fd, dst + done, nb - done, (off_t) (data_offset + gguf_get_tensor_offset(g, id) + done));
                 if (r <= 0) throw error("'" + path + "': read error in tensor '" + t->name + "'");
                 done += (size_t) r;
             }
@@ -493,8 +521,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     check_tokens(g, kv);
     m->vocab_ = std::make_unique<vocab>(path);
     if (m->vocab_->n_tokens() != hp.n_vocab)
-        inconsistent("the tokenizer has " + std::to_string(m->vocab_->n_tokens()) + " tokens but token_embd.weight has " +
-                     std::to_string(hp.n_vocab) + " rows");
+        inconsistent("the tokenizer has " + std::to_string(m->vocab_->n_tokens()) +
+                     " tokens but token_embd.weight has " + std::to_string(hp.n_vocab) + " rows");
     return m;
 }
 

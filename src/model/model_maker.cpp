@@ -27,33 +27,32 @@ struct preset {
 };
 
 model_spec spec_of(model_arch arch, int64_t n_layer, int64_t n_embd, int64_t n_head, int64_t n_head_kv,
-                   int64_t head_dim, int64_t n_ff, int64_t n_ctx_train, float rope_base, float rms_eps,
-                   bool tied) {
+                   int64_t head_dim, int64_t n_ff, int64_t n_ctx_train, float rope_base, float rms_eps, bool tied) {
     model_spec s;
-    s.arch        = arch;
-    s.n_layer     = n_layer;
-    s.n_embd      = n_embd;
-    s.n_head      = n_head;
-    s.n_head_kv   = n_head_kv;
-    s.head_dim    = head_dim;
-    s.n_ff        = n_ff;
+    s.arch = arch;
+    s.n_layer = n_layer;
+    s.n_embd = n_embd;
+    s.n_head = n_head;
+    s.n_head_kv = n_head_kv;
+    s.head_dim = head_dim;
+    s.n_ff = n_ff;
     s.n_ctx_train = n_ctx_train;
-    s.rope_base   = rope_base;
-    s.rms_eps     = rms_eps;
+    s.rope_base = rope_base;
+    s.rms_eps = rms_eps;
     s.tied_output = tied;
-    s.qkv_bias    = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm     = arch == MODEL_ARCH_QWEN3;
+    s.qkv_bias = arch == MODEL_ARCH_QWEN2;
+    s.qk_norm = arch == MODEL_ARCH_QWEN3;
     return s;
 }
 
 const std::vector<preset> & presets() {
     static const std::vector<preset> p = {
-        {"tiny",       spec_of(MODEL_ARCH_LLAMA, 4, 128, 4, 2, 32, 256, 2048, 10000.0f, 1e-5f, false)},
+        {"tiny", spec_of(MODEL_ARCH_LLAMA, 4, 128, 4, 2, 32, 256, 2048, 10000.0f, 1e-5f, false)},
         {"tiny-qwen2", spec_of(MODEL_ARCH_QWEN2, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-6f, true)},
         {"tiny-qwen3", spec_of(MODEL_ARCH_QWEN3, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-6f, true)},
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true)},
         {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true)},
-        {"llama-1b",   spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true)},
+        {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true)},
     };
     return p;
 }
@@ -113,7 +112,7 @@ tensor_plan plan_vector(const std::string & name, int64_t ne0, float center, flo
 }
 
 std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggml_type wtype) {
-    const int64_t n_embd_q  = s.head_dim * s.n_head;
+    const int64_t n_embd_q = s.head_dim * s.n_head;
     const int64_t n_embd_kv = s.head_dim * s.n_head_kv;
     const float in_embd = 1.0f / std::sqrt(float(s.n_embd));
     // output rows of this std give logits of std ~3 from a unit-rms hidden
@@ -122,31 +121,32 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
 
     std::vector<tensor_plan> t;
     t.push_back(plan_matrix("token_embd.weight", s.n_embd, n_vocab, wtype, logit_std));  // [n_embd, n_vocab]
-    t.push_back(plan_vector("output_norm.weight", s.n_embd, 1.0f, 0.1f));                 // [n_embd]
-    if (!s.tied_output) t.push_back(plan_matrix("output.weight", s.n_embd, n_vocab, wtype, logit_std));  // [n_embd, n_vocab]
+    t.push_back(plan_vector("output_norm.weight", s.n_embd, 1.0f, 0.1f));                // [n_embd]
+    if (!s.tied_output)
+        t.push_back(plan_matrix("output.weight", s.n_embd, n_vocab, wtype, logit_std));  // [n_embd, n_vocab]
 
     for (int64_t il = 0; il < s.n_layer; ++il) {
         const std::string p = "blk." + std::to_string(il) + ".";
-        t.push_back(plan_vector(p + "attn_norm.weight", s.n_embd, 1.0f, 0.1f));                      // [n_embd]
-        t.push_back(plan_matrix(p + "attn_q.weight", s.n_embd, n_embd_q, wtype, in_embd));           // [n_embd, n_embd_q]
-        t.push_back(plan_matrix(p + "attn_k.weight", s.n_embd, n_embd_kv, wtype, in_embd));          // [n_embd, n_embd_kv]
-        t.push_back(plan_matrix(p + "attn_v.weight", s.n_embd, n_embd_kv, wtype, in_embd));          // [n_embd, n_embd_kv]
+        t.push_back(plan_vector(p + "attn_norm.weight", s.n_embd, 1.0f, 0.1f));              // [n_embd]
+        t.push_back(plan_matrix(p + "attn_q.weight", s.n_embd, n_embd_q, wtype, in_embd));   // [n_embd, n_embd_q]
+        t.push_back(plan_matrix(p + "attn_k.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
+        t.push_back(plan_matrix(p + "attn_v.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
         t.push_back(plan_matrix(p + "attn_output.weight", n_embd_q, s.n_embd, wtype,
-                           1.0f / std::sqrt(float(n_embd_q))));                                 // [n_embd_q, n_embd]
+                                1.0f / std::sqrt(float(n_embd_q))));  // [n_embd_q, n_embd]
         if (s.qkv_bias) {
-            t.push_back(plan_vector(p + "attn_q.bias", n_embd_q, 0.0f, 0.35f));                      // [n_embd_q]
-            t.push_back(plan_vector(p + "attn_k.bias", n_embd_kv, 0.0f, 0.35f));                     // [n_embd_kv]
-            t.push_back(plan_vector(p + "attn_v.bias", n_embd_kv, 0.0f, 0.35f));                     // [n_embd_kv]
+            t.push_back(plan_vector(p + "attn_q.bias", n_embd_q, 0.0f, 0.35f));   // [n_embd_q]
+            t.push_back(plan_vector(p + "attn_k.bias", n_embd_kv, 0.0f, 0.35f));  // [n_embd_kv]
+            t.push_back(plan_vector(p + "attn_v.bias", n_embd_kv, 0.0f, 0.35f));  // [n_embd_kv]
         }
         if (s.qk_norm) {
-            t.push_back(plan_vector(p + "attn_q_norm.weight", s.head_dim, 1.0f, 0.1f));              // [head_dim]
-            t.push_back(plan_vector(p + "attn_k_norm.weight", s.head_dim, 1.0f, 0.1f));              // [head_dim]
+            t.push_back(plan_vector(p + "attn_q_norm.weight", s.head_dim, 1.0f, 0.1f));  // [head_dim]
+            t.push_back(plan_vector(p + "attn_k_norm.weight", s.head_dim, 1.0f, 0.1f));  // [head_dim]
         }
-        t.push_back(plan_vector(p + "ffn_norm.weight", s.n_embd, 1.0f, 0.1f));                       // [n_embd]
-        t.push_back(plan_matrix(p + "ffn_gate.weight", s.n_embd, s.n_ff, wtype, in_embd));           // [n_embd, n_ff]
-        t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, s.n_ff, wtype, in_embd));             // [n_embd, n_ff]
+        t.push_back(plan_vector(p + "ffn_norm.weight", s.n_embd, 1.0f, 0.1f));              // [n_embd]
+        t.push_back(plan_matrix(p + "ffn_gate.weight", s.n_embd, s.n_ff, wtype, in_embd));  // [n_embd, n_ff]
+        t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, s.n_ff, wtype, in_embd));    // [n_embd, n_ff]
         t.push_back(plan_matrix(p + "ffn_down.weight", s.n_ff, s.n_embd, wtype,
-                           1.0f / std::sqrt(float(s.n_ff))));                                   // [n_ff, n_embd]
+                                1.0f / std::sqrt(float(s.n_ff))));  // [n_ff, n_embd]
     }
     return t;
 }
@@ -159,8 +159,7 @@ void check_spec(const model_spec & s) {
     if (s.n_head % s.n_head_kv != 0) bad("n_head_kv must divide n_head");
     if (s.head_dim % 2 != 0) bad("head_dim must be even (rope)");
     // libllama's qwen2 loader expects square q and output projections
-    if (s.arch == MODEL_ARCH_QWEN2 && s.head_dim * s.n_head != s.n_embd)
-        bad("qwen2 needs head_dim * n_head == n_embd");
+    if (s.arch == MODEL_ARCH_QWEN2 && s.head_dim * s.n_head != s.n_embd) bad("qwen2 needs head_dim * n_head == n_embd");
 }
 
 // --- output file --------------------------------------------------------------

@@ -17,7 +17,9 @@ vocab::vocab(const std::string & gguf_path) {
     vocab_ = llama_model_get_vocab(model_);
 }
 
-vocab::~vocab() { llama_model_free(model_); }
+vocab::~vocab() {
+    llama_model_free(model_);
+}
 
 std::vector<llama_token> vocab::tokenize(const std::string & text, bool add_special, bool parse_special) const {
     // libllama counts bytes and tokens in int32: a longer text would wrap
@@ -25,8 +27,8 @@ std::vector<llama_token> vocab::tokenize(const std::string & text, bool add_spec
         throw error("text of " + std::to_string(text.size()) + " bytes is too long to tokenize (at most " +
                     std::to_string(INT32_MAX - 8) + ")");
     std::vector<llama_token> out(text.size() + 8);
-    int32_t n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special,
-                               parse_special);
+    int32_t n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
+                               add_special, parse_special);
     if (n < 0) {  // buffer too small: -n is the size needed
         out.resize(-n);
         n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special,
@@ -51,16 +53,20 @@ std::string vocab::detokenize(const std::vector<llama_token> & toks, bool specia
         throw error(std::to_string(toks.size()) + " tokens are too many to detokenize at once (at most " +
                     std::to_string(INT32_MAX / 16) + ")");
     std::string out(toks.size() * 8 + 16, '\0');
-    int32_t n = llama_detokenize(vocab_, toks.data(), (int32_t) toks.size(), out.data(), (int32_t) out.size(), false, special);
+    int32_t n =
+        llama_detokenize(vocab_, toks.data(), (int32_t) toks.size(), out.data(), (int32_t) out.size(), false, special);
     if (n < 0) {
         out.resize(-n);
-        n = llama_detokenize(vocab_, toks.data(), (int32_t) toks.size(), out.data(), (int32_t) out.size(), false, special);
+        n = llama_detokenize(vocab_, toks.data(), (int32_t) toks.size(), out.data(), (int32_t) out.size(), false,
+                             special);
     }
     out.resize(n < 0 ? 0 : n);
     return out;
 }
 
-int32_t vocab::n_tokens() const { return llama_vocab_n_tokens(vocab_); }
+int32_t vocab::n_tokens() const {
+    return llama_vocab_n_tokens(vocab_);
+}
 
 size_t vocab::max_piece_bytes() const {
     std::call_once(piece_once_, [&] {
@@ -68,12 +74,22 @@ size_t vocab::max_piece_bytes() const {
     });
     return max_piece_;
 }
-llama_token vocab::bos() const { return llama_vocab_bos(vocab_); }
-llama_token vocab::eos() const { return llama_vocab_eos(vocab_); }
-bool vocab::is_eog(llama_token tok) const { return llama_vocab_is_eog(vocab_, tok); }
-bool vocab::add_bos() const { return llama_vocab_get_add_bos(vocab_); }
+llama_token vocab::bos() const {
+    return llama_vocab_bos(vocab_);
+}
+llama_token vocab::eos() const {
+    return llama_vocab_eos(vocab_);
+}
+bool vocab::is_eog(llama_token tok) const {
+    return llama_vocab_is_eog(vocab_, tok);
+}
+bool vocab::add_bos() const {
+    return llama_vocab_get_add_bos(vocab_);
+}
 
-bool vocab::has_chat_template() const { return llama_model_chat_template(model_, nullptr) != nullptr; }
+bool vocab::has_chat_template() const {
+    return llama_model_chat_template(model_, nullptr) != nullptr;
+}
 
 std::string vocab::apply_chat_template(const std::vector<chat_message> & msgs, bool add_assistant) const {
     const char * tmpl = llama_model_chat_template(model_, nullptr);

@@ -38,7 +38,9 @@ llama_ref::~llama_ref() {
     llama_model_free(model_);
 }
 
-int32_t llama_ref::n_vocab() const { return llama_vocab_n_tokens(llama_model_get_vocab(model_)); }
+int32_t llama_ref::n_vocab() const {
+    return llama_vocab_n_tokens(llama_model_get_vocab(model_));
+}
 
 void llama_ref::clear() {
     llama_memory_clear(llama_get_memory(ctx_), true);

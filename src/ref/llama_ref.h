@@ -11,17 +11,17 @@
 namespace kvblend::ref {
 
 struct llama_ref_params {
-    int32_t   n_threads  = 2;
-    int64_t   n_ctx      = 4096;
-    int64_t   n_batch    = 2048;  // logical batch
-    int64_t   n_ubatch   = 512;   // micro-batch, as llama-bench's default
-    ggml_type type_k     = GGML_TYPE_F16;
-    ggml_type type_v     = GGML_TYPE_F16;
-    bool      flash_attn = true;
-    bool      use_gpu    = true;
+    int32_t n_threads = 2;
+    int64_t n_ctx = 4096;
+    int64_t n_batch = 2048;  // logical batch
+    int64_t n_ubatch = 512;  // micro-batch, as llama-bench's default
+    ggml_type type_k = GGML_TYPE_F16;
+    ggml_type type_v = GGML_TYPE_F16;
+    bool flash_attn = true;
+    bool use_gpu = true;
     // repacked CPU weight layouts (e.g. q4_0 interleaved): faster, but their
     // kernels round differently from the plain layout our forward uses
-    bool      extra_bufts = true;
+    bool extra_bufts = true;
     ggml_backend_sched_eval_callback cb_eval = nullptr;  // as engine_params::cb_eval
     void * cb_eval_user_data = nullptr;
 };

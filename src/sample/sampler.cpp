@@ -5,7 +5,9 @@
 
 namespace kvblend {
 
-sampler_params sampler_default_params() { return sampler_params{}; }
+sampler_params sampler_default_params() {
+    return sampler_params{};
+}
 
 uint32_t sampler_seed(int64_t seed) {
     if (seed < 0) return LLAMA_DEFAULT_SEED;
@@ -24,10 +26,11 @@ void sampler::build(int32_t n_vocab) {
     chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
     if (!p_.logit_bias.empty()) {
         for (const auto & b : p_.logit_bias)
-            if (b.token < 0 || b.token >= n_vocab) throw error("a logit bias names token " + std::to_string(b.token) +
-                                                               ", outside the vocabulary of " + std::to_string(n_vocab));
-        llama_sampler_chain_add(chain_, llama_sampler_init_logit_bias(n_vocab, (int32_t) p_.logit_bias.size(),
-                                                                      p_.logit_bias.data()));
+            if (b.token < 0 || b.token >= n_vocab)
+                throw error("a logit bias names token " + std::to_string(b.token) + ", outside the vocabulary of " +
+                            std::to_string(n_vocab));
+        llama_sampler_chain_add(
+            chain_, llama_sampler_init_logit_bias(n_vocab, (int32_t) p_.logit_bias.size(), p_.logit_bias.data()));
     }
     if (penalized())
         llama_sampler_chain_add(chain_, llama_sampler_init_penalties(n_vocab, p_.penalty_last_n, p_.repeat_penalty,
@@ -52,19 +55,23 @@ sampler::~sampler() {
 }
 
 bool sampler::penalized() const {
-    return p_.penalty_last_n != 0 && (p_.repeat_penalty != 1.0f || p_.freq_penalty != 0.0f || p_.presence_penalty != 0.0f);
+    return p_.penalty_last_n != 0 &&
+           (p_.repeat_penalty != 1.0f || p_.freq_penalty != 0.0f || p_.presence_penalty != 0.0f);
 }
 
 void sampler::accept(llama_token tok) {
     if (!penalized()) return;  // only the penalties look back at tokens that were not sampled
-    if (chain_) llama_sampler_accept(chain_, tok);
-    else pending_.push_back(tok);
+    if (chain_)
+        llama_sampler_accept(chain_, tok);
+    else
+        pending_.push_back(tok);
 }
 
 llama_token sampler::sample(const float * logits, int32_t n_vocab) {
     if (!chain_) build(n_vocab);
-    if (n_vocab != n_vocab_) throw error("the sampler was built for " + std::to_string(n_vocab_) + " logits, given " +
-                                         std::to_string(n_vocab));
+    if (n_vocab != n_vocab_)
+        throw error("the sampler was built for " + std::to_string(n_vocab_) + " logits, given " +
+                    std::to_string(n_vocab));
     buf_.resize(n_vocab);
     for (int32_t i = 0; i < n_vocab; ++i) buf_[i] = {i, logits[i], 0.0f};
     llama_token_data_array arr = {buf_.data(), buf_.size(), -1, false};

@@ -81,8 +81,10 @@ bool doc_index::add(std::string_view text, const std::string & id, bool learned)
     while (n_docs_ >= max_docs_) forget(oldest_);
     // every step that allocates comes before the entry is linked: a failed one leaves no half entry
     const uint32_t slot = free_.empty() ? (uint32_t) entries_.size() : free_.back();
-    if (slot == entries_.size()) entries_.emplace_back();
-    else free_.pop_back();
+    if (slot == entries_.size())
+        entries_.emplace_back();
+    else
+        free_.pop_back();
     try {
         entries_[slot] = {head, lo, hi, (uint32_t) text.size(), none, none, learned, id};
         std::vector<uint32_t> & b = by_head_[head];
@@ -99,8 +101,10 @@ bool doc_index::add(std::string_view text, const std::string & id, bool learned)
         throw;
     }
     entries_[slot].older = newest_;
-    if (newest_ != none) entries_[newest_].newer = slot;
-    else oldest_ = slot;
+    if (newest_ != none)
+        entries_[newest_].newer = slot;
+    else
+        oldest_ = slot;
     newest_ = slot;
     ++n_docs_;
     const uint64_t f = mix(head) >> (64 - filter_bits_log2);

@@ -56,9 +56,9 @@ class doc_index {
   private:
     static constexpr uint32_t none = UINT32_MAX;
     struct entry {
-        uint64_t head;        // rolling hash of the first `window` bytes
-        uint64_t h_lo, h_hi;  // XXH3-128 of the whole text
-        uint32_t len;         // bytes
+        uint64_t head;                        // rolling hash of the first `window` bytes
+        uint64_t h_lo, h_hi;                  // XXH3-128 of the whole text
+        uint32_t len;                         // bytes
         uint32_t older = none, newer = none;  // the age list's neighbours
         bool learned = false;                 // added by layout_learn
         std::string id;
@@ -74,7 +74,7 @@ class doc_index {
     std::unordered_map<uint64_t, std::vector<uint32_t>> by_head_;  // head hash -> slots in entries_
     std::vector<entry> entries_;                                   // slot -> entry (len 0: free)
     std::vector<uint32_t> free_;
-    uint32_t oldest_ = none, newest_ = none;             // ends of the age list (slots)
+    uint32_t oldest_ = none, newest_ = none;  // ends of the age list (slots)
     size_t n_docs_ = 0;
     std::unordered_map<std::string, uint32_t> by_text_;  // 128-bit hash (as 16 bytes) -> slot
 };

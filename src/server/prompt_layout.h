@@ -63,8 +63,10 @@ learn_stats layout_learn(doc_index & idx, const std::vector<std::string> & passa
             s.skipped++;
             continue;
         }
-        if (idx.add(p, id_of(p), true)) s.added++, s.bytes += (int64_t) p.size();
-        else s.skipped++;
+        if (idx.add(p, id_of(p), true))
+            s.added++, s.bytes += (int64_t) p.size();
+        else
+            s.skipped++;
     }
     return s;
 }

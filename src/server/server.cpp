@@ -19,10 +19,10 @@
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
-#include "server/server_http.h"
-#include "server/server_request.h"
 #include "server/doc_index.h"
 #include "server/prompt_layout.h"
+#include "server/server_http.h"
+#include "server/server_request.h"
 #include "server/soft_store.h"
 #include "server/stream_text.h"
 
@@ -36,14 +36,38 @@ namespace {
 class locked_store : public store {
   public:
     explicit locked_store(std::unique_ptr<store> s) : s_(std::move(s)) {}
-    void put(const std::string & k, const std::vector<uint8_t> & b) override { std::lock_guard l(m_); s_->put(k, b); }
-    std::optional<std::vector<uint8_t>> get(const std::string & k) override { std::lock_guard l(m_); return s_->get(k); }
-    std::optional<std::vector<uint8_t>> peek(const std::string & k) override { std::lock_guard l(m_); return s_->peek(k); }
-    bool contains(const std::string & k) override { std::lock_guard l(m_); return s_->contains(k); }
-    bool erase(const std::string & k) override { std::lock_guard l(m_); return s_->erase(k); }
-    std::vector<store_entry_info> list() override { std::lock_guard l(m_); return s_->list(); }
-    store_stats stats() override { std::lock_guard l(m_); return s_->stats(); }
-    uint64_t gc() override { std::lock_guard l(m_); return s_->gc(); }
+    void put(const std::string & k, const std::vector<uint8_t> & b) override {
+        std::lock_guard l(m_);
+        s_->put(k, b);
+    }
+    std::optional<std::vector<uint8_t>> get(const std::string & k) override {
+        std::lock_guard l(m_);
+        return s_->get(k);
+    }
+    std::optional<std::vector<uint8_t>> peek(const std::string & k) override {
+        std::lock_guard l(m_);
+        return s_->peek(k);
+    }
+    bool contains(const std::string & k) override {
+        std::lock_guard l(m_);
+        return s_->contains(k);
+    }
+    bool erase(const std::string & k) override {
+        std::lock_guard l(m_);
+        return s_->erase(k);
+    }
+    std::vector<store_entry_info> list() override {
+        std::lock_guard l(m_);
+        return s_->list();
+    }
+    store_stats stats() override {
+        std::lock_guard l(m_);
+        return s_->stats();
+    }
+    uint64_t gc() override {
+        std::lock_guard l(m_);
+        return s_->gc();
+    }
     std::string uri() const override { return s_->uri(); }
 
   private:
@@ -70,8 +94,8 @@ std::string selection_tag(const blend_params & b) {
     };
     std::string t = real(b.recomp_ratio) + "/" + std::to_string(b.check_layer) + "/" + blend_score_name(b.score) + "/" +
                     blend_method_name(b.method) + "/" + std::to_string(b.recompute_chunk_head) + "/" +
-                    std::to_string(b.head_in_budget) + "/" + blend_budget_name(b.budget) + "/" + real(b.dev_mass) + "/" +
-                    std::to_string(b.weight_query);
+                    std::to_string(b.head_in_budget) + "/" + blend_budget_name(b.budget) + "/" + real(b.dev_mass) +
+                    "/" + std::to_string(b.weight_query);
     for (const auto & [l, r] : b.schedule) t += ";" + std::to_string(l) + ":" + real(r);
     return t;
 }
@@ -88,8 +112,8 @@ struct job {
     sampler_params sp;
     std::vector<std::string> stop;
     blend_params sel = blend_default_params();  // the token selection (the fields of the request)
-    std::vector<layout_span> spans;  // plain prompts: the known documents found in them (chunks of prompt)
-    learn_stats learned;             // … and the passages they added
+    std::vector<layout_span> spans;             // plain prompts: the known documents found in them (chunks of prompt)
+    learn_stats learned;                        // … and the passages they added
 
     // what comes back (guarded by mu)
     std::mutex mu;
@@ -103,8 +127,8 @@ struct job {
     int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
     int64_t store_errors = 0;     // store calls that failed (each a miss or a skipped put)
     std::vector<bool> chunk_hit;  // fuse: per non-empty chunk, whether the store had it
-    int64_t n_cached = 0;  // prompt tokens whose KV the slot still held from its previous request
-    int64_t kv_rows = 0;   // rows the slot's cache held after the prompt (fewer than the tokens when evicted)
+    int64_t n_cached = 0;         // prompt tokens whose KV the slot still held from its previous request
+    int64_t kv_rows = 0;          // rows the slot's cache held after the prompt (fewer than the tokens when evicted)
     double prefill_ms = 0;
     double t_submit = 0, ttft_ms = -1;  // time to the first generated token, queueing included
     std::atomic<bool> cancelled{false};
@@ -129,7 +153,8 @@ std::string message_text(const json & content) {
     if (content.is_array()) {  // [{"type": "text", "text": …}, …]
         std::string out;
         for (const auto & part : content) {
-            if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+            if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+                !part["text"].is_string())
                 bad_request("only text content parts are supported");
             out += part["text"].get<std::string>();
         }
@@ -211,14 +236,19 @@ struct server::impl {
         counter("kvblend_prompt_tokens_total", "prompt tokens", metrics.prompt_tokens);
         counter("kvblend_completion_tokens_total", "generated tokens", metrics.completion_tokens);
         counter("kvblend_fused_tokens_total", "prompt tokens prefilled by CacheBlend fusion", metrics.fused_tokens);
-        counter("kvblend_recomputed_tokens_total", "fused tokens recomputed by the deep layers", metrics.recomputed_tokens);
+        counter("kvblend_recomputed_tokens_total", "fused tokens recomputed by the deep layers",
+                metrics.recomputed_tokens);
         counter("kvblend_store_hits_total", "chunks loaded from the store", metrics.store_hits);
         counter("kvblend_store_misses_total", "chunks collected (not in the store)", metrics.store_misses);
-        counter("kvblend_store_errors_total", "store calls that failed (served as misses)", soft ? soft->failures() : 0);
+        counter("kvblend_store_errors_total", "store calls that failed (served as misses)",
+                soft ? soft->failures() : 0);
         counter("kvblend_plain_docs_matched_total", "known documents found inside plain prompts", metrics.docs_matched);
-        counter("kvblend_plain_docs_learned_total", "passages of plain prompts added as documents", metrics.docs_learned);
+        counter("kvblend_plain_docs_learned_total", "passages of plain prompts added as documents",
+                metrics.docs_learned);
         counter("kvblend_plain_learned_bytes_total", "text bytes of the passages added", metrics.learned_bytes);
-        counter("kvblend_plain_learn_skipped_total", "passages not added: over a request's bound, or their first 48 bytes those of 16 given documents", metrics.learn_skipped);
+        counter("kvblend_plain_learn_skipped_total",
+                "passages not added: over a request's bound, or their first 48 bytes those of 16 given documents",
+                metrics.learn_skipped);
         out += "# HELP kvblend_known_documents documents whose text plain prompts are searched for\n";
         out += "# TYPE kvblend_known_documents gauge\nkvblend_known_documents " + std::to_string(known.size()) + "\n";
         out += "# HELP kvblend_time_to_first_token_seconds time from a request's arrival to its first token\n";
@@ -243,7 +273,7 @@ struct server::impl {
     impl(std::shared_ptr<const model> mm, const server_params & pp)
         : m(std::move(mm)), p(pp), known((size_t) std::max<int64_t>(1, pp.known_docs_max)) {
         if (p.parallel < 1) throw error("--parallel must be at least 1");
-        codec_by_name(p.codec);  // a bad codec name fails at start
+        codec_by_name(p.codec);                              // a bad codec name fails at start
         if (!p.kv_codec.empty()) codec_by_name(p.kv_codec);  // … and a bad live cache name (its options too)
         if (!p.store_uri.empty()) {
             store_options so;
@@ -295,8 +325,10 @@ struct server::impl {
             int status = 500;
             const int64_t store_failures = soft_store::thread_failures();
             try {
-                if (j->ingest) run_ingest(eng, *j), cached = {};
-                else run(eng, *j, cached);
+                if (j->ingest)
+                    run_ingest(eng, *j), cached = {};
+                else
+                    run(eng, *j, cached);
                 j->store_errors = soft_store::thread_failures() - store_failures;
             } catch (const request_error & e) {
                 cached = {};
@@ -409,8 +441,8 @@ struct server::impl {
         // the penalties look back over the prompt too (as llama-server's do)
         const size_t back = std::min((size_t) j.sp.penalty_last_n, j.tokens.size());
         for (size_t i = j.tokens.size() - back; i < j.tokens.size(); ++i) smp.accept(j.tokens[i]);
-        std::string text;       // everything generated, for stop strings
-        size_t sent = 0;        // bytes of text already emitted
+        std::string text;  // everything generated, for stop strings
+        size_t sent = 0;   // bytes of text already emitted
         j.finish_reason = "length";
         for (int32_t i = 0; i < j.max_tokens; ++i) {
             if (j.cancelled) {
@@ -503,9 +535,11 @@ struct server::impl {
         if (b.contains("seed") && !b["seed"].is_null()) j.sp.seed = sampler_seed(b["seed"].get<int64_t>());
         j.sp.freq_penalty = (float) num("frequency_penalty", -2, 2, 0.0);
         j.sp.presence_penalty = (float) num("presence_penalty", -2, 2, 0.0);
-        j.sp.repeat_penalty = (float) num(b.contains("repetition_penalty") ? "repetition_penalty" : "repeat_penalty", 0.01, 10, 1.0);
+        j.sp.repeat_penalty =
+            (float) num(b.contains("repetition_penalty") ? "repetition_penalty" : "repeat_penalty", 0.01, 10, 1.0);
         j.sp.penalty_last_n = (int32_t) num("repeat_last_n", -1, 1 << 20, 64);
-        if (j.sp.penalty_last_n < 0) j.sp.penalty_last_n = (int32_t) p.n_ctx;  // -1: the whole context (libllama's -1 is off)
+        if (j.sp.penalty_last_n < 0)
+            j.sp.penalty_last_n = (int32_t) p.n_ctx;  // -1: the whole context (libllama's -1 is off)
         if (b.contains("logit_bias") && b["logit_bias"].is_object())
             for (const auto & [k, x] : b["logit_bias"].items()) {
                 const int64_t id = std::stoll(k);
@@ -517,19 +551,24 @@ struct server::impl {
         j.sel.recomp_ratio = (float) num("recomp_ratio", 0, 1, p.recomp_ratio);
         j.sel.recompute_chunk_head = (int) num("chunk_head", 0, 1 << 20, j.sel.recompute_chunk_head);
         j.sel.dev_mass = (float) num("dev_mass", 0, 1, j.sel.dev_mass);
-        auto flag = [&](const char * k, bool def) { return b.contains(k) && b[k].is_boolean() ? b[k].get<bool>() : def; };
+        auto flag = [&](const char * k, bool def) {
+            return b.contains(k) && b[k].is_boolean() ? b[k].get<bool>() : def;
+        };
         j.sel.head_in_budget = flag("head_in_budget", j.sel.head_in_budget);
         j.sel.weight_query = flag("weight_query", j.sel.weight_query);
-        if (b.contains("budget") && b["budget"].is_string()) blend_budget_from_name(b["budget"].get<std::string>(), j.sel.budget);
+        if (b.contains("budget") && b["budget"].is_string())
+            blend_budget_from_name(b["budget"].get<std::string>(), j.sel.budget);
         if (b.contains("stop") && !b["stop"].is_null()) {
             const json & s = b["stop"];
-            if (s.is_string()) j.stop.push_back(s.get<std::string>());
+            if (s.is_string())
+                j.stop.push_back(s.get<std::string>());
             else if (s.is_array()) {
                 for (const auto & x : s) {
                     if (!x.is_string()) bad_request("'stop' must be a string or an array of strings");
                     j.stop.push_back(x.get<std::string>());
                 }
-            } else bad_request("'stop' must be a string or an array of strings");
+            } else
+                bad_request("'stop' must be a string or an array of strings");
         }
     }
 
@@ -590,8 +629,10 @@ struct server::impl {
         for (const layout_span & s : j.spans) {
             // chunk_hit counts the non-empty chunks; a plain layout has no empty ones
             json x = {{"id", doc_key(j.prompt.chunks[s.chunk])}, {"begin", s.begin}, {"end", s.end}};
-            if (s.chunk < j.chunk_hit.size()) x["store_hit"] = (bool) j.chunk_hit[s.chunk];
-            else x["slot_cached"] = s.end <= j.n_cached;  // extended the slot's cached prefix: not fused
+            if (s.chunk < j.chunk_hit.size())
+                x["store_hit"] = (bool) j.chunk_hit[s.chunk];
+            else
+                x["slot_cached"] = s.end <= j.n_cached;  // extended the slot's cached prefix: not fused
             out.push_back(std::move(x));
         }
         return out;
@@ -602,7 +643,8 @@ struct server::impl {
             bad_request("'messages' must be a non-empty array");
         std::vector<chat_message> msgs;
         for (const auto & m : b["messages"]) {
-            if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) bad_request("every message needs a string 'role'");
+            if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+                bad_request("every message needs a string 'role'");
             const std::string role = m["role"].get<std::string>();
             if (role != "system" && role != "user" && role != "assistant" && role != "developer")
                 bad_request("unknown message role '" + role + "'");
@@ -615,8 +657,8 @@ struct server::impl {
             const json & d = b["documents"];
             if (!d.is_array()) bad_request("'documents' must be an array");
             std::vector<std::vector<llama_token>> docs;
-            std::vector<std::pair<std::string, size_t>> texts;     // text documents, remembered once the request is read
-            std::unordered_map<std::string, size_t> by_id;          // an id repeated is read from the store once
+            std::vector<std::pair<std::string, size_t>> texts;  // text documents, remembered once the request is read
+            std::unordered_map<std::string, size_t> by_id;      // an id repeated is read from the store once
             int64_t n_doc_tokens = 0;
             for (const auto & x : d) {
                 const bool text = x.is_string() || (x.is_object() && x.contains("text") && x["text"].is_string());
@@ -629,7 +671,8 @@ struct server::impl {
                     auto it = by_id.find(id);
                     docs.push_back(it != by_id.end() ? docs[it->second] : stored_doc(id));
                     by_id.emplace(id, docs.size() - 1);
-                } else bad_request("every document must be {\"text\": string} or {\"id\": string}");
+                } else
+                    bad_request("every document must be {\"text\": string} or {\"id\": string}");
                 // no store entry is read for a request that can no longer fit
                 n_doc_tokens += (int64_t) docs.back().size();
                 if (n_doc_tokens > p.n_ctx)
@@ -638,9 +681,12 @@ struct server::impl {
             // the system messages and the user messages (in order, one per line) frame the documents
             std::string system, question;
             for (const auto & mm : msgs) {
-                if (mm.role == "system") system += (system.empty() ? "" : "\n") + mm.content;
-                else if (mm.role == "assistant") bad_request("documents with an earlier conversation are not supported yet");
-                else question += (question.empty() ? "" : "\n") + mm.content;
+                if (mm.role == "system")
+                    system += (system.empty() ? "" : "\n") + mm.content;
+                else if (mm.role == "assistant")
+                    bad_request("documents with an earlier conversation are not supported yet");
+                else
+                    question += (question.empty() ? "" : "\n") + mm.content;
             }
             if (question.empty()) bad_request("a request with documents needs a user message");
             j->fuse = true;
@@ -673,24 +719,29 @@ struct server::impl {
         const int64_t failures = soft_store::thread_failures();
         std::optional<std::vector<uint8_t>> bytes = hex ? st->get(id) : std::nullopt;
         if (soft_store::thread_failures() != failures)
-            throw request_error{503, "the store is unreachable: document '" + id + "' cannot be read", "server_error", "store_unavailable"};
-        if (!bytes) throw request_error{404, "unknown document id '" + id + "'", "invalid_request_error", "document_not_found"};
+            throw request_error{503, "the store is unreachable: document '" + id + "' cannot be read", "server_error",
+                                "store_unavailable"};
+        if (!bytes)
+            throw request_error{404, "unknown document id '" + id + "'", "invalid_request_error", "document_not_found"};
         bool remove = true;
         try {
             return chunk_decode_id(*m, std::move(*bytes), id, &remove).tokens;
         } catch (const error & e) {
             if (remove) st->erase(id);
-            throw request_error{404, "document '" + id + "' is no longer usable (" + e.what() + ")", "invalid_request_error",
-                                "document_not_found"};
+            throw request_error{404, "document '" + id + "' is no longer usable (" + e.what() + ")",
+                                "invalid_request_error", "document_not_found"};
         }
     }
 
     std::shared_ptr<job> completion_job(const json & b) const {
         std::string prompt;
-        if (b.contains("prompt") && b["prompt"].is_string()) prompt = b["prompt"].get<std::string>();
-        else if (b.contains("prompt") && b["prompt"].is_array() && b["prompt"].size() == 1 && b["prompt"][0].is_string())
+        if (b.contains("prompt") && b["prompt"].is_string())
+            prompt = b["prompt"].get<std::string>();
+        else if (b.contains("prompt") && b["prompt"].is_array() && b["prompt"].size() == 1 &&
+                 b["prompt"][0].is_string())
             prompt = b["prompt"][0].get<std::string>();
-        else bad_request("'prompt' must be a string");
+        else
+            bad_request("'prompt' must be a string");
         auto j = std::make_shared<job>();
         std::vector<llama_token> toks = m->tokens().tokenize(prompt, true, false);
         if (!with_known_docs(*j, prompt, {prompt}, (int64_t) toks.size(), false)) plain_or_chunked(*j, std::move(toks));
@@ -735,8 +786,9 @@ struct server::impl {
     // run a job to the end or stream it; chat: chat.completion(.chunk), else text_completion
     void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const httplib::Request & req,
                  httplib::Response & res) {
-        if (!submit(j)) throw request_error{503, "the server is overloaded: every slot is busy and the queue is full",
-                                            "server_error", "overloaded"};
+        if (!submit(j))
+            throw request_error{503, "the server is overloaded: every slot is busy and the queue is full",
+                                "server_error", "overloaded"};
         const std::string id = new_id(chat ? "chatcmpl-" : "cmpl-");
         const int64_t created = (int64_t) time(nullptr);
         if (!stream) {
@@ -752,7 +804,11 @@ struct server::impl {
             if (j->cancelled)
                 throw request_error{400, "the request was cancelled: the client closed its side of the connection",
                                     "invalid_request_error", "client_closed_request"};
-            json out = {{"id", id}, {"created", created}, {"model", model_id}, {"usage", usage_of(*j)}, {"kvblend", kvblend_of(*j)}};
+            json out = {{"id", id},
+                        {"created", created},
+                        {"model", model_id},
+                        {"usage", usage_of(*j)},
+                        {"kvblend", kvblend_of(*j)}};
             if (chat) {
                 out["object"] = "chat.completion";
                 out["choices"] = json::array({{{"index", 0},
@@ -922,8 +978,9 @@ struct server::impl {
         });
         http.Get("/health", [this](const httplib::Request &, httplib::Response & res) {
             const std::string kv = !p.kv_codec.empty() ? p.kv_codec
-                                   : p.type_k == p.type_v ? ggml_type_name(p.type_k)
-                                                          : std::string(ggml_type_name(p.type_k)) + "/" + ggml_type_name(p.type_v);
+                                   : p.type_k == p.type_v
+                                       ? ggml_type_name(p.type_k)
+                                       : std::string(ggml_type_name(p.type_k)) + "/" + ggml_type_name(p.type_v);
             json h = {{"status", "ok"}, {"kv_cache", kv}, {"fusion", p.kv_codec.empty()}};
             // the store answers (a lookup of a key no chunk has), or the server is degraded: documents fail
             if (st) {
@@ -940,7 +997,8 @@ struct server::impl {
         });
         const json model_card = {{"id", model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "kvblend"}};
         http.Get("/v1/models", [model_card](const httplib::Request &, httplib::Response & res) {
-            res.set_content(json{{"object", "list"}, {"data", json::array({model_card})}}.dump(-1, ' ', false, json::error_handler_t::replace),
+            res.set_content(json{{"object", "list"}, {"data", json::array({model_card})}}.dump(
+                                -1, ' ', false, json::error_handler_t::replace),
                             "application/json");
         });
         // models.retrieve(id): the one model this server runs, by its id
@@ -950,8 +1008,8 @@ struct server::impl {
                 return;
             }
             res.status = 404;
-            res.set_content(error_body("the model '" + std::string(req.matches[1]) + "' does not exist; this server runs '" +
-                                           model_id + "'",
+            res.set_content(error_body("the model '" + std::string(req.matches[1]) +
+                                           "' does not exist; this server runs '" + model_id + "'",
                                        "invalid_request_error", "model_not_found"),
                             "application/json");
         });
@@ -981,9 +1039,11 @@ struct server::impl {
                           if (x.is_string() || (x.is_object() && x.contains("text") && x["text"].is_string())) {
                               texts.push_back(x.is_string() ? x.get<std::string>() : x["text"].get<std::string>());
                               j->ingest_docs.push_back(rag_doc_tokens(m->tokens(), texts.back()));
-                          } else bad_request("every document must be a string or {\"text\": string}");
+                          } else
+                              bad_request("every document must be a string or {\"text\": string}");
                       }
-                      if (!submit(j)) throw request_error{503, "the server is overloaded", "server_error", "overloaded"};
+                      if (!submit(j))
+                          throw request_error{503, "the server is overloaded", "server_error", "overloaded"};
                       std::unique_lock l(j->mu);
                       wait_done(*j, l, req);  // a client that hangs up stops the documents not yet collected
                       // known to plain prompts: the documents the store now holds
@@ -994,33 +1054,44 @@ struct server::impl {
                                               j->error_code};
                       json data = json::array();
                       for (size_t i = 0; i < j->ingest_keys.size(); ++i)
-                          data.push_back({{"id", j->ingest_keys[i]}, {"object", "document"}, {"n_tokens", (int64_t) j->ingest_docs[i].size()}});
-                      res.set_content(json{{"object", "list"}, {"data", data}, {"store_hits", j->store_hits}, {"store_misses", j->store_misses}}.dump(),
+                          data.push_back({{"id", j->ingest_keys[i]},
+                                          {"object", "document"},
+                                          {"n_tokens", (int64_t) j->ingest_docs[i].size()}});
+                      res.set_content(json{{"object", "list"},
+                                           {"data", data},
+                                           {"store_hits", j->store_hits},
+                                           {"store_misses", j->store_misses}}
+                                          .dump(),
                                       "application/json");
                   }));
         http.Post("/tokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {
                       const json b = parse_body(req, REQUEST_TOKENIZE);
-                      if (!b.contains("content") || !b["content"].is_string()) bad_request("'content' must be a string");
-                      const auto t = m->tokens().tokenize(b["content"].get<std::string>(), b.value("add_special", false),
-                                                          b.value("parse_special", true));
+                      if (!b.contains("content") || !b["content"].is_string())
+                          bad_request("'content' must be a string");
+                      const auto t =
+                          m->tokens().tokenize(b["content"].get<std::string>(), b.value("add_special", false),
+                                               b.value("parse_special", true));
                       res.set_content(json{{"tokens", t}}.dump(), "application/json");
                   }));
-        http.Post("/detokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                      const json b = parse_body(req, REQUEST_DETOKENIZE);
-                      if (!b.contains("tokens") || !b["tokens"].is_array()) bad_request("'tokens' must be an array");
-                      std::vector<llama_token> t;
-                      for (const auto & x : b["tokens"]) {
-                          if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= m->hparams().n_vocab)
-                              bad_request("token ids must be integers in [0, " + std::to_string(m->hparams().n_vocab) + ")");
-                          t.push_back((llama_token) x.get<int64_t>());
-                      }
-                      res.set_content(json{{"content", m->tokens().detokenize(t)}}.dump(-1, ' ', false, json::error_handler_t::replace),
-                                      "application/json");
-                  }));
+        http.Post(
+            "/detokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {
+                const json b = parse_body(req, REQUEST_DETOKENIZE);
+                if (!b.contains("tokens") || !b["tokens"].is_array()) bad_request("'tokens' must be an array");
+                std::vector<llama_token> t;
+                for (const auto & x : b["tokens"]) {
+                    if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= m->hparams().n_vocab)
+                        bad_request("token ids must be integers in [0, " + std::to_string(m->hparams().n_vocab) + ")");
+                    t.push_back((llama_token) x.get<int64_t>());
+                }
+                res.set_content(
+                    json{{"content", m->tokens().detokenize(t)}}.dump(-1, ' ', false, json::error_handler_t::replace),
+                    "application/json");
+            }));
     }
 };
 
-server::server(std::shared_ptr<const model> m, const server_params & params) : impl_(std::make_unique<impl>(std::move(m), params)) {}
+server::server(std::shared_ptr<const model> m, const server_params & params)
+    : impl_(std::make_unique<impl>(std::move(m), params)) {}
 
 server::~server() {
     stop();
@@ -1051,6 +1122,8 @@ bool server::wait_ready(int timeout_ms) const {
     return impl_->http.is_running();
 }
 
-int server::port() const { return impl_->bound_port; }
+int server::port() const {
+    return impl_->bound_port;
+}
 
 }  // namespace kvblend

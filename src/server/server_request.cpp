@@ -1,10 +1,10 @@
 // the model-free checks of a request body (see server_request.h)
 #include "server/server_request.h"
 
-#include "kvblend/blend.h"
-
 #include <algorithm>
 #include <cmath>
+
+#include "kvblend/blend.h"
 
 namespace kvblend {
 
@@ -84,9 +84,12 @@ void check_sampling(const json & b) {
     optional_number(b, "min_p", 0, 1);
     // what this server cannot do is refused, not ignored: a client asking for
     // JSON, tool calls or log-probabilities would read a plain answer as one
-    auto unsupported = [](const std::string & what) { bad_request(what + " is not supported", "unsupported_parameter"); };
+    auto unsupported = [](const std::string & what) {
+        bad_request(what + " is not supported", "unsupported_parameter");
+    };
     if (const auto it = b.find("response_format"); it != b.end() && !it->is_null())
-        if (!it->is_object() || it->value("type", json()) != "text") unsupported("'response_format' other than {\"type\": \"text\"}");
+        if (!it->is_object() || it->value("type", json()) != "text")
+            unsupported("'response_format' other than {\"type\": \"text\"}");
     for (const char * k : {"tools", "functions"})
         if (const auto it = b.find(k); it != b.end() && !it->is_null() && !(it->is_array() && it->empty()))
             unsupported(std::string("'") + k + "' (tool calls)");
@@ -120,8 +123,10 @@ void check_sampling(const json & b) {
                                          [](const json & x) { return x.is_object(); })) {
         if (lb->size() > 1024) bad_request("'logit_bias' may hold at most 1024 tokens");
         for (const auto & [k, v] : lb->items()) {
-            const bool digits = !k.empty() && k.size() <= 10 && std::all_of(k.begin(), k.end(), [](char c) { return c >= '0' && c <= '9'; });
-            if (!digits || std::stoll(k) > INT32_MAX) bad_request("'logit_bias' keys must be token ids, not '" + k + "'");
+            const bool digits = !k.empty() && k.size() <= 10 &&
+                                std::all_of(k.begin(), k.end(), [](char c) { return c >= '0' && c <= '9'; });
+            if (!digits || std::stoll(k) > INT32_MAX)
+                bad_request("'logit_bias' keys must be token ids, not '" + k + "'");
             if (!v.is_number() || !(v.get<double>() >= -100 && v.get<double>() <= 100))
                 bad_request("'logit_bias' values must be numbers in [-100, 100]");
         }

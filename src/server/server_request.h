@@ -33,7 +33,7 @@ enum request_kind {
     REQUEST_DETOKENIZE,  // POST /detokenize
 };
 
-constexpr int k_request_max_depth = 64;  // nesting of arrays and objects a body may have
+constexpr int k_request_max_depth = 64;    // nesting of arrays and objects a body may have
 constexpr size_t k_max_stop_bytes = 1024;  // the longest stop string a request may give
 
 // a body checked against its endpoint; the fields the routes need besides the JSON itself

@@ -38,7 +38,8 @@ class soft_store : public store {
     void failed(const char * what, const std::exception & e);
     void answered();
     // call's answer, or `miss` when the backend fails (a warning, not an error)
-    template <typename T, typename F> T guarded(const char * what, T miss, F && call);
+    template <typename T, typename F>
+    T guarded(const char * what, T miss, F && call);
 
     std::unique_ptr<store> s_;
     std::atomic<int64_t> failures_{0};

@@ -17,13 +17,13 @@ namespace kvblend {
 
 namespace {
 
-constexpr char     k_magic[8]        = {'K', 'V', 'B', 'C', 'H', 'U', 'N', 'K'};
-constexpr uint32_t k_version         = 1;  // every token's rows
-constexpr uint32_t k_version_sparse  = 2;  // only the kept tokens' rows (token eviction)
+constexpr char k_magic[8] = {'K', 'V', 'B', 'C', 'H', 'U', 'N', 'K'};
+constexpr uint32_t k_version = 1;          // every token's rows
+constexpr uint32_t k_version_sparse = 2;   // only the kept tokens' rows (token eviction)
 constexpr uint32_t k_pos_k_rope_pos0 = 1;  // K post-RoPE at pos0 + i; V position-free
-constexpr size_t   k_fixed_header    = 104;
-constexpr size_t   k_checksum_bytes  = 16;
-const char *       k_codec_raw       = "raw";
+constexpr size_t k_fixed_header = 104;
+constexpr size_t k_checksum_bytes = 16;
+const char * k_codec_raw = "raw";
 
 // sequential writes into a buffer sized beforehand
 struct writer {
@@ -59,7 +59,8 @@ struct entry_header {
 
 // structure and checksum; the model is not needed for these
 entry_header parse(const std::vector<uint8_t> & b) {
-    if (b.size() < k_fixed_header + k_checksum_bytes) throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
+    if (b.size() < k_fixed_header + k_checksum_bytes)
+        throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
     if (std::memcmp(b.data(), k_magic, 8) != 0) throw error("not a kvblend chunk entry (bad magic)");
     const uint32_t version = get_u32(&b[8]);
     if (version != k_version && version != k_version_sparse)
@@ -81,8 +82,10 @@ entry_header parse(const std::vector<uint8_t> & b) {
     if (h.dtype >= GGML_TYPE_COUNT || !kv_cache_type_supported((ggml_type) h.dtype))
         throw error("entry element type " + std::to_string(h.dtype) + " is not supported");
     if (h.codec.empty()) throw error("entry names no codec");
-    if (h.convention != k_pos_k_rope_pos0) throw error("entry position convention " + std::to_string(h.convention) + " is unknown");
-    if (h.n_tokens == 0 || h.n_layer == 0 || h.n_head_kv == 0 || h.head_dim == 0) throw error("entry has an empty shape");
+    if (h.convention != k_pos_k_rope_pos0)
+        throw error("entry position convention " + std::to_string(h.convention) + " is unknown");
+    if (h.n_tokens == 0 || h.n_layer == 0 || h.n_head_kv == 0 || h.head_dim == 0)
+        throw error("entry has an empty shape");
     // positions are int32 in the graph: the chunk's must all fit
     if (h.pos0 < 0 || h.pos0 > (int64_t) INT32_MAX - h.n_tokens)
         throw error("entry's first position " + std::to_string(h.pos0) + " is out of range");
@@ -93,20 +96,24 @@ entry_header parse(const std::vector<uint8_t> & b) {
     const uint64_t n_rows = h.n_kept ? h.n_kept : h.n_tokens;
     const uint64_t want_header = k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens + h.n_kept);
     if (h.header_bytes != want_header) throw error("entry header size is inconsistent");
-    if (b.size() < want_header + k_checksum_bytes) throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
+    if (b.size() < want_header + k_checksum_bytes)
+        throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
     // raw rows have a size fixed by the shape; a codec's payload checks its own
     h.payload_bytes = b.size() - want_header - k_checksum_bytes;
     // a row's values, and the rows' bytes, must not overflow: a crafted shape can ask for 2^64 bytes
     uint64_t n_embd_kv = 0;
-    if (__builtin_mul_overflow((uint64_t) h.n_head_kv, (uint64_t) h.head_dim, &n_embd_kv) || n_embd_kv > (uint64_t) INT32_MAX)
-        throw error("entry rows of " + std::to_string(h.n_head_kv) + " x " + std::to_string(h.head_dim) + " values are too large");
+    if (__builtin_mul_overflow((uint64_t) h.n_head_kv, (uint64_t) h.head_dim, &n_embd_kv) ||
+        n_embd_kv > (uint64_t) INT32_MAX)
+        throw error("entry rows of " + std::to_string(h.n_head_kv) + " x " + std::to_string(h.head_dim) +
+                    " values are too large");
     if (h.codec == k_codec_raw) {
         uint64_t want = 0;
         if (__builtin_mul_overflow((uint64_t) h.n_layer * 2, n_rows, &want) ||
             __builtin_mul_overflow(want, (uint64_t) ggml_row_size((ggml_type) h.dtype, (int64_t) n_embd_kv), &want) ||
             __builtin_add_overflow(want, want_header + k_checksum_bytes, &want))
             throw error("entry shape is too large for any entry");
-        if (b.size() < want) throw error("entry is truncated (" + std::to_string(b.size()) + " of " + std::to_string(want) + " bytes)");
+        if (b.size() < want)
+            throw error("entry is truncated (" + std::to_string(b.size()) + " of " + std::to_string(want) + " bytes)");
         if (b.size() > want) throw error("entry has " + std::to_string(b.size() - want) + " trailing bytes");
     }
     const XXH128_hash_t sum = XXH3_128bits(b.data(), b.size() - k_checksum_bytes);
@@ -141,7 +148,8 @@ std::vector<llama_token> entry_chunk_tokens(const entry_header & h, const std::v
 // forward must never see one the embedding does not hold)
 void check_against(const entry_header & h, const std::vector<uint8_t> & b, const model & m) {
     const model_hparams & hp = m.hparams();
-    if (h.fingerprint != m.fingerprint()) throw error("entry belongs to another model (fingerprint " + h.fingerprint + ")");
+    if (h.fingerprint != m.fingerprint())
+        throw error("entry belongs to another model (fingerprint " + h.fingerprint + ")");
     if (h.n_layer != hp.n_layer || h.n_head_kv != hp.n_head_kv || h.head_dim != hp.head_dim)
         throw error("entry shape does not match the model");
     const uint64_t n = (uint64_t) h.n_prefix + h.n_tokens;
@@ -182,8 +190,9 @@ static std::string chunk_evict_tag(const evict_params & ev) {
     return buf;
 }
 
-std::string chunk_key(const model & m, ggml_type type, const std::string & codec, const std::vector<llama_token> & prefix,
-                      const std::vector<llama_token> & tokens, const evict_params & ev) {
+std::string chunk_key(const model & m, ggml_type type, const std::string & codec,
+                      const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens,
+                      const evict_params & ev) {
     XXH3_state_t * st = XXH3_createState();
     XXH3_128bits_reset(st);
     auto add = [&](const void * p, size_t n) { XXH3_128bits_update(st, p, n); };
@@ -212,7 +221,8 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
         throw error("chunk KV does not match the model");
     if (m.fingerprint().size() != 32) throw error("model fingerprint has an unexpected size");
     const bool raw = !cd || cd->name() == k_codec_raw;
-    if (!c.kept.empty() && !raw) throw error("a chunk with evicted tokens is stored raw: codec " + cd->name() + " does not apply");
+    if (!c.kept.empty() && !raw)
+        throw error("a chunk with evicted tokens is stored raw: codec " + cd->name() + " does not apply");
     const std::vector<uint8_t> coded = raw ? std::vector<uint8_t>() : cd->encode(c);
     const std::string codec_name = raw ? k_codec_raw : cd->entry_name();
     if (codec_name.size() >= 16) throw error("codec name too long: " + codec_name);
@@ -281,7 +291,8 @@ chunk_kv decode_parsed(const model & m, const entry_header & h, std::vector<uint
     c.tokens.resize(h.n_tokens);
     std::memcpy(c.tokens.data(), &b[k_fixed_header + 4ull * h.n_prefix], 4ull * h.n_tokens);
     c.kept.resize(h.n_kept);
-    if (h.n_kept) std::memcpy(c.kept.data(), &b[k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens)], 4ull * h.n_kept);
+    if (h.n_kept)
+        std::memcpy(c.kept.data(), &b[k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens)], 4ull * h.n_kept);
     if (h.codec == k_codec_raw) {
         // the payload stays where it was read: no copy of the KV
         c.data = std::move(b);
@@ -330,7 +341,8 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
     const std::unique_ptr<codec> cd = codec_by_name(codec_name);
     if (ev.policy != EVICT_POLICY_NONE) {
         evict_check(ev);
-        if (cd->name() != k_codec_raw) throw error("evicted chunks are stored raw: --codec " + cd->name() + " does not apply");
+        if (cd->name() != k_codec_raw)
+            throw error("evicted chunks are stored raw: --codec " + cd->name() + " does not apply");
         if (!prefix.empty()) throw error("evicted chunks are collected alone, not behind a prefix");
     }
     const std::string key = chunk_key(m, eng.cache().type_k(), cd->name(), prefix, tokens, ev);
@@ -342,11 +354,13 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
                 chunk_entry_info info;
                 chunk_kv c = chunk_decode(m, std::move(*bytes), &info);
                 // what the key names, as the entry holds it (its header is not signed)
-                if (c.tokens != tokens || info.prefix != prefix) throw error("entry holds other tokens than its key says");
+                if (c.tokens != tokens || info.prefix != prefix)
+                    throw error("entry holds other tokens than its key says");
                 if (c.type != eng.cache().type_k())
                     throw error(std::string("entry holds ") + ggml_type_name(c.type) + " KV, the cache is " +
                                 ggml_type_name(eng.cache().type_k()));
-                if (info.codec != cd->entry_name()) throw error("entry is coded with " + info.codec + ", its key names " + cd->name());
+                if (info.codec != cd->entry_name())
+                    throw error("entry is coded with " + info.codec + ", its key names " + cd->name());
                 if (c.kept.empty() != (ev.policy == EVICT_POLICY_NONE))
                     throw error(c.kept.empty() ? "entry holds every token, its key names an evicted chunk"
                                                : "entry holds an evicted chunk, its key names every token");
@@ -356,7 +370,8 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
                 return c;
             } catch (const error & e) {
                 // never loaded, never a crash: drop it and collect again
-                std::fprintf(stderr, "warning: store entry %s is unusable (%s): collecting again\n", key.c_str(), e.what());
+                std::fprintf(stderr, "warning: store entry %s is unusable (%s): collecting again\n", key.c_str(),
+                             e.what());
                 try {
                     st->erase(key);
                 } catch (const error & e2) {
@@ -398,8 +413,9 @@ std::unique_ptr<store> store_open(const std::string & uri, const store_options &
     std::string head = uri.substr(0, 6);
     for (char & ch : head) ch = (char) std::tolower((unsigned char) ch);
     if (head.rfind("redis:", 0) == 0 || head.rfind("rediss", 0) == 0)
-        throw error("the store URI begins like a Redis one but is not redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S]; "
-                    "write dir:PATH for a folder of that name");
+        throw error(
+            "the store URI begins like a Redis one but is not redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S]; "
+            "write dir:PATH for a folder of that name");
     return dir_store_open(uri, opts);
 }
 

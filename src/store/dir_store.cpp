@@ -211,7 +211,8 @@ class dir_store : public store {
         if (!S_ISREG(st.st_mode)) return std::nullopt;
         // no entry is larger than the whole budget, or than k_max_entry_bytes:
         // such a file (a sparse one, say) is not read into memory, it is no entry
-        const uint64_t cap = opts_.max_bytes ? std::min<uint64_t>(opts_.max_bytes, k_max_entry_bytes) : k_max_entry_bytes;
+        const uint64_t cap =
+            opts_.max_bytes ? std::min<uint64_t>(opts_.max_bytes, k_max_entry_bytes) : k_max_entry_bytes;
         if ((uint64_t) st.st_size > cap) return std::nullopt;
         std::vector<uint8_t> out((size_t) st.st_size);
         size_t done = 0;
@@ -271,17 +272,20 @@ class dir_store : public store {
         std::vector<scanned> out;
         std::error_code ec;
         const fs::path entries = root_ / "entries";
-        for (auto sub = fs::directory_iterator(entries, ec); !ec && sub != fs::directory_iterator(); sub.increment(ec)) {
+        for (auto sub = fs::directory_iterator(entries, ec); !ec && sub != fs::directory_iterator();
+             sub.increment(ec)) {
             std::error_code ec2;
             if (!sub->is_directory(ec2)) continue;
-            for (auto it = fs::directory_iterator(sub->path(), ec2); !ec2 && it != fs::directory_iterator(); it.increment(ec2)) {
+            for (auto it = fs::directory_iterator(sub->path(), ec2); !ec2 && it != fs::directory_iterator();
+                 it.increment(ec2)) {
                 const fs::path & p = it->path();
                 if (p.extension() != ".kvb" || !valid_key(p.stem().string())) continue;
                 struct stat st {};
                 if (lstat(p.c_str(), &st) != 0) continue;  // removed meanwhile
                 const bool regular = S_ISREG(st.st_mode);
                 if (!regular && !unreadable) continue;
-                out.push_back({{p.stem().string(), regular ? (uint64_t) st.st_size : 0, (int64_t) st.st_mtime}, regular});
+                out.push_back(
+                    {{p.stem().string(), regular ? (uint64_t) st.st_size : 0, (int64_t) st.st_mtime}, regular});
             }
         }
         std::sort(out.begin(), out.end(), [](const auto & a, const auto & b) { return a.info.key < b.info.key; });
@@ -345,7 +349,8 @@ class dir_store : public store {
             const std::string name = it->path().filename().string();
             const fs::file_type type = it->symlink_status(ec).type();
             if (ec) break;
-            if ((name == "lock" && type == fs::file_type::regular) || (name == "tmp" && type == fs::file_type::directory))
+            if ((name == "lock" && type == fs::file_type::regular) ||
+                (name == "tmp" && type == fs::file_type::directory))
                 continue;
             // entries/ or an index that came in while the folder was listed:
             // a store another process is making
@@ -425,7 +430,8 @@ class dir_store : public store {
         {
             struct stat st {};
             fd_guard fd(open((root_ / "index").c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
-            if (fd.get() >= 0 && fstat(fd.get(), &st) == 0 && S_ISREG(st.st_mode) && (uint64_t) st.st_size <= k_max_index_bytes) {
+            if (fd.get() >= 0 && fstat(fd.get(), &st) == 0 && S_ISREG(st.st_mode) &&
+                (uint64_t) st.st_size <= k_max_index_bytes) {
                 text.resize((size_t) st.st_size);
                 size_t done = 0;
                 while (done < text.size()) {

@@ -633,8 +633,10 @@ class redis_store : public store {
         for (command * c : {&multi, &del, &hdel, &exec}) append(*c);
         std::vector<reply_ptr> r = read_replies(4);
         for (int i = 0; i < 3; ++i) expect_ok(r[i].get(), "DEL");
-        if (sizes_of_another_type(r[3].get())) repair_sizes_hash();
-        else check_exec(r[3].get(), 2, "DEL");
+        if (sizes_of_another_type(r[3].get()))
+            repair_sizes_hash();
+        else
+            check_exec(r[3].get(), 2, "DEL");
         return integer(r[3]->element[0], "DEL") > 0;
     }
 
@@ -653,7 +655,8 @@ class redis_store : public store {
         if (r->type != REDIS_REPLY_STATUS) throw unexpected("TYPE", r.get());
         const std::string t(r->str, r->len);
         if (t == "hash" || t == "none") return;
-        std::fprintf(stderr, "warning: redis at %s: %s is a %s, not the hash of entry sizes: removed, sizes measured again\n",
+        std::fprintf(stderr,
+                     "warning: redis at %s: %s is a %s, not the hash of entry sizes: removed, sizes measured again\n",
                      where().c_str(), sizes_hash, t.c_str());
         run(command().arg("DEL").arg(sizes_hash));
     }
@@ -825,7 +828,8 @@ class redis_store : public store {
 std::unique_ptr<store> redis_store_open(const std::string & uri, const store_options & opts) {
     redis_address addr = parse_uri(uri);
     store_options o = opts;
-    if (addr.timeout_s > 0) o.timeout_s = addr.timeout_s;  // the URI's own deadline wins: it travels with the store's name
+    if (addr.timeout_s > 0)
+        o.timeout_s = addr.timeout_s;  // the URI's own deadline wins: it travels with the store's name
     if (!(o.timeout_s > 0) || o.timeout_s > 1e6)
         throw error("store timeout " + std::to_string(o.timeout_s) + " s is not in (0, 1e6]");
     return std::make_unique<redis_store>(redact_uri(uri), std::move(addr), o);

@@ -8,13 +8,13 @@
 #include <cmath>
 #include <numeric>
 
+#include "blend/blend_prompt.h"
 #include "blend/fidelity.h"
 #include "engine/driver.h"
 #include "kvblend/blend.h"
 #include "kvblend/evict.h"
 #include "kvblend/vocab.h"
 #include "test_util.h"
-#include "blend/blend_prompt.h"
 
 namespace kvblend {
 namespace {
@@ -30,7 +30,8 @@ const std::vector<std::string> k_docs = {
     " The sun was hot and Ben wanted to swim. His mom took him to the lake. Ben splashed and laughed all day.",
     " Lily had a big box of crayons. She drew a house, a tree and a dog. She showed her picture to her dad.",
     " A small bird could not fly. Max helped the bird and kept it warm. Soon the bird was strong and flew away.",
-    " Anna and her brother built a tall tower of blocks. The dog ran past and the tower fell down. They built it again.",
+    " Anna and her brother built a tall tower of blocks. The dog ran past and the tower fell down. They built it "
+    "again.",
 };
 const std::vector<std::string> k_queries = {
     " Once upon a time, the friends met in the park and",
@@ -42,7 +43,8 @@ const std::vector<std::string> k_queries = {
 prompt make_prompt(const model & m, int first_doc, int n_docs, int query) {
     prompt p;
     p.chunks.push_back(m.tokens().tokenize("Here are some stories.", true));
-    for (int i = 0; i < n_docs; ++i) p.chunks.push_back(m.tokens().tokenize(k_docs[(first_doc + i) % k_docs.size()], false));
+    for (int i = 0; i < n_docs; ++i)
+        p.chunks.push_back(m.tokens().tokenize(k_docs[(first_doc + i) % k_docs.size()], false));
     p.query = m.tokens().tokenize(k_queries[query % k_queries.size()], false);
     return p;
 }
@@ -80,7 +82,9 @@ struct fixture {
     }
 };
 
-std::vector<std::string> models_under_test() { return {k_stories, test::make_test_model("tiny-qwen3")}; }
+std::vector<std::string> models_under_test() {
+    return {k_stories, test::make_test_model("tiny-qwen3")};
+}
 
 TEST(blend, chunk_placed_at_offset_equals_chunk_collected_there) {
     for (const std::string & path : models_under_test()) {
@@ -114,9 +118,11 @@ TEST(blend, placing_rotates_k_by_each_chunks_offset_at_every_cache_type) {
         const auto m = model::load(path);
         const prompt p = make_prompt(*m, 0, 3, 0);
         std::vector<llama_token> toks = p.all();
-        while (toks.size() < 300) toks.insert(toks.end(), toks.begin(), toks.begin() + std::min<size_t>(toks.size(), 300 - toks.size()));
+        while (toks.size() < 300)
+            toks.insert(toks.end(), toks.begin(), toks.begin() + std::min<size_t>(toks.size(), 300 - toks.size()));
         for (ggml_type type : {GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_Q8_0}) {
-            if (ggml_is_quantized(type) && m->hparams().head_dim % ggml_blck_size(type) != 0) continue;  // stories260K's heads of 8
+            if (ggml_is_quantized(type) && m->hparams().head_dim % ggml_blck_size(type) != 0)
+                continue;  // stories260K's heads of 8
             engine_params ep = f32_params();
             ep.type_k = ep.type_v = type;
             // few runs (a chunk of many tokens each) and many (300 chunks of one)
@@ -263,7 +269,7 @@ TEST(blend, gradual_equals_dense_with_every_selection_option) {
         bool schedule;
     };
     const std::vector<option> options = {
-        {BLEND_BUDGET_MASS, 0.0f, true, true, 1, false},  {BLEND_BUDGET_CHUNK, 0.0f, true, true, 2, false},
+        {BLEND_BUDGET_MASS, 0.0f, true, true, 1, false},   {BLEND_BUDGET_CHUNK, 0.0f, true, true, 2, false},
         {BLEND_BUDGET_GLOBAL, 0.5f, true, true, 1, false}, {BLEND_BUDGET_MASS, 0.7f, true, false, 2, false},
         {BLEND_BUDGET_MASS, 0.6f, true, true, 1, true},    {BLEND_BUDGET_CHUNK, 0.0f, false, true, 3, true},
         {BLEND_BUDGET_GLOBAL, 0.0f, true, true, 1, true},
@@ -329,12 +335,13 @@ TEST(blend, selection_holds_every_query_token_and_no_prefix_token) {
             int64_t at = n_prefix;
             for (size_t i = 1; i < f.kv.size(); ++i) {
                 for (int64_t j = 0; j < head; ++j)
-                    EXPECT_TRUE(std::binary_search(r.selected.begin(), r.selected.end(), at + j)) << "head of doc " << i;
+                    EXPECT_TRUE(std::binary_search(r.selected.begin(), r.selected.end(), at + j))
+                        << "head of doc " << i;
                 at += f.kv[i].n_tokens();
             }
             const int64_t n_heads = head * (int64_t) (f.kv.size() - 1);
-            const int64_t want = std::min(r.stats.n_doc_tokens - n_heads,
-                                          (int64_t) std::llround(ratio * r.stats.n_doc_tokens));
+            const int64_t want =
+                std::min(r.stats.n_doc_tokens - n_heads, (int64_t) std::llround(ratio * r.stats.n_doc_tokens));
             EXPECT_EQ(r.stats.n_selected, nq + n_heads + want) << "ratio " << ratio << " head " << head;
         }
     }
@@ -401,8 +408,10 @@ TEST(blend, chunks_serve_many_blends_unchanged) {
             std::vector<const chunk_kv *> ptrs;
             for (int i : orders[o]) ptrs.push_back(&f.kv[i]);
             const blend_result r = blend(e, ptrs, f.p.query, blend_default_params());
-            if (round == 0) first.push_back(r.logits);
-            else EXPECT_EQ(r.logits, first[o]) << "order " << o;  // same inputs, same numbers
+            if (round == 0)
+                first.push_back(r.logits);
+            else
+                EXPECT_EQ(r.logits, first[o]) << "order " << o;  // same inputs, same numbers
         }
     }
     for (size_t i = 0; i < before.size(); ++i) {
@@ -462,7 +471,8 @@ TEST(blend, hidden_states_never_cross_to_the_host) {
             // query lies in); the hidden states would be N * n_embd floats a run
             const uint64_t per_check = N + 2 * N * (uint64_t) hp.n_head;
             ASSERT_LT(per_check, N * (uint64_t) hp.n_embd) << path;
-            EXPECT_LE(t1.from_backend - t0.from_backend, (hp.n_vocab + bp.schedule.size() * per_check) * sizeof(float)) << path;
+            EXPECT_LE(t1.from_backend - t0.from_backend, (hp.n_vocab + bp.schedule.size() * per_check) * sizeof(float))
+                << path;
             // to the backend: the chunk rows placed, plus inputs (ids, positions, indices, masks)
             uint64_t placed = 0;
             for (const chunk_kv * c : f.ptrs) placed += c->bytes();
@@ -502,8 +512,10 @@ per_doc tally_docs(const fixture & f, const blend_result & r) {
         ++t.n_tok[d[p]];
         t.n_sel[d[p]] += sel;
         t.mass[d[p]] += r.scores[p];
-        if (sel) lo_sel[d[p]] = std::min(lo_sel[d[p]], r.scores[p]);
-        else hi_unsel[d[p]] = std::max(hi_unsel[d[p]], r.scores[p]);
+        if (sel)
+            lo_sel[d[p]] = std::min(lo_sel[d[p]], r.scores[p]);
+        else
+            hi_unsel[d[p]] = std::max(hi_unsel[d[p]], r.scores[p]);
     }
     for (size_t i = 1; i < f.kv.size(); ++i) t.top_within = t.top_within && lo_sel[i] >= hi_unsel[i];
     return t;
@@ -523,7 +535,8 @@ TEST(blend, chunk_budget_gives_each_document_its_share_of_its_own_top_tokens) {
         const int64_t k = (int64_t) std::llround(ratio * r.stats.n_doc_tokens);
         int64_t total = 0;
         for (size_t i = 1; i < f.kv.size(); ++i) {
-            EXPECT_LE(std::fabs((double) t.n_sel[i] - ratio * (double) t.n_tok[i]), 1.0) << "doc " << i << " ratio " << ratio;
+            EXPECT_LE(std::fabs((double) t.n_sel[i] - ratio * (double) t.n_tok[i]), 1.0)
+                << "doc " << i << " ratio " << ratio;
             total += t.n_sel[i];
         }
         EXPECT_EQ(total, k);
@@ -613,7 +626,8 @@ TEST(blend, chunk_heads_inside_the_budget_keep_the_selected_count) {
         for (size_t i = 0; i < f.kv.size(); ++i) {
             if (i > 0) {
                 for (int64_t j = 0; j < head; ++j)
-                    EXPECT_TRUE(std::binary_search(r.selected.begin(), r.selected.end(), at + j)) << "head of doc " << i;
+                    EXPECT_TRUE(std::binary_search(r.selected.begin(), r.selected.end(), at + j))
+                        << "head of doc " << i;
             }
             at += f.kv[i].n_tokens();
         }
@@ -741,8 +755,10 @@ TEST(blend, chunk_head_of_an_evicted_chunk_is_its_first_tokens_not_its_first_row
         EXPECT_TRUE(std::binary_search(r.selected.begin(), r.selected.end(), doc1 + 1)) << in_budget;
         const int64_t doc2 = doc1 + kv[1].n_tokens();
         for (int64_t p : r.selected) EXPECT_FALSE(p >= doc2 && p < doc2 + kv[2].n_tokens() && !in_budget) << p;
-        if (!in_budget) EXPECT_EQ(r.stats.n_selected, nq + 2);
-        else EXPECT_EQ(r.stats.n_selected, nq + 4);  // the two heads, then two by deviation
+        if (!in_budget)
+            EXPECT_EQ(r.stats.n_selected, nq + 2);
+        else
+            EXPECT_EQ(r.stats.n_selected, nq + 4);  // the two heads, then two by deviation
     }
 }
 

@@ -41,16 +41,17 @@ TEST(cli_blend, compare_full_reports_fidelity_and_speed) {
                                              " --query 'Once upon a time, Tom and Sue' -n 8 --compare-full --json");
     ASSERT_EQ(r.status, 0) << r.err;
     const auto j = nlohmann::json::parse(r.out);
-    for (const char * k : {"text", "n_tokens", "n_selected", "kl", "top1_agree", "greedy_agree_32", "full_ms", "blend_ms",
-                           "speedup", "collect_ms"})
+    for (const char * k : {"text", "n_tokens", "n_selected", "kl", "top1_agree", "greedy_agree_32", "full_ms",
+                           "blend_ms", "speedup", "collect_ms"})
         EXPECT_TRUE(j.contains(k)) << k;
     EXPECT_GT(j["n_tokens"].get<int>(), j["n_selected"].get<int>());
     EXPECT_GE(j["kl"].get<double>(), 0.0);
     EXPECT_LE(j["greedy_agree_32"].get<double>(), 1.0);
 
     // ratio 1 recomputes every document token: the fused prefill is the full one
-    const test::run_result r1 = test::run_cli("blend -m " + k_stories + " --system 'Some stories.'" + docs.args() +
-                                              " --query 'Once upon a time' -n 4 --recomp-ratio 1 --compare-full --json");
+    const test::run_result r1 =
+        test::run_cli("blend -m " + k_stories + " --system 'Some stories.'" + docs.args() +
+                      " --query 'Once upon a time' -n 4 --recomp-ratio 1 --compare-full --json");
     ASSERT_EQ(r1.status, 0) << r1.err;
     const auto j1 = nlohmann::json::parse(r1.out);
     EXPECT_LE(j1["kl"].get<double>(), 1e-4);
@@ -61,7 +62,8 @@ TEST(cli_blend, compare_full_reports_fidelity_and_speed) {
 TEST(cli_blend, bad_flags_are_errors) {
     doc_files docs;
     const std::vector<std::pair<std::string, std::string>> cases = {
-        {"blend -m " + k_stories + docs.args() + " --query q --recomp-ratio 2", "--recomp-ratio expects a number in [0, 1]"},
+        {"blend -m " + k_stories + docs.args() + " --query q --recomp-ratio 2",
+         "--recomp-ratio expects a number in [0, 1]"},
         {"blend -m " + k_stories + docs.args() + " --query q --check-layer 9", "--check-layer must be below"},
         {"blend -m " + k_stories + docs.args() + " --query q --method fast", "--method must be gradual or dense"},
         {"blend -m " + k_stories + docs.args() + " --query q --score z", "--score must be v, k or kv"},
@@ -96,9 +98,8 @@ TEST(rag_prompt, chat_layout_keeps_documents_as_their_own_chunks) {
     EXPECT_EQ(v.detokenize(p.chunks[1]), "First document.\n\n");
     EXPECT_EQ(v.detokenize(p.chunks[2]), "Second document.\n\n");
     // the pieces in order render exactly the chat template's text
-    const std::string rendered =
-        v.apply_chat_template({{"system", "You answer briefly."}, {"user", "First document.\n\nSecond document.\n\nWhat is in them?"}},
-                              true);
+    const std::string rendered = v.apply_chat_template(
+        {{"system", "You answer briefly."}, {"user", "First document.\n\nSecond document.\n\nWhat is in them?"}}, true);
     std::string joined;
     for (const auto & c : p.chunks) joined += v.detokenize(c, true);
     joined += v.detokenize(p.query, true);
@@ -115,7 +116,8 @@ namespace {
 TEST(cli_bench_blend, fidelity_table_runs_and_reports_each_variant) {
     test::temp_dir dir("bench");
     const std::string json = dir.file("fid.json");
-    const test::run_result r = test::run_cli("bench blend -m " + k_stories + " --ratios 0,1 --prompts 3 --docs 2 --json " + json);
+    const test::run_result r =
+        test::run_cli("bench blend -m " + k_stories + " --ratios 0,1 --prompts 3 --docs 2 --json " + json);
     ASSERT_EQ(r.status, 0) << r.err;
     std::ifstream f(json);
     const auto j = nlohmann::json::parse(f);

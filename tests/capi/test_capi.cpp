@@ -88,14 +88,16 @@ TEST_F(capi, errors_are_statuses_with_a_message_and_leave_outputs_alone) {
         bp = kvb_blend_default_params();
         bp.budget = (kvb_blend_budget) budget;
         EXPECT_EQ(kvb_blend(ctx, nullptr, "", docs.data(), docs.size(), "q", &bp, nullptr, nullptr, nullptr),
-                  KVB_ERR_INVALID_ARGUMENT) << budget;
+                  KVB_ERR_INVALID_ARGUMENT)
+            << budget;
         EXPECT_NE(std::string(kvb_last_error()).find("budget"), std::string::npos) << kvb_last_error();
     }
     for (float mass : {NAN, INFINITY, -INFINITY, -0.1f, 1.5f}) {
         bp = kvb_blend_default_params();
         bp.dev_mass = mass;
         EXPECT_EQ(kvb_blend(ctx, nullptr, "", docs.data(), docs.size(), "q", &bp, nullptr, nullptr, nullptr),
-                  KVB_ERR_INVALID_ARGUMENT) << mass;
+                  KVB_ERR_INVALID_ARGUMENT)
+            << mass;
         EXPECT_NE(std::string(kvb_last_error()).find("dev_mass"), std::string::npos) << kvb_last_error();
     }
     bp = kvb_blend_default_params();

@@ -31,7 +31,9 @@ const char * k_texts[] = {
 
 struct capi_hostile : kvblend::test::capi_suite {};
 
-std::string last_error() { return kvb_last_error(); }
+std::string last_error() {
+    return kvb_last_error();
+}
 
 std::string generate(kvb_context * c, const char * prompt, int32_t n_predict) {
     kvb_generate_params gp = kvb_generate_default_params();
@@ -119,7 +121,8 @@ TEST_F(capi_hostile, every_required_null_pointer_is_an_invalid_argument_naming_i
 
 TEST_F(capi_hostile, status_names_of_values_outside_the_enum_are_unknown_not_undefined) {
     // any int a C caller passes has a name (read as an int, not as the C++ enum type)
-    for (int s : {-1, 7, 42, INT32_MAX}) EXPECT_STREQ(kvb_status_name(static_cast<kvb_status>(s)), "KVB_ERR_UNKNOWN") << s;
+    for (int s : {-1, 7, 42, INT32_MAX})
+        EXPECT_STREQ(kvb_status_name(static_cast<kvb_status>(s)), "KVB_ERR_UNKNOWN") << s;
     EXPECT_STREQ(kvb_status_name(KVB_ERR_INTERNAL), "KVB_ERR_INTERNAL");
 }
 
@@ -208,7 +211,8 @@ TEST_F(capi_hostile, documents_by_id_past_the_context_are_refused_before_their_e
     kvb_model_info info;
     ASSERT_EQ(kvb_model_get_info(model, &info), KVB_OK);
     const std::vector<kvb_doc> docs((size_t) info.n_ctx_train, kvb_doc{nullptr, ids[0].hex});  // ≥ 1 token each
-    EXPECT_EQ(kvb_blend(ctx, st, "", docs.data(), docs.size(), "q", nullptr, nullptr, nullptr, nullptr), KVB_ERR_FAILED);
+    EXPECT_EQ(kvb_blend(ctx, st, "", docs.data(), docs.size(), "q", nullptr, nullptr, nullptr, nullptr),
+              KVB_ERR_FAILED);
     EXPECT_NE(last_error().find("more than the context of " + std::to_string(info.n_ctx_train)), std::string::npos)
         << last_error();
     // a few of them fit and blend
@@ -457,7 +461,8 @@ TEST_F(capi_hostile, contexts_of_one_model_on_two_threads_give_what_each_gives_a
         gp.n_predict = 16;
         char * text = nullptr;
         std::string s;
-        if (kvb_blend(c, nullptr, "Stories.", docs, 2, "Once upon a time", nullptr, &gp, &text, nullptr) == KVB_OK) s = text;
+        if (kvb_blend(c, nullptr, "Stories.", docs, 2, "Once upon a time", nullptr, &gp, &text, nullptr) == KVB_OK)
+            s = text;
         kvb_free(text);
         return s;
     };

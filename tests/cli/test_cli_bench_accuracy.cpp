@@ -35,7 +35,9 @@ const nlohmann::json & row(const nlohmann::json & j, const std::string & variant
     return none;
 }
 
-void write_file(const std::string & path, const std::string & text) { std::ofstream(path, std::ios::binary) << text; }
+void write_file(const std::string & path, const std::string & text) {
+    std::ofstream(path, std::ios::binary) << text;
+}
 
 // on the testbed the answers need the other chunks: over the 400 dev prompts
 // naive concatenation answers measurably worse than the full prefill (a
@@ -79,8 +81,9 @@ TEST(cli_bench_accuracy, on_the_testbed_naive_is_measurably_below_full_and_ratio
 TEST(cli_bench_accuracy, ratio_one_answers_as_the_full_prefill) {
     test::temp_dir dir("acc");
     const std::string out = dir.file("acc.json");
-    const test::run_result r = test::run_cli("bench accuracy -m " + k_stories + " --prompts " + k_prompts +
-                                             " --ratios 0.3,1 --variants default,head=2,head=2+beyond-budget -n 2 --json " + out);
+    const test::run_result r =
+        test::run_cli("bench accuracy -m " + k_stories + " --prompts " + k_prompts +
+                      " --ratios 0.3,1 --variants default,head=2,head=2+beyond-budget -n 2 --json " + out);
     ASSERT_EQ(r.status, 0) << r.err;
     EXPECT_NE(r.out.find("| full | 1.00 |"), std::string::npos) << r.out;
     const nlohmann::json j = read_json(out);
@@ -178,9 +181,9 @@ TEST(cli_bench_accuracy, malformed_lines_are_refused_with_their_number) {
 // does not exist is still refused
 TEST(cli_bench_accuracy, codec_names_with_a_plus_are_one_setting) {
     const std::string json = testing::TempDir() + "/acc_codec_plus.json";
-    const test::run_result r =
-        test::run_cli("bench accuracy -m " + k_stories + " --prompts " + k_prompts +
-                      " --n 2 --ratios 0.5 --codecs turboquant3+qjl --variants codec=turboquant3+qjl+head=2 --json " + json);
+    const test::run_result r = test::run_cli(
+        "bench accuracy -m " + k_stories + " --prompts " + k_prompts +
+        " --n 2 --ratios 0.5 --codecs turboquant3+qjl --variants codec=turboquant3+qjl+head=2 --json " + json);
     ASSERT_EQ(r.status, 0) << r.err;
     const nlohmann::json j = read_json(json);
     const nlohmann::json & a = row(j, "codec=turboquant3+qjl", 0.5);

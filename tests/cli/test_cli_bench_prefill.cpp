@@ -3,9 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <vector>
-
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "cli_run.h"
 #include "test_util.h"
@@ -41,7 +40,8 @@ TEST(cli_bench_prefill, ratios_are_the_median_of_each_repetitions_ratio) {
         std::vector<double> ratio;
         for (size_t i = 0; i < 4; ++i) ratio.push_back(ref[i] / ours[i]);
         std::sort(ratio.begin(), ratio.end());
-        EXPECT_DOUBLE_EQ(row[s + "_ratio"].get<double>(), 0.5 * (ratio[1] + ratio[2])) << s;  // even count: the middle two
+        EXPECT_DOUBLE_EQ(row[s + "_ratio"].get<double>(), 0.5 * (ratio[1] + ratio[2]))
+            << s;  // even count: the middle two
         EXPECT_DOUBLE_EQ(row[s + "_ratio_min"].get<double>(), ratio.front()) << s;
         EXPECT_DOUBLE_EQ(row[s + "_ratio_max"].get<double>(), ratio.back()) << s;
     }
@@ -76,7 +76,8 @@ TEST(cli_bench_prefill, profile_shapes_splits_each_op_by_its_operands) {
 }
 
 TEST(cli_bench_prefill, profile_ops_table_names_the_ops) {
-    const test::run_result r = test::run_cli("bench prefill -m " + k_stories + " --tokens 48 -r 1 --n-gen 0 --profile-ops");
+    const test::run_result r =
+        test::run_cli("bench prefill -m " + k_stories + " --tokens 48 -r 1 --n-gen 0 --profile-ops");
     ASSERT_EQ(r.status, 0) << r.err;
     EXPECT_NE(r.out.find("| op | ours ms | llama ms | ours / llama |"), std::string::npos) << r.out;
     EXPECT_NE(r.out.find("| FLASH_ATTN_EXT |"), std::string::npos) << r.out;

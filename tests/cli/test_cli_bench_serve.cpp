@@ -17,13 +17,13 @@ TEST(cli_bench_serve, every_row_is_timed_and_reordered_plain_passages_are_store_
     test::temp_dir d("benchserve");
     server_params p = test::small_params((d.path() / "store").string());
     p.n_ctx = 1024;
-    p.min_fuse_tokens = 64;   // the plain prompts here are ~200 tokens: learned
-    p.learn_min_chars = 64;   // and their passages (~48 tokens each) are long enough to learn
+    p.min_fuse_tokens = 64;  // the plain prompts here are ~200 tokens: learned
+    p.learn_min_chars = 64;  // and their passages (~48 tokens each) are long enough to learn
     test::running_server s(p);
     const std::string json_path = (d.path() / "serve.json").string();
-    const test::run_result r =
-        test::run_cli("bench serve -m " + test::k_stories_model + " --url http://127.0.0.1:" + std::to_string(s.port()) +
-                      " --docs 3 --doc-tokens 48 -r 1 --settle-ms 0 --json " + json_path);
+    const test::run_result r = test::run_cli("bench serve -m " + test::k_stories_model +
+                                             " --url http://127.0.0.1:" + std::to_string(s.port()) +
+                                             " --docs 3 --doc-tokens 48 -r 1 --settle-ms 0 --json " + json_path);
     ASSERT_EQ(r.status, 0) << r.err;
     std::ifstream f(json_path);
     const nlohmann::json j = nlohmann::json::parse(f, nullptr, false);

@@ -43,7 +43,8 @@ TEST(cli_generate, seeded_sampling_is_reproducible) {
 TEST(cli_generate, chat_template_wraps_the_prompt) {
     const std::string path = test::make_test_model("tiny-qwen3");  // carries qwen2's chat template
     const test::run_result plain = test::run_cli("generate -m " + path + " -p hi -n 4 --json");
-    const test::run_result chat = test::run_cli("generate -m " + path + " -p hi -n 4 --chat --system 'be brief' --json");
+    const test::run_result chat =
+        test::run_cli("generate -m " + path + " -p hi -n 4 --chat --system 'be brief' --json");
     ASSERT_EQ(plain.status, 0) << plain.err;
     ASSERT_EQ(chat.status, 0) << chat.err;
     // system turn, user turn and the opened assistant turn add their markers
@@ -101,7 +102,8 @@ namespace kvblend {
 namespace {
 
 TEST(cli_generate, evict_keeps_the_budget_and_bad_flags_are_messages) {
-    const std::string base = "generate -m " + std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf -p 'Once upon a time' ";
+    const std::string base =
+        "generate -m " + std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf -p 'Once upon a time' ";
     for (const char * pol : {"streaming", "h2o", "snapkv", "pyramidkv"}) {
         const test::run_result r = test::run_cli(base + "-n 12 --json --evict " + pol + " --kv-budget 3");
         ASSERT_EQ(r.status, 0) << pol << ": " << r.err;
@@ -114,8 +116,9 @@ TEST(cli_generate, evict_keeps_the_budget_and_bad_flags_are_messages) {
     const test::run_result full = test::run_cli(base + "-n 20 --evict h2o --kv-budget 100%");
     ASSERT_EQ(full.status, 0) << full.err;
     EXPECT_EQ(full.out.rfind(", there was a little girl named Lily. She loved to play", 0), 0u) << full.out;
-    for (const char * bad : {"--evict lru --kv-budget 0.5", "--evict h2o --kv-budget 0", "--evict h2o --kv-budget 150%",
-                             "--evict snapkv --kv-budget 1.5", "--evict h2o", "--kv-budget 0.5", "--evict h2o --kv-budget x"}) {
+    for (const char * bad :
+         {"--evict lru --kv-budget 0.5", "--evict h2o --kv-budget 0", "--evict h2o --kv-budget 150%",
+          "--evict snapkv --kv-budget 1.5", "--evict h2o", "--kv-budget 0.5", "--evict h2o --kv-budget x"}) {
         const test::run_result r = test::run_cli(base + bad);
         EXPECT_EQ(r.status, 1) << bad;
         EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << bad << ": " << r.err;

@@ -16,7 +16,9 @@ namespace {
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
 // run_cli under a time limit: a command that reads forever fails instead of hanging
-test::run_result run_limited(const std::string & args) { return test::run_cli(args, "timeout 60 "); }
+test::run_result run_limited(const std::string & args) {
+    return test::run_cli(args, "timeout 60 ");
+}
 
 TEST(cli_inputs, text_files_must_be_regular_files_of_bounded_size) {
     test::temp_dir d("inputs");
@@ -35,11 +37,16 @@ TEST(cli_inputs, text_files_must_be_regular_files_of_bounded_size) {
     const struct {
         std::string args, message;
     } cases[] = {
-        {blend + dir, "is a directory"},          {generate + dir, "is a directory"},
-        {ingest + dir, "is a directory"},         {blend + "/dev/null", "not a regular file"},
-        {generate + "/dev/null", "not a regular file"}, {ingest + "/dev/null", "not a regular file"},
-        {blend + big, "limit of 64 MiB"},         {generate + big, "limit of 64 MiB"},
-        {ingest + big, "limit of 64 MiB"},        {blend + d.file("missing.txt"), "cannot open"},
+        {blend + dir, "is a directory"},
+        {generate + dir, "is a directory"},
+        {ingest + dir, "is a directory"},
+        {blend + "/dev/null", "not a regular file"},
+        {generate + "/dev/null", "not a regular file"},
+        {ingest + "/dev/null", "not a regular file"},
+        {blend + big, "limit of 64 MiB"},
+        {generate + big, "limit of 64 MiB"},
+        {ingest + big, "limit of 64 MiB"},
+        {blend + d.file("missing.txt"), "cannot open"},
     };
     for (const auto & c : cases) {
         const test::run_result r = run_limited(c.args);
@@ -99,7 +106,8 @@ TEST(cli_inputs, fifos_and_devices_as_models_or_prompts_are_refused_not_waited_o
     }
     // a number no double holds is a bad line, named with its file and line
     const std::string jsonl = d.file("p.jsonl");
-    std::ofstream(jsonl) << "\n{\"system\": \"s\", \"chunks\": [\"a\"], \"query\": \"q\", \"answer\": \"x\", \"n\": 1e999999}\n";
+    std::ofstream(jsonl)
+        << "\n{\"system\": \"s\", \"chunks\": [\"a\"], \"query\": \"q\", \"answer\": \"x\", \"n\": 1e999999}\n";
     const test::run_result r = run_limited("bench accuracy -m " + k_stories + " --prompts " + jsonl);
     EXPECT_EQ(r.status, 1) << r.err;
     EXPECT_NE(r.err.find(jsonl + ":2: "), std::string::npos) << r.err;
@@ -118,7 +126,9 @@ TEST(cli_inputs, a_misnamed_device_is_an_error_even_with_ngl_0) {
         {"--device cuda -ngl 0", "no CUDA backend"},  // this build (a CUDA build's test run has a GPU)
     };
     for (const auto & c : cases) {
-        if (c.message == "no CUDA backend" && test::run_cli("generate --list-devices").out.find("CUDA") != std::string::npos) continue;
+        if (c.message == "no CUDA backend" &&
+            test::run_cli("generate --list-devices").out.find("CUDA") != std::string::npos)
+            continue;
         const test::run_result r = run_limited(generate + c.flags);
         EXPECT_EQ(r.status, 1) << c.flags << "\n" << r.err;
         EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << c.flags << "\n" << r.err;

@@ -30,8 +30,10 @@ chunk_kv random_chunk(ggml_type type, int64_t n_tok = 230, int64_t n_embd_kv = 6
             for (size_t i = 0; i < x.size(); ++i) x[i] = nd(rng) * (1.0f + (float) (i % n_embd_kv) / 16.0f);
             x[7] = 40.0f;  // an outlier channel value
             uint8_t * dst = kv ? c.v(il) : c.k(il);
-            if (type == GGML_TYPE_F32) std::memcpy(dst, x.data(), x.size() * 4);
-            else ggml_fp32_to_fp16_row(x.data(), (ggml_fp16_t *) dst, (int64_t) x.size());
+            if (type == GGML_TYPE_F32)
+                std::memcpy(dst, x.data(), x.size() * 4);
+            else
+                ggml_fp32_to_fp16_row(x.data(), (ggml_fp16_t *) dst, (int64_t) x.size());
         }
     return c;
 }
@@ -39,8 +41,10 @@ chunk_kv random_chunk(ggml_type type, int64_t n_tok = 230, int64_t n_embd_kv = 6
 std::vector<float> all_f32(const chunk_kv & c) {
     const size_t n = c.bytes() / ggml_type_size(c.type);
     std::vector<float> out(n);
-    if (c.type == GGML_TYPE_F32) std::memcpy(out.data(), c.k(0), n * 4);
-    else ggml_fp16_to_fp32_row((const ggml_fp16_t *) c.k(0), out.data(), (int64_t) n);
+    if (c.type == GGML_TYPE_F32)
+        std::memcpy(out.data(), c.k(0), n * 4);
+    else
+        ggml_fp16_to_fp32_row((const ggml_fp16_t *) c.k(0), out.data(), (int64_t) n);
     return out;
 }
 
@@ -98,8 +102,8 @@ TEST(codec, kivi_error_is_within_one_step_of_each_group) {
         // real bytes: bits per value plus two f16 per group of 32, plus the f16 residual
         const double bits_per_value = 8.0 * bytes / (double) (2 * c.n_layer * c.n_tokens() * c.n_embd_kv);
         const double expect = ((double) n_q * (bits + 1.0) + (double) (n - n_q) * 16.0) / (double) n;
-        std::printf("kivi%d: %.2f bits per value (%lld of %lld tokens quantized)\n", bits, bits_per_value, (long long) n_q,
-                    (long long) n);
+        std::printf("kivi%d: %.2f bits per value (%lld of %lld tokens quantized)\n", bits, bits_per_value,
+                    (long long) n_q, (long long) n);
         EXPECT_NEAR(bits_per_value, expect, 0.05);
         EXPECT_EQ(cd->encode(c), cd->encode(c));
     }
@@ -114,9 +118,10 @@ TEST(codec, cachegen_is_deterministic_bounded_and_smaller_than_q4_0) {
     codec_roundtrip(*codec_by_name("q4_0"), c, &q4);
     const std::vector<float> a = all_f32(c), b = all_f32(y);
     double err = 0, mx = 0;
-    for (size_t i = 0; i < a.size(); ++i) err = std::max(err, (double) std::fabs(a[i] - b[i])), mx = std::max(mx, (double) std::fabs(a[i]));
-    std::printf("cachegen: %.2f bits per value (q4_0 %.2f), max error %.3g of max |x|\n",
-                8.0 * bytes / (a.size()), 8.0 * q4 / a.size(), err / mx);
+    for (size_t i = 0; i < a.size(); ++i)
+        err = std::max(err, (double) std::fabs(a[i] - b[i])), mx = std::max(mx, (double) std::fabs(a[i]));
+    std::printf("cachegen: %.2f bits per value (q4_0 %.2f), max error %.3g of max |x|\n", 8.0 * bytes / (a.size()),
+                8.0 * q4 / a.size(), err / mx);
     // anchors at 6 bits (half a step: 1/62 of the row's max), deltas at 3-4 bits
     // of each channel's largest delta (half a step: 1/6 of it, deltas reach 2x max)
     EXPECT_LE(err, 0.4 * mx);
@@ -175,7 +180,8 @@ TEST(codec, truncated_or_corrupt_payloads_are_errors) {
 TEST(codec, store_entries_carry_their_codec_and_stay_verified) {
     auto m = model::load(k_stories);
     engine eng(m, engine_default_params());
-    const std::vector<llama_token> toks = m->tokens().tokenize(" Tom had a red ball and a blue kite in the park.", false);
+    const std::vector<llama_token> toks =
+        m->tokens().tokenize(" Tom had a red ball and a blue kite in the park.", false);
     test::temp_dir d("store");
     auto st = store_open(d.path().string());
     // the last two have names too long for an entry's codec field: it records their family

@@ -25,7 +25,8 @@ chunk_kv drifting_chunk(int64_t n_tok, int64_t n_embd, int64_t n_layer, ggml_typ
     for (float & x : bv) x = nd(rng);
     for (int64_t il = 0; il < n_layer; ++il) {
         const float sc = 1.0f + 0.1f * (float) il;  // norms change with depth
-        for (size_t i = 0; i < k.size(); ++i) k[i] = sc * (bk[i] + drift * nd(rng)), v[i] = sc * (bv[i] + drift * nd(rng));
+        for (size_t i = 0; i < k.size(); ++i)
+            k[i] = sc * (bk[i] + drift * nd(rng)), v[i] = sc * (bv[i] + drift * nd(rng));
         codec_store_rows(c, il, 0, k.data());
         codec_store_rows(c, il, 1, v.data());
     }
@@ -50,7 +51,7 @@ TEST(minicache, retaining_everything_is_exact) {
 TEST(minicache, merging_keeps_the_slerp_direction_and_both_norms) {
     const int64_t n = 16;
     std::vector<float> a(n, 0.0f), b(n, 0.0f), dir(n);
-    a[0] = 3.0f;                       // |a| = 3 along e0
+    a[0] = 3.0f;                                               // |a| = 3 along e0
     b[0] = 2.0f * 0.5f, b[1] = 2.0f * std::sqrt(3.0f) / 2.0f;  // |b| = 2 at 60 degrees
     EXPECT_NEAR(mc::angular_distance(a.data(), b.data(), n), 1.0 / 3.0, 1e-6);
     mc::params p;
@@ -91,7 +92,8 @@ TEST(minicache, codec_merges_deep_pairs_and_leaves_shallow_layers) {
             codec_rows_f32(out, il, kv, y.data());
             for (int64_t t = 0; t < 64; ++t) {
                 double nx = 0, ny = 0;
-                for (int64_t i = 0; i < 64; ++i) nx += x[t * 64 + i] * x[t * 64 + i], ny += y[t * 64 + i] * y[t * 64 + i];
+                for (int64_t i = 0; i < 64; ++i)
+                    nx += x[t * 64 + i] * x[t * 64 + i], ny += y[t * 64 + i] * y[t * 64 + i];
                 EXPECT_NEAR(std::sqrt(ny), std::sqrt(nx), 1e-3 * std::sqrt(nx));
                 EXPECT_LT(mc::angular_distance(&x[t * 64], &y[t * 64], 64), 0.1);
             }
@@ -107,8 +109,8 @@ TEST(minicache, codec_merges_deep_pairs_and_leaves_shallow_layers) {
 }
 
 TEST(minicache, bad_options_and_payloads_are_errors) {
-    for (const std::string bad : {"minicache:thr=2", "minicache:start=1.5", "minicache:t=x", "minicache:foo=1",
-                                  "minicache:thr"})
+    for (const std::string bad :
+         {"minicache:thr=2", "minicache:start=1.5", "minicache:t=x", "minicache:foo=1", "minicache:thr"})
         EXPECT_THROW(codec_by_name(bad), error) << bad;
     EXPECT_EQ(codec_by_name("minicache:thr=0.3")->name(), "minicache:thr=0.3");
     const chunk_kv c = drifting_chunk(8, 32, 4, GGML_TYPE_F16, 0.1f);

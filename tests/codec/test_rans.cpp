@@ -37,9 +37,9 @@ TEST(rans, roundtrips_random_skewed_and_adversarial_streams) {
         for (auto & x : s) x = (uint8_t) std::min(g(rng), 255);
         cases.push_back(s);
     }
-    cases.push_back({});                                // empty
-    cases.push_back({42});                              // one symbol
-    cases.push_back(std::vector<uint8_t>(50000, 7));    // a single symbol only
+    cases.push_back({});                              // empty
+    cases.push_back({42});                            // one symbol
+    cases.push_back(std::vector<uint8_t>(50000, 7));  // a single symbol only
     {  // one very rare symbol among a frequent one (its probability rounds to the minimum)
         std::vector<uint8_t> s(200000, 3);
         s[12345] = 250;
@@ -102,7 +102,7 @@ TEST(rans, truncated_or_corrupt_streams_are_errors) {
 // streams as the codec makes them: a table from the symbols' counts, the coded bytes
 struct coded_stream {
     std::vector<uint8_t> sym, bytes;
-    rans::table          t;
+    rans::table t;
 };
 
 coded_stream code(const std::vector<uint8_t> & sym) {
@@ -126,9 +126,9 @@ TEST(rans, pairs_decode_bit_exactly_as_single_streams) {
             cases.push_back(s);
         }
     }
-    cases.push_back({});                              // empty
-    cases.push_back({5, 6, 7});                       // shorter than the four states
-    cases.push_back(std::vector<uint8_t>(3000, 9));   // a lone symbol: no slots, nothing read
+    cases.push_back({});                             // empty
+    cases.push_back({5, 6, 7});                      // shorter than the four states
+    cases.push_back(std::vector<uint8_t>(3000, 9));  // a lone symbol: no slots, nothing read
     {
         std::vector<uint8_t> s(5000);
         for (auto & x : s) x = (uint8_t) rng();
@@ -156,8 +156,10 @@ TEST(rans, pairs_refuse_a_truncated_or_corrupt_stream_on_either_side) {
     auto pair = [&](const std::vector<uint8_t> & bad, size_t n_bad, const coded_stream & other, bool bad_first) {
         const rans::stream s_bad{bad.data(), n_bad, &good.t, out_a.data(), out_a.size()};
         const rans::stream s_ok{other.bytes.data(), other.bytes.size(), &other.t, out_b.data(), other.sym.size()};
-        if (bad_first) rans::decode2(s_bad, s_ok);
-        else rans::decode2(s_ok, s_bad);
+        if (bad_first)
+            rans::decode2(s_bad, s_ok);
+        else
+            rans::decode2(s_ok, s_bad);
     };
     for (bool first : {true, false}) {
         EXPECT_THROW(pair(good.bytes, good.bytes.size() / 2, good, first), error);

@@ -129,8 +129,10 @@ TEST(turboquant, qjl_makes_inner_products_unbiased) {
         const double mean = s / n_seeds, sd = std::sqrt(std::max(0.0, s2 / n_seeds - mean * mean));
         const double se = sd / std::sqrt((double) n_seeds);
         std::printf("qjl=%d: q.k %.4f, mean estimate %.4f (standard error %.4f)\n", (int) qjl, truth, mean, se);
-        if (qjl) EXPECT_LE(std::fabs(mean - truth), 4 * se + 0.002 * std::fabs(truth));
-        else EXPECT_GE(std::fabs(mean - truth), 10 * se);  // the plain quantizer is biased: the test can tell
+        if (qjl)
+            EXPECT_LE(std::fabs(mean - truth), 4 * se + 0.002 * std::fabs(truth));
+        else
+            EXPECT_GE(std::fabs(mean - truth), 10 * se);  // the plain quantizer is biased: the test can tell
     }
 }
 
@@ -150,8 +152,8 @@ TEST(turboquant, codec_rates_and_errors) {
     const chunk_kv c = gaussian_chunk(64, 256, 2, GGML_TYPE_F32);
     const double values = 2.0 * c.n_layer * c.n_tokens() * c.n_embd_kv;
     std::vector<float> x(c.n_tokens() * c.n_embd_kv), y(x.size());
-    for (const std::string & name : std::vector<std::string>{"turboquant2", "turboquant2.5", "turboquant3", "turboquant3.5",
-                                                             "turboquant4", "turboquant3.5+qjl"}) {
+    for (const std::string & name : std::vector<std::string>{"turboquant2", "turboquant2.5", "turboquant3",
+                                                             "turboquant3.5", "turboquant4", "turboquant3.5+qjl"}) {
         const auto cd = codec_by_name(name);
         EXPECT_EQ(cd->name(), name);
         size_t bytes = 0;
@@ -206,7 +208,8 @@ TEST(turboquant, bad_payloads_and_names_are_errors) {
     row[1] = 0x7c;  // f16 +inf
     std::vector<float> y(64);
     EXPECT_THROW(rc.decode(row.data(), y.data()), error);
-    for (const std::string bad : {"turboquant1", "turboquant5", "turboquant3.25", "turboquant3+qjl+qjl", "turboquant3qjl"})
+    for (const std::string bad :
+         {"turboquant1", "turboquant5", "turboquant3.25", "turboquant3+qjl+qjl", "turboquant3qjl"})
         EXPECT_THROW(codec_by_name(bad), error) << bad;
     // rows that cannot form power-of-two blocks
     const chunk_kv odd = gaussian_chunk(4, 12, 1, GGML_TYPE_F32);

@@ -19,7 +19,9 @@ const std::string k_story =
     "One day, she saw a big red ball under a tree. She ran to the ball and picked it up. Her friend Tom came over and "
     "said, \"Can I play with the ball too?\" Lily smiled and said yes. They played all day until the sun went down.";
 
-std::string stories_path() { return std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf"; }
+std::string stories_path() {
+    return std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+}
 
 // the tolerance the issue sets: 1e-3 of the largest logit; we report what we reach
 constexpr double k_tol = 1e-3;
@@ -88,7 +90,7 @@ TEST_P(forward_equiv, logits_every_position_and_greedy_match_libllama) {
     ref::llama_ref_params rp;
     rp.n_ctx = 256;
     rp.type_k = rp.type_v = GGML_TYPE_F32;
-    rp.flash_attn = false;  // libllama's plain f32 attention: the most exact reference
+    rp.flash_attn = false;   // libllama's plain f32 attention: the most exact reference
     rp.extra_bufts = false;  // the same weight layout and matmul kernels as ours
     ref::llama_ref lr(c.path, rp);
     const std::vector<float> theirs = lr.eval(prompt, true);
@@ -177,10 +179,12 @@ TEST_P(forward_equiv, f16_cache_close_to_libllama_f16_cache) {
 }
 
 INSTANTIATE_TEST_SUITE_P(models, forward_equiv,
-                         ::testing::Values("stories260K", "tiny", "tiny-qwen2", "tiny-qwen3", "tiny:q8_0", "tiny-qwen3:q4_0"),
+                         ::testing::Values("stories260K", "tiny", "tiny-qwen2", "tiny-qwen3", "tiny:q8_0",
+                                           "tiny-qwen3:q4_0"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
-                             std::replace_if(n.begin(), n.end(), [](char ch) { return !std::isalnum((unsigned char) ch); }, '_');
+                             std::replace_if(
+                                 n.begin(), n.end(), [](char ch) { return !std::isalnum((unsigned char) ch); }, '_');
                              return n;
                          });
 

@@ -21,7 +21,9 @@
 namespace kvblend {
 namespace {
 
-size_t argmax(const std::vector<float> & v) { return (size_t) (std::max_element(v.begin(), v.end()) - v.begin()); }
+size_t argmax(const std::vector<float> & v) {
+    return (size_t) (std::max_element(v.begin(), v.end()) - v.begin());
+}
 
 TEST(testbed_export, gguf_matches_torch_and_libllama) {
     const char * model_path = std::getenv("KVBLEND_TESTBED_MODEL");
@@ -50,8 +52,9 @@ TEST(testbed_export, gguf_matches_torch_and_libllama) {
     const int64_t nv = m->hparams().n_vocab;
 
     for (const auto & r : ref) {
-        const rag_prompt p = rag_prompt_build(m->tokens(), r["system"].get<std::string>(),
-                                              r["chunks"].get<std::vector<std::string>>(), r["query"].get<std::string>(), false);
+        const rag_prompt p =
+            rag_prompt_build(m->tokens(), r["system"].get<std::string>(), r["chunks"].get<std::vector<std::string>>(),
+                             r["query"].get<std::string>(), false);
         const std::vector<llama_token> toks = p.all();
         // the trainer's tokenizer (scripts/testbed/spm.py) gives libllama's ids
         ASSERT_EQ(toks, r["tokens"].get<std::vector<llama_token>>()) << r["query"];
@@ -64,8 +67,8 @@ TEST(testbed_export, gguf_matches_torch_and_libllama) {
         ASSERT_EQ((int64_t) torch.size(), nv);
         const double d_lib = test::max_rel_diff(ours, theirs), d_torch = test::max_rel_diff(ours, torch);
         const double kl = kl_divergence(torch.data(), ours.data(), nv);
-        std::printf("[ %zu tokens ] relative |dlogit| to libllama %.3g, to torch %.3g; KL(torch || ours) %.3g\n", toks.size(),
-                    d_lib, d_torch, kl);
+        std::printf("[ %zu tokens ] relative |dlogit| to libllama %.3g, to torch %.3g; KL(torch || ours) %.3g\n",
+                    toks.size(), d_lib, d_torch, kl);
         // our flash attention against libllama's plain f32 attention, same f16 weights:
         // 1.8e-5 on an untrained export, 1.2e-6 to 1.3e-4 on the CPU-trained one (sharper logits)
         EXPECT_LE(d_lib, 3e-4);

@@ -112,7 +112,8 @@ TEST(evict, sparse_cache_equals_dense_with_evicted_positions_masked) {
     for (bool per_head : {false, true}) {
         evict_keep keep(hp.n_layer);
         for (int il = 0; il < hp.n_layer; ++il)
-            for (int64_t h = 0; h < (per_head ? hp.n_head_kv : 1); ++h) keep[il].push_back(random_subset(n, k, 10 * il + (int) h));
+            for (int64_t h = 0; h < (per_head ? hp.n_head_kv : 1); ++h)
+                keep[il].push_back(random_subset(n, k, 10 * il + (int) h));
         engine sparse(m, f32_params(128));
         sparse.eval(prompt);
         sparse.cache().compact(keep, 8);
@@ -164,8 +165,7 @@ TEST(evict, appended_tokens_sit_at_their_true_positions) {
     // equal the dense cache's rows at the same positions, rotated there
     EXPECT_LE(test::max_rel_diff(c.read_k(0, 12, 5), dense.cache().read_k(0, 50, 5)), 1e-6);
     // retained rows kept their own rotation
-    for (int64_t r = 0; r < 12; ++r)
-        EXPECT_EQ(c.read_k(2, r, 1), dense.cache().read_k(2, keep[2][0][r], 1)) << r;
+    for (int64_t r = 0; r < 12; ++r) EXPECT_EQ(c.read_k(2, r, 1), dense.cache().read_k(2, keep[2][0][r], 1)) << r;
     // the mask: retained rows open to all, appended rows by position
     std::vector<int32_t> mp(c.n_rows(0));
     c.mask_pos(0, mp.data());
@@ -203,7 +203,8 @@ TEST(evict, per_head_rows_select_per_head) {
                 const int64_t p = keep[il][h][r];
                 EXPECT_EQ(sparse.cache().row_pos(il, (int) h, r), p);
                 const std::vector<float> want = dense.cache().read_v(il, p, 1);
-                for (int64_t d = 0; d < hp.head_dim; ++d) ASSERT_EQ(row[h * hp.head_dim + d], want[h * hp.head_dim + d]);
+                for (int64_t d = 0; d < hp.head_dim; ++d)
+                    ASSERT_EQ(row[h * hp.head_dim + d], want[h * hp.head_dim + d]);
             }
         }
     }
@@ -269,7 +270,8 @@ TEST(evict, quantized_sparse_cache_at_full_retention_is_exact) {
 
 TEST(evict, branch_is_an_independent_copy) {
     auto m = model::load(test::make_test_model("tiny-qwen3"));
-    const auto prompt = test::random_tokens(*m, 50, 12), a = test::random_tokens(*m, 4, 13), b = test::random_tokens(*m, 4, 14);
+    const auto prompt = test::random_tokens(*m, 50, 12), a = test::random_tokens(*m, 4, 13),
+               b = test::random_tokens(*m, 4, 14);
     engine_params ep = f32_params(128);
     ep.evict.policy = EVICT_POLICY_H2O;
     ep.evict.budget_share = 0.4;
@@ -308,10 +310,10 @@ TEST(evict, attention_scores_sum_to_the_scored_queries) {
 
 TEST(evict, policies_keep_their_budgets_on_a_trained_model) {
     auto m = model::load(std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf");
-    const std::vector<llama_token> prompt =
-        m->tokens().tokenize("Once upon a time, there was a little girl named Lily. She loved to play in the park with her "
-                             "dog. One day, she saw a big red ball under a tree and",
-                             true, false);
+    const std::vector<llama_token> prompt = m->tokens().tokenize(
+        "Once upon a time, there was a little girl named Lily. She loved to play in the park with her "
+        "dog. One day, she saw a big red ball under a tree and",
+        true, false);
     const int64_t n = (int64_t) prompt.size();
     for (evict_policy pol : {EVICT_POLICY_STREAMING, EVICT_POLICY_H2O, EVICT_POLICY_SNAPKV, EVICT_POLICY_PYRAMIDKV}) {
         engine_params ep;
@@ -326,7 +328,8 @@ TEST(evict, policies_keep_their_budgets_on_a_trained_model) {
         EXPECT_FALSE(r.tokens.empty()) << evict_policy_name(pol);
         const int64_t k = (n + 1) / 2;
         if (pol == EVICT_POLICY_PYRAMIDKV) {
-            EXPECT_GT(eng.cache().n_rows(0), eng.cache().n_rows((int) m->hparams().n_layer - 1));  // shrinking with depth
+            EXPECT_GT(eng.cache().n_rows(0),
+                      eng.cache().n_rows((int) m->hparams().n_layer - 1));  // shrinking with depth
         } else if (evict_rolls(pol)) {
             EXPECT_LE(eng.cache().n_rows_max(), k + ep.evict.slack);
         } else {
@@ -338,7 +341,8 @@ TEST(evict, policies_keep_their_budgets_on_a_trained_model) {
 TEST(evict, a_blend_over_evicted_chunks_is_a_prefill_without_their_evicted_positions) {
     auto m = model::load(test::make_test_model("tiny-qwen3"));
     const model_hparams & hp = m->hparams();
-    std::vector<std::vector<llama_token>> parts = {test::random_tokens(*m, 6, 20), test::random_tokens(*m, 30, 21), test::random_tokens(*m, 25, 22)};
+    std::vector<std::vector<llama_token>> parts = {test::random_tokens(*m, 6, 20), test::random_tokens(*m, 30, 21),
+                                                   test::random_tokens(*m, 25, 22)};
     const auto query = test::random_tokens(*m, 5, 23), next = test::random_tokens(*m, 2, 24);
     engine_params ep = f32_params(128);
     engine eng(m, ep);
@@ -346,7 +350,8 @@ TEST(evict, a_blend_over_evicted_chunks_is_a_prefill_without_their_evicted_posit
     ev.policy = EVICT_POLICY_SNAPKV;
     ev.budget_share = 0.4;
     ev.window = 4;
-    std::vector<chunk_kv> kv = {collect(eng, parts[0]), collect_evicted(eng, parts[1], ev), collect_evicted(eng, parts[2], ev)};
+    std::vector<chunk_kv> kv = {collect(eng, parts[0]), collect_evicted(eng, parts[1], ev),
+                                collect_evicted(eng, parts[2], ev)};
     EXPECT_EQ(kv[1].n_rows(), 12);
     EXPECT_EQ(kv[2].n_rows(), 10);
     EXPECT_EQ(kv[1].kept.back(), 29);  // the window stays

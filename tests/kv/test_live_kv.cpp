@@ -54,7 +54,8 @@ TEST(live_kv, minicache_retaining_everything_equals_the_dense_cache) {
 }
 
 // a dense cache holding the prompt's rows after a codec roundtrip: what a live cache of that codec attends over
-std::vector<float> dense_through_codec(engine & eng, const std::vector<llama_token> & prompt, const std::string & name) {
+std::vector<float> dense_through_codec(engine & eng, const std::vector<llama_token> & prompt,
+                                       const std::string & name) {
     const std::vector<llama_token> head(prompt.begin(), prompt.end() - 1);
     const chunk_kv c = collect(eng, head);
     const chunk_kv y = codec_roundtrip(*codec_by_name(name), c);
@@ -70,7 +71,8 @@ TEST(live_kv, lossy_live_caches_equal_their_codec_on_a_dense_cache) {
     const int64_t nv = m->hparams().n_vocab;
     engine dense(m, live_params(""));
     const std::vector<float> exact = last_logits(dense, prompt);
-    for (const std::string name : {"turboquant3", "turboquant3.5", "turboquant4+qjl", "minicache:thr=1", "minicache:thr=0.45"}) {
+    for (const std::string name :
+         {"turboquant3", "turboquant3.5", "turboquant4+qjl", "minicache:thr=1", "minicache:thr=0.45"}) {
         engine live(m, live_params(name));
         const std::vector<float> l = last_logits(live, prompt);
         const std::vector<float> ref = dense_through_codec(dense, prompt, name);

@@ -43,7 +43,8 @@ TEST(quantized_kv, matches_libllama_with_the_same_cache_types) {
         const auto gr = lr.greedy(std::vector<float>(theirs.end() - nv, theirs.end()), 16);
         for (size_t i = 0; i < g.size(); ++i) EXPECT_EQ(g[i], gr[i]) << "token " << i;
         // the cache really is quantized: a fraction of the f16 bytes
-        EXPECT_LT(eng.cache().bytes(), engine(m, engine_params{2, 128, 512, GGML_TYPE_F16, GGML_TYPE_F16, "", {}}).cache().bytes());
+        EXPECT_LT(eng.cache().bytes(),
+                  engine(m, engine_params{2, 128, 512, GGML_TYPE_F16, GGML_TYPE_F16, "", {}}).cache().bytes());
     }
 }
 
@@ -75,7 +76,8 @@ TEST(quantized_kv, blend_over_a_q8_0_cache) {
     ep.n_ubatch = 64;
     ep.type_k = ep.type_v = GGML_TYPE_Q8_0;
     engine eng(m, ep);
-    std::vector<std::vector<llama_token>> parts = {test::random_tokens(*m, 20, 1), test::random_tokens(*m, 50, 2), test::random_tokens(*m, 60, 3)};
+    std::vector<std::vector<llama_token>> parts = {test::random_tokens(*m, 20, 1), test::random_tokens(*m, 50, 2),
+                                                   test::random_tokens(*m, 60, 3)};
     const std::vector<llama_token> query = test::random_tokens(*m, 12, 4);
     std::vector<chunk_kv> kv;
     for (const auto & p : parts) kv.push_back(collect(eng, p));

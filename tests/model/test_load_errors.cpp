@@ -26,10 +26,10 @@ using kvblend::test::vocab_path;
 
 // how to turn a good GGUF into a bad one
 struct gguf_edit {
-    std::function<void(gguf_context *)> kv;                // change, add or remove keys
-    std::set<std::string> drop;                            // tensors to leave out
-    std::map<std::string, std::vector<int64_t>> reshape;   // tensor -> new shape (same type, zero data)
-    std::map<std::string, ggml_type> retype = {};          // tensor -> new type (same shape, zero data)
+    std::function<void(gguf_context *)> kv;               // change, add or remove keys
+    std::set<std::string> drop;                           // tensors to leave out
+    std::map<std::string, std::vector<int64_t>> reshape;  // tensor -> new shape (same type, zero data)
+    std::map<std::string, ggml_type> retype = {};         // tensor -> new type (same shape, zero data)
 };
 
 // copies src to dst through gguf, with the edit applied
@@ -109,15 +109,19 @@ std::string load_error(const std::string & path) {
     return "loaded without an error";
 }
 
-#define EXPECT_LOAD_ERROR(path, substr)                                               \
-    do {                                                                              \
-        const std::string msg_ = load_error(path);                                    \
-        EXPECT_NE(msg_.find(substr), std::string::npos) << "message: " << msg_;       \
+#define EXPECT_LOAD_ERROR(path, substr)                                         \
+    do {                                                                        \
+        const std::string msg_ = load_error(path);                              \
+        EXPECT_NE(msg_.find(substr), std::string::npos) << "message: " << msg_; \
     } while (0)
 
 // small, fast sources: the llama-spm vocab (32000 tokens), f32 weights
-std::string tiny_llama() { return make_test_model("tiny", GGML_TYPE_F32, vocab_path("llama-spm")); }
-std::string tiny_qwen2() { return make_test_model("tiny-qwen2", GGML_TYPE_F32, vocab_path("llama-spm")); }
+std::string tiny_llama() {
+    return make_test_model("tiny", GGML_TYPE_F32, vocab_path("llama-spm"));
+}
+std::string tiny_qwen2() {
+    return make_test_model("tiny-qwen2", GGML_TYPE_F32, vocab_path("llama-spm"));
+}
 
 class load_errors : public ::testing::Test {
   protected:
@@ -132,7 +136,9 @@ TEST_F(load_errors, control_the_unmodified_models_load) {
     EXPECT_NO_THROW(model::load(dir.file("same.gguf")));
 }
 
-TEST_F(load_errors, missing_file) { EXPECT_LOAD_ERROR(dir.file("nope.gguf"), "cannot open"); }
+TEST_F(load_errors, missing_file) {
+    EXPECT_LOAD_ERROR(dir.file("nope.gguf"), "cannot open");
+}
 
 TEST_F(load_errors, text_file) {
     std::ofstream(dir.file("text.gguf")) << "this is a text file, not a model\n";
@@ -183,18 +189,24 @@ TEST_F(load_errors, no_architecture) {
 }
 
 TEST_F(load_errors, mixture_of_experts) {
-    rewrite_gguf(tiny_llama(), dir.file("moe.gguf"), {[](gguf_context * g) {
-                     gguf_set_val_u32(g, "llama.expert_count", 8);
-                     gguf_set_val_u32(g, "llama.expert_used_count", 2);
-                 }, {}, {}});
+    rewrite_gguf(tiny_llama(), dir.file("moe.gguf"),
+                 {[](gguf_context * g) {
+                      gguf_set_val_u32(g, "llama.expert_count", 8);
+                      gguf_set_val_u32(g, "llama.expert_used_count", 2);
+                  },
+                  {},
+                  {}});
     EXPECT_LOAD_ERROR(dir.file("moe.gguf"), "mixture-of-experts");
 }
 
 TEST_F(load_errors, sliding_window) {
-    rewrite_gguf(tiny_qwen2(), dir.file("swa.gguf"), {[](gguf_context * g) {
-                     gguf_set_val_u32(g, "qwen2.context_length", 2048);
-                     gguf_set_val_u32(g, "qwen2.attention.sliding_window", 64);
-                 }, {}, {}});
+    rewrite_gguf(tiny_qwen2(), dir.file("swa.gguf"),
+                 {[](gguf_context * g) {
+                      gguf_set_val_u32(g, "qwen2.context_length", 2048);
+                      gguf_set_val_u32(g, "qwen2.attention.sliding_window", 64);
+                  },
+                  {},
+                  {}});
     EXPECT_LOAD_ERROR(dir.file("swa.gguf"), "sliding-window");
 }
 
@@ -225,11 +237,12 @@ TEST_F(load_errors, zero_layers) {
 // numeric hyper-parameters stored with another type: an error naming the key,
 // never ggml's getter assert (an abort with a backtrace)
 TEST_F(load_errors, numeric_keys_of_the_wrong_type) {
-    const std::vector<std::string> keys = {"llama.block_count", "llama.context_length", "llama.embedding_length",
-                                           "llama.attention.layer_norm_rms_epsilon", "llama.rope.freq_base",
-                                           "llama.attention.head_count_kv"};
+    const std::vector<std::string> keys = {"llama.block_count",      "llama.context_length",
+                                           "llama.embedding_length", "llama.attention.layer_norm_rms_epsilon",
+                                           "llama.rope.freq_base",   "llama.attention.head_count_kv"};
     for (const std::string & key : keys) {
-        rewrite_gguf(tiny_llama(), dir.file("str.gguf"), {[&](gguf_context * g) { gguf_set_val_str(g, key.c_str(), "12"); }, {}, {}});
+        rewrite_gguf(tiny_llama(), dir.file("str.gguf"),
+                     {[&](gguf_context * g) { gguf_set_val_str(g, key.c_str(), "12"); }, {}, {}});
         const std::string msg = load_error(dir.file("str.gguf"));
         EXPECT_NE(msg.find(key), std::string::npos) << key << ": " << msg;
         EXPECT_EQ(msg.find("wrong exception"), std::string::npos) << msg;
@@ -240,7 +253,8 @@ TEST_F(load_errors, numeric_keys_of_the_wrong_type) {
         const std::string amsg = load_error(dir.file("arr.gguf"));
         EXPECT_NE(amsg.find(key), std::string::npos) << key << ": " << amsg;
 
-        rewrite_gguf(tiny_llama(), dir.file("bool.gguf"), {[&](gguf_context * g) { gguf_set_val_bool(g, key.c_str(), true); }, {}, {}});
+        rewrite_gguf(tiny_llama(), dir.file("bool.gguf"),
+                     {[&](gguf_context * g) { gguf_set_val_bool(g, key.c_str(), true); }, {}, {}});
         EXPECT_LOAD_ERROR(dir.file("bool.gguf"), key);
     }
     // a string key stored as a number
@@ -252,11 +266,12 @@ TEST_F(load_errors, numeric_keys_of_the_wrong_type) {
 // hyper-parameters far beyond the file's tensors: refused before anything is sized by them
 TEST_F(load_errors, huge_hyper_parameters) {
     const std::vector<std::pair<std::string, uint32_t>> cases = {
-        {"llama.block_count", 0x7fffffffu}, {"llama.block_count", 0xffffffffu}, {"llama.embedding_length", 0xffffffffu},
-        {"llama.attention.head_count", 0x80000000u}, {"llama.attention.key_length", 0xffffffffu},
-        {"llama.context_length", 0xffffffffu}};
+        {"llama.block_count", 0x7fffffffu},          {"llama.block_count", 0xffffffffu},
+        {"llama.embedding_length", 0xffffffffu},     {"llama.attention.head_count", 0x80000000u},
+        {"llama.attention.key_length", 0xffffffffu}, {"llama.context_length", 0xffffffffu}};
     for (const auto & [key, v] : cases) {
-        rewrite_gguf(tiny_llama(), dir.file("huge.gguf"), {[&](gguf_context * g) { gguf_set_val_u32(g, key.c_str(), v); }, {}, {}});
+        rewrite_gguf(tiny_llama(), dir.file("huge.gguf"),
+                     {[&](gguf_context * g) { gguf_set_val_u32(g, key.c_str(), v); }, {}, {}});
         const std::string msg = load_error(dir.file("huge.gguf"));
         EXPECT_NE(msg.find(key.substr(6)), std::string::npos) << key << " = " << v << ": " << msg;
     }
@@ -269,9 +284,9 @@ TEST_F(load_errors, huge_hyper_parameters) {
 // at load with the tensor's name, not a SIGSEGV or scheduler assert at compute
 TEST_F(load_errors, weight_types_the_backend_cannot_run) {
     const std::vector<std::pair<std::string, ggml_type>> cases = {
-        {"blk.0.attn_q.weight", GGML_TYPE_I8},    {"blk.0.attn_q.weight", GGML_TYPE_I16},
-        {"blk.0.attn_q.weight", GGML_TYPE_F64},   {"blk.1.ffn_down.weight", GGML_TYPE_I32},
-        {"token_embd.weight", GGML_TYPE_I32},     {"token_embd.weight", GGML_TYPE_I8}};
+        {"blk.0.attn_q.weight", GGML_TYPE_I8},  {"blk.0.attn_q.weight", GGML_TYPE_I16},
+        {"blk.0.attn_q.weight", GGML_TYPE_F64}, {"blk.1.ffn_down.weight", GGML_TYPE_I32},
+        {"token_embd.weight", GGML_TYPE_I32},   {"token_embd.weight", GGML_TYPE_I8}};
     for (const auto & [name, type] : cases) {
         gguf_edit e{nullptr, {}, {}};
         e.retype[name] = type;
@@ -292,16 +307,19 @@ TEST_F(load_errors, weight_types_the_backend_cannot_run) {
 
 // a vocabulary naming one token twice: libllama asserts on it (an abort), we refuse it
 TEST_F(load_errors, duplicate_tokens) {
-    rewrite_gguf(tiny_llama(), dir.file("dup.gguf"), {[](gguf_context * g) {
-                     const int64_t id = gguf_find_key(g, "tokenizer.ggml.tokens");
-                     ASSERT_GE(id, 0);
-                     std::vector<std::string> words;
-                     for (size_t i = 0; i < gguf_get_arr_n(g, id); ++i) words.push_back(gguf_get_arr_str(g, id, i));
-                     words[300] = words[299];
-                     std::vector<const char *> ptrs;
-                     for (const auto & w : words) ptrs.push_back(w.c_str());
-                     gguf_set_arr_str(g, "tokenizer.ggml.tokens", ptrs.data(), ptrs.size());
-                 }, {}, {}});
+    rewrite_gguf(tiny_llama(), dir.file("dup.gguf"),
+                 {[](gguf_context * g) {
+                      const int64_t id = gguf_find_key(g, "tokenizer.ggml.tokens");
+                      ASSERT_GE(id, 0);
+                      std::vector<std::string> words;
+                      for (size_t i = 0; i < gguf_get_arr_n(g, id); ++i) words.push_back(gguf_get_arr_str(g, id, i));
+                      words[300] = words[299];
+                      std::vector<const char *> ptrs;
+                      for (const auto & w : words) ptrs.push_back(w.c_str());
+                      gguf_set_arr_str(g, "tokenizer.ggml.tokens", ptrs.data(), ptrs.size());
+                  },
+                  {},
+                  {}});
     EXPECT_LOAD_ERROR(dir.file("dup.gguf"), "twice (ids 299 and 300)");
 }
 

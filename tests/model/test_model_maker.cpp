@@ -120,7 +120,9 @@ struct made_case {
 };
 
 // readable parameter in test listings (ctest names)
-void PrintTo(const made_case & c, std::ostream * os) { *os << c.preset << ":" << ggml_type_name(c.wtype); }
+void PrintTo(const made_case & c, std::ostream * os) {
+    *os << c.preset << ":" << ggml_type_name(c.wtype);
+}
 
 class model_maker_file : public ::testing::TestWithParam<made_case> {};
 
@@ -237,7 +239,7 @@ TEST_P(model_maker_file, libllama_loads_and_decodes) {
     // llama.cpp PR #26954): keep quantized weights in plain CPU buffers
     mp.use_extra_bufts = false;
     std::unique_ptr<llama_model, decltype(&llama_model_free)> model(llama_model_load_from_file(path.c_str(), mp),
-                                                                     &llama_model_free);
+                                                                    &llama_model_free);
     ASSERT_TRUE(model) << "libllama refused " << path;
     EXPECT_EQ(llama_model_n_layer(model.get()), s.n_layer);
     EXPECT_EQ(llama_model_n_embd(model.get()), s.n_embd);
@@ -360,9 +362,7 @@ TEST(model_maker, bad_vocab_file) {
     EXPECT_NE(msg.find("no-such-vocab.gguf"), std::string::npos) << msg;
 
     // a text file is not a GGUF
-    {
-        std::ofstream(dir.file("text.gguf")) << "hello, not a gguf\n";
-    }
+    { std::ofstream(dir.file("text.gguf")) << "hello, not a gguf\n"; }
     p.vocab_from = dir.file("text.gguf");
     msg = tiny_error(p, dir);
     EXPECT_NE(msg.find("text.gguf"), std::string::npos) << msg;
@@ -430,8 +430,8 @@ TEST(model_maker, cli_make_model) {
     make_model(spec, p, dir.file("lib.gguf"));
     EXPECT_TRUE(read_bytes(out) == read_bytes(dir.file("lib.gguf")));
 
-    const std::string bad = std::string(KVBLEND_CLI) + " make-model --preset nope --vocab-from x -o y > " +
-                            dir.file("bad.txt") + " 2>&1";
+    const std::string bad =
+        std::string(KVBLEND_CLI) + " make-model --preset nope --vocab-from x -o y > " + dir.file("bad.txt") + " 2>&1";
     EXPECT_NE(std::system(bad.c_str()), 0);
     EXPECT_NE(read_bytes(dir.file("bad.txt")).find("error: unknown model preset 'nope'"), std::string::npos);
 }

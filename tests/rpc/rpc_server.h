@@ -62,7 +62,8 @@ class rpc_server {
         a.sin_port = 0;
         socklen_t len = sizeof(a);
         int port = -1;
-        if (bind(fd, (sockaddr *) &a, sizeof(a)) == 0 && getsockname(fd, (sockaddr *) &a, &len) == 0) port = ntohs(a.sin_port);
+        if (bind(fd, (sockaddr *) &a, sizeof(a)) == 0 && getsockname(fd, (sockaddr *) &a, &len) == 0)
+            port = ntohs(a.sin_port);
         close(fd);
         return port;
     }
@@ -99,7 +100,8 @@ class rpc_server {
             if (getppid() != parent) _exit(127);  // the parent died before prctl
             const int null = open("/dev/null", O_WRONLY);
             if (null >= 0) dup2(null, 1), dup2(null, 2);
-            execl(KVBLEND_RPC_SERVER, KVBLEND_RPC_SERVER, "-H", "127.0.0.1", "-p", port.c_str(), "-t", "1", (char *) nullptr);
+            execl(KVBLEND_RPC_SERVER, KVBLEND_RPC_SERVER, "-H", "127.0.0.1", "-p", port.c_str(), "-t", "1",
+                  (char *) nullptr);
             _exit(127);
         }
         pid_ = pid;

@@ -14,12 +14,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "blend/blend_prompt.h"
 #include "cli_run.h"
 #include "httplib.h"
 #include "kvblend.h"
@@ -30,7 +30,6 @@
 #include "ref/llama_ref.h"
 #include "rpc/rpc_server.h"
 #include "test_util.h"
-#include "blend/blend_prompt.h"
 
 namespace kvblend {
 namespace {
@@ -72,7 +71,9 @@ std::shared_ptr<model> load_on_cpu(const std::string & path) {
     return model::load(path, mp);
 }
 
-std::vector<std::string> models_under_test() { return {k_stories, test::make_test_model("tiny-qwen3")}; }
+std::vector<std::string> models_under_test() {
+    return {k_stories, test::make_test_model("tiny-qwen3")};
+}
 
 prompt make_prompt(const model & m) {
     prompt p;
@@ -82,7 +83,9 @@ prompt make_prompt(const model & m) {
     return p;
 }
 
-bool on_host(const ggml_tensor * t) { return t->buffer && ggml_backend_buffer_is_host(t->buffer); }
+bool on_host(const ggml_tensor * t) {
+    return t->buffer && ggml_backend_buffer_is_host(t->buffer);
+}
 
 TEST(rpc, weights_and_caches_live_on_the_rpc_device) {
     auto m = load_on_rpc(k_stories);
@@ -102,7 +105,8 @@ TEST(rpc, weights_and_caches_live_on_the_rpc_device) {
 TEST(rpc, forward_equals_cpu_libllama) {
     for (const std::string & path : models_under_test()) {
         auto m = load_on_rpc(path);
-        std::vector<llama_token> toks = path == k_stories ? m->tokens().tokenize(k_story, true) : test::random_tokens(*m, 72, 7);
+        std::vector<llama_token> toks =
+            path == k_stories ? m->tokens().tokenize(k_story, true) : test::random_tokens(*m, 72, 7);
         toks.resize(std::min<size_t>(toks.size(), 72));
         ASSERT_GE(toks.size(), 64u);
         engine e(m, f32_params(256));
@@ -125,7 +129,8 @@ TEST(rpc, forward_equals_cpu_libllama) {
         greedy.temp = 0;
         const std::vector<float> last(ours.end() - m->hparams().n_vocab, ours.end());
         const generate_result g = e.generate_from(last, 16, greedy);
-        const std::vector<llama_token> ref_toks = lr.greedy(std::vector<float>(theirs.end() - m->hparams().n_vocab, theirs.end()), 16);
+        const std::vector<llama_token> ref_toks =
+            lr.greedy(std::vector<float>(theirs.end() - m->hparams().n_vocab, theirs.end()), 16);
         ASSERT_FALSE(g.tokens.empty());
         for (size_t i = 0; i < g.tokens.size(); ++i) EXPECT_EQ(g.tokens[i], ref_toks[i]) << path << " token " << i;
     }
@@ -248,12 +253,16 @@ std::vector<json> chat_twice(std::shared_ptr<model> m, const std::string & store
         httplib::Client c("127.0.0.1", srv.port());
         c.set_read_timeout(60, 0);
         auto body = [](const json & docs, const std::string & q) {
-            return json{{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", q}}}},
-                        {"documents", docs}, {"max_tokens", 12}, {"temperature", 0}};
+            return json{
+                {"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", q}}}},
+                {"documents", docs},
+                {"max_tokens", 12},
+                {"temperature", 0}};
         };
         out.push_back(post(c, body({{{"text", k_docs[0]}}, {{"text", k_docs[1]}}, {{"text", k_docs[2]}}}, k_query)));
         // another question over the documents in another order: from the store
-        out.push_back(post(c, body({{{"text", k_docs[2]}}, {{"text", k_docs[0]}}, {{"text", k_docs[1]}}}, " The next day")));
+        out.push_back(
+            post(c, body({{{"text", k_docs[2]}}, {{"text", k_docs[0]}}, {{"text", k_docs[1]}}}, " The next day")));
     }
     srv.stop();
     t.join();
@@ -301,8 +310,9 @@ TEST(rpc, live_compressed_cache_is_refused_naming_the_backend) {
 
 TEST(rpc, bad_devices_are_errors) {
     model_params mp;
-    for (const std::string & d : {std::string("rpc:127.0.0.1"), std::string("rpc:127.0.0.1:99999"), std::string("rpc::50052"),
-                                  std::string("rpc:127.0.0.1:x"), std::string("no-such-device")}) {
+    for (const std::string & d :
+         {std::string("rpc:127.0.0.1"), std::string("rpc:127.0.0.1:99999"), std::string("rpc::50052"),
+          std::string("rpc:127.0.0.1:x"), std::string("no-such-device")}) {
         mp.device = d;
         EXPECT_THROW(model::load(k_stories, mp), error) << d;
     }
@@ -316,7 +326,8 @@ TEST(rpc, bad_devices_are_errors) {
         model::load(k_stories, mp);
         ADD_FAILURE() << "a closed port was accepted";
     } catch (const error & e) {
-        EXPECT_NE(std::string(e.what()).find("cannot reach rpc-server at 127.0.0.1:" + std::to_string(port)), std::string::npos)
+        EXPECT_NE(std::string(e.what()).find("cannot reach rpc-server at 127.0.0.1:" + std::to_string(port)),
+                  std::string::npos)
             << e.what();
     }
     // -ngl: 0 keeps the model on the CPU, a split is refused, all is the device
@@ -406,7 +417,8 @@ TEST(rpc, a_busy_rpc_server_is_an_error_and_outlives_the_probe) {
     std::memcpy(hello + 1, &n, 8);
     ASSERT_EQ(send(other, hello, sizeof(hello), MSG_NOSIGNAL), (ssize_t) sizeof(hello));
     uint8_t answer[8 + 28];
-    ASSERT_EQ(recv(other, answer, sizeof(answer), MSG_WAITALL), (ssize_t) sizeof(answer));  // the other client's session
+    ASSERT_EQ(recv(other, answer, sizeof(answer), MSG_WAITALL),
+              (ssize_t) sizeof(answer));  // the other client's session
 
     model_params mp;
     mp.device = srv.device();
@@ -454,8 +466,8 @@ capi_run capi_on(const std::string & device) {
     kvb_blend_params bp = kvb_blend_default_params();
     bp.recomp_ratio = 0.3f;
     text = nullptr;
-    EXPECT_EQ(kvb_blend(c, nullptr, "Here are some stories.", docs.data(), docs.size(), k_query.c_str(), &bp, &gp, &text,
-                        nullptr),
+    EXPECT_EQ(kvb_blend(c, nullptr, "Here are some stories.", docs.data(), docs.size(), k_query.c_str(), &bp, &gp,
+                        &text, nullptr),
               KVB_OK)
         << kvb_last_error();
     r.blended = text ? text : "";
@@ -494,7 +506,9 @@ TEST(rpc, c_api_on_an_rpc_server_generates_and_blends_the_cpu_text) {
 
 // the CLI, bounded in time whatever the server does (a stuck connection would
 // otherwise wait forever)
-test::run_result run_cli(const std::string & args) { return test::run_cli(args, "timeout -k 5 60 "); }
+test::run_result run_cli(const std::string & args) {
+    return test::run_cli(args, "timeout -k 5 60 ");
+}
 
 // the CLI's llama.cpp-style flags: --device rpc:…, --rpc, -ngl, --list-devices
 TEST(rpc, cli_generate_on_rpc_equals_cpu) {

@@ -108,7 +108,8 @@ TEST(doc_index, documents_sharing_their_head_are_bounded_and_a_hostile_prompt_is
     const std::string head(doc_index::window, 'A');
     doc_index idx;
     std::vector<std::string> d;
-    for (int i = 0; i < 20000; ++i) idx.add(d.emplace_back(head + "|" + std::to_string(i) + std::string(200, 'B')), std::to_string(i));
+    for (int i = 0; i < 20000; ++i)
+        idx.add(d.emplace_back(head + "|" + std::to_string(i) + std::string(200, 'B')), std::to_string(i));
     EXPECT_EQ(idx.size(), doc_index::max_per_head);
     EXPECT_TRUE(idx.find(d[0]).empty());  // forgotten: older than the newest of its head
     ASSERT_EQ(idx.find(d.back()).size(), 1u);
@@ -122,7 +123,8 @@ TEST(doc_index, documents_sharing_their_head_are_bounded_and_a_hostile_prompt_is
     {
         doc_index g;
         std::vector<std::string> given;
-        for (size_t i = 0; i < doc_index::max_per_head; ++i) g.add(given.emplace_back(head + "given " + std::to_string(i)), "g" + std::to_string(i));
+        for (size_t i = 0; i < doc_index::max_per_head; ++i)
+            g.add(given.emplace_back(head + "given " + std::to_string(i)), "g" + std::to_string(i));
         EXPECT_FALSE(g.add(head + "learned", "l", true));
         EXPECT_EQ(g.size(), doc_index::max_per_head);
         for (const std::string & t : given) EXPECT_TRUE(g.contains(t)) << t;

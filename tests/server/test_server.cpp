@@ -28,23 +28,26 @@ TEST(server, health_models_chat_and_completions) {
     EXPECT_EQ(json::parse(c.Get("/health")->body)["status"], "ok");
     EXPECT_EQ(json::parse(c.Get("/v1/models")->body)["data"][0]["id"], "stories260K.gguf");
 
-    const json chat = post(c, "/v1/chat/completions",
-                           {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}}, {"max_tokens", 12}, {"temperature", 0}});
+    const json chat = post(
+        c, "/v1/chat/completions",
+        {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}}, {"max_tokens", 12}, {"temperature", 0}});
     EXPECT_EQ(chat["object"], "chat.completion");
     EXPECT_EQ(chat["choices"][0]["message"]["role"], "assistant");
     EXPECT_FALSE(chat["choices"][0]["message"]["content"].get<std::string>().empty());
     EXPECT_EQ(chat["usage"]["completion_tokens"], 12);
     EXPECT_EQ(chat["choices"][0]["finish_reason"], "length");
 
-    const json comp = post(c, "/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 10}, {"temperature", 0}});
+    const json comp =
+        post(c, "/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 10}, {"temperature", 0}});
     EXPECT_EQ(comp["object"], "text_completion");
     // the model's known greedy continuation (shared/models/README.md)
     EXPECT_EQ(comp["choices"][0]["text"].get<std::string>().rfind(", there was a little girl named Lily", 0), 0u)
         << comp["choices"][0]["text"];
 
     // stop strings end the text before them
-    const json stopped = post(c, "/v1/completions",
-                              {{"prompt", "Once upon a time"}, {"max_tokens", 30}, {"temperature", 0}, {"stop", {"Lily"}}});
+    const json stopped =
+        post(c, "/v1/completions",
+             {{"prompt", "Once upon a time"}, {"max_tokens", 30}, {"temperature", 0}, {"stop", {"Lily"}}});
     EXPECT_EQ(stopped["choices"][0]["text"], ", there was a little girl named ");
     EXPECT_EQ(stopped["choices"][0]["finish_reason"], "stop");
 
@@ -58,7 +61,10 @@ TEST(server, streaming_sends_chunks_and_done) {
     auto c = s.client();
     std::string body;
     auto r = c.Post("/v1/chat/completions",
-                    json{{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}}, {"max_tokens", 8}, {"temperature", 0}, {"stream", true}}
+                    json{{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}},
+                         {"max_tokens", 8},
+                         {"temperature", 0},
+                         {"stream", true}}
                         .dump(),
                     "application/json");
     ASSERT_TRUE(r);
@@ -77,14 +83,16 @@ TEST(server, streaming_sends_chunks_and_done) {
         }
         const json ch = json::parse(data);
         EXPECT_EQ(ch["object"], "chat.completion.chunk");
-        if (ch["choices"][0]["delta"].contains("content")) text += ch["choices"][0]["delta"]["content"].get<std::string>();
+        if (ch["choices"][0]["delta"].contains("content"))
+            text += ch["choices"][0]["delta"]["content"].get<std::string>();
         ++chunks;
     }
     EXPECT_TRUE(done);
     EXPECT_GE(chunks, 3);
     // the same text as without streaming
-    const json plain = post(c, "/v1/chat/completions",
-                            {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}}, {"max_tokens", 8}, {"temperature", 0}});
+    const json plain = post(
+        c, "/v1/chat/completions",
+        {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}}, {"max_tokens", 8}, {"temperature", 0}});
     EXPECT_EQ(text, plain["choices"][0]["message"]["content"]);
 }
 
@@ -93,18 +101,27 @@ TEST(server, documents_come_back_from_the_store_in_another_order) {
     server_params p = small_params(d.path().string());
     running_server s(p);
     auto c = s.client();
-    const json docs1 = {{{"text", "Tom had a red ball."}}, {{"text", "Sue found a little cat."}}, {{"text", "Ben swam in the lake."}}};
+    const json docs1 = {
+        {{"text", "Tom had a red ball."}}, {{"text", "Sue found a little cat."}}, {{"text", "Ben swam in the lake."}}};
     const json docs2 = {{{"text", "Ben swam in the lake."}}, {{"text", "Tom had a red ball."}}};
-    const json r1 = post(c, "/v1/chat/completions",
-                         {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "Once upon a time"}}}},
-                          {"documents", docs1}, {"max_tokens", 8}, {"temperature", 0}});
+    const json r1 =
+        post(c, "/v1/chat/completions",
+             {{"messages",
+               {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "Once upon a time"}}}},
+              {"documents", docs1},
+              {"max_tokens", 8},
+              {"temperature", 0}});
     EXPECT_EQ(r1["kvblend"]["store_hits"], 0);
     EXPECT_GT(r1["kvblend"]["n_fused"].get<int>(), 0);
     EXPECT_LT(r1["kvblend"]["n_recomputed"].get<int>(), r1["kvblend"]["n_fused"].get<int>());
     // a new question over a subset in another order: every chunk is a hit
-    const json r2 = post(c, "/v1/chat/completions",
-                         {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "The next day"}}}},
-                          {"documents", docs2}, {"max_tokens", 8}, {"temperature", 0}, {"recomp_ratio", 0.3}});
+    const json r2 = post(
+        c, "/v1/chat/completions",
+        {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "The next day"}}}},
+         {"documents", docs2},
+         {"max_tokens", 8},
+         {"temperature", 0},
+         {"recomp_ratio", 0.3}});
     EXPECT_EQ(r2["kvblend"]["store_hits"], 3);  // the prefix and both documents
     EXPECT_EQ(r2["usage"]["prompt_tokens"], r2["kvblend"]["n_prompt"]);
     // the selection fields reach the blend: the same documents in two orders,
@@ -112,13 +129,18 @@ TEST(server, documents_come_back_from_the_store_in_another_order) {
     const json docs3 = {{{"text", "Sue found a little cat."}}, {{"text", "Ben swam in the lake."}}};
     const json docs4 = {{{"text", "Ben swam in the lake."}}, {{"text", "Sue found a little cat."}}};
     auto ask = [&](const json & docs, json extra) {
-        json b = {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "Later that day"}}}},
-                  {"documents", docs}, {"max_tokens", 4}, {"temperature", 0}, {"recomp_ratio", 0.3}};
+        json b = {{"messages",
+                   {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "Later that day"}}}},
+                  {"documents", docs},
+                  {"max_tokens", 4},
+                  {"temperature", 0},
+                  {"recomp_ratio", 0.3}};
         b.update(extra);
         return post(c, "/v1/chat/completions", b);
     };
     const json r3 = ask(docs3, json::object());
-    const json r4 = ask(docs4, {{"chunk_head", 3}, {"head_in_budget", false}, {"weight_query", false}, {"budget", "chunk"}});
+    const json r4 =
+        ask(docs4, {{"chunk_head", 3}, {"head_in_budget", false}, {"weight_query", false}, {"budget", "chunk"}});
     ASSERT_GT(r3["kvblend"]["n_fused"].get<int>(), 0) << r3.dump();
     ASSERT_EQ(r4["kvblend"]["n_fused"], r3["kvblend"]["n_fused"]) << r4.dump();
     EXPECT_EQ(r4["kvblend"]["n_recomputed"].get<int>(), r3["kvblend"]["n_recomputed"].get<int>() + 3 * 2) << r4.dump();
@@ -148,9 +170,12 @@ TEST(server, errors_have_openai_shape_and_status) {
         {"/v1/chat/completions", "[1, 2]", "invalid_request", 400},
         {"/v1/chat/completions", R"({"messages": []})", "invalid_request", 400},
         {"/v1/chat/completions", R"({"messages": [{"role": "wizard", "content": "x"}]})", "invalid_request", 400},
-        {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"})", "invalid_request", 400},
-        {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "top_p": 7})", "invalid_request", 400},
-        {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "documents": [3]})", "invalid_request", 400},
+        {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"})",
+         "invalid_request", 400},
+        {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "top_p": 7})", "invalid_request",
+         400},
+        {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "documents": [3]})",
+         "invalid_request", 400},
         {"/v1/completions", R"({"prompt": 42})", "invalid_request", 400},
         {"/detokenize", R"({"tokens": [1, 99999]})", "invalid_request", 400},
     };
@@ -178,13 +203,15 @@ TEST(server, concurrent_requests_get_their_own_answers) {
     server_params p = small_params();
     p.parallel = 2;
     running_server s(p);
-    const std::vector<std::string> prompts = {"Once upon a time", "Tom had a red ball", "The sun was hot", "Sue found a cat"};
+    const std::vector<std::string> prompts = {"Once upon a time", "Tom had a red ball", "The sun was hot",
+                                              "Sue found a cat"};
     // the answers one at a time first
     std::vector<std::string> want;
     {
         auto c = s.client();
         for (const auto & pr : prompts)
-            want.push_back(post(c, "/v1/completions", {{"prompt", pr}, {"max_tokens", 12}, {"temperature", 0}})["choices"][0]["text"]);
+            want.push_back(post(c, "/v1/completions",
+                                {{"prompt", pr}, {"max_tokens", 12}, {"temperature", 0}})["choices"][0]["text"]);
     }
     std::vector<std::thread> th;
     std::atomic<int> wrong{0}, failed{0};
@@ -193,9 +220,10 @@ TEST(server, concurrent_requests_get_their_own_answers) {
             auto c = s.client();
             for (int i = 0; i < 6; ++i) {
                 const size_t k = (t + i) % prompts.size();
-                auto r = c.Post("/v1/completions",
-                                json{{"prompt", prompts[k]}, {"max_tokens", 12}, {"temperature", 0}, {"stream", i % 2 == 1}}.dump(),
-                                "application/json");
+                auto r = c.Post(
+                    "/v1/completions",
+                    json{{"prompt", prompts[k]}, {"max_tokens", 12}, {"temperature", 0}, {"stream", i % 2 == 1}}.dump(),
+                    "application/json");
                 if (!r || r->status != 200) {
                     failed++;
                     continue;
@@ -204,7 +232,8 @@ TEST(server, concurrent_requests_get_their_own_answers) {
                 if (i % 2 == 1) {
                     std::istringstream in(r->body);
                     for (std::string line; std::getline(in, line);)
-                        if (line.rfind("data: {", 0) == 0) text += json::parse(line.substr(6))["choices"][0]["text"].get<std::string>();
+                        if (line.rfind("data: {", 0) == 0)
+                            text += json::parse(line.substr(6))["choices"][0]["text"].get<std::string>();
                 } else {
                     text = json::parse(r->body)["choices"][0]["text"];
                 }
@@ -223,8 +252,9 @@ TEST(server, a_client_that_disconnects_mid_stream_cancels_its_work) {
         auto c = s.client();
         int got = 0;
         // read two events of a long generation, then hang up
-        c.Post("/v1/completions", httplib::Headers{}, json{{"prompt", "Once upon a time"}, {"max_tokens", 400}, {"stream", true}}.dump(),
-               "application/json", [&](const char *, size_t) { return ++got < 2; });
+        c.Post("/v1/completions", httplib::Headers{},
+               json{{"prompt", "Once upon a time"}, {"max_tokens", 400}, {"stream", true}}.dump(), "application/json",
+               [&](const char *, size_t) { return ++got < 2; });
     }
     // the slot is free again: a short request is answered promptly
     auto c = s.client();
@@ -239,7 +269,8 @@ TEST(server, documents_endpoint_ids_and_metrics) {
     server_params p = small_params(d.path().string());
     running_server s(p);
     auto c = s.client();
-    const json added = post(c, "/v1/documents", {{"documents", {"Tom had a red ball.", {{"text", "Sue found a little cat."}}}}});
+    const json added =
+        post(c, "/v1/documents", {{"documents", {"Tom had a red ball.", {{"text", "Sue found a little cat."}}}}});
     ASSERT_EQ(added["data"].size(), 2u);
     EXPECT_EQ(added["store_misses"], 2);
     const std::string id0 = added["data"][0]["id"], id1 = added["data"][1]["id"];
@@ -255,16 +286,18 @@ TEST(server, documents_endpoint_ids_and_metrics) {
                          {"temperature", 0}});
     EXPECT_GE(r["kvblend"]["store_hits"].get<int>(), 2);
     auto miss = c.Post("/v1/chat/completions",
-                       json{{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"documents", {{{"id", "0123456789abcdef0123456789abcdef"}}}}}
+                       json{{"messages", {{{"role", "user"}, {"content", "x"}}}},
+                            {"documents", {{{"id", "0123456789abcdef0123456789abcdef"}}}}}
                            .dump(),
                        "application/json");
     EXPECT_EQ(miss->status, 404);
     EXPECT_EQ(json::parse(miss->body)["error"]["code"], "document_not_found");
 
     const std::string m = c.Get("/metrics")->body;
-    for (const char * k : {"kvblend_requests_total 1", "kvblend_fused_tokens_total", "kvblend_recomputed_tokens_total",
-                           "kvblend_store_hits_total", "kvblend_store_misses_total",
-                           "kvblend_time_to_first_token_seconds_bucket{le=\"+Inf\"} 1", "kvblend_time_to_first_token_seconds_count 1"})
+    for (const char * k :
+         {"kvblend_requests_total 1", "kvblend_fused_tokens_total", "kvblend_recomputed_tokens_total",
+          "kvblend_store_hits_total", "kvblend_store_misses_total",
+          "kvblend_time_to_first_token_seconds_bucket{le=\"+Inf\"} 1", "kvblend_time_to_first_token_seconds_count 1"})
         EXPECT_NE(m.find(k), std::string::npos) << k << "\n" << m;
 }
 
@@ -292,8 +325,8 @@ TEST(server, the_official_openai_client_works_against_it) {
     p.api_key = "test-key";
     p.parallel = 2;
     running_server s(p);
-    const std::string cmd = "node " + dir + "/openai_client.mjs http://127.0.0.1:" + std::to_string(s.port()) +
-                            "/v1 test-key 2>&1";
+    const std::string cmd =
+        "node " + dir + "/openai_client.mjs http://127.0.0.1:" + std::to_string(s.port()) + "/v1 test-key 2>&1";
     FILE * f = popen(cmd.c_str(), "r");
     ASSERT_NE(f, nullptr);
     std::string out;
@@ -312,7 +345,8 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
     const int64_t rss0 = rss_kb();
     running_server s(p);
     const int64_t rss_started = rss_kb();
-    const std::vector<std::string> prompts = {"Once upon a time", "Tom had a red ball", "The sun was hot", "Sue found a cat"};
+    const std::vector<std::string> prompts = {"Once upon a time", "Tom had a red ball", "The sun was hot",
+                                              "Sue found a cat"};
     // 8 clients against 2 slots: good requests (streamed or not), clients that hang
     // up after the first event, malformed bodies (400) and bodies over the cap (413)
     std::atomic<int> ok{0}, failed{0}, hung_up{0}, rejected{0};
@@ -324,7 +358,8 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
             th.emplace_back([&] {
                 auto c = s.client();
                 for (int i; (i = next++) < n_requests;) {
-                    const json body = {{"prompt", prompts[i % prompts.size()]}, {"max_tokens", 8 + i % 24}, {"stream", i % 3 != 0}};
+                    const json body = {
+                        {"prompt", prompts[i % prompts.size()]}, {"max_tokens", 8 + i % 24}, {"stream", i % 3 != 0}};
                     if (i % 7 == 0) {  // read one event, then disconnect
                         c.Post("/v1/completions", httplib::Headers{}, body.dump(), "application/json",
                                [](const char *, size_t) { return false; });
@@ -333,14 +368,19 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
                     }
                     if (i % 11 == 5 || i % 13 == 6) {
                         const bool big = i % 13 == 6;
-                        auto r = c.Post("/v1/completions", big ? too_big : R"({"prompt": "x", "stream": "yes"})", "application/json");
-                        if (r && r->status == (big ? 413 : 400) && r->body.find("\"error\"") != std::string::npos) rejected++;
-                        else failed++;
+                        auto r = c.Post("/v1/completions", big ? too_big : R"({"prompt": "x", "stream": "yes"})",
+                                        "application/json");
+                        if (r && r->status == (big ? 413 : 400) && r->body.find("\"error\"") != std::string::npos)
+                            rejected++;
+                        else
+                            failed++;
                         continue;
                     }
                     auto r = c.Post("/v1/completions", body.dump(), "application/json");
-                    if (r && r->status == 200 && r->body.find("\"error\"") == std::string::npos) ok++;
-                    else failed++;
+                    if (r && r->status == 200 && r->body.find("\"error\"") == std::string::npos)
+                        ok++;
+                    else
+                        failed++;
                 }
             });
         }
@@ -355,8 +395,10 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
                 const double t0 = time_ms();
                 auto r = c.Get("/health");
                 const double ms = time_ms() - t0;
-                if (r && r->status == 200) health_ok++;
-                else health_bad++;
+                if (r && r->status == 200)
+                    health_ok++;
+                else
+                    health_bad++;
                 if (ms > health_worst_ms) health_worst_ms = ms;
                 std::this_thread::sleep_for(std::chrono::milliseconds(200));
             }
@@ -364,8 +406,8 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
         for (auto & x : th) x.join();
         done = true;
         probe.join();
-        std::printf("  /health during the round: %d ok, %d failed, slowest %.0f ms\n", health_ok.load(), health_bad.load(),
-                    health_worst_ms.load());
+        std::printf("  /health during the round: %d ok, %d failed, slowest %.0f ms\n", health_ok.load(),
+                    health_bad.load(), health_worst_ms.load());
         EXPECT_EQ(health_bad, 0);
     };
     const double t0 = time_ms();
@@ -373,10 +415,11 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
     const int64_t rss1 = rss_kb();
     round(200);
     const int64_t rss2 = rss_kb();
-    std::printf("400 requests (8 clients, 2 slots) in %.1f s: %d ok, %d hung up early, %d rejected (400/413), %d failed; "
-                "RSS %lld kB before the server, %lld kB started, %lld kB after 200, %lld kB after 400\n",
-                (time_ms() - t0) / 1000.0, ok.load(), hung_up.load(), rejected.load(), failed.load(), (long long) rss0,
-                (long long) rss_started, (long long) rss1, (long long) rss2);
+    std::printf(
+        "400 requests (8 clients, 2 slots) in %.1f s: %d ok, %d hung up early, %d rejected (400/413), %d failed; "
+        "RSS %lld kB before the server, %lld kB started, %lld kB after 200, %lld kB after 400\n",
+        (time_ms() - t0) / 1000.0, ok.load(), hung_up.load(), rejected.load(), failed.load(), (long long) rss0,
+        (long long) rss_started, (long long) rss1, (long long) rss2);
     EXPECT_EQ(failed, 0);
     EXPECT_EQ(ok + hung_up + rejected, 400);
     // a second round leaves memory where the first did (the slack: malloc's
@@ -387,7 +430,9 @@ TEST(server, bounded_load_with_early_disconnects_leaves_it_healthy) {
     EXPECT_EQ(json::parse(c.Get("/health")->body)["status"], "ok");
     const std::string m = c.Get("/metrics")->body;
     EXPECT_NE(m.find("kvblend_requests_total"), std::string::npos);
-    EXPECT_NE(m.find("kvblend_http_responses_total{code=\"4xx\"} " + std::to_string(rejected.load())), std::string::npos) << m;
+    EXPECT_NE(m.find("kvblend_http_responses_total{code=\"4xx\"} " + std::to_string(rejected.load())),
+              std::string::npos)
+        << m;
     EXPECT_NE(m.find("kvblend_http_responses_total{code=\"5xx\"} 0"), std::string::npos) << m;
 }
 
@@ -416,7 +461,9 @@ TEST(server, same_documents_in_the_same_order_extend_the_cached_prefix) {
     auto ask = [&](const std::string & q, const json & ds) {
         return post(c, "/v1/chat/completions",
                     {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", q}}}},
-                     {"documents", ds}, {"max_tokens", 4}, {"temperature", 0}});
+                     {"documents", ds},
+                     {"max_tokens", 4},
+                     {"temperature", 0}});
     };
     const json r1 = ask("Once upon a time", docs);
     EXPECT_GT(r1["kvblend"]["n_fused"].get<int>(), 0);
@@ -438,11 +485,17 @@ TEST(server, a_cached_fusion_serves_only_its_own_selection) {
     server_params p = small_params(d.path().string());
     running_server s(p);
     auto c = s.client();
-    const json docs = {{{"text", "Tom had a red ball. He threw it high."}}, {{"text", "Sue found a little cat. It was hungry."}}};
+    const json docs = {{{"text", "Tom had a red ball. He threw it high."}},
+                       {{"text", "Sue found a little cat. It was hungry."}}};
     auto ask = [&](double ratio) {
-        return post(c, "/v1/chat/completions",
-                    {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "Once upon a time"}}}},
-                     {"documents", docs}, {"max_tokens", 12}, {"temperature", 0}, {"recomp_ratio", ratio}});
+        return post(
+            c, "/v1/chat/completions",
+            {{"messages",
+              {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "Once upon a time"}}}},
+             {"documents", docs},
+             {"max_tokens", 12},
+             {"temperature", 0},
+             {"recomp_ratio", ratio}});
     };
     const json exact_fresh = ask(1.0);  // a fresh slot
     const json naive = ask(0.0);        // another selection: fused again
@@ -465,11 +518,13 @@ TEST(server, live_compressed_slots_say_so_and_refuse_documents) {
     const json h = json::parse(c.Get("/health")->body);
     EXPECT_EQ(h["kv_cache"], "turboquant4");
     EXPECT_EQ(h["fusion"], false);
-    const json comp = post(c, "/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 8}, {"temperature", 0}});
+    const json comp =
+        post(c, "/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 8}, {"temperature", 0}});
     EXPECT_FALSE(comp["choices"][0]["text"].get<std::string>().empty());
     const json err = post(c, "/v1/chat/completions",
                           {{"messages", {{{"role", "user"}, {"content", "What did Tom have?"}}}},
-                           {"documents", {"Tom had a red ball."}}, {"max_tokens", 4}},
+                           {"documents", {"Tom had a red ball."}},
+                           {"max_tokens", 4}},
                           400);
     EXPECT_NE(err["error"]["message"].get<std::string>().find("turboquant4"), std::string::npos);
     // a dense server says what it holds too
@@ -518,7 +573,9 @@ TEST(server, a_fused_cache_is_evicted_and_not_reused_as_a_prefix) {
     auto ask = [&](const std::string & q) {
         return post(c, "/v1/chat/completions",
                     {{"messages", {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", q}}}},
-                     {"documents", docs}, {"max_tokens", 4}, {"temperature", 0}});
+                     {"documents", docs},
+                     {"max_tokens", 4},
+                     {"temperature", 0}});
     };
     const json r1 = ask("Once upon a time");
     EXPECT_GT(r1["kvblend"]["n_fused"].get<int>(), 16);

@@ -92,7 +92,8 @@ class raw_conn {
                     out.size() >= head + 4 + (size_t) std::atol(out.c_str() + cl + 16))
                     return out;
             }
-            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+            const auto left =
+                std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
             pollfd p{fd_, POLLIN, 0};
             if (left.count() <= 0 || ::poll(&p, 1, (int) left.count()) <= 0) return out;
             const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
@@ -184,7 +185,8 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
         {"/v1/completions", R"({"prompt":"x","top_k":"5"})"},
         {"/v1/completions", R"({"prompt":"x","min_p":1.5})"},
         // refused, not ignored: the answer would not be what the client asked for
-        {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}})"},
+        {"/v1/chat/completions",
+         R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}})"},
         {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"response_format":"json"})"},
         {"/v1/chat/completions",
          R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]})"},
@@ -206,9 +208,10 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
                     "application/json");
     EXPECT_EQ(r->status, 200) << r->body;
     // what clients send by default for these is fine
-    r = c.Post("/v1/chat/completions",
-               R"({"messages":[{"role":"user","content":"x"}],"max_tokens":1,"response_format":{"type":"text"},"tools":[],"logprobs":false,"top_logprobs":0,"top_k":-1,"min_p":0.1})",
-               "application/json");
+    r = c.Post(
+        "/v1/chat/completions",
+        R"({"messages":[{"role":"user","content":"x"}],"max_tokens":1,"response_format":{"type":"text"},"tools":[],"logprobs":false,"top_logprobs":0,"top_k":-1,"min_p":0.1})",
+        "application/json");
     EXPECT_EQ(r->status, 200) << r->body;
 }
 
@@ -429,7 +432,8 @@ TEST(server_hardening, a_client_that_hangs_up_stops_its_documents) {
     p.parallel = 1;
     live_server s(p);
     json docs = json::array();
-    for (int i = 0; i < 3000; ++i) docs.push_back("Document " + std::to_string(i) + ": Tom had a red ball and a little cat.");
+    for (int i = 0; i < 3000; ++i)
+        docs.push_back("Document " + std::to_string(i) + ": Tom had a red ball and a little cat.");
     {
         raw_conn rc(s.port());
         rc.send(http_post("/v1/documents", json{{"documents", docs}}.dump()));
@@ -469,7 +473,8 @@ TEST(server_hardening, api_keys_bearer_in_any_case_and_never_empty) {
     EXPECT_NE(r.err.find("error: --api-key is empty"), std::string::npos) << r.err;
     for (const char * size : {"12q", "' 8M'", "0", "8X"}) {
         // bounded: a size taken by mistake would start a server that never exits
-        const auto bad = test::run_cli("serve -m " + test::k_stories_model + " --port 0 --max-body " + size, "timeout 60 ");
+        const auto bad =
+            test::run_cli("serve -m " + test::k_stories_model + " --port 0 --max-body " + size, "timeout 60 ");
         EXPECT_EQ(bad.status, 1) << size;
         EXPECT_NE(bad.err.find("--max-body"), std::string::npos) << size << ": " << bad.err;
     }
@@ -577,8 +582,11 @@ TEST(server_hardening, the_store_budget_holds_and_documents_it_cannot_hold_get_n
     EXPECT_LE(st.bytes, p.store_max_bytes);
     EXPECT_LT(st.n_entries, 4u);  // the least recently used went
     // three at once cannot all be held: no ids of evicted documents
-    auto r = c.Post("/v1/documents", json{{"documents", {"Tom had a red ball and a blue kite.", "Sue found a little cat in the garden.",
-                                           "Lily had a big box of crayons today."}}}.dump(),
+    auto r = c.Post("/v1/documents",
+                    json{{"documents",
+                          {"Tom had a red ball and a blue kite.", "Sue found a little cat in the garden.",
+                           "Lily had a big box of crayons today."}}}
+                        .dump(),
                     "application/json");
     ASSERT_TRUE(r);
     EXPECT_EQ(r->status, 507) << r->body;
@@ -602,17 +610,20 @@ TEST(server_hardening, documents_by_id_stop_at_the_context_and_every_user_messag
                     "application/json");
     ASSERT_TRUE(r);
     EXPECT_EQ(r->status, 400) << r->body;
-    EXPECT_NE(openai_error_of(r)["message"].get<std::string>().find("the documents hold more than the context"), std::string::npos) << r->body;
+    EXPECT_NE(openai_error_of(r)["message"].get<std::string>().find("the documents hold more than the context"),
+              std::string::npos)
+        << r->body;
     // two user messages: both are the question, neither is dropped
     auto prompt_tokens = [&](const json & msgs) {
         auto x = c.Post("/v1/chat/completions",
-                        json{{"messages", msgs}, {"documents", {{{"id", id}}}}, {"max_tokens", 1}}.dump(), "application/json");
+                        json{{"messages", msgs}, {"documents", {{{"id", id}}}}, {"max_tokens", 1}}.dump(),
+                        "application/json");
         EXPECT_EQ(x->status, 200) << x->body;
         return json::parse(x->body)["usage"]["prompt_tokens"].get<int64_t>();
     };
     const int64_t one = prompt_tokens({{{"role", "user"}, {"content", "What had Tom?"}}});
-    const int64_t two = prompt_tokens({{{"role", "user"}, {"content", "Answer in one word."}},
-                                       {{"role", "user"}, {"content", "What had Tom?"}}});
+    const int64_t two = prompt_tokens(
+        {{{"role", "user"}, {"content", "Answer in one word."}}, {{"role", "user"}, {"content", "What had Tom?"}}});
     EXPECT_GT(two, one + 3);
 }
 
@@ -638,8 +649,8 @@ TEST(server_hardening, a_stream_never_splits_a_utf8_character) {
     // a hot, unfiltered sampling picks the model's byte tokens: characters of 2-4 bytes, one byte a token
     int multibyte = 0;
     for (int seed = 0; seed < 4; ++seed) {
-        const json body = {{"prompt", "Once"}, {"max_tokens", 100}, {"temperature", 100}, {"top_k", 0}, {"top_p", 1},
-                           {"seed", seed}};
+        const json body = {{"prompt", "Once"}, {"max_tokens", 100}, {"temperature", 100},
+                           {"top_k", 0},       {"top_p", 1},        {"seed", seed}};
         const std::string whole = test::post(c, "/v1/completions", body)["choices"][0]["text"].get<std::string>();
         std::string joined;
         // a delta that ended inside a character reached the client as U+FFFD: the
@@ -686,7 +697,8 @@ TEST(server_hardening, penalties_logit_bias_and_every_seed_are_honoured) {
         return test::post(c, "/v1/completions", b)["choices"][0]["text"].get<std::string>();
     };
     // a bias of +100 makes one token the only choice, greedy or not
-    const int64_t id = test::post(c, "/tokenize", json{{"content", "Once upon a time"}})["tokens"].back().get<int64_t>();
+    const int64_t id =
+        test::post(c, "/tokenize", json{{"content", "Once upon a time"}})["tokens"].back().get<int64_t>();
     const json bias = {{std::to_string(id), 100}};
     const std::string piece = text_of({{"max_tokens", 1}, {"logit_bias", bias}});
     ASSERT_FALSE(piece.empty());
@@ -704,7 +716,8 @@ TEST(server_hardening, penalties_logit_bias_and_every_seed_are_honoured) {
     EXPECT_NE(text_of({{"presence_penalty", 2}}), plain);
     EXPECT_NE(text_of({{"repeat_penalty", 3}}), plain);
     // -1: over the whole context (libllama's own -1 would turn the penalties off)
-    EXPECT_EQ(text_of({{"repeat_penalty", 3}, {"repeat_last_n", -1}}), text_of({{"repeat_penalty", 3}, {"repeat_last_n", 512}}));
+    EXPECT_EQ(text_of({{"repeat_penalty", 3}, {"repeat_last_n", -1}}),
+              text_of({{"repeat_penalty", 3}, {"repeat_last_n", 512}}));
     EXPECT_NE(text_of({{"frequency_penalty", 2}, {"repeat_last_n", -1}}), plain);
     EXPECT_EQ(text_of({{"frequency_penalty", 0}, {"presence_penalty", 0}, {"repeat_penalty", 1}}), plain);
     // 2^32 - 1 is libllama's "random": a client's seed never means that
@@ -743,24 +756,29 @@ TEST(server_hardening, web_pages_of_other_origins_cannot_drive_the_server) {
         return rc.read_all(5000);
     };
     // a form post from a page elsewhere (no preflight, no key needed to start it) is refused
-    for (const char * origin : {"http://evil.example", "null", "http://localhost.evil.example", "http://127.0.0.1.evil:80"}) {
+    for (const char * origin :
+         {"http://evil.example", "null", "http://localhost.evil.example", "http://127.0.0.1.evil:80"}) {
         const std::string r = send(http_post("/v1/completions", body, key + "Origin: " + origin + "\r\n"));
         EXPECT_EQ(status_of(r), 403) << origin << ": " << r;
         EXPECT_NE(body_of(r).find("forbidden_origin"), std::string::npos) << r;
     }
     // loopback pages and listed origins may call it, and may read the answer (CORS)
-    for (const char * origin : {"http://localhost:3000", "http://127.0.0.1", "https://[::1]:8443", "https://app.example"}) {
+    for (const char * origin :
+         {"http://localhost:3000", "http://127.0.0.1", "https://[::1]:8443", "https://app.example"}) {
         const std::string r = send(http_post("/v1/completions", body, key + "Origin: " + origin + "\r\n"));
         EXPECT_EQ(status_of(r), 200) << origin << ": " << r;
         EXPECT_NE(r.find(std::string("Access-Control-Allow-Origin: ") + origin), std::string::npos) << r;
     }
     // a preflight needs no key; its answer lets the page send JSON with a key
-    const std::string pre = send("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: https://app.example\r\n"
-                                 "Access-Control-Request-Method: POST\r\n"
-                                 "Access-Control-Request-Headers: authorization, content-type\r\n\r\n");
+    const std::string pre = send(
+        "OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: https://app.example\r\n"
+        "Access-Control-Request-Method: POST\r\n"
+        "Access-Control-Request-Headers: authorization, content-type\r\n\r\n");
     EXPECT_EQ(status_of(pre), 204) << pre;
     EXPECT_NE(pre.find("Access-Control-Allow-Headers: Authorization, Content-Type"), std::string::npos) << pre;
-    EXPECT_EQ(status_of(send("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: http://evil.example\r\n\r\n")), 403);
+    EXPECT_EQ(
+        status_of(send("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: http://evil.example\r\n\r\n")),
+        403);
     // clients that are no browser send no Origin: as before
     EXPECT_EQ(status_of(send(http_post("/v1/completions", body, key))), 200);
     EXPECT_EQ(status_of(send(http_post("/v1/completions", body))), 401);
@@ -770,9 +788,9 @@ TEST(server_hardening, origins_are_matched_whole) {
     EXPECT_TRUE(http_origin_allowed("http://localhost", {}));
     EXPECT_TRUE(http_origin_allowed("https://localhost:65535", {}));
     EXPECT_TRUE(http_origin_allowed("http://[::1]:80", {}));
-    for (const char * o : {"", "null", "localhost", "http://", "http://[", "http://[::1", "http://localhost:", "http://localhost:abc",
-                           "http://localhost:1234567", "http://localhost/", "http://localhost.example", "ftp://localhost",
-                           "http://127.0.0.2", "http://0.0.0.0"})
+    for (const char * o : {"", "null", "localhost", "http://", "http://[", "http://[::1",
+                           "http://localhost:", "http://localhost:abc", "http://localhost:1234567", "http://localhost/",
+                           "http://localhost.example", "ftp://localhost", "http://127.0.0.2", "http://0.0.0.0"})
         EXPECT_FALSE(http_origin_allowed(o, {})) << o;
     EXPECT_TRUE(http_origin_allowed("https://app.example", {"https://app.example"}));
     EXPECT_FALSE(http_origin_allowed("https://app.example:444", {"https://app.example"}));

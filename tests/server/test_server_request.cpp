@@ -72,16 +72,19 @@ TEST(server_request, fields_are_checked_per_endpoint) {
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","max_tokens":8.0})"), "");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","temperature":-1})"), "invalid_request");
     // the token selection of fused requests
-    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"chunk_head":2,"head_in_budget":false,"weight_query":true,)"
-                                                      R"("budget":"mass","dev_mass":0.5,"recomp_ratio":0.1})"),
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg +
+                                              R"(,"chunk_head":2,"head_in_budget":false,"weight_query":true,)"
+                                              R"("budget":"mass","dev_mass":0.5,"recomp_ratio":0.1})"),
               "");
-    for (const char * bad : {R"("chunk_head":-1)", R"("chunk_head":1.5)", R"("head_in_budget":"no")", R"("weight_query":1)",
-                             R"("budget":"local")", R"("budget":2)", R"("dev_mass":1.5)", R"("dev_mass":-0.1)"})
+    for (const char * bad :
+         {R"("chunk_head":-1)", R"("chunk_head":1.5)", R"("head_in_budget":"no")", R"("weight_query":1)",
+          R"("budget":"local")", R"("budget":2)", R"("dev_mass":1.5)", R"("dev_mass":-0.1)"})
         EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_request") << bad;
     // a NUL in a message, as a string or a text part (libllama's templates would end it there)
     EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":"a\u0000b"}]})"), "invalid_request");
-    EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":[{"type":"text","text":"a\u0000"}]}]})"),
-              "invalid_request");
+    EXPECT_EQ(
+        error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":[{"type":"text","text":"a\u0000"}]}]})"),
+        "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"documents":[{"text":"t","id":"a"}]})"), "invalid_request");
     // refused rather than ignored; the values clients send by default pass
     for (const char * bad : {R"("response_format":{"type":"json_object"})", R"("tools":[{"type":"function"}])",
@@ -89,31 +92,42 @@ TEST(server_request, fields_are_checked_per_endpoint) {
         EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "unsupported_parameter") << bad;
     for (const char * bad : {R"("top_k":1.5)", R"("min_p":2)"})
         EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_request") << bad;
-    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"response_format":{"type":"text"},"tools":[],"logprobs":false,"top_k":-1})"),
-              "");
+    EXPECT_EQ(
+        error_code_of(REQUEST_CHAT,
+                      "{" + msg + R"(,"response_format":{"type":"text"},"tools":[],"logprobs":false,"top_k":-1})"),
+        "");
     // OpenAI's and llama-server's other fields: honoured, refused, or passed at their defaults
-    for (const char * bad : {R"("echo":true)", R"("suffix":"end")", R"("best_of":3)", R"("grammar":"root ::= x")",
-                             R"("json_schema":{"type":"object"})", R"("n_probs":5)", R"("mirostat":2)", R"("typical_p":0.5)"})
-        EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x",)" + std::string(bad) + "}"), "unsupported_parameter") << bad;
-    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","echo":false,"suffix":null,"best_of":1,"grammar":"",)"
-                                                R"("json_schema":{},"n_probs":0,"mirostat":0,"typical_p":1,"logit_bias":{},)"
-                                                R"("frequency_penalty":0,"presence_penalty":0,"seed":-1})"),
+    for (const char * bad :
+         {R"("echo":true)", R"("suffix":"end")", R"("best_of":3)", R"("grammar":"root ::= x")",
+          R"("json_schema":{"type":"object"})", R"("n_probs":5)", R"("mirostat":2)", R"("typical_p":0.5)"})
+        EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x",)" + std::string(bad) + "}"),
+                  "unsupported_parameter")
+            << bad;
+    EXPECT_EQ(
+        error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","echo":false,"suffix":null,"best_of":1,"grammar":"",)"
+                                          R"("json_schema":{},"n_probs":0,"mirostat":0,"typical_p":1,"logit_bias":{},)"
+                                          R"("frequency_penalty":0,"presence_penalty":0,"seed":-1})"),
+        "");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg +
+                                              R"(,"logit_bias":{"13":-100,"400":5.5},"frequency_penalty":1.5,)"
+                                              R"("presence_penalty":-2,"repeat_penalty":1.1,"repeat_last_n":-1,)"
+                                              R"("seed":9000000000000000000})"),
               "");
-    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"logit_bias":{"13":-100,"400":5.5},"frequency_penalty":1.5,)"
-                                                      R"("presence_penalty":-2,"repeat_penalty":1.1,"repeat_last_n":-1,)"
-                                                      R"("seed":9000000000000000000})"),
-              "");
-    for (const char * bad : {R"("logit_bias":{"x":1})", R"("logit_bias":{"-1":1})", R"("logit_bias":{"1":101})",
-                             R"("logit_bias":{"1":"1"})", R"("logit_bias":[1])", R"("logit_bias":{"99999999999":1})",
-                             R"("frequency_penalty":2.5)", R"("presence_penalty":"1")", R"("repeat_penalty":0)",
-                             R"("repeat_penalty":1.1,"repetition_penalty":1.1)", R"("repeat_last_n":-2)", R"("seed":-2)",
-                             R"("seed":1.5)"})
+    for (const char * bad :
+         {R"("logit_bias":{"x":1})", R"("logit_bias":{"-1":1})", R"("logit_bias":{"1":101})",
+          R"("logit_bias":{"1":"1"})", R"("logit_bias":[1])", R"("logit_bias":{"99999999999":1})",
+          R"("frequency_penalty":2.5)", R"("presence_penalty":"1")", R"("repeat_penalty":0)",
+          R"("repeat_penalty":1.1,"repetition_penalty":1.1)", R"("repeat_last_n":-2)", R"("seed":-2)", R"("seed":1.5)"})
         EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_request") << bad;
     // a stop string is held back from a stream while it may still appear: its length is bounded
-    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","stop":")" + std::string(k_max_stop_bytes, 'q') + R"("})"), "");
-    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","stop":")" + std::string(k_max_stop_bytes + 1, 'q') + R"("})"),
+    EXPECT_EQ(
+        error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","stop":")" + std::string(k_max_stop_bytes, 'q') + R"("})"),
+        "");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION,
+                            R"({"prompt":"x","stop":")" + std::string(k_max_stop_bytes + 1, 'q') + R"("})"),
               "invalid_request");
-    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","stop":["a",")" + std::string(k_max_stop_bytes + 1, 'q') + R"("]})"),
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION,
+                            R"({"prompt":"x","stop":["a",")" + std::string(k_max_stop_bytes + 1, 'q') + R"("]})"),
               "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[]})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_DOCUMENTS, R"({"documents":[{"id":"x"}]})"),

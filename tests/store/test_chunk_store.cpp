@@ -1,13 +1,13 @@
 // the chunk store with its embedded directory backend: bit-exact roundtrips,
 // corruption caught, LRU eviction, concurrent writers, blends from hits.
 #include <gtest/gtest.h>
-#include <sys/stat.h>
-#include <csignal>
-#include <sys/wait.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/time.h>
+#include <sys/wait.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,9 +15,9 @@
 #include <thread>
 
 #include "cli_run.h"
-#include "kvblend/rag_prompt.h"
 #include "kvblend/blend.h"
 #include "kvblend/codec.h"
+#include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "test_util.h"
 
@@ -38,7 +38,9 @@ std::vector<llama_token> doc_tokens(const model & m, int i) {
     return rag_doc_tokens(m.tokens(), docs[i % 4]);
 }
 
-fs::path entry_file(const test::temp_dir & d, const std::string & key) { return test::dir_entry_file(d.path(), key); }
+fs::path entry_file(const test::temp_dir & d, const std::string & key) {
+    return test::dir_entry_file(d.path(), key);
+}
 
 void expect_same_chunk(const chunk_kv & a, const chunk_kv & b) {
     EXPECT_EQ(a.tokens, b.tokens);
@@ -202,7 +204,9 @@ TEST(chunk_store, well_formed_entries_that_lie_are_refused) {
     ev.budget_share = 0.5;
     const std::vector<uint8_t> sparse = chunk_encode(*m, collect_evicted(eng, toks, ev), {});
     remove = true;
-    EXPECT_THROW(chunk_decode_id(*m, std::vector<uint8_t>(sparse), chunk_key(*m, good.type, "raw", {}, toks, ev), &remove), error);
+    EXPECT_THROW(
+        chunk_decode_id(*m, std::vector<uint8_t>(sparse), chunk_key(*m, good.type, "raw", {}, toks, ev), &remove),
+        error);
     EXPECT_FALSE(remove);
 
     // codecs whose entry names only their family: the settings of the key come
@@ -218,7 +222,8 @@ TEST(chunk_store, well_formed_entries_that_lie_are_refused) {
         remove = false;
         EXPECT_THROW(chunk_decode_id(*m, std::vector<uint8_t>(other_entry), own_key, &remove), error);
         EXPECT_TRUE(remove) << name;
-        EXPECT_NE(chunk_entry_check(other_entry, m.get(), own_key).find("not of its own key"), std::string::npos) << name;
+        EXPECT_NE(chunk_entry_check(other_entry, m.get(), own_key).find("not of its own key"), std::string::npos)
+            << name;
     }
 }
 
@@ -228,8 +233,8 @@ TEST(chunk_store, lru_eviction_under_a_budget) {
     store_options so;
     so.max_bytes = 3500;  // room for three entries
     auto st = store_open(d.path().string(), so);
-    const std::vector<std::string> keys = {"aaaa0000aaaa0000", "bbbb0000bbbb0000", "cccc0000cccc0000", "dddd0000dddd0000",
-                                           "eeee0000eeee0000"};
+    const std::vector<std::string> keys = {"aaaa0000aaaa0000", "bbbb0000bbbb0000", "cccc0000cccc0000",
+                                           "dddd0000dddd0000", "eeee0000eeee0000"};
     // age entries explicitly: a, b, c written at t = 100, 200, 300
     for (int i = 0; i < 3; ++i) {
         st->put(keys[i], blob);
@@ -262,7 +267,8 @@ TEST(chunk_store, a_forged_index_size_evicts_no_valid_entry) {
     store_options so;
     so.max_bytes = 3500;
     auto st = store_open(d.path().string(), so);
-    const std::vector<std::string> keys = {"aaaa0000aaaa0000", "bbbb0000bbbb0000", "cccc0000cccc0000", "dddd0000dddd0000"};
+    const std::vector<std::string> keys = {"aaaa0000aaaa0000", "bbbb0000bbbb0000", "cccc0000cccc0000",
+                                           "dddd0000dddd0000"};
     for (int i = 0; i < 3; ++i) {
         st->put(keys[i], blob);
         const timeval tv[2] = {{100 * (i + 1), 0}, {100 * (i + 1), 0}};
@@ -351,8 +357,8 @@ TEST(chunk_store, bad_uris_and_keys_are_errors) {
 TEST(chunk_store, blend_from_store_hits_equals_blend_from_fresh_collects) {
     auto m = model::load(k_stories);
     engine eng(m, engine_default_params());
-    const rag_prompt p = rag_prompt_build(m->tokens(), "Stories:", {"Tom had a red ball.", "Sue found a cat.", "Ben swam."},
-                                          "Once upon a time", false);
+    const rag_prompt p = rag_prompt_build(
+        m->tokens(), "Stories:", {"Tom had a red ball.", "Sue found a cat.", "Ben swam."}, "Once upon a time", false);
     test::temp_dir d("store");
     auto st = store_open(d.path().string());
 
@@ -413,10 +419,12 @@ TEST(chunk_store, cli_blend_uses_the_store_and_store_commands_work) {
     const std::string f1 = docs.file("a.txt"), f2 = docs.file("b.txt");
     std::ofstream(f1) << "Tom had a red ball. He liked to throw it high in the sky.";
     std::ofstream(f2) << "Sue found a little cat in the garden. The cat was hungry.";
-    const test::run_result ing = test::run_cli("ingest -m " + k_stories + " --store dir:" + d.path().string() + " " + f1 + " " + f2);
+    const test::run_result ing =
+        test::run_cli("ingest -m " + k_stories + " --store dir:" + d.path().string() + " " + f1 + " " + f2);
     ASSERT_EQ(ing.status, 0) << ing.err;
-    const std::string blend_cmd = "blend -m " + k_stories + " --store " + d.path().string() + " --system 'Stories:' --doc " + f1 +
-                                  " --doc " + f2 + " --query 'Once upon a time' -n 4 --json";
+    const std::string blend_cmd = "blend -m " + k_stories + " --store " + d.path().string() +
+                                  " --system 'Stories:' --doc " + f1 + " --doc " + f2 +
+                                  " --query 'Once upon a time' -n 4 --json";
     const test::run_result b = test::run_cli(blend_cmd);
     ASSERT_EQ(b.status, 0) << b.err;
     const auto j = nlohmann::json::parse(b.out);

@@ -27,7 +27,9 @@ namespace fs = std::filesystem;
 
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
-fs::path entry_file(const fs::path & root, const std::string & key) { return test::dir_entry_file(root, key); }
+fs::path entry_file(const fs::path & root, const std::string & key) {
+    return test::dir_entry_file(root, key);
+}
 
 std::string slurp(const fs::path & p) {
     std::ifstream f(p, std::ios::binary);

@@ -16,8 +16,8 @@
 #include <thread>
 #include <vector>
 
-#include "kvblend/common.h"
 #include "kvblend/blend.h"
+#include "kvblend/common.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
 #include "store/backends.h"
@@ -79,7 +79,8 @@ class RedisStore : public ::testing::Test {
                 std::this_thread::sleep_for(std::chrono::milliseconds(100));
             }
             ASSERT_NE(idle, ":0") << key << " is still not idle after 10 s";
-            if (idle[0] != ':') ASSERT_EQ(server_->command({"EXISTS", "kvblend:chunk:" + key}), ":0") << key << ": " << idle;
+            if (idle[0] != ':')
+                ASSERT_EQ(server_->command({"EXISTS", "kvblend:chunk:" + key}), ":0") << key << ": " << idle;
         }
     }
 
@@ -455,13 +456,32 @@ TEST_F(RedisStore, ATricklingServerFailsAtTheDeadline) {
 }
 
 TEST(RedisStoreUri, MalformedUrisAreErrors) {
-    for (const std::string uri : {"redis://", "redis://host:notaport", "redis://h:70000", "redis://h:1/x",
-                                  "redis://h:0", "redis://h:", "redis://:6379", "redis://h:1/-1", "http://h:1",
-                                  "redis://h:1:2", "redis://h:99999999999999999999", "redis://[::1", "redis://[::1]x",
-                                  "redis://[nothex]:1", "redis://[::1]:", "redis://[]:1", "redis://::1:6379",
-                                  "redis://h:1?timeout=0", "redis://h:1?timeout=x", "redis://h:1?timeout=",
-                                  "redis://h:1/0?timeout=1e7", "redis://h:1?timeout=nan", "redis://h:1?timeout=-1",
-                                  "redis://h:1?db=2", "redis://h:1?timeout=1&", "redis://h:1?timeout=2s"}) {
+    for (const std::string uri : {"redis://",
+                                  "redis://host:notaport",
+                                  "redis://h:70000",
+                                  "redis://h:1/x",
+                                  "redis://h:0",
+                                  "redis://h:",
+                                  "redis://:6379",
+                                  "redis://h:1/-1",
+                                  "http://h:1",
+                                  "redis://h:1:2",
+                                  "redis://h:99999999999999999999",
+                                  "redis://[::1",
+                                  "redis://[::1]x",
+                                  "redis://[nothex]:1",
+                                  "redis://[::1]:",
+                                  "redis://[]:1",
+                                  "redis://::1:6379",
+                                  "redis://h:1?timeout=0",
+                                  "redis://h:1?timeout=x",
+                                  "redis://h:1?timeout=",
+                                  "redis://h:1/0?timeout=1e7",
+                                  "redis://h:1?timeout=nan",
+                                  "redis://h:1?timeout=-1",
+                                  "redis://h:1?db=2",
+                                  "redis://h:1?timeout=1&",
+                                  "redis://h:1?timeout=2s"}) {
         const std::string msg = error_of([&] { redis_store_open(uri, {}); });
         EXPECT_NE(msg.find("'" + uri + "'"), std::string::npos) << uri << " -> " << msg;
     }

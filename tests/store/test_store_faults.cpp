@@ -30,7 +30,9 @@ namespace fs = std::filesystem;
 
 const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
 
-fs::path entry_file(const fs::path & root, const std::string & key) { return test::dir_entry_file(root, key); }
+fs::path entry_file(const fs::path & root, const std::string & key) {
+    return test::dir_entry_file(root, key);
+}
 
 // the CLI as a user without write access to root-owned files: root ignores
 // permissions, so as root the command drops to nobody (setpriv, util-linux)
@@ -44,7 +46,8 @@ void make_read_only(const fs::path & p) {
     for (auto it = fs::recursive_directory_iterator(p); it != fs::recursive_directory_iterator(); ++it)
         fs::permissions(it->path(), fs::perms::owner_write | fs::perms::group_write | fs::perms::others_write,
                         fs::perm_options::remove);
-    fs::permissions(p, fs::perms::owner_write | fs::perms::group_write | fs::perms::others_write, fs::perm_options::remove);
+    fs::permissions(p, fs::perms::owner_write | fs::perms::group_write | fs::perms::others_write,
+                    fs::perm_options::remove);
 }
 void make_writable(const fs::path & p) {
     fs::permissions(p, fs::perms::owner_write, fs::perm_options::add);
@@ -225,8 +228,8 @@ TEST(store_faults, read_only_store_with_a_corrupt_entry_serves_the_rest) {
         f.put('\x5a');
     }
     make_read_only(d.path());
-    const std::string blend = "blend -m " + k_stories + " --store " + d.path().string() + " --doc " + f1 + " --doc " + f2 +
-                              " --query 'Once upon a time' -n 2 --json";
+    const std::string blend = "blend -m " + k_stories + " --store " + d.path().string() + " --doc " + f1 + " --doc " +
+                              f2 + " --query 'Once upon a time' -n 2 --json";
     const test::run_result r = run_cli_unprivileged(blend);
     // read-only commands work on it too
     const test::run_result s = run_cli_unprivileged("store stats --json --store " + d.path().string());
