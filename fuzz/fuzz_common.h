@@ -55,7 +55,7 @@ inline model_spec tiny_spec(model_arch arch = MODEL_ARCH_LLAMA) {
 }
 
 inline std::string tiny_vocab() {
-    return std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+    return std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 }
 
 inline std::string make_tiny_model(const std::string & name, model_arch arch, ggml_type wtype) {

@@ -32,7 +32,8 @@ log() { printf '[setup] %s\n' "$*"; }
 # --- debian packages -------------------------------------------------------
 pkgs=(build-essential cmake ninja-build git ca-certificates libgtest-dev nlohmann-json3-dev npm gnuplot-nox
       libxxhash-dev libhiredis-dev redis-server python3-pytest pkgconf
-      clang libclang-rt-14-dev)  # clang + its sanitizer/libFuzzer runtimes: scripts/fuzz.sh
+      clang libclang-rt-14-dev    # clang + its sanitizer/libFuzzer runtimes: scripts/fuzz.sh
+      clang-format)               # scripts/check_format.sh (.ci/run)
 # the trainer runs on Debian's python3 (/usr/bin/python3); torch without OpenBLAS falls back to the reference BLAS
 [[ "${KVBLEND_TRAIN:-0}" == 1 ]] && pkgs+=(python3-torch python3-numpy libopenblas0-pthread)
 missing=()

@@ -12,7 +12,7 @@ cat "$from"/model.gguf.part* > "$run/model.gguf"
 cp "$from/log.jsonl" "$from/eval.json" "$from/ref.json" "$from/train.log" "$run/"
 (cd "$run" && sha256sum -c "$from/model.gguf.sha256")
 n=${KVBLEND_AFTER_N:-400}  # dev prompts benchmarked
-dev=$root/../shared/testbed/dev.jsonl
+dev=$root/scripts/testbed/dev.jsonl
 /usr/bin/python3 "$root/scripts/testbed/check_export.py" "$run" --n "$((n < 100 ? n : 100))" --tol 0.1
 # selection variants over the ratios (default 0.02,0.05,0.08,0.15,0.3)
 "$root/build/bin/kvblend" bench accuracy -m "$run/model.gguf" --prompts "$dev" --n "$n" \

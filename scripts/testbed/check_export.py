@@ -27,7 +27,7 @@ def main():
     p.add_argument("run")
     p.add_argument("--n", type=int, default=100, help="dev prompts for the answer comparison")
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
-    p.add_argument("--testbed", default=os.path.join(ROOT, "..", "shared", "testbed"))
+    p.add_argument("--dev", default=os.path.join(ROOT, "scripts", "testbed", "dev.jsonl"), help="prompts (JSONL)")
     p.add_argument("--ratios", default="0.15")
     p.add_argument("--min-agree", type=float, default=0.97)
     p.add_argument("--tol", default=None, help="logit tolerance to torch (KVBLEND_TESTBED_TOL; default the test's)")
@@ -45,7 +45,7 @@ def main():
 
     out = os.path.join(a.run, "bench_accuracy.json")
     cmd = [os.path.join(a.build, "bin", "kvblend"), "bench", "accuracy", "-m", gguf, "--prompts",
-           os.path.join(a.testbed, "dev.jsonl"), "--n", str(a.n), "--ratios", a.ratios, "--json", out]
+           a.dev, "--n", str(a.n), "--ratios", a.ratios, "--json", out]
     print("+", " ".join(cmd), flush=True)
     b = subprocess.run(cmd)
     if b.returncode != 0:

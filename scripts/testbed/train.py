@@ -3,7 +3,7 @@
 on the testbed's synthetic RAG prompts, and write it as a GGUF that kvblend and
 libllama load.
 
-Prompts come from ../shared/testbed/world.py (imported, never copied), laid out
+Prompts come from worlds.py beside this file (the testbed generator), laid out
 exactly as `kvblend blend` lays them out (src/blend/rag_prompt.cpp): the system
 text with BOS, each chunk as chunk + "\\n\\n" without BOS, then the query;
 the target is the answer and a newline. Training is on full prefills only, so
@@ -34,12 +34,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+import worlds  # noqa: E402  (the testbed generator, beside this file)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="run folder (checkpoint, log, GGUF, eval)")
-    p.add_argument("--testbed", default=os.path.join(ROOT, "..", "shared", "testbed"), help="folder of world.py and dev.jsonl")
     p.add_argument("--llama-dir", default=os.path.join(ROOT, "third_party", "llama.cpp"), help="pinned llama.cpp source (gguf-py, vocab)")
     p.add_argument("--vocab", default=None, help="vocab GGUF (default: LLAMA_DIR/models/ggml-vocab-llama-spm.gguf)")
     # model size
@@ -86,7 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=float, default=5.0, help="minutes between checkpoints")
     p.add_argument("--eval-every", type=int, default=0, help="steps between dev evaluations (0: at the end only)")
     p.add_argument("--eval-n", type=int, default=400, help="dev prompts evaluated")
-    p.add_argument("--dev", default=None, help="prompts (JSONL) to evaluate on (default: TESTBED/dev.jsonl)")
+    p.add_argument("--dev", default=None, help="prompts (JSONL) to evaluate on (default: dev.jsonl beside this file)")
     p.add_argument("--export-type", default="f16", choices=["f32", "f16", "q8_0"], help="matrix type in the GGUF")
     p.add_argument("--export-only", action="store_true", help="load OUT/ckpt.pt, evaluate and export, no training")
     p.add_argument("--ref-n", type=int, default=8, help="dev prompts whose logits go into OUT/ref.json for tests")
@@ -125,19 +126,11 @@ class Layout:
         return self.tok.encode(text.strip() + "\n")
 
 
-def world_module(testbed):
-    sys.path.insert(0, testbed)
-    import world  # noqa: E402  (../shared/testbed/world.py)
-    sys.path.pop(0)
-    return world
-
-
 class Batches:
     """endless batches of training prompts, each [prompt, answer] right-padded."""
 
     def __init__(self, args, tok, seed, level=None):
         self.args, self.layout, self.level = args, Layout(tok), level
-        self.world = world_module(args.testbed)
         self.rng = random.Random(seed)
 
     def people(self, progress):
@@ -154,20 +147,18 @@ class Batches:
         return (a.min_people if grow >= 1 else 2), max(2, hi)
 
     def sample(self, lo, hi):
-        """one world: the prompt's fields and --questions (kind, query, answer) triples, as
-        world.sample makes them (its functions, composed; every question of the world is a candidate)"""
-        w, rng = self.world, self.rng
-        people, towns = w.world(rng, rng.randint(lo, hi))
-        sents = w.sentences(rng, people, towns)
-        ex = dict(system=rng.choice(w.SYSTEMS), chunks=w.chunks_of(rng, sents, rng.randint(2, 6)))
-        k = self.args.questions
-        if k <= 1:  # world.sample's own choice of one question
-            kind, q, a = w.questions(rng, people, towns)
-            qs = [(kind, q, a)]
+        """one world: the prompt's fields and --questions (kind, query, answer) triples;
+        with --questions 1 the question worlds.make_prompt would ask, else a sample of
+        every question about every person of the world"""
+        rng = self.rng
+        world = worlds.make_world(rng, rng.randint(lo, hi))
+        ex = worlds.make_context(rng, world)
+        if self.args.questions <= 1:
+            qs = [rng.choice(worlds.questions_about(world, rng.choice(world.people)))]
         else:
-            qs = [t for i in range(len(people)) for t in w.questions(_Every(i), people, towns)]
-            qs = rng.sample(qs, min(k, len(qs)))
-        return ex, [(kind, f"Question: {q}\nAnswer:", " " + a) for kind, q, a in qs]
+            every = [q for p in world.people for q in worlds.questions_about(world, p)]
+            qs = rng.sample(every, min(self.args.questions, len(every)))
+        return ex, [(kind, worlds.query_text(q), " " + a) for kind, q, a in qs]
 
     def make(self, progress, pool=8):
         """the next batch; prompts are made `pool` batches at a time and grouped
@@ -212,18 +203,6 @@ class Batches:
                 y[r, at + len(q) - 1:at + len(q) - 1 + len(ans)] = ans
                 at += len(seq)
         return x, y, ylm, pos, blk
-
-
-class _Every:
-    """a stand-in for random.Random in world.questions: picks person `i`, then
-    returns the whole list of that person's questions"""
-
-    def __init__(self, i):
-        self.i, self.calls = i, 0
-
-    def choice(self, seq):
-        self.calls += 1
-        return seq[self.i] if self.calls == 1 else seq
 
 
 def run_progress(args, step, tokens_seen, elapsed_s):
@@ -585,7 +564,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     ckpt_path = os.path.join(args.out, "ckpt.pt")
     log_path = os.path.join(args.out, "log.jsonl")
-    dev = read_jsonl(args.dev or os.path.join(args.testbed, "dev.jsonl"))[: args.eval_n]
+    dev = read_jsonl(args.dev or os.path.join(HERE, "dev.jsonl"))[: args.eval_n]
 
     torch.manual_seed(args.seed)
     state = None

@@ -2,7 +2,7 @@
 # Train the testbed model on one H200 in one command (about 8 minutes), for
 # kvblend bench accuracy. Prepared on a CPU machine; run on the device machine:
 #
-#   bash scripts/testbed/stage_h200.sh          # here: world.py, dev.jsonl, gguf-py, the vocab into .h200/
+#   bash scripts/testbed/stage_h200.sh          # here: gguf-py and the vocab into .h200/
 #   run(command="bash scripts/testbed/train_h200.sh", carry=[".h200"], timeout_s=600)
 #   bash scripts/testbed/after_h200.sh FILES_AT  # here: the GGUF back together, checked, benchmarked
 #
@@ -18,7 +18,7 @@
 # 1.5e9 tokens take 1.5e9 x 63e6 / 3e14 = 315 s; --minutes 6.5 caps the loop in
 # case the small model runs slower than that (the schedule then follows the
 # clock: learning rate and curriculum track max(tokens, time) progress).
-# Data: world.py prompts made on the fly by 12 worker processes (~0.5M
+# Data: worlds.py prompts made on the fly by 12 worker processes (~0.5M
 # tokens/s per core measured on a 2-core CPU machine).
 #
 # Brings back (at most 8 files of 16 MiB under $OUT): train.log (stdout and
@@ -33,14 +33,14 @@ out=${OUT:?set OUT to the folder whose files come back}
 run=${KVBLEND_H200_RUN:-/tmp/testbed-run}
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}  # a python with torch 2.x (CUDA) and numpy
-[[ -f $stage/testbed/world.py && -d $stage/llama/gguf-py ]] || { echo "train_h200: run scripts/testbed/stage_h200.sh and carry .h200" >&2; exit 1; }
+[[ -d $stage/llama/gguf-py ]] || { echo "train_h200: run scripts/testbed/stage_h200.sh and carry .h200" >&2; exit 1; }
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
   "$py" -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__, 'cuda', torch.cuda.is_available())"
   nproc
 } 2>&1 | tee "$out/train.log"
 rm -rf "$run"
-"$py" scripts/testbed/train.py --out "$run" --testbed "$stage/testbed" --llama-dir "$stage/llama" \
+"$py" scripts/testbed/train.py --out "$run" --llama-dir "$stage/llama" \
   --device cuda --threads 4 --workers 12 \
   --d-model 256 --layers 8 --heads 4 --kv-heads 2 --head-dim 64 --ffn 1024 --ctx 1024 \
   --batch 512 --lr 2e-3 --warmup 200 --min-lr-frac 0.05 --wd 0.1 --lm-weight 0.25 --lm-frac 0.25 \

@@ -22,7 +22,7 @@ namespace {
 using test::f32_params;
 using test::prompt;
 
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 const std::vector<std::string> k_docs = {
     " Tom had a red ball. He liked to throw it high in the sky. One day the ball went over the fence and Tom was sad.",

@@ -12,7 +12,7 @@
 namespace kvblend {
 namespace {
 
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 struct doc_files {
     test::temp_dir dir{"docs"};

@@ -10,7 +10,7 @@
 
 namespace kvblend::test {
 
-inline const std::string k_capi_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+inline const std::string k_capi_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 struct capi_suite : ::testing::Test {
     static inline kvb_model * model = nullptr;

@@ -13,14 +13,14 @@
 namespace kvblend {
 namespace {
 
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 // 20 short prompts in the testbed's format (2 people, 3 chunks)
 const std::string k_prompts = std::string(KVBLEND_SOURCE_DIR) + "/tests/data/accuracy_prompts.jsonl";
 
 // the testbed model the project trained (models/testbed.gguf, docs/BENCHMARKS.md,
 // "Answer accuracy") and the testbed's dev set
 const std::string k_testbed = std::string(KVBLEND_SOURCE_DIR) + "/models/testbed.gguf";
-const std::string k_dev = std::string(KVBLEND_SHARED_MODELS) + "/../testbed/dev.jsonl";
+const std::string k_dev = std::string(KVBLEND_SOURCE_DIR) + "/scripts/testbed/dev.jsonl";
 
 nlohmann::json read_json(const std::string & path) {
     std::ifstream f(path);

@@ -12,7 +12,7 @@
 namespace kvblend {
 namespace {
 
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 TEST(cli_bench_prefill, json_rows_time_both_sides) {
     const test::run_result r = test::run_cli("bench prefill -m " + k_stories + " --tokens 32,64 -r 1 --n-gen 2 --json");

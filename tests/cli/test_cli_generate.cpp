@@ -13,7 +13,7 @@
 namespace kvblend {
 namespace {
 
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 TEST(cli_generate, prints_the_known_continuation) {
     const test::run_result r = test::run_cli("generate -m " + k_stories + " -p 'Once upon a time' -n 20");
@@ -103,7 +103,7 @@ namespace {
 
 TEST(cli_generate, evict_keeps_the_budget_and_bad_flags_are_messages) {
     const std::string base =
-        "generate -m " + std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf -p 'Once upon a time' ";
+        "generate -m " + std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf -p 'Once upon a time' ";
     for (const char * pol : {"streaming", "h2o", "snapkv", "pyramidkv"}) {
         const test::run_result r = test::run_cli(base + "-n 12 --json --evict " + pol + " --kv-budget 3");
         ASSERT_EQ(r.status, 0) << pol << ": " << r.err;

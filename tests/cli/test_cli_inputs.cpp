@@ -13,7 +13,7 @@
 namespace kvblend {
 namespace {
 
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 // run_cli under a time limit: a command that reads forever fails instead of hanging
 test::run_result run_limited(const std::string & args) {

@@ -17,7 +17,7 @@
 namespace kvblend {
 namespace {
 
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 // a chunk of random values with a few outliers, shaped like a small model's
 chunk_kv random_chunk(ggml_type type, int64_t n_tok = 230, int64_t n_embd_kv = 64, int64_t n_layer = 2) {

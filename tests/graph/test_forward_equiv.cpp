@@ -20,7 +20,7 @@ const std::string k_story =
     "said, \"Can I play with the ball too?\" Lily smiled and said yes. They played all day until the sun went down.";
 
 std::string stories_path() {
-    return std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+    return std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 }
 
 // the tolerance the issue sets: 1e-3 of the largest logit; we report what we reach

@@ -309,7 +309,7 @@ TEST(evict, attention_scores_sum_to_the_scored_queries) {
 }
 
 TEST(evict, policies_keep_their_budgets_on_a_trained_model) {
-    auto m = model::load(std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf");
+    auto m = model::load(std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf");
     const std::vector<llama_token> prompt = m->tokens().tokenize(
         "Once upon a time, there was a little girl named Lily. She loved to play in the park with her "
         "dog. One day, she saw a big red ball under a tree and",

@@ -99,7 +99,7 @@ TEST(quantized_kv, blend_over_a_q8_0_cache) {
 }
 
 TEST(quantized_kv, heads_that_do_not_fill_blocks_are_refused) {
-    auto m = model::load(std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf");  // head size 8
+    auto m = model::load(std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf");  // head size 8
     engine_params ep;
     ep.type_k = GGML_TYPE_Q8_0;
     try {

@@ -40,7 +40,7 @@ using test::pointers;
 using test::prompt;
 
 using json = nlohmann::json;
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 const std::string k_story =
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her friends. "

@@ -14,7 +14,7 @@
 
 namespace kvblend::test {
 
-inline const std::string k_stories_model = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+inline const std::string k_stories_model = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 class running_server {
   public:

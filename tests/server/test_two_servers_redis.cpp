@@ -21,7 +21,7 @@ namespace kvblend {
 namespace {
 
 using json = nlohmann::json;
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 // `kvblend serve` as a child process on a port the kernel picks, its stderr in a file
 class serve_process {

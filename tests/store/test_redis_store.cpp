@@ -609,7 +609,7 @@ TEST(RedisStoreUri, DefaultPortIs6379) {
 // chunk entries through store_open's redis:// routing: a blend from redis hits
 // equals one from fresh collects, and a corrupt value is a miss
 TEST_F(RedisStore, ChunkEntriesThroughStoreOpen) {
-    auto m = model::load(std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf");
+    auto m = model::load(std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf");
     engine eng(m, engine_default_params());
     auto st = store_open(server_->uri(0));
     const std::vector<std::vector<llama_token>> chunks = {m->tokens().tokenize("Stories:", true),

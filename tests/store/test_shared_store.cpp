@@ -13,7 +13,7 @@
 namespace kvblend {
 namespace {
 
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 TEST(shared_store, another_models_entry_is_never_removed_by_a_read_or_a_verify) {
     auto a = model::load(k_stories);

@@ -28,7 +28,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string k_stories = std::string(KVBLEND_SHARED_MODELS) + "/stories260K.gguf";
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
 fs::path entry_file(const fs::path & root, const std::string & key) {
     return test::dir_entry_file(root, key);
