@@ -3,7 +3,7 @@
 // position-independently; a blend places the chunks' KV at their offsets,
 // runs the first layers on every token, picks at the check layer the
 // document tokens whose V (or K) moved most, and recomputes only those (and
-// every query token) in the deeper layers. See DESIGN.md, "CacheBlend, precisely".
+// every query token) in the deeper layers. See docs/DESIGN.md, "CacheBlend, precisely".
 #pragma once
 
 #include <cstdint>

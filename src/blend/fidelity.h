@@ -1,5 +1,5 @@
 // fidelity metrics: how close an approximate prefill is to the full one
-// (DESIGN.md, "Fidelity metrics").
+// (docs/DESIGN.md, "Fidelity metrics").
 #pragma once
 
 #include <cstdint>

@@ -155,7 +155,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
         for (const auto & c : kv) chunk_bytes += c.bytes();
         const double full_ms = median(t_full), blend_ms = median(t_blend), sel_ms = median(t_sel);
         const double L = (double) hp.n_layer, early = (double) (check_layer + 1);
-        // DESIGN.md's matmul-only cost model with the measured deep share
+        // the matmul-only cost model (docs/DESIGN.md, "Cost model") with the measured deep share
         const double ideal = 1.0 / (early / L + (1.0 - early / L) * br.stats.deep_frac);
         // the same model with measured times: early layers cost their share of a
         // full prefill, deep layers cost the selected tokens at their depth

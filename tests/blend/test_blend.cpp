@@ -1,7 +1,8 @@
-// CacheBlend invariants (DESIGN.md): placement == collection at the offset,
-// ratio 1 == full prefill, ratio 0 == naive concatenation, gradual == dense,
-// one chunk == full prefill, query always selected, KL falls as the ratio
-// grows, decode after a blend, chunks reusable across blends.
+// CacheBlend invariants (docs/DESIGN.md, "Invariants the tests pin"):
+// placement == collection at the offset, ratio 1 == full prefill, ratio 0 ==
+// naive concatenation, gradual == dense, one chunk == full prefill, query
+// always selected, KL falls as the ratio grows, decode after a blend, chunks
+// reusable across blends.
 #include <gtest/gtest.h>
 
 #include <algorithm>
