@@ -195,7 +195,8 @@ int cmd_serve(int argc, char ** argv) {
     const bool ok = srv.listen();
     announce.join();
     g_server = nullptr;
-    if (!ok) throw error("cannot listen on " + sp.host + ":" + std::to_string(sp.port));
+    if (!ok)
+        throw error("cannot listen on " + sp.host + ":" + std::to_string(sp.port) + " (is another server using it?)");
     return 0;
 }
 

@@ -233,6 +233,10 @@ http_server::http_server(const http_limits & limits) : limits_(limits) {
     // a thread per open connection, and a few for the ones answered 429/503
     const size_t max_threads = (size_t) std::max(limits.max_connections, 1) + 16;
     new_task_queue = [max_threads] { return new connection_threads(max_threads); };
+    // SO_REUSEADDR alone: a restarted server takes its port back from connections in
+    // TIME_WAIT, but a port another process listens on is refused (httplib's default,
+    // SO_REUSEPORT, let two servers share one port and answer it in turn)
+    set_socket_options([](socket_t sock) { httplib::set_socket_opt(sock, SOL_SOCKET, SO_REUSEADDR, 1); });
     // a response that says "Connection: close" (errors, a stream without a length) is the last
     set_post_routing_handler([](const httplib::Request &, httplib::Response & res) {
         if (res.get_header_value("Connection") == "close") t_close_after = true;
