@@ -32,49 +32,6 @@ using json = nlohmann::json;
 
 namespace {
 
-// the store shared by the slots: one call at a time (backends keep per-object state)
-class locked_store : public store {
-  public:
-    explicit locked_store(std::unique_ptr<store> s) : s_(std::move(s)) {}
-    void put(const std::string & k, const std::vector<uint8_t> & b) override {
-        std::lock_guard l(m_);
-        s_->put(k, b);
-    }
-    std::optional<std::vector<uint8_t>> get(const std::string & k) override {
-        std::lock_guard l(m_);
-        return s_->get(k);
-    }
-    std::optional<std::vector<uint8_t>> peek(const std::string & k) override {
-        std::lock_guard l(m_);
-        return s_->peek(k);
-    }
-    bool contains(const std::string & k) override {
-        std::lock_guard l(m_);
-        return s_->contains(k);
-    }
-    bool erase(const std::string & k) override {
-        std::lock_guard l(m_);
-        return s_->erase(k);
-    }
-    std::vector<store_entry_info> list() override {
-        std::lock_guard l(m_);
-        return s_->list();
-    }
-    store_stats stats() override {
-        std::lock_guard l(m_);
-        return s_->stats();
-    }
-    uint64_t gc() override {
-        std::lock_guard l(m_);
-        return s_->gc();
-    }
-    std::string uri() const override { return s_->uri(); }
-
-  private:
-    std::mutex m_;
-    std::unique_ptr<store> s_;
-};
-
 // what a slot's KV cache holds: the tokens, how many of them from the start
 // were computed exactly (in order, as a full prefill would), and how the rest
 // was: the selection a fusion made them with ("" when all are exact)
@@ -169,8 +126,7 @@ std::string message_text(const json & content) {
 struct server::impl {
     std::shared_ptr<const model> m;
     server_params p;
-    std::unique_ptr<store> st;
-    soft_store * soft = nullptr;  // inside st: its failures are misses
+    std::unique_ptr<soft_store> st;  // shared by the slots: its failures are misses, its breaker spares a dead store
     std::string model_id;
     http_server http{http_limits{p.max_body, p.read_timeout_s, p.write_timeout_s, 5, p.max_connections,
                                  p.max_connections_per_client}};
@@ -240,8 +196,7 @@ struct server::impl {
                 metrics.recomputed_tokens);
         counter("kvblend_store_hits_total", "chunks loaded from the store", metrics.store_hits);
         counter("kvblend_store_misses_total", "chunks collected (not in the store)", metrics.store_misses);
-        counter("kvblend_store_errors_total", "store calls that failed (served as misses)",
-                soft ? soft->failures() : 0);
+        counter("kvblend_store_errors_total", "store calls that failed (served as misses)", st ? st->failures() : 0);
         counter("kvblend_plain_docs_matched_total", "known documents found inside plain prompts", metrics.docs_matched);
         counter("kvblend_plain_docs_learned_total", "passages of plain prompts added as documents",
                 metrics.docs_learned);
@@ -278,9 +233,7 @@ struct server::impl {
         if (!p.store_uri.empty()) {
             store_options so;
             so.max_bytes = p.store_max_bytes;
-            auto s = std::make_unique<soft_store>(store_open(p.store_uri, so));
-            soft = s.get();
-            st = std::make_unique<locked_store>(std::move(s));
+            st = std::make_unique<soft_store>(store_open(p.store_uri, so));
         }
         model_id = m->path().substr(m->path().find_last_of('/') + 1);
         m->tokens().max_piece_bytes();  // measured once at start, not on a request
@@ -356,10 +309,13 @@ struct server::impl {
             chunk_kv c = chunk_get_or_collect(st.get(), eng, {}, d, fs, p.codec);
             // an id is answered only for a document the store holds: a put the soft
             // store skipped is tried once more on the backend itself to learn its reason
-            store & direct = soft ? soft->backend() : *st;
             try {
-                if (!direct.contains(key)) direct.put(key, chunk_encode(*m, c, {}, cd.get()));
-                if (!direct.contains(key)) throw error("the entry is not there after the write");
+                st->must(
+                    [&](store & direct) {
+                        if (!direct.contains(key)) direct.put(key, chunk_encode(*m, c, {}, cd.get()));
+                        if (!direct.contains(key)) throw error("the entry is not there after the write");
+                    },
+                    false);
             } catch (const std::exception & e) {
                 throw request_error{
                     503, "the store did not keep document " + std::to_string(j.ingest_keys.size()) + ": " + e.what(),
@@ -368,13 +324,16 @@ struct server::impl {
             j.ingest_keys.push_back(key);
         }
         // a budget too small for the whole request evicts its first documents again
-        store & direct = soft ? soft->backend() : *st;
-        for (size_t i = 0; i < j.ingest_keys.size(); ++i)
-            if (!direct.contains(j.ingest_keys[i]))
-                throw request_error{507,
-                                    "the store's budget cannot hold every document of this request: document " +
-                                        std::to_string(i) + " was evicted again before the request ended",
-                                    "server_error", "store_budget_exceeded"};
+        size_t evicted = j.ingest_keys.size();  // the first document the store no longer holds
+        st->must([&](store & direct) {
+            for (size_t i = j.ingest_keys.size(); i-- > 0;)
+                if (!direct.contains(j.ingest_keys[i])) evicted = i;
+        });
+        if (evicted < j.ingest_keys.size())
+            throw request_error{507,
+                                "the store's budget cannot hold every document of this request: document " +
+                                    std::to_string(evicted) + " was evicted again before the request ended",
+                                "server_error", "store_budget_exceeded"};
         j.store_hits = fs.hits;
         j.store_misses = fs.misses;
     }
@@ -403,10 +362,14 @@ struct server::impl {
         if (j.fuse && !extends) {
             chunk_fetch_stats fs;
             std::vector<chunk_kv> kv;
+            const int64_t store_failures = soft_store::thread_failures();
             for (const auto & c : j.prompt.chunks) {
                 if (c.empty()) continue;
                 const int64_t hits = fs.hits;
-                kv.push_back(chunk_get_or_collect(st.get(), eng, {}, c, fs, p.codec));
+                // once a store call of this request failed (a deadline, say), its
+                // other chunks are collected without reading or writing the store
+                store * use = soft_store::thread_failures() == store_failures ? st.get() : nullptr;
+                kv.push_back(chunk_get_or_collect(use, eng, {}, c, fs, p.codec));
                 j.chunk_hit.push_back(fs.hits > hits);
             }
             std::vector<const chunk_kv *> ptrs;
@@ -985,7 +948,8 @@ struct server::impl {
             // the store answers (a lookup of a key no chunk has), or the server is degraded: documents fail
             if (st) {
                 try {
-                    (soft ? soft->backend() : *st).contains(std::string(32, '0'));  // past the soft store
+                    // past the soft store's misses; at once while its breaker holds calls back
+                    st->must([](store & s) { s.contains(std::string(32, '0')); });
                     h["store"] = {{"uri", st->uri()}, {"ok", true}};
                 } catch (const std::exception & e) {
                     h["status"] = "degraded";
