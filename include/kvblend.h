@@ -69,6 +69,7 @@ typedef enum kvb_status {
     KVB_ERR_OUT_OF_MEMORY = 4,
     KVB_ERR_FAILED = 5,    // a bad file, an unreachable store, a prompt too long, …: see the message
     KVB_ERR_INTERNAL = 6,  // an unexpected error inside kvblend (a bug: please report it)
+    KVB_ERR_STORE = 7,     // the store cannot be read (down, unreachable, broken): an outage, not a missing id
 } kvb_status;
 
 // --- errors, memory, version -------------------------------------------------
@@ -369,7 +370,8 @@ KVB_API kvb_blend_params kvb_blend_default_params(void);
 // store (a hit), or is collected alone (and put; store may be NULL: nothing is
 // kept), then fused with CacheBlend, and the answer is generated from the
 // fused cache. system may be NULL or "". *text (may be NULL): the answer,
-// kvb_free(); stats may be NULL. KVB_ERR_NOT_FOUND for an id the store lacks.
+// kvb_free(); stats may be NULL. KVB_ERR_NOT_FOUND for an id the store lacks,
+// KVB_ERR_STORE for one it cannot be asked about (the store is down or broken).
 KVB_API kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, const kvb_doc * docs,
                              size_t n_docs, const char * question, const kvb_blend_params * blend_params,
                              const kvb_generate_params * gen_params, char ** text, kvb_blend_stats * stats);

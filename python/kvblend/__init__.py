@@ -61,6 +61,7 @@ library_path = _c.path
 
 __all__ = ["Model", "Store", "BlendResult", "BlendStats", "GenerateResult", "GenerateStats", "StoreStats",
            "IngestStats", "Generation", "Error", "InvalidArgumentError", "NotFoundError", "CancelledError",
+           "StoreUnavailableError",
            "DEFAULT_SEED", "set_verbose", "list_devices", "add_rpc_server", "library_path"]
 
 
@@ -87,8 +88,12 @@ class CancelledError(Error):
     """A progress callback asked to stop."""
 
 
+class StoreUnavailableError(Error):
+    """The store cannot be read (down, unreachable, broken): an outage, not a missing document."""
+
+
 _ERRORS = {_lib.ERR_INVALID_ARGUMENT: InvalidArgumentError, _lib.ERR_NOT_FOUND: NotFoundError,
-           _lib.ERR_CANCELLED: CancelledError}
+           _lib.ERR_CANCELLED: CancelledError, _lib.ERR_STORE: StoreUnavailableError}
 
 
 def _check(status):

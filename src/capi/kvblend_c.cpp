@@ -55,6 +55,16 @@ struct capi_error {
     throw capi_error{status, msg};
 }
 
+// a store call whose failure is an outage (KVB_ERR_STORE), never a missing id
+template <class F>
+auto store_call(const std::string & what, F && f) -> decltype(f()) {
+    try {
+        return f();
+    } catch (const error & e) {
+        fail(KVB_ERR_STORE, "the store cannot be read: " + what + " (" + e.what() + ")");
+    }
+}
+
 template <class F>
 kvb_status guarded(F && f) {
     try {
@@ -169,9 +179,24 @@ engine & engine_for(kvb_context & c, int64_t want, const char * what) {
     return *c.eng;
 }
 
+// the most tokens a call on c can hold: its fixed context, or the model's
+int64_t context_room(const kvb_context & c) {
+    return c.fixed_n_ctx > 0 ? c.eng->cache().n_ctx() : c.m->hparams().n_ctx_train;
+}
+
+// a text no context of c can hold is refused before it is tokenized: no token
+// stands for more than the vocabulary's longest piece (vocab::min_tokens), so
+// 100 MB costs milliseconds, not a minute and gigabytes of tokens
+void check_text_fits(const kvb_context & c, uint64_t bytes, const std::string & what) {
+    const int64_t room = context_room(c);
+    if (c.m->tokens().min_tokens(bytes) > (uint64_t) room)
+        fail(KVB_ERR_FAILED, what + " of " + std::to_string(bytes) + " bytes exceeds what the context of " +
+                                 std::to_string(room) + " tokens can hold");
+}
+
 // n_predict is "at most": a prompt that leaves less room generates until the context is full
 int32_t n_predict_in_room(const kvb_context & c, int64_t n_prompt, int32_t n_predict) {
-    const int64_t cap = c.fixed_n_ctx > 0 ? c.eng->cache().n_ctx() : c.m->hparams().n_ctx_train;
+    const int64_t cap = context_room(c);
     return n_prompt < cap ? (int32_t) std::min<int64_t>(n_predict, cap - n_prompt) : n_predict;
 }
 
@@ -317,6 +342,7 @@ const char * kvb_status_name(kvb_status status) {
         case KVB_ERR_OUT_OF_MEMORY: return "KVB_ERR_OUT_OF_MEMORY";
         case KVB_ERR_FAILED: return "KVB_ERR_FAILED";
         case KVB_ERR_INTERNAL: return "KVB_ERR_INTERNAL";
+        case KVB_ERR_STORE: return "KVB_ERR_STORE";
     }
     return "KVB_ERR_UNKNOWN";
 }
@@ -544,7 +570,8 @@ kvb_status kvb_store_contains(kvb_store * store, const char * id, bool * out) {
         need(store, "store");
         need(id, "id");
         need(out, "out");
-        *out = is_id(id) && store->st->contains(id);
+        *out = is_id(id) &&
+               store_call("cannot look up '" + std::string(id) + "'", [&] { return store->st->contains(id); });
     });
 }
 
@@ -576,8 +603,16 @@ kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const *
         std::vector<std::vector<llama_token>> chunks;
         for (size_t i = 0; i < n_texts; ++i) {
             if (!texts[i]) fail(KVB_ERR_INVALID_ARGUMENT, "text " + std::to_string(i) + " is NULL");
+            // one chunk per text or paragraph: each must fit before any is tokenized
+            if (p.chunk_size == 0 && !p.split_paragraphs)
+                check_text_fits(*ctx, std::strlen(texts[i]), "text " + std::to_string(i) + " (use chunk_size)");
+        }
+        for (size_t i = 0; i < n_texts; ++i) {
             if (p.split_paragraphs) {
-                for (const auto & para : rag_split_paragraphs(texts[i])) chunks.push_back(rag_doc_tokens(v, para));
+                const std::vector<std::string> paras = rag_split_paragraphs(texts[i]);
+                for (const auto & para : paras)
+                    check_text_fits(*ctx, para.size(), "a paragraph of text " + std::to_string(i));
+                for (const auto & para : paras) chunks.push_back(rag_doc_tokens(v, para));
             } else if (p.chunk_size > 0) {
                 const std::vector<llama_token> t = rag_doc_tokens(v, texts[i]);
                 for (size_t j = 0; j < t.size(); j += (size_t) p.chunk_size)
@@ -640,7 +675,13 @@ kvb_status kvb_doc_id(kvb_context * ctx, const kvb_store * store, const char * t
         need(text, "text");
         need(out, "out");
         const model & m = *ctx->m;
-        copy_id(chunk_key(m, ctx->ep.type_k, store->codec, {}, rag_doc_tokens(m.tokens(), text)), *out);
+        // no id for a document that no context can hold: it could never be stored
+        check_text_fits(*ctx, std::strlen(text), "the document");
+        const std::vector<llama_token> doc = rag_doc_tokens(m.tokens(), text);
+        if ((int64_t) doc.size() > context_room(*ctx))
+            fail(KVB_ERR_FAILED, "the document's " + std::to_string(doc.size()) + " tokens exceed the context of " +
+                                     std::to_string(context_room(*ctx)));
+        copy_id(chunk_key(m, ctx->ep.type_k, store->codec, {}, doc), *out);
     });
 }
 
@@ -665,6 +706,7 @@ kvb_status kvb_generate(kvb_context * ctx, const char * prompt, const kvb_genera
         need(ctx, "ctx");
         need(prompt, "prompt");
         const context_use in_use(*ctx);
+        check_text_fits(*ctx, std::strlen(prompt), "the prompt");
         generate_impl(ctx, ctx->m->tokens().tokenize(prompt, true, false), params, text, stats);
     });
 }
@@ -784,12 +826,9 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         uint64_t text_bytes = std::strlen(question) + (system ? std::strlen(system) : 0);
         for (size_t i = 0; i < n_docs; ++i)
             if (docs[i].text) text_bytes += std::strlen(docs[i].text);
-        if (v.min_tokens(text_bytes) > (uint64_t) m.hparams().n_ctx_train)
-            fail(KVB_ERR_FAILED, "the text of the documents and question (" + std::to_string(text_bytes) +
-                                     " bytes) exceeds what the model's context of " +
-                                     std::to_string(m.hparams().n_ctx_train) + " tokens can hold");
+        check_text_fits(*ctx, text_bytes, "the text of the documents and question");
         // the context a blend can have: no further entry is read (and held) once the documents pass it
-        const int64_t n_room = ctx->fixed_n_ctx > 0 ? ctx->eng->cache().n_ctx() : m.hparams().n_ctx_train;
+        const int64_t n_room = context_room(*ctx);
         int64_t n_doc_tokens = 0;
         auto count = [&](size_t i) {
             n_doc_tokens += (int64_t) doc_tokens[i].size();
@@ -810,7 +849,9 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
             if (!store) fail(KVB_ERR_INVALID_ARGUMENT, "documents by id need a store");
             const std::string id = d.id;
             const double t0 = time_ms();
-            std::optional<std::vector<uint8_t>> bytes = is_id(d.id) ? store->st->get(id) : std::nullopt;
+            std::optional<std::vector<uint8_t>> bytes;
+            if (is_id(d.id))
+                bytes = store_call("document '" + id + "' is unavailable", [&] { return store->st->get(id); });
             if (!bytes) fail(KVB_ERR_NOT_FOUND, "unknown document id '" + id + "'");
             bool remove = true;
             try {

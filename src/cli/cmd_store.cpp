@@ -149,21 +149,33 @@ int cmd_ingest(int argc, char ** argv) {
     for (const auto & f : files) texts.push_back(read_text_file(f));
 
     auto m = model::load(model_path);
-    auto st = store_open(uri, so);
     const vocab & v = m->tokens();
+    // the texts that become one chunk each (a file, or its paragraphs) must
+    // each fit the context before any is tokenized or the store is opened
+    const int64_t n_train = m->hparams().n_ctx_train;
+    std::vector<std::string> paragraphs;
+    if (!split.empty()) {
+        for (const auto & text : texts)
+            for (auto & p : rag_split_paragraphs(text)) paragraphs.push_back(std::move(p));
+        for (size_t i = 0; i < paragraphs.size(); ++i)
+            check_text_fits(v, paragraphs[i].size(), n_train, "paragraph " + std::to_string(i));
+    } else if (chunk_size == 0) {
+        for (size_t i = 0; i < texts.size(); ++i)
+            check_text_fits(v, texts[i].size(), n_train, "'" + files[i] + "' (use --chunk-size)");
+    }
+    auto st = store_open(uri, so);
     std::vector<llama_token> prefix;
     if (with_prefix) prefix = rag_prompt_build(v, system, {"."}, ".", chat).chunks[0];
 
     std::vector<std::vector<llama_token>> chunks;
-    for (const auto & text : texts) {
-        if (!split.empty()) {
-            for (const auto & p : rag_split_paragraphs(text)) chunks.push_back(rag_doc_tokens(v, p));
-        } else if (chunk_size > 0) {
-            const std::vector<llama_token> t = rag_doc_tokens(v, text);
-            for (size_t i = 0; i < t.size(); i += chunk_size)
-                chunks.emplace_back(t.begin() + i, t.begin() + std::min(t.size(), i + (size_t) chunk_size));
+    for (const auto & p : paragraphs) chunks.push_back(rag_doc_tokens(v, p));
+    for (size_t i = 0; split.empty() && i < texts.size(); ++i) {
+        if (chunk_size > 0) {
+            const std::vector<llama_token> t = rag_doc_tokens(v, texts[i]);
+            for (size_t at = 0; at < t.size(); at += chunk_size)
+                chunks.emplace_back(t.begin() + at, t.begin() + std::min(t.size(), at + (size_t) chunk_size));
         } else {
-            chunks.push_back(rag_doc_tokens(v, text));
+            chunks.push_back(rag_doc_tokens(v, texts[i]));
         }
     }
     int64_t longest = 0;

@@ -32,73 +32,14 @@ using json = nlohmann::json;
 
 namespace {
 
-// the store shared by the slots: one call at a time (backends keep per-object state)
-class locked_store : public store {
-  public:
-    explicit locked_store(std::unique_ptr<store> s) : s_(std::move(s)) {}
-    void put(const std::string & k, const std::vector<uint8_t> & b) override {
-        std::lock_guard l(m_);
-        s_->put(k, b);
-    }
-    std::optional<std::vector<uint8_t>> get(const std::string & k) override {
-        std::lock_guard l(m_);
-        return s_->get(k);
-    }
-    std::optional<std::vector<uint8_t>> peek(const std::string & k) override {
-        std::lock_guard l(m_);
-        return s_->peek(k);
-    }
-    bool contains(const std::string & k) override {
-        std::lock_guard l(m_);
-        return s_->contains(k);
-    }
-    bool erase(const std::string & k) override {
-        std::lock_guard l(m_);
-        return s_->erase(k);
-    }
-    std::vector<store_entry_info> list() override {
-        std::lock_guard l(m_);
-        return s_->list();
-    }
-    store_stats stats() override {
-        std::lock_guard l(m_);
-        return s_->stats();
-    }
-    uint64_t gc() override {
-        std::lock_guard l(m_);
-        return s_->gc();
-    }
-    std::string uri() const override { return s_->uri(); }
-
-  private:
-    std::mutex m_;
-    std::unique_ptr<store> s_;
-};
-
-// what a slot's KV cache holds: the tokens, how many of them from the start
-// were computed exactly (in order, as a full prefill would), and how the rest
-// was: the selection a fusion made them with ("" when all are exact)
+// what a slot's KV cache holds: the tokens, and how many of them from the
+// start hold exactly the KV a plain prefill of them from position 0 would
+// (a fusion's KV depends on its other documents and its selection, an
+// evicted cache on the whole prompt: neither is ever reused)
 struct slot_cache {
     std::vector<llama_token> tokens;
     size_t exact = 0;
-    std::string how;
 };
-
-// every setting of a selection, as one string: two fusions of the same chunks
-// with equal tags give the same KV
-std::string selection_tag(const blend_params & b) {
-    auto real = [](float x) {  // every float its own spelling (to_string rounds to 6 decimals)
-        char s[32];
-        std::snprintf(s, sizeof(s), "%.9g", x);
-        return std::string(s);
-    };
-    std::string t = real(b.recomp_ratio) + "/" + std::to_string(b.check_layer) + "/" + blend_score_name(b.score) + "/" +
-                    blend_method_name(b.method) + "/" + std::to_string(b.recompute_chunk_head) + "/" +
-                    std::to_string(b.head_in_budget) + "/" + blend_budget_name(b.budget) + "/" + real(b.dev_mass) +
-                    "/" + std::to_string(b.weight_query);
-    for (const auto & [l, r] : b.schedule) t += ";" + std::to_string(l) + ":" + real(r);
-    return t;
-}
 
 struct job {
     // what to compute: a completion, or (ingest) only collecting and storing chunks
@@ -169,8 +110,7 @@ std::string message_text(const json & content) {
 struct server::impl {
     std::shared_ptr<const model> m;
     server_params p;
-    std::unique_ptr<store> st;
-    soft_store * soft = nullptr;  // inside st: its failures are misses
+    std::unique_ptr<soft_store> st;  // shared by the slots: its failures are misses, its breaker spares a dead store
     std::string model_id;
     http_server http{http_limits{p.max_body, p.read_timeout_s, p.write_timeout_s, 5, p.max_connections,
                                  p.max_connections_per_client}};
@@ -240,8 +180,7 @@ struct server::impl {
                 metrics.recomputed_tokens);
         counter("kvblend_store_hits_total", "chunks loaded from the store", metrics.store_hits);
         counter("kvblend_store_misses_total", "chunks collected (not in the store)", metrics.store_misses);
-        counter("kvblend_store_errors_total", "store calls that failed (served as misses)",
-                soft ? soft->failures() : 0);
+        counter("kvblend_store_errors_total", "store calls that failed (served as misses)", st ? st->failures() : 0);
         counter("kvblend_plain_docs_matched_total", "known documents found inside plain prompts", metrics.docs_matched);
         counter("kvblend_plain_docs_learned_total", "passages of plain prompts added as documents",
                 metrics.docs_learned);
@@ -278,9 +217,7 @@ struct server::impl {
         if (!p.store_uri.empty()) {
             store_options so;
             so.max_bytes = p.store_max_bytes;
-            auto s = std::make_unique<soft_store>(store_open(p.store_uri, so));
-            soft = s.get();
-            st = std::make_unique<locked_store>(std::move(s));
+            st = std::make_unique<soft_store>(store_open(p.store_uri, so));
         }
         model_id = m->path().substr(m->path().find_last_of('/') + 1);
         m->tokens().max_piece_bytes();  // measured once at start, not on a request
@@ -356,10 +293,13 @@ struct server::impl {
             chunk_kv c = chunk_get_or_collect(st.get(), eng, {}, d, fs, p.codec);
             // an id is answered only for a document the store holds: a put the soft
             // store skipped is tried once more on the backend itself to learn its reason
-            store & direct = soft ? soft->backend() : *st;
             try {
-                if (!direct.contains(key)) direct.put(key, chunk_encode(*m, c, {}, cd.get()));
-                if (!direct.contains(key)) throw error("the entry is not there after the write");
+                st->must(
+                    [&](store & direct) {
+                        if (!direct.contains(key)) direct.put(key, chunk_encode(*m, c, {}, cd.get()));
+                        if (!direct.contains(key)) throw error("the entry is not there after the write");
+                    },
+                    false);
             } catch (const std::exception & e) {
                 throw request_error{
                     503, "the store did not keep document " + std::to_string(j.ingest_keys.size()) + ": " + e.what(),
@@ -368,15 +308,35 @@ struct server::impl {
             j.ingest_keys.push_back(key);
         }
         // a budget too small for the whole request evicts its first documents again
-        store & direct = soft ? soft->backend() : *st;
-        for (size_t i = 0; i < j.ingest_keys.size(); ++i)
-            if (!direct.contains(j.ingest_keys[i]))
-                throw request_error{507,
-                                    "the store's budget cannot hold every document of this request: document " +
-                                        std::to_string(i) + " was evicted again before the request ended",
-                                    "server_error", "store_budget_exceeded"};
+        size_t evicted = j.ingest_keys.size();  // the first document the store no longer holds
+        st->must([&](store & direct) {
+            for (size_t i = j.ingest_keys.size(); i-- > 0;)
+                if (!direct.contains(j.ingest_keys[i])) evicted = i;
+        });
+        if (evicted < j.ingest_keys.size())
+            throw request_error{507,
+                                "the store's budget cannot hold every document of this request: document " +
+                                    std::to_string(evicted) + " was evicted again before the request ended",
+                                "server_error", "store_budget_exceeded"};
         j.store_hits = fs.hits;
         j.store_misses = fs.misses;
+    }
+
+    // how many leading tokens of j's prompt the slot's cache may keep: only KV
+    // that this request would itself compute, so that an answer never depends
+    // on what the slot served before. A fused request always fuses (its KV
+    // depends on all its documents and its selection); a plain one reuses the
+    // exact head it shares with the cache (at least one token runs, for logits)
+    static size_t reusable_prefix(const engine & eng, const slot_cache & cache, const job & j) {
+        if (j.fuse || eng.params().evict.policy != EVICT_POLICY_NONE) return 0;
+        const size_t upto = std::min(cache.exact, cache.tokens.size());
+        size_t keep = 0;
+        while (keep < upto && keep + 1 < j.tokens.size() && cache.tokens[keep] == j.tokens[keep]) ++keep;
+        // a live compressed cache encodes each micro-batch once it has run: a
+        // fresh prefill's later batches see the earlier ones encoded, its own
+        // rows dense; so only whole micro-batches of a prefill are the same
+        if (eng.live()) keep -= keep % (size_t) eng.params().n_ubatch;
+        return keep;
     }
 
     void run(engine & eng, job & j, slot_cache & cache) {
@@ -385,28 +345,20 @@ struct server::impl {
         const int64_t nv = m->hparams().n_vocab;
         std::vector<float> logits;
         const double t0 = time_ms();
-        // what the slot computed last and this prompt share (at least one token runs, for logits)
-        size_t keep = 0;
-        while (keep < cached.size() && keep + 1 < j.tokens.size() && cached[keep] == j.tokens[keep]) ++keep;
-        // an evicted cache holds a subset of what it saw: no prefix can be cut out
-        // of it, it can only be extended by a prompt that starts with all of it
-        if (eng.evicted() && keep < cached.size()) keep = 0;
-        // past its exact head, the cached KV is a fusion made with one selection:
-        // it is this request's own only if this request fuses with the same one
+        const size_t keep = reusable_prefix(eng, cache, j);
         blend_params bp = j.sel;
         bp.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
-        const std::string how = j.fuse ? selection_tag(bp) : std::string();
-        if (keep > cache.exact && cache.how != how) keep = cache.exact;
-        // a fused prompt whose documents all sit in that prefix (the same documents in the
-        // same order) extends a cached prefix: the ordinary path, as a prefix cache would do
-        const bool extends = j.fuse && keep + j.prompt.query.size() >= j.tokens.size();
-        if (j.fuse && !extends) {
+        if (j.fuse) {
             chunk_fetch_stats fs;
             std::vector<chunk_kv> kv;
+            const int64_t store_failures = soft_store::thread_failures();
             for (const auto & c : j.prompt.chunks) {
                 if (c.empty()) continue;
                 const int64_t hits = fs.hits;
-                kv.push_back(chunk_get_or_collect(st.get(), eng, {}, c, fs, p.codec));
+                // once a store call of this request failed (a deadline, say), its
+                // other chunks are collected without reading or writing the store
+                store * use = soft_store::thread_failures() == store_failures ? st.get() : nullptr;
+                kv.push_back(chunk_get_or_collect(use, eng, {}, c, fs, p.codec));
                 j.chunk_hit.push_back(fs.hits > hits);
             }
             std::vector<const chunk_kv *> ptrs;
@@ -421,17 +373,13 @@ struct server::impl {
             j.n_recomputed = br.stats.n_selected;
             j.store_hits = fs.hits;
             j.store_misses = fs.misses;
-            // the first chunk (the system part) is placed as collected at position 0: exact
-            cache.exact = j.prompt.chunks.empty() ? 0 : j.prompt.chunks[0].size();
-            cache.how = how;
+            cache.exact = 0;
         } else {
-            // computed in order from an exact head: all of it is exact (a fused
-            // prefix extended with its own selection stays what it was)
-            if (!extends || cache.how.empty()) cache.exact = j.tokens.size(), cache.how.clear();
             eng.cache().set_n_past((int64_t) keep);
             j.n_cached = (int64_t) keep;
             // prefill applies the slot's eviction policy (plain eval without one)
             logits = eng.prefill(std::vector<llama_token>(j.tokens.begin() + keep, j.tokens.end()));
+            cache.exact = p.evict.policy == EVICT_POLICY_NONE ? j.tokens.size() : 0;
         }
         cached = j.tokens;
         j.kv_rows = eng.cache().n_rows_max();
@@ -479,6 +427,8 @@ struct server::impl {
             if (i + 1 < j.max_tokens) {
                 logits = eng.eval({tok});
                 cached.push_back(tok);
+                // decoded in order after an exact head, into a dense cache: exact too
+                if (!eng.live() && cache.exact + 1 == cached.size()) cache.exact = cached.size();
             }
         }
         if (sent < text.size()) j.emit(text.substr(sent));  // the held-back tail held no stop string
@@ -629,10 +579,7 @@ struct server::impl {
         for (const layout_span & s : j.spans) {
             // chunk_hit counts the non-empty chunks; a plain layout has no empty ones
             json x = {{"id", doc_key(j.prompt.chunks[s.chunk])}, {"begin", s.begin}, {"end", s.end}};
-            if (s.chunk < j.chunk_hit.size())
-                x["store_hit"] = (bool) j.chunk_hit[s.chunk];
-            else
-                x["slot_cached"] = s.end <= j.n_cached;  // extended the slot's cached prefix: not fused
+            if (s.chunk < j.chunk_hit.size()) x["store_hit"] = (bool) j.chunk_hit[s.chunk];
             out.push_back(std::move(x));
         }
         return out;
@@ -985,7 +932,8 @@ struct server::impl {
             // the store answers (a lookup of a key no chunk has), or the server is degraded: documents fail
             if (st) {
                 try {
-                    (soft ? soft->backend() : *st).contains(std::string(32, '0'));  // past the soft store
+                    // past the soft store's misses; at once while its breaker holds calls back
+                    st->must([](store & s) { s.contains(std::string(32, '0')); });
                     h["store"] = {{"uri", st->uri()}, {"ok", true}};
                 } catch (const std::exception & e) {
                     h["status"] = "degraded";

@@ -1,11 +1,20 @@
 // kvblend: a store whose failures are misses. A server keeps answering while its
-// store is away (Redis restarted, a disk full): a get that fails is a miss, a
-// put that fails is skipped, and one warning line says so (then one a minute
-// while it lasts, and one when the store answers again). The backend itself
-// reconnects on the next call.
+// store is away (Redis restarted or stalled, a disk full): a get that fails is a
+// miss, a put that fails is skipped, and one warning line says so (then one a
+// minute while it lasts, and one when the store answers again).
+//
+// It is also the server's circuit breaker: after a read fails (an error, a
+// missed deadline, a refused connection) the store is not called again until a
+// backoff has passed (1 s, doubling to 30 s while it keeps failing); calls
+// meanwhile fail at once. The first call after the backoff tries the store
+// again. So a stalled Redis costs one deadline per backoff, not one per chunk.
+// A failed write alone does not trip it (a full disk or a budget still serves
+// reads).
+// Calls are serialised: backends keep per-object state (a connection).
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 
@@ -23,29 +32,40 @@ class soft_store : public store {
     bool contains(const std::string & k) override;
     bool erase(const std::string & k) override;
     // inspection and maintenance report their failure
-    std::vector<store_entry_info> list() override { return s_->list(); }
-    store_stats stats() override { return s_->stats(); }
-    uint64_t gc() override { return s_->gc(); }
+    std::vector<store_entry_info> list() override;
+    store_stats stats() override;
+    uint64_t gc() override;
     std::string uri() const override { return s_->uri(); }
 
-    // the wrapped store, whose calls throw: for a caller that must know a write happened
-    store & backend() { return *s_; }
-    int64_t failures() const { return failures_; }  // calls that failed, since start
+    // runs call on the backend (serialised, through the breaker) and throws its
+    // error, or the breaker's while the store is down: for a caller that must
+    // know a write happened (trips: false), or whether the store answers (/health)
+    void must(const std::function<void(store &)> & call, bool trips = true);
+    int64_t failures() const { return failures_; }  // calls that failed or were not made, since start
     // calls that failed on this thread, since start: a job compares it before and after
     static int64_t thread_failures();
 
+    static constexpr double k_backoff_min_ms = 1000, k_backoff_max_ms = 30000;
+
   private:
-    void failed(const char * what, const std::exception & e);
+    // under call_mu_: the breaker's error while it holds calls back
+    const char * held_back() const;
+    // trips: the failure opens the breaker (reads and probes do, writes do not)
+    void failed(const char * what, const std::exception & e, bool trips);
     void answered();
-    // call's answer, or `miss` when the backend fails (a warning, not an error)
+    // call's answer, or `miss` when the backend fails or is held back (a warning, not an error)
     template <typename T, typename F>
-    T guarded(const char * what, T miss, F && call);
+    T guarded(const char * what, bool trips, T miss, F && call);
 
     std::unique_ptr<store> s_;
-    std::atomic<int64_t> failures_{0};
-    std::mutex log_mu_;
-    bool down_ = false;
+    std::mutex call_mu_;      // one backend call at a time; guards the breaker below
+    bool failing_ = false;    // the last call failed (warnings: one a minute)
+    bool open_ = false;       // the breaker: calls are held back until retry_at_ms_
+    double retry_at_ms_ = 0;  // open: no call before this time
+    double backoff_ms_ = 0;   // open: the wait after the last failure
+    std::string last_error_;
     double last_warning_ms_ = 0;
+    std::atomic<int64_t> failures_{0};
 };
 
 }  // namespace kvblend

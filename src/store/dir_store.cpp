@@ -148,10 +148,7 @@ class dir_store : public store {
         std::error_code ec;
         check_is_store();  // it may have gone since it was opened, and something else come in its place
         if (!opts_.create && !fs::is_directory(root_, ec)) throw error("store '" + root_.string() + "' does not exist");
-        for (const fs::path & p : {dst.parent_path(), root_ / "tmp"}) {
-            fs::create_directories(p, ec);
-            if (ec) throw error("cannot create '" + p.string() + "': " + ec.message());
-        }
+        make_dir(root_ / "tmp");
         const fs::path tmp = root_ / "tmp" / temp_name(key);
         {
             fd_guard fd(open(tmp.c_str(), k_temp_flags, 0644));
@@ -169,6 +166,7 @@ class dir_store : public store {
         // stat), never an entry on disk that no budget counts
         try {
             dir_lock lock(root_ / "lock");
+            make_dir(dst.parent_path());  // under the lock: an eviction removes the folders it empties
             std::map<std::string, uint64_t> idx = read_index();
             idx[key] = bytes.size();
             write_index(idx);  // fails: nothing is stored
@@ -200,10 +198,14 @@ class dir_store : public store {
         // O_NONBLOCK: a fifo in the entry's place must not block the open
         fd_guard fd(open(p.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
         if (fd.get() < 0) {
+            const int err = errno;
+            // the store's own folders unusable (a file in their place, not
+            // searchable) is an outage, not a miss: it throws
+            if (err == ENOTDIR || err == EACCES || err == ELOOP) check_readable();
             // missing, or something in its place that is not an entry we may read
-            if (errno == ENOENT || errno == ENOTDIR || errno == EISDIR || errno == EACCES || errno == ELOOP ||
-                errno == ENXIO)
+            if (err == ENOENT || err == ENOTDIR || err == EISDIR || err == EACCES || err == ELOOP || err == ENXIO)
                 return std::nullopt;
+            errno = err;
             throw error(sys_error("cannot open", p));
         }
         struct stat st {};
@@ -250,6 +252,7 @@ class dir_store : public store {
             removed = fs::remove_all(entry_path(key), ec) > 0 && !ec;
             if (ec) throw error("cannot remove '" + entry_path(key).string() + "': " + ec.message());
         }
+        if (removed) remove_if_empty(entry_path(key).parent_path());
         std::map<std::string, uint64_t> idx = read_index();
         if (idx.erase(key) || removed) write_index(idx);
         return removed;
@@ -317,6 +320,7 @@ class dir_store : public store {
                 idx[e.info.key] = e.info.bytes;
             } else if (fs::remove_all(entry_path(e.info.key), ec) > 0) {
                 ++removed;  // not an entry: in the way of a future put
+                remove_if_empty(entry_path(e.info.key).parent_path());
             }
         }
         removed += enforce_budget(idx, "");
@@ -326,6 +330,29 @@ class dir_store : public store {
 
   private:
     fs::path entry_path(const std::string & key) const { return root_ / "entries" / key.substr(0, 2) / (key + ".kvb"); }
+
+    static void make_dir(const fs::path & p) {
+        std::error_code ec;
+        fs::create_directories(p, ec);
+        if (ec) throw error("cannot create '" + p.string() + "': " + ec.message());
+    }
+    // under the lock: an entries/XX folder left empty goes (a put makes it again under the lock)
+    static void remove_if_empty(const fs::path & shard) { rmdir(shard.c_str()); }
+
+    // a read that failed below the store's own folders: throws when the store
+    // itself cannot be read (its folder or entries/ not a directory, or not
+    // searchable); a missing store is an empty one
+    void check_readable() const {
+        for (const fs::path & dir : {root_, root_ / "entries"}) {
+            struct stat st {};
+            if (stat(dir.c_str(), &st) != 0) {
+                if (errno == ENOENT) return;
+                throw error(sys_error("cannot read the store at", dir));
+            }
+            if (!S_ISDIR(st.st_mode)) throw error("store '" + dir.string() + "' is not a directory");
+            if (access(dir.c_str(), X_OK) != 0) throw error(sys_error("cannot read the store at", dir));
+        }
+    }
 
     // a file in tmp/: STEM.PID.N, N random (gc knows these names, and only these)
     std::string temp_name(const std::string & stem) {
@@ -517,6 +544,7 @@ class dir_store : public store {
         for (const aged & a : order) {
             if (total <= opts_.max_bytes) break;
             unlink(entry_path(a.key).c_str());
+            remove_if_empty(entry_path(a.key).parent_path());
             total -= idx[a.key];
             idx.erase(a.key);
             ++removed;

@@ -121,7 +121,7 @@ TEST_F(capi_hostile, every_required_null_pointer_is_an_invalid_argument_naming_i
 
 TEST_F(capi_hostile, status_names_of_values_outside_the_enum_are_unknown_not_undefined) {
     // any int a C caller passes has a name (read as an int, not as the C++ enum type)
-    for (int s : {-1, 7, 42, INT32_MAX})
+    for (int s : {-1, 8, 42, INT32_MAX})
         EXPECT_STREQ(kvb_status_name(static_cast<kvb_status>(s)), "KVB_ERR_UNKNOWN") << s;
     EXPECT_STREQ(kvb_status_name(KVB_ERR_INTERNAL), "KVB_ERR_INTERNAL");
 }
@@ -242,8 +242,36 @@ TEST_F(capi_hostile, empty_invalid_utf8_and_long_texts_are_answered_or_refused_n
     const std::string huge_doc(3 << 20, 'a');
     const kvb_doc huge[] = {{huge_doc.c_str(), nullptr}, {huge_doc.c_str(), nullptr}};
     EXPECT_EQ(kvb_blend(ctx, nullptr, "", huge, 2, "q", nullptr, &gp, nullptr, nullptr), KVB_ERR_FAILED);
-    EXPECT_NE(last_error().find("bytes) exceeds what the model's context of"), std::string::npos) << last_error();
+    EXPECT_NE(last_error().find("bytes exceeds what the context of"), std::string::npos) << last_error();
     EXPECT_EQ(kvb_generate(ctx, long_doc.c_str(), &gp, nullptr, nullptr), KVB_ERR_FAILED);
+    // every entry point bounds its text before tokenizing it: the byte bound's message, not the token count's
+    EXPECT_EQ(kvb_generate(ctx, huge_doc.c_str(), &gp, nullptr, nullptr), KVB_ERR_FAILED);
+    EXPECT_NE(last_error().find("the prompt of 3145728 bytes exceeds what the context"), std::string::npos)
+        << last_error();
+    {
+        kvblend::test::temp_dir sdir("capi-huge");
+        kvb_store * hs = nullptr;
+        ASSERT_EQ(kvb_store_open(sdir.file("kv").c_str(), nullptr, &hs), KVB_OK);
+        kvb_id id{};
+        EXPECT_EQ(kvb_doc_id(ctx, hs, huge_doc.c_str(), &id), KVB_ERR_FAILED);  // no id of a document never storable
+        EXPECT_NE(last_error().find("bytes exceeds what the context"), std::string::npos) << last_error();
+        EXPECT_EQ(kvb_doc_id(ctx, hs, long_doc.c_str(), &id), KVB_ERR_FAILED);  // nor one too long in tokens
+        const char * texts[] = {"Once upon a time", huge_doc.c_str()};
+        kvb_id * ids = nullptr;
+        size_t n_ids = 0;
+        EXPECT_EQ(kvb_ingest(ctx, hs, texts, 2, nullptr, &ids, &n_ids, nullptr), KVB_ERR_FAILED);
+        EXPECT_NE(last_error().find("text 1 (use chunk_size) of 3145728 bytes exceeds"), std::string::npos)
+            << last_error();
+        kvb_ingest_params ip = kvb_ingest_default_params();
+        ip.split_paragraphs = true;
+        EXPECT_EQ(kvb_ingest(ctx, hs, texts, 2, &ip, &ids, &n_ids, nullptr), KVB_ERR_FAILED);
+        EXPECT_NE(last_error().find("a paragraph of text 1 of 3145728 bytes exceeds"), std::string::npos)
+            << last_error();
+        kvb_store_stats ss{};
+        ASSERT_EQ(kvb_store_get_stats(hs, &ss), KVB_OK);
+        EXPECT_EQ(ss.n_entries, 0u);  // refused before any chunk was collected
+        kvb_store_free(hs);
+    }
     // a document by an empty id, or one with a NUL-free but foreign id, is not found
     const kvb_doc ids[] = {{nullptr, ""}};
     kvblend::test::temp_dir dir("capi-text");
@@ -359,6 +387,38 @@ TEST_F(capi_hostile, a_store_that_vanishes_mid_ingest_fails_the_rest_and_reports
     // a store path that is a file is refused when opened
     EXPECT_EQ(kvb_store_open(v.path.c_str(), nullptr, &st), KVB_ERR_FAILED);
     EXPECT_NE(last_error().find("not a directory"), std::string::npos) << last_error();
+}
+
+// a store that cannot be read is an outage (KVB_ERR_STORE), never an unknown id
+// (KVB_ERR_NOT_FOUND, which a caller may answer by ingesting again or deleting)
+TEST_F(capi_hostile, a_document_by_id_on_a_broken_store_is_a_store_error_not_not_found) {
+    kvblend::test::temp_dir dir("capi-broken");
+    const fs::path root = dir.file("kv");
+    kvb_store * st = nullptr;
+    ASSERT_EQ(kvb_store_open(root.c_str(), nullptr, &st), KVB_OK) << kvb_last_error();
+    kvb_id * ids = nullptr;
+    size_t n_ids = 0;
+    ASSERT_EQ(kvb_ingest(ctx, st, k_texts, 1, nullptr, &ids, &n_ids, nullptr), KVB_OK) << kvb_last_error();
+    const std::string id(ids[0].hex);
+    kvb_free(ids);
+    kvb_generate_params gp = kvb_generate_default_params();
+    gp.n_predict = 2;
+    const kvb_doc docs[] = {{nullptr, id.c_str()}};
+    const std::string other(32, 'f');
+    const kvb_doc unknown[] = {{nullptr, other.c_str()}};
+    EXPECT_EQ(kvb_blend(ctx, st, "", unknown, 1, "q", nullptr, &gp, nullptr, nullptr), KVB_ERR_NOT_FOUND);
+    fs::rename(root / "entries", root / "entries.away");
+    std::ofstream(root / "entries") << "a file";
+    EXPECT_EQ(kvb_blend(ctx, st, "", docs, 1, "q", nullptr, &gp, nullptr, nullptr), KVB_ERR_STORE);
+    EXPECT_NE(last_error().find("not a directory"), std::string::npos) << last_error();
+    EXPECT_STREQ(kvb_status_name(KVB_ERR_STORE), "KVB_ERR_STORE");
+    bool held = true;
+    EXPECT_EQ(kvb_store_contains(st, id.c_str(), &held), KVB_ERR_STORE);
+    // repaired: found again
+    fs::remove(root / "entries");
+    fs::rename(root / "entries.away", root / "entries");
+    EXPECT_EQ(kvb_blend(ctx, st, "", docs, 1, "q", nullptr, &gp, nullptr, nullptr), KVB_OK) << kvb_last_error();
+    kvb_store_free(st);
 }
 
 TEST_F(capi_hostile, an_empty_store_path_is_refused_not_the_working_directory) {

@@ -362,3 +362,26 @@ def test_the_text_is_the_streamed_pieces_and_holds_no_part_of_a_stop_string(mode
     pieces = []
     b = model.blend(SYSTEM, [DOC], QUERY, n_predict=8, on_piece=pieces.append)
     assert b.text == "".join(pieces)
+
+
+def test_texts_no_context_can_hold_are_refused_before_tokenizing(model, tmp_path):
+    # 100 MB took over a minute and gigabytes to tokenize before the refusal (doc_id even returned an id)
+    huge = "Tom had a red ball. " * (5 << 20)
+    with kvblend.Store(str(tmp_path / "store")) as store:
+        for call in (lambda: model.doc_id(huge, store), lambda: model.ingest(store, [huge]),
+                     lambda: model.complete(huge, n_predict=1)):
+            with pytest.raises(kvblend.Error, match="bytes exceeds what the context"):
+                call()
+        assert store.stats().n_entries == 0
+
+
+def test_a_document_by_id_on_a_broken_store_is_an_outage_not_not_found(model, tmp_path):
+    root = tmp_path / "store"
+    with kvblend.Store(str(root)) as store:
+        doc_id = model.ingest(store, [DOC])[0]
+        (root / "entries").rename(tmp_path / "entries.away")
+        (root / "entries").write_text("a file")
+        with pytest.raises(kvblend.StoreUnavailableError) as e:
+            model.blend(SYSTEM, [{"id": doc_id}], QUERY, store=store, n_predict=1)
+        assert e.value.status == "KVB_ERR_STORE"
+        assert not isinstance(e.value, kvblend.NotFoundError)

@@ -12,6 +12,7 @@
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <thread>
 
 #include "httplib.h"
 #include "store/redis_server.h"
@@ -145,6 +146,17 @@ TEST(two_servers_redis, share_documents_and_survive_redis_going_away) {
 
     // Redis is back (empty: it kept nothing on disk): A stores again, B finds it
     redis = std::make_unique<test::redis_server>(redis_port);
+    // each server's breaker tries the store again once its backoff has passed
+    // (/health is such a try): until then calls fail at once, without waiting on it
+    for (auto * c : {&ca, &cb}) {
+        int status = 0;
+        for (int i = 0; i < 160 && status != 200; ++i) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(250));
+            auto h = c->Get("/health");
+            status = h ? h->status : 0;
+        }
+        EXPECT_EQ(status, 200);
+    }
     r = ask(ca, {{{"text", k_docs[0]}}, {{"text", k_docs[1]}}});
     EXPECT_EQ(r["kvblend"]["store_errors"], 0) << r["kvblend"].dump();
     EXPECT_EQ(r["kvblend"]["store_hits"], 0);

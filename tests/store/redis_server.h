@@ -160,6 +160,11 @@ class redis_server {
         pid_ = -1;
     }
 
+    // stop the server without closing anything (SIGSTOP): it accepts connections
+    // and answers nothing, as a stalled redis does, until resume()
+    void pause() { ::kill(pid_, SIGSTOP); }
+    void resume() { ::kill(pid_, SIGCONT); }
+
     // the first line of the server's reply to a raw command (see redis_raw_command)
     std::string command(const std::vector<std::string> & args) const {
         return redis_raw_command(port_, args, 1000, password_);

@@ -257,6 +257,17 @@ TEST(chunk_store, lru_eviction_under_a_budget) {
     tight.max_bytes = 1500;
     EXPECT_EQ(store_open(d.path().string(), tight)->gc(), 2u);
     EXPECT_EQ(st->list().size(), 1u);
+    // eviction and erase remove the entries/XX folders they empty (each key here has its own)
+    size_t folders = 0;
+    for (const auto & e : std::filesystem::directory_iterator(d.path() / "entries")) {
+        EXPECT_FALSE(std::filesystem::is_empty(e.path())) << e.path();
+        ++folders;
+    }
+    EXPECT_EQ(folders, 1u);
+    for (const auto & k : keys) st->erase(k);
+    EXPECT_TRUE(std::filesystem::is_empty(d.path() / "entries"));
+    st->put(keys[1], blob);  // a put makes its folder again
+    EXPECT_TRUE(st->contains(keys[1]));
 }
 
 // the index is a summary anyone can edit: a wrong size in it never costs the
