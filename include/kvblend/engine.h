@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "kvblend/energy.h"
 #include "kvblend/evict.h"
 #include "kvblend/kv_cache.h"
 #include "kvblend/model.h"
@@ -31,6 +32,9 @@ struct engine_params {
     // cb_eval): to inspect or time single ops; nullptr for none
     ggml_backend_sched_eval_callback cb_eval = nullptr;
     void * cb_eval_user_data = nullptr;
+    // read around prefill and decode by generate() and generate_from(), when
+    // set (not owned; it outlives the engine)
+    const energy_meter * energy = nullptr;
 };
 
 engine_params engine_default_params();
@@ -41,6 +45,9 @@ struct generate_result {
     int64_t n_prompt = 0;
     double prefill_ms = 0;
     double decode_ms = 0;
+    // the energy of each phase, from engine_params::energy (absent without one)
+    energy_span prefill_energy;
+    energy_span decode_energy;
 };
 
 class engine {
@@ -123,6 +130,9 @@ class engine {
   private:
     friend class forward_driver;  // src/engine/driver.h: builds and runs every graph
     void apply_evict(const std::vector<int64_t> & budget);
+    // params_.energy read now, and the span from a mark to now
+    energy_mark energy_now() const;
+    energy_span energy_since(const energy_mark & from) const;
 
     struct impl;
     std::unique_ptr<impl> impl_;

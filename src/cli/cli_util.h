@@ -71,6 +71,28 @@ struct op_timer {
     }
 };
 
+// --energy (src/cli/cli_energy.cpp): the help lines, and one phase's joules
+// over repetitions; the first absence is the figure's reason
+extern const char * k_energy_help;
+struct energy_series {
+    std::vector<double> joules;
+    std::string why_not;
+    void add(const energy_span & s);
+    bool ok() const;
+    // j[phase + "_j"] (the median) and j[phase + "_tok_per_j"], or
+    // j[phase + "_j"] = null and j[phase + "_energy_absent"] = the reason
+    void put(nlohmann::json & j, const std::string & phase, int64_t n_tokens) const;
+};
+void put_energy(nlohmann::json & j, const std::string & phase, const energy_span & s, int64_t n_tokens);
+// j["energy_domains"] = the counters summed, or j["energy_absent"] = why there are none
+void put_energy_source(nlohmann::json & j, const energy_meter & meter);
+// a table cell of row's phase: unit "J" (joules) or "tok/J"; "-" when absent
+std::string energy_cell(const nlohmann::json & row, const std::string & phase, const char * unit);
+// "prefill 1.2 J (430 tok/J), decode …" from put_energy's fields, or "energy absent: REASON"
+std::string energy_summary(const nlohmann::json & j, const std::vector<std::string> & phases);
+// "energy from: …" (and the counters left out) or "energy: absent: REASON"
+void print_energy_source(const energy_meter & meter);
+
 // -h / --help: prints the command's help; true when it was asked for
 inline bool match_help(args & a, const char * help) {
     if (!a.match({"-h", "--help"})) return false;

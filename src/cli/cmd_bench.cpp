@@ -44,6 +44,8 @@ model, same threads, same KV type, in the same run.
                         and shapes (which matmul, which attention)
   --json                print one JSON object instead of the table
   -dev, --device DEV    our forward's device (cpu, cuda, rpc:HOST:PORT, …; see kvblend generate --help)
+  --energy              joules and tokens per joule of each prefill and decode, both
+                        sides (the median over repetitions), or why there is no figure
 )";
 
 // libllama's time over ours, one ratio per repetition: the two ran back to
@@ -65,11 +67,32 @@ double peak_rss_mb() {
     return ru.ru_maxrss / 1024.0;  // linux reports KiB
 }
 
+// --energy: joules and tokens per joule of each phase, ours and libllama's
+void print_energy_table(const nlohmann::json & rows, const energy_meter & meter) {
+    print_energy_source(meter);
+    if (!meter.available()) return;
+    std::printf(
+        "\n| prompt | ours pp J | llama pp J | ours pp tok/J | llama pp tok/J | ours tg J | llama tg J | ours tg tok/J "
+        "| "
+        "llama tg tok/J |\n|-------:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (const auto & r : rows) {
+        std::printf("| %6lld |", (long long) r["n_prompt"].get<int64_t>());
+        for (const char * phase : {"prefill", "decode"})
+            for (const char * unit : {"J", "tok/J"})
+                for (const char * side : {"ours_", "llama_"})
+                    std::printf(" %s |", energy_cell(r, side + std::string(phase), unit).c_str());
+        std::printf("\n");
+        for (const auto & [k, v] : r.items())
+            if (k.size() > 14 && k.compare(k.size() - 14, 14, "_energy_absent") == 0)
+                std::printf("  %s: %s\n", k.substr(0, k.size() - 14).c_str(), v.get<std::string>().c_str());
+    }
+}
+
 int bench_prefill(args & a) {
     std::string model_path;
     std::vector<int64_t> lens = {512, 2048};
     int64_t n_gen = 32, reps = 3;
-    bool json = false, peer = true, profile = false, shapes = false;
+    bool json = false, peer = true, profile = false, shapes = false, energy = false;
     model_params mp = model_default_params();
     engine_params ep = engine_default_params();
     while (!a.done()) {
@@ -101,6 +124,8 @@ int bench_prefill(args & a) {
             profile = shapes = true;
         else if (a.match({"--mmap"}))
             mp.use_mmap = true;
+        else if (a.match({"--energy"}))
+            energy = true;
         else if (match_device_flag(a, mp))
             continue;
         else
@@ -136,6 +161,11 @@ int bench_prefill(args & a) {
 
     std::mt19937 rng(1234);
     std::uniform_int_distribution<int> tok_dist(0, (int) m->hparams().n_vocab - 1);
+    const std::unique_ptr<energy_meter> meter = energy ? std::make_unique<energy_meter>() : nullptr;
+    auto energy_now = [&] { return meter ? meter->mark() : energy_mark{}; };
+    auto energy_add = [&](const energy_mark & from, energy_series & into) {
+        if (meter) into.add(meter->span(from, meter->mark()));
+    };
 
     // one untimed pass each so page faults of mapped weights are not measured
     {
@@ -151,25 +181,32 @@ int bench_prefill(args & a) {
         std::vector<llama_token> toks(n);
         for (auto & t : toks) t = tok_dist(rng);
         std::vector<double> ours_pp, ours_tg, ref_pp, ref_tg;
+        energy_series ours_pp_j, ours_tg_j, ref_pp_j, ref_tg_j;
         // ours and libllama's alternate which goes first, so that neither
         // always runs on the caches (and clocks) the other leaves
         auto run_ours = [&] {
             eng.cache().clear();
+            energy_mark e0 = energy_now();
             double t0 = time_ms();
             std::vector<float> lg = eng.eval(toks);
             ours_pp.push_back(time_ms() - t0);
+            energy_add(e0, ours_pp_j);
+            e0 = energy_now();
             t0 = time_ms();
             for (int64_t i = 0; i < n_gen; ++i) lg = eng.eval({tok_dist(rng)});
-            if (n_gen) ours_tg.push_back(time_ms() - t0);
+            if (n_gen) ours_tg.push_back(time_ms() - t0), energy_add(e0, ours_tg_j);
         };
         auto run_ref = [&] {
             lr->clear();
+            energy_mark e0 = energy_now();
             double t0 = time_ms();
             std::vector<float> lg = lr->eval(toks, false);
             ref_pp.push_back(time_ms() - t0);
+            energy_add(e0, ref_pp_j);
+            e0 = energy_now();
             t0 = time_ms();
             for (int64_t i = 0; i < n_gen; ++i) lg = lr->eval({tok_dist(rng)}, false);
-            if (n_gen) ref_tg.push_back(time_ms() - t0);
+            if (n_gen) ref_tg.push_back(time_ms() - t0), energy_add(e0, ref_tg_j);
         };
         for (int64_t r = 0; r < reps; ++r) {
             if (lr && r % 2 == 1) run_ref();
@@ -201,6 +238,12 @@ int bench_prefill(args & a) {
                 put_ratio(row, "decode_ratio", ref_tg, ours_tg);
             }
         }
+        if (meter) {
+            ours_pp_j.put(row, "ours_prefill", n);
+            if (n_gen) ours_tg_j.put(row, "ours_decode", n_gen);
+            if (lr) ref_pp_j.put(row, "llama_prefill", n);
+            if (lr && n_gen) ref_tg_j.put(row, "llama_decode", n_gen);
+        }
         if (profile) {
             nlohmann::json ops = nlohmann::json::object();
             for (const auto & [op, ms] : ours_ops.ms) ops[op]["ours_ms"] = ms;
@@ -221,6 +264,7 @@ int bench_prefill(args & a) {
                           {"kv_mb", eng.cache().bytes() / 1048576.0},
                           {"rows", rows}};
     if (!lr) out["peak_rss_mb"] = peak_rss_mb();
+    if (meter) put_energy_source(out, *meter);
     if (json) {
         std::printf("%s\n", out.dump(2).c_str());
         return 0;
@@ -248,6 +292,7 @@ int bench_prefill(args & a) {
                     f("prefill_ratio"), range("prefill_ratio").c_str(), f("ours_decode_tps"), f("llama_decode_tps"),
                     f("decode_ratio"), range("decode_ratio").c_str());
     }
+    if (meter) print_energy_table(rows, *meter);
     for (const auto & r : rows) {
         if (!r.contains("ops")) continue;
         double total = 0;

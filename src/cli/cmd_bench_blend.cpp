@@ -36,6 +36,9 @@ full prefill (ours and libllama's) and a blend of the same tokens are timed.
                         per op, to find where it goes
   --profile-shapes      as --profile-ops, each op split by its operands' types
                         and shapes (which matmul, attention over how many keys)
+  --energy              joules and tokens per joule of the full prefills and the
+                        blend (median over repetitions), and the full prefill's
+                        joules over the blend's; or why there is no figure
 
 Fidelity (--ratios): mean KL to the full prefill, top-1 and greedy agreement
 over --prompts multi-document prompts (built-in short stories: use a model
@@ -63,9 +66,30 @@ double median(std::vector<double> v) {
 
 namespace {
 
+// --energy: the joules of each prefill of the same tokens, and what the blend saves
+void print_blend_energy(const nlohmann::json & rows, const energy_meter & meter) {
+    print_energy_source(meter);
+    if (!meter.available()) return;
+    std::printf(
+        "\n| tokens | full J (ours) | full J (llama) | blend J | blend tok/J | energy saved vs ours | vs llama "
+        "|\n|-------:|---:|---:|---:|---:|---:|---:|\n");
+    for (const auto & r : rows) {
+        auto saving = [&](const char * k) {
+            return r.contains(k) ? std::to_string(r[k].get<double>()).substr(0, 5) + "x" : std::string("-");
+        };
+        std::printf("| %6lld | %s | %s | %s | %s | %s | %s |\n", (long long) r["n_tokens"].get<int64_t>(),
+                    energy_cell(r, "full", "J").c_str(), energy_cell(r, "llama_full", "J").c_str(),
+                    energy_cell(r, "blend", "J").c_str(), energy_cell(r, "blend", "tok/J").c_str(),
+                    saving("energy_saving_vs_ours").c_str(), saving("energy_saving_vs_llama").c_str());
+        for (const char * phase : {"full", "llama_full", "blend"})
+            if (r.contains(std::string(phase) + "_energy_absent"))
+                std::printf("  %s: %s\n", phase, r[std::string(phase) + "_energy_absent"].get<std::string>().c_str());
+    }
+}
+
 int bench_speed(const std::string & model_path, const std::vector<int64_t> & contexts, float ratio, int64_t chunk,
-                int check_layer, int64_t reps, bool peer, int profile, int32_t threads, const std::string & json_path,
-                const std::string & png) {
+                int check_layer, int64_t reps, bool peer, int profile, bool energy, int32_t threads,
+                const std::string & json_path, const std::string & png) {
     auto m = model::load(model_path);
     const model_hparams & hp = m->hparams();
     const int64_t n_max = *std::max_element(contexts.begin(), contexts.end());
@@ -98,6 +122,11 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
     blend_params bp = blend_default_params();
     bp.recomp_ratio = ratio;
     bp.check_layer = check_layer;
+    const std::unique_ptr<energy_meter> meter = energy ? std::make_unique<energy_meter>() : nullptr;
+    auto energy_now = [&] { return meter ? meter->mark() : energy_mark{}; };
+    auto energy_add = [&](const energy_mark & from, energy_series & into) {
+        if (meter) into.add(meter->span(from, meter->mark()));
+    };
 
     nlohmann::json rows = nlohmann::json::array();
     std::string dat;
@@ -119,21 +148,28 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
         for (const auto & c : kv) ptrs.push_back(&c);
 
         std::vector<double> t_full, t_ref, t_blend, t_sel, t_out;
+        energy_series full_j, ref_j, blend_j;
         std::vector<float> full, fused;
         blend_result br;
         for (int64_t r = 0; r < reps; ++r) {
             eng.cache().clear();
+            energy_mark e0 = energy_now();
             double t0 = time_ms();
             full = eng.eval(all);
             t_full.push_back(time_ms() - t0);
+            energy_add(e0, full_j);
             if (lr) {
                 lr->clear();
+                e0 = energy_now();
                 t0 = time_ms();
                 lr->eval(all, false);
                 t_ref.push_back(time_ms() - t0);
+                energy_add(e0, ref_j);
             }
+            e0 = energy_now();
             br = blend(eng_blend, ptrs, query, bp);
             t_blend.push_back(br.stats.total_ms);
+            energy_add(e0, blend_j);
             t_out.push_back(br.stats.outside_ms);
             // the deep layers' own cost: n_selected tokens appended at depth N - n_selected
             eng.cache().set_n_past(N - br.stats.n_selected);
@@ -183,6 +219,15 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
                               {"blend_hidden_mb", N * hp.n_embd * 4 / 1048576.0},
                               {"chunk_kv_mb", chunk_bytes / 1048576.0}};
         if (profile) row["ops"] = op_ms;
+        if (meter) {
+            full_j.put(row, "full", N);
+            blend_j.put(row, "blend", N);
+            if (lr) ref_j.put(row, "llama_full", N);
+            if (full_j.ok() && blend_j.ok())
+                row["energy_saving_vs_ours"] = median(full_j.joules) / median(blend_j.joules);
+            if (ref_j.ok() && blend_j.ok())
+                row["energy_saving_vs_llama"] = median(ref_j.joules) / median(blend_j.joules);
+        }
         if (lr) {
             row["llama_full_ms"] = median(t_ref);
             row["speedup_vs_llama"] = median(t_ref) / blend_ms;
@@ -192,9 +237,9 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
                std::to_string(lr ? median(t_ref) / blend_ms : 0.0) + " " + std::to_string(ideal) + " " +
                std::to_string(bound) + "\n";
     }
-    const nlohmann::json out = {
-        {"model", model_path}, {"model_desc", m->describe()}, {"threads", threads}, {"ratio", ratio},
-        {"chunk", chunk},      {"check_layer", check_layer},  {"reps", reps},       {"rows", rows}};
+    nlohmann::json out = {{"model", model_path}, {"model_desc", m->describe()}, {"threads", threads}, {"ratio", ratio},
+                          {"chunk", chunk},      {"check_layer", check_layer},  {"reps", reps},       {"rows", rows}};
+    if (meter) put_energy_source(out, *meter);
     std::printf("model: %s\n%s, threads %d, ratio %.2f, chunk %lld, check layer %d, median of %lld\n\n",
                 model_path.c_str(), m->describe().c_str(), threads, ratio, (long long) chunk, check_layer,
                 (long long) reps);
@@ -221,6 +266,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
         std::printf("| %6lld | %23.1f | %16.1f | %22.1f | %11.1f |\n", (long long) r["n_tokens"].get<int64_t>(),
                     r["full_compute_mb"].get<double>(), r["blend_compute_mb"].get<double>(),
                     r["blend_hidden_mb"].get<double>(), r["chunk_kv_mb"].get<double>());
+    if (meter) print_blend_energy(rows, *meter);
     for (const auto & r : rows) {
         if (!r.contains("ops")) continue;
         double total = 0;
@@ -374,6 +420,7 @@ int bench_blend(args & a) {
     int32_t threads = 2;
     bool peer = true;
     int profile = 0;
+    bool energy = false;
     while (!a.done()) {
         if (match_help(a, k_help))
             return 0;
@@ -407,6 +454,8 @@ int bench_blend(args & a) {
             profile = std::max(profile, 1);
         else if (a.match({"--profile-shapes"}))
             profile = 2;
+        else if (a.match({"--energy"}))
+            energy = true;
         else if (a.match({"--peer"})) {
             const std::string p = a.str();
             if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");
@@ -415,9 +464,11 @@ int bench_blend(args & a) {
             a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
+    if (!ratios.empty() && energy) throw error("--energy measures the speed runs, not the fidelity table (--ratios)");
     if (!ratios.empty())
         return bench_fidelity(model_path, ratios, n_prompts, n_docs, check_layer, score, threads, json_path, png);
-    return bench_speed(model_path, contexts, ratio, chunk, check_layer, reps, peer, profile, threads, json_path, png);
+    return bench_speed(model_path, contexts, ratio, chunk, check_layer, reps, peer, profile, energy, threads, json_path,
+                       png);
 }
 
 }  // namespace kvblend::cli

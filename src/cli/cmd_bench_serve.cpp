@@ -46,6 +46,10 @@ documents in the text.
                         still does after its last answer does not run into the
                         next timing (default 1000)
   --json FILE           write the results as JSON
+  --energy              joules of each request (the whole machine's counters while
+                        it runs: servers on this machine, one request at a time)
+                        and prompt tokens (usage.prompt_tokens) per joule, or why
+                        there is no figure
 )";
 
 struct endpoint {
@@ -68,18 +72,56 @@ endpoint parse_url(const std::string & url) {
     return e;
 }
 
-// one chat request for a single token; returns the wall time in ms (and the response in out)
-double ttft_ms(const endpoint & e, const nlohmann::json & body, int64_t settle_ms, nlohmann::json * out = nullptr) {
+// what one request cost: wall time, and with --energy its joules and prompt tokens
+struct request_cost {
+    std::vector<double> ms;
+    energy_series joules;
+    std::vector<double> prompt_tokens;  // usage.prompt_tokens of each answer
+};
+
+// one chat request for a single token, timed (and metered when meter is set)
+// into cost; the response in out
+void ttft(const endpoint & e, const nlohmann::json & body, int64_t settle_ms, request_cost & cost,
+          const energy_meter * meter, nlohmann::json * out = nullptr) {
     std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
     httplib::Client c(e.host, e.port);
     c.set_read_timeout(600, 0);
+    const energy_mark e0 = meter ? meter->mark() : energy_mark{};
     const double t0 = time_ms();
     auto r = c.Post("/v1/chat/completions", body.dump(), "application/json");
     const double ms = time_ms() - t0;
+    if (meter) cost.joules.add(meter->span(e0, meter->mark()));
     if (!r) throw error("no answer from " + e.host + ":" + std::to_string(e.port));
     if (r->status != 200) throw error("HTTP " + std::to_string(r->status) + ": " + r->body.substr(0, 300));
-    if (out) *out = nlohmann::json::parse(r->body, nullptr, false);
-    return ms;
+    cost.ms.push_back(ms);
+    const nlohmann::json res = nlohmann::json::parse(r->body, nullptr, false);
+    if (res.is_object() && res.contains("usage") && res["usage"].contains("prompt_tokens"))
+        cost.prompt_tokens.push_back(res["usage"]["prompt_tokens"].get<double>());
+    if (out) *out = res;
+}
+
+// a row's side: its median time, and its joules when metered
+void put_cost(nlohmann::json & row, const std::string & side, const request_cost & cost, bool metered) {
+    row[side + "_ms"] = median(cost.ms);
+    if (!metered) return;
+    const int64_t tokens = cost.prompt_tokens.empty() ? 0 : (int64_t) median(cost.prompt_tokens);
+    cost.joules.put(row, side, tokens);
+}
+
+// --energy: each request's joules, both servers
+void print_serve_energy(const nlohmann::json & rows, const energy_meter & meter) {
+    print_energy_source(meter);
+    if (!meter.available()) return;
+    std::printf("\n| request | kvblend J | kvblend prompt tok/J | llama-server J | llama-server prompt tok/J |\n");
+    std::printf("|---|---:|---:|---:|---:|\n");
+    for (const auto & r : rows) {
+        std::printf("| %s | %s | %s | %s | %s |\n", r["request"].get<std::string>().c_str(),
+                    energy_cell(r, "kvblend", "J").c_str(), energy_cell(r, "kvblend", "tok/J").c_str(),
+                    energy_cell(r, "peer", "J").c_str(), energy_cell(r, "peer", "tok/J").c_str());
+        for (const char * side : {"kvblend", "peer"})
+            if (r.contains(std::string(side) + "_energy_absent"))
+                std::printf("  %s: %s\n", side, r[std::string(side) + "_energy_absent"].get<std::string>().c_str());
+    }
 }
 
 }  // namespace
@@ -87,6 +129,7 @@ double ttft_ms(const endpoint & e, const nlohmann::json & body, int64_t settle_m
 int bench_serve(args & a) {
     std::string model_path, url, peer_url, json_path;
     int64_t n_docs = 4, doc_tokens = 512, reps = 2, settle_ms = 1000;
+    bool energy = false;
     while (!a.done()) {
         if (match_help(a, k_help))
             return 0;
@@ -106,6 +149,8 @@ int bench_serve(args & a) {
             settle_ms = a.integer(0, 60000);
         else if (a.match({"--json"}))
             json_path = a.str();
+        else if (a.match({"--energy"}))
+            energy = true;
         else
             a.unknown();
     }
@@ -114,6 +159,7 @@ int bench_serve(args & a) {
     const bool have_peer = !peer_url.empty();
     const endpoint peer = have_peer ? parse_url(peer_url) : endpoint{};
     const vocab voc(model_path);
+    const std::unique_ptr<energy_meter> meter = energy ? std::make_unique<energy_meter>() : nullptr;
 
     // documents of about doc_tokens tokens: words of the vocabulary (pieces of
     // ASCII letters, so every document is valid UTF-8 text)
@@ -167,7 +213,7 @@ int bench_serve(args & a) {
                             "plain prompt, reordered behind the same first passage, new question",
                             "plain prompt, every passage moved, new question"};
     constexpr int n_rows = 6;
-    std::vector<std::vector<double>> t_ours(n_rows), t_peer(n_rows);
+    std::vector<request_cost> cost_ours(n_rows), cost_peer(n_rows);
     int64_t plain_found = 0, plain_expected = 0;  // passages kvblend found in the reordered plain prompts
     for (int64_t r = 0; r < reps; ++r) {
         // the requests of one repetition: (documents, question, plain prompt)
@@ -199,7 +245,7 @@ int bench_serve(args & a) {
                 nlohmann::json res;
                 const nlohmann::json body =
                     seq[s].plain ? body_peer(seq[s].docs, seq[s].question) : body_ours(seq[s].docs, seq[s].question);
-                t_ours[s].push_back(ttft_ms(ours, body, settle_ms, &res));
+                ttft(ours, body, settle_ms, cost_ours[s], meter.get(), &res);
                 if (s < 4) continue;  // rows 4 and 5: the reordered plain prompts, found in the text?
                 plain_expected += n_docs;
                 if (res.is_object() && res.contains("kvblend") && res["kvblend"].contains("spans")) {
@@ -209,7 +255,7 @@ int bench_serve(args & a) {
         };
         auto run_peer = [&] {
             for (int s = 0; s < n_rows && have_peer; ++s)
-                t_peer[s].push_back(ttft_ms(peer, body_peer(seq[s].docs, seq[s].question), settle_ms));
+                ttft(peer, body_peer(seq[s].docs, seq[s].question), settle_ms, cost_peer[s], meter.get());
         };
         if (r % 2 == 0) {
             run_ours();
@@ -224,16 +270,28 @@ int bench_serve(args & a) {
                 (long long) reps);
     std::printf("| request | kvblend TTFT ms | llama-server TTFT ms | ratio |\n|---|---:|---:|---:|\n");
     for (int s = 0; s < n_rows; ++s) {
-        const double o = median(t_ours[s]), p = have_peer ? median(t_peer[s]) : 0.0;
-        rows.push_back({{"request", names[s]}, {"kvblend_ms", o}, {"peer_ms", p}, {"ratio", have_peer ? p / o : 0.0}});
+        nlohmann::json row = {{"request", names[s]}};
+        put_cost(row, "kvblend", cost_ours[s], meter != nullptr);
+        if (have_peer)
+            put_cost(row, "peer", cost_peer[s], meter != nullptr);
+        else
+            row["peer_ms"] = 0.0;  // no --peer
+        const double o = row["kvblend_ms"].get<double>(), p = have_peer ? row["peer_ms"].get<double>() : 0.0;
+        row["ratio"] = have_peer ? p / o : 0.0;
+        rows.push_back(row);
         std::printf("| %s | %.0f | %.0f | %.2fx |\n", names[s], o, p, have_peer ? p / o : 0.0);
     }
-    write_json(json_path, {{"docs", n_docs},
-                           {"doc_tokens", doc_tokens},
-                           {"reps", reps},
-                           {"rows", rows},
-                           {"plain_passages_found", plain_found},
-                           {"plain_passages", plain_expected}});
+    nlohmann::json out = {{"docs", n_docs},
+                          {"doc_tokens", doc_tokens},
+                          {"reps", reps},
+                          {"rows", rows},
+                          {"plain_passages_found", plain_found},
+                          {"plain_passages", plain_expected}};
+    if (meter) {
+        put_energy_source(out, *meter);
+        print_serve_energy(rows, *meter);
+    }
+    write_json(json_path, out);
     std::printf("\nplain prompts: kvblend took %lld of %lld reordered passages from the store\n",
                 (long long) plain_found, (long long) plain_expected);
     return 0;

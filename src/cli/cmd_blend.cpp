@@ -59,6 +59,10 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   --kv-codec NAME         fuse on a dense cache, then decode over a live compressed one
                           (turboquantB[+qjl], minicache[:thr=G]; CPU only)
   --json                  print one JSON object
+  --energy                joules of each phase: chunks_j (collect and store loads),
+                          blend_j, decode_j, total_j (all three), full_j with
+                          --compare-full, each with its _tok_per_j (or the reason
+                          it is absent: see kvblend generate --help)
   -v, --verbose           show ggml's and libllama's logs
 
 Token eviction of the fused cache (after the blend, before decoding; scoring
@@ -70,7 +74,7 @@ policies re-run the query's last tokens over the fused cache to score):
 int cmd_blend(int argc, char ** argv) {
     std::string model_path, system, query;
     std::vector<std::string> docs;
-    bool chat = false, json = false, compare = false, with_prefix = false, have_query = false;
+    bool chat = false, json = false, compare = false, with_prefix = false, have_query = false, energy = false;
     int64_t n_predict = 64;
     blend_params bp = blend_default_params();
     sampler_params sp = sampler_default_params();
@@ -137,6 +141,8 @@ int cmd_blend(int argc, char ** argv) {
             compare = true;
         else if (a.match({"--json"}))
             json = true;
+        else if (a.match({"--energy"}))
+            energy = true;
         else if (a.match({"-v", "--verbose"}))
             log_set_verbose(true);
         else
@@ -163,6 +169,11 @@ int cmd_blend(int argc, char ** argv) {
                     " tokens) plus generation exceeds the model's context of " +
                     std::to_string(m->hparams().n_ctx_train));
     ep.n_ctx = need;
+    const std::unique_ptr<energy_meter> meter = energy ? std::make_unique<energy_meter>() : nullptr;
+    ep.energy = meter.get();  // the decode's energy (generate_from)
+    auto energy_since = [&](const energy_mark & from) {
+        return meter ? meter->span(from, meter->mark()) : energy_span{};
+    };
     // with --kv-codec the blend runs on a dense cache and the fused cache is
     // then brought into the live compressed one that decodes
     engine_params dense_ep = ep;
@@ -174,6 +185,7 @@ int cmd_blend(int argc, char ** argv) {
     std::unique_ptr<store> st = store_uri.empty() ? nullptr : store_open(store_uri, so);
     chunk_fetch_stats fs;
     std::vector<chunk_kv> kv;
+    const energy_mark e_chunks = meter ? meter->mark() : energy_mark{};
     for (size_t i = 0; i < rp.chunks.size(); ++i) {
         if (rp.chunks[i].empty()) continue;
         const bool behind = with_prefix && i > 0 && !rp.chunks[0].empty();
@@ -182,6 +194,8 @@ int cmd_blend(int argc, char ** argv) {
                                           rp.chunks[i], fs, codec_name, i > 0 ? chunk_ev : evict_params{}));
     }
     const double collect_ms = fs.collect_ms;
+    const energy_span chunks_energy = energy_since(e_chunks);
+    const energy_mark e_blend = meter ? meter->mark() : energy_mark{};
     std::vector<const chunk_kv *> ptrs;
     for (const auto & c : kv) ptrs.push_back(&c);
 
@@ -194,6 +208,7 @@ int cmd_blend(int argc, char ** argv) {
         return std::pair(l.empty() ? br.logits : l, time_ms() - t0);
     };
     const auto [logits, evict_ms] = ep.evict.policy != EVICT_POLICY_NONE ? evict_fused() : std::pair(br.logits, 0.0);
+    const energy_span blend_energy = energy_since(e_blend);
     // the engine that decodes: this one, or the live compressed cache the fused one goes into
     auto decoder = [&]() -> engine & {
         if (!live) return eng;
@@ -207,6 +222,7 @@ int cmd_blend(int argc, char ** argv) {
 
     nlohmann::json j = {{"text", answer.text},
                         {"n_tokens", N},
+                        {"n_gen", (int64_t) answer.tokens.size()},
                         {"n_doc_tokens", br.stats.n_doc_tokens},
                         {"n_selected", br.stats.n_selected},
                         {"deep_frac", br.stats.deep_frac},
@@ -226,6 +242,17 @@ int cmd_blend(int argc, char ** argv) {
                         {"kv_bytes_held", kv_held},
                         {"kv_bytes_f16", kv_f16},
                         {"kv_codec", ep.kv_codec.empty() ? "none" : ep.kv_codec}};
+    if (meter) {
+        int64_t n_chunk_tokens = 0;
+        for (const auto & c : rp.chunks) n_chunk_tokens += (int64_t) c.size();
+        const int64_t n_gen = (int64_t) answer.tokens.size();
+        put_energy(j, "chunks", chunks_energy, n_chunk_tokens);
+        put_energy(j, "blend", blend_energy, N);
+        put_energy(j, "decode", answer.decode_energy, n_gen);
+        put_energy(j, "total", energy_span_sum(energy_span_sum(chunks_energy, blend_energy), answer.decode_energy),
+                   N + n_gen);
+        put_energy_source(j, *meter);
+    }
     if (compare) {
         sampler_params greedy;
         greedy.temp = 0;
@@ -239,9 +266,11 @@ int cmd_blend(int argc, char ** argv) {
         }
         const generate_result g_blend = decoder().generate_from(l, (int32_t) n_greedy, greedy);
         eng.cache().clear();
+        const energy_mark e_full = meter ? meter->mark() : energy_mark{};
         const double t0 = time_ms();
         const std::vector<float> full = eng.eval(all);
         const double full_ms = time_ms() - t0;
+        if (meter) put_energy(j, "full", energy_since(e_full), N);
         const generate_result g_full = eng.generate_from(full, (int32_t) n_greedy, greedy);
         const int64_t nv = m->hparams().n_vocab;
         j["kl"] = kl_divergence(full.data(), br.logits.data(), nv);
@@ -272,6 +301,7 @@ int cmd_blend(int argc, char ** argv) {
         std::fprintf(stderr, "; full prefill %.1f ms, speedup %.2fx, KL %.4g, top-1 %s, greedy agreement %.2f",
                      j["full_ms"].get<double>(), j["speedup"].get<double>(), j["kl"].get<double>(),
                      j["top1_agree"].get<bool>() ? "same" : "differs", j["greedy_agree_32"].get<double>());
+    if (meter) std::fprintf(stderr, "; %s", energy_summary(j, {"chunks", "blend", "decode", "full"}).c_str());
     std::fprintf(stderr, "]\n");
     return 0;
 }

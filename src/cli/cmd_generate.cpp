@@ -45,8 +45,10 @@ const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
   --system TEXT         system message for --chat
   --mmap                map the model file instead of reading the weights into memory
   --json                print one JSON object: text, n_prompt, n_gen, prefill_ms, decode_ms,
-                        kv_rows, kv_bytes_held, kv_bytes_alloc, kv_bytes_f16
-  -v, --verbose         show ggml's and libllama's logs
+                        kv_rows, kv_bytes_held, kv_bytes_alloc, kv_bytes_f16 (and with
+                        --energy: prefill_j, decode_j, total_j, each with its _tok_per_j,
+                        energy_domains; or PHASE_energy_absent and energy_absent, the reasons)
+%s  -v, --verbose         show ggml's and libllama's logs
 )";
 
 }  // namespace
@@ -220,9 +222,24 @@ uint64_t parse_store_budget(args & a) {
     return std::max<uint64_t>(1, (uint64_t) std::ceil(gb * 1073741824.0));
 }
 
+namespace {
+
+// --energy: the joules of prefill, decode and both, and the meter's counters
+nlohmann::json energy_json(const generate_result & r, const energy_meter & meter) {
+    nlohmann::json j = nlohmann::json::object();
+    const int64_t n_gen = (int64_t) r.tokens.size();
+    put_energy(j, "prefill", r.prefill_energy, r.n_prompt);
+    put_energy(j, "decode", r.decode_energy, n_gen);
+    put_energy(j, "total", energy_span_sum(r.prefill_energy, r.decode_energy), r.n_prompt + n_gen);
+    put_energy_source(j, meter);
+    return j;
+}
+
+}  // namespace
+
 int cmd_generate(int argc, char ** argv) {
     std::string model_path, prompt, system;
-    bool have_prompt = false, chat = false, json = false, mmap = false;
+    bool have_prompt = false, chat = false, json = false, mmap = false, energy = false;
     int64_t n_predict = 64, n_ctx = 0;
     sampler_params sp = sampler_default_params();
     engine_params ep = engine_default_params();
@@ -231,7 +248,7 @@ int cmd_generate(int argc, char ** argv) {
     args a(argc, argv, 1);
     while (!a.done()) {
         if (a.match({"-h", "--help"})) {
-            std::printf(k_help, k_evict_help, k_device_help);
+            std::printf(k_help, k_evict_help, k_device_help, k_energy_help);
             return 0;
         } else if (a.match({"-m", "--model"}))
             model_path = a.str();
@@ -254,6 +271,8 @@ int cmd_generate(int argc, char ** argv) {
             mmap = true;
         else if (a.match({"--json"}))
             json = true;
+        else if (a.match({"--energy"}))
+            energy = true;
         else if (a.match({"-v", "--verbose"}))
             log_set_verbose(true);
         else
@@ -286,6 +305,8 @@ int cmd_generate(int argc, char ** argv) {
         throw error("prompt (" + std::to_string(toks.size()) + " tokens) plus -n " + std::to_string(n_predict) +
                     " exceeds the context of " + std::to_string(std::min(ep.n_ctx, m->hparams().n_ctx_train)) +
                     " tokens");
+    const std::unique_ptr<energy_meter> meter = energy ? std::make_unique<energy_meter>() : nullptr;
+    ep.energy = meter.get();
     engine eng(m, ep);
 
     std::function<bool(const std::string &)> stream;
@@ -307,6 +328,7 @@ int cmd_generate(int argc, char ** argv) {
                             {"kv_bytes_held", eng.kv_bytes_held()},
                             {"kv_bytes_alloc", eng.live() ? eng.kv_bytes_held() : eng.cache().bytes()},
                             {"kv_bytes_f16", eng.kv_bytes_f16()}};
+        if (meter) j.update(energy_json(r, *meter));
         std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     } else {
         std::printf("\n");
@@ -320,6 +342,7 @@ int cmd_generate(int argc, char ** argv) {
         if (eng.live())
             std::fprintf(stderr, "; %s KV %.1f KiB held (f16: %.1f KiB)", ep.kv_codec.c_str(),
                          eng.kv_bytes_held() / 1024.0, eng.kv_bytes_f16() / 1024.0);
+        if (meter) std::fprintf(stderr, "; %s", energy_summary(energy_json(r, *meter), {"prefill", "decode"}).c_str());
         std::fprintf(stderr, "]\n");
     }
     return 0;

@@ -238,13 +238,27 @@ generate_result engine::generate(const std::vector<llama_token> & prompt, int32_
     if ((int64_t) prompt.size() + n_predict > cache_->n_ctx())
         throw error("prompt of " + std::to_string(prompt.size()) + " tokens plus " + std::to_string(n_predict) +
                     " to generate exceeds the context of " + std::to_string(cache_->n_ctx()));
+    const energy_mark e0 = energy_now();
     const double t0 = time_ms();
     std::vector<float> logits = prefill(prompt);
     const double t1 = time_ms();
+    const energy_span prefill_energy = energy_since(e0);
     generate_result r = generate_from(std::move(logits), n_predict, sp, on_token);
     r.n_prompt = (int64_t) prompt.size();
     r.prefill_ms = t1 - t0;
+    r.prefill_energy = prefill_energy;
     return r;
+}
+
+energy_mark engine::energy_now() const {
+    return params_.energy ? params_.energy->mark() : energy_mark{};
+}
+
+energy_span engine::energy_since(const energy_mark & from) const {
+    if (params_.energy) return params_.energy->span(from, params_.energy->mark());
+    energy_span s;
+    s.why_not = "not measured (no energy meter)";
+    return s;
 }
 
 generate_result engine::generate_from(std::vector<float> logits, int32_t n_predict, const sampler_params & sp,
@@ -253,6 +267,7 @@ generate_result engine::generate_from(std::vector<float> logits, int32_t n_predi
     const int32_t n_vocab = (int32_t) m.hparams().n_vocab;
     generate_result r;
     sampler smp(sp);
+    const energy_mark e0 = energy_now();
     const double t0 = time_ms();
     for (int32_t i = 0; i < n_predict; ++i) {
         const llama_token tok = smp.sample(logits.data() + logits.size() - n_vocab, n_vocab);
@@ -267,6 +282,7 @@ generate_result engine::generate_from(std::vector<float> logits, int32_t n_predi
         logits = eval({tok});
     }
     r.decode_ms = time_ms() - t0;
+    r.decode_energy = energy_since(e0);
     return r;
 }
 
