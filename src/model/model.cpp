@@ -204,6 +204,41 @@ bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op 
     return true;
 }
 
+// the layers that carry a recurrent state in the architectures libllama runs
+// as recurrent or hybrid (llm_arch_is_recurrent / llm_arch_is_hybrid), or
+// nullptr. fusion does not apply to them: docs/ARCHITECTURE.md, "Hybrid and
+// recurrent models"
+const char * recurrent_layers_of(const std::string & arch) {
+    static const std::pair<const char *, const char *> k_recurrent[] = {
+        {"mamba", "Mamba"},
+        {"mamba2", "Mamba-2"},
+        {"rwkv6", "RWKV-6"},
+        {"rwkv6qwen2", "RWKV-6"},
+        {"rwkv7", "RWKV-7"},
+        {"arwkv7", "RWKV-7"},
+        {"jamba", "Mamba"},
+        {"falcon-h1", "Mamba-2"},
+        {"plamo2", "Mamba"},
+        {"granitehybrid", "Mamba-2"},
+        {"nemotron_h", "Mamba-2"},
+        {"nemotron_h_moe", "Mamba-2"},
+        {"lfm2", "short-convolution"},
+        {"lfm2moe", "short-convolution"},
+        {"qwen3next", "gated delta-net"},
+        {"qwen35", "gated delta-net"},
+        {"qwen35moe", "gated delta-net"},
+        {"qwen4exp", "linear-attention"},
+        {"kimi-linear", "delta-attention"},
+        {"kimi-k3", "linear-attention"},
+        {"bailingmoe3", "linear-attention"},
+        {"minimax-01", "lightning-attention"},
+        {"deepseek4", "compressed-attention"},
+    };
+    for (const auto & [name, layers] : k_recurrent)
+        if (arch == name) return layers;
+    return nullptr;
+}
+
 // libllama asserts (an abort) on a vocabulary that names one token twice:
 // refuse it first. it maps an empty token to "[EMPTY_<i>]", so do we
 void check_tokens(const gguf_context * g, const kv_reader & kv) {
@@ -307,6 +342,11 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         hp.arch = MODEL_ARCH_QWEN2;
     else if (hp.arch_name == "qwen3")
         hp.arch = MODEL_ARCH_QWEN3;
+    else if (const char * layers = recurrent_layers_of(hp.arch_name))
+        kv.fail("architecture '" + hp.arch_name + "' has " + layers +
+                " layers, which carry a recurrent state: fusion cannot reuse a document's state computed alone, "
+                "and such a layer needs every token's hidden state, so no layer below it could skip tokens "
+                "(see docs/ARCHITECTURE.md, \"Hybrid and recurrent models\")");
     else
         kv.fail("unsupported architecture '" + hp.arch_name + "' (supported: llama, qwen2, qwen3)");
 

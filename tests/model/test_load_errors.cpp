@@ -182,6 +182,26 @@ TEST_F(load_errors, unsupported_architecture) {
     EXPECT_LOAD_ERROR(dir.file("gpt2.gguf"), "unsupported architecture 'gpt2'");
 }
 
+// hybrid and recurrent models: refused by name with the reason fusion does not
+// apply (a recurrent state, not per-token K/V), not as an unknown architecture
+TEST_F(load_errors, hybrid_and_recurrent_architectures_say_why_fusion_does_not_apply) {
+    const std::vector<std::pair<std::string, std::string>> cases = {
+        {"qwen35", "gated delta-net"}, {"qwen3next", "gated delta-net"},
+        {"granitehybrid", "Mamba-2"},  {"lfm2", "short-convolution"},
+        {"nemotron_h", "Mamba-2"},     {"mamba", "Mamba"},
+        {"rwkv7", "RWKV-7"},           {"jamba", "Mamba"},
+        {"falcon-h1", "Mamba-2"},      {"kimi-linear", "delta-attention"},
+    };
+    for (const auto & [arch, layers] : cases) {
+        rewrite_gguf(tiny_llama(), dir.file("hybrid.gguf"),
+                     {[&](gguf_context * g) { gguf_set_val_str(g, "general.architecture", arch.c_str()); }, {}, {}});
+        const std::string msg = load_error(dir.file("hybrid.gguf"));
+        EXPECT_NE(msg.find("architecture '" + arch + "' has " + layers + " layers"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("recurrent state"), std::string::npos) << msg;
+        EXPECT_EQ(msg.find("unsupported architecture"), std::string::npos) << msg;
+    }
+}
+
 TEST_F(load_errors, no_architecture) {
     rewrite_gguf(tiny_llama(), dir.file("noarch.gguf"),
                  {[](gguf_context * g) { gguf_remove_key(g, "general.architecture"); }, {}, {}});
