@@ -58,10 +58,12 @@ inline std::string vocab_path(const std::string & name) {
     return std::string(KVBLEND_LLAMA_DIR) + "/models/ggml-vocab-" + name + ".gguf";
 }
 
-// the vocabulary a preset's family ships with: llama-spm (32000 tokens, small) for
-// llama presets, qwen2 (151936 tokens) for the qwen presets
+// the vocabulary a test model of a preset gets: qwen2 (151936 tokens) for the
+// qwen presets, whose chat template the tests use, llama-spm (32000 tokens,
+// small and fast) for the others
 inline std::string default_vocab_for(const std::string & preset) {
-    return model_spec_preset(preset).arch == MODEL_ARCH_LLAMA ? vocab_path("llama-spm") : vocab_path("qwen2");
+    const model_arch arch = model_spec_preset(preset).arch;
+    return arch == MODEL_ARCH_QWEN2 || arch == MODEL_ARCH_QWEN3 ? vocab_path("qwen2") : vocab_path("llama-spm");
 }
 
 // path of a synthetic model of a preset, made once per test process and cached

@@ -13,9 +13,11 @@
 namespace kvblend {
 
 enum model_arch {
-    MODEL_ARCH_LLAMA,  // llama, mistral (no biases, NORM rope)
-    MODEL_ARCH_QWEN2,  // q/k/v biases, NEOX rope
-    MODEL_ARCH_QWEN3,  // q/k RMS norm per head, NEOX rope
+    MODEL_ARCH_LLAMA,     // llama, mistral (no biases, NORM rope)
+    MODEL_ARCH_QWEN2,     // q/k/v biases, NEOX rope
+    MODEL_ARCH_QWEN3,     // q/k RMS norm per head, NEOX rope
+    MODEL_ARCH_MISTRAL3,  // ministral 3: the llama block under its own name
+    MODEL_ARCH_GRANITE,   // llama block with scaled embeddings, residuals, attention and logits
 };
 
 const char * model_arch_name(model_arch arch);
@@ -43,6 +45,16 @@ struct model_hparams {
     bool qkv_bias = false;
     bool qk_norm = false;
 
+    // multipliers of the granite family (1 elsewhere); kq_scale() has the softmax scale
+    float embd_scale = 1.0f;      // token embeddings times this (embedding_scale)
+    float residual_scale = 1.0f;  // attention and FFN outputs times this before each residual add
+    float logit_scale = 1.0f;     // logits divided by this (logit_scale)
+    float attn_scale = 0.0f;      // q·k times this (attention.scale); 0: 1/sqrt(head_dim)
+    bool rope = true;             // granite: rope.scaling.finetuned = false turns RoPE off in every layer
+
+    bool has_rope(int64_t il) const { return rope && il >= 0; }
+    float kq_scale() const;
+
     int64_t n_embd_q() const { return head_dim * n_head; }
     int64_t n_embd_kv() const { return head_dim * n_head_kv; }  // K or V row per token
 };
@@ -53,9 +65,9 @@ struct model_layer {
     ggml_tensor * wk = nullptr;         // [n_embd, n_embd_kv]
     ggml_tensor * wv = nullptr;         // [n_embd, n_embd_kv]
     ggml_tensor * wo = nullptr;         // [n_embd_q, n_embd]
-    ggml_tensor * bq = nullptr;         // [n_embd_q]   qwen2
-    ggml_tensor * bk = nullptr;         // [n_embd_kv]  qwen2
-    ggml_tensor * bv = nullptr;         // [n_embd_kv]  qwen2
+    ggml_tensor * bq = nullptr;         // [n_embd_q]   qwen2 (optional elsewhere)
+    ggml_tensor * bk = nullptr;         // [n_embd_kv]  qwen2 (optional elsewhere)
+    ggml_tensor * bv = nullptr;         // [n_embd_kv]  qwen2 (optional elsewhere)
     ggml_tensor * q_norm = nullptr;     // [head_dim]   qwen3
     ggml_tensor * k_norm = nullptr;     // [head_dim]   qwen3
     ggml_tensor * ffn_norm = nullptr;   // [n_embd]

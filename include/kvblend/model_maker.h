@@ -25,12 +25,21 @@ struct model_spec {
     bool tied_output = false;
     bool qkv_bias = false;  // qwen2
     bool qk_norm = false;   // qwen3
+    // granite's multipliers (its GGUF keys; 0 writes no key, which means 1)
+    float embd_scale = 0.0f;      // embedding_scale
+    float residual_scale = 0.0f;  // residual_scale
+    float logit_scale = 0.0f;     // logit_scale (granite requires it)
+    float attn_scale = 0.0f;      // attention.scale
 };
 
 // named real shapes: tiny (small llama), tiny-qwen2, tiny-qwen3,
-// qwen3-0.6b, qwen2-0.5b, llama-1b. throws kvblend::error for an unknown name.
+// tiny-mistral3, tiny-granite, qwen3-0.6b, qwen2-0.5b, llama-1b,
+// ministral-3-3b, granite-3.3-2b. throws kvblend::error for an unknown name.
 model_spec model_spec_preset(const std::string & name);
 std::vector<std::string> model_spec_preset_names();
+// the vocab GGUF of the pinned llama.cpp (models/ggml-vocab-NAME.gguf) that
+// fits a preset: the family's own where llama.cpp ships it, else the closest
+std::string model_spec_preset_vocab(const std::string & name);
 
 struct make_model_params {
     ggml_type wtype = GGML_TYPE_F16;  // type of the 2-D weight matrices; norms and biases stay f32

@@ -13,7 +13,10 @@ namespace {
 
 void make_model_usage() {
     std::string presets;
-    for (const auto & n : model_spec_preset_names()) presets += (presets.empty() ? "" : ", ") + n;
+    // each with the vocab it fits: llama.cpp's models/ggml-vocab-<vocab>.gguf
+    for (const auto & n : model_spec_preset_names())
+        presets += std::string(presets.empty() ? "" : ",\n                       ") + n + " (vocab " +
+                   model_spec_preset_vocab(n) + ")";
     std::printf(
         "usage: kvblend make-model --preset NAME --vocab-from VOCAB.gguf -o OUT.gguf [options]\n"
         "\n"

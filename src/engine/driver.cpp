@@ -69,7 +69,7 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
     ggml_tensor * x = nullptr;
     if (!ub.tokens.empty()) {
         g.tok = new_input(c, GGML_TYPE_I32, n_tok);
-        x = ggml_get_rows(c, m.tok_embd, g.tok);  // F32 [n_embd, n_tok]
+        x = graph::build_embd(c, m, g.tok);  // F32 [n_embd, n_tok]
     } else {
         g.x_rows = new_input(c, GGML_TYPE_I32, n_tok);
         x = ggml_get_rows(c, hidden, g.x_rows);  // F32 [n_embd, n_tok]
@@ -423,6 +423,7 @@ void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1)
         ggml_tensor * pos = new_input(c, GGML_TYPE_I32, in_place ? (int64_t) run_delta.size() : n);
         ggml_tensor * idx = in_place ? nullptr : new_input(c, GGML_TYPE_I64, n);
         for (int il = la; il < lb; ++il) {
+            if (!hp.has_rope(il)) continue;     // its K hold no position
             ggml_tensor * store = cache.k(il);  // [head_dim, cap, n_head_kv]
             if (in_place) {
                 for (size_t r = 0; r < run_delta.size(); ++r) {
@@ -432,23 +433,18 @@ void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1)
                         ggml_view_4d(c, store, hp.head_dim, run0[r + 1] - run0[r], 1, hp.n_head_kv, store->nb[1],
                                      store->nb[2], store->nb[2], (size_t) run0[r] * store->nb[1]);
                     ggml_tensor * p = ggml_view_1d(c, pos, 1, r * sizeof(int32_t));
-                    ggml_build_forward_expand(
-                        gf,
-                        ggml_rope_ext_inplace(c, k, p, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train,
-                                              hp.rope_base, hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f));
+                    ggml_build_forward_expand(gf, graph::build_rope(c, m, il, k, p, /*in_place =*/true));
                 }
                 continue;
             }
             ggml_tensor * k = ggml_view_3d(c, store, hp.head_dim, n, hp.n_head_kv, store->nb[1], store->nb[2], 0);
             k = ggml_cont(c, ggml_permute(c, k, 0, 2, 1, 3));  // [head_dim, n_head_kv, n]
             if (ggml_is_quantized(store->type)) k = ggml_cast(c, k, GGML_TYPE_F32);
-            ggml_tensor * kr =
-                ggml_rope_ext(c, k, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base,
-                              hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+            ggml_tensor * kr = graph::build_rope(c, m, il, k, pos);
             kr = ggml_permute(c, kr, 0, 2, 1, 3);  // [head_dim, n, n_head_kv]
             ggml_build_forward_expand(gf, ggml_set_rows(c, store, kr, idx));
         }
-        if (ggml_graph_n_nodes(gf) == 0) return;  // nothing moves
+        if (ggml_graph_n_nodes(gf) == 0) continue;  // nothing moves in these layers
         ggml_backend_sched_t sched = im_.sched.get();
         ggml_backend_sched_reset(sched);
         if (!ggml_backend_sched_alloc_graph(sched, gf)) throw error("cannot allocate the compute graph");

@@ -8,26 +8,40 @@ ggml_tensor * build_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, f
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
 
+ggml_tensor * build_embd(ggml_context * ctx, const model & m, ggml_tensor * tok) {
+    ggml_tensor * x = ggml_get_rows(ctx, m.tok_embd, tok);  // F32 [n_embd, n_tok]
+    const float scale = m.hparams().embd_scale;
+    return scale != 1.0f ? ggml_scale(ctx, x, scale) : x;
+}
+
+ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tensor * t, ggml_tensor * pos,
+                         bool in_place) {
+    const model_hparams & hp = m.hparams();
+    if (!hp.has_rope(il)) return t;
+    // no yarn: ext_factor 0 makes beta_fast/beta_slow irrelevant
+    auto * rope = in_place ? ggml_rope_ext_inplace : ggml_rope_ext;
+    return rope(ctx, t, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base,
+                hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+}
+
 namespace {
 
-// q or k: projection, bias, per-head RMS norm (qwen3), RoPE at pos
-ggml_tensor * build_rotated(ggml_context * ctx, const model & m, ggml_tensor * w, ggml_tensor * b, ggml_tensor * norm,
-                            int64_t n_head, ggml_tensor * x, ggml_tensor * pos) {
+// q or k of layer il: projection, bias, per-head RMS norm (qwen3), RoPE at pos
+ggml_tensor * build_rotated(ggml_context * ctx, const model & m, int il, ggml_tensor * w, ggml_tensor * b,
+                            ggml_tensor * norm, int64_t n_head, ggml_tensor * x, ggml_tensor * pos) {
     const model_hparams & hp = m.hparams();
     ggml_tensor * t = ggml_mul_mat(ctx, w, x);  // [head_dim * n_head, n_tok]
     if (b) t = ggml_add(ctx, t, b);
     t = ggml_reshape_3d(ctx, t, hp.head_dim, n_head, x->ne[1]);  // [head_dim, n_head, n_tok]
     if (norm) t = build_norm(ctx, t, norm, hp.rms_eps);
-    // no yarn: ext_factor 0 makes beta_fast/beta_slow irrelevant
-    return ggml_rope_ext(ctx, t, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base,
-                         hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+    return build_rope(ctx, m, il, t, pos);
 }
 
 }  // namespace
 
 ggml_tensor * build_k(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
     const model_layer & L = m.layers[il];
-    return build_rotated(ctx, m, L.wk, L.bk, L.k_norm, m.hparams().n_head_kv, x, pos);
+    return build_rotated(ctx, m, il, L.wk, L.bk, L.k_norm, m.hparams().n_head_kv, x, pos);
 }
 
 ggml_tensor * build_v(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
@@ -40,7 +54,7 @@ ggml_tensor * build_v(ggml_context * ctx, const model & m, int il, ggml_tensor *
 
 qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
     const model_layer & L = m.layers[il];
-    ggml_tensor * q = build_rotated(ctx, m, L.wq, L.bq, L.q_norm, m.hparams().n_head, x, pos);
+    ggml_tensor * q = build_rotated(ctx, m, il, L.wq, L.bq, L.q_norm, m.hparams().n_head, x, pos);
     return {q, build_k(ctx, m, il, x, pos), build_v(ctx, m, il, x)};
 }
 
@@ -87,7 +101,7 @@ ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_t
                              ggml_tensor * kq_mask) {
     const model_hparams & hp = m.hparams();
     const int64_t n_tok = q->ne[2];
-    const float scale = 1.0f / std::sqrt((float) hp.head_dim);
+    const float scale = hp.kq_scale();
 
     ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);                                 // [head_dim, n_tok, n_head]
     ggml_tensor * kp = ggml_permute(ctx, kv.k, 0, 2, 1, 3);                              // [head_dim, n_kv, n_head_kv]
@@ -105,6 +119,16 @@ ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor
     ggml_tensor * h = ggml_swiglu_split(ctx, gate, up);     // silu(gate) * up
     return ggml_mul_mat(ctx, L.ffn_down, h);                // [n_embd, n_tok]
 }
+
+namespace {
+
+// a block's output before its residual add (granite scales it)
+ggml_tensor * build_residual_scale(ggml_context * ctx, const model & m, ggml_tensor * x) {
+    const float scale = m.hparams().residual_scale;
+    return scale != 1.0f ? ggml_scale(ctx, x, scale) : x;
+}
+
+}  // namespace
 
 ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
                           ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in, ggml_tensor * out_rows,
@@ -124,9 +148,9 @@ ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m,
         cur = ggml_get_rows(ctx, cur, out_rows);      // [n_embd, n_out]
         resid = ggml_get_rows(ctx, resid, out_rows);  // [n_embd, n_out]
     }
-    ggml_tensor * ffn_in = ggml_add(ctx, cur, resid);
+    ggml_tensor * ffn_in = ggml_add(ctx, build_residual_scale(ctx, m, cur), resid);
     cur = build_ffn(ctx, m, il, build_norm(ctx, ffn_in, L.ffn_norm, hp.rms_eps));
-    return ggml_add(ctx, cur, ffn_in);
+    return ggml_add(ctx, build_residual_scale(ctx, m, cur), ffn_in);
 }
 
 ggml_tensor * build_attn_weight_sums(ggml_context * ctx, const model & m, ggml_tensor * q, ggml_tensor * k,
@@ -138,7 +162,7 @@ ggml_tensor * build_attn_weight_sums(ggml_context * ctx, const model & m, ggml_t
     ggml_tensor * kp = ggml_permute(ctx, k, 0, 2, 1, 3);   // [head_dim, n_kv, n_head_kv]
     ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);          // [n_kv, n_sel, n_head]
     ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
-    kq = ggml_soft_max_ext(ctx, kq, mask, 1.0f / std::sqrt((float) hp.head_dim), 0.0f);
+    kq = ggml_soft_max_ext(ctx, kq, mask, hp.kq_scale(), 0.0f);
     kq = ggml_cont(ctx, ggml_permute(ctx, kq, 1, 0, 2, 3));                    // [n_sel, n_kv, n_head]
     return ggml_reshape_2d(ctx, ggml_sum_rows(ctx, kq), k->ne[2], hp.n_head);  // [n_kv, n_head]
 }
@@ -171,8 +195,10 @@ ggml_tensor * build_deviation(ggml_context * ctx, const model & m, int il, ggml_
 }
 
 ggml_tensor * build_logits(ggml_context * ctx, const model & m, ggml_tensor * x) {
-    ggml_tensor * h = build_norm(ctx, x, m.output_norm, m.hparams().rms_eps);
-    return ggml_mul_mat(ctx, m.output, h);  // [n_vocab, n]
+    const model_hparams & hp = m.hparams();
+    ggml_tensor * h = build_norm(ctx, x, m.output_norm, hp.rms_eps);
+    ggml_tensor * logits = ggml_mul_mat(ctx, m.output, h);  // [n_vocab, n]
+    return hp.logit_scale != 1.0f ? ggml_scale(ctx, logits, 1.0f / hp.logit_scale) : logits;
 }
 
 void fill_causal_mask(ggml_fp16_t * dst, const int32_t * kpos, int64_t n_kv, const int32_t * qpos, int64_t n_q) {

@@ -35,6 +35,14 @@ struct attn_inputs {
     kv_store_hook * hook = nullptr;
 };
 
+// the token embeddings of tok (I32 [n_tok]), scaled as the family scales them: F32 [n_embd, n_tok]
+ggml_tensor * build_embd(ggml_context * ctx, const model & m, ggml_tensor * tok);
+
+// RoPE of layer il at pos on t ([head_dim, n_head, n_tok], or any view RoPE
+// takes); t itself on a layer without RoPE. in_place: rotate t where it lies
+ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tensor * t, ggml_tensor * pos,
+                         bool in_place = false);
+
 // RMS norm times weight over ne[0]
 ggml_tensor * build_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, float eps);
 

@@ -27,8 +27,14 @@ const char * model_arch_name(model_arch arch) {
         case MODEL_ARCH_LLAMA: return "llama";
         case MODEL_ARCH_QWEN2: return "qwen2";
         case MODEL_ARCH_QWEN3: return "qwen3";
+        case MODEL_ARCH_MISTRAL3: return "mistral3";
+        case MODEL_ARCH_GRANITE: return "granite";
     }
     return "?";
+}
+
+float model_hparams::kq_scale() const {
+    return attn_scale != 0.0f ? attn_scale : 1.0f / std::sqrt((float) head_dim);
 }
 
 model_params model_default_params() {
@@ -110,6 +116,20 @@ class kv_reader {
             case GGUF_TYPE_BOOL: fail("key " + key + " is not a number");
             default: return (double) integer(key, 0, true);
         }
+    }
+
+    bool flag(const std::string & key, bool def) const {
+        const int64_t id = gguf_find_key(g_, key.c_str());
+        if (id < 0) return def;
+        if (gguf_get_kv_type(g_, id) != GGUF_TYPE_BOOL) fail("key " + key + " is not a bool");
+        return gguf_get_val_bool(g_, id);
+    }
+
+    // a real number that must be finite; absent: def
+    double finite(const std::string & key, double def) const {
+        const double v = real(key, def, false);
+        if (!std::isfinite(v)) fail("inconsistent hyper-parameters: " + key + " is not finite");
+        return v;
     }
 
     // a string key; "" when absent, an error when present with another type
@@ -204,6 +224,57 @@ bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op 
     return true;
 }
 
+const model_arch k_archs[] = {MODEL_ARCH_LLAMA, MODEL_ARCH_QWEN2, MODEL_ARCH_QWEN3, MODEL_ARCH_MISTRAL3,
+                              MODEL_ARCH_GRANITE};
+
+// the architecture named name (general.architecture) into arch; false when none is
+bool arch_of(const std::string & name, model_arch & arch) {
+    for (model_arch a : k_archs)
+        if (name == model_arch_name(a)) return arch = a, true;
+    return false;
+}
+
+std::string supported_archs() {
+    std::string out;
+    for (model_arch a : k_archs) out += (out.empty() ? "" : ", ") + std::string(model_arch_name(a));
+    return out;
+}
+
+// the layers that carry a recurrent state in the architectures libllama runs
+// as recurrent or hybrid (llm_arch_is_recurrent / llm_arch_is_hybrid), or
+// nullptr. fusion does not apply to them: docs/ARCHITECTURE.md, "Hybrid and
+// recurrent models"
+const char * recurrent_layers_of(const std::string & arch) {
+    static const std::pair<const char *, const char *> k_recurrent[] = {
+        {"mamba", "Mamba"},
+        {"mamba2", "Mamba-2"},
+        {"rwkv6", "RWKV-6"},
+        {"rwkv6qwen2", "RWKV-6"},
+        {"rwkv7", "RWKV-7"},
+        {"arwkv7", "RWKV-7"},
+        {"jamba", "Mamba"},
+        {"falcon-h1", "Mamba-2"},
+        {"plamo2", "Mamba"},
+        {"granitehybrid", "Mamba-2"},
+        {"nemotron_h", "Mamba-2"},
+        {"nemotron_h_moe", "Mamba-2"},
+        {"lfm2", "short-convolution"},
+        {"lfm2moe", "short-convolution"},
+        {"qwen3next", "gated delta-net"},
+        {"qwen35", "gated delta-net"},
+        {"qwen35moe", "gated delta-net"},
+        {"qwen4exp", "linear-attention"},
+        {"kimi-linear", "delta-attention"},
+        {"kimi-k3", "linear-attention"},
+        {"bailingmoe3", "linear-attention"},
+        {"minimax-01", "lightning-attention"},
+        {"deepseek4", "compressed-attention"},
+    };
+    for (const auto & [name, layers] : k_recurrent)
+        if (arch == name) return layers;
+    return nullptr;
+}
+
 // libllama asserts (an abort) on a vocabulary that names one token twice:
 // refuse it first. it maps an empty token to "[EMPTY_<i>]", so do we
 void check_tokens(const gguf_context * g, const kv_reader & kv) {
@@ -237,6 +308,22 @@ void check_weight_ops(const model & m, ggml_backend_dev_t dev, const kv_reader &
     for (const model_layer & L : m.layers)
         for (const ggml_tensor * t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down})
             need(t, GGML_OP_MUL_MAT);
+}
+
+// the keys one family adds to the llama block, read as libllama reads them
+void read_family_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
+    if (hp.arch == MODEL_ARCH_MISTRAL3 && kv.finite(a + "attention.temperature_scale", 0.0) != 0.0)
+        kv.fail("attention temperature scaling (" + a + "attention.temperature_scale) is not supported");
+    if (hp.arch != MODEL_ARCH_GRANITE) return;
+    // libllama: logit_scale is required, a residual or embedding scale of 0 means none
+    hp.logit_scale = (float) kv.real(a + "logit_scale", 0.0, true);
+    if (!(hp.logit_scale != 0.0f) || !std::isfinite(hp.logit_scale))
+        kv.fail("inconsistent hyper-parameters: " + a + "logit_scale must be finite and nonzero");
+    const double residual = kv.finite(a + "residual_scale", 0.0), embd = kv.finite(a + "embedding_scale", 0.0);
+    hp.residual_scale = residual != 0.0 ? (float) residual : 1.0f;
+    hp.embd_scale = embd != 0.0 ? (float) embd : 1.0f;
+    hp.attn_scale = (float) kv.finite(a + "attention.scale", 0.0);
+    hp.rope = kv.flag(a + "rope.scaling.finetuned", true);
 }
 
 }  // namespace
@@ -301,14 +388,14 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     model_hparams & hp = m->hp_;
     hp.arch_name = kv.str("general.architecture");
     if (hp.arch_name.empty()) kv.fail("no general.architecture key: not a model file");
-    if (hp.arch_name == "llama")
-        hp.arch = MODEL_ARCH_LLAMA;
-    else if (hp.arch_name == "qwen2")
-        hp.arch = MODEL_ARCH_QWEN2;
-    else if (hp.arch_name == "qwen3")
-        hp.arch = MODEL_ARCH_QWEN3;
-    else
-        kv.fail("unsupported architecture '" + hp.arch_name + "' (supported: llama, qwen2, qwen3)");
+    if (!arch_of(hp.arch_name, hp.arch)) {
+        if (const char * layers = recurrent_layers_of(hp.arch_name))
+            kv.fail("architecture '" + hp.arch_name + "' has " + layers +
+                    " layers, which carry a recurrent state: fusion cannot reuse a document's state computed alone, "
+                    "and such a layer needs every token's hidden state, so no layer below it could skip tokens "
+                    "(see docs/ARCHITECTURE.md, \"Hybrid and recurrent models\")");
+        kv.fail("unsupported architecture '" + hp.arch_name + "' (supported: " + supported_archs() + ")");
+    }
 
     const std::string a = hp.arch_name + ".";
     const int64_t n_expert = kv.integer(a + "expert_count", 0, false);
@@ -364,9 +451,11 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     } else if (!scaling.empty() && scaling != "none") {
         kv.fail("rope scaling '" + scaling + "' is not supported (supported: none, linear)");
     }
-    hp.rope_mode = hp.arch == MODEL_ARCH_LLAMA ? GGML_ROPE_TYPE_NORMAL : GGML_ROPE_TYPE_NEOX;
+    const bool neox = hp.arch == MODEL_ARCH_QWEN2 || hp.arch == MODEL_ARCH_QWEN3;
+    hp.rope_mode = neox ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
     hp.qkv_bias = hp.arch == MODEL_ARCH_QWEN2;
     hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3;
+    read_family_keys(kv, a, hp);
 
     // --- tensors ------------------------------------------------------------
     const size_t data_offset = gguf_get_data_offset(g);
@@ -423,11 +512,10 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         L.wk = check(find(name("attn_k.weight"), true), {n_embd, n_kv}, true);
         L.wv = check(find(name("attn_v.weight"), true), {n_embd, n_kv}, true);
         L.wo = check(find(name("attn_output.weight"), true), {n_q, n_embd}, true);
-        if (hp.qkv_bias) {
-            L.bq = check(find(name("attn_q.bias"), true), {n_q}, false);
-            L.bk = check(find(name("attn_k.bias"), true), {n_kv}, false);
-            L.bv = check(find(name("attn_v.bias"), true), {n_kv}, false);
-        }
+        // libllama reads q/k/v biases wherever a file has them; qwen2 must
+        L.bq = check(find(name("attn_q.bias"), hp.qkv_bias), {n_q}, false);
+        L.bk = check(find(name("attn_k.bias"), hp.qkv_bias), {n_kv}, false);
+        L.bv = check(find(name("attn_v.bias"), hp.qkv_bias), {n_kv}, false);
         if (hp.qk_norm) {
             L.q_norm = check(find(name("attn_q_norm.weight"), true), {hp.head_dim}, false);
             L.k_norm = check(find(name("attn_k_norm.weight"), true), {hp.head_dim}, false);

@@ -24,6 +24,7 @@ namespace {
 struct preset {
     const char * name;
     model_spec spec;
+    const char * vocab;  // models/ggml-vocab-<vocab>.gguf of the pinned llama.cpp
 };
 
 model_spec spec_of(model_arch arch, int64_t n_layer, int64_t n_embd, int64_t n_head, int64_t n_head_kv,
@@ -45,14 +46,33 @@ model_spec spec_of(model_arch arch, int64_t n_layer, int64_t n_embd, int64_t n_h
     return s;
 }
 
+// granite 3.3's multipliers (its config.json: embedding_multiplier 12,
+// residual_multiplier 0.22, logits_scaling 8, attention_multiplier 1/64)
+model_spec granite(model_spec s) {
+    s.embd_scale = 12.0f;
+    s.residual_scale = 0.22f;
+    s.logit_scale = 8.0f;
+    s.attn_scale = 0.015625f;
+    return s;
+}
+
 const std::vector<preset> & presets() {
     static const std::vector<preset> p = {
-        {"tiny", spec_of(MODEL_ARCH_LLAMA, 4, 128, 4, 2, 32, 256, 2048, 10000.0f, 1e-5f, false)},
-        {"tiny-qwen2", spec_of(MODEL_ARCH_QWEN2, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-6f, true)},
-        {"tiny-qwen3", spec_of(MODEL_ARCH_QWEN3, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-6f, true)},
-        {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true)},
-        {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true)},
-        {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true)},
+        {"tiny", spec_of(MODEL_ARCH_LLAMA, 4, 128, 4, 2, 32, 256, 2048, 10000.0f, 1e-5f, false), "llama-spm"},
+        {"tiny-qwen2", spec_of(MODEL_ARCH_QWEN2, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-6f, true), "qwen2"},
+        {"tiny-qwen3", spec_of(MODEL_ARCH_QWEN3, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-6f, true), "qwen2"},
+        {"tiny-mistral3", spec_of(MODEL_ARCH_MISTRAL3, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-5f, true), "llama-spm"},
+        {"tiny-granite", granite(spec_of(MODEL_ARCH_GRANITE, 3, 128, 4, 2, 32, 256, 2048, 1e7f, 1e-5f, true)),
+         "llama-spm"},
+        {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
+        {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true), "qwen2"},
+        {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true), "llama-bpe"},
+        // ministral 3 3b; its tekken vocabulary is not shipped, llama 3's bpe is the closest
+        {"ministral-3-3b", spec_of(MODEL_ARCH_MISTRAL3, 26, 3072, 32, 8, 128, 9216, 262144, 1e6f, 1e-5f, true),
+         "llama-bpe"},
+        // granite 3.3 2b; its vocabulary is starcoder's bpe (49152 of its 49159 tokens)
+        {"granite-3.3-2b", granite(spec_of(MODEL_ARCH_GRANITE, 40, 2048, 32, 8, 64, 8192, 131072, 1e7f, 1e-5f, true)),
+         "starcoder"},
     };
     return p;
 }
@@ -160,6 +180,7 @@ void check_spec(const model_spec & s) {
     if (s.head_dim % 2 != 0) bad("head_dim must be even (rope)");
     // libllama's qwen2 loader expects square q and output projections
     if (s.arch == MODEL_ARCH_QWEN2 && s.head_dim * s.n_head != s.n_embd) bad("qwen2 needs head_dim * n_head == n_embd");
+    if (s.arch == MODEL_ARCH_GRANITE && s.logit_scale == 0.0f) bad("granite needs a logit_scale");
 }
 
 // --- output file --------------------------------------------------------------
@@ -246,6 +267,13 @@ model_spec model_spec_preset(const std::string & name) {
     throw error("unknown model preset '" + name + "' (valid: " + join(model_spec_preset_names()) + ")");
 }
 
+std::string model_spec_preset_vocab(const std::string & name) {
+    for (const auto & p : presets())
+        if (name == p.name) return p.vocab;
+    model_spec_preset(name);  // throws the unknown name's message
+    return "";
+}
+
 ggml_type parse_weight_type(const std::string & name) {
     static const std::pair<const char *, ggml_type> k_types[] = {
         {"f32", GGML_TYPE_F32},   {"f16", GGML_TYPE_F16},   {"bf16", GGML_TYPE_BF16}, {"q8_0", GGML_TYPE_Q8_0},
@@ -308,6 +336,12 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     gguf_set_val_f32(g, key("attention.layer_norm_rms_epsilon").c_str(), spec.rms_eps);
     gguf_set_val_u32(g, key("rope.dimension_count").c_str(), uint32_t(spec.head_dim));
     gguf_set_val_u32(g, key("vocab_size").c_str(), uint32_t(n_vocab));
+    const std::pair<const char *, float> scales[] = {{"embedding_scale", spec.embd_scale},
+                                                     {"residual_scale", spec.residual_scale},
+                                                     {"logit_scale", spec.logit_scale},
+                                                     {"attention.scale", spec.attn_scale}};
+    for (const auto & [suffix, value] : scales)
+        if (value != 0.0f) gguf_set_val_f32(g, key(suffix).c_str(), value);
 
     // copy the tokenizer.* keys (arrays included) through a filtered copy
     {

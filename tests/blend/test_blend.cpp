@@ -835,5 +835,93 @@ TEST(blend, option_names_round_trip_and_refuse_others) {
     EXPECT_EQ(m, BLEND_METHOD_DENSE);
 }
 
+// the fusion invariants on each family's block (the presets that
+// tests/graph/test_forward_equiv.cpp checks against libllama)
+class blend_family : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(blend_family, ratio_one_is_the_full_prefill_ratio_zero_naive_and_gradual_dense) {
+    fixture f(test::make_test_model(GetParam()), 3);
+    const int64_t n_layer = f.m->hparams().n_layer, N = (int64_t) f.p.all().size();
+    engine full(f.m, f32_params());
+    const std::vector<float> ref = full.eval(f.p.all());
+    double ratio_one_gap = 0;
+    for (blend_method method : {BLEND_METHOD_GRADUAL, BLEND_METHOD_DENSE}) {
+        engine e(f.m, f32_params());
+        blend_params bp;
+        bp.recomp_ratio = 1.0f;
+        bp.method = method;
+        const blend_result r = blend(e, f.ptrs, f.p.query, bp);
+        ratio_one_gap = std::max(ratio_one_gap, rel_diff(r.logits, ref));
+        EXPECT_LE(rel_diff(r.logits, ref), 1e-4) << "method " << method;
+        expect_same_kv(e, full, n_layer, N, 1e-4);
+    }
+
+    engine naive(f.m, f32_params());
+    naive.cache().set_n_past(place(naive, f.ptrs));
+    const std::vector<float> ref_naive = naive.eval(f.p.query);
+    engine e0(f.m, f32_params());
+    blend_params bp;
+    bp.recomp_ratio = 0.0f;
+    EXPECT_LE(rel_diff(blend(e0, f.ptrs, f.p.query, bp).logits, ref_naive), 1e-4);
+    // the documents really interact: naive concatenation is far further from
+    // the full prefill than ratio 1 is (granite's scaled residuals keep it close)
+    const double naive_gap = rel_diff(ref_naive, std::vector<float>(ref.end() - (int64_t) ref_naive.size(), ref.end()));
+    std::printf("[ %s ] off the full prefill: ratio 1 %.3g, naive %.3g\n", GetParam().c_str(), ratio_one_gap,
+                naive_gap);
+    EXPECT_GT(naive_gap, 100 * ratio_one_gap);
+
+    bp.recomp_ratio = 0.3f;
+    engine eg(f.m, f32_params()), ed(f.m, f32_params());
+    bp.method = BLEND_METHOD_GRADUAL;
+    const blend_result g = blend(eg, f.ptrs, f.p.query, bp);
+    bp.method = BLEND_METHOD_DENSE;
+    const blend_result d = blend(ed, f.ptrs, f.p.query, bp);
+    EXPECT_EQ(g.selected, d.selected);
+    EXPECT_LE(rel_diff(g.logits, d.logits), 1e-5);
+    expect_same_kv(eg, ed, n_layer, N, 1e-5);
+    EXPECT_LT(g.stats.deep_frac, 1.0);
+}
+
+// a document collected after the very text that precedes it in the prompt, at
+// its position, holds what the full prefill holds there: the check layer sees
+// no deviation on it and the blend is the full prefill
+TEST_P(blend_family, a_document_collected_where_it_is_placed_needs_no_recomputation) {
+    fixture f(test::make_test_model(GetParam()), 3);
+    engine coll(f.m, f32_params());
+    std::vector<chunk_kv> in_place;
+    std::vector<llama_token> before;
+    for (const auto & c : f.p.chunks) {
+        in_place.push_back(before.empty() ? collect(coll, c) : collect_after(coll, before, c));
+        before.insert(before.end(), c.begin(), c.end());
+    }
+    blend_params bp;
+    bp.recomp_ratio = 0.15f;
+    engine e(f.m, f32_params()), alone(f.m, f32_params()), full(f.m, f32_params());
+    const blend_result r = blend(e, test::pointers(in_place), f.p.query, bp);
+    const blend_result r_alone = blend(alone, f.ptrs, f.p.query, bp);
+    const std::vector<float> ref = full.eval(f.p.all());
+    const int64_t N = (int64_t) f.p.all().size();
+    EXPECT_LE(rel_diff(r.logits, ref), 1e-4);
+    expect_same_kv(e, full, f.m->hparams().n_layer, N, 1e-4);
+
+    const int64_t doc0 = f.kv[0].n_tokens(), doc1 = N - (int64_t) f.p.query.size();
+    float max_in_place = 0, max_alone = 0;
+    for (int64_t p = doc0; p < doc1; ++p) {
+        max_in_place = std::max(max_in_place, std::fabs(r.scores[p]));
+        max_alone = std::max(max_alone, std::fabs(r_alone.scores[p]));
+    }
+    std::printf("[ %s ] largest document deviation: %.3g in place, %.3g collected alone\n", GetParam().c_str(),
+                max_in_place, max_alone);
+    EXPECT_GT(max_alone, 0.0f);
+    EXPECT_LE(max_in_place, 1e-6f * max_alone);
+}
+
+INSTANTIATE_TEST_SUITE_P(families, blend_family, ::testing::Values("tiny-qwen3", "tiny-mistral3", "tiny-granite"),
+                         [](const ::testing::TestParamInfo<std::string> & info) {
+                             std::string n = info.param;
+                             std::replace(n.begin(), n.end(), '-', '_');
+                             return n;
+                         });
+
 }  // namespace
 }  // namespace kvblend

@@ -2,6 +2,7 @@
 // that names the problem, never a crash.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -180,6 +181,54 @@ TEST_F(load_errors, unsupported_architecture) {
     rewrite_gguf(tiny_llama(), dir.file("gpt2.gguf"),
                  {[](gguf_context * g) { gguf_set_val_str(g, "general.architecture", "gpt2"); }, {}, {}});
     EXPECT_LOAD_ERROR(dir.file("gpt2.gguf"), "unsupported architecture 'gpt2'");
+}
+
+// hybrid and recurrent models: refused by name with the reason fusion does not
+// apply (a recurrent state, not per-token K/V), not as an unknown architecture
+TEST_F(load_errors, hybrid_and_recurrent_architectures_say_why_fusion_does_not_apply) {
+    const std::vector<std::pair<std::string, std::string>> cases = {
+        {"qwen35", "gated delta-net"}, {"qwen3next", "gated delta-net"},
+        {"granitehybrid", "Mamba-2"},  {"lfm2", "short-convolution"},
+        {"nemotron_h", "Mamba-2"},     {"mamba", "Mamba"},
+        {"rwkv7", "RWKV-7"},           {"jamba", "Mamba"},
+        {"falcon-h1", "Mamba-2"},      {"kimi-linear", "delta-attention"},
+    };
+    for (const auto & [arch, layers] : cases) {
+        rewrite_gguf(tiny_llama(), dir.file("hybrid.gguf"),
+                     {[&](gguf_context * g) { gguf_set_val_str(g, "general.architecture", arch.c_str()); }, {}, {}});
+        const std::string msg = load_error(dir.file("hybrid.gguf"));
+        EXPECT_NE(msg.find("architecture '" + arch + "' has " + layers + " layers"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("recurrent state"), std::string::npos) << msg;
+        EXPECT_EQ(msg.find("unsupported architecture"), std::string::npos) << msg;
+    }
+}
+
+// the keys a family adds, read as libllama reads them: missing where libllama
+// requires them, of the wrong type or out of range, a message naming the key
+TEST_F(load_errors, family_keys_missing_or_of_the_wrong_type) {
+    const std::string granite = make_test_model("tiny-granite");
+    EXPECT_NO_THROW(model::load(granite));
+    struct bad_key {
+        std::function<void(gguf_context *)> edit;
+        std::string message;
+    };
+    const std::vector<bad_key> cases = {
+        {[](gguf_context * g) { gguf_remove_key(g, "granite.logit_scale"); }, "missing key granite.logit_scale"},
+        {[](gguf_context * g) { gguf_set_val_f32(g, "granite.logit_scale", 0.0f); }, "granite.logit_scale must be"},
+        {[](gguf_context * g) { gguf_set_val_str(g, "granite.residual_scale", "0.2"); }, "granite.residual_scale"},
+        {[](gguf_context * g) { gguf_set_val_bool(g, "granite.embedding_scale", true); }, "granite.embedding_scale"},
+        {[](gguf_context * g) { gguf_set_val_f32(g, "granite.attention.scale", NAN); }, "not finite"},
+        {[](gguf_context * g) { gguf_set_val_u32(g, "granite.rope.scaling.finetuned", 1); }, "not a bool"},
+    };
+    for (const bad_key & c : cases) {
+        rewrite_gguf(granite, dir.file("granite.gguf"), {c.edit, {}, {}});
+        EXPECT_LOAD_ERROR(dir.file("granite.gguf"), c.message);
+    }
+    const std::string mistral3 = make_test_model("tiny-mistral3");
+    EXPECT_NO_THROW(model::load(mistral3));
+    rewrite_gguf(mistral3, dir.file("m3.gguf"),
+                 {[](gguf_context * g) { gguf_set_val_f32(g, "mistral3.attention.temperature_scale", 0.1f); }, {}, {}});
+    EXPECT_LOAD_ERROR(dir.file("m3.gguf"), "temperature scaling");
 }
 
 TEST_F(load_errors, no_architecture) {

@@ -65,7 +65,7 @@ void expect_tensor(const gguf_context * g, const std::string & name, ggml_type t
 
 TEST(model_maker, presets_have_real_shapes) {
     const auto names = model_spec_preset_names();
-    EXPECT_EQ(names.size(), 6u);
+    EXPECT_EQ(names.size(), 10u);
 
     const model_spec q3 = model_spec_preset("qwen3-0.6b");
     EXPECT_EQ(q3.arch, MODEL_ARCH_QWEN3);
@@ -86,6 +86,20 @@ TEST(model_maker, presets_have_real_shapes) {
     EXPECT_EQ(l1.n_layer, 16);
     EXPECT_EQ(l1.rope_base, 500000.0f);
     EXPECT_EQ(l1.n_ctx_train, 131072);
+
+    const model_spec g = model_spec_preset("granite-3.3-2b");
+    EXPECT_EQ(g.arch, MODEL_ARCH_GRANITE);
+    EXPECT_EQ(g.n_layer, 40);
+    EXPECT_EQ(g.n_embd, 2048);
+    EXPECT_EQ(g.n_ff, 8192);
+    EXPECT_EQ(g.logit_scale, 8.0f);
+    EXPECT_EQ(g.residual_scale, 0.22f);
+    EXPECT_EQ(model_spec_preset_vocab("granite-3.3-2b"), "starcoder");
+    const model_spec m3 = model_spec_preset("ministral-3-3b");
+    EXPECT_EQ(m3.arch, MODEL_ARCH_MISTRAL3);
+    EXPECT_EQ(m3.n_layer, 26);
+    EXPECT_EQ(m3.n_embd, 3072);
+    EXPECT_EQ(m3.n_head * m3.head_dim, 4096);
 
     EXPECT_FALSE(model_spec_preset("tiny").tied_output);
     EXPECT_EQ(model_spec_preset("tiny").n_layer, 4);
