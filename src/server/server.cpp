@@ -19,6 +19,7 @@
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
+#include "server/answer_logprobs.h"
 #include "server/doc_index.h"
 #include "server/prompt_layout.h"
 #include "server/server_http.h"
@@ -100,6 +101,13 @@ std::string selection_tag(const blend_params & b) {
     return t;
 }
 
+// text the client can be sent, with the sampled tokens that made it (their
+// probabilities, when the request asked for them)
+struct answer_piece {
+    std::string text;
+    std::vector<sampled_token> tokens;
+};
+
 struct job {
     // what to compute: a completion, or (ingest) only collecting and storing chunks
     bool ingest = false;
@@ -118,7 +126,7 @@ struct job {
     // what comes back (guarded by mu)
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<std::string> pieces;
+    std::deque<answer_piece> pieces;
     bool done = false;
     std::string error;
     int error_status = 500;  // the HTTP status and code error is answered with
@@ -133,9 +141,10 @@ struct job {
     double t_submit = 0, ttft_ms = -1;  // time to the first generated token, queueing included
     std::atomic<bool> cancelled{false};
 
-    void emit(std::string piece) {
+    void emit(std::string text, std::vector<sampled_token> & tokens) {
         std::lock_guard l(mu);
-        pieces.push_back(std::move(piece));
+        pieces.push_back({std::move(text), std::move(tokens)});
+        tokens.clear();
         cv.notify_all();
     }
     void finish(const std::string & err = {}, int status = 500, const std::string & code = "internal_error") {
@@ -437,7 +446,8 @@ struct server::impl {
         j.kv_rows = eng.cache().n_rows_max();
         j.prefill_ms = time_ms() - t0;
 
-        sampler smp(j.sp);
+        sampler smp(j.sp, v.raw());
+        std::vector<sampled_token> unsent;  // logprobs: sampled tokens whose text is not emitted yet
         // the penalties look back over the prompt too (as llama-server's do)
         const size_t back = std::min((size_t) j.sp.penalty_last_n, j.tokens.size());
         for (size_t i = j.tokens.size() - back; i < j.tokens.size(); ++i) smp.accept(j.tokens[i]);
@@ -450,13 +460,14 @@ struct server::impl {
                 cache.exact = std::min(cache.exact, cached.size());
                 return;
             }
-            const llama_token tok = smp.sample(logits.data() + logits.size() - nv, (int32_t) nv);
+            const llama_token tok = sample_next(smp, logits.data() + logits.size() - nv, (int32_t) nv);
             if (v.is_eog(tok)) {
                 j.finish_reason = "stop";
                 break;
             }
             j.n_gen++;
             if (j.ttft_ms < 0) j.ttft_ms = time_ms() - j.t_submit;
+            if (j.sp.logprobs) unsent.push_back(smp.last());
             text += v.token_to_piece(tok);
             size_t cut = std::string::npos;
             for (const auto & s : j.stop) {
@@ -464,7 +475,7 @@ struct server::impl {
                 if (at != std::string::npos) cut = std::min(cut, at);
             }
             if (cut != std::string::npos) {
-                if (cut > sent) j.emit(text.substr(sent, cut - sent));
+                if (cut > sent) j.emit(text.substr(sent, cut - sent), unsent);
                 sent = text.size();
                 j.finish_reason = "stop";
                 break;
@@ -472,7 +483,7 @@ struct server::impl {
             // emit what can no longer be the start of a stop string, in whole UTF-8 characters
             const size_t upto = utf8_whole(text, text.size() - stop_prefix_tail(text, j.stop));
             if (upto > sent) {
-                j.emit(text.substr(sent, upto - sent));
+                j.emit(text.substr(sent, upto - sent), unsent);
                 sent = upto;
             }
             if (eng.cache().n_past() >= eng.cache().n_ctx()) break;
@@ -481,7 +492,17 @@ struct server::impl {
                 cached.push_back(tok);
             }
         }
-        if (sent < text.size()) j.emit(text.substr(sent));  // the held-back tail held no stop string
+        if (sent < text.size()) j.emit(text.substr(sent), unsent);  // the held-back tail held no stop string
+    }
+
+    // the request's own sampler settings can leave no token (a grammar this
+    // vocabulary cannot continue): its error, not the server's
+    static llama_token sample_next(sampler & smp, const float * logits, int32_t n_vocab) {
+        try {
+            return smp.sample(logits, n_vocab);
+        } catch (const error & e) {
+            bad_request(e.what(), "invalid_grammar");
+        }
     }
 
     // queue a job; false when the queue is full
@@ -512,7 +533,7 @@ struct server::impl {
     }
 
     // sampling fields shared by both completion endpoints
-    void read_sampling(const json & b, job & j, int64_t n_prompt) const {
+    void read_sampling(const json & b, job & j, int64_t n_prompt, request_kind kind) const {
         auto num = [&](const char * k, double lo, double hi, double def) {
             if (!b.contains(k) || b[k].is_null()) return def;
             if (!b[k].is_number()) bad_request(std::string("'") + k + "' must be a number");
@@ -548,6 +569,7 @@ struct server::impl {
                                 std::to_string(m->hparams().n_vocab) + " tokens");
                 j.sp.logit_bias.push_back({(llama_token) id, x.get<float>()});
             }
+        read_output_rules(b, j, kind);
         j.sel.recomp_ratio = (float) num("recomp_ratio", 0, 1, p.recomp_ratio);
         j.sel.recompute_chunk_head = (int) num("chunk_head", 0, 1 << 20, j.sel.recompute_chunk_head);
         j.sel.dev_mass = (float) num("dev_mass", 0, 1, j.sel.dev_mass);
@@ -570,6 +592,19 @@ struct server::impl {
             } else
                 bad_request("'stop' must be a string or an array of strings");
         }
+    }
+
+    // what the output must follow and what is reported with it: a grammar, log-probabilities
+    void read_output_rules(const json & b, job & j, request_kind kind) const {
+        j.sp.grammar = request_grammar(b);
+        if (!j.sp.grammar.empty()) try {
+                grammar_check(m->tokens().raw(), j.sp.grammar);
+            } catch (const error & e) {
+                bad_request(e.what(), "invalid_grammar");
+            }
+        const log_request lr = request_logprobs(b, kind);
+        j.sp.logprobs = lr.on;
+        j.sp.n_probs = lr.n;
     }
 
     // documents are fused into (and collected from) a dense cache
@@ -692,7 +727,7 @@ struct server::impl {
             j->fuse = true;
             j->prompt = rag_prompt_build_tokens(v, system, docs, question, v.has_chat_template());
             j->tokens = j->prompt.all();
-            read_sampling(b, *j, (int64_t) j->tokens.size());
+            read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_CHAT);
             for (const auto & [t, i] : texts) remember(t, docs[i]);
             return j;
         } else {
@@ -708,7 +743,7 @@ struct server::impl {
                 plain_or_chunked(*j, std::move(toks));
         }
         if (j->tokens.empty()) bad_request("the prompt is empty");
-        read_sampling(b, *j, (int64_t) j->tokens.size());
+        read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_CHAT);
         return j;
     }
 
@@ -746,7 +781,7 @@ struct server::impl {
         std::vector<llama_token> toks = m->tokens().tokenize(prompt, true, false);
         if (!with_known_docs(*j, prompt, {prompt}, (int64_t) toks.size(), false)) plain_or_chunked(*j, std::move(toks));
         if (j->tokens.empty()) bad_request("the prompt is empty");
-        read_sampling(b, *j, (int64_t) j->tokens.size());
+        read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_COMPLETION);
         return j;
     }
 
@@ -768,6 +803,13 @@ struct server::impl {
                 {"n_cached", j.n_cached},
                 {"kv_rows", j.kv_rows},
                 {"prefill_ms", j.prefill_ms}};
+    }
+
+    // a choice's "logprobs": null unless the request asked for them
+    json logprobs_of(const job & j, bool chat, const std::vector<sampled_token> & tokens, size_t offset) const {
+        if (!j.sp.logprobs) return nullptr;
+        if (chat) return logprobs_chat(m->tokens(), tokens);
+        return logprobs_completion(m->tokens(), tokens, offset, j.sp.n_probs > 0);
     }
 
     static std::string new_id(const char * prefix) {
@@ -793,9 +835,13 @@ struct server::impl {
         const int64_t created = (int64_t) time(nullptr);
         if (!stream) {
             std::string text;
+            std::vector<sampled_token> tokens;
             std::unique_lock l(j->mu);
             wait_done(*j, l, req);
-            for (auto & s : j->pieces) text += s;
+            for (auto & s : j->pieces) {
+                text += s.text;
+                tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
+            }
             if (!j->error.empty())
                 throw request_error{j->error_status, j->error,
                                     j->error_status < 500 ? "invalid_request_error" : "server_error", j->error_code};
@@ -818,6 +864,7 @@ struct server::impl {
                 out["object"] = "text_completion";
                 out["choices"] = json::array({{{"index", 0}, {"text", text}, {"finish_reason", j->finish_reason}}});
             }
+            out["choices"][0]["logprobs"] = logprobs_of(*j, chat, tokens, 0);
             res.set_content(out.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
             return;
         }
@@ -833,6 +880,7 @@ struct server::impl {
             return "data: " + c.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
         };
         auto started = std::make_shared<bool>(false);
+        auto streamed_bytes = std::make_shared<size_t>(0);  // completions' text_offset
         auto provider = [=, &req](size_t, httplib::DataSink & sink) {
             std::string out;
             bool finished = false;
@@ -848,7 +896,15 @@ struct server::impl {
                 if (!*started && chat) out += chunk({{"role", "assistant"}, {"content", ""}}, nullptr);
                 *started = true;
                 while (!j->pieces.empty()) {
-                    out += chunk(chat ? json{{"content", j->pieces.front()}} : json(j->pieces.front()), nullptr);
+                    const answer_piece & piece = j->pieces.front();
+                    std::string c = chunk(chat ? json{{"content", piece.text}} : json(piece.text), nullptr);
+                    if (j->sp.logprobs) {
+                        json with = json::parse(c.substr(6));
+                        with["choices"][0]["logprobs"] = logprobs_of(*j, chat, piece.tokens, *streamed_bytes);
+                        c = "data: " + with.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+                    }
+                    *streamed_bytes += piece.text.size();
+                    out += c;
                     j->pieces.pop_front();
                 }
                 if (j->done) {
