@@ -20,6 +20,7 @@ the dynamic loader's path.
 import codecs
 import contextlib
 import ctypes
+import json
 import numbers
 import operator
 import os
@@ -157,6 +158,50 @@ _U64 = (0, 2**64 - 1, "an unsigned 64-bit integer")
 
 def _int32(value, what):
     return _int(value, what, *_I32)
+
+
+def _alias(value, alias, name, alias_name, default):
+    """One argument known by two names (ours and the openai client's)."""
+    if value is not None and alias is not None:
+        raise TypeError("give %s or %s, not both" % (name, alias_name))
+    return default if value is None and alias is None else (value if value is not None else alias)
+
+
+def _constraint(response_format=None, json_schema=None, grammar=None):
+    """What the answer must follow, as (grammar, json_schema) bytes for kvb_generate_params.
+
+    ``response_format``: {"type": "text"}, {"type": "json_object"} (any JSON
+    object) or {"type": "json_schema", "json_schema": {"schema": {...}}};
+    ``json_schema``: a schema as a dict or JSON text; ``grammar``: GBNF text
+    with a "root" rule. At most one of them.
+    """
+    given = [x for x in (response_format, json_schema, grammar) if x is not None]
+    if len(given) > 1:
+        raise TypeError("give one of response_format, json_schema and grammar")
+    if grammar is not None:
+        return _b(grammar, "grammar"), None
+    if response_format is not None:
+        if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+            raise InvalidArgumentError("response_format must be a dict with a string 'type'",
+                                       "KVB_ERR_INVALID_ARGUMENT")
+        kind = response_format["type"]
+        if kind == "text":
+            return None, None
+        if kind == "json_object":
+            json_schema = response_format.get("schema", {"type": "object"})
+        elif kind == "json_schema":
+            inner = response_format.get("json_schema")
+            if not isinstance(inner, dict):
+                raise InvalidArgumentError("response_format of type json_schema needs a 'json_schema' dict",
+                                           "KVB_ERR_INVALID_ARGUMENT")
+            json_schema = inner.get("schema", {"type": "object"})
+        else:
+            raise InvalidArgumentError("response_format type %r is not supported (text, json_object, json_schema)"
+                                       % kind, "KVB_ERR_INVALID_ARGUMENT")
+    if json_schema is None:
+        return None, None
+    text = json_schema if isinstance(json_schema, (str, bytes)) else json.dumps(json_schema)
+    return None, _b(text, "json_schema")
 
 
 def list_devices():
@@ -584,8 +629,9 @@ class Model(_Closing):
 
     # parameters --------------------------------------------------------------
     @staticmethod
-    def _gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, keep):
+    def _gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, constraint, keep):
         gp = _c.kvb_generate_default_params()
+        gp.grammar, gp.json_schema = constraint
         gp.n_predict = _int(n_predict, "n_predict", *_I32)
         gp.temp = _real(temp, "temp")
         gp.top_k = _int(top_k, "top_k", *_I32)
@@ -689,8 +735,9 @@ class Model(_Closing):
     # blend -------------------------------------------------------------------
     def blend(self, system, docs, question, *, store=None, ratio=None, check_layer=None, score=None, method=None,
               chunk_head=None, head_in_budget=None, weight_query=None, budget=None, dev_mass=None, schedule=None,
-              chat=False, collect_with_prefix=False, n_predict=64, temp=0.0, top_k=40, top_p=0.95, min_p=0.05,
-              seed=None, stop=None, on_piece=None):
+              chat=False, collect_with_prefix=False, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05,
+              seed=None, stop=None, on_piece=None, max_tokens=None, temperature=None, response_format=None,
+              json_schema=None, grammar=None):
         """Answer ``question`` over ``[system, docs…]`` with CacheBlend prefill.
 
         ``docs``: texts, or {"text": …} / {"id": …} dicts (an id from ingest()).
@@ -706,8 +753,13 @@ class Model(_Closing):
         the library's default (kvb_blend_default_params). The answer is
         generated from the fused cache (greedy
         by default; ``stop`` strings end it; ``on_piece(text)`` streams it and
-        may return False to stop). Returns BlendResult(text, stats).
+        may return False to stop). ``max_tokens``/``temperature``,
+        ``response_format``, ``json_schema`` and ``grammar``: as in complete().
+        Returns BlendResult(text, stats).
         """
+        n_predict = _alias(n_predict, max_tokens, "n_predict", "max_tokens", 64)
+        temp = _alias(temp, temperature, "temp", "temperature", 0.0)
+        constraint = _constraint(response_format, json_schema, grammar)
         docs = [docs] if isinstance(docs, (str, bytes, dict)) else list(docs)
         keep = []
         cdocs = (_lib.kvb_doc * len(docs))()
@@ -754,15 +806,26 @@ class Model(_Closing):
         bp.collect_with_prefix = bool(collect_with_prefix)
         with _store_of(store)._using() if store is not None else contextlib.nullcontext():
             text, st = self._generating(
-                (n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, keep, _lib.kvb_blend_stats,
+                (n_predict, temp, top_k, top_p, min_p, seed, stop, constraint), on_piece, keep, _lib.kvb_blend_stats,
                 lambda ctx, gp, out, stats: _c.kvb_blend(ctx, store._h if store is not None else None, system_b,
                                                          cdocs, len(docs), question_b, byref(bp), gp, out, stats))
         return BlendResult(text, _stats_from(BlendStats, st))
 
     # plain generation --------------------------------------------------------
-    def complete(self, prompt, *, n_predict=64, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=None, stop=None,
-                 on_piece=None):
-        """Prefill ``prompt`` (text, or a list of token ids) and generate; returns GenerateResult(text, stats)."""
+    def complete(self, prompt, *, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05, seed=None, stop=None,
+                 on_piece=None, max_tokens=None, temperature=None, response_format=None, json_schema=None,
+                 grammar=None):
+        """Prefill ``prompt`` (text, or a list of token ids) and generate; returns GenerateResult(text, stats).
+
+        ``max_tokens`` and ``temperature`` are the openai client's and
+        llama-cpp-python's names for ``n_predict`` (default 64) and ``temp``
+        (default 0: greedy). The answer can be constrained (see _constraint):
+        ``response_format`` as the openai client gives it, ``json_schema`` (a
+        dict or JSON text) or a GBNF ``grammar``.
+        """
+        n_predict = _alias(n_predict, max_tokens, "n_predict", "max_tokens", 64)
+        temp = _alias(temp, temperature, "temp", "temperature", 0.0)
+        constraint = _constraint(response_format, json_schema, grammar)
         if isinstance(prompt, (str, bytes)):
             text_b = _b(prompt, "prompt")
             call = lambda ctx, gp, out, stats: _c.kvb_generate(ctx, text_b, gp, out, stats)  # noqa: E731
@@ -770,7 +833,7 @@ class Model(_Closing):
             toks = _tokens(prompt, "prompt")
             call = lambda ctx, gp, out, stats: _c.kvb_generate_tokens(ctx, toks, len(toks), gp, out, stats)  # noqa: E731
 
-        text, st = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, [],
+        text, st = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop, constraint), on_piece, [],
                                     _lib.kvb_generate_stats, call)
         return GenerateResult(text, _stats_from(GenerateStats, st))
 
