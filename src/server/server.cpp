@@ -132,6 +132,8 @@ struct job {
     int error_status = 500;  // the HTTP status and code error is answered with
     std::string error_code = "internal_error";
     std::string finish_reason = "stop";
+    bool stream_usage = false;  // stream_options.include_usage: a usage chunk before [DONE]
+    bool cache_prompt = true;   // reuse the slot's cached prefix (llama-server's cache_prompt)
     int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
     int64_t store_errors = 0;     // store calls that failed (each a miss or a skipped put)
     std::vector<bool> chunk_hit;  // fuse: per non-empty chunk, whether the store had it
@@ -291,7 +293,7 @@ struct server::impl {
             soft = s.get();
             st = std::make_unique<locked_store>(std::move(s));
         }
-        model_id = m->path().substr(m->path().find_last_of('/') + 1);
+        model_id = !p.alias.empty() ? p.alias : m->path().substr(m->path().find_last_of('/') + 1);
         m->tokens().max_piece_bytes();  // measured once at start, not on a request
         for (int i = 0; i < p.parallel; ++i) {
             engine_params ep = engine_default_params();
@@ -396,7 +398,8 @@ struct server::impl {
         const double t0 = time_ms();
         // what the slot computed last and this prompt share (at least one token runs, for logits)
         size_t keep = 0;
-        while (keep < cached.size() && keep + 1 < j.tokens.size() && cached[keep] == j.tokens[keep]) ++keep;
+        while (j.cache_prompt && keep < cached.size() && keep + 1 < j.tokens.size() && cached[keep] == j.tokens[keep])
+            ++keep;
         // an evicted cache holds a subset of what it saw: no prefix can be cut out
         // of it, it can only be extended by a prompt that starts with all of it
         if (eng.evicted() && keep < cached.size()) keep = 0;
@@ -605,6 +608,8 @@ struct server::impl {
         const log_request lr = request_logprobs(b, kind);
         j.sp.logprobs = lr.on;
         j.sp.n_probs = lr.n;
+        j.stream_usage = b.contains("stream_options") && b["stream_options"].value("include_usage", false);
+        j.cache_prompt = b.value("cache_prompt", true);
     }
 
     // documents are fused into (and collected from) a dense cache
@@ -812,6 +817,26 @@ struct server::impl {
         return logprobs_completion(m->tokens(), tokens, offset, j.sp.n_probs > 0);
     }
 
+    // /tokenize: ids, or llama-server's with_pieces [{"id", "piece"}] (a piece that is
+    // not whole UTF-8 is its bytes, as llama-server sends it)
+    json tokens_with_pieces(const std::vector<llama_token> & tokens, bool with_pieces) const {
+        if (!with_pieces) return tokens;
+        json out = json::array();
+        for (llama_token t : tokens) {
+            const std::string piece = m->tokens().token_to_piece(t);
+            json bytes = json::array();
+            for (unsigned char c : piece) bytes.push_back((int) c);
+            bool whole = true;  // valid UTF-8: nlohmann's strict dump says so
+            try {
+                (void) json(piece).dump();
+            } catch (const json::type_error &) {
+                whole = false;
+            }
+            out.push_back({{"id", t}, {"piece", whole ? json(piece) : bytes}});
+        }
+        return out;
+    }
+
     static std::string new_id(const char * prefix) {
         static std::atomic<uint64_t> counter{0};
         return std::string(prefix) + std::to_string((uint64_t) time(nullptr)) + "-" + std::to_string(counter++);
@@ -913,9 +938,14 @@ struct server::impl {
                         out += "data: " + error_body(j->error, "server_error", "internal_error") + "\n\n";
                     } else {
                         json last = json::parse(chunk(chat ? json::object() : json(""), j->finish_reason).substr(6));
-                        last["usage"] = usage_of(*j);
                         last["kvblend"] = kvblend_of(*j);
                         out += "data: " + last.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+                        if (j->stream_usage) {  // OpenAI's usage chunk: its own, with no choices
+                            json usage = json::parse(chunk(json(""), nullptr).substr(6));
+                            usage["choices"] = json::array();
+                            usage["usage"] = usage_of(*j);
+                            out += "data: " + usage.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+                        }
                     }
                     out += "data: [DONE]\n\n";
                 }
@@ -983,12 +1013,12 @@ struct server::impl {
                 if (req.method == "OPTIONS") {  // a preflight: no key, no body
                     res.status = 204;
                     res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
-                    res.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
+                    res.set_header("Access-Control-Allow-Headers", "Authorization, X-Api-Key, Content-Type");
                     res.set_header("Access-Control-Max-Age", "600");
                     return true;
                 }
             }
-            if (!p.api_key.empty() && req.path != "/health" && !http_bearer_matches(req, p.api_key)) {
+            if (!p.api_key.empty() && req.path != "/health" && !http_key_matches(req, p.api_key)) {
                 res.status = 401;
                 res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"),
                                 "application/json");
@@ -1052,6 +1082,12 @@ struct server::impl {
             res.set_content(h.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
         });
         const json model_card = {{"id", model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "kvblend"}};
+        // llama-server serves its routes with and without /v1: clients configured either way find them
+        http.Get("/models", [model_card](const httplib::Request &, httplib::Response & res) {
+            res.set_content(json{{"object", "list"}, {"data", json::array({model_card})}}.dump(
+                                -1, ' ', false, json::error_handler_t::replace),
+                            "application/json");
+        });
         http.Get("/v1/models", [model_card](const httplib::Request &, httplib::Response & res) {
             res.set_content(json{{"object", "list"}, {"data", json::array({model_card})}}.dump(
                                 -1, ' ', false, json::error_handler_t::replace),
@@ -1069,16 +1105,18 @@ struct server::impl {
                                        "invalid_request_error", "model_not_found"),
                             "application/json");
         });
-        http.Post("/v1/chat/completions", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                      bool stream = false;
-                      const json b = parse_body(req, REQUEST_CHAT, &stream);
-                      respond(chat_job(b), true, stream, req, res);
-                  }));
-        http.Post("/v1/completions", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                      bool stream = false;
-                      const json b = parse_body(req, REQUEST_COMPLETION, &stream);
-                      respond(completion_job(b), false, stream, req, res);
-                  }));
+        for (const char * path : {"/v1/chat/completions", "/chat/completions"})
+            http.Post(path, guarded([this](const httplib::Request & req, httplib::Response & res) {
+                          bool stream = false;
+                          const json b = parse_body(req, REQUEST_CHAT, &stream);
+                          respond(chat_job(b), true, stream, req, res);
+                      }));
+        for (const char * path : {"/v1/completions", "/completions"})
+            http.Post(path, guarded([this](const httplib::Request & req, httplib::Response & res) {
+                          bool stream = false;
+                          const json b = parse_body(req, REQUEST_COMPLETION, &stream);
+                          respond(completion_job(b), false, stream, req, res);
+                      }));
         http.Get("/metrics", [this](const httplib::Request &, httplib::Response & res) {
             res.set_content(metrics_text(), "text/plain; version=0.0.4");
         });
@@ -1127,7 +1165,9 @@ struct server::impl {
                       const auto t =
                           m->tokens().tokenize(b["content"].get<std::string>(), b.value("add_special", false),
                                                b.value("parse_special", true));
-                      res.set_content(json{{"tokens", t}}.dump(), "application/json");
+                      res.set_content(json{{"tokens", tokens_with_pieces(t, b.value("with_pieces", false))}}.dump(
+                                          -1, ' ', false, json::error_handler_t::replace),
+                                      "application/json");
                   }));
         http.Post(
             "/detokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {

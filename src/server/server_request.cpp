@@ -74,7 +74,16 @@ void optional_integer(const json & b, const char * k, double lo, double hi) {
 // the fields both completion endpoints share
 void check_sampling(const json & b, request_kind kind) {
     optional_bool(b, "stream");
-    optional_field(b, "stream_options", "an object", [](const json & x) { return x.is_object(); });
+    if (const json * so =
+            optional_field(b, "stream_options", "an object", [](const json & x) { return x.is_object(); }))
+        optional_bool(*so, "include_usage");
+    // llama-server's: the slot's cached prefix is reused unless cache_prompt is false;
+    // requests are not pinned to slots, so an id_slot other than -1 is refused
+    optional_bool(b, "cache_prompt");
+    optional_integer(b, "id_slot", -1, 1 << 20);
+    if (b.contains("id_slot") && b["id_slot"].get<double>() != -1)
+        bad_request("'id_slot' is not supported: requests go to the first free slot (give -1 or leave it out)",
+                    "unsupported_parameter");
     optional_integer(b, "n", 1, 1e9);
     if (b.contains("n") && !b["n"].is_null() && b["n"].get<double>() != 1)
         bad_request("only one choice per request is supported ('n' must be 1)");
@@ -329,6 +338,7 @@ request_spec request_check(request_kind kind, json body) {
         case REQUEST_TOKENIZE:
             if (!b.contains("content") || !b["content"].is_string()) bad_request("'content' must be a string");
             optional_bool(b, "add_special");
+            optional_bool(b, "with_pieces");
             optional_bool(b, "parse_special");
             break;
         case REQUEST_DETOKENIZE:

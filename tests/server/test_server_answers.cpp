@@ -81,8 +81,9 @@ TEST(server_answers, a_json_schema_makes_every_answer_valid) {
 TEST(server_answers, a_gbnf_grammar_constrains_and_a_long_one_ends_at_the_limit) {
     running_server s(small_params());
     auto c = s.client();
-    const json r = post(c, "/v1/completions",
-                        {{"prompt", "Once upon a time"}, {"max_tokens", 10}, {"grammar", "root ::= [0-9]{2} \"-\" [a-c]"}});
+    const json r =
+        post(c, "/v1/completions",
+             {{"prompt", "Once upon a time"}, {"max_tokens", 10}, {"grammar", "root ::= [0-9]{2} \"-\" [a-c]"}});
     EXPECT_EQ(r["choices"][0]["finish_reason"], "stop");
     const std::string text = r["choices"][0]["text"];
     ASSERT_EQ(text.size(), 4u) << text;
@@ -239,8 +240,8 @@ void run_node_client(const std::string & script) {
     server_params p = small_params(d.path().string());
     p.api_key = "test-key";
     running_server s(p, test::make_test_model("tiny-qwen3", GGML_TYPE_F32, test::vocab_path("qwen2")));
-    const std::string cmd = "node " + dir + "/" + script + " http://127.0.0.1:" + std::to_string(s.port()) +
-                            "/v1 test-key 2>&1";
+    const std::string cmd =
+        "node " + dir + "/" + script + " http://127.0.0.1:" + std::to_string(s.port()) + "/v1 test-key 2>&1";
     FILE * f = popen(cmd.c_str(), "r");
     ASSERT_NE(f, nullptr);
     std::string out;
@@ -257,6 +258,67 @@ TEST(server_answers, the_openai_client_parses_zod_schemas_and_reads_logprobs) {
 
 TEST(server_answers, langchain_structured_output_parses) {
     run_node_client("langchain_answers.mjs");
+}
+
+// the habits clients bring from llama-server and the openai client
+TEST(server_habits, routes_keys_alias_pieces_slots_and_the_usage_chunk) {
+    server_params p = small_params();
+    p.api_key = "k";
+    p.alias = "my-model";
+    running_server s(p);
+    auto c = s.client();
+    // X-Api-Key as well as Bearer; a wrong one is refused either way
+    httplib::Headers key = {{"X-Api-Key", "k"}};
+    auto models = c.Get("/models", key);
+    ASSERT_TRUE(models);
+    ASSERT_EQ(models->status, 200) << models->body;
+    EXPECT_EQ(json::parse(models->body)["data"][0]["id"], "my-model");
+    EXPECT_EQ(c.Get("/v1/models", httplib::Headers{{"X-Api-Key", "wrong"}})->status, 401);
+    c.set_bearer_token_auth("k");
+    // the routes without /v1
+    const json chat = post(c, "/chat/completions", chat_body("hi"));
+    EXPECT_EQ(chat["model"], "my-model");
+    EXPECT_EQ(post(c, "/completions", {{"prompt", "Once"}, {"max_tokens", 2}})["object"], "text_completion");
+    // /tokenize with_pieces
+    const json t = post(c, "/tokenize", {{"content", "Once upon a time"}, {"with_pieces", true}});
+    std::string joined;
+    for (const json & x : t["tokens"]) {
+        EXPECT_TRUE(x["id"].is_number_integer());
+        joined += x["piece"].get<std::string>();
+    }
+    EXPECT_EQ(joined, " Once upon a time");  // the tokenizer's leading space
+    EXPECT_TRUE(post(c, "/tokenize", {{"content", "x"}})["tokens"][0].is_number_integer());
+    // cache_prompt: honoured both ways; id_slot: only -1
+    const json ask = {{"prompt", "Once upon a time there was a girl"}, {"max_tokens", 2}};
+    post(c, "/completions", ask);
+    EXPECT_GT(post(c, "/completions", ask)["kvblend"]["n_cached"].get<int>(), 0);
+    json no_cache = ask;
+    no_cache["cache_prompt"] = false;
+    no_cache["id_slot"] = -1;
+    EXPECT_EQ(post(c, "/completions", no_cache)["kvblend"]["n_cached"], 0);
+    json pinned = ask;
+    pinned["id_slot"] = 0;
+    EXPECT_EQ(post(c, "/completions", pinned, 400)["error"]["code"], "unsupported_parameter");
+    // usage in a stream: only when asked, as its own chunk with no choices
+    for (bool include : {false, true}) {
+        json b = chat_body("hi");
+        b["max_tokens"] = 3;
+        b["stream"] = true;
+        if (include) b["stream_options"] = {{"include_usage", true}};
+        auto r = c.Post("/v1/chat/completions", b.dump(), "application/json");
+        ASSERT_TRUE(r);
+        std::istringstream in(r->body);
+        int usage_chunks = 0;
+        for (std::string line; std::getline(in, line);) {
+            if (line.rfind("data: {", 0) != 0) continue;
+            const json chunk = json::parse(line.substr(6));
+            if (!chunk.contains("usage")) continue;
+            usage_chunks++;
+            EXPECT_TRUE(chunk["choices"].empty()) << line;
+            EXPECT_EQ(chunk["usage"]["completion_tokens"], 3);
+        }
+        EXPECT_EQ(usage_chunks, include ? 1 : 0) << r->body;
+    }
 }
 
 }  // namespace
