@@ -82,7 +82,7 @@ TEST(grammar, a_schema_keeps_random_logits_inside_it) {
 
 TEST(grammar, a_grammar_that_cannot_finish_stops_at_the_token_limit) {
     sampler_params sp;
-    sp.grammar = R"(root ::= "a"{1000})";  // longer than 20 tokens can write
+    sp.grammar = R"(root ::= "a"{1000})";                      // longer than 20 tokens can write
     sp.logit_bias.push_back({stories_vocab().eos(), 100.0f});  // the end is what the model wants most
     sampler smp(sp, stories_vocab().raw());
     bool ended = true;
@@ -102,7 +102,8 @@ TEST(grammar, bad_grammars_and_schemas_are_errors_that_say_why) {
     EXPECT_NO_THROW(grammar_check(v, R"(root ::= "{99999}" "x")"));
     for (const char * bad :
          {"{not json", R"({"type": "string", "pattern": "^(?=a)$"})", R"({"$ref": "#/definitions/none"})",
-          R"({"type": "array", "items": {"type": "integer"}, "minItems": 100000})", R"({"type": "string", "maxLength": 1000000})"}) {
+          R"({"type": "array", "items": {"type": "integer"}, "minItems": 100000})",
+          R"({"type": "string", "maxLength": 1000000})"}) {
         try {
             grammar_from_json_schema(bad);
             ADD_FAILURE() << "accepted " << bad;
