@@ -26,6 +26,7 @@ import operator
 import os
 import queue
 import threading
+import time
 from ctypes import byref, c_bool, c_char_p, c_float, c_int32, c_size_t, c_void_p
 from dataclasses import dataclass, fields
 
@@ -513,9 +514,14 @@ class Model(_Closing):
 
     _what = "model"
 
-    def __init__(self, path, *, n_threads=2, n_ctx=0, n_ubatch=512, cache_type="f16", use_mmap=False, use_gpu=True,
-                 device=None, n_gpu_layers=-1):
+    def __init__(self, path=None, *, n_threads=2, n_ctx=0, n_ubatch=512, cache_type="f16", use_mmap=False, use_gpu=True,
+                 device=None, n_gpu_layers=-1, model_path=None, verbose=None):
         _check_not_forked()
+        path = _alias(path, model_path, "path", "model_path", None)  # model_path: llama-cpp-python's name
+        if path is None:
+            raise TypeError("Model() needs the GGUF's path (path or model_path)")
+        if verbose is not None:
+            set_verbose(bool(verbose))
         mp = _c.kvb_model_default_params()
         mp.use_mmap = bool(use_mmap)
         mp.use_gpu = bool(use_gpu)
@@ -836,6 +842,81 @@ class Model(_Closing):
         text, st = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop, constraint), on_piece, [],
                                     _lib.kvb_generate_stats, call)
         return GenerateResult(text, _stats_from(GenerateStats, st))
+
+    # llama-cpp-python's calls, answered in OpenAI's shapes -----------------------
+    def create_completion(self, prompt, *, max_tokens=16, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
+                          stop=None, seed=None, stream=False, response_format=None, documents=None, store=None):
+        """An OpenAI ``text_completion`` dict (or, with ``stream``, an iterator of chunks), as
+        llama-cpp-python's create_completion; ``documents`` (kvblend's extra) are fused before the prompt."""
+        sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                        stop=stop, seed=seed, response_format=response_format)
+        return self._openai_answer(prompt, "", documents, store, stream, False, sampling)
+
+    def create_chat_completion(self, messages, *, max_tokens=None, temperature=0.2, top_p=0.95, top_k=40, min_p=0.05,
+                               stop=None, seed=None, stream=False, response_format=None, tools=None,
+                               tool_choice=None, documents=None, store=None):
+        """An OpenAI ``chat.completion`` dict (or, with ``stream``, an iterator of chunks), as
+        llama-cpp-python's create_chat_completion: the model's chat template renders ``messages``.
+        ``documents`` (kvblend's extra) are fused with the system messages before the question."""
+        if tools or tool_choice not in (None, "none"):
+            raise InvalidArgumentError("tools are not supported yet", "KVB_ERR_INVALID_ARGUMENT")
+        sampling = dict(max_tokens=256 if max_tokens is None else max_tokens, temperature=temperature, top_p=top_p,
+                        top_k=top_k, min_p=min_p, stop=stop, seed=seed, response_format=response_format)
+        if documents is not None:
+            system = "\n".join(m.get("content") or "" for m in messages if m.get("role") in ("system", "developer"))
+            turns = [m for m in messages if m.get("role") not in ("system", "developer")]
+            if any(m.get("role") != "user" for m in turns):
+                raise InvalidArgumentError("documents with an earlier conversation are not supported yet",
+                                           "KVB_ERR_INVALID_ARGUMENT")
+            question = "\n".join(m.get("content") or "" for m in turns)
+            return self._openai_answer(question, system, documents, store, stream, True, sampling)
+        if self.has_chat_template:
+            prompt = self.tokenize(self.apply_chat_template(messages), parse_special=True)
+        else:
+            prompt = "".join((m.get("content") or "") + "\n" for m in messages)
+        return self._openai_answer(prompt, "", None, store, stream, True, sampling)
+
+    def _openai_answer(self, prompt, system, documents, store, stream, chat, sampling):
+        created = int(time.time())
+        ident = ("chatcmpl-" if chat else "cmpl-") + "%d-%d" % (created, id(prompt))
+        head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.path}
+
+        def choice(text, finish):
+            c = {"index": 0, "logprobs": None, "finish_reason": finish}
+            if chat:
+                c["message"] = {"role": "assistant", "content": text}
+            else:
+                c["text"] = text
+            return c
+
+        def finish_of(stats):
+            return "length" if stats.stop_reason == "length" else "stop"
+
+        if stream:
+            if documents is not None:
+                raise InvalidArgumentError("stream with documents is not supported yet", "KVB_ERR_INVALID_ARGUMENT")
+            return self._openai_stream(prompt, sampling, head, chat, finish_of)
+        if documents is not None:
+            r = self.blend(system, documents, prompt, store=store, chat=chat and self.has_chat_template, **sampling)
+        else:
+            r = self.complete(prompt, **sampling)
+        out = dict(head)
+        out["choices"] = [choice(r.text, finish_of(r.stats))]
+        n_prompt = r.stats.n_tokens if documents is not None else r.stats.n_prompt  # BlendStats counts all it fused
+        out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": r.stats.n_gen,
+                        "total_tokens": n_prompt + r.stats.n_gen}
+        return out
+
+    def _openai_stream(self, prompt, sampling, head, chat, finish_of):
+        g = self.generate(prompt, **sampling)
+        chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        for piece in g:
+            delta = {"delta": {"content": piece}} if chat else {"text": piece}
+            yield dict(head, object=chunk_object, choices=[dict(index=0, finish_reason=None, logprobs=None, **delta)])
+        last = {"delta": {}} if chat else {"text": ""}
+        yield dict(head, object=chunk_object,
+                   choices=[dict(index=0, finish_reason=finish_of(g.stats), logprobs=None, **last)])
 
     def generate(self, prompt, **kwargs):
         """Stream a plain generation: an iterator of text pieces (see complete() for the arguments).
