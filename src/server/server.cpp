@@ -718,19 +718,14 @@ struct server::impl {
                 if (n_doc_tokens > p.n_ctx)
                     bad_request("the documents hold more than the context's " + std::to_string(p.n_ctx) + " tokens");
             }
-            // the system messages and the user messages (in order, one per line) frame the documents
-            std::string system, question;
-            for (const auto & mm : msgs) {
-                if (mm.role == "system")
-                    system += (system.empty() ? "" : "\n") + mm.content;
-                else if (mm.role == "assistant")
-                    bad_request("documents with an earlier conversation are not supported yet");
-                else
-                    question += (question.empty() ? "" : "\n") + mm.content;
-            }
-            if (question.empty()) bad_request("a request with documents needs a user message");
+            // the system messages, the documents, then the conversation: a follow-up over the
+            // same documents extends the earlier prompt, so the slot's fused prefix is reused
             j->fuse = true;
-            j->prompt = rag_prompt_build_tokens(v, system, docs, question, v.has_chat_template());
+            try {
+                j->prompt = rag_prompt_build_conversation(v, msgs, docs, v.has_chat_template());
+            } catch (const error & e) {
+                bad_request(e.what());
+            }
             j->tokens = j->prompt.all();
             read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_CHAT);
             for (const auto & [t, i] : texts) remember(t, docs[i]);

@@ -230,6 +230,36 @@ TEST(server_answers, fused_documents_answer_with_a_schema_and_logprobs) {
     EXPECT_EQ(r["choices"][0]["logprobs"]["content"].size(), r["usage"]["completion_tokens"].get<size_t>());
 }
 
+TEST(server_answers, documents_with_an_earlier_conversation_reuse_the_fused_prefix) {
+    test::temp_dir d("multiturn");
+    running_server s(small_params(d.path().string()),
+                     test::make_test_model("tiny-qwen3", GGML_TYPE_F32, test::vocab_path("qwen2")));
+    auto c = s.client();
+    const json docs = {"Lily had a little cat named Tom.", "Ben had a big dog that ran in the park."};
+    json first = {{"messages",
+                   {{{"role", "system"}, {"content", "Answer from the passages."}},
+                    {{"role", "user"}, {"content", "Who had a cat?"}}}},
+                  {"documents", docs},
+                  {"max_tokens", 4},
+                  {"temperature", 0}};
+    const json r1 = post(c, "/v1/chat/completions", first);
+    EXPECT_GT(r1["kvblend"]["n_fused"].get<int>(), 0) << r1;
+    // the follow-up carries the answer and a new question over the same documents
+    json follow = first;
+    follow["messages"].push_back({{"role", "assistant"}, {"content", r1["choices"][0]["message"]["content"]}});
+    follow["messages"].push_back({{"role", "user"}, {"content", "And who had a dog?"}});
+    const json r2 = post(c, "/v1/chat/completions", follow);
+    EXPECT_EQ(r2["choices"][0]["finish_reason"], "length");
+    EXPECT_GT(r2["usage"]["prompt_tokens"].get<int>(), r1["usage"]["prompt_tokens"].get<int>());
+    // the documents and the first turn come from the slot's cache, not a second fusion
+    EXPECT_GE(r2["kvblend"]["n_cached"].get<int>(), r1["usage"]["prompt_tokens"].get<int>()) << r2["kvblend"];
+    EXPECT_EQ(r2["kvblend"]["n_fused"], 0) << r2["kvblend"];
+    // a conversation without a user message is still a 400
+    json no_user = first;
+    no_user["messages"] = {{{"role", "system"}, {"content", "x"}}};
+    EXPECT_EQ(post(c, "/v1/chat/completions", no_user, 400)["error"]["code"], "invalid_request");
+}
+
 // a node script of tests/server/node against a server on tiny-qwen3 (random
 // weights, the qwen2 vocabulary and its chat template); its output on failure
 void run_node_client(const std::string & script) {
