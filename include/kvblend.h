@@ -276,6 +276,14 @@ typedef struct kvb_generate_params {
     size_t n_stop;
     kvb_piece_callback on_piece;  // streaming; may be NULL
     void * user_data;
+    // constrained output (NULL: free text; give at most one): a GBNF grammar
+    // with a "root" rule, or a JSON schema (as JSON text) that the answer must
+    // be valid under (llama.cpp's converter turns it into a grammar). The
+    // end of generation is allowed only where the grammar is complete: an
+    // answer cut by n_predict ends with KVB_STOP_LENGTH. A grammar or schema
+    // that cannot be used is KVB_ERR_INVALID_ARGUMENT, with the reason.
+    const char * grammar;
+    const char * json_schema;
 } kvb_generate_params;
 
 typedef struct kvb_generate_stats {

@@ -34,5 +34,13 @@ rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const s
 rag_prompt rag_prompt_build_tokens(const vocab & v, const std::string & system,
                                    const std::vector<std::vector<llama_token>> & docs, const std::string & question,
                                    bool chat);
+// a conversation over documents: the system messages, then the documents (at
+// the start of the first user message), then every turn after them (earlier
+// answers, follow-up questions) as the chat template renders them, the
+// assistant's turn opened. The same documents under a longer conversation give
+// the same chunks: a follow-up extends the earlier prompt. chat false: the
+// turns' texts one per line. throws kvblend::error without a user message
+rag_prompt rag_prompt_build_conversation(const vocab & v, const std::vector<chat_message> & msgs,
+                                         const std::vector<std::vector<llama_token>> & docs, bool chat);
 
 }  // namespace kvblend

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "llama.h"
@@ -23,6 +24,38 @@ struct sampler_params {
     float presence_penalty = 0.0f;             // subtracted once if the token occurred
     int32_t penalty_last_n = 64;               // tokens the penalties look back over
     std::vector<llama_logit_bias> logit_bias;  // added to a token's logit
+    // constrained output: a GBNF grammar (start rule "root") that every sampled
+    // token must keep the text inside; an end-of-generation token is allowed
+    // only where the grammar is complete. empty: free text
+    std::string grammar;
+    bool logprobs = false;  // record last(): each sampled token's log-probability …
+    int32_t n_probs = 0;    // … and this many of the most likely candidates (0 … k_max_probs)
+};
+
+constexpr int32_t k_max_probs = 20;  // the most candidates n_probs may ask for (OpenAI's top_logprobs bound)
+
+// a JSON schema (as JSON text) as a GBNF grammar of the JSON texts it accepts,
+// by the pinned llama.cpp's converter; throws kvblend::error when the schema is
+// not JSON or uses what the converter cannot express
+std::string grammar_from_json_schema(const std::string & schema);
+// throws kvblend::error when grammar is not GBNF with a "root" rule for this
+// vocabulary, or repeats an element more than k_max_grammar_repeat times
+void grammar_check(const llama_vocab * vocab, const std::string & grammar);
+constexpr uint64_t k_max_grammar_repeat = 4096;  // libllama writes a repeated element out that many times
+
+// a candidate token and its log-probability (natural log)
+struct token_logprob {
+    llama_token token;
+    float logprob;
+};
+
+// a sampled token with its log-probability and the top candidates, as the
+// sampler saw them: after the logit biases, penalties and grammar, before
+// top-k/top-p/min-p and the temperature (what OpenAI's logprobs report)
+struct sampled_token {
+    llama_token token = -1;
+    float logprob = 0.0f;
+    std::vector<token_logprob> top;  // the n_probs most likely, most likely first
 };
 
 sampler_params sampler_default_params();
@@ -34,25 +67,37 @@ uint32_t sampler_seed(int64_t seed);
 
 class sampler {
   public:
-    explicit sampler(const sampler_params & params);
+    // vocab: needed when params.grammar is set (the grammar works on token texts)
+    explicit sampler(const sampler_params & params, const llama_vocab * vocab = nullptr);
     ~sampler();
     sampler(const sampler &) = delete;
     sampler & operator=(const sampler &) = delete;
 
-    // pick the next token from a row of n_vocab logits and record it
+    // pick the next token from a row of n_vocab logits and record it; throws
+    // kvblend::error when the grammar allows no token at all
     llama_token sample(const float * logits, int32_t n_vocab);
+    // the last sampled token with its probabilities (top holds n_probs candidates)
+    const sampled_token & last() const { return last_; }
     // record a token that was not sampled (the prompt's, for the penalties)
     void accept(llama_token tok);
 
   private:
     void build(int32_t n_vocab);
     bool penalized() const;  // some penalty is on
+    void record_probs(const llama_token_data_array & arr);
 
     sampler_params p_;
-    llama_sampler * chain_ = nullptr;  // built by the first sample(): some samplers need n_vocab
+    const llama_vocab * vocab_ = nullptr;
+    // built by the first sample() (some samplers need n_vocab), applied in this order:
+    llama_sampler * chain_ = nullptr;    // logit biases and penalties: they see the prompt's tokens too
+    llama_sampler * grammar_ = nullptr;  // sees only sampled tokens (null: no grammar)
+    llama_sampler * pick_ = nullptr;     // top-k/top-p/min-p, temperature, the choice
     int32_t n_vocab_ = 0;
+    sampled_token last_;
     std::vector<llama_token> pending_;   // accepted before the chain existed
     std::vector<llama_token_data> buf_;  // candidates, reused between calls
+    std::vector<float> logprob_of_;      // logprobs: by token id, for the last choice
+    std::vector<llama_token> order_;     // logprobs: token ids, the n_probs best first
 };
 
 }  // namespace kvblend

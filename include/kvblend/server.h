@@ -34,6 +34,7 @@ struct server_params {
     int64_t learn_min_chars = 256;      // shorter paragraphs are not learned
     int64_t known_docs_max = 250000;    // documents the text index holds (~300 bytes each; oldest forgotten)
     std::string api_key;                // empty: no authentication
+    std::string alias;                  // the model's id in the API (empty: the file's name)
     // web pages that may call the server (CORS): a request with an Origin header
     // from elsewhere is refused (403), so a page the user visits cannot drive a
     // local server. loopback origins (http(s)://localhost, 127.0.0.1, [::1], any

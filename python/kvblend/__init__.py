@@ -20,11 +20,13 @@ the dynamic loader's path.
 import codecs
 import contextlib
 import ctypes
+import json
 import numbers
 import operator
 import os
 import queue
 import threading
+import time
 from ctypes import byref, c_bool, c_char_p, c_float, c_int32, c_size_t, c_void_p
 from dataclasses import dataclass, fields
 
@@ -162,6 +164,50 @@ _U64 = (0, 2**64 - 1, "an unsigned 64-bit integer")
 
 def _int32(value, what):
     return _int(value, what, *_I32)
+
+
+def _alias(value, alias, name, alias_name, default):
+    """One argument known by two names (ours and the openai client's)."""
+    if value is not None and alias is not None:
+        raise TypeError("give %s or %s, not both" % (name, alias_name))
+    return default if value is None and alias is None else (value if value is not None else alias)
+
+
+def _constraint(response_format=None, json_schema=None, grammar=None):
+    """What the answer must follow, as (grammar, json_schema) bytes for kvb_generate_params.
+
+    ``response_format``: {"type": "text"}, {"type": "json_object"} (any JSON
+    object) or {"type": "json_schema", "json_schema": {"schema": {...}}};
+    ``json_schema``: a schema as a dict or JSON text; ``grammar``: GBNF text
+    with a "root" rule. At most one of them.
+    """
+    given = [x for x in (response_format, json_schema, grammar) if x is not None]
+    if len(given) > 1:
+        raise TypeError("give one of response_format, json_schema and grammar")
+    if grammar is not None:
+        return _b(grammar, "grammar"), None
+    if response_format is not None:
+        if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+            raise InvalidArgumentError("response_format must be a dict with a string 'type'",
+                                       "KVB_ERR_INVALID_ARGUMENT")
+        kind = response_format["type"]
+        if kind == "text":
+            return None, None
+        if kind == "json_object":
+            json_schema = response_format.get("schema", {"type": "object"})
+        elif kind == "json_schema":
+            inner = response_format.get("json_schema")
+            if not isinstance(inner, dict):
+                raise InvalidArgumentError("response_format of type json_schema needs a 'json_schema' dict",
+                                           "KVB_ERR_INVALID_ARGUMENT")
+            json_schema = inner.get("schema", {"type": "object"})
+        else:
+            raise InvalidArgumentError("response_format type %r is not supported (text, json_object, json_schema)"
+                                       % kind, "KVB_ERR_INVALID_ARGUMENT")
+    if json_schema is None:
+        return None, None
+    text = json_schema if isinstance(json_schema, (str, bytes)) else json.dumps(json_schema)
+    return None, _b(text, "json_schema")
 
 
 def list_devices():
@@ -473,9 +519,14 @@ class Model(_Closing):
 
     _what = "model"
 
-    def __init__(self, path, *, n_threads=2, n_ctx=0, n_ubatch=512, cache_type="f16", use_mmap=False, use_gpu=True,
-                 device=None, n_gpu_layers=-1):
+    def __init__(self, path=None, *, n_threads=2, n_ctx=0, n_ubatch=512, cache_type="f16", use_mmap=False, use_gpu=True,
+                 device=None, n_gpu_layers=-1, model_path=None, verbose=None):
         _check_not_forked()
+        path = _alias(path, model_path, "path", "model_path", None)  # model_path: llama-cpp-python's name
+        if path is None:
+            raise TypeError("Model() needs the GGUF's path (path or model_path)")
+        if verbose is not None:
+            set_verbose(bool(verbose))
         mp = _c.kvb_model_default_params()
         mp.use_mmap = bool(use_mmap)
         mp.use_gpu = bool(use_gpu)
@@ -589,8 +640,9 @@ class Model(_Closing):
 
     # parameters --------------------------------------------------------------
     @staticmethod
-    def _gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, keep):
+    def _gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, constraint, keep):
         gp = _c.kvb_generate_default_params()
+        gp.grammar, gp.json_schema = constraint
         gp.n_predict = _int(n_predict, "n_predict", *_I32)
         gp.temp = _real(temp, "temp")
         gp.top_k = _int(top_k, "top_k", *_I32)
@@ -694,8 +746,9 @@ class Model(_Closing):
     # blend -------------------------------------------------------------------
     def blend(self, system, docs, question, *, store=None, ratio=None, check_layer=None, score=None, method=None,
               chunk_head=None, head_in_budget=None, weight_query=None, budget=None, dev_mass=None, schedule=None,
-              chat=False, collect_with_prefix=False, n_predict=64, temp=0.0, top_k=40, top_p=0.95, min_p=0.05,
-              seed=None, stop=None, on_piece=None):
+              chat=False, collect_with_prefix=False, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05,
+              seed=None, stop=None, on_piece=None, max_tokens=None, temperature=None, response_format=None,
+              json_schema=None, grammar=None):
         """Answer ``question`` over ``[system, docs…]`` with CacheBlend prefill.
 
         ``docs``: texts, or {"text": …} / {"id": …} dicts (an id from ingest()).
@@ -711,8 +764,13 @@ class Model(_Closing):
         the library's default (kvb_blend_default_params). The answer is
         generated from the fused cache (greedy
         by default; ``stop`` strings end it; ``on_piece(text)`` streams it and
-        may return False to stop). Returns BlendResult(text, stats).
+        may return False to stop). ``max_tokens``/``temperature``,
+        ``response_format``, ``json_schema`` and ``grammar``: as in complete().
+        Returns BlendResult(text, stats).
         """
+        n_predict = _alias(n_predict, max_tokens, "n_predict", "max_tokens", 64)
+        temp = _alias(temp, temperature, "temp", "temperature", 0.0)
+        constraint = _constraint(response_format, json_schema, grammar)
         docs = [docs] if isinstance(docs, (str, bytes, dict)) else list(docs)
         keep = []
         cdocs = (_lib.kvb_doc * len(docs))()
@@ -759,15 +817,26 @@ class Model(_Closing):
         bp.collect_with_prefix = bool(collect_with_prefix)
         with _store_of(store)._using() if store is not None else contextlib.nullcontext():
             text, st = self._generating(
-                (n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, keep, _lib.kvb_blend_stats,
+                (n_predict, temp, top_k, top_p, min_p, seed, stop, constraint), on_piece, keep, _lib.kvb_blend_stats,
                 lambda ctx, gp, out, stats: _c.kvb_blend(ctx, store._h if store is not None else None, system_b,
                                                          cdocs, len(docs), question_b, byref(bp), gp, out, stats))
         return BlendResult(text, _stats_from(BlendStats, st))
 
     # plain generation --------------------------------------------------------
-    def complete(self, prompt, *, n_predict=64, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=None, stop=None,
-                 on_piece=None):
-        """Prefill ``prompt`` (text, or a list of token ids) and generate; returns GenerateResult(text, stats)."""
+    def complete(self, prompt, *, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05, seed=None, stop=None,
+                 on_piece=None, max_tokens=None, temperature=None, response_format=None, json_schema=None,
+                 grammar=None):
+        """Prefill ``prompt`` (text, or a list of token ids) and generate; returns GenerateResult(text, stats).
+
+        ``max_tokens`` and ``temperature`` are the openai client's and
+        llama-cpp-python's names for ``n_predict`` (default 64) and ``temp``
+        (default 0: greedy). The answer can be constrained (see _constraint):
+        ``response_format`` as the openai client gives it, ``json_schema`` (a
+        dict or JSON text) or a GBNF ``grammar``.
+        """
+        n_predict = _alias(n_predict, max_tokens, "n_predict", "max_tokens", 64)
+        temp = _alias(temp, temperature, "temp", "temperature", 0.0)
+        constraint = _constraint(response_format, json_schema, grammar)
         if isinstance(prompt, (str, bytes)):
             text_b = _b(prompt, "prompt")
             call = lambda ctx, gp, out, stats: _c.kvb_generate(ctx, text_b, gp, out, stats)  # noqa: E731
@@ -775,9 +844,84 @@ class Model(_Closing):
             toks = _tokens(prompt, "prompt")
             call = lambda ctx, gp, out, stats: _c.kvb_generate_tokens(ctx, toks, len(toks), gp, out, stats)  # noqa: E731
 
-        text, st = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop), on_piece, [],
+        text, st = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop, constraint), on_piece, [],
                                     _lib.kvb_generate_stats, call)
         return GenerateResult(text, _stats_from(GenerateStats, st))
+
+    # llama-cpp-python's calls, answered in OpenAI's shapes -----------------------
+    def create_completion(self, prompt, *, max_tokens=16, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
+                          stop=None, seed=None, stream=False, response_format=None, documents=None, store=None):
+        """An OpenAI ``text_completion`` dict (or, with ``stream``, an iterator of chunks), as
+        llama-cpp-python's create_completion; ``documents`` (kvblend's extra) are fused before the prompt."""
+        sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                        stop=stop, seed=seed, response_format=response_format)
+        return self._openai_answer(prompt, "", documents, store, stream, False, sampling)
+
+    def create_chat_completion(self, messages, *, max_tokens=None, temperature=0.2, top_p=0.95, top_k=40, min_p=0.05,
+                               stop=None, seed=None, stream=False, response_format=None, tools=None,
+                               tool_choice=None, documents=None, store=None):
+        """An OpenAI ``chat.completion`` dict (or, with ``stream``, an iterator of chunks), as
+        llama-cpp-python's create_chat_completion: the model's chat template renders ``messages``.
+        ``documents`` (kvblend's extra) are fused with the system messages before the question."""
+        if tools or tool_choice not in (None, "none"):
+            raise InvalidArgumentError("tools are not supported yet", "KVB_ERR_INVALID_ARGUMENT")
+        sampling = dict(max_tokens=256 if max_tokens is None else max_tokens, temperature=temperature, top_p=top_p,
+                        top_k=top_k, min_p=min_p, stop=stop, seed=seed, response_format=response_format)
+        if documents is not None:
+            system = "\n".join(m.get("content") or "" for m in messages if m.get("role") in ("system", "developer"))
+            turns = [m for m in messages if m.get("role") not in ("system", "developer")]
+            if any(m.get("role") != "user" for m in turns):
+                raise InvalidArgumentError("documents with an earlier conversation are not supported yet",
+                                           "KVB_ERR_INVALID_ARGUMENT")
+            question = "\n".join(m.get("content") or "" for m in turns)
+            return self._openai_answer(question, system, documents, store, stream, True, sampling)
+        if self.has_chat_template:
+            prompt = self.tokenize(self.apply_chat_template(messages), parse_special=True)
+        else:
+            prompt = "".join((m.get("content") or "") + "\n" for m in messages)
+        return self._openai_answer(prompt, "", None, store, stream, True, sampling)
+
+    def _openai_answer(self, prompt, system, documents, store, stream, chat, sampling):
+        created = int(time.time())
+        ident = ("chatcmpl-" if chat else "cmpl-") + "%d-%d" % (created, id(prompt))
+        head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.path}
+
+        def choice(text, finish):
+            c = {"index": 0, "logprobs": None, "finish_reason": finish}
+            if chat:
+                c["message"] = {"role": "assistant", "content": text}
+            else:
+                c["text"] = text
+            return c
+
+        def finish_of(stats):
+            return "length" if stats.stop_reason == "length" else "stop"
+
+        if stream:
+            if documents is not None:
+                raise InvalidArgumentError("stream with documents is not supported yet", "KVB_ERR_INVALID_ARGUMENT")
+            return self._openai_stream(prompt, sampling, head, chat, finish_of)
+        if documents is not None:
+            r = self.blend(system, documents, prompt, store=store, chat=chat and self.has_chat_template, **sampling)
+        else:
+            r = self.complete(prompt, **sampling)
+        out = dict(head)
+        out["choices"] = [choice(r.text, finish_of(r.stats))]
+        n_prompt = r.stats.n_tokens if documents is not None else r.stats.n_prompt  # BlendStats counts all it fused
+        out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": r.stats.n_gen,
+                        "total_tokens": n_prompt + r.stats.n_gen}
+        return out
+
+    def _openai_stream(self, prompt, sampling, head, chat, finish_of):
+        g = self.generate(prompt, **sampling)
+        chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        for piece in g:
+            delta = {"delta": {"content": piece}} if chat else {"text": piece}
+            yield dict(head, object=chunk_object, choices=[dict(index=0, finish_reason=None, logprobs=None, **delta)])
+        last = {"delta": {}} if chat else {"text": ""}
+        yield dict(head, object=chunk_object,
+                   choices=[dict(index=0, finish_reason=finish_of(g.stats), logprobs=None, **last)])
 
     def generate(self, prompt, **kwargs):
         """Stream a plain generation: an iterator of text pieces (see complete() for the arguments).

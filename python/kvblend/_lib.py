@@ -69,7 +69,8 @@ class kvb_ingest_stats(Structure):
 class kvb_generate_params(Structure):
     _fields_ = [("n_predict", c_int32), ("temp", c_float), ("top_k", c_int32), ("top_p", c_float), ("min_p", c_float),
                 ("seed", c_uint32), ("stop", POINTER(c_char_p)), ("n_stop", c_size_t),
-                ("on_piece", kvb_piece_callback), ("user_data", c_void_p)]
+                ("on_piece", kvb_piece_callback), ("user_data", c_void_p), ("grammar", c_char_p),
+                ("json_schema", c_char_p)]
 
 
 class kvb_generate_stats(Structure):

@@ -75,4 +75,44 @@ rag_prompt rag_prompt_build_tokens(const vocab & v, const std::string & system,
     return p;
 }
 
+rag_prompt rag_prompt_build_conversation(const vocab & v, const std::vector<chat_message> & msgs,
+                                         const std::vector<std::vector<llama_token>> & docs, bool chat) {
+    size_t first_user = msgs.size();
+    for (size_t i = 0; i < msgs.size() && first_user == msgs.size(); ++i)
+        if (msgs[i].role == "user") first_user = i;
+    if (first_user == msgs.size()) throw error("a request with documents needs a user message");
+    if (!chat) {
+        std::string system, turns;  // each one per line
+        for (const auto & m : msgs) {
+            std::string & to = m.role == "system" ? system : turns;
+            to += (to.empty() ? "" : "\n") + m.content;
+        }
+        return rag_prompt_build_tokens(v, system, docs, turns, false);
+    }
+    // the markers open the first user message; the cut is made as in rag_prompt_build_tokens
+    const std::string mark = "\x1e@kvblend-doc@\x1e";
+    std::vector<chat_message> marked = msgs;
+    std::string marks;
+    for (size_t i = 0; i < docs.size(); ++i) marks += mark;
+    marked[first_user].content = marks + marked[first_user].content;
+    const std::string rendered = v.apply_chat_template(marked, true);
+    rag_prompt p;
+    const size_t at = docs.empty() ? std::string::npos : rendered.find(mark);
+    if (docs.empty() || at == std::string::npos) {
+        if (!docs.empty()) throw error("the chat template dropped the documents");
+        p.chunks.push_back(v.tokenize("", true));
+        p.query = v.tokenize(rendered, false, true);
+        return p;
+    }
+    p.chunks.push_back(v.tokenize(rendered.substr(0, at), true, true));
+    std::string tail = rendered.substr(at);
+    for (const auto & d : docs) {
+        if (tail.compare(0, mark.size(), mark) != 0) throw error("the chat template reordered the documents");
+        tail = tail.substr(mark.size());
+        p.chunks.push_back(d);
+    }
+    p.query = v.tokenize(tail, false, true);
+    return p;
+}
+
 }  // namespace kvblend

@@ -200,7 +200,20 @@ int32_t n_predict_in_room(const kvb_context & c, int64_t n_prompt, int32_t n_pre
     return n_prompt < cap ? (int32_t) std::min<int64_t>(n_predict, cap - n_prompt) : n_predict;
 }
 
-sampler_params sampling_of(const kvb_generate_params & gp) {
+// the grammar of a kvb_generate_params (its grammar or its JSON schema's), checked against the vocabulary
+std::string grammar_of(const kvb_generate_params & gp, const model & m) {
+    if (gp.grammar && gp.json_schema) fail(KVB_ERR_INVALID_ARGUMENT, "give grammar or json_schema, not both");
+    if (!gp.grammar && !gp.json_schema) return {};
+    try {
+        std::string g = gp.grammar ? std::string(gp.grammar) : grammar_from_json_schema(gp.json_schema);
+        grammar_check(m.tokens().raw(), g);
+        return g;
+    } catch (const error & e) {
+        fail(KVB_ERR_INVALID_ARGUMENT, e.what());
+    }
+}
+
+sampler_params sampling_of(const kvb_generate_params & gp, const model & m) {
     if (gp.n_predict < 0) fail(KVB_ERR_INVALID_ARGUMENT, "n_predict must not be negative");
     if (!(gp.temp >= 0 && gp.temp <= 100)) fail(KVB_ERR_INVALID_ARGUMENT, "temp must be in [0, 100]");
     if (!(gp.top_p >= 0 && gp.top_p <= 1)) fail(KVB_ERR_INVALID_ARGUMENT, "top_p must be in [0, 1]");
@@ -214,6 +227,7 @@ sampler_params sampling_of(const kvb_generate_params & gp) {
     sp.top_p = gp.top_p;
     sp.min_p = gp.min_p;
     sp.seed = gp.seed;
+    sp.grammar = grammar_of(gp, m);
     return sp;
 }
 
@@ -306,7 +320,7 @@ void check_tokens(const model & m, const kvb_token * toks, size_t n) {
 void generate_impl(kvb_context * ctx, const std::vector<llama_token> & toks, const kvb_generate_params * params,
                    char ** text, kvb_generate_stats * stats) {
     kvb_generate_params gp = params ? *params : kvb_generate_default_params();
-    const sampler_params sp = sampling_of(gp);
+    const sampler_params sp = sampling_of(gp, *ctx->m);
     if (toks.empty()) fail(KVB_ERR_INVALID_ARGUMENT, "the prompt tokenizes to nothing");
     gp.n_predict = n_predict_in_room(*ctx, (int64_t) toks.size(), gp.n_predict);
     engine & eng = engine_for(
@@ -768,7 +782,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         const context_use in_use(*ctx);
         const kvb_blend_params p = blend_params ? *blend_params : kvb_blend_default_params();
         kvb_generate_params gp = gen_params ? *gen_params : kvb_generate_default_params();
-        const sampler_params sp = sampling_of(gp);
+        const sampler_params sp = sampling_of(gp, *ctx->m);
         const model & m = *ctx->m;
         const int n_layer = (int) m.hparams().n_layer;
         // every document takes a position at least: more cannot fit, and the count sizes vectors below

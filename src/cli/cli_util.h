@@ -101,8 +101,9 @@ inline bool match_help(args & a, const char * help) {
 }
 
 // flags shared by the commands that generate; true when one was consumed
-bool match_sampling_flag(args & a, sampler_params & sp);  // --temp --top-k --top-p --min-p --seed
-bool match_engine_flag(args & a, engine_params & ep);     // -t, -b, --cache-type[-k|-v], --kv-codec
+bool match_sampling_flag(args & a,
+                         sampler_params & sp);  // --temp --top-k --top-p --min-p --seed --json-schema --grammar-file
+bool match_engine_flag(args & a, engine_params & ep);  // -t, -b, --cache-type[-k|-v], --kv-codec
 // the device flags (src/cli/cli_device.cpp): -dev/--device, --rpc, -ngl, --list-devices
 bool match_device_flag(args & a, model_params & mp);
 extern const char * k_device_help;

@@ -49,6 +49,8 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
                           q8_0, q4_0, kivi2, kivi4 (part of the store key)
   -n, --n-predict N       tokens to generate (default 64)
   --temp T, --seed S      sampling (default greedy); also --top-k, --top-p, --min-p
+  -j, --json-schema S     constrain the output to JSON valid under a JSON schema (the
+                          schema, or a file holding it); --grammar-file F: to a GBNF grammar
   --chat                  use the model's chat template (documents in the user turn)
   --compare-full          also run a full prefill of the same tokens and report
                           kl, top1_agree, greedy_agree_32, full_ms, blend_ms, speedup

@@ -33,6 +33,9 @@ const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
   --top-p P             top-p (default 0.95; 1 = off)
   --min-p P             min-p (default 0.05; 0 = off)
   --seed S              sampling seed (default: random)
+  -j, --json-schema S   constrain the output to JSON valid under a JSON schema (S: the
+                        schema, or a file holding it; llama.cpp's converter)
+  --grammar-file F      constrain the output to a GBNF grammar (start rule "root")
   -t, --threads N       CPU threads (default 2)
   -c, --ctx-size N      KV cache size in tokens (default: prompt + n, at most the trained context)
   -b, --ubatch N        prefill micro-batch (default 512)
@@ -137,6 +140,18 @@ blend_budget parse_blend_budget(const std::string & s) {
     return v;
 }
 
+// --json-schema takes the schema itself (text starting with '{') or a file holding it
+static std::string schema_text(const std::string & arg) {
+    const size_t first = arg.find_first_not_of(" \t\r\n");
+    if (first != std::string::npos && arg[first] == '{') return arg;
+    return read_text_file(arg, 1 << 20);
+}
+
+static void set_grammar(sampler_params & sp, std::string grammar, const char * flag) {
+    if (!sp.grammar.empty()) throw error(std::string(flag) + ": give one of --json-schema and --grammar-file");
+    sp.grammar = std::move(grammar);
+}
+
 bool match_sampling_flag(args & a, sampler_params & sp) {
     if (a.match({"--temp"}))
         sp.temp = (float) a.real(0.0, 100.0);
@@ -148,6 +163,10 @@ bool match_sampling_flag(args & a, sampler_params & sp) {
         sp.min_p = (float) a.real(0.0, 1.0);
     else if (a.match({"--seed"}))
         sp.seed = (uint32_t) a.integer(0, UINT32_MAX);
+    else if (a.match({"--json-schema", "-j"}))
+        set_grammar(sp, grammar_from_json_schema(schema_text(a.str())), "--json-schema");
+    else if (a.match({"--grammar-file"}))
+        set_grammar(sp, read_text_file(a.str(), 1 << 20), "--grammar-file");
     else
         return false;
     return true;

@@ -39,7 +39,9 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --learn-max-bytes N       most passage text one request adds (default 65536)
   --learn-min-chars N       shortest paragraph learned as a passage (default 256)
   --known-docs N            document texts searched for in plain prompts, oldest forgotten (default 250000)
-  --api-key KEY             require "Authorization: Bearer KEY" (an empty key is refused)
+  --api-key KEY             require "Authorization: Bearer KEY" or "X-Api-Key: KEY" (an empty key is refused)
+  -a, --alias NAME          the model's id in the API (default: the file's name)
+  --jinja                   accepted for llama-server's command lines: the model's chat template is always used
   --api-key-file F          the same, the key read from a file
   --allow-origin ORIGIN     a web page origin that may call the server (repeatable; '*': any). Requests
                             with another Origin header get 403; loopback origins are always allowed
@@ -132,7 +134,12 @@ int cmd_serve(int argc, char ** argv) {
             sp.learn_max_bytes = a.integer(0, 1 << 30);
         else if (a.match({"--learn-min-chars"}))
             sp.learn_min_chars = a.integer((int64_t) 1, 1 << 30);
-        else if (a.match({"--known-docs"}))
+        else if (a.match({"-a", "--alias"})) {
+            sp.alias = a.str();
+            if (sp.alias.empty()) throw error("--alias is empty: give a name, or leave the flag out");
+        } else if (a.match({"--jinja"})) {
+            // llama-server's switch to its jinja templates: ours always apply the model's template
+        } else if (a.match({"--known-docs"}))
             sp.known_docs_max = a.integer(1, 1 << 26);
         else if (a.match({"--api-key"})) {
             sp.api_key = a.str();

@@ -266,7 +266,7 @@ generate_result engine::generate_from(std::vector<float> logits, int32_t n_predi
     const model & m = *model_;
     const int32_t n_vocab = (int32_t) m.hparams().n_vocab;
     generate_result r;
-    sampler smp(sp);
+    sampler smp(sp, m.tokens().raw());
     const energy_mark e0 = energy_now();
     const double t0 = time_ms();
     for (int32_t i = 0; i < n_predict; ++i) {

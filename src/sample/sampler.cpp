@@ -1,6 +1,9 @@
 // sampling: llama.cpp's sampler chain applied to a row of our logits.
 #include "kvblend/sampler.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "kvblend/common.h"
 
 namespace kvblend {
@@ -18,7 +21,11 @@ uint32_t sampler_seed(int64_t seed) {
     return (uint32_t) ((z ^ (z >> 31)) % LLAMA_DEFAULT_SEED);
 }
 
-sampler::sampler(const sampler_params & p) : p_(p) {}
+sampler::sampler(const sampler_params & p, const llama_vocab * vocab) : p_(p), vocab_(vocab) {
+    if (p_.n_probs < 0 || p_.n_probs > k_max_probs)
+        throw error("n_probs must be in [0, " + std::to_string(k_max_probs) + "]");
+    if (!p_.grammar.empty() && !vocab_) throw error("a grammar needs the model's vocabulary");
+}
 
 void sampler::build(int32_t n_vocab) {
     if (p_.penalty_last_n < 0) throw error("penalty_last_n must not be negative");
@@ -35,23 +42,30 @@ void sampler::build(int32_t n_vocab) {
     if (penalized())
         llama_sampler_chain_add(chain_, llama_sampler_init_penalties(n_vocab, p_.penalty_last_n, p_.repeat_penalty,
                                                                      p_.freq_penalty, p_.presence_penalty));
+    if (!p_.grammar.empty()) {
+        grammar_check(vocab_, p_.grammar);
+        grammar_ = llama_sampler_init_grammar(vocab_, p_.grammar.c_str(), "root");
+        if (!grammar_) throw error("the grammar is not valid GBNF with a 'root' rule");
+    }
+    pick_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
     // logits divided by a temperature near zero overflow to inf (1e-38 gave garbage);
     // below 1e-6 any two logits that differ at all are already a greedy choice
     if (!(p_.temp >= k_min_temp)) {
-        llama_sampler_chain_add(chain_, llama_sampler_init_greedy());
+        llama_sampler_chain_add(pick_, llama_sampler_init_greedy());
     } else {
-        if (p_.top_k > 0) llama_sampler_chain_add(chain_, llama_sampler_init_top_k(p_.top_k));
-        if (p_.top_p < 1.0f) llama_sampler_chain_add(chain_, llama_sampler_init_top_p(p_.top_p, 1));
-        if (p_.min_p > 0.0f) llama_sampler_chain_add(chain_, llama_sampler_init_min_p(p_.min_p, 1));
-        llama_sampler_chain_add(chain_, llama_sampler_init_temp(p_.temp));
-        llama_sampler_chain_add(chain_, llama_sampler_init_dist(p_.seed));
+        if (p_.top_k > 0) llama_sampler_chain_add(pick_, llama_sampler_init_top_k(p_.top_k));
+        if (p_.top_p < 1.0f) llama_sampler_chain_add(pick_, llama_sampler_init_top_p(p_.top_p, 1));
+        if (p_.min_p > 0.0f) llama_sampler_chain_add(pick_, llama_sampler_init_min_p(p_.min_p, 1));
+        llama_sampler_chain_add(pick_, llama_sampler_init_temp(p_.temp));
+        llama_sampler_chain_add(pick_, llama_sampler_init_dist(p_.seed));
     }
     for (llama_token t : pending_) llama_sampler_accept(chain_, t);
     pending_.clear();
 }
 
 sampler::~sampler() {
-    if (chain_) llama_sampler_free(chain_);
+    for (llama_sampler * s : {chain_, grammar_, pick_})
+        if (s) llama_sampler_free(s);
 }
 
 bool sampler::penalized() const {
@@ -67,6 +81,26 @@ void sampler::accept(llama_token tok) {
         pending_.push_back(tok);
 }
 
+// the candidates' log-softmax as they stand (biased, penalised, constrained):
+// keeps every token's log-probability for the choice and the n_probs best
+void sampler::record_probs(const llama_token_data_array & arr) {
+    float max_logit = -INFINITY;
+    for (size_t i = 0; i < arr.size; ++i) max_logit = std::max(max_logit, arr.data[i].logit);
+    double sum = 0;
+    for (size_t i = 0; i < arr.size; ++i) sum += std::exp((double) arr.data[i].logit - max_logit);
+    const float log_norm = max_logit + (float) std::log(sum);
+    logprob_of_.resize(arr.size);
+    for (size_t i = 0; i < arr.size; ++i) logprob_of_[arr.data[i].id] = arr.data[i].logit - log_norm;
+    const size_t n_top = std::min<size_t>((size_t) p_.n_probs, arr.size);
+    order_.resize(arr.size);
+    for (size_t i = 0; i < arr.size; ++i) order_[i] = arr.data[i].id;
+    std::partial_sort(order_.begin(), order_.begin() + n_top, order_.end(), [&](llama_token a, llama_token b) {
+        return logprob_of_[a] > logprob_of_[b] || (logprob_of_[a] == logprob_of_[b] && a < b);
+    });
+    last_.top.clear();
+    for (size_t i = 0; i < n_top; ++i) last_.top.push_back({order_[i], logprob_of_[order_[i]]});
+}
+
 llama_token sampler::sample(const float * logits, int32_t n_vocab) {
     if (!chain_) build(n_vocab);
     if (n_vocab != n_vocab_)
@@ -76,8 +110,21 @@ llama_token sampler::sample(const float * logits, int32_t n_vocab) {
     for (int32_t i = 0; i < n_vocab; ++i) buf_[i] = {i, logits[i], 0.0f};
     llama_token_data_array arr = {buf_.data(), buf_.size(), -1, false};
     llama_sampler_apply(chain_, &arr);
+    if (grammar_) {
+        llama_sampler_apply(grammar_, &arr);
+        // a grammar no token of this vocabulary can continue: an error, not a token it forbids
+        if (std::none_of(arr.data, arr.data + arr.size,
+                         [](const llama_token_data & d) { return std::isfinite(d.logit); }))
+            throw error("the grammar allows no token of this vocabulary here");
+    }
+    if (p_.logprobs) record_probs(arr);
+    llama_sampler_apply(pick_, &arr);
     const llama_token tok = arr.data[arr.selected].id;
     llama_sampler_accept(chain_, tok);
+    if (grammar_) llama_sampler_accept(grammar_, tok);
+    llama_sampler_accept(pick_, tok);
+    last_.token = tok;
+    last_.logprob = p_.logprobs ? logprob_of_[tok] : 0.0f;
     return tok;
 }
 

@@ -19,6 +19,7 @@
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
+#include "server/answer_logprobs.h"
 #include "server/doc_index.h"
 #include "server/prompt_layout.h"
 #include "server/server_http.h"
@@ -41,6 +42,13 @@ struct slot_cache {
     size_t exact = 0;
 };
 
+// text the client can be sent, with the sampled tokens that made it (their
+// probabilities, when the request asked for them)
+struct answer_piece {
+    std::string text;
+    std::vector<sampled_token> tokens;
+};
+
 struct job {
     // what to compute: a completion, or (ingest) only collecting and storing chunks
     bool ingest = false;
@@ -59,12 +67,14 @@ struct job {
     // what comes back (guarded by mu)
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<std::string> pieces;
+    std::deque<answer_piece> pieces;
     bool done = false;
     std::string error;
     int error_status = 500;  // the HTTP status and code error is answered with
     std::string error_code = "internal_error";
     std::string finish_reason = "stop";
+    bool stream_usage = false;  // stream_options.include_usage: a usage chunk before [DONE]
+    bool cache_prompt = true;   // reuse the slot's cached prefix (llama-server's cache_prompt)
     int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
     int64_t store_errors = 0;     // store calls that failed (each a miss or a skipped put)
     std::vector<bool> chunk_hit;  // fuse: per non-empty chunk, whether the store had it
@@ -74,9 +84,10 @@ struct job {
     double t_submit = 0, ttft_ms = -1;  // time to the first generated token, queueing included
     std::atomic<bool> cancelled{false};
 
-    void emit(std::string piece) {
+    void emit(std::string text, std::vector<sampled_token> & tokens) {
         std::lock_guard l(mu);
-        pieces.push_back(std::move(piece));
+        pieces.push_back({std::move(text), std::move(tokens)});
+        tokens.clear();
         cv.notify_all();
     }
     void finish(const std::string & err = {}, int status = 500, const std::string & code = "internal_error") {
@@ -219,7 +230,7 @@ struct server::impl {
             so.max_bytes = p.store_max_bytes;
             st = std::make_unique<soft_store>(store_open(p.store_uri, so));
         }
-        model_id = m->path().substr(m->path().find_last_of('/') + 1);
+        model_id = !p.alias.empty() ? p.alias : m->path().substr(m->path().find_last_of('/') + 1);
         m->tokens().max_piece_bytes();  // measured once at start, not on a request
         for (int i = 0; i < p.parallel; ++i) {
             engine_params ep = engine_default_params();
@@ -345,7 +356,8 @@ struct server::impl {
         const int64_t nv = m->hparams().n_vocab;
         std::vector<float> logits;
         const double t0 = time_ms();
-        const size_t keep = reusable_prefix(eng, cache, j);
+        // cache_prompt false: the slot keeps nothing (llama-server's cache_prompt)
+        const size_t keep = j.cache_prompt ? reusable_prefix(eng, cache, j) : 0;
         blend_params bp = j.sel;
         bp.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
         if (j.fuse) {
@@ -385,7 +397,8 @@ struct server::impl {
         j.kv_rows = eng.cache().n_rows_max();
         j.prefill_ms = time_ms() - t0;
 
-        sampler smp(j.sp);
+        sampler smp(j.sp, v.raw());
+        std::vector<sampled_token> unsent;  // logprobs: sampled tokens whose text is not emitted yet
         // the penalties look back over the prompt too (as llama-server's do)
         const size_t back = std::min((size_t) j.sp.penalty_last_n, j.tokens.size());
         for (size_t i = j.tokens.size() - back; i < j.tokens.size(); ++i) smp.accept(j.tokens[i]);
@@ -398,13 +411,14 @@ struct server::impl {
                 cache.exact = std::min(cache.exact, cached.size());
                 return;
             }
-            const llama_token tok = smp.sample(logits.data() + logits.size() - nv, (int32_t) nv);
+            const llama_token tok = sample_next(smp, logits.data() + logits.size() - nv, (int32_t) nv);
             if (v.is_eog(tok)) {
                 j.finish_reason = "stop";
                 break;
             }
             j.n_gen++;
             if (j.ttft_ms < 0) j.ttft_ms = time_ms() - j.t_submit;
+            if (j.sp.logprobs) unsent.push_back(smp.last());
             text += v.token_to_piece(tok);
             size_t cut = std::string::npos;
             for (const auto & s : j.stop) {
@@ -412,7 +426,7 @@ struct server::impl {
                 if (at != std::string::npos) cut = std::min(cut, at);
             }
             if (cut != std::string::npos) {
-                if (cut > sent) j.emit(text.substr(sent, cut - sent));
+                if (cut > sent) j.emit(text.substr(sent, cut - sent), unsent);
                 sent = text.size();
                 j.finish_reason = "stop";
                 break;
@@ -420,7 +434,7 @@ struct server::impl {
             // emit what can no longer be the start of a stop string, in whole UTF-8 characters
             const size_t upto = utf8_whole(text, text.size() - stop_prefix_tail(text, j.stop));
             if (upto > sent) {
-                j.emit(text.substr(sent, upto - sent));
+                j.emit(text.substr(sent, upto - sent), unsent);
                 sent = upto;
             }
             if (eng.cache().n_past() >= eng.cache().n_ctx()) break;
@@ -431,7 +445,17 @@ struct server::impl {
                 if (!eng.live() && cache.exact + 1 == cached.size()) cache.exact = cached.size();
             }
         }
-        if (sent < text.size()) j.emit(text.substr(sent));  // the held-back tail held no stop string
+        if (sent < text.size()) j.emit(text.substr(sent), unsent);  // the held-back tail held no stop string
+    }
+
+    // the request's own sampler settings can leave no token (a grammar this
+    // vocabulary cannot continue): its error, not the server's
+    static llama_token sample_next(sampler & smp, const float * logits, int32_t n_vocab) {
+        try {
+            return smp.sample(logits, n_vocab);
+        } catch (const error & e) {
+            bad_request(e.what(), "invalid_grammar");
+        }
     }
 
     // queue a job; false when the queue is full
@@ -462,7 +486,7 @@ struct server::impl {
     }
 
     // sampling fields shared by both completion endpoints
-    void read_sampling(const json & b, job & j, int64_t n_prompt) const {
+    void read_sampling(const json & b, job & j, int64_t n_prompt, request_kind kind) const {
         auto num = [&](const char * k, double lo, double hi, double def) {
             if (!b.contains(k) || b[k].is_null()) return def;
             if (!b[k].is_number()) bad_request(std::string("'") + k + "' must be a number");
@@ -498,6 +522,7 @@ struct server::impl {
                                 std::to_string(m->hparams().n_vocab) + " tokens");
                 j.sp.logit_bias.push_back({(llama_token) id, x.get<float>()});
             }
+        read_output_rules(b, j, kind);
         j.sel.recomp_ratio = (float) num("recomp_ratio", 0, 1, p.recomp_ratio);
         j.sel.recompute_chunk_head = (int) num("chunk_head", 0, 1 << 20, j.sel.recompute_chunk_head);
         j.sel.dev_mass = (float) num("dev_mass", 0, 1, j.sel.dev_mass);
@@ -520,6 +545,21 @@ struct server::impl {
             } else
                 bad_request("'stop' must be a string or an array of strings");
         }
+    }
+
+    // what the output must follow and what is reported with it: a grammar, log-probabilities
+    void read_output_rules(const json & b, job & j, request_kind kind) const {
+        j.sp.grammar = request_grammar(b);
+        if (!j.sp.grammar.empty()) try {
+                grammar_check(m->tokens().raw(), j.sp.grammar);
+            } catch (const error & e) {
+                bad_request(e.what(), "invalid_grammar");
+            }
+        const log_request lr = request_logprobs(b, kind);
+        j.sp.logprobs = lr.on;
+        j.sp.n_probs = lr.n;
+        j.stream_usage = b.contains("stream_options") && b["stream_options"].value("include_usage", false);
+        j.cache_prompt = b.value("cache_prompt", true);
     }
 
     // documents are fused into (and collected from) a dense cache
@@ -625,21 +665,16 @@ struct server::impl {
                 if (n_doc_tokens > p.n_ctx)
                     bad_request("the documents hold more than the context's " + std::to_string(p.n_ctx) + " tokens");
             }
-            // the system messages and the user messages (in order, one per line) frame the documents
-            std::string system, question;
-            for (const auto & mm : msgs) {
-                if (mm.role == "system")
-                    system += (system.empty() ? "" : "\n") + mm.content;
-                else if (mm.role == "assistant")
-                    bad_request("documents with an earlier conversation are not supported yet");
-                else
-                    question += (question.empty() ? "" : "\n") + mm.content;
-            }
-            if (question.empty()) bad_request("a request with documents needs a user message");
+            // the system messages, the documents, then the conversation: a follow-up over the
+            // same documents extends the earlier prompt, so the slot's fused prefix is reused
             j->fuse = true;
-            j->prompt = rag_prompt_build_tokens(v, system, docs, question, v.has_chat_template());
+            try {
+                j->prompt = rag_prompt_build_conversation(v, msgs, docs, v.has_chat_template());
+            } catch (const error & e) {
+                bad_request(e.what());
+            }
             j->tokens = j->prompt.all();
-            read_sampling(b, *j, (int64_t) j->tokens.size());
+            read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_CHAT);
             for (const auto & [t, i] : texts) remember(t, docs[i]);
             return j;
         } else {
@@ -655,7 +690,7 @@ struct server::impl {
                 plain_or_chunked(*j, std::move(toks));
         }
         if (j->tokens.empty()) bad_request("the prompt is empty");
-        read_sampling(b, *j, (int64_t) j->tokens.size());
+        read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_CHAT);
         return j;
     }
 
@@ -693,7 +728,7 @@ struct server::impl {
         std::vector<llama_token> toks = m->tokens().tokenize(prompt, true, false);
         if (!with_known_docs(*j, prompt, {prompt}, (int64_t) toks.size(), false)) plain_or_chunked(*j, std::move(toks));
         if (j->tokens.empty()) bad_request("the prompt is empty");
-        read_sampling(b, *j, (int64_t) j->tokens.size());
+        read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_COMPLETION);
         return j;
     }
 
@@ -715,6 +750,33 @@ struct server::impl {
                 {"n_cached", j.n_cached},
                 {"kv_rows", j.kv_rows},
                 {"prefill_ms", j.prefill_ms}};
+    }
+
+    // a choice's "logprobs": null unless the request asked for them
+    json logprobs_of(const job & j, bool chat, const std::vector<sampled_token> & tokens, size_t offset) const {
+        if (!j.sp.logprobs) return nullptr;
+        if (chat) return logprobs_chat(m->tokens(), tokens);
+        return logprobs_completion(m->tokens(), tokens, offset, j.sp.n_probs > 0);
+    }
+
+    // /tokenize: ids, or llama-server's with_pieces [{"id", "piece"}] (a piece that is
+    // not whole UTF-8 is its bytes, as llama-server sends it)
+    json tokens_with_pieces(const std::vector<llama_token> & tokens, bool with_pieces) const {
+        if (!with_pieces) return tokens;
+        json out = json::array();
+        for (llama_token t : tokens) {
+            const std::string piece = m->tokens().token_to_piece(t);
+            json bytes = json::array();
+            for (unsigned char c : piece) bytes.push_back((int) c);
+            bool whole = true;  // valid UTF-8: nlohmann's strict dump says so
+            try {
+                (void) json(piece).dump();
+            } catch (const json::type_error &) {
+                whole = false;
+            }
+            out.push_back({{"id", t}, {"piece", whole ? json(piece) : bytes}});
+        }
+        return out;
     }
 
     static std::string new_id(const char * prefix) {
@@ -740,9 +802,13 @@ struct server::impl {
         const int64_t created = (int64_t) time(nullptr);
         if (!stream) {
             std::string text;
+            std::vector<sampled_token> tokens;
             std::unique_lock l(j->mu);
             wait_done(*j, l, req);
-            for (auto & s : j->pieces) text += s;
+            for (auto & s : j->pieces) {
+                text += s.text;
+                tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
+            }
             if (!j->error.empty())
                 throw request_error{j->error_status, j->error,
                                     j->error_status < 500 ? "invalid_request_error" : "server_error", j->error_code};
@@ -765,6 +831,7 @@ struct server::impl {
                 out["object"] = "text_completion";
                 out["choices"] = json::array({{{"index", 0}, {"text", text}, {"finish_reason", j->finish_reason}}});
             }
+            out["choices"][0]["logprobs"] = logprobs_of(*j, chat, tokens, 0);
             res.set_content(out.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
             return;
         }
@@ -780,6 +847,7 @@ struct server::impl {
             return "data: " + c.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
         };
         auto started = std::make_shared<bool>(false);
+        auto streamed_bytes = std::make_shared<size_t>(0);  // completions' text_offset
         auto provider = [=, &req](size_t, httplib::DataSink & sink) {
             std::string out;
             bool finished = false;
@@ -795,7 +863,15 @@ struct server::impl {
                 if (!*started && chat) out += chunk({{"role", "assistant"}, {"content", ""}}, nullptr);
                 *started = true;
                 while (!j->pieces.empty()) {
-                    out += chunk(chat ? json{{"content", j->pieces.front()}} : json(j->pieces.front()), nullptr);
+                    const answer_piece & piece = j->pieces.front();
+                    std::string c = chunk(chat ? json{{"content", piece.text}} : json(piece.text), nullptr);
+                    if (j->sp.logprobs) {
+                        json with = json::parse(c.substr(6));
+                        with["choices"][0]["logprobs"] = logprobs_of(*j, chat, piece.tokens, *streamed_bytes);
+                        c = "data: " + with.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+                    }
+                    *streamed_bytes += piece.text.size();
+                    out += c;
                     j->pieces.pop_front();
                 }
                 if (j->done) {
@@ -804,9 +880,14 @@ struct server::impl {
                         out += "data: " + error_body(j->error, "server_error", "internal_error") + "\n\n";
                     } else {
                         json last = json::parse(chunk(chat ? json::object() : json(""), j->finish_reason).substr(6));
-                        last["usage"] = usage_of(*j);
                         last["kvblend"] = kvblend_of(*j);
                         out += "data: " + last.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+                        if (j->stream_usage) {  // OpenAI's usage chunk: its own, with no choices
+                            json usage = json::parse(chunk(json(""), nullptr).substr(6));
+                            usage["choices"] = json::array();
+                            usage["usage"] = usage_of(*j);
+                            out += "data: " + usage.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+                        }
                     }
                     out += "data: [DONE]\n\n";
                 }
@@ -874,12 +955,12 @@ struct server::impl {
                 if (req.method == "OPTIONS") {  // a preflight: no key, no body
                     res.status = 204;
                     res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
-                    res.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
+                    res.set_header("Access-Control-Allow-Headers", "Authorization, X-Api-Key, Content-Type");
                     res.set_header("Access-Control-Max-Age", "600");
                     return true;
                 }
             }
-            if (!p.api_key.empty() && req.path != "/health" && !http_bearer_matches(req, p.api_key)) {
+            if (!p.api_key.empty() && req.path != "/health" && !http_key_matches(req, p.api_key)) {
                 res.status = 401;
                 res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"),
                                 "application/json");
@@ -944,6 +1025,12 @@ struct server::impl {
             res.set_content(h.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
         });
         const json model_card = {{"id", model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "kvblend"}};
+        // llama-server serves its routes with and without /v1: clients configured either way find them
+        http.Get("/models", [model_card](const httplib::Request &, httplib::Response & res) {
+            res.set_content(json{{"object", "list"}, {"data", json::array({model_card})}}.dump(
+                                -1, ' ', false, json::error_handler_t::replace),
+                            "application/json");
+        });
         http.Get("/v1/models", [model_card](const httplib::Request &, httplib::Response & res) {
             res.set_content(json{{"object", "list"}, {"data", json::array({model_card})}}.dump(
                                 -1, ' ', false, json::error_handler_t::replace),
@@ -961,16 +1048,18 @@ struct server::impl {
                                        "invalid_request_error", "model_not_found"),
                             "application/json");
         });
-        http.Post("/v1/chat/completions", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                      bool stream = false;
-                      const json b = parse_body(req, REQUEST_CHAT, &stream);
-                      respond(chat_job(b), true, stream, req, res);
-                  }));
-        http.Post("/v1/completions", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                      bool stream = false;
-                      const json b = parse_body(req, REQUEST_COMPLETION, &stream);
-                      respond(completion_job(b), false, stream, req, res);
-                  }));
+        for (const char * path : {"/v1/chat/completions", "/chat/completions"})
+            http.Post(path, guarded([this](const httplib::Request & req, httplib::Response & res) {
+                          bool stream = false;
+                          const json b = parse_body(req, REQUEST_CHAT, &stream);
+                          respond(chat_job(b), true, stream, req, res);
+                      }));
+        for (const char * path : {"/v1/completions", "/completions"})
+            http.Post(path, guarded([this](const httplib::Request & req, httplib::Response & res) {
+                          bool stream = false;
+                          const json b = parse_body(req, REQUEST_COMPLETION, &stream);
+                          respond(completion_job(b), false, stream, req, res);
+                      }));
         http.Get("/metrics", [this](const httplib::Request &, httplib::Response & res) {
             res.set_content(metrics_text(), "text/plain; version=0.0.4");
         });
@@ -1019,7 +1108,9 @@ struct server::impl {
                       const auto t =
                           m->tokens().tokenize(b["content"].get<std::string>(), b.value("add_special", false),
                                                b.value("parse_special", true));
-                      res.set_content(json{{"tokens", t}}.dump(), "application/json");
+                      res.set_content(json{{"tokens", tokens_with_pieces(t, b.value("with_pieces", false))}}.dump(
+                                          -1, ' ', false, json::error_handler_t::replace),
+                                      "application/json");
                   }));
         http.Post(
             "/detokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {

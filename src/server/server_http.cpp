@@ -298,6 +298,18 @@ bool http_server::process_and_close_socket(socket_t sock) {
     return ret;
 }
 
+namespace {
+
+// compare in time independent of where they differ
+bool same_key(const std::string & got, const std::string & key) {
+    unsigned diff = got.size() != key.size();
+    for (size_t i = 0; i < got.size(); ++i)
+        diff |= (unsigned char) got[i] ^ (unsigned char) key[i % std::max<size_t>(key.size(), 1)];
+    return diff == 0 && !key.empty();
+}
+
+}  // namespace
+
 bool http_bearer_matches(const httplib::Request & req, const std::string & key) {
     const std::string h = req.get_header_value("Authorization");
     if (h.size() < 7 || h[6] != ' ') return false;
@@ -307,12 +319,12 @@ bool http_bearer_matches(const httplib::Request & req, const std::string & key) 
     if (scheme != "bearer") return false;
     size_t at = 7;
     while (at < h.size() && h[at] == ' ') ++at;
-    const std::string got = h.substr(at);
-    // compare in time independent of where they differ
-    unsigned diff = got.size() != key.size();
-    for (size_t i = 0; i < got.size(); ++i)
-        diff |= (unsigned char) got[i] ^ (unsigned char) key[i % std::max<size_t>(key.size(), 1)];
-    return diff == 0 && !key.empty();
+    return same_key(h.substr(at), key);
+}
+
+bool http_key_matches(const httplib::Request & req, const std::string & key) {
+    return http_bearer_matches(req, key) ||
+           (req.has_header("X-Api-Key") && same_key(req.get_header_value("X-Api-Key"), key));
 }
 
 bool http_can_chunk(const httplib::Request & req) {

@@ -44,6 +44,8 @@ class http_server : public httplib::Server {
 
 // "Authorization: Bearer KEY"; the scheme in any case (RFC 7235)
 bool http_bearer_matches(const httplib::Request & req, const std::string & key);
+// the key as "Authorization: Bearer KEY" or as "X-Api-Key: KEY" (what some clients send)
+bool http_key_matches(const httplib::Request & req, const std::string & key);
 
 // whether the client can read a chunked response (HTTP/1.1 and later)
 bool http_can_chunk(const httplib::Request & req);

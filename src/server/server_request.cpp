@@ -5,6 +5,8 @@
 #include <cmath>
 
 #include "kvblend/blend.h"
+#include "kvblend/common.h"
+#include "kvblend/sampler.h"
 
 namespace kvblend {
 
@@ -70,9 +72,18 @@ void optional_integer(const json & b, const char * k, double lo, double hi) {
 }
 
 // the fields both completion endpoints share
-void check_sampling(const json & b) {
+void check_sampling(const json & b, request_kind kind) {
     optional_bool(b, "stream");
-    optional_field(b, "stream_options", "an object", [](const json & x) { return x.is_object(); });
+    if (const json * so =
+            optional_field(b, "stream_options", "an object", [](const json & x) { return x.is_object(); }))
+        optional_bool(*so, "include_usage");
+    // llama-server's: the slot's cached prefix is reused unless cache_prompt is false;
+    // requests are not pinned to slots, so an id_slot other than -1 is refused
+    optional_bool(b, "cache_prompt");
+    optional_integer(b, "id_slot", -1, 1 << 20);
+    if (b.contains("id_slot") && b["id_slot"].get<double>() != -1)
+        bad_request("'id_slot' is not supported: requests go to the first free slot (give -1 or leave it out)",
+                    "unsupported_parameter");
     optional_integer(b, "n", 1, 1e9);
     if (b.contains("n") && !b["n"].is_null() && b["n"].get<double>() != 1)
         bad_request("only one choice per request is supported ('n' must be 1)");
@@ -87,15 +98,10 @@ void check_sampling(const json & b) {
     auto unsupported = [](const std::string & what) {
         bad_request(what + " is not supported", "unsupported_parameter");
     };
-    if (const auto it = b.find("response_format"); it != b.end() && !it->is_null())
-        if (!it->is_object() || it->value("type", json()) != "text")
-            unsupported("'response_format' other than {\"type\": \"text\"}");
+    request_grammar(b);  // response_format, grammar, json_schema: shapes and the schema's conversion
     for (const char * k : {"tools", "functions"})
         if (const auto it = b.find(k); it != b.end() && !it->is_null() && !(it->is_array() && it->empty()))
             unsupported(std::string("'") + k + "' (tool calls)");
-    for (const char * k : {"logprobs", "top_logprobs"})
-        if (const auto it = b.find(k); it != b.end() && !it->is_null() && *it != false && *it != 0)
-            unsupported(std::string("'") + k + "'");
     // what clients send as defaults passes; anything else a plain answer cannot honour is refused
     auto non_default = [&](const char * k, const json & def) {
         const auto it = b.find(k);
@@ -104,9 +110,6 @@ void check_sampling(const json & b) {
     if (non_default("echo", false)) unsupported("'echo'");
     if (non_default("suffix", "")) unsupported("'suffix'");
     if (non_default("best_of", 1)) unsupported("'best_of' other than 1");
-    for (const char * k : {"grammar", "json_schema"})  // llama-server's constrained output
-        if (non_default(k, "") && !(b[k].is_object() && b[k].empty())) unsupported(std::string("'") + k + "'");
-    if (non_default("n_probs", 0)) unsupported("'n_probs'");
     if (non_default("mirostat", 0)) unsupported("'mirostat'");
     if (non_default("typical_p", 1)) unsupported("'typical_p' other than 1");
     // -1: a random seed (llama-server's); others are hashed to 32 bits when they do not fit
@@ -131,6 +134,7 @@ void check_sampling(const json & b) {
                 bad_request("'logit_bias' values must be numbers in [-100, 100]");
         }
     }
+    request_logprobs(b, kind);
     optional_number(b, "recomp_ratio", 0, 1);
     // the token selection of a fused request (blend_params)
     optional_integer(b, "chunk_head", 0, 1 << 20);
@@ -210,6 +214,85 @@ size_t check_documents(const json & b, bool by_id, bool required) {
 
 }  // namespace
 
+std::string request_grammar(const json & b) {
+    auto given = [&](const char * k) {  // "" and {} are llama-server's "none"
+        const auto it = b.find(k);
+        return it != b.end() && !it->is_null() && *it != "" && !(it->is_object() && it->empty());
+    };
+    std::string format = "text";
+    const auto rf = b.find("response_format");
+    if (rf != b.end() && !rf->is_null()) {
+        if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string())
+            bad_request("'response_format' must be an object with a string 'type'");
+        format = (*rf)["type"].get<std::string>();
+        if (format != "text" && format != "json_object" && format != "json_schema")
+            bad_request("'response_format' type '" + format + "' is not supported (text, json_object, json_schema)",
+                        "unsupported_parameter");
+    }
+    if ((format != "text") + given("grammar") + given("json_schema") > 1)
+        bad_request("give one of 'response_format', 'grammar' and 'json_schema', not several");
+    auto from_schema = [](const json & schema) {
+        if (!schema.is_object() && !schema.is_boolean()) bad_request("a JSON schema must be an object");
+        try {
+            return grammar_from_json_schema(schema.dump());
+        } catch (const error & e) {
+            bad_request(e.what(), "invalid_json_schema");
+        }
+    };
+    if (given("grammar")) {
+        if (!b["grammar"].is_string()) wrong_type("grammar", "a string (GBNF)", b["grammar"]);
+        return b["grammar"].get<std::string>();
+    }
+    if (given("json_schema")) return from_schema(b["json_schema"]);
+    // json_object: any object, or llama-server's {"type": "json_object", "schema": …}
+    if (format == "json_object") return from_schema(rf->value("schema", json{{"type", "object"}}));
+    if (format == "json_schema") {
+        const auto js = rf->find("json_schema");
+        if (js == rf->end() || !js->is_object())
+            bad_request("'response_format' of type json_schema needs a 'json_schema' object");
+        if (js->contains("strict") && !(*js)["strict"].is_boolean())
+            wrong_type("response_format.json_schema.strict", "a boolean", (*js)["strict"]);
+        if (js->contains("name") && !(*js)["name"].is_string())
+            wrong_type("response_format.json_schema.name", "a string", (*js)["name"]);
+        return from_schema(js->value("schema", json{{"type", "object"}}));
+    }
+    return {};
+}
+
+log_request request_logprobs(const json & b, request_kind kind) {
+    log_request out;
+    const auto lp = b.find("logprobs");
+    const auto top = b.find("top_logprobs");
+    const auto n_probs = b.find("n_probs");  // llama-server's
+    auto count = [](const json & x, const char * k) {
+        if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() > k_max_probs)
+            bad_request(std::string("'") + k + "' must be an integer in [0, " + std::to_string(k_max_probs) + "]");
+        return (int32_t) x.get<int64_t>();
+    };
+    if (kind == REQUEST_CHAT) {  // chat: logprobs true, top_logprobs n
+        if (lp != b.end() && !lp->is_null() && !lp->is_boolean()) wrong_type("logprobs", "a boolean", *lp);
+        out.on = lp != b.end() && lp->is_boolean() && lp->get<bool>();
+        if (top != b.end() && !top->is_null()) {
+            out.n = count(*top, "top_logprobs");
+            if (out.n > 0 && !out.on) bad_request("'top_logprobs' needs 'logprobs': true");
+        }
+    } else {  // completions: logprobs n (the legacy shape)
+        if (top != b.end() && !top->is_null() && *top != 0)
+            bad_request("'top_logprobs' is a chat field; completions take 'logprobs': n");
+        if (lp != b.end() && !lp->is_null() && !lp->is_boolean()) {
+            out.n = count(*lp, "logprobs");
+            out.on = true;
+        } else if (lp != b.end() && lp->is_boolean()) {
+            out.on = lp->get<bool>();
+        }
+    }
+    if (n_probs != b.end() && !n_probs->is_null() && count(*n_probs, "n_probs") > 0) {
+        out.n = std::max(out.n, count(*n_probs, "n_probs"));
+        out.on = true;
+    }
+    return out;
+}
+
 json request_parse_json(const std::string & text, int max_depth) {
     // the depth is bounded while parsing: deeper values would make every later
     // recursive walk (copy, dump) a stack overflow
@@ -241,20 +324,21 @@ request_spec request_check(request_kind kind, json body) {
         case REQUEST_CHAT:
             check_messages(b);
             r.n_documents = check_documents(b, true, false);
-            check_sampling(b);
+            check_sampling(b, kind);
             break;
         case REQUEST_COMPLETION: {
             auto p = b.find("prompt");
             const bool ok =
                 p != b.end() && (p->is_string() || (p->is_array() && p->size() == 1 && (*p)[0].is_string()));
             if (!ok) bad_request("'prompt' must be a string");
-            check_sampling(b);
+            check_sampling(b, kind);
             break;
         }
         case REQUEST_DOCUMENTS: r.n_documents = check_documents(b, false, true); break;
         case REQUEST_TOKENIZE:
             if (!b.contains("content") || !b["content"].is_string()) bad_request("'content' must be a string");
             optional_bool(b, "add_special");
+            optional_bool(b, "with_pieces");
             optional_bool(b, "parse_special");
             break;
         case REQUEST_DETOKENIZE:

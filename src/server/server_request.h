@@ -44,6 +44,21 @@ struct request_spec {
     size_t n_documents = 0;  // chat and documents: entries of "documents"
 };
 
+// the grammar (GBNF) a checked chat or completion request's output must follow:
+// llama-server's 'grammar' as given, or the grammar of a JSON schema from
+// 'json_schema', 'response_format' {"type": "json_schema", "json_schema":
+// {"schema"}} or {"type": "json_object"} (any object); "" for free text.
+// throws request_error (a schema the converter cannot express is a 400)
+std::string request_grammar(const nlohmann::json & body);
+
+// the log-probabilities a request asks for: chat's logprobs + top_logprobs,
+// completions' logprobs: n, llama-server's n_probs (either endpoint)
+struct log_request {
+    bool on = false;  // report each generated token's log-probability
+    int32_t n = 0;    // … and this many of the most likely candidates
+};
+log_request request_logprobs(const nlohmann::json & body, request_kind kind);
+
 // parse a body: a JSON object nested at most max_depth deep, or a request_error (400)
 nlohmann::json request_parse_json(const std::string & text, int max_depth = k_request_max_depth);
 

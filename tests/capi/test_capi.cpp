@@ -204,6 +204,46 @@ TEST_F(capi, generate_stops_at_stop_strings_and_when_the_callback_says) {
     EXPECT_EQ(st.stop_reason, KVB_STOP_CALLBACK);
 }
 
+TEST_F(capi, a_grammar_or_a_json_schema_constrains_the_answer) {
+    kvb_generate_params gp = kvb_generate_default_params();
+    gp.n_predict = 8;
+    gp.grammar = "root ::= [0-9]{3} \"!\"";
+    char * text = nullptr;
+    kvb_generate_stats st;
+    ASSERT_EQ(kvb_generate(ctx, "Once upon a time", &gp, &text, &st), KVB_OK) << kvb_last_error();
+    const std::string digits = text;
+    kvb_free(text);
+    ASSERT_EQ(digits.size(), 4u) << digits;
+    EXPECT_EQ(digits.find_first_not_of("0123456789"), 3u) << digits;
+    EXPECT_EQ(st.stop_reason, KVB_STOP_EOG);
+
+    gp.grammar = nullptr;
+    gp.json_schema = R"({"type":"object","properties":{"pet":{"enum":["cat","dog"]}},"required":["pet"]})";
+    gp.n_predict = 40;
+    ASSERT_EQ(kvb_generate(ctx, "Once upon a time", &gp, &text, &st), KVB_OK) << kvb_last_error();
+    const std::string object = text;
+    kvb_free(text);
+    EXPECT_TRUE(object.find("\"cat\"") != std::string::npos || object.find("\"dog\"") != std::string::npos) << object;
+    EXPECT_EQ(object.front(), '{');
+    EXPECT_EQ(object.back(), '}');
+
+    // bad ones: a status and the reason, the output left alone
+    const char * schemas[] = {"{not json", R"({"type":"string","pattern":"^(?=a)$"})"};
+    for (const char * bad : schemas) {
+        gp.json_schema = bad;
+        text = nullptr;
+        EXPECT_EQ(kvb_generate(ctx, "Once", &gp, &text, nullptr), KVB_ERR_INVALID_ARGUMENT) << bad;
+        EXPECT_NE(std::string(kvb_last_error()).find("schema"), std::string::npos) << kvb_last_error();
+        EXPECT_EQ(text, nullptr);
+    }
+    gp.grammar = "root ::= \"a\"";  // both
+    EXPECT_EQ(kvb_generate(ctx, "Once", &gp, nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT);
+    gp.json_schema = nullptr;
+    gp.grammar = "root ::= missing";
+    EXPECT_EQ(kvb_generate(ctx, "Once", &gp, nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(kvb_last_error()).find("GBNF"), std::string::npos) << kvb_last_error();
+}
+
 TEST_F(capi, blend_through_a_store_hits_the_second_time_and_documents_by_id_match) {
     kvblend::test::temp_dir dir("capi-store");
     kvb_store * st = nullptr;

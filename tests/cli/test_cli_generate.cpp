@@ -40,6 +40,38 @@ TEST(cli_generate, seeded_sampling_is_reproducible) {
     EXPECT_EQ(nlohmann::json::parse(a.out)["text"], nlohmann::json::parse(b.out)["text"]);
 }
 
+TEST(cli_generate, json_schema_and_grammar_constrain_the_output) {
+    const std::string schema = R"({"type":"object","properties":{"mood":{"enum":["happy","sad"]},)"
+                               R"("age":{"type":"integer","minimum":1,"maximum":9}},"required":["mood","age"]})";
+    test::temp_dir d("cligrammar");
+    {
+        std::ofstream(d.file("schema.json")) << schema;
+        std::ofstream(d.file("digits.gbnf")) << "root ::= [0-9]{3} \"!\"\n";
+    }
+    for (const std::string & arg : {"--json-schema '" + schema + "'", "--json-schema " + d.file("schema.json")}) {
+        const test::run_result r = test::run_cli("generate -m " + k_stories +
+                                                 " -p 'Once upon a time' -n 60 --temp 1 --seed 4 " + arg + " --json");
+        ASSERT_EQ(r.status, 0) << r.err;
+        const nlohmann::json out = nlohmann::json::parse(nlohmann::json::parse(r.out)["text"].get<std::string>());
+        EXPECT_TRUE(out["mood"] == "happy" || out["mood"] == "sad") << out;
+        EXPECT_TRUE(out["age"].is_number_integer()) << out;
+    }
+    const test::run_result g = test::run_cli("generate -m " + k_stories +
+                                             " -p 'Once upon a time' -n 20 --grammar-file " + d.file("digits.gbnf"));
+    ASSERT_EQ(g.status, 0) << g.err;
+    EXPECT_EQ(g.out.substr(0, 4).find_first_not_of("0123456789"), 3u) << g.out;
+    EXPECT_EQ(g.out.substr(3, 1), "!") << g.out;
+    // bad schemas and grammars: one line that says why, no crash
+    for (const std::string & bad :
+         {std::string("--json-schema '{\"type\": '"), std::string("--json-schema /nonexistent.json"),
+          std::string("--json-schema '{\"type\":\"array\",\"items\":{},\"minItems\":99999}'"),
+          "--grammar-file " + d.file("schema.json"), "--json-schema '{}' --grammar-file " + d.file("digits.gbnf")}) {
+        const test::run_result r = test::run_cli("generate -m " + k_stories + " -p hi -n 4 " + bad);
+        EXPECT_NE(r.status, 0) << bad;
+        EXPECT_NE(r.err.find("error"), std::string::npos) << bad << ": " << r.err;
+    }
+}
+
 TEST(cli_generate, chat_template_wraps_the_prompt) {
     const std::string path = test::make_test_model("tiny-qwen3");  // carries qwen2's chat template
     const test::run_result plain = test::run_cli("generate -m " + path + " -p hi -n 4 --json");

@@ -84,6 +84,8 @@ int main(void) {
     FIELD(kvb_generate_params, n_stop);
     FIELD(kvb_generate_params, on_piece);
     FIELD(kvb_generate_params, user_data);
+    FIELD(kvb_generate_params, grammar);
+    FIELD(kvb_generate_params, json_schema);
     END();
     BEGIN(kvb_generate_stats);
     FIELD(kvb_generate_stats, n_prompt);

@@ -185,13 +185,15 @@ TEST(server_hardening, invalid_utf8_and_wrong_types_are_400_in_openai_shape) {
         {"/v1/completions", R"({"prompt":"x","top_k":"5"})"},
         {"/v1/completions", R"({"prompt":"x","min_p":1.5})"},
         // refused, not ignored: the answer would not be what the client asked for
-        {"/v1/chat/completions",
-         R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}})"},
         {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"response_format":"json"})"},
         {"/v1/chat/completions",
+         R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"schema":"{"}}})"},
+        {"/v1/completions", R"({"prompt":"x","grammar":"root ::= undefined_rule"})"},
+        {"/v1/completions", R"({"prompt":"x","grammar":"root ::= "a"{999999999}"})"},
+        {"/v1/chat/completions",
          R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]})"},
-        {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"logprobs":true})"},
-        {"/v1/completions", R"({"prompt":"x","logprobs":2})"},
+        {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":50})"},
+        {"/v1/completions", R"({"prompt":"x","logprobs":21})"},
         {"/v1/chat/completions",
          R"({"messages":[{"role":"user","content":"x"}],"documents":[{"text":"a document","id":"0123456789abcdef0123456789abcdef"}]})"},
     };
@@ -775,7 +777,8 @@ TEST(server_hardening, web_pages_of_other_origins_cannot_drive_the_server) {
         "Access-Control-Request-Method: POST\r\n"
         "Access-Control-Request-Headers: authorization, content-type\r\n\r\n");
     EXPECT_EQ(status_of(pre), 204) << pre;
-    EXPECT_NE(pre.find("Access-Control-Allow-Headers: Authorization, Content-Type"), std::string::npos) << pre;
+    EXPECT_NE(pre.find("Access-Control-Allow-Headers: Authorization, X-Api-Key, Content-Type"), std::string::npos)
+        << pre;
     EXPECT_EQ(
         status_of(send("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: http://evil.example\r\n\r\n")),
         403);

@@ -87,9 +87,28 @@ TEST(server_request, fields_are_checked_per_endpoint) {
         "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"documents":[{"text":"t","id":"a"}]})"), "invalid_request");
     // refused rather than ignored; the values clients send by default pass
-    for (const char * bad : {R"("response_format":{"type":"json_object"})", R"("tools":[{"type":"function"}])",
-                             R"("logprobs":true)", R"("top_logprobs":2)"})
+    for (const char * bad : {R"("tools":[{"type":"function"}])", R"("response_format":{"type":"xml"})"})
         EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "unsupported_parameter") << bad;
+    // constrained output and log-probabilities: honoured when well formed
+    for (
+        const char * good :
+        {R"("response_format":{"type":"json_object"})", R"("logprobs":true)", R"("logprobs":true,"top_logprobs":20)",
+         R"("response_format":{"type":"json_schema","json_schema":{"name":"x","strict":true,"schema":{"type":"object","properties":{"a":{"type":"integer"}}}}})",
+         R"("response_format":{"type":"json_object","schema":{"type":"array"}})", R"("n_probs":3)"})
+        EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + good + "}"), "") << good;
+    for (const char * bad :
+         {R"("top_logprobs":2)", R"("logprobs":true,"top_logprobs":21)", R"("logprobs":true,"top_logprobs":-1)",
+          R"("logprobs":"yes")", R"("n_probs":1.5)", R"("response_format":"json")",
+          R"("response_format":{"type":"json_schema"})", R"("response_format":{"type":"json_schema","json_schema":5})",
+          R"("response_format":{"type":"json_schema","json_schema":{"schema":{},"strict":"yes"}})",
+          R"("response_format":{"type":"json_object"},"grammar":"root ::= \"x\"")",
+          R"("grammar":"root ::= \"x\"","json_schema":{"type":"object"})", R"("grammar":5)", R"("json_schema":"{}")"})
+        EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_request") << bad;
+    // a schema the converter cannot express names why
+    for (const char * bad :
+         {R"("json_schema":{"type":"string","pattern":"^(?=a)$"})", R"("json_schema":{"$ref":"#/definitions/missing"})",
+          R"("json_schema":{"type":"array","items":{"type":"integer"},"minItems":100000})"})
+        EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_json_schema") << bad;
     for (const char * bad : {R"("top_k":1.5)", R"("min_p":2)"})
         EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_request") << bad;
     EXPECT_EQ(
@@ -98,11 +117,13 @@ TEST(server_request, fields_are_checked_per_endpoint) {
         "");
     // OpenAI's and llama-server's other fields: honoured, refused, or passed at their defaults
     for (const char * bad :
-         {R"("echo":true)", R"("suffix":"end")", R"("best_of":3)", R"("grammar":"root ::= x")",
-          R"("json_schema":{"type":"object"})", R"("n_probs":5)", R"("mirostat":2)", R"("typical_p":0.5)"})
+         {R"("echo":true)", R"("suffix":"end")", R"("best_of":3)", R"("mirostat":2)", R"("typical_p":0.5)"})
         EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x",)" + std::string(bad) + "}"),
                   "unsupported_parameter")
             << bad;
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","grammar":"root ::= \"x\"","logprobs":5})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","logprobs":true,"top_logprobs":2})"),
+              "invalid_request");
     EXPECT_EQ(
         error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","echo":false,"suffix":null,"best_of":1,"grammar":"",)"
                                           R"("json_schema":{},"n_probs":0,"mirostat":0,"typical_p":1,"logit_bias":{},)"

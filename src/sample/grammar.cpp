@@ -1,0 +1,140 @@
+// constrained output: JSON schemas to GBNF by the pinned llama.cpp's converter
+// (common/json-schema-to-grammar.cpp, compiled as kvblend_schema), and the
+// three string helpers of common.cpp it calls, so that common.cpp itself (and
+// the sampling, download and fit code it pulls in) stays out of the build.
+#include <algorithm>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+#include "common.h"
+#include "json-schema-to-grammar.h"
+#include "kvblend/common.h"
+#include "kvblend/sampler.h"
+
+std::string string_join(const std::vector<std::string> & values, const std::string & separator) {
+    std::string out;
+    for (size_t i = 0; i < values.size(); ++i) out += (i ? separator : std::string()) + values[i];
+    return out;
+}
+
+std::vector<std::string> string_split(const std::string & str, const std::string & delimiter) {
+    std::vector<std::string> parts;
+    size_t from = 0;
+    for (size_t at; !delimiter.empty() && (at = str.find(delimiter, from)) != std::string::npos;
+         from = at + delimiter.size())
+        parts.push_back(str.substr(from, at - from));
+    parts.push_back(str.substr(from));
+    return parts;
+}
+
+std::string string_repeat(const std::string & str, size_t n) {
+    std::string out;
+    out.reserve(str.size() * n);
+    for (size_t i = 0; i < n; ++i) out += str;
+    return out;
+}
+
+namespace kvblend {
+
+namespace {
+
+// the largest {m,n} count outside literals, character classes and comments:
+// libllama's parser writes a repeated element out that many times, so a
+// count of 10^9 would take all memory before the first token
+uint64_t largest_repetition(const std::string & g) {
+    uint64_t largest = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+        const char c = g[i];
+        if (c == '"' || c == '[') {  // a literal or a class: skip to its unescaped end
+            const char end = c == '"' ? '"' : ']';
+            for (++i; i < g.size() && g[i] != end; ++i)
+                if (g[i] == '\\') ++i;
+        } else if (c == '#') {
+            while (i < g.size() && g[i] != '\n') ++i;
+        } else if (c >= '0' && c <= '9' && i > 0 && (g[i - 1] == '{' || g[i - 1] == ',')) {
+            uint64_t n = 0;
+            for (; i < g.size() && g[i] >= '0' && g[i] <= '9'; ++i)
+                n = std::min<uint64_t>(n * 10 + (uint64_t) (g[i] - '0'), 1u << 30);
+            largest = std::max(largest, n);
+            --i;
+        }
+    }
+    return largest;
+}
+
+void check_repetitions(const std::string & grammar) {
+    if (largest_repetition(grammar) > k_max_grammar_repeat)
+        throw error("the grammar repeats an element more than " + std::to_string(k_max_grammar_repeat) +
+                    " times ({m,n}, or a schema's minItems/maxItems/minLength/maxLength)");
+}
+
+constexpr int k_max_schema_depth = 64;  // nesting a schema may have: the converter walks it recursively
+
+// the schema as JSON, nested at most k_max_schema_depth deep
+nlohmann::json parse_schema(const std::string & schema) {
+    nlohmann::json::parser_callback_t depth_guard = [](int depth, nlohmann::json::parse_event_t ev, nlohmann::json &) {
+        if ((ev == nlohmann::json::parse_event_t::object_start || ev == nlohmann::json::parse_event_t::array_start) &&
+            depth >= k_max_schema_depth)
+            throw error("the JSON schema is nested deeper than " + std::to_string(k_max_schema_depth) + " levels");
+        return true;
+    };
+    try {
+        return nlohmann::json::parse(schema, depth_guard);
+    } catch (const nlohmann::json::exception & e) {
+        throw error(std::string("the JSON schema is not JSON: ") + e.what());
+    }
+}
+
+// the converter turns a regex it cannot express into "any string" with only a
+// warning on stderr: a schema that asked for a pattern would silently get none.
+// each "pattern" is converted alone first; the fallback is a root that is a plain string
+void check_patterns(const nlohmann::json & schema) {
+    if (schema.is_array())
+        for (const auto & x : schema) check_patterns(x);
+    if (!schema.is_object()) return;
+    for (const auto & [key, value] : schema.items()) {
+        if (key == "pattern" && value.is_string()) {
+            const std::string alone = json_schema_to_grammar(
+                common_json::parse(nlohmann::json{{"type", "string"}, {"pattern", value}}.dump()), true);
+            if (("\n" + alone).find("\nroot ::= string\n") != std::string::npos)
+                throw error("the JSON schema cannot be turned into a grammar: pattern " + value.get<std::string>() +
+                            " uses regex syntax the converter cannot express");
+        } else {
+            check_patterns(value);
+        }
+    }
+}
+
+}  // namespace
+
+std::string grammar_from_json_schema(const std::string & schema) {
+    check_patterns(parse_schema(schema));
+    common_json parsed;
+    try {
+        parsed = common_json::parse(schema);
+    } catch (const std::exception & e) {
+        throw error(std::string("the JSON schema is not JSON: ") + e.what());
+    }
+    std::string grammar;
+    try {
+        grammar = json_schema_to_grammar(parsed, true);
+    } catch (const std::exception & e) {
+        // the converter's message lists every part it could not express, one per line
+        std::string why = e.what();
+        std::replace(why.begin(), why.end(), '\n', ' ');
+        throw error("the JSON schema cannot be turned into a grammar: " + why);
+    }
+    check_repetitions(grammar);
+    return grammar;
+}
+
+void grammar_check(const llama_vocab * vocab, const std::string & grammar) {
+    if (grammar.empty()) throw error("the grammar is empty");
+    check_repetitions(grammar);
+    std::unique_ptr<llama_sampler, decltype(&llama_sampler_free)> g(
+        llama_sampler_init_grammar(vocab, grammar.c_str(), "root"), &llama_sampler_free);
+    if (!g) throw error("the grammar is not valid GBNF with a 'root' rule");
+}
+
+}  // namespace kvblend

@@ -1,0 +1,192 @@
+// constrained output and log-probabilities in the sampler: a grammar built from
+// a JSON schema keeps even random logits inside the schema, and the reported
+// probabilities are the log-softmax of what the sampler saw after the grammar.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "kvblend/common.h"
+#include "kvblend/sampler.h"
+#include "kvblend/vocab.h"
+
+namespace kvblend {
+namespace {
+
+using json = nlohmann::json;
+
+const vocab & stories_vocab() {
+    static vocab v(std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf");
+    return v;
+}
+
+std::vector<float> random_logits(std::mt19937 & rng, int32_t n) {
+    std::normal_distribution<float> d(0.0f, 3.0f);
+    std::vector<float> l(n);
+    for (float & x : l) x = d(rng);
+    return l;
+}
+
+// sample from fresh random logits each step until an end-of-generation token or max_tokens
+std::string run(sampler & smp, uint32_t seed, int max_tokens, bool * ended = nullptr) {
+    const vocab & v = stories_vocab();
+    std::mt19937 rng(seed);
+    std::string text;
+    if (ended) *ended = false;
+    for (int i = 0; i < max_tokens; ++i) {
+        const std::vector<float> l = random_logits(rng, v.n_tokens());
+        const llama_token tok = smp.sample(l.data(), v.n_tokens());
+        if (v.is_eog(tok)) {
+            if (ended) *ended = true;
+            break;
+        }
+        text += v.token_to_piece(tok);
+    }
+    return text;
+}
+
+const char * k_schema = R"({"type": "object",
+    "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"},
+                   "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["color", "ok", "n"], "additionalProperties": false})";
+
+TEST(grammar, a_schema_keeps_random_logits_inside_it) {
+    const std::string g = grammar_from_json_schema(k_schema);
+    for (uint32_t seed = 1; seed <= 6; ++seed) {
+        sampler_params sp;
+        sp.temp = 1.0f;
+        sp.top_k = 0, sp.top_p = 1.0f, sp.min_p = 0.0f;
+        sp.seed = seed;
+        sp.grammar = g;
+        sampler smp(sp, stories_vocab().raw());
+        bool ended = false;
+        const std::string text = run(smp, seed, 400, &ended);
+        EXPECT_TRUE(ended) << "seed " << seed << ": " << text;
+        const json out = json::parse(text, nullptr, false);
+        ASSERT_TRUE(out.is_object()) << text;
+        EXPECT_EQ(out.size(), 3u) << text;
+        EXPECT_TRUE(out["color"] == "red" || out["color"] == "green") << text;
+        EXPECT_TRUE(out["ok"].is_boolean()) << text;
+        ASSERT_TRUE(out["n"].is_number_integer()) << text;
+        EXPECT_GE(out["n"].get<int>(), 0);
+        EXPECT_LE(out["n"].get<int>(), 99);
+    }
+    // the same logits without the grammar are no JSON at all (the check above can fail)
+    sampler_params free_sp;
+    free_sp.temp = 1.0f;
+    free_sp.seed = 1;
+    sampler free_smp(free_sp, stories_vocab().raw());
+    EXPECT_TRUE(json::parse(run(free_smp, 1, 60), nullptr, false).is_discarded());
+}
+
+TEST(grammar, a_grammar_that_cannot_finish_stops_at_the_token_limit) {
+    sampler_params sp;
+    sp.grammar = R"(root ::= "a"{1000})";                      // longer than 20 tokens can write
+    sp.logit_bias.push_back({stories_vocab().eos(), 100.0f});  // the end is what the model wants most
+    sampler smp(sp, stories_vocab().raw());
+    bool ended = true;
+    const std::string text = run(smp, 3, 20, &ended);
+    EXPECT_FALSE(ended);  // the end is forbidden until the grammar is complete
+    EXPECT_FALSE(text.empty());
+    EXPECT_EQ(text.find_first_not_of('a'), std::string::npos) << text;
+}
+
+TEST(grammar, bad_grammars_and_schemas_are_errors_that_say_why) {
+    const llama_vocab * v = stories_vocab().raw();
+    EXPECT_NO_THROW(grammar_check(v, R"(root ::= "x" [0-9]{1,3})"));
+    for (const char * bad : {"root ::= undefined", "item ::= \"x\"", "root ::= (", "", "root ::= \"a\"{5000}",
+                             "root ::= [a]{0,99999999999}"})
+        EXPECT_THROW(grammar_check(v, bad), error) << bad;
+    // a brace inside a literal is no repetition
+    EXPECT_NO_THROW(grammar_check(v, R"(root ::= "{99999}" "x")"));
+    for (const char * bad :
+         {"{not json", R"({"type": "string", "pattern": "^(?=a)$"})", R"({"$ref": "#/definitions/none"})",
+          R"({"type": "array", "items": {"type": "integer"}, "minItems": 100000})",
+          R"({"type": "string", "maxLength": 1000000})"}) {
+        try {
+            grammar_from_json_schema(bad);
+            ADD_FAILURE() << "accepted " << bad;
+        } catch (const error & e) {
+            EXPECT_NE(std::string(e.what()).find("schema"), std::string::npos) << e.what();
+        }
+    }
+    sampler_params sp;
+    sp.grammar = "root ::= (";
+    sampler smp(sp, v);
+    std::vector<float> l(stories_vocab().n_tokens(), 0.0f);
+    EXPECT_THROW(smp.sample(l.data(), (int32_t) l.size()), error);
+    EXPECT_THROW(sampler no_vocab(sp), error);  // a grammar without the vocabulary
+}
+
+// the log-softmax of a row, by hand
+std::vector<double> log_softmax(const std::vector<float> & l) {
+    double mx = -INFINITY, sum = 0;
+    for (float x : l) mx = std::max(mx, (double) x);
+    for (float x : l) sum += std::exp(x - mx);
+    std::vector<double> out;
+    for (float x : l) out.push_back(x - mx - std::log(sum));
+    return out;
+}
+
+TEST(logprobs, are_the_log_softmax_of_the_logits_with_the_best_candidates) {
+    const int32_t n = stories_vocab().n_tokens();
+    std::mt19937 rng(7);
+    const std::vector<float> l = random_logits(rng, n);
+    const std::vector<double> want = log_softmax(l);
+    sampler_params sp;
+    sp.temp = 0.8f;
+    sp.top_k = 5;  // sampling truncation does not change what is reported
+    sp.seed = 3;
+    sp.logprobs = true;
+    sp.n_probs = 5;
+    sampler smp(sp, stories_vocab().raw());
+    const llama_token tok = smp.sample(l.data(), n);
+    const sampled_token & s = smp.last();
+    EXPECT_EQ(s.token, tok);
+    EXPECT_NEAR(s.logprob, want[tok], 1e-4);
+    ASSERT_EQ(s.top.size(), 5u);
+    std::vector<int> order(n);
+    for (int i = 0; i < n; ++i) order[i] = i;
+    std::partial_sort(order.begin(), order.begin() + 5, order.end(), [&](int a, int b) { return l[a] > l[b]; });
+    for (int i = 0; i < 5; ++i) {
+        EXPECT_EQ(s.top[i].token, order[i]);
+        EXPECT_NEAR(s.top[i].logprob, want[order[i]], 1e-4);
+    }
+}
+
+TEST(logprobs, are_taken_after_the_grammar) {
+    const vocab & v = stories_vocab();
+    const int32_t n = v.n_tokens();
+    std::mt19937 rng(11);
+    const std::vector<float> l = random_logits(rng, n);
+    sampler_params sp;
+    sp.grammar = R"(root ::= [0-9]+)";
+    sp.logprobs = true;
+    sp.n_probs = 20;
+    sampler smp(sp, v.raw());
+    const llama_token tok = smp.sample(l.data(), n);
+    const sampled_token & s = smp.last();
+    ASSERT_FALSE(s.top.empty());
+    EXPECT_EQ(s.top[0].token, tok);  // greedy: the best allowed candidate
+    double mass = 0;
+    for (const token_logprob & c : s.top) {
+        const std::string piece = v.token_to_piece(c.token);
+        ASSERT_FALSE(piece.empty());
+        EXPECT_EQ(piece.find_first_not_of("0123456789"), std::string::npos) << piece;
+        mass += std::exp(c.logprob);
+    }
+    // the grammar's tokens share all the probability: renormalised among them
+    EXPECT_GT(mass, 0.5);
+    EXPECT_LE(mass, 1.0 + 1e-4);
+    EXPECT_THROW(
+        [] {
+            sampler_params bad;
+            bad.n_probs = k_max_probs + 1;
+            sampler x(bad);
+        }(),
+        error);
+}
+
+}  // namespace
+}  // namespace kvblend
