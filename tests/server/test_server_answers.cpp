@@ -230,7 +230,7 @@ TEST(server_answers, fused_documents_answer_with_a_schema_and_logprobs) {
     EXPECT_EQ(r["choices"][0]["logprobs"]["content"].size(), r["usage"]["completion_tokens"].get<size_t>());
 }
 
-TEST(server_answers, documents_with_an_earlier_conversation_reuse_the_fused_prefix) {
+TEST(server_answers, documents_with_an_earlier_conversation_are_answered_from_the_store) {
     test::temp_dir d("multiturn");
     running_server s(small_params(d.path().string()),
                      test::make_test_model("tiny-qwen3", GGML_TYPE_F32, test::vocab_path("qwen2")));
@@ -251,9 +251,10 @@ TEST(server_answers, documents_with_an_earlier_conversation_reuse_the_fused_pref
     const json r2 = post(c, "/v1/chat/completions", follow);
     EXPECT_EQ(r2["choices"][0]["finish_reason"], "length");
     EXPECT_GT(r2["usage"]["prompt_tokens"].get<int>(), r1["usage"]["prompt_tokens"].get<int>());
-    // the documents and the first turn come from the slot's cache, not a second fusion
-    EXPECT_GE(r2["kvblend"]["n_cached"].get<int>(), r1["usage"]["prompt_tokens"].get<int>()) << r2["kvblend"];
-    EXPECT_EQ(r2["kvblend"]["n_fused"], 0) << r2["kvblend"];
+    // fused again, its documents from the store: a fused slot is never reused, so
+    // the answer does not depend on what the slot served before (RELIABILITY.md)
+    EXPECT_GT(r2["kvblend"]["n_fused"].get<int>(), 0) << r2["kvblend"];
+    EXPECT_GE(r2["kvblend"]["store_hits"].get<int>(), 2) << r2["kvblend"];
     // a conversation without a user message is still a 400
     json no_user = first;
     no_user["messages"] = {{{"role", "system"}, {"content", "x"}}};
