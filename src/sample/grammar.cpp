@@ -95,8 +95,15 @@ void check_patterns(const nlohmann::json & schema) {
     if (!schema.is_object()) return;
     for (const auto & [key, value] : schema.items()) {
         if (key == "pattern" && value.is_string()) {
-            const std::string alone = json_schema_to_grammar(
-                common_json::parse(nlohmann::json{{"type", "string"}, {"pattern", value}}.dump()), true);
+            std::string alone;
+            try {
+                alone = json_schema_to_grammar(
+                    common_json::parse(nlohmann::json{{"type", "string"}, {"pattern", value}}.dump()), true);
+            } catch (const std::exception & e) {  // a malformed regex ("^[a-y)?$")
+                std::string why = e.what();
+                std::replace(why.begin(), why.end(), '\n', ' ');
+                throw error("the JSON schema cannot be turned into a grammar: " + why);
+            }
             if (("\n" + alone).find("\nroot ::= string\n") != std::string::npos)
                 throw error("the JSON schema cannot be turned into a grammar: pattern " + value.get<std::string>() +
                             " uses regex syntax the converter cannot express");
