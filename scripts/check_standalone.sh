@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # fails when the repository or its configured build reaches outside the clone:
-# a tracked file that names ../shared, or a path in the build's test commands
+# a tracked file that names the developers' shared/ folder beside the clone, or a path in the build's test commands
 # and compile definitions that leads out of the source tree (the build folder
 # and the system's own folders aside). run after scripts/setup.sh.
 #   bash scripts/check_standalone.sh [BUILD_DIR]
@@ -9,8 +9,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 build=$(cd "${1:-$root/build}" && pwd -P)
 cd "$root"
 bad=0
-if git grep -n -e '\.\./shared' -- . ':!scripts/check_standalone.sh'; then
-  echo "standalone: the files above name ../shared, which a user's clone does not have" >&2
+if git grep -n -e '[.][.]/shared' -- .; then
+  echo "standalone: the files above name a shared/ folder beside the clone, which a user's clone does not have" >&2
   bad=1
 fi
 # every absolute path in what ctest runs and what the compiler is told, resolved
