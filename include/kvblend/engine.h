@@ -89,6 +89,21 @@ class engine {
     std::unique_ptr<kv_cache> branch_cache(int64_t reserve = 0) const;
     void set_cache(std::unique_ptr<kv_cache> c);
 
+    // continuous batching: append each sequence's tokens to its own dense
+    // cache (made for this model, e.g. by branch_cache or kv_cache(mdl(), …))
+    // in one forward, the weights read once for all of them. the result holds,
+    // per sequence, its last token's logits (empty where it asked for none).
+    // throws kvblend::error for a sparse, positions-only or overflowing cache,
+    // or one cache given twice; nothing is written then
+    struct seq_tokens {
+        kv_cache * cache = nullptr;
+        std::vector<llama_token> tokens;
+        bool logits = true;
+    };
+    std::vector<std::vector<float>> eval_seqs(const std::vector<seq_tokens> & seqs);
+    // the engine's cache becomes c (as set_cache); the one it held is returned
+    std::unique_ptr<kv_cache> swap_cache(std::unique_ptr<kv_cache> c);
+
     // clear the cache, prefill the prompt, then sample up to n_predict tokens
     // (stops at end-of-generation). on_token, when set, sees each new piece and
     // may return false to stop.
@@ -130,6 +145,7 @@ class engine {
   private:
     friend class forward_driver;  // src/engine/driver.h: builds and runs every graph
     void apply_evict(const std::vector<int64_t> & budget);
+    void check_fits(const kv_cache * c) const;  // throws unless c is a cache of this model
     // params_.energy read now, and the span from a mark to now
     energy_mark energy_now() const;
     energy_span energy_since(const energy_mark & from) const;

@@ -252,6 +252,88 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
     return out;
 }
 
+std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs) {
+    const model & m = eng_.mdl();
+    const model_hparams & hp = m.hparams();
+    int64_t n_tok = 0;
+    std::vector<int32_t> tokens, pos, logit_rows;
+    for (const seq_append & s : seqs) {
+        for (int64_t i = 0; i < s.n; ++i) {
+            tokens.push_back(s.tokens[i]);
+            pos.push_back((int32_t) (s.cache->n_past() + i));
+        }
+        n_tok += s.n;
+        if (s.logits) logit_rows.push_back((int32_t) (n_tok - 1));
+    }
+    im_.decode_graph.reset();  // its descriptors live in meta_buf, which this graph takes over
+    ggml_init_params ip = {im_.meta_buf.size(), im_.meta_buf.data(), true};
+    ggml_context_ptr ctx(ggml_init(ip));
+    ggml_context * c = ctx.get();
+    ggml_cgraph * gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
+    ggml_tensor * tok = new_input(c, GGML_TYPE_I32, n_tok);
+    ggml_tensor * tpos = new_input(c, GGML_TYPE_I32, n_tok);
+    ggml_tensor * out_rows = logit_rows.empty() ? nullptr : new_input(c, GGML_TYPE_I32, (int64_t) logit_rows.size());
+
+    // each sequence attends over its rows, padded as a lone decode step pads
+    // them, so that its attention sees what it would see served alone
+    std::vector<graph::seq_kv> kv(seqs.size());
+    std::vector<std::vector<int64_t>> kv_idx(seqs.size());
+    std::vector<std::vector<ggml_fp16_t>> masks(seqs.size());
+    int64_t t0 = 0;
+    for (size_t si = 0; si < seqs.size(); ++si) {
+        const seq_append & s = seqs[si];
+        const int64_t n_past = s.cache->n_past();
+        int64_t n_kv = n_past + s.n;
+        if (s.n == 1) n_kv = std::min(s.cache->capacity(), (n_kv + k_decode_pad - 1) / k_decode_pad * k_decode_pad);
+        std::vector<int32_t> kpos(n_kv, -1);
+        for (int64_t j = 0; j < n_past + s.n; ++j) kpos[j] = (int32_t) j;
+        masks[si].resize(n_kv * s.n);
+        graph::fill_causal_mask(masks[si].data(), kpos.data(), n_kv, pos.data() + t0, s.n);
+        for (int64_t i = 0; i < s.n; ++i) kv_idx[si].push_back(n_past + i);
+        graph::seq_kv & q = kv[si];
+        q.t0 = t0, q.n = s.n;
+        q.in.n_kv = n_kv;
+        q.in.kv_idx = new_input(c, GGML_TYPE_I64, s.n);
+        q.in.kq_mask = ggml_new_tensor_3d(c, GGML_TYPE_F16, n_kv, s.n, 1);  // [n_kv, n, 1]
+        ggml_set_input(q.in.kq_mask);
+        t0 += s.n;
+    }
+    ggml_tensor * x = graph::build_embd(c, m, tok);  // F32 [n_embd, n_tok]
+    const bool reduce = out_rows && (int64_t) logit_rows.size() < n_tok;
+    for (int il = 0; il < hp.n_layer; ++il) {
+        for (size_t si = 0; si < seqs.size(); ++si)
+            kv[si].k_store = seqs[si].cache->k(il), kv[si].v_store = seqs[si].cache->v(il);
+        const bool last = il == hp.n_layer - 1;
+        x = graph::build_layer_seqs(c, gf, m, il, x, tpos, kv.data(), kv.size(), last && reduce ? out_rows : nullptr);
+    }
+    ggml_tensor * logits = nullptr;
+    if (out_rows) {
+        logits = graph::build_logits(c, m, x);  // [n_vocab, n_logit]
+        ggml_set_output(logits);
+        ggml_build_forward_expand(gf, logits);
+    } else {
+        ggml_build_forward_expand(gf, x);
+    }
+    ggml_backend_sched_t sched = im_.sched.get();
+    ggml_backend_sched_reset(sched);
+    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw error("cannot allocate the compute graph");
+    upload(tok, tokens.data(), 0, ggml_nbytes(tok));
+    upload(tpos, pos.data(), 0, ggml_nbytes(tpos));
+    if (out_rows) upload(out_rows, logit_rows.data(), 0, ggml_nbytes(out_rows));
+    for (size_t si = 0; si < seqs.size(); ++si) {
+        upload(kv[si].in.kv_idx, kv_idx[si].data(), 0, ggml_nbytes(kv[si].in.kv_idx));
+        upload(kv[si].in.kq_mask, masks[si].data(), 0, ggml_nbytes(kv[si].in.kq_mask));
+    }
+    if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
+    std::vector<float> out;
+    if (logits) {
+        out.resize(ggml_nelements(logits));
+        ggml_backend_tensor_get(logits, out.data(), 0, ggml_nbytes(logits));
+        count(logits, ggml_nbytes(logits), false, false);
+    }
+    return out;
+}
+
 graph::ubatch forward_driver::append_ubatch(const llama_token * tokens, int64_t n, int64_t pos_shift, int64_t n_logits,
                                             std::vector<int32_t> score_rows) const {
     const model_hparams & hp = eng_.mdl().hparams();

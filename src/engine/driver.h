@@ -34,6 +34,17 @@ class forward_driver {
     // score_rows: tokens whose attention is scored
     graph::ubatch append_ubatch(const llama_token * tokens, int64_t n, int64_t pos_shift, int64_t n_logits,
                                 std::vector<int32_t> score_rows) const;
+    // one forward over several dense caches at once (continuous batching):
+    // each sequence appends its tokens to its own cache; the logits of the
+    // last token of each sequence that asks come back in order ([n][n_vocab]).
+    // the caller checks the caches (engine::eval_seqs)
+    struct seq_append {
+        kv_cache * cache = nullptr;
+        const llama_token * tokens = nullptr;
+        int64_t n = 0;
+        bool logits = false;
+    };
+    std::vector<float> run_seqs(const std::vector<seq_append> & seqs);
     // reserve the scheduler's buffers for the largest ubatch this engine runs
     // (n_ubatch tokens over n_ctx keys), as libllama does once
     void reserve();

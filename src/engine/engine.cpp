@@ -106,6 +106,11 @@ const engine::transfer_stats & engine::transfers() const {
 
 namespace {
 
+// graph nodes of a layer run, and what each sequence of a batched step adds
+// to it (its views, K/V writes and attention): bounds a step's sequences
+constexpr int64_t k_nodes_per_layer = 40;
+constexpr int64_t k_nodes_per_seq_layer = 20;
+
 // add a ubatch's attention sums (per query head) to the scores per KV head:
 // the sum over the query heads that share it
 void add_scores(attn_scores & sc, const graph::ubatch_out & out, const model_hparams & hp) {
@@ -171,6 +176,60 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
     return logits;
 }
 
+std::vector<std::vector<float>> engine::eval_seqs(const std::vector<seq_tokens> & seqs) {
+    const model_hparams & hp = model_->hparams();
+    std::vector<forward_driver::seq_append> run;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        const seq_tokens & s = seqs[i];
+        if (!s.cache || s.tokens.empty()) throw error("a batched sequence needs a cache and at least one token");
+        if (s.cache->sparse() || !s.cache->holds_rows() || s.cache->n_layer() != hp.n_layer ||
+            s.cache->n_embd_kv() != hp.n_embd_kv())
+            throw error("a batched sequence needs a dense KV cache of this model");
+        for (size_t j = 0; j < i; ++j)
+            if (seqs[j].cache == s.cache) throw error("a cache appears twice in one batch");
+        const int64_t n = (int64_t) s.tokens.size();
+        if (s.cache->n_past() + n > s.cache->n_ctx())
+            throw error("context overflow: " + std::to_string(s.cache->n_past()) + " cached + " + std::to_string(n) +
+                        " new tokens exceed the context of " + std::to_string(s.cache->n_ctx()));
+        for (llama_token t : s.tokens)
+            if (t < 0 || t >= hp.n_vocab) throw error("token id " + std::to_string(t) + " is outside the vocabulary");
+        run.push_back({s.cache, s.tokens.data(), n, s.logits});
+    }
+    for (const auto & r : run) r.cache->reserve_rows(r.n);
+    // a graph holds a bounded number of nodes, and each sequence adds its own
+    // attention to every layer: past that many sequences, one forward per group
+    const size_t per_graph = (size_t) std::max<int64_t>(
+        1, (graph::k_max_nodes - 64 - hp.n_layer * k_nodes_per_layer) / (hp.n_layer * k_nodes_per_seq_layer));
+    std::vector<std::vector<float>> out(seqs.size());
+    forward_driver drv(*this);
+    for (size_t g0 = 0; g0 < run.size(); g0 += per_graph) {
+        const std::vector<forward_driver::seq_append> group(
+            run.begin() + (ptrdiff_t) g0, run.begin() + (ptrdiff_t) std::min(run.size(), g0 + per_graph));
+        const std::vector<float> logits = drv.run_seqs(group);
+        size_t li = 0;
+        for (size_t i = 0; i < group.size(); ++i) {
+            group[i].cache->advance(group[i].n);
+            if (!group[i].logits) continue;
+            out[g0 + i].assign(logits.begin() + (ptrdiff_t) (li * hp.n_vocab),
+                               logits.begin() + (ptrdiff_t) ((li + 1) * hp.n_vocab));
+            ++li;
+        }
+    }
+    return out;
+}
+
+void engine::check_fits(const kv_cache * c) const {
+    if (!c || c->n_layer() != model_->hparams().n_layer || c->n_embd_kv() != model_->hparams().n_embd_kv())
+        throw error("the cache does not fit this engine's model");
+}
+
+std::unique_ptr<kv_cache> engine::swap_cache(std::unique_ptr<kv_cache> c) {
+    check_fits(c.get());
+    std::unique_ptr<kv_cache> old = std::move(cache_);
+    set_cache(std::move(c));
+    return old;
+}
+
 void engine::apply_evict(const std::vector<int64_t> & budget) {
     const evict_params & ev = params_.evict;
     attn_scores * sc = evict_needs_scores(ev.policy) ? &impl_->ev_scores : nullptr;
@@ -222,8 +281,7 @@ std::unique_ptr<kv_cache> engine::branch_cache(int64_t reserve) const {
 }
 
 void engine::set_cache(std::unique_ptr<kv_cache> c) {
-    if (!c || c->n_layer() != model_->hparams().n_layer || c->n_embd_kv() != model_->hparams().n_embd_kv())
-        throw error("the cache does not fit this engine's model");
+    check_fits(c.get());
     cache_ = std::move(c);
     // an evicted copy keeps its budget while decoding; h2o's running scores
     // belonged to the old cache: they start again from zero

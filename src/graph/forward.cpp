@@ -97,8 +97,8 @@ kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il,
     return kv;
 }
 
-ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_tensor * q, const kv_views & kv,
-                             ggml_tensor * kq_mask) {
+ggml_tensor * build_attn_heads(ggml_context * ctx, const model & m, ggml_tensor * q, const kv_views & kv,
+                               ggml_tensor * kq_mask) {
     const model_hparams & hp = m.hparams();
     const int64_t n_tok = q->ne[2];
     const float scale = hp.kq_scale();
@@ -108,8 +108,12 @@ ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_t
     ggml_tensor * vp = ggml_permute(ctx, kv.v, 0, 2, 1, 3);                              // [head_dim, n_kv, n_head_kv]
     ggml_tensor * o = ggml_flash_attn_ext(ctx, qp, kp, vp, kq_mask, scale, 0.0f, 0.0f);  // [head_dim, n_head, n_tok]
     ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
-    o = ggml_reshape_2d(ctx, o, hp.n_embd_q(), n_tok);  // [n_embd_q, n_tok]
-    return ggml_mul_mat(ctx, m.layers[il].wo, o);       // [n_embd, n_tok]
+    return ggml_reshape_2d(ctx, o, hp.n_embd_q(), n_tok);  // [n_embd_q, n_tok]
+}
+
+ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_tensor * q, const kv_views & kv,
+                             ggml_tensor * kq_mask) {
+    return ggml_mul_mat(ctx, m.layers[il].wo, build_attn_heads(ctx, m, q, kv, kq_mask));  // [n_embd, n_tok]
 }
 
 ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
@@ -133,16 +137,41 @@ ggml_tensor * build_residual_scale(ggml_context * ctx, const model & m, ggml_ten
 ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
                           ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in, ggml_tensor * out_rows,
                           layer_taps * taps, bool kv_only) {
+    const seq_kv one{k_store, v_store, in, 0, x->ne[1]};
+    return build_layer_seqs(ctx, gf, m, il, x, in.pos, &one, 1, out_rows, taps, kv_only);
+}
+
+namespace {
+
+// columns [t0, t0 + n) of a per-token tensor [a, b, n_tok]
+ggml_tensor * token_cols(ggml_context * ctx, ggml_tensor * t, int64_t t0, int64_t n) {
+    return ggml_view_3d(ctx, t, t->ne[0], t->ne[1], n, t->nb[1], t->nb[2], (size_t) t0 * t->nb[2]);
+}
+
+}  // namespace
+
+ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
+                               ggml_tensor * pos, const seq_kv * seqs, size_t n_seq, ggml_tensor * out_rows,
+                               layer_taps * taps, bool kv_only) {
     const model_hparams & hp = m.hparams();
     const model_layer & L = m.layers[il];
+    GGML_ASSERT(n_seq >= 1 && (n_seq == 1 || (!taps && !kv_only)));
 
     ggml_tensor * cur = build_norm(ctx, x, L.attn_norm, hp.rms_eps);
-    const qkv t = build_qkv(ctx, m, il, cur, in.pos);
-    const kv_views kv = build_kv(ctx, gf, m, il, t, k_store, v_store, in);
-    if (taps) taps->attn(ctx, gf, il, t, kv);
-    if (kv_only) return nullptr;
-
-    cur = build_attn_out(ctx, m, il, t.q, kv, in.kq_mask);  // [n_embd, n_tok]
+    const qkv t = build_qkv(ctx, m, il, cur, pos);  // every token's projections at once
+    ggml_tensor * heads = nullptr;                  // [n_embd_q, n_tok]
+    for (size_t s = 0; s < n_seq; ++s) {
+        const seq_kv & sq = seqs[s];
+        const qkv ts = n_seq == 1 ? t
+                                  : qkv{token_cols(ctx, t.q, sq.t0, sq.n), token_cols(ctx, t.k, sq.t0, sq.n),
+                                        token_cols(ctx, t.v, sq.t0, sq.n)};
+        const kv_views kv = build_kv(ctx, gf, m, il, ts, sq.k_store, sq.v_store, sq.in);
+        if (taps) taps->attn(ctx, gf, il, ts, kv);
+        if (kv_only) return nullptr;
+        ggml_tensor * h = build_attn_heads(ctx, m, ts.q, kv, sq.in.kq_mask);  // [n_embd_q, n]
+        heads = heads ? ggml_concat(ctx, heads, h, 1) : h;
+    }
+    cur = ggml_mul_mat(ctx, L.wo, heads);  // [n_embd, n_tok]
     ggml_tensor * resid = x;
     if (out_rows) {
         cur = ggml_get_rows(ctx, cur, out_rows);      // [n_embd, n_out]

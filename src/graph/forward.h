@@ -75,7 +75,10 @@ struct kv_store_hook {
 kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, const qkv & cur, ggml_tensor * k_store,
                   ggml_tensor * v_store, const attn_inputs & in);
 
-// softmax(q k^T * scale + mask) v, then the output projection -> F32 [n_embd, n_tok]
+// softmax(q k^T * scale + mask) v of every head -> F32 [n_embd_q, n_tok]
+ggml_tensor * build_attn_heads(ggml_context * ctx, const model & m, ggml_tensor * q, const kv_views & kv,
+                               ggml_tensor * kq_mask);
+// the heads, then the output projection -> F32 [n_embd, n_tok]
 ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_tensor * q, const kv_views & kv,
                              ggml_tensor * kq_mask);
 
@@ -98,6 +101,22 @@ struct layer_taps {
 ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
                           ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in,
                           ggml_tensor * out_rows = nullptr, layer_taps * taps = nullptr, bool kv_only = false);
+
+// one sequence of a multi-sequence layer run (the serving loop's batch):
+// tokens [t0, t0 + n) of the batch attend over, and write into, their own store
+struct seq_kv {
+    ggml_tensor * k_store = nullptr;
+    ggml_tensor * v_store = nullptr;
+    attn_inputs in;  // its kv_idx, mask and n_kv (in.pos is unused: the batch's positions rope every token)
+    int64_t t0 = 0, n = 0;
+};
+
+// build_layer over several sequences, each with its own K/V store: the
+// projections and the FFN run once over every token (the weights are read
+// once), the attention per sequence. taps and kv_only take one sequence only
+ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
+                               ggml_tensor * pos, const seq_kv * seqs, size_t n_seq, ggml_tensor * out_rows = nullptr,
+                               layer_taps * taps = nullptr, bool kv_only = false);
 
 // attention weights of the queries at sel (I32 [n_sel], rows of q) over the
 // K rows k ([head_dim, n_head_kv, n_kv]), summed over those queries:

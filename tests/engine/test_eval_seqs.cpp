@@ -1,0 +1,133 @@
+// continuous batching at the engine: several caches appended in one forward
+// (engine::eval_seqs) give each sequence the logits it gets served alone
+// (engine::eval on its own engine), prompt chunks and decode steps mixed.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "kvblend/engine.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+// the forward-equivalence tolerance: 1e-3 of the largest logit
+constexpr double k_tol = 1e-3;
+
+double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
+    EXPECT_EQ(a.size(), b.size());
+    double d = 0, top = 0;
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+        d = std::max(d, (double) std::fabs(a[i] - b[i]));
+        top = std::max(top, (double) std::fabs(b[i]));
+    }
+    return d / top;
+}
+
+llama_token argmax(const std::vector<float> & l) {
+    return (llama_token) (std::max_element(l.begin(), l.end()) - l.begin());
+}
+
+std::vector<llama_token> random_prompt(const model & m, int64_t n, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::uniform_int_distribution<int> dist(0, (int) m.hparams().n_vocab - 1);
+    std::vector<llama_token> t(n);
+    for (auto & x : t) x = dist(rng);
+    return t;
+}
+
+engine_params f32_params() {
+    engine_params ep = engine_default_params();
+    ep.n_ctx = 512;
+    ep.type_k = ep.type_v = GGML_TYPE_F32;
+    return ep;
+}
+
+// each sequence alone: its prompt in chunks of `chunk`, then greedy steps; the logits of every step
+std::vector<std::vector<float>> alone(std::shared_ptr<const model> m, const std::vector<llama_token> & prompt,
+                                      int64_t chunk, int steps) {
+    engine eng(m, f32_params());
+    std::vector<float> l;
+    for (size_t b = 0; b < prompt.size(); b += chunk)
+        l = eng.eval(std::vector<llama_token>(prompt.begin() + b, prompt.begin() + std::min(prompt.size(), b + chunk)));
+    std::vector<std::vector<float>> out{l};
+    for (int i = 0; i < steps; ++i) out.push_back(l = eng.eval({argmax(l)}));
+    return out;
+}
+
+class eval_seqs_test : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(eval_seqs_test, each_sequence_gets_its_logits_alone_while_others_prefill_and_decode) {
+    auto m = std::shared_ptr<const model>(model::load(test::make_test_model(GetParam())));
+    const int64_t chunk = 16;
+    const int steps = 12;
+    // prompts of other lengths, so that the sequences prefill and decode at once
+    const std::vector<std::vector<llama_token>> prompts = {random_prompt(*m, 7, 1), random_prompt(*m, 40, 2),
+                                                           random_prompt(*m, 23, 3)};
+    engine eng(m, f32_params());
+    std::vector<std::unique_ptr<kv_cache>> caches;
+    for (size_t i = 0; i < prompts.size(); ++i) caches.push_back(eng.branch_cache(512));
+
+    std::vector<std::vector<std::vector<float>>> got(prompts.size());
+    std::vector<size_t> fed(prompts.size(), 0);
+    for (int round = 0; round < 64; ++round) {
+        std::vector<engine::seq_tokens> step;
+        std::vector<size_t> who;
+        for (size_t i = 0; i < prompts.size(); ++i) {
+            if (fed[i] < prompts[i].size()) {  // the next chunk of its prompt
+                const size_t e = std::min(prompts[i].size(), fed[i] + (size_t) chunk);
+                step.push_back({caches[i].get(), {prompts[i].begin() + fed[i], prompts[i].begin() + e}, true});
+                fed[i] = e;
+            } else if ((int) got[i].size() <= steps) {  // its next greedy token
+                step.push_back({caches[i].get(), {argmax(got[i].back())}, true});
+            } else
+                continue;
+            who.push_back(i);
+        }
+        if (step.empty()) break;
+        const auto logits = eng.eval_seqs(step);
+        for (size_t k = 0; k < who.size(); ++k)
+            if (fed[who[k]] == prompts[who[k]].size()) got[who[k]].push_back(logits[k]);
+    }
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        const auto ref = alone(m, prompts[i], chunk, steps);
+        ASSERT_EQ(got[i].size(), ref.size()) << "sequence " << i;
+        for (size_t s = 0; s < ref.size(); ++s) {
+            EXPECT_LT(rel_diff(got[i][s], ref[s]), k_tol) << "sequence " << i << " step " << s;
+            EXPECT_EQ(argmax(got[i][s]), argmax(ref[s])) << "sequence " << i << " step " << s;
+        }
+        EXPECT_EQ(caches[i]->n_past(), (int64_t) prompts[i].size() + steps);
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(models, eval_seqs_test, ::testing::Values("tiny", "tiny-qwen3", "tiny-granite"),
+                         [](const ::testing::TestParamInfo<std::string> & info) {
+                             std::string n = info.param;
+                             std::replace(n.begin(), n.end(), '-', '_');
+                             return n;
+                         });
+
+TEST(eval_seqs, bad_batches_are_refused_and_write_nothing) {
+    auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny")));
+    engine eng(m, f32_params());
+    auto a = eng.branch_cache(64), b = eng.branch_cache(64);
+    eng.eval_seqs({{a.get(), {1, 2, 3}, true}});
+    ASSERT_EQ(a->n_past(), 3);
+    // one cache twice, an empty sequence, a token outside the vocabulary, an overflow
+    EXPECT_THROW(eng.eval_seqs({{a.get(), {4}, true}, {a.get(), {5}, true}}), error);
+    EXPECT_THROW(eng.eval_seqs({{b.get(), {}, true}}), error);
+    EXPECT_THROW(eng.eval_seqs({{b.get(), {1}, true}, {a.get(), {(llama_token) m->hparams().n_vocab}, true}}), error);
+    EXPECT_THROW(eng.eval_seqs({{a.get(), std::vector<llama_token>(510, 1), true}}), error);
+    EXPECT_EQ(a->n_past(), 3);
+    EXPECT_EQ(b->n_past(), 0);
+    // a sequence that asks for no logits gets none, and its cache still advances
+    const auto out = eng.eval_seqs({{a.get(), {6, 7}, false}, {b.get(), {8}, true}});
+    EXPECT_TRUE(out[0].empty());
+    EXPECT_EQ(out[1].size(), (size_t) m->hparams().n_vocab);
+    EXPECT_EQ(a->n_past(), 5);
+}
+
+}  // namespace
+}  // namespace kvblend
