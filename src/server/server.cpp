@@ -1,7 +1,8 @@
 // the OpenAI-compatible server: HTTP threads parse and validate requests and
-// queue them; one worker per slot owns an engine and runs prefill (CacheBlend
-// over stored document chunks, or a plain prefill) and decoding; tokens flow
-// back through the job, to the response or to a server-sent-event stream.
+// queue them; one serving loop runs every slot's prefill (CacheBlend over
+// stored document chunks, or a plain prefill in chunks) and decoding, all
+// slots' tokens in one forward per step; tokens flow back through the job, to
+// the response or to a server-sent-event stream.
 #include "kvblend/server.h"
 
 #include <algorithm>
@@ -97,6 +98,69 @@ struct job {
         error_code = code;
         done = true;
         cv.notify_all();
+    }
+};
+
+// one request's answer, token by token: sampling (the request's own settings
+// can leave no token: a grammar this vocabulary cannot continue is its error),
+// stop strings, whole UTF-8 characters, log-probabilities and the finish reason
+struct answer_stream {
+    job & j;
+    const vocab & v;
+    sampler smp;
+    std::vector<sampled_token> unsent;  // logprobs: sampled tokens whose text is not emitted yet
+    std::string text;                   // everything generated, for stop strings
+    size_t sent = 0;                    // bytes of text already emitted
+
+    answer_stream(job & jj, const vocab & vv) : j(jj), v(vv), smp(jj.sp, vv.raw()) {
+        // the penalties look back over the prompt too (as llama-server's do)
+        const size_t back = std::min((size_t) j.sp.penalty_last_n, j.tokens.size());
+        for (size_t i = j.tokens.size() - back; i < j.tokens.size(); ++i) smp.accept(j.tokens[i]);
+        j.finish_reason = "length";
+    }
+
+    // the logits after the last token run (room: the cache can take another):
+    // the token to run next, or -1 when the answer is complete
+    llama_token on_logits(const float * logits, int32_t n_vocab, bool room) {
+        if (j.n_gen >= j.max_tokens) return -1;
+        llama_token tok;
+        try {
+            tok = smp.sample(logits, n_vocab);
+        } catch (const error & e) {
+            bad_request(e.what(), "invalid_grammar");
+        }
+        if (v.is_eog(tok)) {
+            j.finish_reason = "stop";
+            return -1;
+        }
+        j.n_gen++;
+        if (j.ttft_ms < 0) j.ttft_ms = time_ms() - j.t_submit;
+        if (j.sp.logprobs) unsent.push_back(smp.last());
+        text += v.token_to_piece(tok);
+        size_t cut = std::string::npos;
+        for (const auto & s : j.stop) {
+            const size_t at = s.empty() ? std::string::npos : text.find(s, sent > s.size() ? sent - s.size() : 0);
+            if (at != std::string::npos) cut = std::min(cut, at);
+        }
+        if (cut != std::string::npos) {
+            if (cut > sent) j.emit(text.substr(sent, cut - sent), unsent);
+            sent = text.size();
+            j.finish_reason = "stop";
+            return -1;
+        }
+        // emit what can no longer be the start of a stop string, in whole UTF-8 characters
+        const size_t upto = utf8_whole(text, text.size() - stop_prefix_tail(text, j.stop));
+        if (upto > sent) {
+            j.emit(text.substr(sent, upto - sent), unsent);
+            sent = upto;
+        }
+        return room && j.n_gen < j.max_tokens ? tok : -1;
+    }
+
+    // the answer ended: the held-back tail held no stop string
+    void flush() {
+        if (sent < text.size()) j.emit(text.substr(sent), unsent);
+        sent = text.size();
     }
 };
 
@@ -214,15 +278,41 @@ struct server::impl {
         return out;
     }
 
+    // --- the serving loop ------------------------------------------------------
+    // one thread serves every slot. each round admits queued requests into free
+    // slots and prepares them (an ingest, a blend, or the cached head of a plain
+    // prompt), then runs one step: a single forward (engine::eval_seqs) holding
+    // the next token of every generating slot and chunks of the plain prompts
+    // being prefilled, so that the weights are read once per step for all of
+    // them and a long prompt never stops the other streams. a live compressed
+    // cache or token eviction is not batched: each slot then keeps an engine of
+    // its own and steps alone, still in this loop
+    struct slot {
+        std::unique_ptr<engine> own;      // not batched: the slot's own engine
+        std::unique_ptr<kv_cache> cache;  // batched: its cache while not lent to the loop's engine (null for slot 0,
+                                          // whose cache the engine holds)
+        slot_cache held;                  // what its cache holds
+        std::shared_ptr<job> j;           // the request it serves (null: free)
+        std::vector<llama_token> prompt_left;  // plain prompt tokens still to prefill
+        size_t prompt_at = 0;
+        std::unique_ptr<answer_stream> answer;  // once the prompt ran: sampling and emitting
+        llama_token next = -1;                  // the token the next step runs (-1: none)
+        double t_start = 0;
+        bool busy() const { return j != nullptr; }
+    };
+
     std::mutex qmu;
     std::condition_variable qcv;
     std::deque<std::shared_ptr<job>> queue;
     bool stopping = false;
-    std::vector<std::thread> workers;
+    std::unique_ptr<engine> batch_eng;  // batched: the engine every slot's step runs on
+    std::vector<slot> slots;
+    std::thread loop_thread;
 
     impl(std::shared_ptr<const model> mm, const server_params & pp)
         : m(std::move(mm)), p(pp), known((size_t) std::max<int64_t>(1, pp.known_docs_max)) {
         if (p.parallel < 1) throw error("--parallel must be at least 1");
+        if (p.n_batch < 1) throw error("--batch-size must be at least 1");
         codec_by_name(p.codec);                              // a bad codec name fails at start
         if (!p.kv_codec.empty()) codec_by_name(p.kv_codec);  // … and a bad live cache name (its options too)
         if (!p.store_uri.empty()) {
@@ -232,20 +322,24 @@ struct server::impl {
         }
         model_id = !p.alias.empty() ? p.alias : m->path().substr(m->path().find_last_of('/') + 1);
         m->tokens().max_piece_bytes();  // measured once at start, not on a request
-        for (int i = 0; i < p.parallel; ++i) {
-            engine_params ep = engine_default_params();
-            ep.n_ctx = p.n_ctx;
-            ep.n_threads = p.n_threads;
-            ep.type_k = p.type_k;
-            ep.type_v = p.type_v;
-            ep.kv_codec = p.kv_codec;
-            ep.evict = p.evict;
-            auto eng = std::make_shared<engine>(m, ep);  // allocate every slot before serving
-            workers.emplace_back([this, eng] {
-                slot_cache cached;  // what the slot's cache holds, and how it was computed
-                worker(*eng, cached);
-            });
+        engine_params ep = engine_default_params();
+        ep.n_ctx = p.n_ctx;
+        ep.n_threads = p.n_threads;
+        ep.type_k = p.type_k;
+        ep.type_v = p.type_v;
+        ep.kv_codec = p.kv_codec;
+        ep.evict = p.evict;
+        // every slot's memory is allocated before serving
+        slots.resize((size_t) p.parallel);
+        if (batched()) {
+            batch_eng = std::make_unique<engine>(m, ep);
+            for (size_t i = 1; i < slots.size(); ++i)
+                slots[i].cache = std::make_unique<kv_cache>(*m, batch_eng->cache().n_ctx(), batch_eng->cache().type_k(),
+                                                            batch_eng->cache().type_v());
+        } else {
+            for (slot & s : slots) s.own = std::make_unique<engine>(m, ep);
         }
+        loop_thread = std::thread([this] { serve_loop(); });
         routes();
     }
 
@@ -255,39 +349,203 @@ struct server::impl {
             stopping = true;
         }
         qcv.notify_all();
-        for (auto & w : workers) w.join();
+        if (loop_thread.joinable()) loop_thread.join();
     }
 
-    // --- slots ----------------------------------------------------------------
-    void worker(engine & eng, slot_cache & cached) {
+    bool batched() const { return p.kv_codec.empty() && p.evict.policy == EVICT_POLICY_NONE; }
+
+    kv_cache & cache_of(slot & s) { return s.own ? s.own->cache() : s.cache ? *s.cache : batch_eng->cache(); }
+
+    // run f on an engine that holds the slot's cache: its own, or the loop's
+    // with the slot's cache lent to it meanwhile
+    template <typename F>
+    void with_engine(slot & s, F && f) {
+        if (s.own) return f(*s.own);
+        if (!s.cache) return f(*batch_eng);
+        std::unique_ptr<kv_cache> spare = batch_eng->swap_cache(std::move(s.cache));
+        try {
+            f(*batch_eng);
+        } catch (...) {
+            s.cache = batch_eng->swap_cache(std::move(spare));
+            throw;
+        }
+        s.cache = batch_eng->swap_cache(std::move(spare));
+    }
+
+    void serve_loop() {
         for (;;) {
-            std::shared_ptr<job> j;
-            {
-                std::unique_lock l(qmu);
-                qcv.wait(l, [&] { return stopping || !queue.empty(); });
-                if (stopping && queue.empty()) return;
-                j = queue.front();
+            if (!admit()) return;
+            step();
+        }
+    }
+
+    // free slots take queued requests (waiting while nothing runs); false once stopping with nothing left
+    bool admit() {
+        std::vector<std::pair<slot *, std::shared_ptr<job>>> taken;
+        {
+            std::unique_lock l(qmu);
+            const auto any_busy = [&] {
+                return std::any_of(slots.begin(), slots.end(), [](const slot & s) { return s.busy(); });
+            };
+            if (!any_busy()) qcv.wait(l, [&] { return stopping || !queue.empty(); });
+            if (stopping && queue.empty() && !any_busy()) return false;
+            for (slot & s : slots) {
+                if (s.busy() || queue.empty()) continue;
+                s.j = queue.front();  // taken now, so that the next round sees the slot busy
                 queue.pop_front();
+                taken.emplace_back(&s, s.j);
             }
-            std::string err, code = "internal_error";
-            int status = 500;
-            const int64_t store_failures = soft_store::thread_failures();
-            try {
-                if (j->ingest)
-                    run_ingest(eng, *j), cached = {};
-                else
-                    run(eng, *j, cached);
-                j->store_errors = soft_store::thread_failures() - store_failures;
-            } catch (const request_error & e) {
-                cached = {};
-                err = e.message, status = e.status, code = e.code;
-            } catch (const std::exception & e) {
-                cached = {};
-                err = e.what();
+        }
+        for (auto & [s, j] : taken) start(*s);
+        return true;
+    }
+
+    // a request ends: counted before it is answered (a client that reads /metrics next sees it)
+    void end(slot & s, const std::string & err = {}, int status = 500, const std::string & code = "internal_error") {
+        job & j = *s.j;
+        if (s.answer && err.empty() && !j.cancelled) s.answer->flush();
+        if (!err.empty()) s.held = {};  // what a failed request left in the cache is not known
+        if (!j.ingest) record(j, !err.empty());
+        j.finish(err, status, code);
+        s.j.reset();
+        s.answer.reset();
+        s.next = -1;
+        s.prompt_left.clear();
+        s.prompt_at = 0;
+    }
+
+    // the request's error answer from an exception
+    template <typename F>
+    void guarded_slot(slot & s, F && f) {
+        try {
+            f();
+        } catch (const request_error & e) {
+            end(s, e.message, e.status, e.code);
+        } catch (const std::exception & e) {
+            end(s, e.what());
+        }
+    }
+
+    // a request enters its slot: ingest and fused prompts run now; a plain
+    // prompt keeps the slot's exact cached head and leaves the rest to the steps
+    void start(slot & s) {
+        job & j = *s.j;
+        s.t_start = time_ms();
+        const int64_t store_failures = soft_store::thread_failures();
+        guarded_slot(s, [&] {
+            if (j.ingest) {
+                with_engine(s, [&](engine & eng) { run_ingest(eng, j); });
+                s.held = {};
+                j.store_errors = soft_store::thread_failures() - store_failures;
+                return end(s);
             }
-            // counted before it is answered: a client that reads /metrics next sees it
-            if (!j->ingest) record(*j, !err.empty());
-            j->finish(err, status, code);
+            if (j.fuse) {
+                std::vector<float> logits;
+                with_engine(s, [&](engine & eng) { logits = run_fused(eng, j); });
+                j.store_errors = soft_store::thread_failures() - store_failures;
+                s.held = {j.tokens, 0};
+                return begin_answer(s, logits);
+            }
+            const size_t keep = j.cache_prompt ? reusable_prefix(s, j) : 0;
+            cache_of(s).set_n_past((int64_t) keep);
+            j.n_cached = (int64_t) keep;
+            s.held.tokens.resize(keep);
+            s.held.exact = std::min(s.held.exact, keep);
+            std::vector<llama_token> rest(j.tokens.begin() + (ptrdiff_t) keep, j.tokens.end());
+            if (!s.own) {
+                s.prompt_left = std::move(rest);
+                return;
+            }
+            // not batched: prefill applies the slot's eviction policy
+            const std::vector<float> logits = s.own->prefill(rest);
+            s.held = {j.tokens, p.evict.policy == EVICT_POLICY_NONE ? j.tokens.size() : 0};
+            begin_answer(s, logits);
+        });
+    }
+
+    // the prompt has run: sample the first token from its logits
+    void begin_answer(slot & s, const std::vector<float> & logits) {
+        job & j = *s.j;
+        j.kv_rows = cache_of(s).n_rows_max();
+        j.prefill_ms = time_ms() - s.t_start;
+        s.answer = std::make_unique<answer_stream>(j, m->tokens());
+        take_logits(s, logits.data() + logits.size() - m->hparams().n_vocab);
+    }
+
+    // the logits after the slot's last token: its next token, or the end of its answer
+    void take_logits(slot & s, const float * logits) {
+        guarded_slot(s, [&] {
+            const kv_cache & c = cache_of(s);
+            s.next = s.answer->on_logits(logits, (int32_t) m->hparams().n_vocab, c.n_past() < c.n_ctx());
+            if (s.next < 0) end(s);
+        });
+    }
+
+    // a token of the slot ran: its cache holds it
+    void ran_token(slot & s) {
+        slot_cache & h = s.held;
+        h.tokens.push_back(s.next);
+        // decoded in order after an exact head, into a dense cache: exact too
+        if (!(s.own && s.own->live()) && h.exact + 1 == h.tokens.size()) h.exact = h.tokens.size();
+    }
+
+    // one forward for every busy slot (or one each, when not batched)
+    void step() {
+        for (slot & s : slots)
+            if (s.busy() && s.j->cancelled) {
+                s.held.tokens.resize(std::min<size_t>(s.held.tokens.size(), (size_t) cache_of(s).n_past()));
+                s.held.exact = std::min(s.held.exact, s.held.tokens.size());
+                end(s);
+            }
+        if (!batched()) {
+            for (slot & s : slots) {
+                if (!s.busy() || s.next < 0) continue;
+                std::vector<float> logits;
+                guarded_slot(s, [&] { logits = s.own->eval({s.next}); });
+                if (!s.busy()) continue;
+                ran_token(s);
+                take_logits(s, logits.data());
+            }
+            return;
+        }
+        // the next token of every generating slot; then whole prompt chunks of
+        // up to n_batch tokens (a slot's chunks never depend on the others)
+        std::vector<engine::seq_tokens> seqs;
+        std::vector<slot *> who;
+        for (slot & s : slots)
+            if (s.busy() && s.next >= 0) seqs.push_back({&cache_of(s), {s.next}, true}), who.push_back(&s);
+        int64_t budget = p.n_batch;
+        for (slot & s : slots) {
+            if (!s.busy() || s.prompt_left.empty()) continue;
+            const size_t n = std::min(s.prompt_left.size() - s.prompt_at, (size_t) p.n_batch);
+            if ((int64_t) n > budget) break;
+            budget -= (int64_t) n;
+            const auto at = s.prompt_left.begin() + (ptrdiff_t) s.prompt_at;
+            const bool last = s.prompt_at + n == s.prompt_left.size();
+            seqs.push_back({&cache_of(s), {at, at + (ptrdiff_t) n}, last});
+            who.push_back(&s);
+        }
+        if (seqs.empty()) return;
+        std::vector<std::vector<float>> logits;
+        try {
+            logits = batch_eng->eval_seqs(seqs);
+        } catch (const std::exception & e) {
+            for (slot * s : who) end(*s, e.what());
+            return;
+        }
+        for (size_t i = 0; i < who.size(); ++i) {
+            slot & s = *who[i];
+            if (s.prompt_left.empty()) {
+                ran_token(s);
+                take_logits(s, logits[i].data());
+                continue;
+            }
+            s.prompt_at += seqs[i].tokens.size();
+            if (s.prompt_at < s.prompt_left.size()) continue;
+            s.prompt_left.clear();
+            s.prompt_at = 0;
+            s.held = {s.j->tokens, s.j->tokens.size()};
+            begin_answer(s, logits[i]);
         }
     }
 
@@ -338,124 +596,49 @@ struct server::impl {
     // on what the slot served before. A fused request always fuses (its KV
     // depends on all its documents and its selection); a plain one reuses the
     // exact head it shares with the cache (at least one token runs, for logits)
-    static size_t reusable_prefix(const engine & eng, const slot_cache & cache, const job & j) {
-        if (j.fuse || eng.params().evict.policy != EVICT_POLICY_NONE) return 0;
+    size_t reusable_prefix(slot & s, const job & j) {
+        const slot_cache & cache = s.held;
+        if (j.fuse || p.evict.policy != EVICT_POLICY_NONE) return 0;
         const size_t upto = std::min(cache.exact, cache.tokens.size());
         size_t keep = 0;
         while (keep < upto && keep + 1 < j.tokens.size() && cache.tokens[keep] == j.tokens[keep]) ++keep;
         // a live compressed cache encodes each micro-batch once it has run: a
         // fresh prefill's later batches see the earlier ones encoded, its own
         // rows dense; so only whole micro-batches of a prefill are the same
-        if (eng.live()) keep -= keep % (size_t) eng.params().n_ubatch;
+        if (s.own && s.own->live()) keep -= keep % (size_t) s.own->params().n_ubatch;
         return keep;
     }
 
-    void run(engine & eng, job & j, slot_cache & cache) {
-        std::vector<llama_token> & cached = cache.tokens;
-        const vocab & v = m->tokens();
-        const int64_t nv = m->hparams().n_vocab;
-        std::vector<float> logits;
-        const double t0 = time_ms();
-        // cache_prompt false: the slot keeps nothing (llama-server's cache_prompt)
-        const size_t keep = j.cache_prompt ? reusable_prefix(eng, cache, j) : 0;
+    // a fused prompt: each document's chunk from the store (or collected), then
+    // the blend (and the slot's eviction); the last token's logits
+    std::vector<float> run_fused(engine & eng, job & j) {
         blend_params bp = j.sel;
         bp.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
-        if (j.fuse) {
-            chunk_fetch_stats fs;
-            std::vector<chunk_kv> kv;
-            const int64_t store_failures = soft_store::thread_failures();
-            for (const auto & c : j.prompt.chunks) {
-                if (c.empty()) continue;
-                const int64_t hits = fs.hits;
-                // once a store call of this request failed (a deadline, say), its
-                // other chunks are collected without reading or writing the store
-                store * use = soft_store::thread_failures() == store_failures ? st.get() : nullptr;
-                kv.push_back(chunk_get_or_collect(use, eng, {}, c, fs, p.codec));
-                j.chunk_hit.push_back(fs.hits > hits);
-            }
-            std::vector<const chunk_kv *> ptrs;
-            for (const auto & c : kv) ptrs.push_back(&c);
-            blend_result br = blend(eng, ptrs, j.prompt.query, bp);
-            logits = std::move(br.logits);
-            if (p.evict.policy != EVICT_POLICY_NONE) {
-                std::vector<float> l = eng.evict(j.prompt.query);  // the fused cache, to the budget
-                if (!l.empty()) logits = std::move(l);
-            }
-            j.n_fused = br.stats.n_tokens;
-            j.n_recomputed = br.stats.n_selected;
-            j.store_hits = fs.hits;
-            j.store_misses = fs.misses;
-            cache.exact = 0;
-        } else {
-            eng.cache().set_n_past((int64_t) keep);
-            j.n_cached = (int64_t) keep;
-            // prefill applies the slot's eviction policy (plain eval without one)
-            logits = eng.prefill(std::vector<llama_token>(j.tokens.begin() + keep, j.tokens.end()));
-            cache.exact = p.evict.policy == EVICT_POLICY_NONE ? j.tokens.size() : 0;
+        chunk_fetch_stats fs;
+        std::vector<chunk_kv> kv;
+        const int64_t store_failures = soft_store::thread_failures();
+        for (const auto & c : j.prompt.chunks) {
+            if (c.empty()) continue;
+            const int64_t hits = fs.hits;
+            // once a store call of this request failed (a deadline, say), its
+            // other chunks are collected without reading or writing the store
+            store * use = soft_store::thread_failures() == store_failures ? st.get() : nullptr;
+            kv.push_back(chunk_get_or_collect(use, eng, {}, c, fs, p.codec));
+            j.chunk_hit.push_back(fs.hits > hits);
         }
-        cached = j.tokens;
-        j.kv_rows = eng.cache().n_rows_max();
-        j.prefill_ms = time_ms() - t0;
-
-        sampler smp(j.sp, v.raw());
-        std::vector<sampled_token> unsent;  // logprobs: sampled tokens whose text is not emitted yet
-        // the penalties look back over the prompt too (as llama-server's do)
-        const size_t back = std::min((size_t) j.sp.penalty_last_n, j.tokens.size());
-        for (size_t i = j.tokens.size() - back; i < j.tokens.size(); ++i) smp.accept(j.tokens[i]);
-        std::string text;  // everything generated, for stop strings
-        size_t sent = 0;   // bytes of text already emitted
-        j.finish_reason = "length";
-        for (int32_t i = 0; i < j.max_tokens; ++i) {
-            if (j.cancelled) {
-                cached.resize(std::min<size_t>(cached.size(), (size_t) eng.cache().n_past()));
-                cache.exact = std::min(cache.exact, cached.size());
-                return;
-            }
-            const llama_token tok = sample_next(smp, logits.data() + logits.size() - nv, (int32_t) nv);
-            if (v.is_eog(tok)) {
-                j.finish_reason = "stop";
-                break;
-            }
-            j.n_gen++;
-            if (j.ttft_ms < 0) j.ttft_ms = time_ms() - j.t_submit;
-            if (j.sp.logprobs) unsent.push_back(smp.last());
-            text += v.token_to_piece(tok);
-            size_t cut = std::string::npos;
-            for (const auto & s : j.stop) {
-                const size_t at = s.empty() ? std::string::npos : text.find(s, sent > s.size() ? sent - s.size() : 0);
-                if (at != std::string::npos) cut = std::min(cut, at);
-            }
-            if (cut != std::string::npos) {
-                if (cut > sent) j.emit(text.substr(sent, cut - sent), unsent);
-                sent = text.size();
-                j.finish_reason = "stop";
-                break;
-            }
-            // emit what can no longer be the start of a stop string, in whole UTF-8 characters
-            const size_t upto = utf8_whole(text, text.size() - stop_prefix_tail(text, j.stop));
-            if (upto > sent) {
-                j.emit(text.substr(sent, upto - sent), unsent);
-                sent = upto;
-            }
-            if (eng.cache().n_past() >= eng.cache().n_ctx()) break;
-            if (i + 1 < j.max_tokens) {
-                logits = eng.eval({tok});
-                cached.push_back(tok);
-                // decoded in order after an exact head, into a dense cache: exact too
-                if (!eng.live() && cache.exact + 1 == cached.size()) cache.exact = cached.size();
-            }
+        std::vector<const chunk_kv *> ptrs;
+        for (const auto & c : kv) ptrs.push_back(&c);
+        blend_result br = blend(eng, ptrs, j.prompt.query, bp);
+        std::vector<float> logits = std::move(br.logits);
+        if (p.evict.policy != EVICT_POLICY_NONE) {
+            std::vector<float> l = eng.evict(j.prompt.query);  // the fused cache, to the budget
+            if (!l.empty()) logits = std::move(l);
         }
-        if (sent < text.size()) j.emit(text.substr(sent), unsent);  // the held-back tail held no stop string
-    }
-
-    // the request's own sampler settings can leave no token (a grammar this
-    // vocabulary cannot continue): its error, not the server's
-    static llama_token sample_next(sampler & smp, const float * logits, int32_t n_vocab) {
-        try {
-            return smp.sample(logits, n_vocab);
-        } catch (const error & e) {
-            bad_request(e.what(), "invalid_grammar");
-        }
+        j.n_fused = br.stats.n_tokens;
+        j.n_recomputed = br.stats.n_selected;
+        j.store_hits = fs.hits;
+        j.store_misses = fs.misses;
+        return logits;
     }
 
     // queue a job; false when the queue is full

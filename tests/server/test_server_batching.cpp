@@ -1,0 +1,176 @@
+// the serving loop batches every slot's tokens into one forward per step: a
+// request's answer must not depend on what else runs. Each request's greedy
+// text served among others at once equals its text served alone, for plain
+// prompts (chunked prefill interleaved with the others' decoding), fused
+// documents, documents by id, and beside a stream cancelled midway and a
+// request refused for its context; /metrics counts them all.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <future>
+#include <nlohmann/json.hpp>
+
+#include "httplib.h"
+#include "kvblend/server.h"
+#include "server/running_server.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+using json = nlohmann::json;
+using test::post;
+using test::running_server;
+
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
+const std::string k_testbed = std::string(KVBLEND_SOURCE_DIR) + "/models/testbed.gguf";
+
+// eight slots, prompt chunks far smaller than the prompts, an f32 cache
+server_params batching_params(const std::string & store_uri = "") {
+    server_params p = test::small_params(store_uri);
+    p.parallel = 8;
+    p.n_batch = 16;
+    p.type_k = p.type_v = GGML_TYPE_F32;
+    return p;
+}
+
+json completion(const std::string & prompt, int max_tokens) {
+    return {{"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}};
+}
+
+std::string text_of(const json & r) {
+    if (!r.contains("choices")) return "<error " + r.dump() + ">";
+    const json & c = r["choices"][0];
+    return c.contains("message") ? c["message"]["content"].get<std::string>() : c["text"].get<std::string>();
+}
+
+// the answers to every body, all sent at once, each on its own connection
+std::vector<std::string> all_at_once(running_server & s, const std::string & path, const std::vector<json> & bodies) {
+    std::vector<std::future<std::string>> f;
+    for (const json & b : bodies)
+        f.push_back(std::async(std::launch::async, [&s, &path, b] {
+            auto c = s.client();
+            return text_of(post(c, path, b));
+        }));
+    std::vector<std::string> out;
+    for (auto & x : f) out.push_back(x.get());
+    return out;
+}
+
+int64_t metric(running_server & s, const std::string & name) {
+    auto c = s.client();
+    auto r = c.Get("/metrics");
+    EXPECT_TRUE(r);
+    const size_t at = r ? r->body.find("\n" + name + " ") : std::string::npos;
+    EXPECT_NE(at, std::string::npos) << name;
+    return at == std::string::npos ? -1 : std::stoll(r->body.substr(at + name.size() + 2));
+}
+
+TEST(server_batching, plain_prompts_served_together_answer_as_served_alone) {
+    const char * openings[] = {"Once upon a time", "One day, a little girl named Lily", "The big dog",
+                               "Tom and his mom went to the park. They saw a", "There was a cat who",
+                               "Sue had a red ball. She", "A bird sat on a tree and", "The sun was hot, so Ben"};
+    std::vector<json> bodies;
+    for (int i = 0; i < 8; ++i) {
+        std::string prompt = openings[i];
+        for (int k = 0; k < i; ++k) prompt += " and then they played";  // other lengths: other chunk counts
+        bodies.push_back(completion(prompt, 40));
+    }
+    running_server s(batching_params(), k_stories);
+    std::vector<std::string> alone;
+    for (const json & b : bodies) {
+        auto c = s.client();
+        alone.push_back(text_of(post(c, "/v1/completions", b)));
+    }
+    for (int round = 0; round < 2; ++round) {
+        const std::vector<std::string> together = all_at_once(s, "/v1/completions", bodies);
+        for (size_t i = 0; i < bodies.size(); ++i) {
+            EXPECT_FALSE(alone[i].empty()) << i;
+            EXPECT_EQ(together[i], alone[i]) << "request " << i << " in round " << round;
+        }
+    }
+    EXPECT_EQ(metric(s, "kvblend_requests_total"), 24);
+    EXPECT_EQ(metric(s, "kvblend_request_errors_total"), 0);
+}
+
+std::vector<json> testbed_prompts() {
+    std::ifstream f(std::string(KVBLEND_SOURCE_DIR) + "/tests/data/accuracy_prompts.jsonl");
+    std::vector<json> out;
+    for (std::string line; std::getline(f, line);)
+        if (!line.empty()) out.push_back(json::parse(line));
+    return out;
+}
+
+json rag_chat(const json & rec, const json & docs, int max_tokens = 12) {
+    return {
+        {"messages", {{{"role", "system"}, {"content", rec["system"]}}, {{"role", "user"}, {"content", rec["query"]}}}},
+        {"documents", docs},
+        {"max_tokens", max_tokens},
+        {"temperature", 0}};
+}
+
+TEST(server_batching, documents_by_text_and_by_id_beside_a_cancelled_and_a_refused_request) {
+    test::temp_dir d("batching");
+    running_server s(batching_params(d.path().string()), k_testbed);
+    const std::vector<json> recs = testbed_prompts();
+    ASSERT_GE(recs.size(), 4u);
+    std::vector<json> bodies;
+    for (size_t i = 0; i < 3; ++i) bodies.push_back(rag_chat(recs[i], recs[i]["chunks"]));
+    // the fourth by id: its documents stored first
+    {
+        auto c = s.client();
+        const json stored = post(c, "/v1/documents", {{"documents", recs[3]["chunks"]}});
+        ASSERT_TRUE(stored.contains("data")) << stored.dump();
+        json refs = json::array();
+        for (const auto & x : stored["data"]) refs.push_back({{"id", x["id"]}});
+        bodies.push_back(rag_chat(recs[3], refs));
+    }
+    // and two plain chats of the same records, documents inlined
+    for (size_t i = 0; i < 2; ++i) {
+        std::string text;
+        for (const auto & ch : recs[i]["chunks"]) text += ch.get<std::string>() + "\n";
+        bodies.push_back({{"messages", {{{"role", "user"}, {"content", text + recs[i]["query"].get<std::string>()}}}},
+                          {"max_tokens", 12},
+                          {"temperature", 0}});
+    }
+    std::vector<std::string> alone;
+    for (const json & b : bodies) {
+        auto c = s.client();
+        alone.push_back(text_of(post(c, "/v1/chat/completions", b)));
+    }
+    const int64_t before = metric(s, "kvblend_requests_total");
+    // beside them: a stream its client leaves after one event, and a prompt over the context
+    auto cancelled = std::async(std::launch::async, [&] {
+        auto c = s.client();
+        json b = completion("Once upon a time", 400);
+        b["stream"] = true;
+        int got = 0;
+        c.Post("/v1/completions", httplib::Headers{}, b.dump(), "application/json",
+               [&](const char *, size_t) { return ++got < 2; });
+    });
+    auto refused = std::async(std::launch::async, [&] {
+        auto c = s.client();
+        std::string big;
+        for (int i = 0; i < 400; ++i) big += "Max lives in Old Farm. ";
+        return c.Post("/v1/completions", completion(big, 8).dump(), "application/json");
+    });
+    const std::vector<std::string> together = all_at_once(s, "/v1/chat/completions", bodies);
+    cancelled.get();
+    auto r = refused.get();
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400) << r->body;
+    EXPECT_NE(r->body.find("context"), std::string::npos) << r->body;
+    for (size_t i = 0; i < bodies.size(); ++i) {
+        EXPECT_NE(alone[i].rfind("<error", 0), 0u) << alone[i];
+        EXPECT_EQ(together[i], alone[i]) << "request " << i;
+    }
+    // the answered ones and the cancelled stream, each counted once it ended
+    for (int waited = 0; waited < 200 && metric(s, "kvblend_requests_total") < before + 7; ++waited)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_EQ(metric(s, "kvblend_requests_total"), before + 7);
+    EXPECT_EQ(metric(s, "kvblend_requests_cancelled_total"), 1);
+    EXPECT_EQ(metric(s, "kvblend_request_errors_total"), 0);
+}
+
+}  // namespace
+}  // namespace kvblend
