@@ -41,6 +41,7 @@ struct server_params {
     // local server. loopback origins (http(s)://localhost, 127.0.0.1, [::1], any
     // port) are always allowed; "*" allows every origin
     std::vector<std::string> allow_origins;
+    bool log_requests = true;  // a line per request on stderr, and one at shutdown
     int32_t n_threads = 2;
     ggml_type type_k = GGML_TYPE_F16;
     ggml_type type_v = GGML_TYPE_F16;

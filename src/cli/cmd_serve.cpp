@@ -29,6 +29,7 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   -c, --ctx-size N          context per slot (default 4096)
   --parallel N              slots computing at once, batched into one forward per step (default 1)
   -b, --batch-size N        prompt tokens one step prefills beside the slots' decoding (default 256)
+  --quiet                   no line per request on stderr (route, status, tokens, store hits, times)
   --queue N                 requests waiting beyond the slots; more get 503 (default 64)
   --recomp-ratio R          default share of document tokens recomputed (default 0.08)
   --check-layer L           CacheBlend check layer (default 1)
@@ -117,6 +118,8 @@ int cmd_serve(int argc, char ** argv) {
             sp.n_ctx = a.integer(16, 1 << 24);
         else if (a.match({"--parallel", "-np"}))
             sp.parallel = (int) a.integer(1, 256);
+        else if (a.match({"--quiet"}))
+            sp.log_requests = false;
         else if (a.match({"-b", "--batch-size"}))
             sp.n_batch = a.integer(1, 1 << 20);
         else if (a.match({"--queue"}))

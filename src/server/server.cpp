@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <deque>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -84,6 +85,7 @@ struct job {
     double prefill_ms = 0;
     double t_submit = 0, ttft_ms = -1;  // time to the first generated token, queueing included
     std::atomic<bool> cancelled{false};
+    const char * route = "";  // for the log line: the endpoint that made it
 
     void emit(std::string text, std::vector<sampled_token> & tokens) {
         std::lock_guard l(mu);
@@ -350,6 +352,13 @@ struct server::impl {
         }
         qcv.notify_all();
         if (loop_thread.joinable()) loop_thread.join();
+        if (p.log_requests) {
+            std::lock_guard l(metrics.mu);
+            std::fprintf(stderr,
+                         "kvblend: stopped after %lld requests (%lld failed, %lld cancelled), %lld tokens generated\n",
+                         (long long) metrics.requests, (long long) metrics.errors, (long long) metrics.cancelled,
+                         (long long) metrics.completion_tokens);
+        }
     }
 
     bool batched() const { return p.kv_codec.empty() && p.evict.policy == EVICT_POLICY_NONE; }
@@ -406,12 +415,25 @@ struct server::impl {
         if (s.answer && err.empty() && !j.cancelled) s.answer->flush();
         if (!err.empty()) s.held = {};  // what a failed request left in the cache is not known
         if (!j.ingest) record(j, !err.empty());
+        if (p.log_requests) log_line(j, err, status);
         j.finish(err, status, code);
         s.j.reset();
         s.answer.reset();
         s.next = -1;
         s.prompt_left.clear();
         s.prompt_at = 0;
+    }
+
+    // one line per request on stderr: what it cost and how it ended
+    void log_line(const job & j, const std::string & err, int status) const {
+        const double total = time_ms() - j.t_submit;
+        const std::string how = !err.empty() ? std::to_string(status) : j.cancelled ? "cancelled" : "200";
+        std::fprintf(stderr,
+                     "kvblend: %s %s prompt %zu cached %lld fused %lld recomputed %lld store %lld/%lld hit "
+                     "generated %lld ttft %.0f ms total %.0f ms%s%s\n",
+                     j.route, how.c_str(), j.tokens.size(), (long long) j.n_cached, (long long) j.n_fused,
+                     (long long) j.n_recomputed, (long long) j.store_hits, (long long) (j.store_hits + j.store_misses),
+                     (long long) j.n_gen, j.ttft_ms, total, err.empty() ? "" : ": ", err.c_str());
     }
 
     // the request's error answer from an exception
@@ -642,8 +664,10 @@ struct server::impl {
     }
 
     // queue a job; false when the queue is full
+    static thread_local bool submitted_here;  // the HTTP thread's request became a job (logged when it ends)
     bool submit(const std::shared_ptr<job> & j) {
         j->t_submit = time_ms();
+        submitted_here = true;
         {
             std::lock_guard l(qmu);
             if ((int) queue.size() >= p.max_queue) return false;
@@ -978,6 +1002,7 @@ struct server::impl {
     // run a job to the end or stream it; chat: chat.completion(.chunk), else text_completion
     void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const httplib::Request & req,
                  httplib::Response & res) {
+        j->route = chat ? "/v1/chat/completions" : "/v1/completions";
         if (!submit(j))
             throw request_error{503, "the server is overloaded: every slot is busy and the queue is full",
                                 "server_error", "overloaded"};
@@ -1098,23 +1123,31 @@ struct server::impl {
     template <typename F>
     auto guarded(F && f) {
         return [this, f](const httplib::Request & req, httplib::Response & res) {
+            submitted_here = false;
+            std::string why;
             try {
                 f(req, res);
             } catch (const request_error & e) {
                 res.status = e.status;
                 res.set_content(error_body(e.message, e.type, e.code), "application/json");
+                why = e.message;
             } catch (const error & e) {
                 res.status = 400;
                 res.set_content(error_body(e.what(), "invalid_request_error", "invalid_request"), "application/json");
+                why = e.what();
             } catch (const json::exception & e) {  // a field read as a type it does not have: the check missed it
                 res.status = 400;
-                res.set_content(
-                    error_body("a field of the request has the wrong type", "invalid_request_error", "invalid_request"),
-                    "application/json");
+                why = "a field of the request has the wrong type";
+                res.set_content(error_body(why, "invalid_request_error", "invalid_request"), "application/json");
             } catch (const std::exception & e) {
                 res.status = 500;
                 res.set_content(error_body(e.what(), "server_error", "internal_error"), "application/json");
+                why = e.what();
             }
+            // a request refused before it became a job (a job's end is logged by the loop)
+            if (!why.empty() && !submitted_here && p.log_requests)
+                std::fprintf(stderr, "kvblend: %s %s %d: %s\n", req.method.c_str(), req.path.c_str(), res.status,
+                             why.c_str());
         };
     }
 
@@ -1254,6 +1287,7 @@ struct server::impl {
                           bad_request("'documents' must be a non-empty array of texts or {\"text\": string}");
                       auto j = std::make_shared<job>();
                       j->ingest = true;
+                      j->route = "/v1/documents";
                       std::vector<std::string> texts;
                       for (const auto & x : b["documents"]) {
                           if (x.is_string() || (x.is_object() && x.contains("text") && x["text"].is_string())) {
@@ -1311,6 +1345,8 @@ struct server::impl {
             }));
     }
 };
+
+thread_local bool server::impl::submitted_here = false;
 
 server::server(std::shared_ptr<const model> m, const server_params & params)
     : impl_(std::make_unique<impl>(std::move(m), params)) {}

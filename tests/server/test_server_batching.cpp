@@ -67,9 +67,14 @@ int64_t metric(running_server & s, const std::string & name) {
 }
 
 TEST(server_batching, plain_prompts_served_together_answer_as_served_alone) {
-    const char * openings[] = {"Once upon a time", "One day, a little girl named Lily", "The big dog",
-                               "Tom and his mom went to the park. They saw a", "There was a cat who",
-                               "Sue had a red ball. She", "A bird sat on a tree and", "The sun was hot, so Ben"};
+    const char * openings[] = {"Once upon a time",
+                               "One day, a little girl named Lily",
+                               "The big dog",
+                               "Tom and his mom went to the park. They saw a",
+                               "There was a cat who",
+                               "Sue had a red ball. She",
+                               "A bird sat on a tree and",
+                               "The sun was hot, so Ben"};
     std::vector<json> bodies;
     for (int i = 0; i < 8; ++i) {
         std::string prompt = openings[i];
@@ -170,6 +175,31 @@ TEST(server_batching, documents_by_text_and_by_id_beside_a_cancelled_and_a_refus
     EXPECT_EQ(metric(s, "kvblend_requests_total"), before + 7);
     EXPECT_EQ(metric(s, "kvblend_requests_cancelled_total"), 1);
     EXPECT_EQ(metric(s, "kvblend_request_errors_total"), 0);
+}
+
+TEST(server_log, a_line_per_request_and_one_at_shutdown_unless_quiet) {
+    for (bool quiet : {false, true}) {
+        server_params p = test::small_params();
+        p.log_requests = !quiet;
+        testing::internal::CaptureStderr();
+        {
+            running_server s(p, k_stories);
+            auto c = s.client();
+            post(c, "/v1/completions", completion("Once upon a time", 4));
+            json bad = completion("Once upon a time", 4);
+            bad["grammar"] = "root ::= [";
+            post(c, "/v1/completions", bad, 400);
+        }
+        const std::string log = testing::internal::GetCapturedStderr();
+        if (quiet) {
+            EXPECT_EQ(log.find("kvblend: "), std::string::npos) << log;
+            continue;
+        }
+        EXPECT_NE(log.find("kvblend: /v1/completions 200 prompt "), std::string::npos) << log;
+        EXPECT_NE(log.find(" ttft "), std::string::npos) << log;
+        EXPECT_NE(log.find("kvblend: POST /v1/completions 400: "), std::string::npos) << log;
+        EXPECT_NE(log.find("kvblend: stopped after 1 requests (0 failed, 0 cancelled)"), std::string::npos) << log;
+    }
 }
 
 }  // namespace
