@@ -282,34 +282,43 @@ struct server::impl {
 
     // --- the serving loop ------------------------------------------------------
     // one thread serves every slot. each round admits queued requests into free
-    // slots and prepares them (an ingest, a blend, or the cached head of a plain
-    // prompt), then runs one step: a single forward (engine::eval_seqs) holding
-    // the next token of every generating slot and chunks of the plain prompts
-    // being prefilled, so that the weights are read once per step for all of
-    // them and a long prompt never stops the other streams. a live compressed
-    // cache or token eviction is not batched: each slot then keeps an engine of
-    // its own and steps alone, still in this loop
+    // slots and runs one step: a single forward (engine::eval_seqs) holding the
+    // next token of every generating slot and chunks of the plain prompts being
+    // prefilled, so that the weights are read once per step for all of them
+    // and a long prompt never stops the other streams. the work that is not
+    // batched yet (ingest, a blend, and every prompt of a server with a live
+    // compressed cache or token eviction, whose slots keep an engine each) is
+    // prepared on a second thread meanwhile, with the slot's cache lent to its
+    // engine, and the slot joins the steps when it is done
+    enum class slot_state { free, preparing, prepared, running };  // guarded by qmu
+
     struct slot {
         std::unique_ptr<engine> own;      // not batched: the slot's own engine
-        std::unique_ptr<kv_cache> cache;  // batched: its cache while not lent to the loop's engine (null for slot 0,
-                                          // whose cache the engine holds)
-        slot_cache held;                  // what its cache holds
-        std::shared_ptr<job> j;           // the request it serves (null: free)
-        std::vector<llama_token> prompt_left;  // plain prompt tokens still to prefill
+        std::unique_ptr<kv_cache> cache;  // batched: its cache (lent to the preparing engine while preparing)
+        std::atomic<slot_state> state{slot_state::free};  // written under qmu; the steps read it without
+        slot_cache held;                                  // what its cache holds
+        std::shared_ptr<job> j;                           // the request it serves (null: free)
+        std::vector<llama_token> prompt_left;             // plain prompt tokens still to prefill
         size_t prompt_at = 0;
         std::unique_ptr<answer_stream> answer;  // once the prompt ran: sampling and emitting
         llama_token next = -1;                  // the token the next step runs (-1: none)
         double t_start = 0;
-        bool busy() const { return j != nullptr; }
+        // what preparing left: the prompt's last logits, or the request's error
+        std::vector<float> prepared_logits;
+        std::string prep_err, prep_code;
+        int prep_status = 500;
     };
 
     std::mutex qmu;
-    std::condition_variable qcv;
+    std::condition_variable qcv;  // the loop waits here: a request queued, a slot prepared, stopping
+    std::condition_variable pcv;  // the preparing thread waits here
     std::deque<std::shared_ptr<job>> queue;
-    bool stopping = false;
-    std::unique_ptr<engine> batch_eng;  // batched: the engine every slot's step runs on
+    std::deque<slot *> to_prepare;
+    bool stopping = false, stop_preparing = false;
+    std::unique_ptr<engine> step_eng;     // batched: the engine every step runs on
+    std::unique_ptr<engine> prepare_eng;  // batched: the engine ingest and blends run on
     std::vector<slot> slots;
-    std::thread loop_thread;
+    std::thread loop_thread, prepare_thread;
 
     impl(std::shared_ptr<const model> mm, const server_params & pp)
         : m(std::move(mm)), p(pp), known((size_t) std::max<int64_t>(1, pp.known_docs_max)) {
@@ -332,15 +341,19 @@ struct server::impl {
         ep.kv_codec = p.kv_codec;
         ep.evict = p.evict;
         // every slot's memory is allocated before serving
-        slots.resize((size_t) p.parallel);
+        slots = std::vector<slot>((size_t) p.parallel);
         if (batched()) {
-            batch_eng = std::make_unique<engine>(m, ep);
-            for (size_t i = 1; i < slots.size(); ++i)
-                slots[i].cache = std::make_unique<kv_cache>(*m, batch_eng->cache().n_ctx(), batch_eng->cache().type_k(),
-                                                            batch_eng->cache().type_v());
+            // the engines' own caches stay small: every step and blend runs on a slot's cache
+            engine_params small = ep;
+            small.n_ctx = std::min<int64_t>(ep.n_ctx, 64);
+            step_eng = std::make_unique<engine>(m, small);
+            prepare_eng = std::make_unique<engine>(m, small);
+            const int64_t n_ctx = std::min<int64_t>(p.n_ctx, m->hparams().n_ctx_train);
+            for (slot & s : slots) s.cache = std::make_unique<kv_cache>(*m, n_ctx, p.type_k, p.type_v);
         } else {
             for (slot & s : slots) s.own = std::make_unique<engine>(m, ep);
         }
+        prepare_thread = std::thread([this] { prepare_loop(); });
         loop_thread = std::thread([this] { serve_loop(); });
         routes();
     }
@@ -351,7 +364,13 @@ struct server::impl {
             stopping = true;
         }
         qcv.notify_all();
-        if (loop_thread.joinable()) loop_thread.join();
+        if (loop_thread.joinable()) loop_thread.join();  // it ends once every queued request is answered
+        {
+            std::lock_guard l(qmu);
+            stop_preparing = true;
+        }
+        pcv.notify_all();
+        if (prepare_thread.joinable()) prepare_thread.join();
         if (p.log_requests) {
             std::lock_guard l(metrics.mu);
             std::fprintf(stderr,
@@ -363,49 +382,60 @@ struct server::impl {
 
     bool batched() const { return p.kv_codec.empty() && p.evict.policy == EVICT_POLICY_NONE; }
 
-    kv_cache & cache_of(slot & s) { return s.own ? s.own->cache() : s.cache ? *s.cache : batch_eng->cache(); }
-
-    // run f on an engine that holds the slot's cache: its own, or the loop's
-    // with the slot's cache lent to it meanwhile
-    template <typename F>
-    void with_engine(slot & s, F && f) {
-        if (s.own) return f(*s.own);
-        if (!s.cache) return f(*batch_eng);
-        std::unique_ptr<kv_cache> spare = batch_eng->swap_cache(std::move(s.cache));
-        try {
-            f(*batch_eng);
-        } catch (...) {
-            s.cache = batch_eng->swap_cache(std::move(spare));
-            throw;
-        }
-        s.cache = batch_eng->swap_cache(std::move(spare));
-    }
+    kv_cache & cache_of(slot & s) { return s.own ? s.own->cache() : *s.cache; }
 
     void serve_loop() {
-        for (;;) {
-            if (!admit()) return;
-            step();
-        }
+        while (admit()) step();
     }
 
-    // free slots take queued requests (waiting while nothing runs); false once stopping with nothing left
+    // free slots take queued requests and prepared slots join the steps
+    // (waiting while there is nothing to step); false once stopping with nothing left
     bool admit() {
-        std::vector<std::pair<slot *, std::shared_ptr<job>>> taken;
+        std::vector<slot *> started, prepared;
         {
             std::unique_lock l(qmu);
-            const auto any_busy = [&] {
-                return std::any_of(slots.begin(), slots.end(), [](const slot & s) { return s.busy(); });
+            const auto any = [&](slot_state st) {
+                return std::any_of(slots.begin(), slots.end(), [&](const slot & s) { return s.state == st; });
             };
-            if (!any_busy()) qcv.wait(l, [&] { return stopping || !queue.empty(); });
-            if (stopping && queue.empty() && !any_busy()) return false;
+            const auto all_free = [&] {
+                return std::all_of(slots.begin(), slots.end(),
+                                   [](const slot & s) { return s.state == slot_state::free; });
+            };
+            qcv.wait(l, [&] {
+                return any(slot_state::running) || any(slot_state::prepared) ||
+                       (!queue.empty() && any(slot_state::free)) || (stopping && queue.empty() && all_free());
+            });
+            if (stopping && queue.empty() && all_free()) return false;
             for (slot & s : slots) {
-                if (s.busy() || queue.empty()) continue;
-                s.j = queue.front();  // taken now, so that the next round sees the slot busy
-                queue.pop_front();
-                taken.emplace_back(&s, s.j);
+                if (s.state == slot_state::prepared) {
+                    s.state = slot_state::running;
+                    prepared.push_back(&s);
+                } else if (s.state == slot_state::free && !queue.empty()) {
+                    s.j = queue.front();
+                    queue.pop_front();
+                    s.t_start = time_ms();
+                    // a plain prompt of a batched server is prefilled by the steps
+                    const bool in_steps = batched() && !s.j->ingest && !s.j->fuse;
+                    s.state = in_steps ? slot_state::running : slot_state::preparing;
+                    if (in_steps)
+                        started.push_back(&s);
+                    else
+                        to_prepare.push_back(&s);
+                }
             }
         }
-        for (auto & [s, j] : taken) start(*s);
+        pcv.notify_all();
+        for (slot * s : started) guarded_slot(*s, [&] { start_plain(*s); });
+        for (slot * s : prepared) {
+            if (!s->prep_err.empty())
+                end(*s, s->prep_err, s->prep_status, s->prep_code);
+            else if (s->j->cancelled)
+                end(*s);
+            else if (s->j->ingest)
+                end(*s);
+            else
+                begin_answer(*s, s->prepared_logits);
+        }
         return true;
     }
 
@@ -422,6 +452,10 @@ struct server::impl {
         s.next = -1;
         s.prompt_left.clear();
         s.prompt_at = 0;
+        s.prepared_logits.clear();
+        s.prep_err.clear();
+        std::lock_guard l(qmu);
+        s.state = slot_state::free;
     }
 
     // one line per request on stderr: what it cost and how it ended
@@ -448,41 +482,84 @@ struct server::impl {
         }
     }
 
-    // a request enters its slot: ingest and fused prompts run now; a plain
-    // prompt keeps the slot's exact cached head and leaves the rest to the steps
-    void start(slot & s) {
+    // --- preparing: what the steps do not batch yet ------------------------------
+    void prepare_loop() {
+        for (;;) {
+            slot * s = nullptr;
+            {
+                std::unique_lock l(qmu);
+                pcv.wait(l, [&] { return stop_preparing || !to_prepare.empty(); });
+                if (to_prepare.empty()) return;
+                s = to_prepare.front();
+                to_prepare.pop_front();
+            }
+            try {
+                prepare(*s);
+            } catch (const request_error & e) {
+                s->prep_err = e.message, s->prep_status = e.status, s->prep_code = e.code;
+            } catch (const std::exception & e) {
+                s->prep_err = e.what(), s->prep_status = 500, s->prep_code = "internal_error";
+            }
+            {
+                std::lock_guard l(qmu);
+                s->state = slot_state::prepared;
+            }
+            qcv.notify_all();
+        }
+    }
+
+    // run f on an engine that holds the slot's cache: its own, or the
+    // preparing engine with the slot's cache lent to it meanwhile
+    template <typename F>
+    void with_engine(slot & s, F && f) {
+        if (s.own) return f(*s.own);
+        std::unique_ptr<kv_cache> spare = prepare_eng->swap_cache(std::move(s.cache));
+        try {
+            f(*prepare_eng);
+        } catch (...) {
+            s.cache = prepare_eng->swap_cache(std::move(spare));
+            throw;
+        }
+        s.cache = prepare_eng->swap_cache(std::move(spare));
+    }
+
+    // ingest, a blend, or a whole prefill on a slot's own engine
+    void prepare(slot & s) {
         job & j = *s.j;
-        s.t_start = time_ms();
         const int64_t store_failures = soft_store::thread_failures();
-        guarded_slot(s, [&] {
-            if (j.ingest) {
-                with_engine(s, [&](engine & eng) { run_ingest(eng, j); });
-                s.held = {};
-                j.store_errors = soft_store::thread_failures() - store_failures;
-                return end(s);
-            }
-            if (j.fuse) {
-                std::vector<float> logits;
-                with_engine(s, [&](engine & eng) { logits = run_fused(eng, j); });
-                j.store_errors = soft_store::thread_failures() - store_failures;
-                s.held = {j.tokens, 0};
-                return begin_answer(s, logits);
-            }
+        if (j.cancelled && !j.ingest) return;  // its client left while it waited: nothing to compute
+        if (j.ingest) {
+            s.held = {};
+            with_engine(s, [&](engine & eng) { run_ingest(eng, j); });
+        } else if (j.fuse) {
+            with_engine(s, [&](engine & eng) { s.prepared_logits = run_fused(eng, j); });
+            s.held = {j.tokens, 0};
+        } else {
             const size_t keep = j.cache_prompt ? reusable_prefix(s, j) : 0;
-            cache_of(s).set_n_past((int64_t) keep);
-            j.n_cached = (int64_t) keep;
-            s.held.tokens.resize(keep);
-            s.held.exact = std::min(s.held.exact, keep);
-            std::vector<llama_token> rest(j.tokens.begin() + (ptrdiff_t) keep, j.tokens.end());
-            if (!s.own) {
-                s.prompt_left = std::move(rest);
-                return;
-            }
-            // not batched: prefill applies the slot's eviction policy
-            const std::vector<float> logits = s.own->prefill(rest);
+            keep_head(s, keep);
+            // prefill applies the slot's eviction policy
+            s.prepared_logits =
+                s.own->prefill(std::vector<llama_token>(j.tokens.begin() + (ptrdiff_t) keep, j.tokens.end()));
             s.held = {j.tokens, p.evict.policy == EVICT_POLICY_NONE ? j.tokens.size() : 0};
-            begin_answer(s, logits);
-        });
+        }
+        j.store_errors = soft_store::thread_failures() - store_failures;
+    }
+
+    // --- steps ---------------------------------------------------------------
+    // the slot's cache keeps the first keep tokens of its request
+    void keep_head(slot & s, size_t keep) {
+        cache_of(s).set_n_past((int64_t) keep);
+        s.j->n_cached = (int64_t) keep;
+        s.held.tokens.resize(keep);
+        s.held.exact = std::min(s.held.exact, keep);
+    }
+
+    // a plain prompt on a batched server: keep the slot's exact cached head; the steps prefill the rest
+    void start_plain(slot & s) {
+        job & j = *s.j;
+        const size_t keep = j.cache_prompt ? reusable_prefix(s, j) : 0;
+        keep_head(s, keep);
+        s.prompt_left.assign(j.tokens.begin() + (ptrdiff_t) keep, j.tokens.end());
     }
 
     // the prompt has run: sample the first token from its logits
@@ -511,20 +588,22 @@ struct server::impl {
         if (!(s.own && s.own->live()) && h.exact + 1 == h.tokens.size()) h.exact = h.tokens.size();
     }
 
-    // one forward for every busy slot (or one each, when not batched)
+    bool running(const slot & s) const { return s.state == slot_state::running && s.j; }
+
+    // one forward for every running slot (or one each, when not batched)
     void step() {
         for (slot & s : slots)
-            if (s.busy() && s.j->cancelled) {
+            if (running(s) && s.j->cancelled) {
                 s.held.tokens.resize(std::min<size_t>(s.held.tokens.size(), (size_t) cache_of(s).n_past()));
                 s.held.exact = std::min(s.held.exact, s.held.tokens.size());
                 end(s);
             }
         if (!batched()) {
             for (slot & s : slots) {
-                if (!s.busy() || s.next < 0) continue;
+                if (!running(s) || s.next < 0) continue;
                 std::vector<float> logits;
                 guarded_slot(s, [&] { logits = s.own->eval({s.next}); });
-                if (!s.busy()) continue;
+                if (!running(s)) continue;
                 ran_token(s);
                 take_logits(s, logits.data());
             }
@@ -535,10 +614,10 @@ struct server::impl {
         std::vector<engine::seq_tokens> seqs;
         std::vector<slot *> who;
         for (slot & s : slots)
-            if (s.busy() && s.next >= 0) seqs.push_back({&cache_of(s), {s.next}, true}), who.push_back(&s);
+            if (running(s) && s.next >= 0) seqs.push_back({&cache_of(s), {s.next}, true}), who.push_back(&s);
         int64_t budget = p.n_batch;
         for (slot & s : slots) {
-            if (!s.busy() || s.prompt_left.empty()) continue;
+            if (!running(s) || s.prompt_left.empty()) continue;
             const size_t n = std::min(s.prompt_left.size() - s.prompt_at, (size_t) p.n_batch);
             if ((int64_t) n > budget) break;
             budget -= (int64_t) n;
@@ -550,7 +629,7 @@ struct server::impl {
         if (seqs.empty()) return;
         std::vector<std::vector<float>> logits;
         try {
-            logits = batch_eng->eval_seqs(seqs);
+            logits = step_eng->eval_seqs(seqs);
         } catch (const std::exception & e) {
             for (slot * s : who) end(*s, e.what());
             return;
