@@ -148,14 +148,18 @@ std::string random_words(std::mt19937_64 & rng, int64_t n) {
 // random words until the text is at least n_tokens tokens of this vocabulary
 std::string text_of_tokens(const vocab & voc, std::mt19937_64 & rng, int64_t n_tokens) {
     std::string text;
-    while ((int64_t) voc.tokenize(text, false).size() < n_tokens) text += (text.empty() ? "" : " ") + random_words(rng, 16);
+    while ((int64_t) voc.tokenize(text, false).size() < n_tokens)
+        text += (text.empty() ? "" : " ") + random_words(rng, 16);
     return text;
 }
 
 const char * k_questions[] = {
-    "What do these documents have in common?", "Which document is the longest, and why?",
-    "Summarize the second document in one sentence.", "Which words come back most often?",
-    "What would you tell someone who read none of them?", "Which document would you read first?",
+    "What do these documents have in common?",
+    "Which document is the longest, and why?",
+    "Summarize the second document in one sentence.",
+    "Which words come back most often?",
+    "What would you tell someone who read none of them?",
+    "Which document would you read first?",
 };
 
 // a request on the wire: its route and body
@@ -218,7 +222,8 @@ class request_set {
 
     static wire_request chat(const std::vector<std::string> & docs, const std::string & question, bool peer,
                              int64_t max_tokens) {
-        wire_request r{"/v1/chat/completions", peer ? chat_with_inlined(docs, question) : chat_with_documents(docs, question)};
+        wire_request r{"/v1/chat/completions",
+                       peer ? chat_with_inlined(docs, question) : chat_with_documents(docs, question)};
         if (peer) r.body["cache_prompt"] = true;
         put_generation(r.body, max_tokens);
         return r;
@@ -257,7 +262,8 @@ std::string chunk_text(const json & choice) {
     if (!choice.contains("delta") || !choice["delta"].is_object()) return "";
     std::string text;
     for (const char * field : {"content", "reasoning_content"})
-        if (choice["delta"].contains(field) && choice["delta"][field].is_string()) text += choice["delta"][field].get<std::string>();
+        if (choice["delta"].contains(field) && choice["delta"][field].is_string())
+            text += choice["delta"][field].get<std::string>();
     return text;
 }
 
@@ -276,18 +282,29 @@ void take_event(const std::string & data, double now_ms, stream_result & s) {
         s.error = "the stream ended with an error: " + j["error"].dump().substr(0, 300);
         return;
     }
-    if (j.contains("usage") && j["usage"].is_object() && j["usage"].contains("completion_tokens"))
-        s.usage_tokens = j["usage"]["completion_tokens"].get<int64_t>();
+    if (j.contains("usage") && j["usage"].is_object() && j["usage"].contains("completion_tokens")) {
+        const json & n = j["usage"]["completion_tokens"];
+        if (!n.is_number_integer() || n.get<int64_t>() < 0) {
+            s.error = "usage.completion_tokens is not a count: " + n.dump().substr(0, 100);
+            return;
+        }
+        s.usage_tokens = n.get<int64_t>();
+    }
     if (!j.contains("choices") || !j["choices"].is_array() || j["choices"].empty()) return;
     const json & choice = j["choices"][0];
     if (!chunk_text(choice).empty()) s.chunk_ms.push_back(now_ms);
-    if (choice.contains("finish_reason") && choice["finish_reason"].is_string()) s.finish_reason = choice["finish_reason"];
+    if (choice.contains("finish_reason") && choice["finish_reason"].is_string())
+        s.finish_reason = choice["finish_reason"];
 }
 
-// cuts a byte stream into server-sent events and hands each "data:" line on
+// cuts a byte stream into server-sent events and hands each "data:" line on;
+// false when an event outgrows k_max_event (a server that never ends one)
 class sse_reader {
   public:
-    template <typename F> void feed(const char * bytes, size_t n, F && on_data) {
+    static constexpr size_t k_max_event = 1 << 20;
+
+    template <typename F>
+    bool feed(const char * bytes, size_t n, F && on_data) {
         buf_.append(bytes, n);
         buf_.erase(std::remove(buf_.begin(), buf_.end(), '\r'), buf_.end());
         size_t end;
@@ -296,6 +313,7 @@ class sse_reader {
                 if (line.rfind("data:", 0) == 0) on_data(line.substr(line.size() > 5 && line[5] == ' ' ? 6 : 5));
             buf_.erase(0, end + 2);
         }
+        return buf_.size() <= k_max_event;
     }
 
   private:
@@ -321,16 +339,20 @@ void stream_request(const endpoint & e, const wire_request & req, int64_t timeou
     auto r = c.Post(req.path, httplib::Headers{}, req.body.dump(), "application/json", [&](const char * d, size_t n) {
         const double now = time_ms() - t0;
         head.append(d, std::min(n, 1024 - std::min<size_t>(1024, head.size())));
-        sse.feed(d, n, [&](const std::string & data) { take_event(data, now, s); });
+        if (!sse.feed(d, n, [&](const std::string & data) { take_event(data, now, s); }) && s.error.empty())
+            s.error = "an event from " + e.url + req.path + " is over 1 MiB without its end";
         if (!s.chunk_ms.empty()) tell();
         return s.error.empty();
     });
     s.end_ms = time_ms() - t0;
     tell();
     if (!s.error.empty()) return;
-    if (!r) s.error = "no answer from " + e.url + req.path + ": " + httplib::to_string(r.error());
-    else if (r->status != 200) s.error = "HTTP " + std::to_string(r->status) + " from " + e.url + req.path + ": " + head.substr(0, 300);
-    else if (!s.done) s.error = "the stream from " + e.url + req.path + " ended before data: [DONE]";
+    if (!r)
+        s.error = "no answer from " + e.url + req.path + ": " + httplib::to_string(r.error());
+    else if (r->status != 200)
+        s.error = "HTTP " + std::to_string(r->status) + " from " + e.url + req.path + ": " + head.substr(0, 300);
+    else if (!s.done)
+        s.error = "the stream from " + e.url + req.path + " ended before data: [DONE]";
 }
 
 // a server that does not answer /health with 200 is an error now, not a hang later
@@ -340,7 +362,8 @@ void check_reachable(const endpoint & e, int64_t timeout_s) {
     c.set_read_timeout(timeout_s, 0);
     auto r = c.Get("/health");
     if (!r) throw error("cannot reach " + e.url + ": " + httplib::to_string(r.error()));
-    if (r->status != 200) throw error(e.url + "/health answered HTTP " + std::to_string(r->status) + ": " + r->body.substr(0, 200));
+    if (r->status != 200)
+        throw error(e.url + "/health answered HTTP " + std::to_string(r->status) + ": " + r->body.substr(0, 200));
 }
 
 // one run: n clients at once against one server
@@ -358,7 +381,8 @@ void wait_until(const std::function<bool()> & ready, int64_t timeout_s) {
     while (!ready() && time_ms() < until) std::this_thread::sleep_for(std::chrono::milliseconds(2));
 }
 
-run_result run_clients(const endpoint & e, const request_set & rs, bool peer, int64_t n, bool probe, const load_opts & o) {
+run_result run_clients(const endpoint & e, const request_set & rs, bool peer, int64_t n, bool probe,
+                       const load_opts & o) {
     std::vector<std::vector<stream_result>> per_client(n);
     std::atomic<int64_t> streaming{0};  // clients whose first request has a chunk (or ended)
     const double t0 = time_ms();
@@ -373,7 +397,8 @@ run_result run_clients(const endpoint & e, const request_set & rs, bool peer, in
                 s.client = c;
                 s.request = r;
                 s.long_prompt = long_client;
-                const std::function<void()> first = long_client || r > 0 ? nullptr : std::function<void()>([&] { ++streaming; });
+                const std::function<void()> first =
+                    long_client || r > 0 ? nullptr : std::function<void()>([&] { ++streaming; });
                 stream_request(e, long_client ? rs.long_prompt() : rs.at(c, r, peer), o.timeout_s, t0, s, first);
                 per_client[c].push_back(std::move(s));
             }
@@ -393,8 +418,8 @@ void check_answered(const run_result & run) {
     for (const auto & s : run.streams)
         if (!s.error.empty() && !failed++) first = &s;
     if (failed)
-        throw error(std::to_string(failed) + " of " + std::to_string(run.streams.size()) + " requests to " + run.server +
-                    " failed at " + std::to_string(run.clients) + " clients; the first: " + first->error);
+        throw error(std::to_string(failed) + " of " + std::to_string(run.streams.size()) + " requests to " +
+                    run.server + " failed at " + std::to_string(run.clients) + " clients; the first: " + first->error);
 }
 
 // the q-quantile of v by linear interpolation (q = 0.5: median()); NAN when empty
@@ -406,10 +431,14 @@ double percentile(std::vector<double> v, double q) {
     return v[lo] + (pos - (double) lo) * (v[hi] - v[lo]);
 }
 
-double max_of(const std::vector<double> & v) { return v.empty() ? NAN : *std::max_element(v.begin(), v.end()); }
+double max_of(const std::vector<double> & v) {
+    return v.empty() ? NAN : *std::max_element(v.begin(), v.end());
+}
 
 // a number, or null when there is none (NAN)
-json number_or_null(double v) { return std::isnan(v) ? json(nullptr) : json(v); }
+json number_or_null(double v) {
+    return std::isnan(v) ? json(nullptr) : json(v);
+}
 
 json stream_json(const stream_result & s) {
     return {{"client", s.client},
@@ -456,7 +485,8 @@ json run_json(const run_result & run) {
 // a probe run: the other streams' longest gap while the long prompt was being
 // prefilled (sent -> its first chunk) against each one's median gap
 json probe_json(const run_result & run) {
-    const stream_result & lp = *std::find_if(run.streams.begin(), run.streams.end(), [](const auto & s) { return s.long_prompt; });
+    const stream_result & lp =
+        *std::find_if(run.streams.begin(), run.streams.end(), [](const auto & s) { return s.long_prompt; });
     const double from = lp.sent_ms, to = lp.chunk_ms.empty() ? lp.end_ms : lp.chunk_ms[0];
     double worst_gap = NAN, worst_ratio = NAN;
     std::vector<double> medians;
@@ -467,7 +497,8 @@ json probe_json(const run_result & run) {
         medians.push_back(usual);
         double in_window = NAN;
         for (size_t i = 1; i < s.chunk_ms.size(); ++i)
-            if (s.chunk_ms[i] > from && s.chunk_ms[i - 1] < to) in_window = std::fmax(in_window, s.chunk_ms[i] - s.chunk_ms[i - 1]);
+            if (s.chunk_ms[i] > from && s.chunk_ms[i - 1] < to)
+                in_window = std::fmax(in_window, s.chunk_ms[i] - s.chunk_ms[i - 1]);
         if (std::isnan(in_window)) continue;
         ++overlapped;
         worst_gap = std::fmax(worst_gap, in_window);
@@ -490,10 +521,14 @@ std::string cell(const json & v, const char * fmt) {
     return b;
 }
 
-std::string server_name(const std::string & server) { return server == "peer" ? "llama-server" : "kvblend"; }
+std::string server_name(const std::string & server) {
+    return server == "peer" ? "llama-server" : "kvblend";
+}
 
 void print_runs(const json & runs) {
-    std::printf("\n| clients | server | tok/s | TTFT p50 ms | TTFT p95 ms | max inter-token gap ms (p50 / max over streams) |\n");
+    std::printf(
+        "\n| clients | server | tok/s | TTFT p50 ms | TTFT p95 ms | max inter-token gap ms (p50 / max over streams) "
+        "|\n");
     std::printf("|---:|---|---:|---:|---:|---:|\n");
     for (const auto & r : runs)
         std::printf("| %lld | %s | %s | %s | %s | %s / %s |\n", (long long) r["clients"].get<int64_t>(),
@@ -504,15 +539,18 @@ void print_runs(const json & runs) {
 
 void print_probes(const json & probes, int64_t long_tokens) {
     if (probes.empty()) return;
-    std::printf("\nlong-prompt probe: one client sends ~%lld tokens while the others stream\n\n", (long long) long_tokens);
-    std::printf("| clients | server | long prompt TTFT ms | others' median gap ms | others' longest gap during its prefill ms | worst ratio | streams overlapped |\n");
+    std::printf("\nlong-prompt probe: one client sends ~%lld tokens while the others stream\n\n",
+                (long long) long_tokens);
+    std::printf(
+        "| clients | server | long prompt TTFT ms | others' median gap ms | others' longest gap during its prefill ms "
+        "| worst ratio | streams overlapped |\n");
     std::printf("|---:|---|---:|---:|---:|---:|---:|\n");
     for (const auto & p : probes)
         std::printf("| %lld | %s | %s | %s | %s | %s | %lld |\n", (long long) p["clients"].get<int64_t>(),
                     server_name(p["server"]).c_str(), cell(p["long_prompt_ttft_ms"], "%.0f").c_str(),
                     cell(p["others_median_gap_ms"], "%.0f").c_str(),
-                    cell(p["others_max_gap_during_prefill_ms"], "%.0f").c_str(), cell(p["worst_gap_ratio"], "%.2fx").c_str(),
-                    (long long) p["streams_overlapped"].get<int64_t>());
+                    cell(p["others_max_gap_during_prefill_ms"], "%.0f").c_str(),
+                    cell(p["worst_gap_ratio"], "%.2fx").c_str(), (long long) p["streams_overlapped"].get<int64_t>());
 }
 
 // the untimed requests before a server's first run

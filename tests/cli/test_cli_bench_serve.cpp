@@ -200,5 +200,68 @@ TEST(cli_bench_serve, load_flags_out_of_range_and_servers_that_do_not_answer_are
     EXPECT_NE(r.err.find("cannot reach"), std::string::npos) << r.err;
 }
 
+// an OpenAI-shaped server that answers every completion with the same stream
+class fake_stream_server {
+  public:
+    explicit fake_stream_server(std::string stream) : stream_(std::move(stream)) {
+        http_.Get("/health",
+                  [](const httplib::Request &, httplib::Response & res) { res.set_content("{}", "application/json"); });
+        http_.Post("/v1/completions", [this](const httplib::Request &, httplib::Response & res) {
+            res.set_content(stream_, "text/event-stream");
+        });
+        port_ = http_.bind_to_any_port("127.0.0.1");
+        thread_ = std::thread([this] { http_.listen_after_bind(); });
+        http_.wait_until_ready();
+    }
+    ~fake_stream_server() {
+        http_.stop();
+        thread_.join();
+    }
+    int port() const { return port_; }
+
+  private:
+    std::string stream_;
+    httplib::Server http_;
+    std::thread thread_;
+    int port_ = 0;
+};
+
+TEST(cli_bench_serve, load_streams_a_server_gets_wrong_are_errors_not_crashes) {
+    const std::string text = "data: {\"choices\":[{\"text\":\"a\",\"finish_reason\":null}]}\n\n";
+    // (the stream, what the message says)
+    const std::pair<std::string, std::string> cases[] = {
+        {text + "data: not json\n\n", "not JSON"},
+        {text + "data: {\"choices\":[],\"usage\":{\"completion_tokens\":\"7\"}}\n\ndata: [DONE]\n\n",
+         "completion_tokens is not a count"},
+        {text + "data: {\"error\":{\"message\":\"out of memory\"}}\n\n", "out of memory"},
+        {text, "ended before data: [DONE]"},
+        {text + "data: " + std::string(2 << 20, 'x'), "over 1 MiB"},
+    };
+    for (const auto & [stream, says] : cases) {
+        fake_stream_server fake(stream);
+        const test::run_result r =
+            test::run_cli("bench serve -m " + test::k_stories_model +
+                          " --url http://127.0.0.1:" + std::to_string(fake.port()) + " --clients 1 --timeout-s 10");
+        EXPECT_EQ(r.status, 1) << says << ": " << r.out << r.err;
+        EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << says << ": " << r.err;
+        EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
+    }
+    // a well-formed stream without usage: its tokens are the text chunks
+    fake_stream_server fake(text + text +
+                            "data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"length\"}]}\n\ndata: [DONE]\n\n");
+    test::temp_dir d("benchloadfake");
+    const std::string json_path = (d.path() / "fake.json").string();
+    const test::run_result r = test::run_cli("bench serve -m " + test::k_stories_model +
+                                             " --url http://127.0.0.1:" + std::to_string(fake.port()) +
+                                             " --clients 1 --requests-per-client 1 --json " + json_path);
+    const nlohmann::json j = load_json(r, json_path);
+    ASSERT_EQ(j["runs"].size(), 1u) << r.out;
+    const nlohmann::json & st = j["runs"][0]["streams"][0];
+    EXPECT_EQ(st["tokens_from"], "chunks");
+    EXPECT_EQ(st["tokens"], 2);
+    EXPECT_EQ(st["finish_reason"], "length");
+    EXPECT_EQ(j["runs"][0]["tokens_from_usage"], 0);
+}
+
 }  // namespace
 }  // namespace kvblend
