@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "cli/args.h"
+#include "cli/bench_load.h"
 #include "cli/cli_util.h"
 #include "httplib.h"
 #include "kvblend/model.h"
@@ -19,6 +20,7 @@ namespace kvblend::cli {
 namespace {
 
 const char * k_help = R"(usage: kvblend bench serve -m MODEL --url URL [--peer URL] [options]
+       kvblend bench serve -m MODEL --url URL [--peer URL] --clients 1,4,8 [load options]
 
 Time to first token (a request for one token, timed end to end) of RAG chat
 requests: the first one (documents not stored yet), a new question over the
@@ -39,38 +41,18 @@ documents in the text.
   -m, --model FILE      the model both servers run (for making documents)
   --url URL             kvblend serve, e.g. http://127.0.0.1:8080
   --peer URL            llama-server on the same model, e.g. http://127.0.0.1:8081
-  --docs N              documents (default 4)
+  --docs N              documents (per request under load with --mode rag; default 4)
   --doc-tokens N        tokens per document (default 512)
   -r, --reps N          repetitions of the whole sequence with fresh documents (default 2)
   --settle-ms N         pause before each timed request, so that what a server
                         still does after its last answer does not run into the
                         next timing (default 1000)
-  --json FILE           write the results as JSON
+  --json FILE           write the results as JSON (also under load)
   --energy              joules of each request (the whole machine's counters while
                         it runs: servers on this machine, one request at a time)
                         and prompt tokens (usage.prompt_tokens) per joule, or why
                         there is no figure
 )";
-
-struct endpoint {
-    std::string host;
-    int port = 0;
-};
-
-endpoint parse_url(const std::string & url) {
-    const std::string p = "http://";
-    if (url.rfind(p, 0) != 0) throw error("only http:// URLs are supported, got '" + url + "'");
-    std::string rest = url.substr(p.size());
-    if (!rest.empty() && rest.back() == '/') rest.pop_back();  // http://HOST:PORT/
-    const size_t colon = rest.rfind(':');
-    if (colon == std::string::npos) throw error("URL '" + url + "' needs a port");
-    endpoint e;
-    e.host = rest.substr(0, colon);
-    const std::optional<int64_t> port = to_integer(rest.substr(colon + 1));
-    if (e.host.empty() || !port || *port < 1 || *port > 65535) throw error("URL '" + url + "' is not http://HOST:PORT");
-    e.port = (int) *port;
-    return e;
-}
 
 // what one request cost: wall time, and with --energy its joules and prompt tokens
 struct request_cost {
@@ -91,7 +73,7 @@ void ttft(const endpoint & e, const nlohmann::json & body, int64_t settle_ms, re
     auto r = c.Post("/v1/chat/completions", body.dump(), "application/json");
     const double ms = time_ms() - t0;
     if (meter) cost.joules.add(meter->span(e0, meter->mark()));
-    if (!r) throw error("no answer from " + e.host + ":" + std::to_string(e.port));
+    if (!r) throw error("no answer from " + e.url + ": " + httplib::to_string(r.error()));
     if (r->status != 200) throw error("HTTP " + std::to_string(r->status) + ": " + r->body.substr(0, 300));
     cost.ms.push_back(ms);
     const nlohmann::json res = nlohmann::json::parse(r->body, nullptr, false);
@@ -129,35 +111,45 @@ void print_serve_energy(const nlohmann::json & rows, const energy_meter & meter)
 int bench_serve(args & a) {
     std::string model_path, url, peer_url, json_path;
     int64_t n_docs = 4, doc_tokens = 512, reps = 2, settle_ms = 1000;
-    bool energy = false;
+    bool energy = false, sequence_flag = false;  // sequence_flag: -r, --settle-ms or --energy was given
+    load_opts load;
     while (!a.done()) {
-        if (match_help(a, k_help))
+        if (a.match({"-h", "--help"})) {
+            std::fputs(k_help, stdout);
+            std::fputs(k_load_help, stdout);
             return 0;
-        else if (a.match({"-m", "--model"}))
+        } else if (a.match({"-m", "--model"})) {
             model_path = a.str();
-        else if (a.match({"--url"}))
+        } else if (a.match({"--url"})) {
             url = a.str();
-        else if (a.match({"--peer"}))
+        } else if (a.match({"--peer"})) {
             peer_url = a.str();
-        else if (a.match({"--docs"}))
+        } else if (a.match({"--docs"})) {
             n_docs = a.integer(2, 64);
-        else if (a.match({"--doc-tokens"}))
+        } else if (a.match({"--doc-tokens"})) {
             doc_tokens = a.integer(8, 1 << 16);
-        else if (a.match({"-r", "--reps"}))
-            reps = a.integer(1, 100);
-        else if (a.match({"--settle-ms"}))
-            settle_ms = a.integer(0, 60000);
-        else if (a.match({"--json"}))
+        } else if (a.match({"-r", "--reps"})) {
+            reps = a.integer(1, 100), sequence_flag = true;
+        } else if (a.match({"--settle-ms"})) {
+            settle_ms = a.integer(0, 60000), sequence_flag = true;
+        } else if (a.match({"--json"})) {
             json_path = a.str();
-        else if (a.match({"--energy"}))
-            energy = true;
-        else
+        } else if (a.match({"--energy"})) {
+            energy = sequence_flag = true;
+        } else if (!match_load_flag(a, load)) {
             a.unknown();
+        }
     }
     if (model_path.empty() || url.empty()) throw error("missing -m MODEL or --url URL (see --help)");
     const endpoint ours = parse_url(url);
     const bool have_peer = !peer_url.empty();
     const endpoint peer = have_peer ? parse_url(peer_url) : endpoint{};
+    if (load.given && load.clients.empty())
+        throw error("the load flags (--mode, --max-tokens, …) need --clients (see --help)");
+    if (!load.clients.empty()) {
+        if (sequence_flag) throw error("-r, --settle-ms and --energy belong to the TTFT sequence, not to --clients");
+        return bench_load({model_path, json_path, ours, peer, have_peer, n_docs, doc_tokens}, load);
+    }
     const vocab voc(model_path);
     const std::unique_ptr<energy_meter> meter = energy ? std::make_unique<energy_meter>() : nullptr;
 
@@ -185,25 +177,17 @@ int bench_serve(args & a) {
     const char * questions[] = {"What do these documents have in common?", "Which document is the longest, and why?",
                                 "Summarize the second document in one sentence."};
     auto body_ours = [&](const std::vector<std::string> & docs, const std::string & q) {
-        nlohmann::json d = nlohmann::json::array();
-        for (const auto & x : docs) d.push_back({{"text", x}});
-        return nlohmann::json{
-            {"messages",
-             {{{"role", "system"}, {"content", "Answer from the documents."}}, {{"role", "user"}, {"content", q}}}},
-            {"documents", d},
-            {"max_tokens", 1},
-            {"temperature", 0}};
+        nlohmann::json body = chat_with_documents(docs, q);
+        body["max_tokens"] = 1;
+        body["temperature"] = 0;
+        return body;
     };
     auto body_peer = [&](const std::vector<std::string> & docs, const std::string & q) {
-        std::string user;
-        for (const auto & x : docs) user += x + "\n\n";  // the layout kvblend's chat template path builds
-        user += q;
-        return nlohmann::json{
-            {"messages",
-             {{{"role", "system"}, {"content", "Answer from the documents."}}, {{"role", "user"}, {"content", user}}}},
-            {"max_tokens", 1},
-            {"temperature", 0},
-            {"cache_prompt", true}};
+        nlohmann::json body = chat_with_inlined(docs, q);
+        body["max_tokens"] = 1;
+        body["temperature"] = 0;
+        body["cache_prompt"] = true;
+        return body;
     };
 
     const char * names[] = {"first request (nothing cached)",
