@@ -111,8 +111,9 @@ std::string plain_prompt(const json & rec, const json & chunks) {
 }
 
 // plain prompts whose documents the server knows (given, so found inside the
-// prompt and fused), or plain prompts alone on a slot without a store
-void check_plain_prompts(const server_params & p, bool known_documents, size_t n_records) {
+// prompt and fused), or plain prompts alone on a slot without a store; learned:
+// prompts long enough to be fused, whose passages the server learns from them
+void check_plain_prompts(const server_params & p, bool known_documents, size_t n_records, bool learned = false) {
     const std::vector<json> recs = testbed_prompts();
     ASSERT_GE(recs.size(), n_records + 1);
     for (size_t i = 0; i < n_records; ++i) {
@@ -120,7 +121,8 @@ void check_plain_prompts(const server_params & p, bool known_documents, size_t n
         const json & other = recs[i + 1];
         test::temp_dir d("determinism");
         server_params pp = p;
-        if (known_documents) pp.store_uri = d.path().string();
+        if (known_documents || learned) pp.store_uri = d.path().string();
+        if (learned) pp.min_fuse_tokens = 24, pp.learn_min_chars = 16;
         running_server s(pp, k_testbed);
         auto c = s.client();
         // documents are found by their first 48 bytes: two testbed chunks make one
@@ -136,6 +138,7 @@ void check_plain_prompts(const server_params & p, bool known_documents, size_t n
         const std::string theirs = plain_prompt(rec, {a, b, other_doc});
         const json alone = ask(mine);
         if (known_documents) ASSERT_EQ(alone["kvblend"]["spans"].size(), 2u) << alone.dump();
+        if (learned) ASSERT_GT(alone["kvblend"]["n_fused"].get<int>(), 0) << alone.dump();
         ask(theirs);
         const json after_other = ask(mine);
         const json twice = ask(mine);
@@ -145,7 +148,7 @@ void check_plain_prompts(const server_params & p, bool known_documents, size_t n
         EXPECT_EQ(after_other["choices"][0]["text"], want) << "record " << i << ", after another prompt";
         EXPECT_EQ(twice["choices"][0]["text"], want) << "record " << i << ", twice in a row";
         EXPECT_EQ(after_cancel["choices"][0]["text"], want) << "record " << i << ", after a cancelled stream";
-        if (known_documents)
+        if (known_documents || learned)
             for (const json * r : {&after_other, &twice, &after_cancel})
                 EXPECT_EQ((*r)["kvblend"]["n_fused"], alone["kvblend"]["n_fused"]) << r->dump();
     }
@@ -153,6 +156,10 @@ void check_plain_prompts(const server_params & p, bool known_documents, size_t n
 
 TEST(server_determinism, plain_prompts_with_known_documents_answer_alike_whatever_the_slot_served_before) {
     check_plain_prompts(testbed_params(""), true, 3);
+}
+
+TEST(server_determinism, plain_prompts_whose_passages_are_learned_answer_alike_whatever_the_slot_served_before) {
+    check_plain_prompts(testbed_params(""), false, 3, true);
 }
 
 TEST(server_determinism, plain_prompts_answer_alike_on_dense_evicting_and_live_compressed_slots) {
