@@ -31,10 +31,10 @@ struct load_opts {
     std::string mode = "plain";       // plain: /v1/completions; rag: chat with documents
     int64_t requests_per_client = 2;  // each client's requests, one after the other
     int64_t max_tokens = 32;
-    int64_t prompt_words = 150;        // plain prompts
-    int64_t doc_set = 16;              // rag: the known documents drawn from
-    int64_t long_prompt_tokens = 0;    // > 0: a probe run with one long prompt among the streams
-    int64_t timeout_s = 300;           // longest wait for a server's next bytes
+    int64_t prompt_words = 150;      // plain prompts
+    int64_t doc_set = 16;            // rag: the known documents drawn from
+    int64_t long_prompt_tokens = 0;  // > 0: a probe run with one long prompt among the streams
+    int64_t timeout_s = 300;         // longest wait for a server's next bytes
     uint64_t seed = 1;
     bool given = false;  // a load flag was given (they need --clients)
 };
