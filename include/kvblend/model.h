@@ -18,6 +18,7 @@ enum model_arch {
     MODEL_ARCH_QWEN3,     // q/k RMS norm per head, NEOX rope
     MODEL_ARCH_MISTRAL3,  // ministral 3: the llama block under its own name
     MODEL_ARCH_GRANITE,   // llama block with scaled embeddings, residuals, attention and logits
+    MODEL_ARCH_OLMO2,     // norms after attention and FFN (none before), q/k RMS norm over the whole projection
 };
 
 const char * model_arch_name(model_arch arch);
@@ -52,6 +53,11 @@ struct model_hparams {
     float attn_scale = 0.0f;      // q·k times this (attention.scale); 0: 1/sqrt(head_dim)
     bool rope = true;             // granite: rope.scaling.finetuned = false turns RoPE off in every layer
 
+    // olmo2: RMS norms on the attention and FFN outputs instead of on their inputs
+    bool post_norm = false;
+    // olmo2: the q/k RMS norm spans the whole projection, not each head
+    bool qk_norm_whole = false;
+
     bool has_rope(int64_t il) const { return rope && il >= 0; }
     float kq_scale() const;
 
@@ -60,20 +66,22 @@ struct model_hparams {
 };
 
 struct model_layer {
-    ggml_tensor * attn_norm = nullptr;  // [n_embd]
-    ggml_tensor * wq = nullptr;         // [n_embd, n_embd_q]
-    ggml_tensor * wk = nullptr;         // [n_embd, n_embd_kv]
-    ggml_tensor * wv = nullptr;         // [n_embd, n_embd_kv]
-    ggml_tensor * wo = nullptr;         // [n_embd_q, n_embd]
-    ggml_tensor * bq = nullptr;         // [n_embd_q]   qwen2 (optional elsewhere)
-    ggml_tensor * bk = nullptr;         // [n_embd_kv]  qwen2 (optional elsewhere)
-    ggml_tensor * bv = nullptr;         // [n_embd_kv]  qwen2 (optional elsewhere)
-    ggml_tensor * q_norm = nullptr;     // [head_dim]   qwen3
-    ggml_tensor * k_norm = nullptr;     // [head_dim]   qwen3
-    ggml_tensor * ffn_norm = nullptr;   // [n_embd]
-    ggml_tensor * ffn_gate = nullptr;   // [n_embd, n_ff]
-    ggml_tensor * ffn_up = nullptr;     // [n_embd, n_ff]
-    ggml_tensor * ffn_down = nullptr;   // [n_ff, n_embd]
+    ggml_tensor * attn_norm = nullptr;       // [n_embd]     (not in olmo2)
+    ggml_tensor * wq = nullptr;              // [n_embd, n_embd_q]
+    ggml_tensor * wk = nullptr;              // [n_embd, n_embd_kv]
+    ggml_tensor * wv = nullptr;              // [n_embd, n_embd_kv]
+    ggml_tensor * wo = nullptr;              // [n_embd_q, n_embd]
+    ggml_tensor * bq = nullptr;              // [n_embd_q]   qwen2 (optional elsewhere)
+    ggml_tensor * bk = nullptr;              // [n_embd_kv]  qwen2 (optional elsewhere)
+    ggml_tensor * bv = nullptr;              // [n_embd_kv]  qwen2 (optional elsewhere)
+    ggml_tensor * q_norm = nullptr;          // [head_dim]   qwen3; [n_embd_q] olmo2
+    ggml_tensor * k_norm = nullptr;          // [head_dim]   qwen3; [n_embd_kv] olmo2
+    ggml_tensor * attn_post_norm = nullptr;  // [n_embd]  olmo2
+    ggml_tensor * ffn_norm = nullptr;        // [n_embd]     (not in olmo2)
+    ggml_tensor * ffn_post_norm = nullptr;   // [n_embd]  olmo2
+    ggml_tensor * ffn_gate = nullptr;        // [n_embd, n_ff]
+    ggml_tensor * ffn_up = nullptr;          // [n_embd, n_ff]
+    ggml_tensor * ffn_down = nullptr;        // [n_ff, n_embd]
 };
 
 struct model_params {

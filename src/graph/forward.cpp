@@ -26,14 +26,15 @@ ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tenso
 
 namespace {
 
-// q or k of layer il: projection, bias, per-head RMS norm (qwen3), RoPE at pos
+// q or k of layer il: projection, bias, RMS norm per head (qwen3) or whole (olmo2), RoPE at pos
 ggml_tensor * build_rotated(ggml_context * ctx, const model & m, int il, ggml_tensor * w, ggml_tensor * b,
                             ggml_tensor * norm, int64_t n_head, ggml_tensor * x, ggml_tensor * pos) {
     const model_hparams & hp = m.hparams();
     ggml_tensor * t = ggml_mul_mat(ctx, w, x);  // [head_dim * n_head, n_tok]
     if (b) t = ggml_add(ctx, t, b);
-    t = ggml_reshape_3d(ctx, t, hp.head_dim, n_head, x->ne[1]);  // [head_dim, n_head, n_tok]
-    if (norm) t = build_norm(ctx, t, norm, hp.rms_eps);
+    if (norm && hp.qk_norm_whole) t = build_norm(ctx, t, norm, hp.rms_eps);  // olmo2: over all heads at once
+    t = ggml_reshape_3d(ctx, t, hp.head_dim, n_head, x->ne[1]);              // [head_dim, n_head, n_tok]
+    if (norm && !hp.qk_norm_whole) t = build_norm(ctx, t, norm, hp.rms_eps);
     return build_rope(ctx, m, il, t, pos);
 }
 
@@ -122,10 +123,16 @@ ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor
 
 namespace {
 
-// a block's output before its residual add (granite scales it)
-ggml_tensor * build_residual_scale(ggml_context * ctx, const model & m, ggml_tensor * x) {
-    const float scale = m.hparams().residual_scale;
-    return scale != 1.0f ? ggml_scale(ctx, x, scale) : x;
+// a block's output before its residual add: normed (olmo2), scaled (granite)
+ggml_tensor * build_block_out(ggml_context * ctx, const model & m, ggml_tensor * x, ggml_tensor * post_norm) {
+    const model_hparams & hp = m.hparams();
+    if (post_norm) x = build_norm(ctx, x, post_norm, hp.rms_eps);
+    return hp.residual_scale != 1.0f ? ggml_scale(ctx, x, hp.residual_scale) : x;
+}
+
+// what a block reads from the residual stream: normed, unless the family norms outputs instead (olmo2)
+ggml_tensor * build_block_in(ggml_context * ctx, const model & m, ggml_tensor * x, ggml_tensor * norm) {
+    return norm ? build_norm(ctx, x, norm, m.hparams().rms_eps) : x;
 }
 
 }  // namespace
@@ -133,10 +140,9 @@ ggml_tensor * build_residual_scale(ggml_context * ctx, const model & m, ggml_ten
 ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
                           ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in, ggml_tensor * out_rows,
                           layer_taps * taps, bool kv_only) {
-    const model_hparams & hp = m.hparams();
     const model_layer & L = m.layers[il];
 
-    ggml_tensor * cur = build_norm(ctx, x, L.attn_norm, hp.rms_eps);
+    ggml_tensor * cur = build_block_in(ctx, m, x, L.attn_norm);
     const qkv t = build_qkv(ctx, m, il, cur, in.pos);
     const kv_views kv = build_kv(ctx, gf, m, il, t, k_store, v_store, in);
     if (taps) taps->attn(ctx, gf, il, t, kv);
@@ -148,9 +154,9 @@ ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m,
         cur = ggml_get_rows(ctx, cur, out_rows);      // [n_embd, n_out]
         resid = ggml_get_rows(ctx, resid, out_rows);  // [n_embd, n_out]
     }
-    ggml_tensor * ffn_in = ggml_add(ctx, build_residual_scale(ctx, m, cur), resid);
-    cur = build_ffn(ctx, m, il, build_norm(ctx, ffn_in, L.ffn_norm, hp.rms_eps));
-    return ggml_add(ctx, build_residual_scale(ctx, m, cur), ffn_in);
+    ggml_tensor * ffn_in = ggml_add(ctx, build_block_out(ctx, m, cur, L.attn_post_norm), resid);
+    cur = build_ffn(ctx, m, il, build_block_in(ctx, m, ffn_in, L.ffn_norm));
+    return ggml_add(ctx, build_block_out(ctx, m, cur, L.ffn_post_norm), ffn_in);
 }
 
 ggml_tensor * build_attn_weight_sums(ggml_context * ctx, const model & m, ggml_tensor * q, ggml_tensor * k,
@@ -172,7 +178,7 @@ ggml_tensor * build_deviation(ggml_context * ctx, const model & m, int il, ggml_
                               bool with_v) {
     const model_hparams & hp = m.hparams();
     const int64_t n_tok = x->ne[1];
-    ggml_tensor * h = build_norm(ctx, x, m.layers[il].attn_norm, hp.rms_eps);
+    ggml_tensor * h = build_block_in(ctx, m, x, m.layers[il].attn_norm);
     // one head at a time: the store keeps each head's rows in a block of its own
     auto dev_of = [&](ggml_tensor * fresh, ggml_tensor * store) {  // fresh: [head_dim, n_head_kv, n_tok]
         ggml_tensor * s = nullptr;

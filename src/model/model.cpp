@@ -29,6 +29,7 @@ const char * model_arch_name(model_arch arch) {
         case MODEL_ARCH_QWEN3: return "qwen3";
         case MODEL_ARCH_MISTRAL3: return "mistral3";
         case MODEL_ARCH_GRANITE: return "granite";
+        case MODEL_ARCH_OLMO2: return "olmo2";
     }
     return "?";
 }
@@ -224,8 +225,8 @@ bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op 
     return true;
 }
 
-const model_arch k_archs[] = {MODEL_ARCH_LLAMA, MODEL_ARCH_QWEN2, MODEL_ARCH_QWEN3, MODEL_ARCH_MISTRAL3,
-                              MODEL_ARCH_GRANITE};
+const model_arch k_archs[] = {MODEL_ARCH_LLAMA,    MODEL_ARCH_QWEN2,   MODEL_ARCH_QWEN3,
+                              MODEL_ARCH_MISTRAL3, MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2};
 
 // the architecture named name (general.architecture) into arch; false when none is
 bool arch_of(const std::string & name, model_arch & arch) {
@@ -451,10 +452,11 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     } else if (!scaling.empty() && scaling != "none") {
         kv.fail("rope scaling '" + scaling + "' is not supported (supported: none, linear)");
     }
-    const bool neox = hp.arch == MODEL_ARCH_QWEN2 || hp.arch == MODEL_ARCH_QWEN3;
+    const bool neox = hp.arch == MODEL_ARCH_QWEN2 || hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2;
     hp.rope_mode = neox ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
     hp.qkv_bias = hp.arch == MODEL_ARCH_QWEN2;
-    hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3;
+    hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2;
+    hp.qk_norm_whole = hp.post_norm = hp.arch == MODEL_ARCH_OLMO2;
     read_family_keys(kv, a, hp);
 
     // --- tensors ------------------------------------------------------------
@@ -498,7 +500,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     if (hp.n_vocab <= 0) inconsistent("token_embd.weight has no rows");
     m->tok_embd = check(embd, {n_embd, hp.n_vocab}, true);
     m->output_norm = check(find("output_norm.weight", true), {n_embd}, false);
-    m->output = check(find("output.weight", false), {n_embd, hp.n_vocab}, true);
+    // olmo2's loader in libllama has no tied output
+    m->output = check(find("output.weight", hp.arch == MODEL_ARCH_OLMO2), {n_embd, hp.n_vocab}, true);
     hp.tied_output = m->output == nullptr;
     if (hp.tied_output) m->output = m->tok_embd;
     m->rope_freqs = check(find("rope_freqs.weight", false), {hp.n_rot / 2}, false);
@@ -507,7 +510,12 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     for (int64_t il = 0; il < hp.n_layer; ++il) {
         model_layer & L = m->layers[il];
         auto name = [&](const char * what) { return "blk." + std::to_string(il) + "." + what; };
-        L.attn_norm = check(find(name("attn_norm.weight"), true), {n_embd}, false);
+        // a block normalizes either the inputs of attention and FFN or their outputs (olmo2)
+        auto norm = [&](const char * what) { return check(find(name(what), true), {n_embd}, false); };
+        if (hp.post_norm)
+            L.attn_post_norm = norm("post_attention_norm.weight");
+        else
+            L.attn_norm = norm("attn_norm.weight");
         L.wq = check(find(name("attn_q.weight"), true), {n_embd, n_q}, true);
         L.wk = check(find(name("attn_k.weight"), true), {n_embd, n_kv}, true);
         L.wv = check(find(name("attn_v.weight"), true), {n_embd, n_kv}, true);
@@ -517,10 +525,13 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         L.bk = check(find(name("attn_k.bias"), hp.qkv_bias), {n_kv}, false);
         L.bv = check(find(name("attn_v.bias"), hp.qkv_bias), {n_kv}, false);
         if (hp.qk_norm) {
-            L.q_norm = check(find(name("attn_q_norm.weight"), true), {hp.head_dim}, false);
-            L.k_norm = check(find(name("attn_k_norm.weight"), true), {hp.head_dim}, false);
+            L.q_norm = check(find(name("attn_q_norm.weight"), true), {hp.qk_norm_whole ? n_q : hp.head_dim}, false);
+            L.k_norm = check(find(name("attn_k_norm.weight"), true), {hp.qk_norm_whole ? n_kv : hp.head_dim}, false);
         }
-        L.ffn_norm = check(find(name("ffn_norm.weight"), true), {n_embd}, false);
+        if (hp.post_norm)
+            L.ffn_post_norm = norm("post_ffw_norm.weight");
+        else
+            L.ffn_norm = norm("ffn_norm.weight");
         L.ffn_gate = check(find(name("ffn_gate.weight"), true), {n_embd, hp.n_ff}, true);
         L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, hp.n_ff}, true);
         L.ffn_down = check(find(name("ffn_down.weight"), true), {hp.n_ff, n_embd}, true);

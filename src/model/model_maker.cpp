@@ -42,7 +42,7 @@ model_spec spec_of(model_arch arch, int64_t n_layer, int64_t n_embd, int64_t n_h
     s.rms_eps = rms_eps;
     s.tied_output = tied;
     s.qkv_bias = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm = arch == MODEL_ARCH_QWEN3;
+    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2;
     return s;
 }
 
@@ -64,6 +64,7 @@ const std::vector<preset> & presets() {
         {"tiny-mistral3", spec_of(MODEL_ARCH_MISTRAL3, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-5f, true), "llama-spm"},
         {"tiny-granite", granite(spec_of(MODEL_ARCH_GRANITE, 3, 128, 4, 2, 32, 256, 2048, 1e7f, 1e-5f, true)),
          "llama-spm"},
+        {"tiny-olmo2", spec_of(MODEL_ARCH_OLMO2, 3, 128, 4, 2, 32, 256, 4096, 5e5f, 1e-6f, false), "llama-spm"},
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
         {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true), "qwen2"},
         {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true), "llama-bpe"},
@@ -73,6 +74,9 @@ const std::vector<preset> & presets() {
         // granite 3.3 2b; its vocabulary is starcoder's bpe (49152 of its 49159 tokens)
         {"granite-3.3-2b", granite(spec_of(MODEL_ARCH_GRANITE, 40, 2048, 32, 8, 64, 8192, 131072, 1e7f, 1e-5f, true)),
          "starcoder"},
+        // olmo 2 1b; its dolma2 vocabulary (cl100k-style bpe, 100352 rows) is not
+        // shipped, llama 3's bpe is the closest in kind and size
+        {"olmo2-1b", spec_of(MODEL_ARCH_OLMO2, 16, 2048, 16, 16, 128, 8192, 4096, 5e5f, 1e-6f, false), "llama-bpe"},
     };
     return p;
 }
@@ -147,7 +151,10 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
 
     for (int64_t il = 0; il < s.n_layer; ++il) {
         const std::string p = "blk." + std::to_string(il) + ".";
-        t.push_back(plan_vector(p + "attn_norm.weight", s.n_embd, 1.0f, 0.1f));              // [n_embd]
+        const bool post_norm = s.arch == MODEL_ARCH_OLMO2;  // norms on block outputs, none on inputs
+        const char * attn_norm = post_norm ? "post_attention_norm.weight" : "attn_norm.weight";
+        const char * ffn_norm = post_norm ? "post_ffw_norm.weight" : "ffn_norm.weight";
+        t.push_back(plan_vector(p + attn_norm, s.n_embd, 1.0f, 0.1f));                       // [n_embd]
         t.push_back(plan_matrix(p + "attn_q.weight", s.n_embd, n_embd_q, wtype, in_embd));   // [n_embd, n_embd_q]
         t.push_back(plan_matrix(p + "attn_k.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
         t.push_back(plan_matrix(p + "attn_v.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
@@ -158,11 +165,12 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
             t.push_back(plan_vector(p + "attn_k.bias", n_embd_kv, 0.0f, 0.35f));  // [n_embd_kv]
             t.push_back(plan_vector(p + "attn_v.bias", n_embd_kv, 0.0f, 0.35f));  // [n_embd_kv]
         }
-        if (s.qk_norm) {
-            t.push_back(plan_vector(p + "attn_q_norm.weight", s.head_dim, 1.0f, 0.1f));  // [head_dim]
-            t.push_back(plan_vector(p + "attn_k_norm.weight", s.head_dim, 1.0f, 0.1f));  // [head_dim]
+        if (s.qk_norm) {  // per head (qwen3) or over the whole projection (olmo2)
+            const int64_t n_q_norm = post_norm ? n_embd_q : s.head_dim, n_k_norm = post_norm ? n_embd_kv : s.head_dim;
+            t.push_back(plan_vector(p + "attn_q_norm.weight", n_q_norm, 1.0f, 0.1f));  // [head_dim] or [n_embd_q]
+            t.push_back(plan_vector(p + "attn_k_norm.weight", n_k_norm, 1.0f, 0.1f));  // [head_dim] or [n_embd_kv]
         }
-        t.push_back(plan_vector(p + "ffn_norm.weight", s.n_embd, 1.0f, 0.1f));              // [n_embd]
+        t.push_back(plan_vector(p + ffn_norm, s.n_embd, 1.0f, 0.1f));                       // [n_embd]
         t.push_back(plan_matrix(p + "ffn_gate.weight", s.n_embd, s.n_ff, wtype, in_embd));  // [n_embd, n_ff]
         t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, s.n_ff, wtype, in_embd));    // [n_embd, n_ff]
         t.push_back(plan_matrix(p + "ffn_down.weight", s.n_ff, s.n_embd, wtype,
@@ -181,6 +189,7 @@ void check_spec(const model_spec & s) {
     // libllama's qwen2 loader expects square q and output projections
     if (s.arch == MODEL_ARCH_QWEN2 && s.head_dim * s.n_head != s.n_embd) bad("qwen2 needs head_dim * n_head == n_embd");
     if (s.arch == MODEL_ARCH_GRANITE && s.logit_scale == 0.0f) bad("granite needs a logit_scale");
+    if (s.arch == MODEL_ARCH_OLMO2 && s.tied_output) bad("olmo2 has no tied output (libllama requires output.weight)");
 }
 
 // --- output file --------------------------------------------------------------

@@ -231,6 +231,29 @@ TEST_F(load_errors, family_keys_missing_or_of_the_wrong_type) {
     EXPECT_LOAD_ERROR(dir.file("m3.gguf"), "temperature scaling");
 }
 
+// olmo2's block: norms on the outputs of attention and FFN, q/k norms over
+// the whole projection and its own output matrix, each required as libllama
+// requires it and checked for its shape
+TEST_F(load_errors, olmo2_tensors_missing_or_misshaped) {
+    const std::string olmo2 = make_test_model("tiny-olmo2");
+    EXPECT_NO_THROW(model::load(olmo2));
+    struct bad_tensor {
+        gguf_edit edit;
+        std::string message;
+    };
+    const std::vector<bad_tensor> cases = {
+        {{{}, {"blk.1.post_attention_norm.weight"}, {}}, "missing tensor 'blk.1.post_attention_norm.weight'"},
+        {{{}, {"blk.0.post_ffw_norm.weight"}, {}}, "missing tensor 'blk.0.post_ffw_norm.weight'"},
+        {{{}, {"output.weight"}, {}}, "missing tensor 'output.weight'"},
+        {{{}, {}, {{"blk.2.attn_q_norm.weight", {32}}}}, "'blk.2.attn_q_norm.weight' has shape [32], expected [128]"},
+        {{{}, {}, {{"blk.0.attn_k_norm.weight", {32}}}}, "'blk.0.attn_k_norm.weight' has shape [32], expected [64]"},
+    };
+    for (const bad_tensor & c : cases) {
+        rewrite_gguf(olmo2, dir.file("olmo2.gguf"), c.edit);
+        EXPECT_LOAD_ERROR(dir.file("olmo2.gguf"), c.message);
+    }
+}
+
 TEST_F(load_errors, no_architecture) {
     rewrite_gguf(tiny_llama(), dir.file("noarch.gguf"),
                  {[](gguf_context * g) { gguf_remove_key(g, "general.architecture"); }, {}, {}});
