@@ -19,6 +19,7 @@ enum model_arch {
     MODEL_ARCH_MISTRAL3,  // ministral 3: the llama block under its own name
     MODEL_ARCH_GRANITE,   // llama block with scaled embeddings, residuals, attention and logits
     MODEL_ARCH_OLMO2,     // norms after attention and FFN (none before), q/k RMS norm over the whole projection
+    MODEL_ARCH_SMOLLM3,   // llama block; every 4th layer without RoPE (NoPE)
 };
 
 const char * model_arch_name(model_arch arch);
@@ -58,7 +59,12 @@ struct model_hparams {
     // olmo2: the q/k RMS norm spans the whole projection, not each head
     bool qk_norm_whole = false;
 
-    bool has_rope(int64_t il) const { return rope && il >= 0; }
+    // smollm3: layers il with (il + 1) % no_rope_layer_step == 0 have no RoPE; 0: every layer has it
+    int64_t no_rope_layer_step = 0;
+
+    bool has_rope(int64_t il) const {
+        return rope && il >= 0 && (no_rope_layer_step == 0 || (il + 1) % no_rope_layer_step != 0);
+    }
     float kq_scale() const;
 
     int64_t n_embd_q() const { return head_dim * n_head; }

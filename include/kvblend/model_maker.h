@@ -33,8 +33,8 @@ struct model_spec {
 };
 
 // named real shapes: tiny (small llama), tiny-qwen2, tiny-qwen3,
-// tiny-mistral3, tiny-granite, tiny-olmo2, qwen3-0.6b, qwen2-0.5b, llama-1b,
-// ministral-3-3b, granite-3.3-2b, olmo2-1b. throws kvblend::error for an unknown name.
+// tiny-mistral3, tiny-granite, tiny-olmo2, tiny-smollm3, qwen3-0.6b, qwen2-0.5b,
+// llama-1b, ministral-3-3b, granite-3.3-2b, olmo2-1b, smollm3-3b. throws kvblend::error for an unknown name.
 model_spec model_spec_preset(const std::string & name);
 std::vector<std::string> model_spec_preset_names();
 // the vocab GGUF of the pinned llama.cpp (models/ggml-vocab-NAME.gguf) that

@@ -30,6 +30,7 @@ const char * model_arch_name(model_arch arch) {
         case MODEL_ARCH_MISTRAL3: return "mistral3";
         case MODEL_ARCH_GRANITE: return "granite";
         case MODEL_ARCH_OLMO2: return "olmo2";
+        case MODEL_ARCH_SMOLLM3: return "smollm3";
     }
     return "?";
 }
@@ -225,8 +226,8 @@ bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op 
     return true;
 }
 
-const model_arch k_archs[] = {MODEL_ARCH_LLAMA,    MODEL_ARCH_QWEN2,   MODEL_ARCH_QWEN3,
-                              MODEL_ARCH_MISTRAL3, MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2};
+const model_arch k_archs[] = {MODEL_ARCH_LLAMA,   MODEL_ARCH_QWEN2, MODEL_ARCH_QWEN3,  MODEL_ARCH_MISTRAL3,
+                              MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2, MODEL_ARCH_SMOLLM3};
 
 // the architecture named name (general.architecture) into arch; false when none is
 bool arch_of(const std::string & name, model_arch & arch) {
@@ -457,6 +458,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.qkv_bias = hp.arch == MODEL_ARCH_QWEN2;
     hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2;
     hp.qk_norm_whole = hp.post_norm = hp.arch == MODEL_ARCH_OLMO2;
+    // libllama fixes smollm3's NoPE period at 4 (no GGUF key carries it)
+    hp.no_rope_layer_step = hp.arch == MODEL_ARCH_SMOLLM3 ? 4 : 0;
     read_family_keys(kv, a, hp);
 
     // --- tensors ------------------------------------------------------------

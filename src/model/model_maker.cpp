@@ -65,6 +65,8 @@ const std::vector<preset> & presets() {
         {"tiny-granite", granite(spec_of(MODEL_ARCH_GRANITE, 3, 128, 4, 2, 32, 256, 2048, 1e7f, 1e-5f, true)),
          "llama-spm"},
         {"tiny-olmo2", spec_of(MODEL_ARCH_OLMO2, 3, 128, 4, 2, 32, 256, 4096, 5e5f, 1e-6f, false), "llama-spm"},
+        // 4 layers: the last one has no RoPE
+        {"tiny-smollm3", spec_of(MODEL_ARCH_SMOLLM3, 4, 128, 4, 2, 32, 256, 2048, 5e6f, 1e-6f, true), "llama-spm"},
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
         {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true), "qwen2"},
         {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true), "llama-bpe"},
@@ -77,6 +79,8 @@ const std::vector<preset> & presets() {
         // olmo 2 1b; its dolma2 vocabulary (cl100k-style bpe, 100352 rows) is not
         // shipped, llama 3's bpe is the closest in kind and size
         {"olmo2-1b", spec_of(MODEL_ARCH_OLMO2, 16, 2048, 16, 16, 128, 8192, 4096, 5e5f, 1e-6f, false), "llama-bpe"},
+        // smollm3 3b: layers 4, 8, … 36 without RoPE; its vocabulary is llama 3's bpe
+        {"smollm3-3b", spec_of(MODEL_ARCH_SMOLLM3, 36, 2048, 16, 4, 128, 11008, 65536, 5e6f, 1e-6f, true), "llama-bpe"},
     };
     return p;
 }

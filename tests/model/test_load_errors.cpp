@@ -254,6 +254,17 @@ TEST_F(load_errors, olmo2_tensors_missing_or_misshaped) {
     }
 }
 
+// smollm3 runs every 4th layer without RoPE, as libllama's loader fixes it
+TEST_F(load_errors, smollm3_layers_without_rope) {
+    auto m = model::load(make_test_model("tiny-smollm3"));
+    const model_hparams & hp = m->hparams();
+    EXPECT_EQ(hp.arch, MODEL_ARCH_SMOLLM3);
+    EXPECT_EQ(hp.rope_mode, GGML_ROPE_TYPE_NORMAL);
+    std::vector<bool> rope;
+    for (int il = 0; il < 8; ++il) rope.push_back(hp.has_rope(il));
+    EXPECT_EQ(rope, std::vector<bool>({true, true, true, false, true, true, true, false}));
+}
+
 TEST_F(load_errors, no_architecture) {
     rewrite_gguf(tiny_llama(), dir.file("noarch.gguf"),
                  {[](gguf_context * g) { gguf_remove_key(g, "general.architecture"); }, {}, {}});
