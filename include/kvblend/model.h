@@ -20,6 +20,7 @@ enum model_arch {
     MODEL_ARCH_GRANITE,   // llama block with scaled embeddings, residuals, attention and logits
     MODEL_ARCH_OLMO2,     // norms after attention and FFN (none before), q/k RMS norm over the whole projection
     MODEL_ARCH_SMOLLM3,   // llama block; every 4th layer without RoPE (NoPE)
+    MODEL_ARCH_PHI3,      // fused QKV and gate-up projections, q scaled before attention, NEOX rope
 };
 
 const char * model_arch_name(model_arch arch);
@@ -62,6 +63,10 @@ struct model_hparams {
     // smollm3: layers il with (il + 1) % no_rope_layer_step == 0 have no RoPE; 0: every layer has it
     int64_t no_rope_layer_step = 0;
 
+    // phi3: q times 1/sqrt(head_dim) right after RoPE and a softmax scale of 1
+    // (libllama's order, so an f16 cache rounds the same)
+    bool q_prescaled = false;
+
     bool has_rope(int64_t il) const {
         return rope && il >= 0 && (no_rope_layer_step == 0 || (il + 1) % no_rope_layer_step != 0);
     }
@@ -72,10 +77,13 @@ struct model_hparams {
 };
 
 struct model_layer {
-    ggml_tensor * attn_norm = nullptr;       // [n_embd]     (not in olmo2)
+    ggml_tensor * attn_norm = nullptr;  // [n_embd]     (not in olmo2)
+    // q, k, v projections: three tensors, or one fused attn_qkv (phi3; any family may have it)
     ggml_tensor * wq = nullptr;              // [n_embd, n_embd_q]
     ggml_tensor * wk = nullptr;              // [n_embd, n_embd_kv]
     ggml_tensor * wv = nullptr;              // [n_embd, n_embd_kv]
+    ggml_tensor * wqkv = nullptr;            // [n_embd, n_embd_q + 2 n_embd_kv] q rows, k rows, v rows
+    ggml_tensor * bqkv = nullptr;            // [n_embd_q + 2 n_embd_kv] optional, with wqkv
     ggml_tensor * wo = nullptr;              // [n_embd_q, n_embd]
     ggml_tensor * bq = nullptr;              // [n_embd_q]   qwen2 (optional elsewhere)
     ggml_tensor * bk = nullptr;              // [n_embd_kv]  qwen2 (optional elsewhere)
@@ -85,8 +93,8 @@ struct model_layer {
     ggml_tensor * attn_post_norm = nullptr;  // [n_embd]  olmo2
     ggml_tensor * ffn_norm = nullptr;        // [n_embd]     (not in olmo2)
     ggml_tensor * ffn_post_norm = nullptr;   // [n_embd]  olmo2
-    ggml_tensor * ffn_gate = nullptr;        // [n_embd, n_ff]
-    ggml_tensor * ffn_up = nullptr;          // [n_embd, n_ff]
+    ggml_tensor * ffn_gate = nullptr;        // [n_embd, n_ff]  (not in phi3)
+    ggml_tensor * ffn_up = nullptr;          // [n_embd, n_ff]; phi3: [n_embd, 2 n_ff] gate rows, then up rows
     ggml_tensor * ffn_down = nullptr;        // [n_ff, n_embd]
 };
 

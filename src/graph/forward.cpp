@@ -38,24 +38,49 @@ ggml_tensor * build_rotated(ggml_context * ctx, const model & m, int il, ggml_te
     return build_rope(ctx, m, il, t, pos);
 }
 
+enum qkv_part { QKV_PART_Q, QKV_PART_K, QKV_PART_V };
+
+struct projection {
+    ggml_tensor * w;  // [n_embd, n_out]
+    ggml_tensor * b;  // [n_out] or nullptr
+};
+
+// the weight and bias of q, k or v in layer il: its own tensors, or its rows
+// of a fused attn_qkv (a row view: each output is the same dot product)
+projection build_projection(ggml_context * ctx, const model & m, int il, qkv_part part) {
+    const model_layer & L = m.layers[il];
+    if (!L.wqkv) {
+        if (part == QKV_PART_Q) return {L.wq, L.bq};
+        return part == QKV_PART_K ? projection{L.wk, L.bk} : projection{L.wv, L.bv};
+    }
+    const int64_t n_q = m.hparams().n_embd_q(), n_kv = m.hparams().n_embd_kv();
+    const int64_t first = part == QKV_PART_Q ? 0 : part == QKV_PART_K ? n_q : n_q + n_kv;
+    const int64_t n = part == QKV_PART_Q ? n_q : n_kv;
+    ggml_tensor * w = ggml_view_2d(ctx, L.wqkv, L.wqkv->ne[0], n, L.wqkv->nb[1], first * L.wqkv->nb[1]);
+    ggml_tensor * b = L.bqkv ? ggml_view_1d(ctx, L.bqkv, n, first * L.bqkv->nb[0]) : nullptr;
+    return {w, b};
+}
+
 }  // namespace
 
 ggml_tensor * build_k(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
-    const model_layer & L = m.layers[il];
-    return build_rotated(ctx, m, il, L.wk, L.bk, L.k_norm, m.hparams().n_head_kv, x, pos);
+    const projection p = build_projection(ctx, m, il, QKV_PART_K);
+    return build_rotated(ctx, m, il, p.w, p.b, m.layers[il].k_norm, m.hparams().n_head_kv, x, pos);
 }
 
 ggml_tensor * build_v(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
     const model_hparams & hp = m.hparams();
-    const model_layer & L = m.layers[il];
-    ggml_tensor * v = ggml_mul_mat(ctx, L.wv, x);  // [n_embd_kv, n_tok]
-    if (L.bv) v = ggml_add(ctx, v, L.bv);
+    const projection p = build_projection(ctx, m, il, QKV_PART_V);
+    ggml_tensor * v = ggml_mul_mat(ctx, p.w, x);  // [n_embd_kv, n_tok]
+    if (p.b) v = ggml_add(ctx, v, p.b);
     return ggml_reshape_3d(ctx, v, hp.head_dim, hp.n_head_kv, x->ne[1]);  // [head_dim, n_head_kv, n_tok]
 }
 
 qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
-    const model_layer & L = m.layers[il];
-    ggml_tensor * q = build_rotated(ctx, m, il, L.wq, L.bq, L.q_norm, m.hparams().n_head, x, pos);
+    const model_hparams & hp = m.hparams();
+    const projection p = build_projection(ctx, m, il, QKV_PART_Q);
+    ggml_tensor * q = build_rotated(ctx, m, il, p.w, p.b, m.layers[il].q_norm, hp.n_head, x, pos);
+    if (hp.q_prescaled) q = ggml_scale(ctx, q, 1.0f / std::sqrt((float) hp.head_dim));  // phi3; kq_scale() is 1
     return {q, build_k(ctx, m, il, x, pos), build_v(ctx, m, il, x)};
 }
 
@@ -115,10 +140,13 @@ ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_t
 
 ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
     const model_layer & L = m.layers[il];
-    ggml_tensor * gate = ggml_mul_mat(ctx, L.ffn_gate, x);  // [n_ff, n_tok]
-    ggml_tensor * up = ggml_mul_mat(ctx, L.ffn_up, x);      // [n_ff, n_tok]
-    ggml_tensor * h = ggml_swiglu_split(ctx, gate, up);     // silu(gate) * up
-    return ggml_mul_mat(ctx, L.ffn_down, h);                // [n_embd, n_tok]
+    ggml_tensor * up = ggml_mul_mat(ctx, L.ffn_up, x);  // [n_ff, n_tok]; fused (phi3): [2 n_ff, n_tok]
+    ggml_tensor * h = nullptr;                          // silu(gate) * up: [n_ff, n_tok]
+    if (L.ffn_gate)
+        h = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, L.ffn_gate, x), up);
+    else
+        h = ggml_swiglu(ctx, up);             // gate rows first, as phi3 stores them
+    return ggml_mul_mat(ctx, L.ffn_down, h);  // [n_embd, n_tok]
 }
 
 namespace {
