@@ -18,6 +18,9 @@ enum model_arch {
     MODEL_ARCH_QWEN3,     // q/k RMS norm per head, NEOX rope
     MODEL_ARCH_MISTRAL3,  // ministral 3: the llama block under its own name
     MODEL_ARCH_GRANITE,   // llama block with scaled embeddings, residuals, attention and logits
+    MODEL_ARCH_OLMO2,     // norms after attention and FFN (none before), q/k RMS norm over the whole projection
+    MODEL_ARCH_SMOLLM3,   // llama block; every 4th layer without RoPE (NoPE)
+    MODEL_ARCH_PHI3,      // fused QKV and gate-up projections, q scaled before attention, NEOX rope
 };
 
 const char * model_arch_name(model_arch arch);
@@ -52,7 +55,21 @@ struct model_hparams {
     float attn_scale = 0.0f;      // q·k times this (attention.scale); 0: 1/sqrt(head_dim)
     bool rope = true;             // granite: rope.scaling.finetuned = false turns RoPE off in every layer
 
-    bool has_rope(int64_t il) const { return rope && il >= 0; }
+    // olmo2: RMS norms on the attention and FFN outputs instead of on their inputs
+    bool post_norm = false;
+    // olmo2: the q/k RMS norm spans the whole projection, not each head
+    bool qk_norm_whole = false;
+
+    // smollm3: layers il with (il + 1) % no_rope_layer_step == 0 have no RoPE; 0: every layer has it
+    int64_t no_rope_layer_step = 0;
+
+    // phi3: q times 1/sqrt(head_dim) right after RoPE and a softmax scale of 1
+    // (libllama's order, so an f16 cache rounds the same)
+    bool q_prescaled = false;
+
+    bool has_rope(int64_t il) const {
+        return rope && il >= 0 && (no_rope_layer_step == 0 || (il + 1) % no_rope_layer_step != 0);
+    }
     float kq_scale() const;
 
     int64_t n_embd_q() const { return head_dim * n_head; }
@@ -60,20 +77,25 @@ struct model_hparams {
 };
 
 struct model_layer {
-    ggml_tensor * attn_norm = nullptr;  // [n_embd]
-    ggml_tensor * wq = nullptr;         // [n_embd, n_embd_q]
-    ggml_tensor * wk = nullptr;         // [n_embd, n_embd_kv]
-    ggml_tensor * wv = nullptr;         // [n_embd, n_embd_kv]
-    ggml_tensor * wo = nullptr;         // [n_embd_q, n_embd]
-    ggml_tensor * bq = nullptr;         // [n_embd_q]   qwen2 (optional elsewhere)
-    ggml_tensor * bk = nullptr;         // [n_embd_kv]  qwen2 (optional elsewhere)
-    ggml_tensor * bv = nullptr;         // [n_embd_kv]  qwen2 (optional elsewhere)
-    ggml_tensor * q_norm = nullptr;     // [head_dim]   qwen3
-    ggml_tensor * k_norm = nullptr;     // [head_dim]   qwen3
-    ggml_tensor * ffn_norm = nullptr;   // [n_embd]
-    ggml_tensor * ffn_gate = nullptr;   // [n_embd, n_ff]
-    ggml_tensor * ffn_up = nullptr;     // [n_embd, n_ff]
-    ggml_tensor * ffn_down = nullptr;   // [n_ff, n_embd]
+    ggml_tensor * attn_norm = nullptr;  // [n_embd]     (not in olmo2)
+    // q, k, v projections: three tensors, or one fused attn_qkv (phi3; any family may have it)
+    ggml_tensor * wq = nullptr;              // [n_embd, n_embd_q]
+    ggml_tensor * wk = nullptr;              // [n_embd, n_embd_kv]
+    ggml_tensor * wv = nullptr;              // [n_embd, n_embd_kv]
+    ggml_tensor * wqkv = nullptr;            // [n_embd, n_embd_q + 2 n_embd_kv] q rows, k rows, v rows
+    ggml_tensor * bqkv = nullptr;            // [n_embd_q + 2 n_embd_kv] optional, with wqkv
+    ggml_tensor * wo = nullptr;              // [n_embd_q, n_embd]
+    ggml_tensor * bq = nullptr;              // [n_embd_q]   qwen2 (optional elsewhere)
+    ggml_tensor * bk = nullptr;              // [n_embd_kv]  qwen2 (optional elsewhere)
+    ggml_tensor * bv = nullptr;              // [n_embd_kv]  qwen2 (optional elsewhere)
+    ggml_tensor * q_norm = nullptr;          // [head_dim]   qwen3; [n_embd_q] olmo2
+    ggml_tensor * k_norm = nullptr;          // [head_dim]   qwen3; [n_embd_kv] olmo2
+    ggml_tensor * attn_post_norm = nullptr;  // [n_embd]  olmo2
+    ggml_tensor * ffn_norm = nullptr;        // [n_embd]     (not in olmo2)
+    ggml_tensor * ffn_post_norm = nullptr;   // [n_embd]  olmo2
+    ggml_tensor * ffn_gate = nullptr;        // [n_embd, n_ff]  (not in phi3)
+    ggml_tensor * ffn_up = nullptr;          // [n_embd, n_ff]; phi3: [n_embd, 2 n_ff] gate rows, then up rows
+    ggml_tensor * ffn_down = nullptr;        // [n_ff, n_embd]
 };
 
 struct model_params {

@@ -18,6 +18,7 @@ struct model_spec {
     int64_t n_head = 4;
     int64_t n_head_kv = 2;
     int64_t head_dim = 16;
+    int64_t n_rot = 0;  // rotated dims per head (rope.dimension_count); 0: head_dim
     int64_t n_ff = 128;
     int64_t n_ctx_train = 2048;
     float rope_base = 10000.0f;
@@ -33,8 +34,9 @@ struct model_spec {
 };
 
 // named real shapes: tiny (small llama), tiny-qwen2, tiny-qwen3,
-// tiny-mistral3, tiny-granite, qwen3-0.6b, qwen2-0.5b, llama-1b,
-// ministral-3-3b, granite-3.3-2b. throws kvblend::error for an unknown name.
+// tiny-mistral3, tiny-granite, tiny-olmo2, tiny-smollm3, tiny-phi3, qwen3-0.6b,
+// qwen2-0.5b, llama-1b, ministral-3-3b, granite-3.3-2b, olmo2-1b, smollm3-3b,
+// phi-4-mini. throws kvblend::error for an unknown name.
 model_spec model_spec_preset(const std::string & name);
 std::vector<std::string> model_spec_preset_names();
 // the vocab GGUF of the pinned llama.cpp (models/ggml-vocab-NAME.gguf) that

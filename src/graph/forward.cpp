@@ -26,35 +26,61 @@ ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tenso
 
 namespace {
 
-// q or k of layer il: projection, bias, per-head RMS norm (qwen3), RoPE at pos
+// q or k of layer il: projection, bias, RMS norm per head (qwen3) or whole (olmo2), RoPE at pos
 ggml_tensor * build_rotated(ggml_context * ctx, const model & m, int il, ggml_tensor * w, ggml_tensor * b,
                             ggml_tensor * norm, int64_t n_head, ggml_tensor * x, ggml_tensor * pos) {
     const model_hparams & hp = m.hparams();
     ggml_tensor * t = ggml_mul_mat(ctx, w, x);  // [head_dim * n_head, n_tok]
     if (b) t = ggml_add(ctx, t, b);
-    t = ggml_reshape_3d(ctx, t, hp.head_dim, n_head, x->ne[1]);  // [head_dim, n_head, n_tok]
-    if (norm) t = build_norm(ctx, t, norm, hp.rms_eps);
+    if (norm && hp.qk_norm_whole) t = build_norm(ctx, t, norm, hp.rms_eps);  // olmo2: over all heads at once
+    t = ggml_reshape_3d(ctx, t, hp.head_dim, n_head, x->ne[1]);              // [head_dim, n_head, n_tok]
+    if (norm && !hp.qk_norm_whole) t = build_norm(ctx, t, norm, hp.rms_eps);
     return build_rope(ctx, m, il, t, pos);
+}
+
+enum qkv_part { QKV_PART_Q, QKV_PART_K, QKV_PART_V };
+
+struct projection {
+    ggml_tensor * w;  // [n_embd, n_out]
+    ggml_tensor * b;  // [n_out] or nullptr
+};
+
+// the weight and bias of q, k or v in layer il: its own tensors, or its rows
+// of a fused attn_qkv (a row view: each output is the same dot product)
+projection build_projection(ggml_context * ctx, const model & m, int il, qkv_part part) {
+    const model_layer & L = m.layers[il];
+    if (!L.wqkv) {
+        if (part == QKV_PART_Q) return {L.wq, L.bq};
+        return part == QKV_PART_K ? projection{L.wk, L.bk} : projection{L.wv, L.bv};
+    }
+    const int64_t n_q = m.hparams().n_embd_q(), n_kv = m.hparams().n_embd_kv();
+    const int64_t first = part == QKV_PART_Q ? 0 : part == QKV_PART_K ? n_q : n_q + n_kv;
+    const int64_t n = part == QKV_PART_Q ? n_q : n_kv;
+    ggml_tensor * w = ggml_view_2d(ctx, L.wqkv, L.wqkv->ne[0], n, L.wqkv->nb[1], first * L.wqkv->nb[1]);
+    ggml_tensor * b = L.bqkv ? ggml_view_1d(ctx, L.bqkv, n, first * L.bqkv->nb[0]) : nullptr;
+    return {w, b};
 }
 
 }  // namespace
 
 ggml_tensor * build_k(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
-    const model_layer & L = m.layers[il];
-    return build_rotated(ctx, m, il, L.wk, L.bk, L.k_norm, m.hparams().n_head_kv, x, pos);
+    const projection p = build_projection(ctx, m, il, QKV_PART_K);
+    return build_rotated(ctx, m, il, p.w, p.b, m.layers[il].k_norm, m.hparams().n_head_kv, x, pos);
 }
 
 ggml_tensor * build_v(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
     const model_hparams & hp = m.hparams();
-    const model_layer & L = m.layers[il];
-    ggml_tensor * v = ggml_mul_mat(ctx, L.wv, x);  // [n_embd_kv, n_tok]
-    if (L.bv) v = ggml_add(ctx, v, L.bv);
+    const projection p = build_projection(ctx, m, il, QKV_PART_V);
+    ggml_tensor * v = ggml_mul_mat(ctx, p.w, x);  // [n_embd_kv, n_tok]
+    if (p.b) v = ggml_add(ctx, v, p.b);
     return ggml_reshape_3d(ctx, v, hp.head_dim, hp.n_head_kv, x->ne[1]);  // [head_dim, n_head_kv, n_tok]
 }
 
 qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
-    const model_layer & L = m.layers[il];
-    ggml_tensor * q = build_rotated(ctx, m, il, L.wq, L.bq, L.q_norm, m.hparams().n_head, x, pos);
+    const model_hparams & hp = m.hparams();
+    const projection p = build_projection(ctx, m, il, QKV_PART_Q);
+    ggml_tensor * q = build_rotated(ctx, m, il, p.w, p.b, m.layers[il].q_norm, hp.n_head, x, pos);
+    if (hp.q_prescaled) q = ggml_scale(ctx, q, 1.0f / std::sqrt((float) hp.head_dim));  // phi3; kq_scale() is 1
     return {q, build_k(ctx, m, il, x, pos), build_v(ctx, m, il, x)};
 }
 
@@ -118,18 +144,27 @@ ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_t
 
 ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
     const model_layer & L = m.layers[il];
-    ggml_tensor * gate = ggml_mul_mat(ctx, L.ffn_gate, x);  // [n_ff, n_tok]
-    ggml_tensor * up = ggml_mul_mat(ctx, L.ffn_up, x);      // [n_ff, n_tok]
-    ggml_tensor * h = ggml_swiglu_split(ctx, gate, up);     // silu(gate) * up
-    return ggml_mul_mat(ctx, L.ffn_down, h);                // [n_embd, n_tok]
+    ggml_tensor * up = ggml_mul_mat(ctx, L.ffn_up, x);  // [n_ff, n_tok]; fused (phi3): [2 n_ff, n_tok]
+    ggml_tensor * h = nullptr;                          // silu(gate) * up: [n_ff, n_tok]
+    if (L.ffn_gate)
+        h = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, L.ffn_gate, x), up);
+    else
+        h = ggml_swiglu(ctx, up);             // gate rows first, as phi3 stores them
+    return ggml_mul_mat(ctx, L.ffn_down, h);  // [n_embd, n_tok]
 }
 
 namespace {
 
-// a block's output before its residual add (granite scales it)
-ggml_tensor * build_residual_scale(ggml_context * ctx, const model & m, ggml_tensor * x) {
-    const float scale = m.hparams().residual_scale;
-    return scale != 1.0f ? ggml_scale(ctx, x, scale) : x;
+// a block's output before its residual add: normed (olmo2), scaled (granite)
+ggml_tensor * build_block_out(ggml_context * ctx, const model & m, ggml_tensor * x, ggml_tensor * post_norm) {
+    const model_hparams & hp = m.hparams();
+    if (post_norm) x = build_norm(ctx, x, post_norm, hp.rms_eps);
+    return hp.residual_scale != 1.0f ? ggml_scale(ctx, x, hp.residual_scale) : x;
+}
+
+// what a block reads from the residual stream: normed, unless the family norms outputs instead (olmo2)
+ggml_tensor * build_block_in(ggml_context * ctx, const model & m, ggml_tensor * x, ggml_tensor * norm) {
+    return norm ? build_norm(ctx, x, norm, m.hparams().rms_eps) : x;
 }
 
 }  // namespace
@@ -157,7 +192,7 @@ ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model
     const model_layer & L = m.layers[il];
     GGML_ASSERT(n_seq >= 1 && (n_seq == 1 || (!taps && !kv_only)));
 
-    ggml_tensor * cur = build_norm(ctx, x, L.attn_norm, hp.rms_eps);
+    ggml_tensor * cur = build_block_in(ctx, m, x, L.attn_norm);
     const qkv t = build_qkv(ctx, m, il, cur, pos);  // every token's projections at once
     ggml_tensor * heads = nullptr;                  // [n_embd_q, n_tok]
     for (size_t s = 0; s < n_seq; ++s) {
@@ -177,9 +212,9 @@ ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model
         cur = ggml_get_rows(ctx, cur, out_rows);      // [n_embd, n_out]
         resid = ggml_get_rows(ctx, resid, out_rows);  // [n_embd, n_out]
     }
-    ggml_tensor * ffn_in = ggml_add(ctx, build_residual_scale(ctx, m, cur), resid);
-    cur = build_ffn(ctx, m, il, build_norm(ctx, ffn_in, L.ffn_norm, hp.rms_eps));
-    return ggml_add(ctx, build_residual_scale(ctx, m, cur), ffn_in);
+    ggml_tensor * ffn_in = ggml_add(ctx, build_block_out(ctx, m, cur, L.attn_post_norm), resid);
+    cur = build_ffn(ctx, m, il, build_block_in(ctx, m, ffn_in, L.ffn_norm));
+    return ggml_add(ctx, build_block_out(ctx, m, cur, L.ffn_post_norm), ffn_in);
 }
 
 ggml_tensor * build_attn_weight_sums(ggml_context * ctx, const model & m, ggml_tensor * q, ggml_tensor * k,
@@ -201,7 +236,7 @@ ggml_tensor * build_deviation(ggml_context * ctx, const model & m, int il, ggml_
                               bool with_v) {
     const model_hparams & hp = m.hparams();
     const int64_t n_tok = x->ne[1];
-    ggml_tensor * h = build_norm(ctx, x, m.layers[il].attn_norm, hp.rms_eps);
+    ggml_tensor * h = build_block_in(ctx, m, x, m.layers[il].attn_norm);
     // one head at a time: the store keeps each head's rows in a block of its own
     auto dev_of = [&](ggml_tensor * fresh, ggml_tensor * store) {  // fresh: [head_dim, n_head_kv, n_tok]
         ggml_tensor * s = nullptr;

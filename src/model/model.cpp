@@ -29,11 +29,15 @@ const char * model_arch_name(model_arch arch) {
         case MODEL_ARCH_QWEN3: return "qwen3";
         case MODEL_ARCH_MISTRAL3: return "mistral3";
         case MODEL_ARCH_GRANITE: return "granite";
+        case MODEL_ARCH_OLMO2: return "olmo2";
+        case MODEL_ARCH_SMOLLM3: return "smollm3";
+        case MODEL_ARCH_PHI3: return "phi3";
     }
     return "?";
 }
 
 float model_hparams::kq_scale() const {
+    if (q_prescaled) return 1.0f;
     return attn_scale != 0.0f ? attn_scale : 1.0f / std::sqrt((float) head_dim);
 }
 
@@ -224,8 +228,8 @@ bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op 
     return true;
 }
 
-const model_arch k_archs[] = {MODEL_ARCH_LLAMA, MODEL_ARCH_QWEN2, MODEL_ARCH_QWEN3, MODEL_ARCH_MISTRAL3,
-                              MODEL_ARCH_GRANITE};
+const model_arch k_archs[] = {MODEL_ARCH_LLAMA,   MODEL_ARCH_QWEN2, MODEL_ARCH_QWEN3,   MODEL_ARCH_MISTRAL3,
+                              MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2, MODEL_ARCH_SMOLLM3, MODEL_ARCH_PHI3};
 
 // the architecture named name (general.architecture) into arch; false when none is
 bool arch_of(const std::string & name, model_arch & arch) {
@@ -306,8 +310,25 @@ void check_weight_ops(const model & m, ggml_backend_dev_t dev, const kv_reader &
     need(m.tok_embd, GGML_OP_GET_ROWS);
     need(m.output, GGML_OP_MUL_MAT);
     for (const model_layer & L : m.layers)
-        for (const ggml_tensor * t : {L.wq, L.wk, L.wv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down})
+        for (const ggml_tensor * t : {L.wq, L.wk, L.wv, L.wqkv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down})
             need(t, GGML_OP_MUL_MAT);
+}
+
+// LongRoPE (phi3 models past a 4k context): factors per frequency that
+// libllama picks, short or long, by the size of each context it runs, and a
+// scale on every rotation (rope.scaling.attn_factor). refused, with the reason
+void check_longrope(ggml_context * meta, const kv_reader & kv, const std::string & a) {
+    const std::string why =
+        " LongRoPE is not supported: libllama picks its short or long factors by the size of each context it runs "
+        "(past rope.scaling.original_context_length), so a document's stored K would depend on the context it was "
+        "collected in";
+    if (kv.str(a + "rope.scaling.type") == "longrope") kv.fail(a + "rope.scaling.type is longrope:" + why);
+    for (const char * factors : {"rope_factors_long.weight", "rope_factors_short.weight"})
+        if (ggml_get_tensor(meta, factors)) kv.fail(std::string("the file has '") + factors + "':" + why);
+    // libllama scales every rotation by this factor (into its yarn attn_factor); we rotate unscaled
+    const double attn_factor = kv.finite(a + "rope.scaling.attn_factor", 1.0);
+    if (attn_factor != 1.0)
+        kv.fail(a + "rope.scaling.attn_factor = " + std::to_string(attn_factor) + " is not supported (only 1)");
 }
 
 // the keys one family adds to the llama block, read as libllama reads them
@@ -350,7 +371,7 @@ bool model::on_gpu() const {
 
 std::string model::describe() const {
     std::ostringstream os;
-    const ggml_type wt = layers.empty() ? tok_embd->type : layers[0].wq->type;
+    const ggml_type wt = layers.empty() ? tok_embd->type : layers[0].wo->type;
     os << hp_.arch_name << ", " << hp_.n_layer << " layers, n_embd " << hp_.n_embd << ", heads " << hp_.n_head << "/"
        << hp_.n_head_kv << " x " << hp_.head_dim << ", ff " << hp_.n_ff << ", vocab " << hp_.n_vocab << ", "
        << ggml_type_name(wt) << ", " << (weights_bytes_ / (1024.0 * 1024.0)) << " MiB";
@@ -443,6 +464,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.rope_base = (float) kv.real(a + "rope.freq_base", 10000.0, false);
     if (!(hp.rope_base > 0.0f) || !std::isfinite(hp.rope_base)) inconsistent("rope.freq_base must be positive");
 
+    check_longrope(meta, kv, a);
     const std::string scaling = kv.str(a + "rope.scaling.type");
     if (scaling == "linear") {
         const double factor = kv.real(a + "rope.scaling.factor", 1.0, false);
@@ -451,10 +473,15 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     } else if (!scaling.empty() && scaling != "none") {
         kv.fail("rope scaling '" + scaling + "' is not supported (supported: none, linear)");
     }
-    const bool neox = hp.arch == MODEL_ARCH_QWEN2 || hp.arch == MODEL_ARCH_QWEN3;
+    const bool neox = hp.arch == MODEL_ARCH_QWEN2 || hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2 ||
+                      hp.arch == MODEL_ARCH_PHI3;
     hp.rope_mode = neox ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
     hp.qkv_bias = hp.arch == MODEL_ARCH_QWEN2;
-    hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3;
+    hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2;
+    hp.qk_norm_whole = hp.post_norm = hp.arch == MODEL_ARCH_OLMO2;
+    // libllama fixes smollm3's NoPE period at 4 (no GGUF key carries it)
+    hp.no_rope_layer_step = hp.arch == MODEL_ARCH_SMOLLM3 ? 4 : 0;
+    hp.q_prescaled = hp.arch == MODEL_ARCH_PHI3;
     read_family_keys(kv, a, hp);
 
     // --- tensors ------------------------------------------------------------
@@ -498,7 +525,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     if (hp.n_vocab <= 0) inconsistent("token_embd.weight has no rows");
     m->tok_embd = check(embd, {n_embd, hp.n_vocab}, true);
     m->output_norm = check(find("output_norm.weight", true), {n_embd}, false);
-    m->output = check(find("output.weight", false), {n_embd, hp.n_vocab}, true);
+    // olmo2's loader in libllama has no tied output
+    m->output = check(find("output.weight", hp.arch == MODEL_ARCH_OLMO2), {n_embd, hp.n_vocab}, true);
     hp.tied_output = m->output == nullptr;
     if (hp.tied_output) m->output = m->tok_embd;
     m->rope_freqs = check(find("rope_freqs.weight", false), {hp.n_rot / 2}, false);
@@ -507,22 +535,40 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     for (int64_t il = 0; il < hp.n_layer; ++il) {
         model_layer & L = m->layers[il];
         auto name = [&](const char * what) { return "blk." + std::to_string(il) + "." + what; };
-        L.attn_norm = check(find(name("attn_norm.weight"), true), {n_embd}, false);
-        L.wq = check(find(name("attn_q.weight"), true), {n_embd, n_q}, true);
-        L.wk = check(find(name("attn_k.weight"), true), {n_embd, n_kv}, true);
-        L.wv = check(find(name("attn_v.weight"), true), {n_embd, n_kv}, true);
-        L.wo = check(find(name("attn_output.weight"), true), {n_q, n_embd}, true);
-        // libllama reads q/k/v biases wherever a file has them; qwen2 must
-        L.bq = check(find(name("attn_q.bias"), hp.qkv_bias), {n_q}, false);
-        L.bk = check(find(name("attn_k.bias"), hp.qkv_bias), {n_kv}, false);
-        L.bv = check(find(name("attn_v.bias"), hp.qkv_bias), {n_kv}, false);
-        if (hp.qk_norm) {
-            L.q_norm = check(find(name("attn_q_norm.weight"), true), {hp.head_dim}, false);
-            L.k_norm = check(find(name("attn_k_norm.weight"), true), {hp.head_dim}, false);
+        // a block normalizes either the inputs of attention and FFN or their outputs (olmo2)
+        auto norm = [&](const char * what) { return check(find(name(what), true), {n_embd}, false); };
+        if (hp.post_norm)
+            L.attn_post_norm = norm("post_attention_norm.weight");
+        else
+            L.attn_norm = norm("attn_norm.weight");
+        // one fused q/k/v projection or three, in any family, as libllama reads them
+        L.wqkv = check(find(name("attn_qkv.weight"), false), {n_embd, n_q + 2 * n_kv}, true);
+        if (L.wqkv) {
+            L.bqkv = check(find(name("attn_qkv.bias"), hp.qkv_bias), {n_q + 2 * n_kv}, false);
+        } else {
+            L.wq = check(find(name("attn_q.weight"), true), {n_embd, n_q}, true);
+            L.wk = check(find(name("attn_k.weight"), true), {n_embd, n_kv}, true);
+            L.wv = check(find(name("attn_v.weight"), true), {n_embd, n_kv}, true);
+            // libllama reads q/k/v biases wherever a file has them; qwen2 must
+            L.bq = check(find(name("attn_q.bias"), hp.qkv_bias), {n_q}, false);
+            L.bk = check(find(name("attn_k.bias"), hp.qkv_bias), {n_kv}, false);
+            L.bv = check(find(name("attn_v.bias"), hp.qkv_bias), {n_kv}, false);
         }
-        L.ffn_norm = check(find(name("ffn_norm.weight"), true), {n_embd}, false);
-        L.ffn_gate = check(find(name("ffn_gate.weight"), true), {n_embd, hp.n_ff}, true);
-        L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, hp.n_ff}, true);
+        L.wo = check(find(name("attn_output.weight"), true), {n_q, n_embd}, true);
+        if (hp.qk_norm) {
+            L.q_norm = check(find(name("attn_q_norm.weight"), true), {hp.qk_norm_whole ? n_q : hp.head_dim}, false);
+            L.k_norm = check(find(name("attn_k_norm.weight"), true), {hp.qk_norm_whole ? n_kv : hp.head_dim}, false);
+        }
+        if (hp.post_norm)
+            L.ffn_post_norm = norm("post_ffw_norm.weight");
+        else
+            L.ffn_norm = norm("ffn_norm.weight");
+        if (hp.arch == MODEL_ARCH_PHI3) {  // gate and up fused in one matrix
+            L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, 2 * hp.n_ff}, true);
+        } else {
+            L.ffn_gate = check(find(name("ffn_gate.weight"), true), {n_embd, hp.n_ff}, true);
+            L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, hp.n_ff}, true);
+        }
         L.ffn_down = check(find(name("ffn_down.weight"), true), {hp.n_ff, n_embd}, true);
     }
 

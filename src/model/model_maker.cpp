@@ -42,7 +42,7 @@ model_spec spec_of(model_arch arch, int64_t n_layer, int64_t n_embd, int64_t n_h
     s.rms_eps = rms_eps;
     s.tied_output = tied;
     s.qkv_bias = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm = arch == MODEL_ARCH_QWEN3;
+    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2;
     return s;
 }
 
@@ -56,6 +56,12 @@ model_spec granite(model_spec s) {
     return s;
 }
 
+// partial rotary embedding: n_rot of head_dim dims per head rotate
+model_spec rotating(model_spec s, int64_t n_rot) {
+    s.n_rot = n_rot;
+    return s;
+}
+
 const std::vector<preset> & presets() {
     static const std::vector<preset> p = {
         {"tiny", spec_of(MODEL_ARCH_LLAMA, 4, 128, 4, 2, 32, 256, 2048, 10000.0f, 1e-5f, false), "llama-spm"},
@@ -64,6 +70,11 @@ const std::vector<preset> & presets() {
         {"tiny-mistral3", spec_of(MODEL_ARCH_MISTRAL3, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-5f, true), "llama-spm"},
         {"tiny-granite", granite(spec_of(MODEL_ARCH_GRANITE, 3, 128, 4, 2, 32, 256, 2048, 1e7f, 1e-5f, true)),
          "llama-spm"},
+        {"tiny-olmo2", spec_of(MODEL_ARCH_OLMO2, 3, 128, 4, 2, 32, 256, 4096, 5e5f, 1e-6f, false), "llama-spm"},
+        // 4 layers: the last one has no RoPE
+        {"tiny-smollm3", spec_of(MODEL_ARCH_SMOLLM3, 4, 128, 4, 2, 32, 256, 2048, 5e6f, 1e-6f, true), "llama-spm"},
+        // 24 of 32 dims rotated, as phi-4-mini rotates 96 of 128
+        {"tiny-phi3", rotating(spec_of(MODEL_ARCH_PHI3, 3, 128, 4, 2, 32, 256, 4096, 1e4f, 1e-5f, true), 24), "phi-3"},
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
         {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true), "qwen2"},
         {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true), "llama-bpe"},
@@ -73,6 +84,15 @@ const std::vector<preset> & presets() {
         // granite 3.3 2b; its vocabulary is starcoder's bpe (49152 of its 49159 tokens)
         {"granite-3.3-2b", granite(spec_of(MODEL_ARCH_GRANITE, 40, 2048, 32, 8, 64, 8192, 131072, 1e7f, 1e-5f, true)),
          "starcoder"},
+        // olmo 2 1b; its dolma2 vocabulary (cl100k-style bpe, 100352 rows) is not
+        // shipped, llama 3's bpe is the closest in kind and size
+        {"olmo2-1b", spec_of(MODEL_ARCH_OLMO2, 16, 2048, 16, 16, 128, 8192, 4096, 5e5f, 1e-6f, false), "llama-bpe"},
+        // smollm3 3b: layers 4, 8, … 36 without RoPE; its vocabulary is llama 3's bpe
+        {"smollm3-3b", spec_of(MODEL_ARCH_SMOLLM3, 36, 2048, 16, 4, 128, 11008, 65536, 5e6f, 1e-6f, true), "llama-bpe"},
+        // phi-4-mini's shape without its LongRoPE factors (which load refuses); its
+        // 200k-token vocabulary is not shipped, phi-3's own is
+        {"phi-4-mini", rotating(spec_of(MODEL_ARCH_PHI3, 32, 3072, 24, 8, 128, 8192, 131072, 1e4f, 1e-5f, true), 96),
+         "phi-3"},
     };
     return p;
 }
@@ -147,10 +167,19 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
 
     for (int64_t il = 0; il < s.n_layer; ++il) {
         const std::string p = "blk." + std::to_string(il) + ".";
-        t.push_back(plan_vector(p + "attn_norm.weight", s.n_embd, 1.0f, 0.1f));              // [n_embd]
-        t.push_back(plan_matrix(p + "attn_q.weight", s.n_embd, n_embd_q, wtype, in_embd));   // [n_embd, n_embd_q]
-        t.push_back(plan_matrix(p + "attn_k.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
-        t.push_back(plan_matrix(p + "attn_v.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
+        const bool post_norm = s.arch == MODEL_ARCH_OLMO2;  // norms on block outputs, none on inputs
+        const bool phi3 = s.arch == MODEL_ARCH_PHI3;        // fused projections
+        const char * attn_norm = post_norm ? "post_attention_norm.weight" : "attn_norm.weight";
+        const char * ffn_norm = post_norm ? "post_ffw_norm.weight" : "ffn_norm.weight";
+        t.push_back(plan_vector(p + attn_norm, s.n_embd, 1.0f, 0.1f));  // [n_embd]
+        if (phi3) {                                                     // q, k and v rows in one matrix
+            t.push_back(plan_matrix(p + "attn_qkv.weight", s.n_embd, n_embd_q + 2 * n_embd_kv, wtype,
+                                    in_embd));  // [n_embd, n_embd_q + 2 n_embd_kv]
+        } else {
+            t.push_back(plan_matrix(p + "attn_q.weight", s.n_embd, n_embd_q, wtype, in_embd));   // [n_embd, n_embd_q]
+            t.push_back(plan_matrix(p + "attn_k.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
+            t.push_back(plan_matrix(p + "attn_v.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
+        }
         t.push_back(plan_matrix(p + "attn_output.weight", n_embd_q, s.n_embd, wtype,
                                 1.0f / std::sqrt(float(n_embd_q))));  // [n_embd_q, n_embd]
         if (s.qkv_bias) {
@@ -158,13 +187,18 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
             t.push_back(plan_vector(p + "attn_k.bias", n_embd_kv, 0.0f, 0.35f));  // [n_embd_kv]
             t.push_back(plan_vector(p + "attn_v.bias", n_embd_kv, 0.0f, 0.35f));  // [n_embd_kv]
         }
-        if (s.qk_norm) {
-            t.push_back(plan_vector(p + "attn_q_norm.weight", s.head_dim, 1.0f, 0.1f));  // [head_dim]
-            t.push_back(plan_vector(p + "attn_k_norm.weight", s.head_dim, 1.0f, 0.1f));  // [head_dim]
+        if (s.qk_norm) {  // per head (qwen3) or over the whole projection (olmo2)
+            const int64_t n_q_norm = post_norm ? n_embd_q : s.head_dim, n_k_norm = post_norm ? n_embd_kv : s.head_dim;
+            t.push_back(plan_vector(p + "attn_q_norm.weight", n_q_norm, 1.0f, 0.1f));  // [head_dim] or [n_embd_q]
+            t.push_back(plan_vector(p + "attn_k_norm.weight", n_k_norm, 1.0f, 0.1f));  // [head_dim] or [n_embd_kv]
         }
-        t.push_back(plan_vector(p + "ffn_norm.weight", s.n_embd, 1.0f, 0.1f));              // [n_embd]
-        t.push_back(plan_matrix(p + "ffn_gate.weight", s.n_embd, s.n_ff, wtype, in_embd));  // [n_embd, n_ff]
-        t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, s.n_ff, wtype, in_embd));    // [n_embd, n_ff]
+        t.push_back(plan_vector(p + ffn_norm, s.n_embd, 1.0f, 0.1f));  // [n_embd]
+        if (phi3) {                                                    // gate rows, then up rows
+            t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, 2 * s.n_ff, wtype, in_embd));  // [n_embd, 2 n_ff]
+        } else {
+            t.push_back(plan_matrix(p + "ffn_gate.weight", s.n_embd, s.n_ff, wtype, in_embd));  // [n_embd, n_ff]
+            t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, s.n_ff, wtype, in_embd));    // [n_embd, n_ff]
+        }
         t.push_back(plan_matrix(p + "ffn_down.weight", s.n_ff, s.n_embd, wtype,
                                 1.0f / std::sqrt(float(s.n_ff))));  // [n_ff, n_embd]
     }
@@ -178,9 +212,12 @@ void check_spec(const model_spec & s) {
         bad("every size must be >= 1");
     if (s.n_head % s.n_head_kv != 0) bad("n_head_kv must divide n_head");
     if (s.head_dim % 2 != 0) bad("head_dim must be even (rope)");
+    if (s.n_rot < 0 || s.n_rot > s.head_dim || s.n_rot % 2 != 0) bad("n_rot must be even and at most head_dim");
     // libllama's qwen2 loader expects square q and output projections
-    if (s.arch == MODEL_ARCH_QWEN2 && s.head_dim * s.n_head != s.n_embd) bad("qwen2 needs head_dim * n_head == n_embd");
+    if ((s.arch == MODEL_ARCH_QWEN2 || s.arch == MODEL_ARCH_PHI3) && s.head_dim * s.n_head != s.n_embd)
+        bad("qwen2 and phi3 need head_dim * n_head == n_embd");
     if (s.arch == MODEL_ARCH_GRANITE && s.logit_scale == 0.0f) bad("granite needs a logit_scale");
+    if (s.arch == MODEL_ARCH_OLMO2 && s.tied_output) bad("olmo2 has no tied output (libllama requires output.weight)");
 }
 
 // --- output file --------------------------------------------------------------
@@ -334,7 +371,7 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     gguf_set_val_u32(g, key("attention.value_length").c_str(), uint32_t(spec.head_dim));
     gguf_set_val_f32(g, key("rope.freq_base").c_str(), spec.rope_base);
     gguf_set_val_f32(g, key("attention.layer_norm_rms_epsilon").c_str(), spec.rms_eps);
-    gguf_set_val_u32(g, key("rope.dimension_count").c_str(), uint32_t(spec.head_dim));
+    gguf_set_val_u32(g, key("rope.dimension_count").c_str(), uint32_t(spec.n_rot > 0 ? spec.n_rot : spec.head_dim));
     gguf_set_val_u32(g, key("vocab_size").c_str(), uint32_t(n_vocab));
     const std::pair<const char *, float> scales[] = {{"embedding_scale", spec.embd_scale},
                                                      {"residual_scale", spec.residual_scale},

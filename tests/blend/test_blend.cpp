@@ -916,7 +916,9 @@ TEST_P(blend_family, a_document_collected_where_it_is_placed_needs_no_recomputat
     EXPECT_LE(max_in_place, 1e-6f * max_alone);
 }
 
-INSTANTIATE_TEST_SUITE_P(families, blend_family, ::testing::Values("tiny-qwen3", "tiny-mistral3", "tiny-granite"),
+INSTANTIATE_TEST_SUITE_P(families, blend_family,
+                         ::testing::Values("tiny-qwen3", "tiny-mistral3", "tiny-granite", "tiny-olmo2", "tiny-smollm3",
+                                           "tiny-phi3"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace(n.begin(), n.end(), '-', '_');

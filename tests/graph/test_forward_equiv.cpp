@@ -180,7 +180,8 @@ TEST_P(forward_equiv, f16_cache_close_to_libllama_f16_cache) {
 
 INSTANTIATE_TEST_SUITE_P(models, forward_equiv,
                          ::testing::Values("stories260K", "tiny", "tiny-qwen2", "tiny-qwen3", "tiny:q8_0",
-                                           "tiny-qwen3:q4_0", "tiny-mistral3", "tiny-granite"),
+                                           "tiny-qwen3:q4_0", "tiny-mistral3", "tiny-granite", "tiny-olmo2",
+                                           "tiny-smollm3", "tiny-phi3", "tiny-phi3:q8_0"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace_if(

@@ -27,10 +27,11 @@ using kvblend::test::vocab_path;
 
 // how to turn a good GGUF into a bad one
 struct gguf_edit {
-    std::function<void(gguf_context *)> kv;               // change, add or remove keys
-    std::set<std::string> drop;                           // tensors to leave out
-    std::map<std::string, std::vector<int64_t>> reshape;  // tensor -> new shape (same type, zero data)
-    std::map<std::string, ggml_type> retype = {};         // tensor -> new type (same shape, zero data)
+    std::function<void(gguf_context *)> kv;                // change, add or remove keys
+    std::set<std::string> drop;                            // tensors to leave out
+    std::map<std::string, std::vector<int64_t>> reshape;   // tensor -> new shape (same type, zero data)
+    std::map<std::string, ggml_type> retype = {};          // tensor -> new type (same shape, zero data)
+    std::map<std::string, std::vector<int64_t>> add = {};  // new f32 tensor -> its shape (every value 0.5)
 };
 
 // copies src to dst through gguf, with the edit applied
@@ -57,6 +58,11 @@ void rewrite_gguf(const std::string & src, const std::string & dst, const gguf_e
         ASSERT_NE(t, nullptr) << name;
         extra += ggml_row_size(type, ggml_nelements(t)) + ggml_tensor_overhead() + 64;
     }
+    for (const auto & [name, shape] : e.add) {
+        size_t n = 1;
+        for (int64_t d : shape) n *= size_t(d);
+        extra += n * sizeof(float) + ggml_tensor_overhead() + 64;
+    }
     ggml_context_ptr fresh(ggml_init({/*mem_size =*/extra, /*mem_buffer =*/nullptr, /*no_alloc =*/false}));
 
     for (int64_t i = 0; i < gguf_get_n_tensors(in.get()); ++i) {
@@ -79,6 +85,12 @@ void rewrite_gguf(const std::string & src, const std::string & dst, const gguf_e
             std::memset(r->data, 0, ggml_nbytes(r));
             t = r;
         }
+        gguf_add_tensor(out.get(), t);
+    }
+    for (const auto & [name, shape] : e.add) {
+        ggml_tensor * t = ggml_new_tensor(fresh.get(), GGML_TYPE_F32, int(shape.size()), shape.data());
+        ggml_set_name(t, name.c_str());
+        for (int64_t i = 0; i < ggml_nelements(t); ++i) ((float *) t->data)[i] = 0.5f;
         gguf_add_tensor(out.get(), t);
     }
     ASSERT_TRUE(gguf_write_to_file(out.get(), dst.c_str(), /*only_meta =*/false)) << dst;
@@ -229,6 +241,75 @@ TEST_F(load_errors, family_keys_missing_or_of_the_wrong_type) {
     rewrite_gguf(mistral3, dir.file("m3.gguf"),
                  {[](gguf_context * g) { gguf_set_val_f32(g, "mistral3.attention.temperature_scale", 0.1f); }, {}, {}});
     EXPECT_LOAD_ERROR(dir.file("m3.gguf"), "temperature scaling");
+}
+
+// olmo2's block: norms on the outputs of attention and FFN, q/k norms over
+// the whole projection and its own output matrix, each required as libllama
+// requires it and checked for its shape
+TEST_F(load_errors, olmo2_tensors_missing_or_misshaped) {
+    const std::string olmo2 = make_test_model("tiny-olmo2");
+    EXPECT_NO_THROW(model::load(olmo2));
+    struct bad_tensor {
+        gguf_edit edit;
+        std::string message;
+    };
+    const std::vector<bad_tensor> cases = {
+        {{{}, {"blk.1.post_attention_norm.weight"}, {}}, "missing tensor 'blk.1.post_attention_norm.weight'"},
+        {{{}, {"blk.0.post_ffw_norm.weight"}, {}}, "missing tensor 'blk.0.post_ffw_norm.weight'"},
+        {{{}, {"output.weight"}, {}}, "missing tensor 'output.weight'"},
+        {{{}, {}, {{"blk.2.attn_q_norm.weight", {32}}}}, "'blk.2.attn_q_norm.weight' has shape [32], expected [128]"},
+        {{{}, {}, {{"blk.0.attn_k_norm.weight", {32}}}}, "'blk.0.attn_k_norm.weight' has shape [32], expected [64]"},
+    };
+    for (const bad_tensor & c : cases) {
+        rewrite_gguf(olmo2, dir.file("olmo2.gguf"), c.edit);
+        EXPECT_LOAD_ERROR(dir.file("olmo2.gguf"), c.message);
+    }
+}
+
+// smollm3 runs every 4th layer without RoPE, as libllama's loader fixes it
+TEST_F(load_errors, smollm3_layers_without_rope) {
+    auto m = model::load(make_test_model("tiny-smollm3"));
+    const model_hparams & hp = m->hparams();
+    EXPECT_EQ(hp.arch, MODEL_ARCH_SMOLLM3);
+    EXPECT_EQ(hp.rope_mode, GGML_ROPE_TYPE_NORMAL);
+    std::vector<bool> rope;
+    for (int il = 0; il < 8; ++il) rope.push_back(hp.has_rope(il));
+    EXPECT_EQ(rope, std::vector<bool>({true, true, true, false, true, true, true, false}));
+}
+
+// phi3: fused q/k/v and gate-up matrices of the right shapes; LongRoPE, in
+// any of the ways a file says it, refused with the reason
+TEST_F(load_errors, phi3_fused_tensors_and_longrope) {
+    const std::string phi3 = make_test_model("tiny-phi3");
+    EXPECT_NO_THROW(model::load(phi3));
+    const std::string why = "LongRoPE is not supported: libllama picks its short or long factors";
+    struct bad_file {
+        gguf_edit edit;
+        std::string message;
+    };
+    const std::vector<bad_file> cases = {
+        {{{}, {}, {{"blk.0.ffn_up.weight", {128, 256}}}},
+         "'blk.0.ffn_up.weight' has shape [128, 256], expected [128, 512]"},
+        {{{}, {}, {{"blk.1.attn_qkv.weight", {128, 128}}}},
+         "'blk.1.attn_qkv.weight' has shape [128, 128], expected [128, 256]"},
+        {{{}, {"blk.2.attn_qkv.weight"}, {}}, "missing tensor 'blk.2.attn_q.weight'"},
+        {{{}, {}, {}, {}, {{"rope_factors_long.weight", {12}}}}, "'rope_factors_long.weight': " + why},
+        {{{}, {}, {}, {}, {{"rope_factors_short.weight", {12}}}}, "'rope_factors_short.weight': " + why},
+        {{[](gguf_context * g) { gguf_set_val_str(g, "phi3.rope.scaling.type", "longrope"); }, {}, {}},
+         "phi3.rope.scaling.type is longrope: " + why},
+        {{[](gguf_context * g) { gguf_set_val_f32(g, "phi3.rope.scaling.attn_factor", 1.19f); }, {}, {}},
+         "phi3.rope.scaling.attn_factor = 1.19"},
+        {{[](gguf_context * g) { gguf_set_val_str(g, "phi3.rope.scaling.attn_factor", "1.19"); }, {}, {}},
+         "phi3.rope.scaling.attn_factor is not a number"},
+    };
+    for (const bad_file & c : cases) {
+        rewrite_gguf(phi3, dir.file("phi3.gguf"), c.edit);
+        EXPECT_LOAD_ERROR(dir.file("phi3.gguf"), c.message);
+    }
+    // a factor of 1 changes nothing and loads
+    rewrite_gguf(phi3, dir.file("phi3.gguf"),
+                 {[](gguf_context * g) { gguf_set_val_f32(g, "phi3.rope.scaling.attn_factor", 1.0f); }, {}, {}});
+    EXPECT_NO_THROW(model::load(dir.file("phi3.gguf")));
 }
 
 TEST_F(load_errors, no_architecture) {

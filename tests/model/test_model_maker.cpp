@@ -65,7 +65,7 @@ void expect_tensor(const gguf_context * g, const std::string & name, ggml_type t
 
 TEST(model_maker, presets_have_real_shapes) {
     const auto names = model_spec_preset_names();
-    EXPECT_EQ(names.size(), 10u);
+    EXPECT_EQ(names.size(), 16u);
 
     const model_spec q3 = model_spec_preset("qwen3-0.6b");
     EXPECT_EQ(q3.arch, MODEL_ARCH_QWEN3);
@@ -100,6 +100,30 @@ TEST(model_maker, presets_have_real_shapes) {
     EXPECT_EQ(m3.n_layer, 26);
     EXPECT_EQ(m3.n_embd, 3072);
     EXPECT_EQ(m3.n_head * m3.head_dim, 4096);
+
+    const model_spec o2 = model_spec_preset("olmo2-1b");
+    EXPECT_EQ(o2.arch, MODEL_ARCH_OLMO2);
+    EXPECT_EQ(o2.n_layer, 16);
+    EXPECT_EQ(o2.n_embd, 2048);
+    EXPECT_EQ(o2.n_head_kv, 16);
+    EXPECT_EQ(o2.n_ff, 8192);
+    EXPECT_TRUE(o2.qk_norm && !o2.tied_output);
+
+    const model_spec s3 = model_spec_preset("smollm3-3b");
+    EXPECT_EQ(s3.arch, MODEL_ARCH_SMOLLM3);
+    EXPECT_EQ(s3.n_layer, 36);
+    EXPECT_EQ(s3.n_head_kv, 4);
+    EXPECT_EQ(s3.n_ff, 11008);
+    EXPECT_EQ(model_spec_preset_vocab("smollm3-3b"), "llama-bpe");
+
+    const model_spec p4 = model_spec_preset("phi-4-mini");
+    EXPECT_EQ(p4.arch, MODEL_ARCH_PHI3);
+    EXPECT_EQ(p4.n_layer, 32);
+    EXPECT_EQ(p4.n_embd, 3072);
+    EXPECT_EQ(p4.n_head * p4.head_dim, 3072);
+    EXPECT_EQ(p4.n_head_kv, 8);
+    EXPECT_EQ(p4.n_rot, 96);
+    EXPECT_EQ(model_spec_preset_vocab("phi-4-mini"), "phi-3");
 
     EXPECT_FALSE(model_spec_preset("tiny").tied_output);
     EXPECT_EQ(model_spec_preset("tiny").n_layer, 4);
