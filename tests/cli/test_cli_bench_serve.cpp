@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -201,13 +202,16 @@ TEST(cli_bench_serve, load_flags_out_of_range_and_servers_that_do_not_answer_are
 }
 
 // an OpenAI-shaped server that answers every completion with the same stream
+// (or, given a second one, every other completion with that one)
 class fake_stream_server {
   public:
-    explicit fake_stream_server(std::string stream) : stream_(std::move(stream)) {
+    explicit fake_stream_server(std::string stream, std::string every_other = "")
+        : stream_(std::move(stream)), other_(std::move(every_other)) {
         http_.Get("/health",
                   [](const httplib::Request &, httplib::Response & res) { res.set_content("{}", "application/json"); });
         http_.Post("/v1/completions", [this](const httplib::Request &, httplib::Response & res) {
-            res.set_content(stream_, "text/event-stream");
+            const bool other = !other_.empty() && n_++ % 2 == 1;
+            res.set_content(other ? other_ : stream_, "text/event-stream");
         });
         port_ = http_.bind_to_any_port("127.0.0.1");
         thread_ = std::thread([this] { http_.listen_after_bind(); });
@@ -220,7 +224,8 @@ class fake_stream_server {
     int port() const { return port_; }
 
   private:
-    std::string stream_;
+    std::string stream_, other_;
+    std::atomic<int> n_{0};
     httplib::Server http_;
     std::thread thread_;
     int port_ = 0;
@@ -245,6 +250,23 @@ TEST(cli_bench_serve, load_streams_a_server_gets_wrong_are_errors_not_crashes) {
         EXPECT_EQ(r.status, 1) << says << ": " << r.out << r.err;
         EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << says << ": " << r.err;
         EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
+    }
+    // a server that fails some requests: counted as failed, the others measured, a warning naming the error
+    {
+        const std::string good =
+            text + "data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"length\"}]}\n\ndata: [DONE]\n\n";
+        fake_stream_server flaky(good, text + "data: {\"error\":{\"message\":\"out of memory\"}}\n\n");
+        test::temp_dir d("benchloadflaky");
+        const std::string json_path = (d.path() / "flaky.json").string();
+        const test::run_result r = test::run_cli("bench serve -m " + test::k_stories_model +
+                                                 " --url http://127.0.0.1:" + std::to_string(flaky.port()) +
+                                                 " --clients 1 --requests-per-client 4 --json " + json_path);
+        const nlohmann::json j = load_json(r, json_path);
+        ASSERT_EQ(j["runs"].size(), 1u) << r.out;
+        EXPECT_EQ(j["runs"][0]["requests"], 4);
+        EXPECT_EQ(j["runs"][0]["failed"], 2);
+        EXPECT_NE(r.err.find("warning: 2 of 4 requests to kvblend failed"), std::string::npos) << r.err;
+        EXPECT_NE(r.err.find("out of memory"), std::string::npos) << r.err;
     }
     // a well-formed stream without usage: its tokens are the text chunks
     fake_stream_server fake(text + text +
