@@ -450,7 +450,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.n_head = kv.dim(a + "attention.head_count", 0, true);
     hp.n_head_kv = kv.dim(a + "attention.head_count_kv", hp.n_head, false);
     const int64_t swa = kv.integer(a + "attention.sliding_window", 0, false);
-    if (swa > 0 && swa < hp.n_ctx_train)
+    // libllama runs phi3 with full attention whatever its window says (Phi-3-mini-4k's 2047): so do we
+    if (swa > 0 && swa < hp.n_ctx_train && hp.arch != MODEL_ARCH_PHI3)
         kv.fail("sliding-window attention is not supported (" + a +
                 "attention.sliding_window = " + std::to_string(swa) + ")");
 

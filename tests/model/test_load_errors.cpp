@@ -310,6 +310,11 @@ TEST_F(load_errors, phi3_fused_tensors_and_longrope) {
     rewrite_gguf(phi3, dir.file("phi3.gguf"),
                  {[](gguf_context * g) { gguf_set_val_f32(g, "phi3.rope.scaling.attn_factor", 1.0f); }, {}, {}});
     EXPECT_NO_THROW(model::load(dir.file("phi3.gguf")));
+    // Phi-3-mini-4k's window (2047 of 4096) is not refused: libllama runs phi3
+    // with full attention whatever the key says, and so do we
+    rewrite_gguf(phi3, dir.file("phi3.gguf"),
+                 {[](gguf_context * g) { gguf_set_val_u32(g, "phi3.attention.sliding_window", 2047); }, {}, {}});
+    EXPECT_NO_THROW(model::load(dir.file("phi3.gguf")));
 }
 
 // a tensor the forward would not read is refused by name, never ignored; an
