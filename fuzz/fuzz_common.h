@@ -48,9 +48,15 @@ inline model_spec tiny_spec(model_arch arch = MODEL_ARCH_LLAMA) {
     s.head_dim = 16;
     s.n_ff = 32;
     s.n_ctx_train = 256;
-    s.tied_output = true;
+    s.tied_output = arch != MODEL_ARCH_OLMO2;  // olmo2 has its own output matrix
     s.qkv_bias = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm = arch == MODEL_ARCH_QWEN3;
+    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2;
+    if (arch == MODEL_ARCH_GRANITE) {  // granite 3.3's multipliers; logit_scale is required
+        s.embd_scale = 12.0f;
+        s.residual_scale = 0.22f;
+        s.logit_scale = 8.0f;
+        s.attn_scale = 0.015625f;
+    }
     return s;
 }
 

@@ -85,6 +85,7 @@ struct model_layer {
     ggml_tensor * wqkv = nullptr;            // [n_embd, n_embd_q + 2 n_embd_kv] q rows, k rows, v rows
     ggml_tensor * bqkv = nullptr;            // [n_embd_q + 2 n_embd_kv] optional, with wqkv
     ggml_tensor * wo = nullptr;              // [n_embd_q, n_embd]
+    ggml_tensor * bo = nullptr;              // [n_embd]     optional
     ggml_tensor * bq = nullptr;              // [n_embd_q]   qwen2 (optional elsewhere)
     ggml_tensor * bk = nullptr;              // [n_embd_kv]  qwen2 (optional elsewhere)
     ggml_tensor * bv = nullptr;              // [n_embd_kv]  qwen2 (optional elsewhere)
@@ -96,6 +97,9 @@ struct model_layer {
     ggml_tensor * ffn_gate = nullptr;        // [n_embd, n_ff]  (not in phi3)
     ggml_tensor * ffn_up = nullptr;          // [n_embd, n_ff]; phi3: [n_embd, 2 n_ff] gate rows, then up rows
     ggml_tensor * ffn_down = nullptr;        // [n_ff, n_embd]
+    ggml_tensor * ffn_gate_b = nullptr;      // [n_ff]       optional
+    ggml_tensor * ffn_up_b = nullptr;        // [n_ff], [2 n_ff] with a fused ffn_up; optional
+    ggml_tensor * ffn_down_b = nullptr;      // [n_embd]     optional
 };
 
 struct model_params {
@@ -173,6 +177,7 @@ class model {
     ggml_tensor * tok_embd = nullptr;     // [n_embd, n_vocab]
     ggml_tensor * output_norm = nullptr;  // [n_embd]
     ggml_tensor * output = nullptr;       // [n_embd, n_vocab] (== tok_embd when tied)
+    ggml_tensor * output_b = nullptr;     // [n_vocab] optional
     ggml_tensor * rope_freqs = nullptr;   // [n_rot/2] optional per-frequency factors (llama 3)
     std::vector<model_layer> layers;
 

@@ -26,6 +26,9 @@ struct model_spec {
     bool tied_output = false;
     bool qkv_bias = false;  // qwen2
     bool qk_norm = false;   // qwen3
+    // the optional biases libllama reads: attn_output and FFN biases (llama,
+    // mistral3, granite) or output.bias (qwen2); other families have none
+    bool out_biases = false;
     // granite's multipliers (its GGUF keys; 0 writes no key, which means 1)
     float embd_scale = 0.0f;      // embedding_scale
     float residual_scale = 0.0f;  // residual_scale

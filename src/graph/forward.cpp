@@ -8,6 +8,11 @@ ggml_tensor * build_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, f
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
 
+ggml_tensor * build_linear(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x) {
+    ggml_tensor * y = ggml_mul_mat(ctx, w, x);  // [w->ne[1], n_tok]
+    return b ? ggml_add(ctx, y, b) : y;
+}
+
 ggml_tensor * build_embd(ggml_context * ctx, const model & m, ggml_tensor * tok) {
     ggml_tensor * x = ggml_get_rows(ctx, m.tok_embd, tok);  // F32 [n_embd, n_tok]
     const float scale = m.hparams().embd_scale;
@@ -30,8 +35,7 @@ namespace {
 ggml_tensor * build_rotated(ggml_context * ctx, const model & m, int il, ggml_tensor * w, ggml_tensor * b,
                             ggml_tensor * norm, int64_t n_head, ggml_tensor * x, ggml_tensor * pos) {
     const model_hparams & hp = m.hparams();
-    ggml_tensor * t = ggml_mul_mat(ctx, w, x);  // [head_dim * n_head, n_tok]
-    if (b) t = ggml_add(ctx, t, b);
+    ggml_tensor * t = build_linear(ctx, w, b, x);                            // [head_dim * n_head, n_tok]
     if (norm && hp.qk_norm_whole) t = build_norm(ctx, t, norm, hp.rms_eps);  // olmo2: over all heads at once
     t = ggml_reshape_3d(ctx, t, hp.head_dim, n_head, x->ne[1]);              // [head_dim, n_head, n_tok]
     if (norm && !hp.qk_norm_whole) t = build_norm(ctx, t, norm, hp.rms_eps);
@@ -71,8 +75,7 @@ ggml_tensor * build_k(ggml_context * ctx, const model & m, int il, ggml_tensor *
 ggml_tensor * build_v(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
     const model_hparams & hp = m.hparams();
     const projection p = build_projection(ctx, m, il, QKV_PART_V);
-    ggml_tensor * v = ggml_mul_mat(ctx, p.w, x);  // [n_embd_kv, n_tok]
-    if (p.b) v = ggml_add(ctx, v, p.b);
+    ggml_tensor * v = build_linear(ctx, p.w, p.b, x);                     // [n_embd_kv, n_tok]
     return ggml_reshape_3d(ctx, v, hp.head_dim, hp.n_head_kv, x->ne[1]);  // [head_dim, n_head_kv, n_tok]
 }
 
@@ -139,18 +142,19 @@ ggml_tensor * build_attn_heads(ggml_context * ctx, const model & m, ggml_tensor 
 
 ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_tensor * q, const kv_views & kv,
                              ggml_tensor * kq_mask) {
-    return ggml_mul_mat(ctx, m.layers[il].wo, build_attn_heads(ctx, m, q, kv, kq_mask));  // [n_embd, n_tok]
+    return build_linear(ctx, m.layers[il].wo, m.layers[il].bo,
+                        build_attn_heads(ctx, m, q, kv, kq_mask));  // [n_embd, n_tok]
 }
 
 ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
     const model_layer & L = m.layers[il];
-    ggml_tensor * up = ggml_mul_mat(ctx, L.ffn_up, x);  // [n_ff, n_tok]; fused (phi3): [2 n_ff, n_tok]
-    ggml_tensor * h = nullptr;                          // silu(gate) * up: [n_ff, n_tok]
+    ggml_tensor * up = build_linear(ctx, L.ffn_up, L.ffn_up_b, x);  // [n_ff, n_tok]; fused (phi3): [2 n_ff, n_tok]
+    ggml_tensor * h = nullptr;                                      // silu(gate) * up: [n_ff, n_tok]
     if (L.ffn_gate)
-        h = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, L.ffn_gate, x), up);
+        h = ggml_swiglu_split(ctx, build_linear(ctx, L.ffn_gate, L.ffn_gate_b, x), up);
     else
-        h = ggml_swiglu(ctx, up);             // gate rows first, as phi3 stores them
-    return ggml_mul_mat(ctx, L.ffn_down, h);  // [n_embd, n_tok]
+        h = ggml_swiglu(ctx, up);                           // gate rows first, as phi3 stores them
+    return build_linear(ctx, L.ffn_down, L.ffn_down_b, h);  // [n_embd, n_tok]
 }
 
 namespace {
@@ -206,7 +210,7 @@ ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model
         ggml_tensor * h = build_attn_heads(ctx, m, ts.q, kv, sq.in.kq_mask);  // [n_embd_q, n]
         heads = heads ? ggml_concat(ctx, heads, h, 1) : h;
     }
-    cur = ggml_mul_mat(ctx, L.wo, heads);  // [n_embd, n_tok]
+    cur = build_linear(ctx, L.wo, L.bo, heads);  // [n_embd, n_tok]
     ggml_tensor * resid = x;
     if (out_rows) {
         cur = ggml_get_rows(ctx, cur, out_rows);      // [n_embd, n_out]
@@ -261,7 +265,7 @@ ggml_tensor * build_deviation(ggml_context * ctx, const model & m, int il, ggml_
 ggml_tensor * build_logits(ggml_context * ctx, const model & m, ggml_tensor * x) {
     const model_hparams & hp = m.hparams();
     ggml_tensor * h = build_norm(ctx, x, m.output_norm, hp.rms_eps);
-    ggml_tensor * logits = ggml_mul_mat(ctx, m.output, h);  // [n_vocab, n]
+    ggml_tensor * logits = build_linear(ctx, m.output, m.output_b, h);  // [n_vocab, n]
     return hp.logit_scale != 1.0f ? ggml_scale(ctx, logits, 1.0f / hp.logit_scale) : logits;
 }
 

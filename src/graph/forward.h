@@ -43,6 +43,9 @@ ggml_tensor * build_embd(ggml_context * ctx, const model & m, ggml_tensor * tok)
 ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tensor * t, ggml_tensor * pos,
                          bool in_place = false);
 
+// w x (+ b when b is set): w [n_in, n_out], x [n_in, n_tok] -> [n_out, n_tok]
+ggml_tensor * build_linear(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x);
+
 // RMS norm times weight over ne[0]
 ggml_tensor * build_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, float eps);
 

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
@@ -331,6 +332,21 @@ void check_longrope(ggml_context * meta, const kv_reader & kv, const std::string
         kv.fail(a + "rope.scaling.attn_factor = " + std::to_string(attn_factor) + " is not supported (only 1)");
 }
 
+// a tensor the forward would not read is refused, never ignored: an output
+// or FFN bias of a shape we do not know, a mixture-of-experts router, another
+// family's block. libllama refuses such a file too (its loader counts them)
+void check_all_read(const gguf_context * g, const std::vector<ggml_tensor *> & used, const kv_reader & kv) {
+    std::unordered_set<std::string> read;
+    for (const ggml_tensor * t : used) read.insert(t->name);
+    for (int64_t i = 0; i < gguf_get_n_tensors(g); ++i) {
+        const std::string name = gguf_get_tensor_name(g, i);
+        if (!read.count(name))
+            kv.fail("tensor '" + name +
+                    "' is not part of the block kvblend runs for this architecture: refused rather "
+                    "than ignored");
+    }
+}
+
 // the keys one family adds to the llama block, read as libllama reads them
 void read_family_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
     if (hp.arch == MODEL_ARCH_MISTRAL3 && kv.finite(a + "attention.temperature_scale", 0.0) != 0.0)
@@ -434,7 +450,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.n_head = kv.dim(a + "attention.head_count", 0, true);
     hp.n_head_kv = kv.dim(a + "attention.head_count_kv", hp.n_head, false);
     const int64_t swa = kv.integer(a + "attention.sliding_window", 0, false);
-    if (swa > 0 && swa < hp.n_ctx_train)
+    // libllama runs phi3 with full attention whatever its window says (Phi-3-mini-4k's 2047): so do we
+    if (swa > 0 && swa < hp.n_ctx_train && hp.arch != MODEL_ARCH_PHI3)
         kv.fail("sliding-window attention is not supported (" + a +
                 "attention.sliding_window = " + std::to_string(swa) + ")");
 
@@ -527,6 +544,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     m->output_norm = check(find("output_norm.weight", true), {n_embd}, false);
     // olmo2's loader in libllama has no tied output
     m->output = check(find("output.weight", hp.arch == MODEL_ARCH_OLMO2), {n_embd, hp.n_vocab}, true);
+    m->output_b = check(find("output.bias", false), {hp.n_vocab}, false);
     hp.tied_output = m->output == nullptr;
     if (hp.tied_output) m->output = m->tok_embd;
     m->rope_freqs = check(find("rope_freqs.weight", false), {hp.n_rot / 2}, false);
@@ -555,6 +573,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
             L.bv = check(find(name("attn_v.bias"), hp.qkv_bias), {n_kv}, false);
         }
         L.wo = check(find(name("attn_output.weight"), true), {n_q, n_embd}, true);
+        L.bo = check(find(name("attn_output.bias"), false), {n_embd}, false);
         if (hp.qk_norm) {
             L.q_norm = check(find(name("attn_q_norm.weight"), true), {hp.qk_norm_whole ? n_q : hp.head_dim}, false);
             L.k_norm = check(find(name("attn_k_norm.weight"), true), {hp.qk_norm_whole ? n_kv : hp.head_dim}, false);
@@ -570,7 +589,12 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
             L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, hp.n_ff}, true);
         }
         L.ffn_down = check(find(name("ffn_down.weight"), true), {hp.n_ff, n_embd}, true);
+        // optional biases, read wherever a file has them (libllama's llama, granite and mistral3 loaders do)
+        if (L.ffn_gate) L.ffn_gate_b = check(find(name("ffn_gate.bias"), false), {hp.n_ff}, false);
+        L.ffn_up_b = check(find(name("ffn_up.bias"), false), {L.ffn_up->ne[1]}, false);
+        L.ffn_down_b = check(find(name("ffn_down.bias"), false), {n_embd}, false);
     }
+    check_all_read(g, used, kv);
 
     // --- weights into a backend buffer ---------------------------------------
     m->device_ = device_resolve(params, hp.n_layer);

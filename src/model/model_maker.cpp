@@ -164,6 +164,9 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
     t.push_back(plan_vector("output_norm.weight", s.n_embd, 1.0f, 0.1f));                // [n_embd]
     if (!s.tied_output)
         t.push_back(plan_matrix("output.weight", s.n_embd, n_vocab, wtype, logit_std));  // [n_embd, n_vocab]
+    const bool output_bias = s.out_biases && s.arch == MODEL_ARCH_QWEN2;
+    const bool block_biases = s.out_biases && !output_bias;
+    if (output_bias) t.push_back(plan_vector("output.bias", n_vocab, 0.0f, 1.0f));  // [n_vocab]
 
     for (int64_t il = 0; il < s.n_layer; ++il) {
         const std::string p = "blk." + std::to_string(il) + ".";
@@ -182,6 +185,7 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
         }
         t.push_back(plan_matrix(p + "attn_output.weight", n_embd_q, s.n_embd, wtype,
                                 1.0f / std::sqrt(float(n_embd_q))));  // [n_embd_q, n_embd]
+        if (block_biases) t.push_back(plan_vector(p + "attn_output.bias", s.n_embd, 0.0f, 0.35f));  // [n_embd]
         if (s.qkv_bias) {
             t.push_back(plan_vector(p + "attn_q.bias", n_embd_q, 0.0f, 0.35f));   // [n_embd_q]
             t.push_back(plan_vector(p + "attn_k.bias", n_embd_kv, 0.0f, 0.35f));  // [n_embd_kv]
@@ -201,6 +205,11 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
         }
         t.push_back(plan_matrix(p + "ffn_down.weight", s.n_ff, s.n_embd, wtype,
                                 1.0f / std::sqrt(float(s.n_ff))));  // [n_ff, n_embd]
+        if (block_biases) {
+            t.push_back(plan_vector(p + "ffn_gate.bias", s.n_ff, 0.0f, 0.35f));    // [n_ff]
+            t.push_back(plan_vector(p + "ffn_up.bias", s.n_ff, 0.0f, 0.35f));      // [n_ff]
+            t.push_back(plan_vector(p + "ffn_down.bias", s.n_embd, 0.0f, 0.35f));  // [n_embd]
+        }
     }
     return t;
 }
@@ -217,6 +226,10 @@ void check_spec(const model_spec & s) {
     if ((s.arch == MODEL_ARCH_QWEN2 || s.arch == MODEL_ARCH_PHI3) && s.head_dim * s.n_head != s.n_embd)
         bad("qwen2 and phi3 need head_dim * n_head == n_embd");
     if (s.arch == MODEL_ARCH_GRANITE && s.logit_scale == 0.0f) bad("granite needs a logit_scale");
+    const bool block_biases =
+        s.arch == MODEL_ARCH_LLAMA || s.arch == MODEL_ARCH_MISTRAL3 || s.arch == MODEL_ARCH_GRANITE;
+    if (s.out_biases && !block_biases && s.arch != MODEL_ARCH_QWEN2)
+        bad(std::string("libllama's ") + model_arch_name(s.arch) + " loader reads no output or FFN biases");
     if (s.arch == MODEL_ARCH_OLMO2 && s.tied_output) bad("olmo2 has no tied output (libllama requires output.weight)");
 }
 

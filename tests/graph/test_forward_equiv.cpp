@@ -195,6 +195,55 @@ INSTANTIATE_TEST_SUITE_P(models, forward_equiv,
 namespace kvblend {
 namespace {
 
+// the optional biases libllama reads (attn_output and FFN biases in llama,
+// mistral3 and granite; output.bias in qwen2) are honoured: ours equals
+// libllama on files that have them, and they do move the logits
+TEST(forward_equiv_biases, attn_output_ffn_and_output_biases_match_libllama) {
+    for (const char * preset : {"tiny", "tiny-granite", "tiny-qwen2"}) {
+        model_spec spec = model_spec_preset(preset);
+        spec.out_biases = true;
+        make_model_params mp;
+        mp.wtype = GGML_TYPE_F32;
+        mp.vocab_from = test::default_vocab_for(preset);
+        const std::string path = test::process_dir().file(std::string(preset) + "-biased.gguf");
+        make_model(spec, mp, path);
+
+        auto m = model::load(path);
+        const std::vector<llama_token> prompt = prompt_for(*m, false, 48);
+        engine_params ep;
+        ep.n_ctx = 128;
+        ep.type_k = ep.type_v = GGML_TYPE_F32;
+        engine eng(m, ep);
+        const std::vector<float> ours = eng.eval(prompt, true);
+        ref::llama_ref_params rp;
+        rp.n_ctx = 128;
+        rp.type_k = rp.type_v = GGML_TYPE_F32;
+        rp.flash_attn = false;
+        rp.extra_bufts = false;
+        ref::llama_ref lr(path, rp);
+        const std::vector<float> theirs = lr.eval(prompt, true);
+        const logit_diff d = compare(ours, theirs);
+        std::printf("[ %s with biases ] relative %.3g (bound %.0e)\n", preset, d.rel(), k_tol);
+        EXPECT_LE(d.rel(), k_tol) << preset;
+
+        // the same weights without the biases (same seed, same tensor names) give other
+        // logits: what ignoring them, as the loader did before, would have run
+        engine plain(model::load(test::make_test_model(preset)), ep);
+        const logit_diff without = compare(plain.eval(prompt, true), theirs);
+        std::printf("[ %s without biases ] relative %.3g\n", preset, without.rel());
+        EXPECT_GT(without.rel(), 10 * k_tol) << preset;
+
+        sampler_params greedy;
+        greedy.temp = 0;
+        const int64_t nv = m->hparams().n_vocab;
+        const generate_result gen = eng.generate_from(std::vector<float>(ours.end() - nv, ours.end()), 16, greedy);
+        const std::vector<llama_token> ref_toks = lr.greedy(std::vector<float>(theirs.end() - nv, theirs.end()), 16);
+        ASSERT_FALSE(gen.tokens.empty()) << preset;
+        for (size_t i = 0; i < gen.tokens.size(); ++i)
+            EXPECT_EQ(gen.tokens[i], ref_toks[i]) << preset << " token " << i;
+    }
+}
+
 // more weight types on a shape whose rows fill k-quant blocks (256 wide):
 // same attention kernels as libllama (f16 KV, flash attention), so logits must
 // agree to rounding, and the greedy continuation must be identical

@@ -310,6 +310,49 @@ TEST_F(load_errors, phi3_fused_tensors_and_longrope) {
     rewrite_gguf(phi3, dir.file("phi3.gguf"),
                  {[](gguf_context * g) { gguf_set_val_f32(g, "phi3.rope.scaling.attn_factor", 1.0f); }, {}, {}});
     EXPECT_NO_THROW(model::load(dir.file("phi3.gguf")));
+    // Phi-3-mini-4k's window (2047 of 4096) is not refused: libllama runs phi3
+    // with full attention whatever the key says, and so do we
+    rewrite_gguf(phi3, dir.file("phi3.gguf"),
+                 {[](gguf_context * g) { gguf_set_val_u32(g, "phi3.attention.sliding_window", 2047); }, {}, {}});
+    EXPECT_NO_THROW(model::load(dir.file("phi3.gguf")));
+}
+
+// a tensor the forward would not read is refused by name, never ignored; an
+// optional bias of the wrong shape is an error too
+TEST_F(load_errors, tensors_the_forward_would_not_read) {
+    struct bad_file {
+        std::string base;
+        gguf_edit edit;
+        std::string message;
+    };
+    const std::string not_read = "is not part of the block kvblend runs for this architecture";
+    const std::vector<bad_file> cases = {
+        {tiny_llama(),
+         {{}, {}, {}, {}, {{"blk.0.ffn_gate_inp.weight", {128, 8}}}},
+         "tensor 'blk.0.ffn_gate_inp.weight' " + not_read},
+        {tiny_llama(), {{}, {}, {}, {}, {{"cls_out.weight", {128, 2}}}}, "tensor 'cls_out.weight' " + not_read},
+        // olmo2 has no input norms: one there is not silently skipped
+        {make_test_model("tiny-olmo2"),
+         {{}, {}, {}, {}, {{"blk.1.attn_norm.weight", {128}}}},
+         "tensor 'blk.1.attn_norm.weight' " + not_read},
+        // phi3's up projection is fused: a separate gate is not read
+        {make_test_model("tiny-phi3"),
+         {{}, {}, {}, {}, {{"blk.0.ffn_gate.weight", {128, 256}}}},
+         "tensor 'blk.0.ffn_gate.weight' " + not_read},
+        {tiny_llama(),
+         {{}, {}, {}, {}, {{"blk.0.ffn_down.bias", {64}}}},
+         "'blk.0.ffn_down.bias' has shape [64], expected [128]"},
+        {tiny_llama(), {{}, {}, {}, {}, {{"output.bias", {7}}}}, "'output.bias' has shape [7], expected [32000]"},
+    };
+    for (const bad_file & c : cases) {
+        rewrite_gguf(c.base, dir.file("extra.gguf"), c.edit);
+        EXPECT_LOAD_ERROR(dir.file("extra.gguf"), c.message);
+    }
+    // biases of the right shapes load
+    rewrite_gguf(
+        tiny_llama(), dir.file("biased.gguf"),
+        {{}, {}, {}, {}, {{"blk.0.attn_output.bias", {128}}, {"blk.1.ffn_up.bias", {256}}, {"output.bias", {32000}}}});
+    EXPECT_NO_THROW(model::load(dir.file("biased.gguf")));
 }
 
 TEST_F(load_errors, no_architecture) {
