@@ -146,6 +146,8 @@ class engine {
     friend class forward_driver;  // src/engine/driver.h: builds and runs every graph
     void apply_evict(const std::vector<int64_t> & budget);
     void check_fits(const kv_cache * c) const;  // throws unless c is a cache of this model
+    // throws unless tokens (in the vocabulary) fit after what cache holds
+    void check_append(const kv_cache & cache, const std::vector<llama_token> & tokens) const;
     // params_.energy read now, and the span from a mark to now
     energy_mark energy_now() const;
     energy_span energy_since(const energy_mark & from) const;

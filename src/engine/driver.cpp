@@ -29,6 +29,12 @@ namespace {
 // (the K/V views and the mask) repeat from one token to the next
 constexpr int64_t k_decode_pad = 256;
 
+// the keys a step of n tokens over n_kv rows attends: a decode step (n == 1)
+// rounds up to a whole block, so that its shapes repeat from step to step
+int64_t step_n_kv(int64_t n_kv, int64_t n, int64_t capacity) {
+    return n == 1 ? std::min(capacity, (n_kv + k_decode_pad - 1) / k_decode_pad * k_decode_pad) : n_kv;
+}
+
 ggml_tensor * new_input(ggml_context * c, ggml_type t, int64_t n) {
     ggml_tensor * x = ggml_new_tensor_1d(c, t, n);
     ggml_set_input(x);
@@ -283,8 +289,7 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
     for (size_t si = 0; si < seqs.size(); ++si) {
         const seq_append & s = seqs[si];
         const int64_t n_past = s.cache->n_past();
-        int64_t n_kv = n_past + s.n;
-        if (s.n == 1) n_kv = std::min(s.cache->capacity(), (n_kv + k_decode_pad - 1) / k_decode_pad * k_decode_pad);
+        const int64_t n_kv = step_n_kv(n_past + s.n, s.n, s.cache->capacity());
         std::vector<int32_t> kpos(n_kv, -1);
         for (int64_t j = 0; j < n_past + s.n; ++j) kpos[j] = (int32_t) j;
         masks[si].resize(n_kv * s.n);
@@ -364,8 +369,7 @@ graph::ubatch forward_driver::append_ubatch(const llama_token * tokens, int64_t 
         // a decode step attends over whole blocks of rows (the rows past the
         // cache's are hidden): its graph is the same for k_decode_pad steps.
         // live caches read exactly the rows they hold
-        if (n == 1 && !eng_.live_)
-            a.n_kv = std::min(cache.capacity(), (a.n_kv + k_decode_pad - 1) / k_decode_pad * k_decode_pad);
+        if (!eng_.live_) a.n_kv = step_n_kv(a.n_kv, n, cache.capacity());
         // key positions: a dense cache's row r is position r (+ shift); a sparse
         // cache's retained rows are visible to all, newer rows causal
         a.kpos.assign(a.n_kv, -1);

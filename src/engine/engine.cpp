@@ -134,11 +134,7 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
     const int64_t n = (int64_t) tokens.size();
     if (n == 0) throw error("nothing to evaluate: empty token list");
     if (cache.sparse() && pos_shift != 0) throw error("a sparse (evicted) KV cache takes no position shift");
-    if (cache.n_past() + n > cache.n_ctx())
-        throw error("context overflow: " + std::to_string(cache.n_past()) + " cached + " + std::to_string(n) +
-                    " new tokens exceed the context of " + std::to_string(cache.n_ctx()));
-    for (llama_token t : tokens)
-        if (t < 0 || t >= hp.n_vocab) throw error("token id " + std::to_string(t) + " is outside the vocabulary");
+    check_append(cache, tokens);
 
     // an evicted cache whose policy rolls keeps scoring (h2o) and evicting as it grows
     const evict_params & ev = params_.evict;
@@ -187,13 +183,8 @@ std::vector<std::vector<float>> engine::eval_seqs(const std::vector<seq_tokens> 
             throw error("a batched sequence needs a dense KV cache of this model");
         for (size_t j = 0; j < i; ++j)
             if (seqs[j].cache == s.cache) throw error("a cache appears twice in one batch");
-        const int64_t n = (int64_t) s.tokens.size();
-        if (s.cache->n_past() + n > s.cache->n_ctx())
-            throw error("context overflow: " + std::to_string(s.cache->n_past()) + " cached + " + std::to_string(n) +
-                        " new tokens exceed the context of " + std::to_string(s.cache->n_ctx()));
-        for (llama_token t : s.tokens)
-            if (t < 0 || t >= hp.n_vocab) throw error("token id " + std::to_string(t) + " is outside the vocabulary");
-        run.push_back({s.cache, s.tokens.data(), n, s.logits});
+        check_append(*s.cache, s.tokens);
+        run.push_back({s.cache, s.tokens.data(), (int64_t) s.tokens.size(), s.logits});
     }
     for (const auto & r : run) r.cache->reserve_rows(r.n);
     // a graph holds a bounded number of nodes, and each sequence adds its own
@@ -216,6 +207,16 @@ std::vector<std::vector<float>> engine::eval_seqs(const std::vector<seq_tokens> 
         }
     }
     return out;
+}
+
+void engine::check_append(const kv_cache & cache, const std::vector<llama_token> & tokens) const {
+    const int64_t n = (int64_t) tokens.size();
+    if (cache.n_past() + n > cache.n_ctx())
+        throw error("context overflow: " + std::to_string(cache.n_past()) + " cached + " + std::to_string(n) +
+                    " new tokens exceed the context of " + std::to_string(cache.n_ctx()));
+    for (llama_token t : tokens)
+        if (t < 0 || t >= model_->hparams().n_vocab)
+            throw error("token id " + std::to_string(t) + " is outside the vocabulary");
 }
 
 void engine::check_fits(const kv_cache * c) const {

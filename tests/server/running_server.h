@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -42,6 +43,16 @@ class running_server {
     std::unique_ptr<server> srv_;
     std::thread thread_;
 };
+
+// the testbed model and the prompts kept in the tree (system, chunks, query, answer)
+inline const std::string k_testbed_model = std::string(KVBLEND_SOURCE_DIR) + "/models/testbed.gguf";
+inline std::vector<nlohmann::json> testbed_prompts() {
+    std::ifstream f(std::string(KVBLEND_SOURCE_DIR) + "/tests/data/accuracy_prompts.jsonl");
+    std::vector<nlohmann::json> out;
+    for (std::string line; std::getline(f, line);)
+        if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+    return out;
+}
 
 // the server tests' parameters: a small context, and a store when given one
 inline server_params small_params(const std::string & store_uri = "") {

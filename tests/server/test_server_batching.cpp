@@ -23,7 +23,8 @@ using test::post;
 using test::running_server;
 
 const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
-const std::string k_testbed = std::string(KVBLEND_SOURCE_DIR) + "/models/testbed.gguf";
+const std::string & k_testbed = test::k_testbed_model;
+using test::testbed_prompts;
 
 // eight slots, prompt chunks far smaller than the prompts, an f32 cache
 server_params batching_params(const std::string & store_uri = "") {
@@ -96,14 +97,6 @@ TEST(server_batching, plain_prompts_served_together_answer_as_served_alone) {
     }
     EXPECT_EQ(metric(s, "kvblend_requests_total"), 24);
     EXPECT_EQ(metric(s, "kvblend_request_errors_total"), 0);
-}
-
-std::vector<json> testbed_prompts() {
-    std::ifstream f(std::string(KVBLEND_SOURCE_DIR) + "/tests/data/accuracy_prompts.jsonl");
-    std::vector<json> out;
-    for (std::string line; std::getline(f, line);)
-        if (!line.empty()) out.push_back(json::parse(line));
-    return out;
 }
 
 json rag_chat(const json & rec, const json & docs, int max_tokens = 12) {

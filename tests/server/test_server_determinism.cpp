@@ -20,16 +20,8 @@ using json = nlohmann::json;
 using test::post;
 using test::running_server;
 
-const std::string k_testbed = std::string(KVBLEND_SOURCE_DIR) + "/models/testbed.gguf";
-
-// the testbed prompts kept in the tree (system, chunks, query)
-std::vector<json> testbed_prompts() {
-    std::ifstream f(std::string(KVBLEND_SOURCE_DIR) + "/tests/data/accuracy_prompts.jsonl");
-    std::vector<json> out;
-    for (std::string line; std::getline(f, line);)
-        if (!line.empty()) out.push_back(json::parse(line));
-    return out;
-}
+const std::string & k_testbed = test::k_testbed_model;
+using test::testbed_prompts;
 
 server_params testbed_params(const std::string & store_uri) {
     server_params p = test::small_params(store_uri);
