@@ -81,7 +81,7 @@ KVB_API const char * kvb_last_error(void);
 KVB_API const char * kvb_status_name(kvb_status status);
 // release a buffer returned by the library (NULL is fine)
 KVB_API void kvb_free(void * ptr);
-KVB_API const char * kvb_version(void);  // "0.3.0" (0.x: a new minor version may change structs)
+KVB_API const char * kvb_version(void);  // "0.4.0" (0.x: a new minor version may change structs)
 // pass ggml's and libllama's own logs to stderr (default: warnings and errors only)
 KVB_API void kvb_log_set_verbose(bool verbose);
 
@@ -256,11 +256,34 @@ KVB_API kvb_status kvb_doc_id(kvb_context * ctx, const kvb_store * store, const 
 // may be split across pieces); return false to stop generating
 typedef bool (*kvb_piece_callback)(const char * piece, size_t len, void * user_data);
 
+// a token and its log-probability (natural log); piece is its text
+// (piece_len bytes, not NUL-terminated; a UTF-8 character may be split across tokens)
+typedef struct kvb_token_prob {
+    kvb_token token;
+    float logprob;
+    const char * piece;
+    size_t piece_len;
+} kvb_token_prob;
+
+// a generated token as the sampler saw it: after any grammar, before
+// top-k/top-p/min-p and the temperature (what OpenAI's logprobs report), with
+// the n_top most likely candidates, most likely first. valid during the call only
+typedef struct kvb_token_info {
+    kvb_token_prob sampled;
+    const kvb_token_prob * top;
+    size_t n_top;
+} kvb_token_info;
+
+// each generated token, in order, just before the piece that holds its text
+// (a token whose text is held back — a possible stop string, part of a UTF-8
+// character — comes with the piece that releases it); return false to stop
+typedef bool (*kvb_token_callback)(const kvb_token_info * info, void * user_data);
+
 typedef enum kvb_stop_reason {
     KVB_STOP_EOG = 0,       // the model ended its turn (end-of-generation token)
     KVB_STOP_LENGTH = 1,    // n_predict tokens, or the context is full
     KVB_STOP_STRING = 2,    // a stop string appeared (it is not part of the text)
-    KVB_STOP_CALLBACK = 3,  // on_piece returned false
+    KVB_STOP_CALLBACK = 3,  // on_piece or on_token returned false
 } kvb_stop_reason;
 
 typedef struct kvb_generate_params {
@@ -284,6 +307,10 @@ typedef struct kvb_generate_params {
     // that cannot be used is KVB_ERR_INVALID_ARGUMENT, with the reason.
     const char * grammar;
     const char * json_schema;
+    // log-probabilities (NULL: none): on_token sees each generated token with
+    // top_logprobs (0 … 20) candidates; user_data is passed to it too
+    kvb_token_callback on_token;
+    int32_t top_logprobs;
 } kvb_generate_params;
 
 typedef struct kvb_generate_stats {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "kvblend/answer.h"
 #include "kvblend/energy.h"
 #include "kvblend/evict.h"
 #include "kvblend/kv_cache.h"
@@ -109,10 +110,18 @@ class engine {
     // may return false to stop.
     generate_result generate(const std::vector<llama_token> & prompt, int32_t n_predict, const sampler_params & sp,
                              const std::function<bool(const std::string &)> & on_token = {});
+    // the same with an answer's rules (stop strings, logprobs, its sink)
+    generate_result generate(const std::vector<llama_token> & prompt, answer & a);
 
     // continue generating from the current cache whose last logits are given
     generate_result generate_from(std::vector<float> last_logits, int32_t n_predict, const sampler_params & sp,
                                   const std::function<bool(const std::string &)> & on_token = {});
+
+    // decode an answer from the current cache whose last logits are given,
+    // until it is complete (its rules: kvblend/answer.h); returns the decode time
+    double run_answer(std::vector<float> last_logits, answer & a);
+    // run_answer with its tokens, text and decode time as a generate_result
+    generate_result answer_from(std::vector<float> last_logits, answer & a);
 
     void set_n_threads(int32_t n);
 

@@ -284,12 +284,49 @@ class GenerateStats:
 class BlendResult:
     text: str
     stats: BlendStats
+    logprobs: list = None  # with logprobs=True: one dict per generated token (see complete())
 
 
 @dataclass(frozen=True)
 class GenerateResult:
     text: str
     stats: GenerateStats
+    logprobs: list = None  # with logprobs=True: one dict per generated token (see complete())
+
+
+def _logprobs_asked(logprobs, top_logprobs):
+    """The candidates to report per token (None: no logprobs), from OpenAI's
+    two arguments: logprobs (a bool) and top_logprobs (a count, which implies it)."""
+    if top_logprobs is not None:
+        return top_logprobs
+    return 0 if logprobs else None
+
+
+def _prob_entry(p):
+    raw = ctypes.string_at(p.piece, p.piece_len) if p.piece_len else b""
+    return {"token": raw.decode("utf-8", "replace"), "logprob": p.logprob, "bytes": list(raw)}
+
+
+def _token_entry(info):
+    """A kvb_token_info as OpenAI's chat logprobs entry: token, logprob, bytes, top_logprobs."""
+    entry = _prob_entry(info.sampled)
+    entry["top_logprobs"] = [_prob_entry(info.top[i]) for i in range(info.n_top)]
+    return entry
+
+
+def _legacy_logprobs(entries, with_top):
+    """Chat-shaped entries as the completions endpoint's legacy logprobs object
+    (text_offset in bytes of the answer, as the server reports it)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if with_top else None, "text_offset": []}
+    offset = 0
+    for e in entries:
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        out["text_offset"].append(offset)
+        offset += len(e["bytes"])
+        if with_top:
+            out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+    return out
 
 
 @dataclass(frozen=True)
@@ -671,12 +708,32 @@ class Model(_Closing):
         keep.append(cfn)
         gp.on_piece = cfn
 
-    def _generating(self, sampling, on_piece, keep, stats_type, call):
+    @staticmethod
+    def _token_callback(gp, logprobs, on_logprob, guard, keep):
+        """With logprobs (None: off; else the number of candidates), every token's
+        entry goes to the list returned (and to on_logprob, when given)."""
+        if logprobs is None:
+            return None
+        gp.top_logprobs = _int(logprobs, "top_logprobs", 0, 20, "0 … 20")
+        entries = []
+
+        def take(entry):
+            entries.append(entry)
+            if on_logprob is not None:
+                on_logprob(entry)
+
+        cfn = _lib.kvb_token_callback(lambda info, _user: guard.guard(take, _token_entry(info.contents)))
+        keep.append(cfn)
+        gp.on_token = cfn
+        return entries
+
+    def _generating(self, sampling, on_piece, keep, stats_type, call, logprobs=None, on_logprob=None):
         """Run ``call(ctx, gp, text, stats)`` (byrefs) under the lock, with the sampling
-        params and on_piece behind them; returns (text, stats struct)."""
+        params, on_piece and the logprobs behind them; returns (text, stats struct, entries)."""
         gp = self._gen_params(*sampling, keep)
         guard = _Callback(self)
         self._piece_callback(gp, on_piece, guard, keep)
+        entries = self._token_callback(gp, logprobs, on_logprob, guard, keep)
         text = c_void_p()
         st = stats_type()
         with self._using(), self._engine() as ctx:
@@ -688,7 +745,7 @@ class Model(_Closing):
             if text.value:
                 _c.kvb_free(text)
             raise
-        return _take_string(text), st
+        return _take_string(text), st, entries
 
     # ingest ------------------------------------------------------------------
     def ingest(self, store, texts, *, chunk_size=0, split_paragraphs=False, collect_with_prefix=False, system="",
@@ -748,7 +805,7 @@ class Model(_Closing):
               chunk_head=None, head_in_budget=None, weight_query=None, budget=None, dev_mass=None, schedule=None,
               chat=False, collect_with_prefix=False, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05,
               seed=None, stop=None, on_piece=None, max_tokens=None, temperature=None, response_format=None,
-              json_schema=None, grammar=None):
+              json_schema=None, grammar=None, logprobs=False, top_logprobs=None):
         """Answer ``question`` over ``[system, docs…]`` with CacheBlend prefill.
 
         ``docs``: texts, or {"text": …} / {"id": …} dicts (an id from ingest()).
@@ -765,8 +822,8 @@ class Model(_Closing):
         generated from the fused cache (greedy
         by default; ``stop`` strings end it; ``on_piece(text)`` streams it and
         may return False to stop). ``max_tokens``/``temperature``,
-        ``response_format``, ``json_schema`` and ``grammar``: as in complete().
-        Returns BlendResult(text, stats).
+        ``response_format``, ``json_schema``, ``grammar``, ``logprobs`` and
+        ``top_logprobs``: as in complete(). Returns BlendResult(text, stats, logprobs).
         """
         n_predict = _alias(n_predict, max_tokens, "n_predict", "max_tokens", 64)
         temp = _alias(temp, temperature, "temp", "temperature", 0.0)
@@ -816,24 +873,37 @@ class Model(_Closing):
         bp.chat = bool(chat)
         bp.collect_with_prefix = bool(collect_with_prefix)
         with _store_of(store)._using() if store is not None else contextlib.nullcontext():
-            text, st = self._generating(
+            text, st, entries = self._generating(
                 (n_predict, temp, top_k, top_p, min_p, seed, stop, constraint), on_piece, keep, _lib.kvb_blend_stats,
                 lambda ctx, gp, out, stats: _c.kvb_blend(ctx, store._h if store is not None else None, system_b,
-                                                         cdocs, len(docs), question_b, byref(bp), gp, out, stats))
-        return BlendResult(text, _stats_from(BlendStats, st))
+                                                         cdocs, len(docs), question_b, byref(bp), gp, out, stats),
+                _logprobs_asked(logprobs, top_logprobs))
+        return BlendResult(text, _stats_from(BlendStats, st), entries)
 
     # plain generation --------------------------------------------------------
     def complete(self, prompt, *, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05, seed=None, stop=None,
                  on_piece=None, max_tokens=None, temperature=None, response_format=None, json_schema=None,
-                 grammar=None):
+                 grammar=None, logprobs=False, top_logprobs=None):
         """Prefill ``prompt`` (text, or a list of token ids) and generate; returns GenerateResult(text, stats).
 
         ``max_tokens`` and ``temperature`` are the openai client's and
         llama-cpp-python's names for ``n_predict`` (default 64) and ``temp``
         (default 0: greedy). The answer can be constrained (see _constraint):
         ``response_format`` as the openai client gives it, ``json_schema`` (a
-        dict or JSON text) or a GBNF ``grammar``.
+        dict or JSON text) or a GBNF ``grammar``. ``logprobs=True`` (or a
+        ``top_logprobs`` count, 0–20) fills the result's ``logprobs``: per
+        generated token, OpenAI's chat entry {token, logprob, bytes,
+        top_logprobs}, as the sampler saw it (after any grammar, before
+        top-k/top-p/min-p and the temperature).
         """
+        return self._complete(prompt, on_piece, None, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p,
+                              min_p=min_p, seed=seed, stop=stop, max_tokens=max_tokens, temperature=temperature,
+                              response_format=response_format, json_schema=json_schema, grammar=grammar,
+                              logprobs=logprobs, top_logprobs=top_logprobs)
+
+    def _complete(self, prompt, on_piece, on_logprob, *, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05,
+                  seed=None, stop=None, max_tokens=None, temperature=None, response_format=None, json_schema=None,
+                  grammar=None, logprobs=False, top_logprobs=None):
         n_predict = _alias(n_predict, max_tokens, "n_predict", "max_tokens", 64)
         temp = _alias(temp, temperature, "temp", "temperature", 0.0)
         constraint = _constraint(response_format, json_schema, grammar)
@@ -844,29 +914,40 @@ class Model(_Closing):
             toks = _tokens(prompt, "prompt")
             call = lambda ctx, gp, out, stats: _c.kvb_generate_tokens(ctx, toks, len(toks), gp, out, stats)  # noqa: E731
 
-        text, st = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop, constraint), on_piece, [],
-                                    _lib.kvb_generate_stats, call)
-        return GenerateResult(text, _stats_from(GenerateStats, st))
+        text, st, entries = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop, constraint), on_piece,
+                                             [], _lib.kvb_generate_stats, call,
+                                             _logprobs_asked(logprobs, top_logprobs), on_logprob)
+        return GenerateResult(text, _stats_from(GenerateStats, st), entries)
 
     # llama-cpp-python's calls, answered in OpenAI's shapes -----------------------
     def create_completion(self, prompt, *, max_tokens=16, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
-                          stop=None, seed=None, stream=False, response_format=None, documents=None, store=None):
+                          stop=None, seed=None, stream=False, response_format=None, logprobs=None, documents=None,
+                          store=None):
         """An OpenAI ``text_completion`` dict (or, with ``stream``, an iterator of chunks), as
-        llama-cpp-python's create_completion; ``documents`` (kvblend's extra) are fused before the prompt."""
+        llama-cpp-python's create_completion; ``logprobs=N`` (0–20) gives the legacy logprobs
+        object with N candidates per token; ``documents`` (kvblend's extra) are fused before the prompt."""
         sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         stop=stop, seed=seed, response_format=response_format)
-        return self._openai_answer(prompt, "", documents, store, stream, False, sampling)
+        if logprobs is not None:
+            sampling["top_logprobs"] = logprobs
+        shape = None if logprobs is None else (lambda e: _legacy_logprobs(e, logprobs > 0))
+        return self._openai_answer(prompt, "", documents, store, stream, False, sampling, shape)
 
     def create_chat_completion(self, messages, *, max_tokens=None, temperature=0.2, top_p=0.95, top_k=40, min_p=0.05,
-                               stop=None, seed=None, stream=False, response_format=None, tools=None,
-                               tool_choice=None, documents=None, store=None):
+                               stop=None, seed=None, stream=False, response_format=None, logprobs=False,
+                               top_logprobs=None, tools=None, tool_choice=None, documents=None, store=None):
         """An OpenAI ``chat.completion`` dict (or, with ``stream``, an iterator of chunks), as
-        llama-cpp-python's create_chat_completion: the model's chat template renders ``messages``.
-        ``documents`` (kvblend's extra) are fused with the system messages before the question."""
+        llama-cpp-python's create_chat_completion: the model's chat template renders ``messages``;
+        ``logprobs``/``top_logprobs`` as OpenAI's. ``documents`` (kvblend's extra) are fused with
+        the system messages before the question."""
         if tools or tool_choice not in (None, "none"):
             raise InvalidArgumentError("tools are not supported yet", "KVB_ERR_INVALID_ARGUMENT")
         sampling = dict(max_tokens=256 if max_tokens is None else max_tokens, temperature=temperature, top_p=top_p,
                         top_k=top_k, min_p=min_p, stop=stop, seed=seed, response_format=response_format)
+        shape = None
+        if logprobs or top_logprobs is not None:
+            sampling.update(logprobs=True, top_logprobs=top_logprobs)
+            shape = lambda e: {"content": e, "refusal": None}  # noqa: E731
         if documents is not None:
             system = "\n".join(m.get("content") or "" for m in messages if m.get("role") in ("system", "developer"))
             turns = [m for m in messages if m.get("role") not in ("system", "developer")]
@@ -874,21 +955,22 @@ class Model(_Closing):
                 raise InvalidArgumentError("documents with an earlier conversation are not supported yet",
                                            "KVB_ERR_INVALID_ARGUMENT")
             question = "\n".join(m.get("content") or "" for m in turns)
-            return self._openai_answer(question, system, documents, store, stream, True, sampling)
+            return self._openai_answer(question, system, documents, store, stream, True, sampling, shape)
         if self.has_chat_template:
             prompt = self.tokenize(self.apply_chat_template(messages), parse_special=True)
         else:
             prompt = "".join((m.get("content") or "") + "\n" for m in messages)
-        return self._openai_answer(prompt, "", None, store, stream, True, sampling)
+        return self._openai_answer(prompt, "", None, store, stream, True, sampling, shape)
 
-    def _openai_answer(self, prompt, system, documents, store, stream, chat, sampling):
+    def _openai_answer(self, prompt, system, documents, store, stream, chat, sampling, shape):
+        """shape: the entries of the tokens asked for as the choice's "logprobs" (None: not asked)."""
         created = int(time.time())
         ident = ("chatcmpl-" if chat else "cmpl-") + "%d-%d" % (created, id(prompt))
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.path}
 
-        def choice(text, finish):
-            c = {"index": 0, "logprobs": None, "finish_reason": finish}
+        def choice(text, finish, entries):
+            c = {"index": 0, "logprobs": shape(entries) if shape else None, "finish_reason": finish}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
@@ -901,24 +983,25 @@ class Model(_Closing):
         if stream:
             if documents is not None:
                 raise InvalidArgumentError("stream with documents is not supported yet", "KVB_ERR_INVALID_ARGUMENT")
-            return self._openai_stream(prompt, sampling, head, chat, finish_of)
+            return self._openai_stream(prompt, sampling, head, chat, finish_of, shape)
         if documents is not None:
             r = self.blend(system, documents, prompt, store=store, chat=chat and self.has_chat_template, **sampling)
         else:
             r = self.complete(prompt, **sampling)
         out = dict(head)
-        out["choices"] = [choice(r.text, finish_of(r.stats))]
+        out["choices"] = [choice(r.text, finish_of(r.stats), r.logprobs)]
         n_prompt = r.stats.n_tokens if documents is not None else r.stats.n_prompt  # BlendStats counts all it fused
         out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": r.stats.n_gen,
                         "total_tokens": n_prompt + r.stats.n_gen}
         return out
 
-    def _openai_stream(self, prompt, sampling, head, chat, finish_of):
+    def _openai_stream(self, prompt, sampling, head, chat, finish_of, shape):
         g = self.generate(prompt, **sampling)
         chunk_object = "chat.completion.chunk" if chat else "text_completion"
         for piece in g:
             delta = {"delta": {"content": piece}} if chat else {"text": piece}
-            yield dict(head, object=chunk_object, choices=[dict(index=0, finish_reason=None, logprobs=None, **delta)])
+            lp = shape(g.piece_logprobs) if shape else None
+            yield dict(head, object=chunk_object, choices=[dict(index=0, finish_reason=None, logprobs=lp, **delta)])
         last = {"delta": {}} if chat else {"text": ""}
         yield dict(head, object=chunk_object,
                    choices=[dict(index=0, finish_reason=finish_of(g.stats), logprobs=None, **last)])
@@ -952,14 +1035,19 @@ class Generation:
         self._error = None
         self.text = None
         self.stats = None
+        self.logprobs = None
+        self.piece_logprobs = []  # with logprobs: the entries of the tokens of the piece last yielded
 
     def _run(self):
+        tokens = []  # logprobs: entries of the tokens since the last piece
+
         def on_piece(text):
-            self._q.put(text)
+            self._q.put((text, tokens[:]))
+            tokens.clear()
             return not self._stop.is_set()
 
         try:
-            self._result = self._model.complete(self._prompt, on_piece=on_piece, **self._kwargs)
+            self._result = self._model._complete(self._prompt, on_piece, tokens.append, **self._kwargs)
         except BaseException as e:
             self._error = e
         finally:
@@ -975,10 +1063,11 @@ class Generation:
                 item = self._q.get()
                 if item is self._END:
                     break
-                yield item
+                text, self.piece_logprobs = item
+                yield text
         finally:
             self._stop.set()  # the next piece makes the C side stop
             self._thread.join()
         if self._error is not None:
             raise self._error
-        self.text, self.stats = self._result.text, self._result.stats
+        self.text, self.stats, self.logprobs = self._result.text, self._result.stats, self._result.logprobs

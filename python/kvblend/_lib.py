@@ -10,7 +10,7 @@ from ctypes import (CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_d
                     c_int64, c_size_t, c_uint32, c_uint64, c_void_p)
 
 # the C API's version this binding was written for: structs must match
-ABI_VERSION = (0, 3)  # 0.3: kvb_blend_params.head_beyond_budget, no_weight_query, budget, dev_mass
+ABI_VERSION = (0, 4)  # 0.4: kvb_generate_params.on_token, top_logprobs (kvb_token_info)
 _SONAME = "libkvblend.so.%d" % ABI_VERSION[0]
 
 KVB_ID_LEN = 32
@@ -22,6 +22,17 @@ OK, ERR_INVALID_ARGUMENT, ERR_NOT_FOUND, ERR_CANCELLED, ERR_OUT_OF_MEMORY, ERR_F
 kvb_token = c_int32
 kvb_progress_callback = CFUNCTYPE(c_bool, c_size_t, c_size_t, c_void_p)
 kvb_piece_callback = CFUNCTYPE(c_bool, POINTER(c_char), c_size_t, c_void_p)
+
+
+class kvb_token_prob(Structure):
+    _fields_ = [("token", kvb_token), ("logprob", c_float), ("piece", POINTER(c_char)), ("piece_len", c_size_t)]
+
+
+class kvb_token_info(Structure):
+    _fields_ = [("sampled", kvb_token_prob), ("top", POINTER(kvb_token_prob)), ("n_top", c_size_t)]
+
+
+kvb_token_callback = CFUNCTYPE(c_bool, POINTER(kvb_token_info), c_void_p)
 
 
 class kvb_id(Structure):
@@ -70,7 +81,7 @@ class kvb_generate_params(Structure):
     _fields_ = [("n_predict", c_int32), ("temp", c_float), ("top_k", c_int32), ("top_p", c_float), ("min_p", c_float),
                 ("seed", c_uint32), ("stop", POINTER(c_char_p)), ("n_stop", c_size_t),
                 ("on_piece", kvb_piece_callback), ("user_data", c_void_p), ("grammar", c_char_p),
-                ("json_schema", c_char_p)]
+                ("json_schema", c_char_p), ("on_token", kvb_token_callback), ("top_logprobs", c_int32)]
 
 
 class kvb_generate_stats(Structure):
@@ -96,9 +107,9 @@ class kvb_blend_stats(Structure):
                 ("blend_ms", c_double), ("n_gen", c_int64), ("decode_ms", c_double), ("stop_reason", c_int)]
 
 
-STRUCTS = [kvb_id, kvb_model_params, kvb_model_info, kvb_chat_message, kvb_context_params, kvb_store_params,
-           kvb_store_stats, kvb_ingest_params, kvb_ingest_stats, kvb_generate_params, kvb_generate_stats,
-           kvb_blend_params, kvb_doc, kvb_blend_stats]
+STRUCTS = [kvb_token_prob, kvb_token_info, kvb_id, kvb_model_params, kvb_model_info, kvb_chat_message,
+           kvb_context_params, kvb_store_params, kvb_store_stats, kvb_ingest_params, kvb_ingest_stats,
+           kvb_generate_params, kvb_generate_stats, kvb_blend_params, kvb_doc, kvb_blend_stats]
 
 _P = c_void_p  # opaque handles
 _status = c_int

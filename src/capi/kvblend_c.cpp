@@ -228,85 +228,65 @@ sampler_params sampling_of(const kvb_generate_params & gp, const model & m) {
     sp.min_p = gp.min_p;
     sp.seed = gp.seed;
     sp.grammar = grammar_of(gp, m);
+    if (gp.top_logprobs < 0 || gp.top_logprobs > k_max_probs)
+        fail(KVB_ERR_INVALID_ARGUMENT, "top_logprobs must be in [0, " + std::to_string(k_max_probs) + "]");
+    sp.logprobs = gp.on_token != nullptr;
+    sp.n_probs = gp.on_token ? gp.top_logprobs : 0;
     return sp;
 }
 
-// the pieces a generation streams, held back where they could begin a stop
-// string and cut where one appears
-class piece_stream {
+// the caller's callbacks as an answer's sink: each token's probabilities, then the piece that holds it
+class c_sink {
   public:
-    explicit piece_stream(const kvb_generate_params & gp) : gp_(gp) {
-        for (size_t i = 0; i < gp.n_stop; ++i) stops_.emplace_back(gp.stop[i]);
-        for (const auto & s : stops_) max_stop_ = std::max(max_stop_, s.size());
-    }
+    c_sink(const kvb_generate_params & gp, const vocab & v) : gp_(gp), v_(v) {}
 
-    // what engine::generate_from calls: empty when there is nothing to watch
-    std::function<bool(const std::string &)> callback() {
-        if (!gp_.on_piece && stops_.empty()) return {};
-        return [this](const std::string & p) { return on_piece(p); };
+    answer_sink sink() {
+        if (!gp_.on_piece && !gp_.on_token) return {};
+        return [this](answer_piece & p) {
+            for (const sampled_token & t : p.tokens)
+                if (!report(t)) return false;
+            return !gp_.on_piece || p.text.empty() || gp_.on_piece(p.text.data(), p.text.size(), gp_.user_data);
+        };
     }
-
-    // the final text (the tokens' detokenization) cut before the first stop string
-    std::string finish(std::string text) {
-        if (!stopped_string_ && !stopped_cb_ && emitted_ < seen_.size()) emit(seen_.size());
-        size_t cut = std::string::npos;
-        for (const auto & s : stops_) cut = std::min(cut, text.find(s));
-        if (cut != std::string::npos) text.resize(cut);
-        return text;
-    }
-
-    bool stopped_string() const { return stopped_string_; }
-    bool stopped_callback() const { return stopped_cb_; }
 
   private:
-    bool on_piece(const std::string & piece) {
-        seen_ += piece;
-        // a stop string can only end inside the new piece
-        const size_t from =
-            seen_.size() - piece.size() - std::min(seen_.size() - piece.size(), max_stop_ ? max_stop_ - 1 : 0);
-        size_t cut = std::string::npos;
-        for (const auto & s : stops_) cut = std::min(cut, seen_.find(s, from));
-        if (cut != std::string::npos) {
-            stopped_string_ = true;
-            if (cut > emitted_) emit(cut);
-            return false;
-        }
-        // hold back the longest tail that begins a stop string
-        size_t hold = 0;
-        for (const auto & s : stops_)
-            for (size_t k = std::min(s.size() - 1, seen_.size()); k > hold; --k)
-                if (seen_.compare(seen_.size() - k, k, s, 0, k) == 0) {
-                    hold = k;
-                    break;
-                }
-        const size_t upto = std::max(emitted_, seen_.size() - hold);
-        if (upto > emitted_ && !emit(upto)) {
-            stopped_cb_ = true;
-            return false;
-        }
-        return true;
-    }
-
-    bool emit(size_t upto) {
-        const size_t from = emitted_;
-        emitted_ = upto;
-        return !gp_.on_piece || gp_.on_piece(seen_.data() + from, upto - from, gp_.user_data);
+    bool report(const sampled_token & t) {
+        if (!gp_.on_token) return true;
+        pieces_.clear();
+        pieces_.push_back(v_.token_to_piece(t.token));
+        for (const token_logprob & c : t.top) pieces_.push_back(v_.token_to_piece(c.token));
+        auto prob = [&](llama_token tok, float lp, const std::string & piece) {
+            return kvb_token_prob{tok, lp, piece.data(), piece.size()};
+        };
+        top_.clear();
+        for (size_t i = 0; i < t.top.size(); ++i)
+            top_.push_back(prob(t.top[i].token, t.top[i].logprob, pieces_[i + 1]));
+        const kvb_token_info info{prob(t.token, t.logprob, pieces_[0]), top_.data(), top_.size()};
+        return gp_.on_token(&info, gp_.user_data);
     }
 
     const kvb_generate_params & gp_;
-    std::vector<std::string> stops_;
-    size_t max_stop_ = 0;
-    std::string seen_;    // every piece so far
-    size_t emitted_ = 0;  // bytes of seen_ passed to on_piece
-    bool stopped_string_ = false, stopped_cb_ = false;
+    const vocab & v_;
+    std::vector<std::string> pieces_;  // the texts the pointers of one report point into
+    std::vector<kvb_token_prob> top_;
 };
 
-kvb_stop_reason stop_reason(const piece_stream & ps, const generate_result & r, int32_t n_predict, engine & eng) {
-    if (ps.stopped_string()) return KVB_STOP_STRING;
-    if (ps.stopped_callback()) return KVB_STOP_CALLBACK;
-    if ((int64_t) r.tokens.size() >= n_predict) return KVB_STOP_LENGTH;
-    if (eng.cache().n_past() >= eng.cache().n_ctx()) return KVB_STOP_LENGTH;
-    return KVB_STOP_EOG;
+answer_params answer_params_of(const kvb_generate_params & gp, const sampler_params & sp) {
+    answer_params ap;
+    ap.max_tokens = gp.n_predict;
+    ap.sampling = sp;
+    for (size_t i = 0; i < gp.n_stop; ++i) ap.stop.emplace_back(gp.stop[i]);
+    return ap;
+}
+
+kvb_stop_reason stop_reason_of(answer_end end) {
+    switch (end) {
+        case answer_end::eog: return KVB_STOP_EOG;
+        case answer_end::length: return KVB_STOP_LENGTH;
+        case answer_end::stop_string: return KVB_STOP_STRING;
+        case answer_end::stopped: return KVB_STOP_CALLBACK;
+    }
+    return KVB_STOP_LENGTH;
 }
 
 void check_tokens(const model & m, const kvb_token * toks, size_t n) {
@@ -326,16 +306,16 @@ void generate_impl(kvb_context * ctx, const std::vector<llama_token> & toks, con
     engine & eng = engine_for(
         *ctx, (int64_t) toks.size() + gp.n_predict,
         ("prompt (" + std::to_string(toks.size()) + " tokens) plus n_predict " + std::to_string(gp.n_predict)).c_str());
-    piece_stream ps(gp);
-    const generate_result r = eng.generate(toks, gp.n_predict, sp, ps.callback());
-    std::string out = ps.finish(r.text);
-    if (text) *text = dup_string(out);
+    c_sink cs(gp, ctx->m->tokens());
+    answer a(answer_params_of(gp, sp), ctx->m->tokens(), cs.sink());
+    const generate_result r = eng.generate(toks, a);
+    if (text) *text = dup_string(r.text);
     if (stats) {
         stats->n_prompt = r.n_prompt;
         stats->n_gen = (int64_t) r.tokens.size();
         stats->prefill_ms = r.prefill_ms;
         stats->decode_ms = r.decode_ms;
-        stats->stop_reason = stop_reason(ps, r, gp.n_predict, eng);
+        stats->stop_reason = stop_reason_of(a.end());
     }
 }
 
@@ -908,10 +888,10 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         }
 
         const blend_result br = blend(eng, ptrs, rp.query, bp);
-        piece_stream ps(gp);
-        const generate_result answer = eng.generate_from(br.logits, gp.n_predict, sp, ps.callback());
-        const std::string out = ps.finish(answer.text);
-        if (text) *text = dup_string(out);
+        c_sink cs(gp, v);
+        answer a(answer_params_of(gp, sp), v, cs.sink());
+        const generate_result g = eng.answer_from(br.logits, a);
+        if (text) *text = dup_string(g.text);
         if (stats) {
             kvb_blend_stats s{};
             s.n_tokens = br.stats.n_tokens;
@@ -927,9 +907,9 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
             s.check_ms = br.stats.check_ms;
             s.deep_ms = br.stats.deep_ms;
             s.blend_ms = br.stats.total_ms;
-            s.n_gen = (int64_t) answer.tokens.size();
-            s.decode_ms = answer.decode_ms;
-            s.stop_reason = stop_reason(ps, answer, gp.n_predict, eng);
+            s.n_gen = (int64_t) g.tokens.size();
+            s.decode_ms = g.decode_ms;
+            s.stop_reason = stop_reason_of(a.end());
             *stats = s;
         }
     });

@@ -291,9 +291,25 @@ void engine::set_cache(std::unique_ptr<kv_cache> c) {
     impl_->ev_scores = attn_scores{};
 }
 
+namespace {
+
+// a piece callback as an answer's sink
+answer_sink sink_of(const std::function<bool(const std::string &)> & on_token) {
+    if (!on_token) return {};
+    return [on_token](answer_piece & piece) { return on_token(piece.text); };
+}
+
+}  // namespace
+
 generate_result engine::generate(const std::vector<llama_token> & prompt, int32_t n_predict, const sampler_params & sp,
                                  const std::function<bool(const std::string &)> & on_token) {
+    answer a({n_predict, sp, {}}, model_->tokens(), sink_of(on_token));
+    return generate(prompt, a);
+}
+
+generate_result engine::generate(const std::vector<llama_token> & prompt, answer & a) {
     cache_->clear();
+    const int32_t n_predict = a.params().max_tokens;
     if ((int64_t) prompt.size() + n_predict > cache_->n_ctx())
         throw error("prompt of " + std::to_string(prompt.size()) + " tokens plus " + std::to_string(n_predict) +
                     " to generate exceeds the context of " + std::to_string(cache_->n_ctx()));
@@ -302,7 +318,7 @@ generate_result engine::generate(const std::vector<llama_token> & prompt, int32_
     std::vector<float> logits = prefill(prompt);
     const double t1 = time_ms();
     const energy_span prefill_energy = energy_since(e0);
-    generate_result r = generate_from(std::move(logits), n_predict, sp, on_token);
+    generate_result r = answer_from(std::move(logits), a);
     r.n_prompt = (int64_t) prompt.size();
     r.prefill_ms = t1 - t0;
     r.prefill_energy = prefill_energy;
@@ -322,27 +338,31 @@ energy_span engine::energy_since(const energy_mark & from) const {
 
 generate_result engine::generate_from(std::vector<float> logits, int32_t n_predict, const sampler_params & sp,
                                       const std::function<bool(const std::string &)> & on_token) {
-    const model & m = *model_;
-    const int32_t n_vocab = (int32_t) m.hparams().n_vocab;
+    answer a({n_predict, sp, {}}, model_->tokens(), sink_of(on_token));
+    return answer_from(std::move(logits), a);
+}
+
+generate_result engine::answer_from(std::vector<float> logits, answer & a) {
     generate_result r;
-    sampler smp(sp, m.tokens().raw());
     const energy_mark e0 = energy_now();
+    r.decode_ms = run_answer(std::move(logits), a);
+    r.decode_energy = energy_since(e0);
+    r.tokens = a.tokens();
+    r.text = a.text();
+    return r;
+}
+
+double engine::run_answer(std::vector<float> logits, answer & a) {
+    const int32_t n_vocab = (int32_t) model_->hparams().n_vocab;
     const double t0 = time_ms();
-    for (int32_t i = 0; i < n_predict; ++i) {
-        const llama_token tok = smp.sample(logits.data() + logits.size() - n_vocab, n_vocab);
-        if (m.tokens().is_eog(tok)) break;
-        r.tokens.push_back(tok);
-        // the text is the pieces as they follow the prompt (a detokenization of the
-        // new tokens alone would drop the first one's leading space)
-        const std::string piece = m.tokens().token_to_piece(tok);
-        r.text += piece;
-        if (on_token && !on_token(piece)) break;
-        if (i + 1 == n_predict || cache_->n_past() >= cache_->n_ctx()) break;
+    for (;;) {
+        const bool room = cache_->n_past() < cache_->n_ctx();
+        const llama_token tok = a.on_logits(logits.data() + logits.size() - n_vocab, n_vocab, room);
+        if (tok < 0) break;
         logits = eval({tok});
     }
-    r.decode_ms = time_ms() - t0;
-    r.decode_energy = energy_since(e0);
-    return r;
+    a.finish();
+    return time_ms() - t0;
 }
 
 }  // namespace kvblend

@@ -17,6 +17,7 @@
 #include <unordered_map>
 
 #include "httplib.h"
+#include "kvblend/answer.h"
 #include "kvblend/codec.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
@@ -27,7 +28,6 @@
 #include "server/server_http.h"
 #include "server/server_request.h"
 #include "server/soft_store.h"
-#include "server/stream_text.h"
 
 namespace kvblend {
 
@@ -42,13 +42,6 @@ namespace {
 struct slot_cache {
     std::vector<llama_token> tokens;
     size_t exact = 0;
-};
-
-// text the client can be sent, with the sampled tokens that made it (their
-// probabilities, when the request asked for them)
-struct answer_piece {
-    std::string text;
-    std::vector<sampled_token> tokens;
 };
 
 struct job {
@@ -103,67 +96,39 @@ struct job {
     }
 };
 
-// one request's answer, token by token: sampling (the request's own settings
-// can leave no token: a grammar this vocabulary cannot continue is its error),
-// stop strings, whole UTF-8 characters, log-probabilities and the finish reason
+// one request's answer on its slot: the library's answer (sampling, stops,
+// whole UTF-8 characters, logprobs) with the request's pieces, counts and finish reason
 struct answer_stream {
     job & j;
-    const vocab & v;
-    sampler smp;
-    std::vector<sampled_token> unsent;  // logprobs: sampled tokens whose text is not emitted yet
-    std::string text;                   // everything generated, for stop strings
-    size_t sent = 0;                    // bytes of text already emitted
+    answer a;
 
-    answer_stream(job & jj, const vocab & vv) : j(jj), v(vv), smp(jj.sp, vv.raw()) {
-        // the penalties look back over the prompt too (as llama-server's do)
-        const size_t back = std::min((size_t) j.sp.penalty_last_n, j.tokens.size());
-        for (size_t i = j.tokens.size() - back; i < j.tokens.size(); ++i) smp.accept(j.tokens[i]);
+    answer_stream(job & jj, const vocab & v)
+        : j(jj), a({jj.max_tokens, jj.sp, jj.stop}, v, [&jj](answer_piece & p) {
+              jj.emit(std::move(p.text), p.tokens);
+              return true;
+          }) {
+        a.accept_prompt(j.tokens);
         j.finish_reason = "length";
     }
 
     // the logits after the last token run (room: the cache can take another):
-    // the token to run next, or -1 when the answer is complete
+    // the token to run next, or -1 when the answer is complete. the request's
+    // own settings can leave no token: a grammar this vocabulary cannot continue is its error
     llama_token on_logits(const float * logits, int32_t n_vocab, bool room) {
-        if (j.n_gen >= j.max_tokens) return -1;
         llama_token tok;
         try {
-            tok = smp.sample(logits, n_vocab);
+            tok = a.on_logits(logits, n_vocab, room);
         } catch (const error & e) {
             bad_request(e.what(), "invalid_grammar");
         }
-        if (v.is_eog(tok)) {
-            j.finish_reason = "stop";
-            return -1;
-        }
-        j.n_gen++;
-        if (j.ttft_ms < 0) j.ttft_ms = time_ms() - j.t_submit;
-        if (j.sp.logprobs) unsent.push_back(smp.last());
-        text += v.token_to_piece(tok);
-        size_t cut = std::string::npos;
-        for (const auto & s : j.stop) {
-            const size_t at = s.empty() ? std::string::npos : text.find(s, sent > s.size() ? sent - s.size() : 0);
-            if (at != std::string::npos) cut = std::min(cut, at);
-        }
-        if (cut != std::string::npos) {
-            if (cut > sent) j.emit(text.substr(sent, cut - sent), unsent);
-            sent = text.size();
-            j.finish_reason = "stop";
-            return -1;
-        }
-        // emit what can no longer be the start of a stop string, in whole UTF-8 characters
-        const size_t upto = utf8_whole(text, text.size() - stop_prefix_tail(text, j.stop));
-        if (upto > sent) {
-            j.emit(text.substr(sent, upto - sent), unsent);
-            sent = upto;
-        }
-        return room && j.n_gen < j.max_tokens ? tok : -1;
+        j.n_gen = a.n_generated();
+        if (j.n_gen > 0 && j.ttft_ms < 0) j.ttft_ms = time_ms() - j.t_submit;
+        if (a.end() == answer_end::eog || a.end() == answer_end::stop_string) j.finish_reason = "stop";
+        return tok;
     }
 
     // the answer ended: the held-back tail held no stop string
-    void flush() {
-        if (sent < text.size()) j.emit(text.substr(sent), unsent);
-        sent = text.size();
-    }
+    void flush() { a.finish(); }
 };
 
 std::string message_text(const json & content) {

@@ -500,3 +500,88 @@ TEST_F(capi, an_rpc_server_that_does_not_answer_fails_fast_with_its_address) {
 }
 
 }  // namespace
+
+struct token_log {
+    std::vector<kvb_token> tokens;
+    std::vector<float> logprobs;
+    std::vector<std::vector<kvb_token_prob>> tops;
+    std::vector<std::vector<std::string>> top_pieces;
+    std::string pieces;  // the sampled tokens' texts, joined
+    int stop_after = -1;
+};
+
+bool log_token(const kvb_token_info * info, void * user) {
+    auto * l = static_cast<token_log *>(user);
+    l->tokens.push_back(info->sampled.token);
+    l->logprobs.push_back(info->sampled.logprob);
+    l->pieces.append(info->sampled.piece, info->sampled.piece_len);
+    l->tops.emplace_back(info->top, info->top + info->n_top);
+    l->top_pieces.emplace_back();
+    for (size_t i = 0; i < info->n_top; ++i)
+        l->top_pieces.back().emplace_back(info->top[i].piece, info->top[i].piece_len);
+    return (int) l->tokens.size() != l->stop_after;
+}
+
+TEST_F(capi, on_token_reports_each_generated_token_with_its_logprob_and_candidates) {
+    kvb_generate_params gp = kvb_generate_default_params();
+    gp.n_predict = 12;
+    char * plain = nullptr;
+    ASSERT_EQ(kvb_generate(ctx, "Once upon a time", &gp, &plain, nullptr), KVB_OK) << kvb_last_error();
+    const std::string want = plain;
+    kvb_free(plain);
+
+    token_log log;
+    gp.on_token = log_token;
+    gp.top_logprobs = 5;
+    gp.user_data = &log;
+    char * text = nullptr;
+    kvb_generate_stats st;
+    ASSERT_EQ(kvb_generate(ctx, "Once upon a time", &gp, &text, &st), KVB_OK) << kvb_last_error();
+    EXPECT_EQ(std::string(text), want);  // asking for probabilities changes nothing else
+    kvb_free(text);
+    ASSERT_EQ((int64_t) log.tokens.size(), st.n_gen);
+    EXPECT_EQ(log.pieces, want);
+    for (size_t i = 0; i < log.tokens.size(); ++i) {
+        ASSERT_EQ(log.tops[i].size(), 5u);
+        // greedy: the sampled token is the most likely candidate, with its logprob
+        EXPECT_EQ(log.tops[i][0].token, log.tokens[i]);
+        EXPECT_FLOAT_EQ(log.tops[i][0].logprob, log.logprobs[i]);
+        double mass = 0;
+        for (size_t k = 0; k < 5; ++k) {
+            EXPECT_LE(log.tops[i][k].logprob, 0.0f);
+            if (k) EXPECT_LE(log.tops[i][k].logprob, log.tops[i][k - 1].logprob);
+            mass += std::exp(log.tops[i][k].logprob);
+        }
+        EXPECT_LE(mass, 1.0 + 1e-4);
+    }
+
+    // after a grammar, the candidates are the tokens it allows, renormalized
+    token_log digits;
+    gp.user_data = &digits;
+    gp.top_logprobs = 20;
+    gp.grammar = "root ::= [0-9]{3} \"!\"";
+    gp.n_predict = 8;
+    ASSERT_EQ(kvb_generate(ctx, "Once upon a time", &gp, nullptr, &st), KVB_OK) << kvb_last_error();
+    ASSERT_FALSE(digits.top_pieces.empty());
+    double mass = 0;
+    for (size_t k = 0; k < digits.tops[0].size(); ++k) {
+        EXPECT_EQ(digits.top_pieces[0][k].find_first_not_of("0123456789"), std::string::npos)
+            << digits.top_pieces[0][k];
+        mass += std::exp(digits.tops[0][k].logprob);
+    }
+    EXPECT_NEAR(mass, 1.0, 1e-3);  // fewer than 20 tokens are digits alone: every allowed one is listed
+
+    // on_token returning false stops the answer; out-of-range counts are refused
+    token_log two;
+    two.stop_after = 2;
+    gp.grammar = nullptr;
+    gp.user_data = &two;
+    ASSERT_EQ(kvb_generate(ctx, "Once upon a time", &gp, nullptr, &st), KVB_OK) << kvb_last_error();
+    EXPECT_EQ(two.tokens.size(), 2u);
+    EXPECT_EQ(st.stop_reason, KVB_STOP_CALLBACK);
+    for (int32_t bad : {-1, 21}) {
+        gp.top_logprobs = bad;
+        EXPECT_EQ(kvb_generate(ctx, "Once", &gp, nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT) << bad;
+        EXPECT_NE(std::string(kvb_last_error()).find("top_logprobs"), std::string::npos) << kvb_last_error();
+    }
+}

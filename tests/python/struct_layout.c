@@ -12,6 +12,17 @@
 int main(void) {
     int n = 0, first = 1;
     printf("{");
+    BEGIN(kvb_token_prob);
+    FIELD(kvb_token_prob, token);
+    FIELD(kvb_token_prob, logprob);
+    FIELD(kvb_token_prob, piece);
+    FIELD(kvb_token_prob, piece_len);
+    END();
+    BEGIN(kvb_token_info);
+    FIELD(kvb_token_info, sampled);
+    FIELD(kvb_token_info, top);
+    FIELD(kvb_token_info, n_top);
+    END();
     BEGIN(kvb_id);
     FIELD(kvb_id, hex);
     END();
@@ -86,6 +97,8 @@ int main(void) {
     FIELD(kvb_generate_params, user_data);
     FIELD(kvb_generate_params, grammar);
     FIELD(kvb_generate_params, json_schema);
+    FIELD(kvb_generate_params, on_token);
+    FIELD(kvb_generate_params, top_logprobs);
     END();
     BEGIN(kvb_generate_stats);
     FIELD(kvb_generate_stats, n_prompt);

@@ -90,3 +90,40 @@ def test_bad_constraints_raise_with_the_reason(model, bad, says):
     with pytest.raises(kvblend.InvalidArgumentError) as e:
         model.complete("x", max_tokens=3, **bad)
     assert says in str(e.value)
+
+
+def test_logprobs_are_the_sampled_tokens_in_openai_shapes(model, tmp_path):
+    plain = model.complete("Once upon a time", max_tokens=10)
+    r = model.complete("Once upon a time", max_tokens=10, top_logprobs=3)
+    assert r.text == plain.text and plain.logprobs is None
+    assert len(r.logprobs) == r.stats.n_gen
+    assert "".join(bytes(e["bytes"]).decode() for e in r.logprobs) == r.text
+    for e in r.logprobs:
+        assert len(e["top_logprobs"]) == 3
+        # greedy: the sampled token is the most likely one
+        assert e["top_logprobs"][0]["token"] == e["token"] and e["top_logprobs"][0]["logprob"] == e["logprob"]
+        assert e["logprob"] <= 0
+    assert model.complete("Once upon a time", max_tokens=10, logprobs=True).logprobs[0]["top_logprobs"] == []
+
+    # chat shape, streamed and not
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    whole = model.create_chat_completion(msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == whole["choices"][0]["message"]["content"]
+    chunks = list(model.create_chat_completion(msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+                                               stream=True))
+    streamed = [e for c in chunks[:-1] for e in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == content
+
+    # the completions endpoint's legacy object
+    legacy = model.create_completion("Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+    lp = legacy["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == legacy["choices"][0]["text"]
+    assert all(max(top.values()) == p for top, p in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    assert lp["text_offset"][0] == 0
+
+    # blend too; out-of-range counts are refused with the reason
+    b = model.blend("Stories.", ["Tom had a red ball."], "Tom", max_tokens=6, logprobs=True)
+    assert len(b.logprobs) == b.stats.n_gen
+    with pytest.raises(kvblend.InvalidArgumentError, match="top_logprobs"):
+        model.complete("Once", top_logprobs=21)

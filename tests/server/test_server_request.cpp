@@ -2,8 +2,8 @@
 // JSON text to a checked request, or a request_error in OpenAI's shape
 #include <gtest/gtest.h>
 
+#include "kvblend/answer.h"
 #include "server/server_request.h"
-#include "server/stream_text.h"
 
 namespace kvblend {
 namespace {
