@@ -70,7 +70,10 @@ file(RELATIVE_PATH KVBLEND_PC_TO_PREFIX /p/${CMAKE_INSTALL_LIBDIR}/pkgconfig /p)
 configure_file(${CMAKE_SOURCE_DIR}/cmake/kvblend.pc.in ${CMAKE_BINARY_DIR}/kvblend.pc @ONLY)
 install(FILES ${CMAKE_BINARY_DIR}/kvblend.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
 
-# the Python binding (ctypes, standard library only): LIBDIR/python3/dist-packages,
-# from where it finds LIBDIR/libkvblend.so.N (add that folder to PYTHONPATH)
-install(DIRECTORY ${CMAKE_SOURCE_DIR}/python/kvblend DESTINATION ${CMAKE_INSTALL_LIBDIR}/python3/dist-packages
-        PATTERN __pycache__ EXCLUDE)
+# the Python binding (ctypes, standard library only): where the prefix's Python
+# looks (cmake/install_python.cmake), from where it finds LIBDIR/libkvblend.so.N
+set(KVBLEND_PYTHON_DIR "" CACHE PATH "where cmake --install puts the Python package (empty: where the prefix's python3 looks)")
+install(CODE "set(KVBLEND_PYTHON_DIR \"${KVBLEND_PYTHON_DIR}\")
+set(KVBLEND_INSTALL_LIBDIR \"${CMAKE_INSTALL_LIBDIR}\")
+set(KVBLEND_PYTHON_SOURCE \"${CMAKE_SOURCE_DIR}/python/kvblend\")")
+install(SCRIPT ${CMAKE_SOURCE_DIR}/cmake/install_python.cmake)

@@ -2,7 +2,7 @@
 //
 // load a GGUF model, keep each document's KV in a chunk store, then answer a
 // question over the documents with CacheBlend: the documents' KV comes from
-// the store (collected on the first run), ~15% of their tokens are recomputed,
+// the store (collected on the first run), 8% of their tokens are recomputed (the default),
 // and decoding goes on from the fused cache.
 //
 //   build/bin/example_rag_blend MODEL.gguf STORE_DIR "question" DOC.txt [DOC.txt …]
@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "kvblend/blend.h"
+#include "kvblend/rag.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
@@ -42,25 +43,20 @@ int main(int argc, char ** argv) {
         ep.n_ctx = (int64_t) prompt.all().size() + 64;
         kvblend::engine eng(model, ep);
 
-        // 4. every chunk's KV from the store, collected and put on a miss
+        // 4. every chunk's KV from the store (collected and put on a miss), then the blend
         auto store = kvblend::store_open(argv[2]);
-        kvblend::chunk_fetch_stats fetch;
-        std::vector<kvblend::chunk_kv> chunks;
-        for (const auto & c : prompt.chunks)
-            if (!c.empty()) chunks.push_back(kvblend::chunk_get_or_collect(store.get(), eng, {}, c, fetch));
-        std::vector<const kvblend::chunk_kv *> ptrs;
-        for (const auto & c : chunks) ptrs.push_back(&c);
-        std::printf("chunks: %lld from the store (%.1f ms), %lld collected (%.1f ms)\n", (long long) fetch.hits,
-                    fetch.load_ms, (long long) fetch.misses, fetch.collect_ms);
+        kvblend::rag_fuse_params fp;  // the default selection: 8% of the document tokens recomputed from layer 1
+        fp.st = store.get();
+        const kvblend::rag_fuse_result fused = kvblend::rag_fuse(eng, prompt, fp);
+        std::printf("chunks: %lld from the store (%.1f ms), %lld collected (%.1f ms)\n", (long long) fused.fetch.hits,
+                    fused.fetch.load_ms, (long long) fused.fetch.misses, fused.fetch.collect_ms);
+        std::printf("blend: %lld tokens, %lld recomputed, %.1f ms\n", (long long) fused.stats.n_tokens,
+                    (long long) fused.stats.n_selected, fused.stats.total_ms);
 
-        // 5. fuse and decode
-        kvblend::blend_params bp = kvblend::blend_default_params();  // 15% recompute, check layer 1
+        // 5. decode the answer from the fused cache
         kvblend::sampler_params greedy = kvblend::sampler_default_params();
         greedy.temp = 0;
-        kvblend::blend_result br;
-        const kvblend::generate_result answer = kvblend::blend_generate(eng, ptrs, prompt.query, bp, 48, greedy, &br);
-        std::printf("blend: %lld tokens, %lld recomputed, %.1f ms\n", (long long) br.stats.n_tokens,
-                    (long long) br.stats.n_selected, br.stats.total_ms);
+        const kvblend::generate_result answer = eng.generate_from(fused.logits, 48, greedy);
         std::printf("answer: %s\n", answer.text.c_str());
         return 0;
     } catch (const kvblend::error & e) {

@@ -14,6 +14,8 @@
 
 namespace kvblend {
 
+constexpr const char * k_codec_raw = "raw";  // the codec that keeps the cache's own rows
+
 class codec {
   public:
     virtual ~codec() = default;

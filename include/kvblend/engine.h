@@ -151,6 +151,11 @@ class engine {
     };
     const transfer_stats & transfers() const;
 
+    // the energy meter of engine_params::energy: a mark now, and what was used
+    // since one (absent, with the reason, without a meter)
+    energy_mark energy_now() const;
+    energy_span energy_since(const energy_mark & from) const;
+
   private:
     friend class forward_driver;  // src/engine/driver.h: builds and runs every graph
     void apply_evict(const std::vector<int64_t> & budget);
@@ -158,8 +163,6 @@ class engine {
     // throws unless tokens (in the vocabulary) fit after what cache holds
     void check_append(const kv_cache & cache, const std::vector<llama_token> & tokens) const;
     // params_.energy read now, and the span from a mark to now
-    energy_mark energy_now() const;
-    energy_span energy_since(const energy_mark & from) const;
 
     struct impl;
     std::unique_ptr<impl> impl_;

@@ -124,27 +124,4 @@ chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const s
 // is stored under, that the key it derives (where it derives one) is that key
 std::string chunk_entry_check(const std::vector<uint8_t> & bytes, const model * m, const std::string & key = {});
 
-// get a chunk's KV from the store, or collect it on the engine and put it.
-// a corrupt, truncated or mismatched entry is a miss: it is removed, a
-// warning goes to stderr, and the chunk is collected again.
-struct chunk_fetch_stats {
-    int64_t hits = 0, misses = 0;
-    double load_ms = 0, collect_ms = 0;
-};
-// codec: how the entry stores the KV (include/kvblend/codec.h; part of the key).
-// with a lossy codec a miss returns the chunk as a later hit will (encoded and
-// decoded), so a repeat request gives the same answer as the first.
-// ev: store only the positions this policy keeps (collect_evicted; raw
-// codec, no prefix); part of the key
-// put: what a failed store write means. a blend uses the store as a cache and
-// goes on without it (a warning on stderr: CHUNK_PUT_BEST_EFFORT); ingest and
-// POST /v1/documents exist to store, so there it throws the put's
-// kvblend::error (CHUNK_PUT_REQUIRED). removing an unusable entry is best
-// effort in both (a read-only store still serves its other entries).
-enum chunk_put_mode { CHUNK_PUT_BEST_EFFORT, CHUNK_PUT_REQUIRED };
-chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
-                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
-                              const std::string & codec = "raw", const evict_params & ev = {},
-                              chunk_put_mode put = CHUNK_PUT_BEST_EFFORT);
-
 }  // namespace kvblend

@@ -16,6 +16,7 @@
 #include "kvblend/codec.h"
 #include "kvblend/engine.h"
 #include "kvblend/model.h"
+#include "kvblend/rag.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
@@ -594,66 +595,41 @@ kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const *
         std::vector<llama_token> prefix;
         if (p.collect_with_prefix) prefix = rag_prompt_build(v, p.system ? p.system : "", {"."}, ".", p.chat).chunks[0];
 
-        std::vector<std::vector<llama_token>> chunks;
+        std::vector<std::string> text_list;
         for (size_t i = 0; i < n_texts; ++i) {
             if (!texts[i]) fail(KVB_ERR_INVALID_ARGUMENT, "text " + std::to_string(i) + " is NULL");
             // one chunk per text or paragraph: each must fit before any is tokenized
             if (p.chunk_size == 0 && !p.split_paragraphs)
                 check_text_fits(*ctx, std::strlen(texts[i]), "text " + std::to_string(i) + " (use chunk_size)");
-        }
-        for (size_t i = 0; i < n_texts; ++i) {
-            if (p.split_paragraphs) {
-                const std::vector<std::string> paras = rag_split_paragraphs(texts[i]);
-                for (const auto & para : paras)
+            if (p.split_paragraphs)
+                for (const auto & para : rag_split_paragraphs(texts[i]))
                     check_text_fits(*ctx, para.size(), "a paragraph of text " + std::to_string(i));
-                for (const auto & para : paras) chunks.push_back(rag_doc_tokens(v, para));
-            } else if (p.chunk_size > 0) {
-                const std::vector<llama_token> t = rag_doc_tokens(v, texts[i]);
-                for (size_t j = 0; j < t.size(); j += (size_t) p.chunk_size)
-                    chunks.emplace_back(t.begin() + j, t.begin() + std::min(t.size(), j + (size_t) p.chunk_size));
-            } else {
-                chunks.push_back(rag_doc_tokens(v, texts[i]));
-            }
+            text_list.emplace_back(texts[i]);
         }
-        chunks.erase(std::remove_if(chunks.begin(), chunks.end(), [](const auto & c) { return c.empty(); }),
-                     chunks.end());
+        const std::vector<std::vector<llama_token>> chunks =
+            rag_ingest_chunks(v, text_list, p.chunk_size, p.split_paragraphs);
         int64_t longest = 1;
         for (const auto & c : chunks) longest = std::max<int64_t>(longest, (int64_t) c.size());
         engine & eng = engine_for(*ctx, longest + (int64_t) prefix.size(),
                                   ("a chunk of " + std::to_string(longest) + " tokens (use chunk_size)").c_str());
 
+        rag_ingest_params ip;
+        ip.codec = store->codec;
+        ip.prefix = prefix;
+        ip.progress = [&](size_t done, size_t total, int64_t) {
+            if (p.progress && !p.progress(done, total, p.user_data))
+                fail(KVB_ERR_CANCELLED, "ingest cancelled by the progress callback after " + std::to_string(done) +
+                                            " of " + std::to_string(total) + " chunks");
+        };
+        const rag_ingest_result r = rag_ingest(*store->st, eng, chunks, ip);
         std::vector<kvb_id> out(chunks.size());
+        for (size_t i = 0; i < chunks.size(); ++i) copy_id(r.keys[i], out[i]);
         kvb_ingest_stats s{};
         s.n_chunks = (int64_t) chunks.size();
-        chunk_fetch_stats fs;
-        for (size_t i = 0; i < chunks.size(); ++i) {
-            const std::string key = chunk_key(m, eng.cache().type_k(), store->codec, prefix, chunks[i]);
-            copy_id(key, out[i]);
-            // a stored entry counts only once it is read and checked: a damaged one is
-            // collected again. ingest exists to store: a failed write is the call's
-            // error, not an id of nothing
-            const int64_t hits = fs.hits;
-            chunk_get_or_collect(store->st.get(), eng, prefix, chunks[i], fs, store->codec, {}, CHUNK_PUT_REQUIRED);
-            if (fs.hits > hits) {
-                ++s.n_present;
-            } else {
-                ++s.n_collected;
-                s.n_tokens += (int64_t) chunks[i].size();
-            }
-            s.collect_ms = fs.collect_ms;
-            if (p.progress && !p.progress(i + 1, chunks.size(), p.user_data))
-                fail(KVB_ERR_CANCELLED, "ingest cancelled by the progress callback after " + std::to_string(i + 1) +
-                                            " of " + std::to_string(chunks.size()) + " chunks");
-        }
-        // a budget too small for the whole ingest evicts its first chunks: their ids
-        // would name nothing
-        size_t gone = 0;
-        for (const kvb_id & id : out) gone += !store->st->contains(std::string(id.hex, strnlen(id.hex, KVB_ID_LEN)));
-        if (gone)
-            fail(KVB_ERR_FAILED,
-                 std::to_string(gone) + " of the " + std::to_string(out.size()) +
-                     " chunks were evicted again by the store's budget before the ingest ended: the budget "
-                     "cannot hold them all");
+        s.n_present = r.fetch.hits;
+        s.n_collected = r.fetch.misses;
+        s.n_tokens = r.n_tokens;
+        s.collect_ms = r.fetch.collect_ms;
         if (stats) *stats = s;
         if (ids) {
             *ids = dup_array(out);
@@ -870,43 +846,39 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         engine & eng = engine_for(*ctx, n_all + gp.n_predict,
                                   ("prompt (" + std::to_string(n_all) + " tokens) plus generation").c_str());
 
-        // every chunk's KV: stored, or collected alone (or behind the prefix) and put
-        std::vector<chunk_kv> kv;
-        kv.reserve(rp.chunks.size());
-        std::vector<const chunk_kv *> ptrs;
-        for (size_t i = 0; i < rp.chunks.size(); ++i) {
-            if (rp.chunks[i].empty()) continue;
-            if (i > 0 && stored[i - 1]) {
-                ptrs.push_back(stored[i - 1].get());
-                continue;
-            }
-            const bool behind = p.collect_with_prefix && i > 0 && !rp.chunks[0].empty();
-            kv.push_back(chunk_get_or_collect(store ? store->st.get() : nullptr, eng,
-                                              behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i], fs,
-                                              codec_name));
-            ptrs.push_back(&kv.back());
-        }
-
-        const blend_result br = blend(eng, ptrs, rp.query, bp);
+        // every chunk's KV (the documents by id in hand, the rest stored, or collected and put), then the blend
+        rag_fuse_params fp;
+        fp.st = store ? store->st.get() : nullptr;
+        fp.codec = codec_name;
+        fp.collect_with_prefix = p.collect_with_prefix;
+        fp.blend = bp;
+        std::vector<const chunk_kv *> given(rp.chunks.size());
+        for (size_t i = 1; i < rp.chunks.size(); ++i) given[i] = stored[i - 1].get();
+        const rag_fuse_result fused = rag_fuse(eng, rp, fp, given);
+        fs.hits += fused.fetch.hits;  // beside the documents by id found above
+        fs.misses += fused.fetch.misses;
+        fs.load_ms += fused.fetch.load_ms;
+        fs.collect_ms += fused.fetch.collect_ms;
+        const blend_stats & bs = fused.stats;
         c_sink cs(gp, v);
         answer a(answer_params_of(gp, sp), v, cs.sink());
-        const generate_result g = eng.answer_from(br.logits, a);
+        const generate_result g = eng.answer_from(fused.logits, a);
         if (text) *text = dup_string(g.text);
         if (stats) {
             kvb_blend_stats s{};
-            s.n_tokens = br.stats.n_tokens;
-            s.n_doc_tokens = br.stats.n_doc_tokens;
-            s.n_selected = br.stats.n_selected;
-            s.deep_frac = br.stats.deep_frac;
+            s.n_tokens = bs.n_tokens;
+            s.n_doc_tokens = bs.n_doc_tokens;
+            s.n_selected = bs.n_selected;
+            s.deep_frac = bs.deep_frac;
             s.store_hits = fs.hits;
             s.store_misses = fs.misses;
             s.load_ms = fs.load_ms;
             s.collect_ms = fs.collect_ms;
-            s.place_ms = br.stats.place_ms;
-            s.early_ms = br.stats.early_ms;
-            s.check_ms = br.stats.check_ms;
-            s.deep_ms = br.stats.deep_ms;
-            s.blend_ms = br.stats.total_ms;
+            s.place_ms = bs.place_ms;
+            s.early_ms = bs.early_ms;
+            s.check_ms = bs.check_ms;
+            s.deep_ms = bs.deep_ms;
+            s.blend_ms = bs.total_ms;
             s.n_gen = (int64_t) g.tokens.size();
             s.decode_ms = g.decode_ms;
             s.stop_reason = stop_reason_of(a.end());

@@ -8,6 +8,7 @@
 #include "cli/commands.h"
 #include "kvblend/blend.h"
 #include "kvblend/codec.h"
+#include "kvblend/rag.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 
@@ -183,34 +184,22 @@ int cmd_blend(int argc, char ** argv) {
     engine eng(m, dense_ep);
     std::unique_ptr<engine> live = ep.kv_codec.empty() ? nullptr : std::make_unique<engine>(m, ep);
 
-    // every chunk's KV: from the store, or collected alone (or behind the prefix)
+    // every chunk's KV (from the store, or collected), the blend and the fused cache's eviction
     std::unique_ptr<store> st = store_uri.empty() ? nullptr : store_open(store_uri, so);
-    chunk_fetch_stats fs;
-    std::vector<chunk_kv> kv;
-    const energy_mark e_chunks = meter ? meter->mark() : energy_mark{};
-    for (size_t i = 0; i < rp.chunks.size(); ++i) {
-        if (rp.chunks[i].empty()) continue;
-        const bool behind = with_prefix && i > 0 && !rp.chunks[0].empty();
-        // the prefix chunk (system text, sinks) is kept whole; documents may be evicted
-        kv.push_back(chunk_get_or_collect(st.get(), eng, behind ? rp.chunks[0] : std::vector<llama_token>{},
-                                          rp.chunks[i], fs, codec_name, i > 0 ? chunk_ev : evict_params{}));
-    }
-    const double collect_ms = fs.collect_ms;
-    const energy_span chunks_energy = energy_since(e_chunks);
-    const energy_mark e_blend = meter ? meter->mark() : energy_mark{};
-    std::vector<const chunk_kv *> ptrs;
-    for (const auto & c : kv) ptrs.push_back(&c);
-
-    const blend_result br = blend(eng, ptrs, rp.query, bp);
-    const int64_t N = br.stats.n_tokens;
-    // the fused cache, evicted to the budget; scoring policies re-run the query's tail
-    auto evict_fused = [&] {
-        const double t0 = time_ms();
-        std::vector<float> l = eng.evict(rp.query);
-        return std::pair(l.empty() ? br.logits : l, time_ms() - t0);
-    };
-    const auto [logits, evict_ms] = ep.evict.policy != EVICT_POLICY_NONE ? evict_fused() : std::pair(br.logits, 0.0);
-    const energy_span blend_energy = energy_since(e_blend);
+    rag_fuse_params fp;
+    fp.st = st.get();
+    fp.codec = codec_name;
+    fp.collect_with_prefix = with_prefix;
+    fp.chunk_evict = chunk_ev;
+    fp.blend = bp;
+    const rag_fuse_result fused = rag_fuse(eng, rp, fp);
+    const chunk_fetch_stats & fs = fused.fetch;
+    const blend_stats & bs = fused.stats;
+    const std::vector<float> & logits = fused.logits;
+    const double collect_ms = fs.collect_ms, evict_ms = fused.evict_ms;
+    const energy_span & chunks_energy = fused.chunks_energy;
+    const energy_span & blend_energy = fused.blend_energy;
+    const int64_t N = bs.n_tokens;
     // the engine that decodes: this one, or the live compressed cache the fused one goes into
     auto decoder = [&]() -> engine & {
         if (!live) return eng;
@@ -225,18 +214,18 @@ int cmd_blend(int argc, char ** argv) {
     nlohmann::json j = {{"text", answer.text},
                         {"n_tokens", N},
                         {"n_gen", (int64_t) answer.tokens.size()},
-                        {"n_doc_tokens", br.stats.n_doc_tokens},
-                        {"n_selected", br.stats.n_selected},
-                        {"deep_frac", br.stats.deep_frac},
+                        {"n_doc_tokens", bs.n_doc_tokens},
+                        {"n_selected", bs.n_selected},
+                        {"deep_frac", bs.deep_frac},
                         {"collect_ms", collect_ms},
                         {"load_ms", fs.load_ms},
                         {"store_hits", fs.hits},
                         {"store_misses", fs.misses},
-                        {"blend_ms", br.stats.total_ms},
-                        {"place_ms", br.stats.place_ms},
-                        {"early_ms", br.stats.early_ms},
-                        {"check_ms", br.stats.check_ms},
-                        {"deep_ms", br.stats.deep_ms},
+                        {"blend_ms", bs.total_ms},
+                        {"place_ms", bs.place_ms},
+                        {"early_ms", bs.early_ms},
+                        {"check_ms", bs.check_ms},
+                        {"deep_ms", bs.deep_ms},
                         {"decode_ms", answer.decode_ms},
                         {"evict", evict_policy_name(ep.evict.policy)},
                         {"evict_ms", evict_ms},
@@ -258,11 +247,9 @@ int cmd_blend(int argc, char ** argv) {
     if (compare) {
         sampler_params greedy;
         greedy.temp = 0;
-        std::vector<float> l = br.logits;
+        std::vector<float> l = logits;
         if (eng.evicted()) {
-            // an evicted cache cannot be cut back: fuse (and evict) again
-            l = blend(eng, ptrs, rp.query, bp).logits;
-            l = evict_fused().first;
+            l = rag_fuse(eng, rp, fp).logits;  // an evicted cache cannot be cut back: fuse (and evict) again
         } else {
             eng.cache().set_n_past(N);  // back to the fused cache: rows past N get rewritten
         }
@@ -275,11 +262,11 @@ int cmd_blend(int argc, char ** argv) {
         if (meter) put_energy(j, "full", energy_since(e_full), N);
         const generate_result g_full = eng.generate_from(full, (int32_t) n_greedy, greedy);
         const int64_t nv = m->hparams().n_vocab;
-        j["kl"] = kl_divergence(full.data(), br.logits.data(), nv);
-        j["top1_agree"] = top1_agree(full.data(), br.logits.data(), nv);
+        j["kl"] = kl_divergence(full.data(), fused.blend_logits.data(), nv);
+        j["top1_agree"] = top1_agree(full.data(), fused.blend_logits.data(), nv);
         j["greedy_agree_32"] = greedy_agreement(g_full.tokens, g_blend.tokens);
         j["full_ms"] = full_ms;
-        j["speedup"] = full_ms / br.stats.total_ms;
+        j["speedup"] = full_ms / bs.total_ms;
     }
     if (json) {
         std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
@@ -288,8 +275,7 @@ int cmd_blend(int argc, char ** argv) {
     std::printf("%s\n", answer.text.c_str());
     std::fflush(stdout);
     std::fprintf(stderr, "[%lld tokens (%lld in documents), %lld recomputed; blend %.1f ms, collect %.1f ms",
-                 (long long) N, (long long) br.stats.n_doc_tokens, (long long) br.stats.n_selected, br.stats.total_ms,
-                 collect_ms);
+                 (long long) N, (long long) bs.n_doc_tokens, (long long) bs.n_selected, bs.total_ms, collect_ms);
     if (ep.evict.policy != EVICT_POLICY_NONE)
         std::fprintf(stderr, "; %s kept %lld of %lld positions (%.1f ms)", evict_policy_name(ep.evict.policy),
                      (long long) kv_rows, (long long) N, evict_ms);

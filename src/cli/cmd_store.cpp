@@ -9,6 +9,7 @@
 #include "cli/cli_util.h"
 #include "cli/commands.h"
 #include "kvblend/codec.h"
+#include "kvblend/rag.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 
@@ -167,17 +168,7 @@ int cmd_ingest(int argc, char ** argv) {
     std::vector<llama_token> prefix;
     if (with_prefix) prefix = rag_prompt_build(v, system, {"."}, ".", chat).chunks[0];
 
-    std::vector<std::vector<llama_token>> chunks;
-    for (const auto & p : paragraphs) chunks.push_back(rag_doc_tokens(v, p));
-    for (size_t i = 0; split.empty() && i < texts.size(); ++i) {
-        if (chunk_size > 0) {
-            const std::vector<llama_token> t = rag_doc_tokens(v, texts[i]);
-            for (size_t at = 0; at < t.size(); at += chunk_size)
-                chunks.emplace_back(t.begin() + at, t.begin() + std::min(t.size(), at + (size_t) chunk_size));
-        } else {
-            chunks.push_back(rag_doc_tokens(v, texts[i]));
-        }
-    }
+    const std::vector<std::vector<llama_token>> chunks = rag_ingest_chunks(v, texts, chunk_size, !split.empty());
     int64_t longest = 0;
     for (const auto & c : chunks) longest = std::max<int64_t>(longest, (int64_t) c.size());
     ep.n_ctx = std::max<int64_t>(1, longest + (int64_t) prefix.size());
@@ -186,29 +177,16 @@ int cmd_ingest(int argc, char ** argv) {
                     std::to_string(m->hparams().n_ctx_train) + " (use --chunk-size)");
     engine eng(m, ep);
 
-    chunk_fetch_stats fs;
+    rag_ingest_params ip;
+    ip.codec = codec_name;
+    ip.prefix = prefix;
+    ip.chunk_evict = chunk_ev;
     progress bar(chunks.size());
-    int64_t tokens = 0;
-    std::vector<std::string> keys;
-    for (size_t i = 0; i < chunks.size(); ++i) {
-        if (chunks[i].empty()) continue;
-        keys.push_back(chunk_key(*m, ep.type_k, codec_name, prefix, chunks[i], chunk_ev));
-        // a stored entry counts once it is read and checked (a damaged one is
-        // collected again); ingest exists to store: a failed put fails it, with the reason
-        const int64_t misses = fs.misses;
-        chunk_get_or_collect(st.get(), eng, prefix, chunks[i], fs, codec_name, chunk_ev, CHUNK_PUT_REQUIRED);
-        if (fs.misses > misses) tokens += (int64_t) chunks[i].size();
-        bar.update(i + 1, tokens);
-    }
-    // a budget too small for the whole ingest evicts its first chunks again
-    size_t gone = 0;
-    for (const auto & k : keys) gone += !st->contains(k);
-    if (gone)
-        throw error(std::to_string(gone) + " of the " + std::to_string(keys.size()) +
-                    " chunks were evicted again by the store's budget before the ingest ended (--store-max-gb cannot "
-                    "hold them all)");
+    ip.progress = [&](size_t done, size_t, int64_t tokens) { bar.update(done, tokens); };
+    const rag_ingest_result r = rag_ingest(*st, eng, chunks, ip);
+    const chunk_fetch_stats & fs = r.fetch;
     std::printf("ingested %zu chunks into %s: %lld collected (%lld tokens, %.1f s), %lld already stored\n",
-                chunks.size(), st->uri().c_str(), (long long) fs.misses, (long long) tokens, fs.collect_ms / 1000.0,
+                chunks.size(), st->uri().c_str(), (long long) fs.misses, (long long) r.n_tokens, fs.collect_ms / 1000.0,
                 (long long) fs.hits);
     return 0;
 }

@@ -19,6 +19,7 @@
 #include "httplib.h"
 #include "kvblend/answer.h"
 #include "kvblend/codec.h"
+#include "kvblend/rag.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
@@ -678,33 +679,22 @@ struct server::impl {
     // a fused prompt: each document's chunk from the store (or collected), then
     // the blend (and the slot's eviction); the last token's logits
     std::vector<float> run_fused(engine & eng, job & j) {
-        blend_params bp = j.sel;
-        bp.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
-        chunk_fetch_stats fs;
-        std::vector<chunk_kv> kv;
+        rag_fuse_params fp;
+        fp.st = st.get();
+        fp.codec = p.codec;
+        fp.blend = j.sel;
+        fp.blend.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
+        // once a store call of this request failed (a deadline, say), its
+        // other chunks are collected without reading or writing the store
         const int64_t store_failures = soft_store::thread_failures();
-        for (const auto & c : j.prompt.chunks) {
-            if (c.empty()) continue;
-            const int64_t hits = fs.hits;
-            // once a store call of this request failed (a deadline, say), its
-            // other chunks are collected without reading or writing the store
-            store * use = soft_store::thread_failures() == store_failures ? st.get() : nullptr;
-            kv.push_back(chunk_get_or_collect(use, eng, {}, c, fs, p.codec));
-            j.chunk_hit.push_back(fs.hits > hits);
-        }
-        std::vector<const chunk_kv *> ptrs;
-        for (const auto & c : kv) ptrs.push_back(&c);
-        blend_result br = blend(eng, ptrs, j.prompt.query, bp);
-        std::vector<float> logits = std::move(br.logits);
-        if (p.evict.policy != EVICT_POLICY_NONE) {
-            std::vector<float> l = eng.evict(j.prompt.query);  // the fused cache, to the budget
-            if (!l.empty()) logits = std::move(l);
-        }
-        j.n_fused = br.stats.n_tokens;
-        j.n_recomputed = br.stats.n_selected;
-        j.store_hits = fs.hits;
-        j.store_misses = fs.misses;
-        return logits;
+        fp.store_usable = [store_failures] { return soft_store::thread_failures() == store_failures; };
+        rag_fuse_result fused = rag_fuse(eng, j.prompt, fp);  // the slot's eviction included
+        j.chunk_hit = std::move(fused.chunk_hit);
+        j.n_fused = fused.stats.n_tokens;
+        j.n_recomputed = fused.stats.n_selected;
+        j.store_hits = fused.fetch.hits;
+        j.store_misses = fused.fetch.misses;
+        return std::move(fused.logits);
     }
 
     // queue a job; false when the queue is full

@@ -5,8 +5,8 @@
 #include <cstdio>
 #include <cstring>
 
-#include "kvblend/blend.h"
 #include "kvblend/codec.h"
+#include "kvblend/kv_cache.h"
 #include "kvblend/store.h"
 #include "store/backends.h"
 
@@ -23,7 +23,6 @@ constexpr uint32_t k_version_sparse = 2;   // only the kept tokens' rows (token 
 constexpr uint32_t k_pos_k_rope_pos0 = 1;  // K post-RoPE at pos0 + i; V position-free
 constexpr size_t k_fixed_header = 104;
 constexpr size_t k_checksum_bytes = 16;
-const char * k_codec_raw = "raw";
 
 // sequential writes into a buffer sized beforehand
 struct writer {
@@ -331,73 +330,6 @@ chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const s
         throw error("an evicted chunk's entry cannot be shown to be a document (its eviction is not in the entry)");
     }
     if (info.key != id) throw error("the entry under this id holds another chunk (of key " + info.key + ")");
-    return c;
-}
-
-chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
-                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
-                              const std::string & codec_name, const evict_params & ev, chunk_put_mode put) {
-    const model & m = eng.mdl();
-    const std::unique_ptr<codec> cd = codec_by_name(codec_name);
-    if (ev.policy != EVICT_POLICY_NONE) {
-        evict_check(ev);
-        if (cd->name() != k_codec_raw)
-            throw error("evicted chunks are stored raw: --codec " + cd->name() + " does not apply");
-        if (!prefix.empty()) throw error("evicted chunks are collected alone, not behind a prefix");
-    }
-    const std::string key = chunk_key(m, eng.cache().type_k(), cd->name(), prefix, tokens, ev);
-    if (st) {
-        const double t0 = time_ms();
-        std::optional<std::vector<uint8_t>> bytes = st->get(key);
-        if (bytes) {
-            try {
-                chunk_entry_info info;
-                chunk_kv c = chunk_decode(m, std::move(*bytes), &info);
-                // what the key names, as the entry holds it (its header is not signed)
-                if (c.tokens != tokens || info.prefix != prefix)
-                    throw error("entry holds other tokens than its key says");
-                if (c.type != eng.cache().type_k())
-                    throw error(std::string("entry holds ") + ggml_type_name(c.type) + " KV, the cache is " +
-                                ggml_type_name(eng.cache().type_k()));
-                if (info.codec != cd->entry_name())
-                    throw error("entry is coded with " + info.codec + ", its key names " + cd->name());
-                if (c.kept.empty() != (ev.policy == EVICT_POLICY_NONE))
-                    throw error(c.kept.empty() ? "entry holds every token, its key names an evicted chunk"
-                                               : "entry holds an evicted chunk, its key names every token");
-                if (!info.key.empty() && info.key != key) throw error("entry holds the chunk of key " + info.key);
-                stats.hits++;
-                stats.load_ms += time_ms() - t0;
-                return c;
-            } catch (const error & e) {
-                // never loaded, never a crash: drop it and collect again
-                std::fprintf(stderr, "warning: store entry %s is unusable (%s): collecting again\n", key.c_str(),
-                             e.what());
-                try {
-                    st->erase(key);
-                } catch (const error & e2) {
-                    // a read-only store: the entry stays a miss, the rest still serve
-                    std::fprintf(stderr, "warning: could not remove store entry %s: %s\n", key.c_str(), e2.what());
-                }
-            }
-        }
-    }
-    const double t0 = time_ms();
-    chunk_kv c = !prefix.empty() ? collect_after(eng, prefix, tokens) : collect_evicted(eng, tokens, ev);
-    stats.misses++;
-    stats.collect_ms += time_ms() - t0;
-    std::vector<uint8_t> entry = chunk_encode(m, c, prefix, cd.get());
-    // with a lossy codec, return what a later hit returns: a first request and
-    // a repeat give the same answer
-    if (cd->name() != k_codec_raw) c = chunk_decode(m, entry);
-    if (st) {
-        try {
-            st->put(key, entry);
-        } catch (const error & e) {
-            if (put == CHUNK_PUT_REQUIRED) throw error("could not store chunk " + key + ": " + e.what());
-            // the blend goes on without caching this chunk
-            std::fprintf(stderr, "warning: could not store chunk %s: %s\n", key.c_str(), e.what());
-        }
-    }
     return c;
 }
 

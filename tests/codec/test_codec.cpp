@@ -10,6 +10,7 @@
 #include "blend/fidelity.h"
 #include "kvblend/blend.h"
 #include "kvblend/codec.h"
+#include "kvblend/rag.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
 #include "test_util.h"

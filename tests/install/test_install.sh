@@ -9,6 +9,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 prefix=$tmp/prefix
 fail() { echo "FAIL: $*" >&2; exit 1; }
+version=$(sed -n 's/^project(kvblend VERSION \([0-9.]*\).*/\1/p' "$src/CMakeLists.txt")
 
 cmake --install "$build" --prefix "$prefix" >/dev/null
 lib=$(ls "$prefix"/lib*/libkvblend.so.*.*.* 2>/dev/null | head -n 1)
@@ -36,7 +37,8 @@ echo "libkvblend.so: soname $soname, $(wc -l < "$tmp/syms") symbols, all kvb_*"
 
 docs="$src/examples/docs/ball.txt $src/examples/docs/cat.txt"
 # find_package(kvblend): the C example against the shared and the static library
-cmake -S "$src/tests/install/consumer" -B "$tmp/consumer" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S "$src/tests/install/consumer" -B "$tmp/consumer" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release \
+  -DKVBLEND_WANT="${version%.*}" >/dev/null
 cmake --build "$tmp/consumer" >/dev/null
 "$tmp/consumer/consumer" "$model" "$tmp/store" "Once upon a time" $docs > "$tmp/out_shared"
 "$tmp/consumer/consumer_static" "$model" "$tmp/store" "Once upon a time" $docs > "$tmp/out_static"
@@ -47,7 +49,7 @@ echo "find_package(kvblend): shared and static consumers run"
 
 # pkg-config, relocatable
 export PKG_CONFIG_PATH="$libdir/pkgconfig"
-[ "$(pkg-config --modversion kvblend)" = 0.3.0 ] || fail "pkg-config version"
+[ "$(pkg-config --modversion kvblend)" = "$version" ] || fail "pkg-config version: want $version"
 cc -o "$tmp/pc_consumer" "$src/examples/rag_blend.c" $(pkg-config --cflags --libs kvblend) -Wl,-rpath,"$libdir"
 "$tmp/pc_consumer" "$model" "$tmp/store" "Once upon a time" $docs | grep -q '^chunks: 3 from the store' \
   || fail "pkg-config consumer"
@@ -66,3 +68,15 @@ with kvblend.Store('$tmp/store') as st:
     assert st.stats().n_entries == 3, st.stats()
 ") || fail "installed python binding"
 echo "installed CLI and python binding work"
+
+# a prefix with its own Python (a venv): the binding goes where that Python
+# looks, and imports with no PYTHONPATH, finding the library beside it
+venv=$tmp/venv
+/usr/bin/python3 -m venv --without-pip "$venv"
+cmake --install "$build" --prefix "$venv" >/dev/null
+(cd "$tmp" && env -u KVBLEND_LIB -u PYTHONPATH "$venv/bin/python3" -c "
+import kvblend, os, site
+assert os.path.dirname(os.path.dirname(kvblend.__file__)) in site.getsitepackages(), kvblend.__file__
+assert os.path.realpath(kvblend.library_path).startswith(os.path.realpath('$venv') + os.sep), kvblend.library_path
+") || fail "the binding installed into a venv does not import from it"
+echo "a venv prefix: the binding imports with no PYTHONPATH"

@@ -13,6 +13,7 @@
 #include "kvblend/blend.h"
 #include "kvblend/engine.h"
 #include "kvblend/evict.h"
+#include "kvblend/rag.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
 #include "test_util.h"

@@ -24,6 +24,7 @@
 #include "httplib.h"
 #include "kvblend.h"
 #include "kvblend/blend.h"
+#include "kvblend/rag.h"
 #include "kvblend/server.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"

@@ -17,6 +17,7 @@
 #include "cli_run.h"
 #include "kvblend/blend.h"
 #include "kvblend/codec.h"
+#include "kvblend/rag.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "test_util.h"

@@ -18,6 +18,7 @@
 
 #include "kvblend/blend.h"
 #include "kvblend/common.h"
+#include "kvblend/rag.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
 #include "store/backends.h"

@@ -14,6 +14,7 @@
 
 #include "cli_run.h"
 #include "kvblend/blend.h"
+#include "kvblend/rag.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "store/backends.h"

@@ -1,0 +1,100 @@
+// kvblend: the RAG request, written once. Each chunk's KV comes from the store
+// or is collected and put (chunk_get_or_collect), then the chunks are blended
+// and the fused cache evicted to the engine's budget (rag_fuse); the answer is
+// then decoded from the logits (engine::run_answer). The CLI's blend and
+// ingest, the server, the C API (and so Python) and the examples all come here.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kvblend/blend.h"
+#include "kvblend/energy.h"
+#include "kvblend/engine.h"
+#include "kvblend/evict.h"
+#include "kvblend/rag_prompt.h"
+#include "kvblend/store.h"
+
+namespace kvblend {
+
+// get a chunk's KV from the store, or collect it on the engine and put it.
+// a corrupt, truncated or mismatched entry is a miss: it is removed, a
+// warning goes to stderr, and the chunk is collected again.
+struct chunk_fetch_stats {
+    int64_t hits = 0, misses = 0;
+    double load_ms = 0, collect_ms = 0;
+};
+// codec: how the entry stores the KV (include/kvblend/codec.h; part of the key).
+// with a lossy codec a miss returns the chunk as a later hit will (encoded and
+// decoded), so a repeat request gives the same answer as the first.
+// ev: store only the positions this policy keeps (collect_evicted; raw
+// codec, no prefix); part of the key
+// put: what a failed store write means. a blend uses the store as a cache and
+// goes on without it (a warning on stderr: CHUNK_PUT_BEST_EFFORT); ingest and
+// POST /v1/documents exist to store, so there it throws the put's
+// kvblend::error (CHUNK_PUT_REQUIRED). removing an unusable entry is best
+// effort in both (a read-only store still serves its other entries).
+enum chunk_put_mode { CHUNK_PUT_BEST_EFFORT, CHUNK_PUT_REQUIRED };
+chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
+                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
+                              const std::string & codec = "raw", const evict_params & ev = {},
+                              chunk_put_mode put = CHUNK_PUT_BEST_EFFORT);
+
+struct rag_fuse_params {
+    store * st = nullptr;  // null: every chunk is collected and nothing is kept
+    std::string codec = "raw";
+    bool collect_with_prefix = false;  // documents collected behind the prefix chunk
+    evict_params chunk_evict;          // documents collected evicted (the prefix chunk is kept whole)
+    blend_params blend = blend_default_params();
+    // asked before each chunk's store call: once false, the request's other
+    // chunks are collected without the store (a server whose store just failed)
+    std::function<bool()> store_usable;
+};
+
+struct rag_fuse_result {
+    std::vector<float> logits;        // after the query's last token (and the fused cache's eviction)
+    std::vector<float> blend_logits;  // the same before the eviction
+    blend_stats stats;           // of the blend
+    chunk_fetch_stats fetch;     // of the chunks not given
+    std::vector<bool> chunk_hit;  // per non-empty chunk: given, or found in the store
+    double evict_ms = 0;          // evicting the fused cache to the engine's budget
+    energy_span chunks_energy, blend_energy;  // from the engine's meter (absent without one)
+};
+
+// the fused cache of rp on eng, ready to decode from the result's logits.
+// given: chunks already in hand by chunk index (documents by id), null or
+// missing entries are fetched or collected
+rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
+                         const std::vector<const chunk_kv *> & given = {});
+
+// ingest: the chunks a store keeps for texts. each text is one chunk (cut as
+// a blend cuts a document), or its paragraphs are (split_paragraphs), or it is
+// cut every chunk_size tokens (> 0); empty chunks are dropped
+std::vector<std::vector<llama_token>> rag_ingest_chunks(const vocab & v, const std::vector<std::string> & texts,
+                                                        int64_t chunk_size, bool split_paragraphs);
+
+struct rag_ingest_params {
+    std::string codec = "raw";
+    std::vector<llama_token> prefix;  // chunks collected behind it (the prompt's prefix chunk), or alone
+    evict_params chunk_evict;         // chunks stored evicted
+    // after each chunk (done of total; the tokens collected so far): may throw
+    // to stop the ingest, keeping what was stored
+    std::function<void(size_t done, size_t total, int64_t n_tokens)> progress;
+};
+
+struct rag_ingest_result {
+    std::vector<std::string> keys;  // each chunk's key: a document id when collected alone
+    chunk_fetch_stats fetch;        // hits: already stored; misses: collected and put
+    int64_t n_tokens = 0;           // of the chunks collected
+};
+
+// every chunk's KV in the store: a stored entry counts once it is read and
+// checked (a damaged one is collected again), and a failed write fails the
+// ingest (it exists to store). throws too when the store's budget evicted some
+// of the chunks again before the end, as their keys would then name nothing
+rag_ingest_result rag_ingest(store & st, engine & eng, const std::vector<std::vector<llama_token>> & chunks,
+                             const rag_ingest_params & p);
+
+}  // namespace kvblend

@@ -1,0 +1,164 @@
+// the RAG request, written once (see kvblend/rag.h)
+#include "kvblend/rag.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "kvblend/codec.h"
+#include "kvblend/common.h"
+
+namespace kvblend {
+
+chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
+                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
+                              const std::string & codec_name, const evict_params & ev, chunk_put_mode put) {
+    const model & m = eng.mdl();
+    const std::unique_ptr<codec> cd = codec_by_name(codec_name);
+    if (ev.policy != EVICT_POLICY_NONE) {
+        evict_check(ev);
+        if (cd->name() != k_codec_raw)
+            throw error("evicted chunks are stored raw: --codec " + cd->name() + " does not apply");
+        if (!prefix.empty()) throw error("evicted chunks are collected alone, not behind a prefix");
+    }
+    const std::string key = chunk_key(m, eng.cache().type_k(), cd->name(), prefix, tokens, ev);
+    if (st) {
+        const double t0 = time_ms();
+        std::optional<std::vector<uint8_t>> bytes = st->get(key);
+        if (bytes) {
+            try {
+                chunk_entry_info info;
+                chunk_kv c = chunk_decode(m, std::move(*bytes), &info);
+                // what the key names, as the entry holds it (its header is not signed)
+                if (c.tokens != tokens || info.prefix != prefix)
+                    throw error("entry holds other tokens than its key says");
+                if (c.type != eng.cache().type_k())
+                    throw error(std::string("entry holds ") + ggml_type_name(c.type) + " KV, the cache is " +
+                                ggml_type_name(eng.cache().type_k()));
+                if (info.codec != cd->entry_name())
+                    throw error("entry is coded with " + info.codec + ", its key names " + cd->name());
+                if (c.kept.empty() != (ev.policy == EVICT_POLICY_NONE))
+                    throw error(c.kept.empty() ? "entry holds every token, its key names an evicted chunk"
+                                               : "entry holds an evicted chunk, its key names every token");
+                if (!info.key.empty() && info.key != key) throw error("entry holds the chunk of key " + info.key);
+                stats.hits++;
+                stats.load_ms += time_ms() - t0;
+                return c;
+            } catch (const error & e) {
+                // never loaded, never a crash: drop it and collect again
+                std::fprintf(stderr, "warning: store entry %s is unusable (%s): collecting again\n", key.c_str(),
+                             e.what());
+                try {
+                    st->erase(key);
+                } catch (const error & e2) {
+                    // a read-only store: the entry stays a miss, the rest still serve
+                    std::fprintf(stderr, "warning: could not remove store entry %s: %s\n", key.c_str(), e2.what());
+                }
+            }
+        }
+    }
+    const double t0 = time_ms();
+    chunk_kv c = !prefix.empty() ? collect_after(eng, prefix, tokens) : collect_evicted(eng, tokens, ev);
+    stats.misses++;
+    stats.collect_ms += time_ms() - t0;
+    std::vector<uint8_t> entry = chunk_encode(m, c, prefix, cd.get());
+    // with a lossy codec, return what a later hit returns: a first request and
+    // a repeat give the same answer
+    if (cd->name() != k_codec_raw) c = chunk_decode(m, entry);
+    if (st) {
+        try {
+            st->put(key, entry);
+        } catch (const error & e) {
+            if (put == CHUNK_PUT_REQUIRED) throw error("could not store chunk " + key + ": " + e.what());
+            // the blend goes on without caching this chunk
+            std::fprintf(stderr, "warning: could not store chunk %s: %s\n", key.c_str(), e.what());
+        }
+    }
+    return c;
+}
+
+
+rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
+                         const std::vector<const chunk_kv *> & given) {
+    rag_fuse_result r;
+    const energy_mark e_chunks = eng.energy_now();
+    std::vector<chunk_kv> fetched;
+    fetched.reserve(rp.chunks.size());  // ptrs point into it
+    std::vector<const chunk_kv *> ptrs;
+    bool use_store = p.st != nullptr;
+    for (size_t i = 0; i < rp.chunks.size(); ++i) {
+        if (rp.chunks[i].empty()) continue;
+        if (i < given.size() && given[i]) {
+            ptrs.push_back(given[i]);
+            r.chunk_hit.push_back(true);
+            continue;
+        }
+        if (use_store && p.store_usable) use_store = p.store_usable();
+        const bool behind = p.collect_with_prefix && i > 0 && !rp.chunks[0].empty();
+        const int64_t hits = r.fetch.hits;
+        // the prefix chunk (system text, sinks) is kept whole; documents may be evicted
+        fetched.push_back(chunk_get_or_collect(use_store ? p.st : nullptr, eng,
+                                               behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i],
+                                               r.fetch, p.codec, i > 0 ? p.chunk_evict : evict_params{}));
+        ptrs.push_back(&fetched.back());
+        r.chunk_hit.push_back(r.fetch.hits > hits);
+    }
+    r.chunks_energy = eng.energy_since(e_chunks);
+    const energy_mark e_blend = eng.energy_now();
+    blend_result br = blend(eng, ptrs, rp.query, p.blend);
+    r.blend_logits = std::move(br.logits);
+    r.logits = r.blend_logits;
+    r.stats = br.stats;
+    if (eng.params().evict.policy != EVICT_POLICY_NONE) {
+        const double t0 = time_ms();
+        std::vector<float> l = eng.evict(rp.query);  // scoring policies re-run the query's tail
+        if (!l.empty()) r.logits = std::move(l);
+        r.evict_ms = time_ms() - t0;
+    }
+    r.blend_energy = eng.energy_since(e_blend);
+    return r;
+}
+
+std::vector<std::vector<llama_token>> rag_ingest_chunks(const vocab & v, const std::vector<std::string> & texts,
+                                                        int64_t chunk_size, bool split_paragraphs) {
+    if (chunk_size < 0) throw error("the chunk size must not be negative");
+    if (chunk_size > 0 && split_paragraphs) throw error("a chunk size and paragraph splitting exclude each other");
+    std::vector<std::vector<llama_token>> chunks;
+    for (const std::string & text : texts) {
+        if (split_paragraphs) {
+            for (const auto & para : rag_split_paragraphs(text)) chunks.push_back(rag_doc_tokens(v, para));
+        } else if (chunk_size > 0) {
+            const std::vector<llama_token> t = rag_doc_tokens(v, text);
+            for (size_t at = 0; at < t.size(); at += (size_t) chunk_size)
+                chunks.emplace_back(t.begin() + (ptrdiff_t) at,
+                                    t.begin() + (ptrdiff_t) std::min(t.size(), at + (size_t) chunk_size));
+        } else {
+            chunks.push_back(rag_doc_tokens(v, text));
+        }
+    }
+    chunks.erase(std::remove_if(chunks.begin(), chunks.end(), [](const auto & c) { return c.empty(); }),
+                 chunks.end());
+    return chunks;
+}
+
+rag_ingest_result rag_ingest(store & st, engine & eng, const std::vector<std::vector<llama_token>> & chunks,
+                             const rag_ingest_params & p) {
+    rag_ingest_result r;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+        r.keys.push_back(chunk_key(eng.mdl(), eng.cache().type_k(), codec_by_name(p.codec)->name(), p.prefix,
+                                   chunks[i], p.chunk_evict));
+        const int64_t misses = r.fetch.misses;
+        chunk_get_or_collect(&st, eng, p.prefix, chunks[i], r.fetch, p.codec, p.chunk_evict, CHUNK_PUT_REQUIRED);
+        if (r.fetch.misses > misses) r.n_tokens += (int64_t) chunks[i].size();
+        if (p.progress) p.progress(i + 1, chunks.size(), r.n_tokens);
+    }
+    // a budget too small for the whole ingest evicts its first chunks again
+    size_t gone = 0;
+    for (const auto & k : r.keys) gone += !st.contains(k);
+    if (gone)
+        throw error(std::to_string(gone) + " of the " + std::to_string(r.keys.size()) +
+                    " chunks were evicted again by the store's budget before the ingest ended: the budget cannot "
+                    "hold them all");
+    return r;
+}
+
+}  // namespace kvblend
