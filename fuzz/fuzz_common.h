@@ -50,7 +50,14 @@ inline model_spec tiny_spec(model_arch arch = MODEL_ARCH_LLAMA) {
     s.n_ctx_train = 256;
     s.tied_output = arch != MODEL_ARCH_OLMO2;  // olmo2 has its own output matrix
     s.qkv_bias = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2;
+    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2 || arch == MODEL_ARCH_GEMMA3;
+    if (arch == MODEL_ARCH_GEMMA3) {  // every key of its windows written, so each can be mutated
+        s.n_layer = 2;
+        s.n_swa = 8;
+        s.swa_pattern = 2;
+        s.rope_base_swa = 10000.0f;
+        s.logit_softcap = 30.0f;
+    }
     if (arch == MODEL_ARCH_GRANITE) {  // granite 3.3's multipliers; logit_scale is required
         s.embd_scale = 12.0f;
         s.residual_scale = 0.22f;

@@ -126,7 +126,8 @@ typedef struct kvb_model_info {
 } kvb_model_info;
 
 KVB_API kvb_model_params kvb_model_default_params(void);
-// load a GGUF file (llama, mistral, qwen2, qwen3, mistral3, granite, olmo2, smollm3, phi3); *out is set on success
+// load a GGUF file (llama, mistral, qwen2, qwen3, mistral3, granite, olmo2, smollm3, phi3, gemma3); *out is set on
+// success
 KVB_API kvb_status kvb_model_load(const char * path, const kvb_model_params * params, kvb_model ** out);
 KVB_API void kvb_model_free(kvb_model * model);
 KVB_API kvb_status kvb_model_get_info(const kvb_model * model, kvb_model_info * out);

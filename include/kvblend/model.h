@@ -21,6 +21,7 @@ enum model_arch {
     MODEL_ARCH_OLMO2,     // norms after attention and FFN (none before), q/k RMS norm over the whole projection
     MODEL_ARCH_SMOLLM3,   // llama block; every 4th layer without RoPE (NoPE)
     MODEL_ARCH_PHI3,      // fused QKV and gate-up projections, q scaled before attention, NEOX rope
+    MODEL_ARCH_GEMMA3,    // norms before and after attention and FFN, GeGLU, sliding-window layers, NEOX rope
 };
 
 const char * model_arch_name(model_arch arch);
@@ -42,7 +43,9 @@ struct model_hparams {
     float rms_eps = 1e-5f;
     float rope_base = 10000.0f;
     float rope_scale = 1.0f;  // frequency scale (1 / linear scaling factor)
-    int rope_mode = 0;        // GGML_ROPE_TYPE_NORMAL or GGML_ROPE_TYPE_NEOX
+    // sliding-window layers (gemma3) rotate with their own base and no scaling
+    float rope_base_swa = 10000.0f;
+    int rope_mode = 0;  // GGML_ROPE_TYPE_NORMAL or GGML_ROPE_TYPE_NEOX
 
     bool tied_output = false;  // output projection shares token_embd
     bool qkv_bias = false;
@@ -55,7 +58,8 @@ struct model_hparams {
     float attn_scale = 0.0f;      // q·k times this (attention.scale); 0: 1/sqrt(head_dim)
     bool rope = true;             // granite: rope.scaling.finetuned = false turns RoPE off in every layer
 
-    // olmo2: RMS norms on the attention and FFN outputs instead of on their inputs
+    // RMS norms on the attention and FFN inputs (all but olmo2) and on their outputs (olmo2, gemma3)
+    bool pre_norm = true;
     bool post_norm = false;
     // olmo2: the q/k RMS norm spans the whole projection, not each head
     bool qk_norm_whole = false;
@@ -63,13 +67,30 @@ struct model_hparams {
     // smollm3: layers il with (il + 1) % no_rope_layer_step == 0 have no RoPE; 0: every layer has it
     int64_t no_rope_layer_step = 0;
 
-    // phi3: q times 1/sqrt(head_dim) right after RoPE and a softmax scale of 1
-    // (libllama's order, so an f16 cache rounds the same)
-    bool q_prescaled = false;
+    // phi3, gemma3: q times this right after RoPE and a softmax scale of 1
+    // (libllama's order, so an f16 cache rounds the same); 0: q is not scaled
+    float q_scale = 0.0f;
+
+    // gemma3: the FFN gate is GELU (GeGLU) instead of SiLU (SwiGLU)
+    bool ffn_gelu = false;
+    // logits become c * tanh(logits / c) (final_logit_softcapping); 0: none
+    float logit_softcap = 0.0f;
+
+    // sliding-window attention (gemma3): on a windowed layer the query at
+    // position p sees only keys at p - n_swa < k <= p. of every swa_pattern
+    // layers the last one is global, the others are windowed (libllama's
+    // pattern: 0 makes every layer windowed, 1 none). n_swa 0: no windows
+    int64_t n_swa = 0;
+    int64_t swa_pattern = 0;
 
     bool has_rope(int64_t il) const {
         return rope && il >= 0 && (no_rope_layer_step == 0 || (il + 1) % no_rope_layer_step != 0);
     }
+    bool is_swa(int64_t il) const { return n_swa > 0 && (swa_pattern == 0 || il % swa_pattern < swa_pattern - 1); }
+    bool has_swa() const;                                                // any layer windowed
+    int64_t window(int64_t il) const { return is_swa(il) ? n_swa : 0; }  // 0: the layer sees every earlier key
+    float rope_base_of(int64_t il) const { return is_swa(il) ? rope_base_swa : rope_base; }
+    float rope_scale_of(int64_t il) const { return is_swa(il) ? 1.0f : rope_scale; }
     float kq_scale() const;
 
     int64_t n_embd_q() const { return head_dim * n_head; }
@@ -91,9 +112,9 @@ struct model_layer {
     ggml_tensor * bv = nullptr;              // [n_embd_kv]  qwen2 (optional elsewhere)
     ggml_tensor * q_norm = nullptr;          // [head_dim]   qwen3; [n_embd_q] olmo2
     ggml_tensor * k_norm = nullptr;          // [head_dim]   qwen3; [n_embd_kv] olmo2
-    ggml_tensor * attn_post_norm = nullptr;  // [n_embd]  olmo2
+    ggml_tensor * attn_post_norm = nullptr;  // [n_embd]  olmo2, gemma3
     ggml_tensor * ffn_norm = nullptr;        // [n_embd]     (not in olmo2)
-    ggml_tensor * ffn_post_norm = nullptr;   // [n_embd]  olmo2
+    ggml_tensor * ffn_post_norm = nullptr;   // [n_embd]  olmo2, gemma3
     ggml_tensor * ffn_gate = nullptr;        // [n_embd, n_ff]  (not in phi3)
     ggml_tensor * ffn_up = nullptr;          // [n_embd, n_ff]; phi3: [n_embd, 2 n_ff] gate rows, then up rows
     ggml_tensor * ffn_down = nullptr;        // [n_ff, n_embd]

@@ -34,12 +34,23 @@ struct model_spec {
     float residual_scale = 0.0f;  // residual_scale
     float logit_scale = 0.0f;     // logit_scale (granite requires it)
     float attn_scale = 0.0f;      // attention.scale
+    // linear RoPE scaling (rope.scaling.type linear, rope.scaling.factor); 0 writes no key
+    float rope_scaling_factor = 0.0f;
+    // gemma3's sliding windows: the window (attention.sliding_window; 0: no
+    // key, every layer global), the period whose last layer is global
+    // (attention.sliding_window_pattern) and the windowed layers' RoPE base
+    // (rope.freq_base_swa); 0 writes no key, which means 6 and 10000
+    int64_t n_swa = 0;
+    int64_t swa_pattern = 0;
+    float rope_base_swa = 0.0f;
+    float logit_softcap = 0.0f;  // final_logit_softcapping; 0 writes no key
 };
 
 // named real shapes: tiny (small llama), tiny-qwen2, tiny-qwen3,
-// tiny-mistral3, tiny-granite, tiny-olmo2, tiny-smollm3, tiny-phi3, qwen3-0.6b,
-// qwen2-0.5b, llama-1b, ministral-3-3b, granite-3.3-2b, olmo2-1b, smollm3-3b,
-// phi-4-mini. throws kvblend::error for an unknown name.
+// tiny-mistral3, tiny-granite, tiny-olmo2, tiny-smollm3, tiny-phi3,
+// tiny-gemma3, qwen3-0.6b, qwen2-0.5b, llama-1b, ministral-3-3b,
+// granite-3.3-2b, olmo2-1b, smollm3-3b, phi-4-mini, gemma3-1b, gemma3-4b.
+// throws kvblend::error for an unknown name.
 model_spec model_spec_preset(const std::string & name);
 std::vector<std::string> model_spec_preset_names();
 // the vocab GGUF of the pinned llama.cpp (models/ggml-vocab-NAME.gguf) that

@@ -17,9 +17,10 @@ struct ubatch_graph {
     ggml_cgraph * gf = nullptr;
     ggml_tensor *tok = nullptr, *x_rows = nullptr, *pos = nullptr, *write_rows = nullptr;
     ggml_tensor *out_x = nullptr, *logit_rows = nullptr, *sel = nullptr, *dev_rows = nullptr;
-    std::vector<graph::attn_inputs> in;     // per group
-    std::vector<ggml_tensor *> score_mask;  // per group, F32 [n_kv, n_sel]
-    std::vector<ggml_tensor *> score_out;   // per layer l0…l1-1, F32 [n_kv, n_head]
+    std::vector<graph::attn_inputs> in;         // per group
+    std::vector<ggml_tensor *> score_mask;      // per group, F32 [n_kv, n_sel]
+    std::vector<ggml_tensor *> score_mask_swa;  // per group, F32 [n_kv, n_sel] within the window (windowed layers)
+    std::vector<ggml_tensor *> score_out;       // per layer l0…l1-1, F32 [n_kv, n_head]
     ggml_tensor *logits = nullptr, *dev = nullptr;
 };
 
@@ -53,7 +54,9 @@ struct score_taps : graph::layer_taps {
     void attn(ggml_context * ctx, ggml_cgraph * gf, int il, const graph::qkv & cur,
               const graph::kv_views & kv) override {
         if (only >= 0 && il != only) return;
-        ggml_tensor * s = graph::build_attn_weight_sums(ctx, m, cur.q, kv.k, g.sel, g.score_mask[group_of[il]]);
+        const int gi = group_of[il];
+        ggml_tensor * mask = m.hparams().is_swa(il) ? g.score_mask_swa[gi] : g.score_mask[gi];
+        ggml_tensor * s = graph::build_attn_weight_sums(ctx, m, cur.q, kv.k, g.sel, mask);
         ggml_set_output(s);
         ggml_build_forward_expand(gf, s);
         g.score_out[il - l0] = s;
@@ -83,6 +86,7 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
     const int64_t n_write = ub.write_rows.empty() ? n_tok : (int64_t) ub.write_rows.size();
     if (n_write < n_tok) g.write_rows = new_input(c, GGML_TYPE_I32, n_write);
     if (n_sel > 0) g.sel = new_input(c, GGML_TYPE_I32, n_sel);
+    const bool windows = m.hparams().has_swa();  // windowed layers get masks of their own
     for (const graph::ubatch_attn & a : ub.groups) {
         graph::attn_inputs in;
         in.pos = g.pos;
@@ -90,15 +94,23 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
         in.hook = live;
         in.write_rows = g.write_rows;
         if (!a.kv_idx.empty()) in.kv_idx = new_input(c, GGML_TYPE_I64, (int64_t) a.kv_idx.size());
-        in.kq_mask = ggml_new_tensor_3d(c, GGML_TYPE_F16, a.n_kv, n_tok, a.mask_heads);  // [n_kv, n_tok, heads]
-        ggml_set_input(in.kq_mask);
+        auto new_mask = [&] {
+            ggml_tensor * t =
+                ggml_new_tensor_3d(c, GGML_TYPE_F16, a.n_kv, n_tok, a.mask_heads);  // [n_kv, n_tok, heads]
+            ggml_set_input(t);
+            return t;
+        };
+        in.kq_mask = new_mask();
+        if (windows) in.kq_mask_swa = new_mask();
         g.in.push_back(in);
-        ggml_tensor * sm = nullptr;
-        if (n_sel > 0) {
-            sm = ggml_new_tensor_2d(c, GGML_TYPE_F32, a.n_kv, n_sel);  // [n_kv, n_sel]
-            ggml_set_input(sm);
-        }
-        g.score_mask.push_back(sm);
+        auto new_score_mask = [&]() -> ggml_tensor * {
+            if (n_sel == 0) return nullptr;
+            ggml_tensor * t = ggml_new_tensor_2d(c, GGML_TYPE_F32, a.n_kv, n_sel);  // [n_kv, n_sel]
+            ggml_set_input(t);
+            return t;
+        };
+        g.score_mask.push_back(new_score_mask());
+        g.score_mask_swa.push_back(windows ? new_score_mask() : nullptr);
     }
     // the last layer computes its FFN only for the rows whose logits are wanted,
     // and only its K/V when nothing reads its output
@@ -158,6 +170,27 @@ void forward_driver::download(const ggml_tensor * t, void * data, size_t offset,
     count(t, size, false, true);
 }
 
+void forward_driver::set_masks(ggml_tensor * kq_mask, ggml_tensor * score_mask, const graph::ubatch & ub,
+                               const graph::ubatch_attn & a, int64_t window) {
+    const int64_t n_tok = ub.n_tokens(), n_sel = (int64_t) ub.score_rows.size();
+    std::vector<ggml_fp16_t> filled;
+    const ggml_fp16_t * mask = a.mask.data();
+    if (a.mask.empty()) {
+        filled.resize(a.n_kv * n_tok);
+        graph::fill_causal_mask(filled.data(), a.kpos.data(), a.n_kv, ub.pos.data(), n_tok, window);
+        mask = filled.data();
+    } else if (window > 0) {
+        throw error("internal: an explicit mask on a model with sliding-window layers");
+    }
+    upload(kq_mask, mask, 0, ggml_nbytes(kq_mask));
+    if (!score_mask) return;
+    std::vector<float> sm(a.n_kv * n_sel);
+    for (int64_t q = 0; q < n_sel; ++q)
+        for (int64_t j = 0; j < a.n_kv; ++j)
+            sm[q * a.n_kv + j] = ggml_fp16_to_fp32(mask[ub.score_rows[q] * a.n_kv + j]);
+    upload(score_mask, sm.data(), 0, ggml_nbytes(score_mask));
+}
+
 void forward_driver::upload_kv_rows(ggml_tensor * t, const void * rows, int64_t r0, int64_t n) {
     if (n <= 0) return;
     kv_rows_from_host(t, r0, n, static_cast<const uint8_t *>(rows),
@@ -215,25 +248,11 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
     up(g.logit_rows, ub.logit_rows.data());
     up(g.sel, ub.score_rows.data());
     up(g.dev_rows, ub.dev_cache_rows.data());
-    const int64_t n_sel = (int64_t) ub.score_rows.size();
     for (size_t gi = 0; gi < ub.groups.size(); ++gi) {
         const graph::ubatch_attn & a = ub.groups[gi];
         up(g.in[gi].kv_idx, a.kv_idx.data());
-        std::vector<ggml_fp16_t> filled;
-        const ggml_fp16_t * mask = a.mask.data();
-        if (a.mask.empty()) {
-            filled.resize(a.n_kv * n_tok);
-            graph::fill_causal_mask(filled.data(), a.kpos.data(), a.n_kv, ub.pos.data(), n_tok);
-            mask = filled.data();
-        }
-        up(g.in[gi].kq_mask, mask);
-        if (g.score_mask[gi]) {
-            std::vector<float> sm(a.n_kv * n_sel);
-            for (int64_t q = 0; q < n_sel; ++q)
-                for (int64_t j = 0; j < a.n_kv; ++j)
-                    sm[q * a.n_kv + j] = ggml_fp16_to_fp32(mask[ub.score_rows[q] * a.n_kv + j]);
-            up(g.score_mask[gi], sm.data());
-        }
+        set_masks(g.in[gi].kq_mask, g.score_mask[gi], ub, a, 0);
+        if (g.in[gi].kq_mask_swa) set_masks(g.in[gi].kq_mask_swa, g.score_mask_swa[gi], ub, a, m.hparams().n_swa);
     }
     if (ggml_backend_sched_graph_compute(sched, g.gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
 
@@ -247,7 +266,7 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
         out.dev.resize(n_tok);
         download(g.dev, out.dev.data(), 0, ggml_nbytes(g.dev));
     }
-    if (n_sel > 0) {
+    if (!ub.score_rows.empty()) {
         out.scores.resize(g.score_out.size());
         for (size_t i = 0; i < g.score_out.size(); ++i) {
             if (!g.score_out[i]) continue;  // a layer not scored (score_layer)
@@ -284,7 +303,7 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
     // them, so that its attention sees what it would see served alone
     std::vector<graph::seq_kv> kv(seqs.size());
     std::vector<std::vector<int64_t>> kv_idx(seqs.size());
-    std::vector<std::vector<ggml_fp16_t>> masks(seqs.size());
+    std::vector<std::vector<ggml_fp16_t>> masks(seqs.size()), masks_swa(seqs.size());
     int64_t t0 = 0;
     for (size_t si = 0; si < seqs.size(); ++si) {
         const seq_append & s = seqs[si];
@@ -293,7 +312,11 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
         std::vector<int32_t> kpos(n_kv, -1);
         for (int64_t j = 0; j < n_past + s.n; ++j) kpos[j] = (int32_t) j;
         masks[si].resize(n_kv * s.n);
-        graph::fill_causal_mask(masks[si].data(), kpos.data(), n_kv, pos.data() + t0, s.n);
+        graph::fill_causal_mask(masks[si].data(), kpos.data(), n_kv, pos.data() + t0, s.n, 0);
+        if (hp.has_swa()) {
+            masks_swa[si].resize(n_kv * s.n);
+            graph::fill_causal_mask(masks_swa[si].data(), kpos.data(), n_kv, pos.data() + t0, s.n, hp.n_swa);
+        }
         for (int64_t i = 0; i < s.n; ++i) kv_idx[si].push_back(n_past + i);
         graph::seq_kv & q = kv[si];
         q.t0 = t0, q.n = s.n;
@@ -301,6 +324,10 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
         q.in.kv_idx = new_input(c, GGML_TYPE_I64, s.n);
         q.in.kq_mask = ggml_new_tensor_3d(c, GGML_TYPE_F16, n_kv, s.n, 1);  // [n_kv, n, 1]
         ggml_set_input(q.in.kq_mask);
+        if (hp.has_swa()) {
+            q.in.kq_mask_swa = ggml_new_tensor_3d(c, GGML_TYPE_F16, n_kv, s.n, 1);  // [n_kv, n, 1]
+            ggml_set_input(q.in.kq_mask_swa);
+        }
         t0 += s.n;
     }
     ggml_tensor * x = graph::build_embd(c, m, tok);  // F32 [n_embd, n_tok]
@@ -328,6 +355,8 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
     for (size_t si = 0; si < seqs.size(); ++si) {
         upload(kv[si].in.kv_idx, kv_idx[si].data(), 0, ggml_nbytes(kv[si].in.kv_idx));
         upload(kv[si].in.kq_mask, masks[si].data(), 0, ggml_nbytes(kv[si].in.kq_mask));
+        if (kv[si].in.kq_mask_swa)
+            upload(kv[si].in.kq_mask_swa, masks_swa[si].data(), 0, ggml_nbytes(kv[si].in.kq_mask_swa));
     }
     if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
     std::vector<float> out;

@@ -19,6 +19,7 @@ namespace kvblend {
 
 namespace graph {
 struct ubatch;
+struct ubatch_attn;
 struct ubatch_out;
 }  // namespace graph
 
@@ -85,6 +86,10 @@ class forward_driver {
 
   private:
     void count(const ggml_tensor * t, size_t size, bool to_backend, bool maybe_hidden);
+    // fill a group's attention mask (window 0: every earlier key; else a
+    // windowed layer's) and, when scored, its F32 copy for the score rows
+    void set_masks(ggml_tensor * kq_mask, ggml_tensor * score_mask, const graph::ubatch & ub,
+                   const graph::ubatch_attn & a, int64_t window);
     engine & eng_;
     engine::impl & im_;
 };

@@ -25,8 +25,8 @@ ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tenso
     if (!hp.has_rope(il)) return t;
     // no yarn: ext_factor 0 makes beta_fast/beta_slow irrelevant
     auto * rope = in_place ? ggml_rope_ext_inplace : ggml_rope_ext;
-    return rope(ctx, t, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base,
-                hp.rope_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+    return rope(ctx, t, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base_of(il),
+                hp.rope_scale_of(il), 0.0f, 1.0f, 32.0f, 1.0f);
 }
 
 namespace {
@@ -83,7 +83,7 @@ qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml
     const model_hparams & hp = m.hparams();
     const projection p = build_projection(ctx, m, il, QKV_PART_Q);
     ggml_tensor * q = build_rotated(ctx, m, il, p.w, p.b, m.layers[il].q_norm, hp.n_head, x, pos);
-    if (hp.q_prescaled) q = ggml_scale(ctx, q, 1.0f / std::sqrt((float) hp.head_dim));  // phi3; kq_scale() is 1
+    if (hp.q_scale != 0.0f) q = ggml_scale(ctx, q, hp.q_scale);  // phi3, gemma3; kq_scale() is 1
     return {q, build_k(ctx, m, il, x, pos), build_v(ctx, m, il, x)};
 }
 
@@ -149,11 +149,13 @@ ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_t
 ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
     const model_layer & L = m.layers[il];
     ggml_tensor * up = build_linear(ctx, L.ffn_up, L.ffn_up_b, x);  // [n_ff, n_tok]; fused (phi3): [2 n_ff, n_tok]
-    ggml_tensor * h = nullptr;                                      // silu(gate) * up: [n_ff, n_tok]
-    if (L.ffn_gate)
-        h = ggml_swiglu_split(ctx, build_linear(ctx, L.ffn_gate, L.ffn_gate_b, x), up);
-    else
-        h = ggml_swiglu(ctx, up);                           // gate rows first, as phi3 stores them
+    ggml_tensor * h = nullptr;  // silu(gate) * up, or gelu(gate) * up (gemma3): [n_ff, n_tok]
+    if (L.ffn_gate) {
+        ggml_tensor * gate = build_linear(ctx, L.ffn_gate, L.ffn_gate_b, x);  // [n_ff, n_tok]
+        h = m.hparams().ffn_gelu ? ggml_geglu_split(ctx, gate, up) : ggml_swiglu_split(ctx, gate, up);
+    } else {
+        h = ggml_swiglu(ctx, up);  // gate rows first, as phi3 stores them
+    }
     return build_linear(ctx, L.ffn_down, L.ffn_down_b, h);  // [n_embd, n_tok]
 }
 
@@ -166,12 +168,18 @@ ggml_tensor * build_block_out(ggml_context * ctx, const model & m, ggml_tensor *
     return hp.residual_scale != 1.0f ? ggml_scale(ctx, x, hp.residual_scale) : x;
 }
 
-// what a block reads from the residual stream: normed, unless the family norms outputs instead (olmo2)
+// what a block reads from the residual stream: normed, unless the family norms only outputs (olmo2)
 ggml_tensor * build_block_in(ggml_context * ctx, const model & m, ggml_tensor * x, ggml_tensor * norm) {
     return norm ? build_norm(ctx, x, norm, m.hparams().rms_eps) : x;
 }
 
 }  // namespace
+
+ggml_tensor * layer_mask(const model_hparams & hp, int il, const attn_inputs & in) {
+    if (!hp.is_swa(il)) return in.kq_mask;
+    GGML_ASSERT(in.kq_mask_swa && "a windowed layer needs its windowed mask");
+    return in.kq_mask_swa;
+}
 
 ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
                           ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in, ggml_tensor * out_rows,
@@ -207,7 +215,7 @@ ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model
         const kv_views kv = build_kv(ctx, gf, m, il, ts, sq.k_store, sq.v_store, sq.in);
         if (taps) taps->attn(ctx, gf, il, ts, kv);
         if (kv_only) return nullptr;
-        ggml_tensor * h = build_attn_heads(ctx, m, ts.q, kv, sq.in.kq_mask);  // [n_embd_q, n]
+        ggml_tensor * h = build_attn_heads(ctx, m, ts.q, kv, layer_mask(hp, il, sq.in));  // [n_embd_q, n]
         heads = heads ? ggml_concat(ctx, heads, h, 1) : h;
     }
     cur = build_linear(ctx, L.wo, L.bo, heads);  // [n_embd, n_tok]
@@ -266,15 +274,23 @@ ggml_tensor * build_logits(ggml_context * ctx, const model & m, ggml_tensor * x)
     const model_hparams & hp = m.hparams();
     ggml_tensor * h = build_norm(ctx, x, m.output_norm, hp.rms_eps);
     ggml_tensor * logits = build_linear(ctx, m.output, m.output_b, h);  // [n_vocab, n]
-    return hp.logit_scale != 1.0f ? ggml_scale(ctx, logits, 1.0f / hp.logit_scale) : logits;
+    if (hp.logit_scale != 1.0f) logits = ggml_scale(ctx, logits, 1.0f / hp.logit_scale);
+    if (hp.logit_softcap == 0.0f) return logits;
+    logits = ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / hp.logit_softcap));
+    return ggml_scale(ctx, logits, hp.logit_softcap);
 }
 
-void fill_causal_mask(ggml_fp16_t * dst, const int32_t * kpos, int64_t n_kv, const int32_t * qpos, int64_t n_q) {
+void fill_causal_mask(ggml_fp16_t * dst, const int32_t * kpos, int64_t n_kv, const int32_t * qpos, int64_t n_q,
+                      int64_t window) {
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f);
     const ggml_fp16_t ninf = ggml_fp32_to_fp16(-INFINITY);
     for (int64_t i = 0; i < n_q; ++i) {
         ggml_fp16_t * row = dst + i * n_kv;
-        for (int64_t j = 0; j < n_kv; ++j) row[j] = (kpos[j] >= 0 && kpos[j] <= qpos[i]) ? zero : ninf;
+        for (int64_t j = 0; j < n_kv; ++j) {
+            const bool causal = kpos[j] >= 0 && kpos[j] <= qpos[i];
+            const bool in_window = window == 0 || (int64_t) qpos[i] - kpos[j] < window;
+            row[j] = causal && in_window ? zero : ninf;
+        }
     }
 }
 

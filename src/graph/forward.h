@@ -27,7 +27,10 @@ struct attn_inputs {
     ggml_tensor * pos = nullptr;      // I32 [n_tok] positions of the tokens
     ggml_tensor * kv_idx = nullptr;   // I64 [n_tok] store rows that receive the fresh K/V (nullptr: no write)
     ggml_tensor * kq_mask = nullptr;  // F16 [n_kv, n_tok] 0 = visible, -inf = hidden
-    int64_t n_kv = 0;                 // attend over store rows [0, n_kv)
+    // F16 [n_kv, n_tok] the same keys within the sliding window: what windowed
+    // layers attend with (fill_causal_mask's window); needed when the model has them
+    ggml_tensor * kq_mask_swa = nullptr;
+    int64_t n_kv = 0;  // attend over store rows [0, n_kv)
     // optional I32 [n_write]: only these token rows write their fresh K/V (to
     // kv_idx, which then has n_write entries); the others keep what the store holds
     ggml_tensor * write_rows = nullptr;
@@ -135,11 +138,18 @@ ggml_tensor * build_deviation(ggml_context * ctx, const model & m, int il, ggml_
                               ggml_tensor * k_store, ggml_tensor * v_store, ggml_tensor * rows, bool with_k,
                               bool with_v);
 
-// final norm and the output projection: F32 [n_embd, n] -> F32 [n_vocab, n]
+// the mask layer il attends with: in.kq_mask_swa on a windowed layer, else in.kq_mask
+ggml_tensor * layer_mask(const model_hparams & hp, int il, const attn_inputs & in);
+
+// final norm, the output projection (and soft-capping): F32 [n_embd, n] -> F32 [n_vocab, n]
 ggml_tensor * build_logits(ggml_context * ctx, const model & m, ggml_tensor * x);
 
 // causal mask by position: key j visible to query i iff kpos[j] <= qpos[i]
-// (and kpos[j] >= 0; use -1 for empty rows). fills n_kv * n_q F16 values.
-void fill_causal_mask(ggml_fp16_t * dst, const int32_t * kpos, int64_t n_kv, const int32_t * qpos, int64_t n_q);
+// (and kpos[j] >= 0; use -1 for empty rows) and, with a window W > 0 (a
+// windowed layer's, model_hparams::window), qpos[i] - kpos[j] < W. the one
+// rule of every path: prefill, decode, collect, a blend's selected rows.
+// fills n_kv * n_q F16 values.
+void fill_causal_mask(ggml_fp16_t * dst, const int32_t * kpos, int64_t n_kv, const int32_t * qpos, int64_t n_q,
+                      int64_t window);
 
 }  // namespace kvblend::graph

@@ -33,13 +33,20 @@ const char * model_arch_name(model_arch arch) {
         case MODEL_ARCH_OLMO2: return "olmo2";
         case MODEL_ARCH_SMOLLM3: return "smollm3";
         case MODEL_ARCH_PHI3: return "phi3";
+        case MODEL_ARCH_GEMMA3: return "gemma3";
     }
     return "?";
 }
 
 float model_hparams::kq_scale() const {
-    if (q_prescaled) return 1.0f;
+    if (q_scale != 0.0f) return 1.0f;
     return attn_scale != 0.0f ? attn_scale : 1.0f / std::sqrt((float) head_dim);
+}
+
+bool model_hparams::has_swa() const {
+    for (int64_t il = 0; il < n_layer; ++il)
+        if (is_swa(il)) return true;
+    return false;
 }
 
 model_params model_default_params() {
@@ -68,6 +75,11 @@ class kv_reader {
     kv_reader(const gguf_context * g, std::string path) : g_(g), path_(std::move(path)) {}
 
     bool has(const std::string & key) const { return gguf_find_key(g_, key.c_str()) >= 0; }
+
+    bool is_array(const std::string & key) const {
+        const int64_t id = gguf_find_key(g_, key.c_str());
+        return id >= 0 && gguf_get_kv_type(g_, id) == GGUF_TYPE_ARRAY;
+    }
 
     // any integer type; arrays are accepted when all their values agree
     int64_t integer(const std::string & key, int64_t def, bool required) const {
@@ -229,8 +241,9 @@ bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op 
     return true;
 }
 
-const model_arch k_archs[] = {MODEL_ARCH_LLAMA,   MODEL_ARCH_QWEN2, MODEL_ARCH_QWEN3,   MODEL_ARCH_MISTRAL3,
-                              MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2, MODEL_ARCH_SMOLLM3, MODEL_ARCH_PHI3};
+const model_arch k_archs[] = {MODEL_ARCH_LLAMA,    MODEL_ARCH_QWEN2,   MODEL_ARCH_QWEN3,
+                              MODEL_ARCH_MISTRAL3, MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2,
+                              MODEL_ARCH_SMOLLM3,  MODEL_ARCH_PHI3,    MODEL_ARCH_GEMMA3};
 
 // the architecture named name (general.architecture) into arch; false when none is
 bool arch_of(const std::string & name, model_arch & arch) {
@@ -277,6 +290,20 @@ const char * recurrent_layers_of(const std::string & arch) {
     };
     for (const auto & [name, layers] : k_recurrent)
         if (arch == name) return layers;
+    return nullptr;
+}
+
+// what the gemma architectures kvblend does not build add to gemma3's block, or nullptr
+const char * unbuilt_gemma_of(const std::string & arch) {
+    static const std::pair<const char *, const char *> k_unbuilt[] = {
+        {"gemma", "Gemma 1's block (no norms after attention and FFN)"},
+        {"gemma2", "attention-logit soft-capping in every layer (Gemma 2)"},
+        {"gemma3n", "per-layer embeddings, AltUp and K/V shared across layers (Gemma 3n)"},
+        {"gemma4", "head sizes that differ between windowed and global layers and K/V shared across layers (Gemma 4)"},
+        {"gemma-embedding", "bidirectional attention (an embedding model, with no next token to answer)"},
+    };
+    for (const auto & [name, what] : k_unbuilt)
+        if (arch == name) return what;
     return nullptr;
 }
 
@@ -347,8 +374,27 @@ void check_all_read(const gguf_context * g, const std::vector<ggml_tensor *> & u
     }
 }
 
+// gemma3's block constants and its sliding windows, read as libllama reads them
+void read_gemma3_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
+    hp.embd_scale = std::sqrt((float) hp.n_embd);
+    hp.ffn_gelu = true;
+    // libllama tells the 27B (whose q scale is 1/sqrt(n_embd / n_head)) by its 62 layers
+    hp.q_scale = 1.0f / std::sqrt(hp.n_layer == 62 ? (float) (hp.n_embd / hp.n_head) : (float) hp.head_dim);
+    hp.logit_softcap = (float) kv.finite(a + "final_logit_softcapping", 0.0);
+    hp.n_swa = kv.dim(a + "attention.sliding_window", 0, false, 0);
+    if (hp.n_swa == 0) return;  // every layer global, as libllama runs such a file
+    const std::string pattern = a + "attention.sliding_window_pattern";
+    // libllama reads one period here and ignores an array (it would run the default 6): refused instead
+    if (kv.is_array(pattern)) kv.fail("key " + pattern + " is an array; gemma3 takes one period (a number)");
+    hp.swa_pattern = kv.dim(pattern, 6, false, 0);
+    hp.rope_base_swa = (float) kv.finite(a + "rope.freq_base_swa", 10000.0);
+    if (!(hp.rope_base_swa > 0.0f))
+        kv.fail("inconsistent hyper-parameters: " + a + "rope.freq_base_swa must be positive");
+}
+
 // the keys one family adds to the llama block, read as libllama reads them
 void read_family_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
+    if (hp.arch == MODEL_ARCH_GEMMA3) return read_gemma3_keys(kv, a, hp);
     if (hp.arch == MODEL_ARCH_MISTRAL3 && kv.finite(a + "attention.temperature_scale", 0.0) != 0.0)
         kv.fail("attention temperature scaling (" + a + "attention.temperature_scale) is not supported");
     if (hp.arch != MODEL_ARCH_GRANITE) return;
@@ -431,6 +477,9 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
                     " layers, which carry a recurrent state: fusion cannot reuse a document's state computed alone, "
                     "and such a layer needs every token's hidden state, so no layer below it could skip tokens "
                     "(see docs/ARCHITECTURE.md, \"Hybrid and recurrent models\")");
+        if (const char * what = unbuilt_gemma_of(hp.arch_name))
+            kv.fail("architecture '" + hp.arch_name + "' is not built: it has " + what +
+                    ", which kvblend does not run (supported: " + supported_archs() + ")");
         kv.fail("unsupported architecture '" + hp.arch_name + "' (supported: " + supported_archs() + ")");
     }
 
@@ -450,8 +499,9 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.n_head = kv.dim(a + "attention.head_count", 0, true);
     hp.n_head_kv = kv.dim(a + "attention.head_count_kv", hp.n_head, false);
     const int64_t swa = kv.integer(a + "attention.sliding_window", 0, false);
-    // libllama runs phi3 with full attention whatever its window says (Phi-3-mini-4k's 2047): so do we
-    if (swa > 0 && swa < hp.n_ctx_train && hp.arch != MODEL_ARCH_PHI3)
+    // libllama runs phi3 with full attention whatever its window says (Phi-3-mini-4k's 2047): so do we.
+    // gemma3 reads its windows with its own keys (read_gemma3_keys)
+    if (swa > 0 && swa < hp.n_ctx_train && hp.arch != MODEL_ARCH_PHI3 && hp.arch != MODEL_ARCH_GEMMA3)
         kv.fail("sliding-window attention is not supported (" + a +
                 "attention.sliding_window = " + std::to_string(swa) + ")");
 
@@ -491,14 +541,16 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         kv.fail("rope scaling '" + scaling + "' is not supported (supported: none, linear)");
     }
     const bool neox = hp.arch == MODEL_ARCH_QWEN2 || hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2 ||
-                      hp.arch == MODEL_ARCH_PHI3;
+                      hp.arch == MODEL_ARCH_PHI3 || hp.arch == MODEL_ARCH_GEMMA3;
     hp.rope_mode = neox ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
     hp.qkv_bias = hp.arch == MODEL_ARCH_QWEN2;
-    hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2;
-    hp.qk_norm_whole = hp.post_norm = hp.arch == MODEL_ARCH_OLMO2;
+    hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2 || hp.arch == MODEL_ARCH_GEMMA3;
+    hp.qk_norm_whole = hp.arch == MODEL_ARCH_OLMO2;
+    hp.pre_norm = hp.arch != MODEL_ARCH_OLMO2;
+    hp.post_norm = hp.arch == MODEL_ARCH_OLMO2 || hp.arch == MODEL_ARCH_GEMMA3;
     // libllama fixes smollm3's NoPE period at 4 (no GGUF key carries it)
     hp.no_rope_layer_step = hp.arch == MODEL_ARCH_SMOLLM3 ? 4 : 0;
-    hp.q_prescaled = hp.arch == MODEL_ARCH_PHI3;
+    if (hp.arch == MODEL_ARCH_PHI3) hp.q_scale = 1.0f / std::sqrt((float) hp.head_dim);
     read_family_keys(kv, a, hp);
 
     // --- tensors ------------------------------------------------------------
@@ -553,12 +605,10 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     for (int64_t il = 0; il < hp.n_layer; ++il) {
         model_layer & L = m->layers[il];
         auto name = [&](const char * what) { return "blk." + std::to_string(il) + "." + what; };
-        // a block normalizes either the inputs of attention and FFN or their outputs (olmo2)
+        // a block normalizes the inputs of attention and FFN, their outputs (olmo2) or both (gemma3)
         auto norm = [&](const char * what) { return check(find(name(what), true), {n_embd}, false); };
-        if (hp.post_norm)
-            L.attn_post_norm = norm("post_attention_norm.weight");
-        else
-            L.attn_norm = norm("attn_norm.weight");
+        if (hp.pre_norm) L.attn_norm = norm("attn_norm.weight");
+        if (hp.post_norm) L.attn_post_norm = norm("post_attention_norm.weight");
         // one fused q/k/v projection or three, in any family, as libllama reads them
         L.wqkv = check(find(name("attn_qkv.weight"), false), {n_embd, n_q + 2 * n_kv}, true);
         if (L.wqkv) {
@@ -578,10 +628,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
             L.q_norm = check(find(name("attn_q_norm.weight"), true), {hp.qk_norm_whole ? n_q : hp.head_dim}, false);
             L.k_norm = check(find(name("attn_k_norm.weight"), true), {hp.qk_norm_whole ? n_kv : hp.head_dim}, false);
         }
-        if (hp.post_norm)
-            L.ffn_post_norm = norm("post_ffw_norm.weight");
-        else
-            L.ffn_norm = norm("ffn_norm.weight");
+        if (hp.pre_norm) L.ffn_norm = norm("ffn_norm.weight");
+        if (hp.post_norm) L.ffn_post_norm = norm("post_ffw_norm.weight");
         if (hp.arch == MODEL_ARCH_PHI3) {  // gate and up fused in one matrix
             L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, 2 * hp.n_ff}, true);
         } else {

@@ -42,7 +42,21 @@ model_spec spec_of(model_arch arch, int64_t n_layer, int64_t n_embd, int64_t n_h
     s.rms_eps = rms_eps;
     s.tied_output = tied;
     s.qkv_bias = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2;
+    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2 || arch == MODEL_ARCH_GEMMA3;
+    return s;
+}
+
+// gemma3's sliding windows: window n_swa, every pattern-th layer global (0: no
+// key, libllama's 6), windowed layers rotating at base_swa (0: no key, 10000)
+model_spec windowed(model_spec s, int64_t n_swa, int64_t pattern, float base_swa) {
+    s.n_swa = n_swa;
+    s.swa_pattern = pattern;
+    s.rope_base_swa = base_swa;
+    return s;
+}
+
+model_spec rope_scaled(model_spec s, float factor) {
+    s.rope_scaling_factor = factor;
     return s;
 }
 
@@ -75,6 +89,11 @@ const std::vector<preset> & presets() {
         {"tiny-smollm3", spec_of(MODEL_ARCH_SMOLLM3, 4, 128, 4, 2, 32, 256, 2048, 5e6f, 1e-6f, true), "llama-spm"},
         // 24 of 32 dims rotated, as phi-4-mini rotates 96 of 128
         {"tiny-phi3", rotating(spec_of(MODEL_ARCH_PHI3, 3, 128, 4, 2, 32, 256, 4096, 1e4f, 1e-5f, true), 24), "phi-3"},
+        // a window of 16 (shorter than the test prompts), layers 2 and 5 global
+        // as every 6th is in gemma 3; q wider than n_embd as there (4 x 48 over 128)
+        {"tiny-gemma3",
+         windowed(spec_of(MODEL_ARCH_GEMMA3, 6, 128, 4, 2, 48, 256, 32768, 1e6f, 1e-6f, true), 16, 3, 1e4f),
+         "llama-spm"},
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
         {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true), "qwen2"},
         {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true), "llama-bpe"},
@@ -93,6 +112,18 @@ const std::vector<preset> & presets() {
         // 200k-token vocabulary is not shipped, phi-3's own is
         {"phi-4-mini", rotating(spec_of(MODEL_ARCH_PHI3, 32, 3072, 24, 8, 128, 8192, 131072, 1e4f, 1e-5f, true), 96),
          "phi-3"},
+        // gemma 3 1b and 4b with the keys its converter writes (window, global
+        // base; the period 6 and the local base 10000 are libllama's defaults);
+        // 4b scales its global layers' RoPE by 8. the vocabulary shipped for the
+        // family is gemma 4's (262144 tokens, as gemma 3 has)
+        {"gemma3-1b",
+         windowed(spec_of(MODEL_ARCH_GEMMA3, 26, 1152, 4, 1, 256, 6912, 32768, 1e6f, 1e-6f, true), 512, 0, 0),
+         "gemma-4"},
+        {"gemma3-4b",
+         rope_scaled(
+             windowed(spec_of(MODEL_ARCH_GEMMA3, 34, 2560, 8, 4, 256, 10240, 131072, 1e6f, 1e-6f, true), 1024, 0, 0),
+             8.0f),
+         "gemma-4"},
     };
     return p;
 }
@@ -170,12 +201,12 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
 
     for (int64_t il = 0; il < s.n_layer; ++il) {
         const std::string p = "blk." + std::to_string(il) + ".";
-        const bool post_norm = s.arch == MODEL_ARCH_OLMO2;  // norms on block outputs, none on inputs
-        const bool phi3 = s.arch == MODEL_ARCH_PHI3;        // fused projections
-        const char * attn_norm = post_norm ? "post_attention_norm.weight" : "attn_norm.weight";
-        const char * ffn_norm = post_norm ? "post_ffw_norm.weight" : "ffn_norm.weight";
-        t.push_back(plan_vector(p + attn_norm, s.n_embd, 1.0f, 0.1f));  // [n_embd]
-        if (phi3) {                                                     // q, k and v rows in one matrix
+        const bool olmo2 = s.arch == MODEL_ARCH_OLMO2;  // norms on block outputs, none on inputs
+        const bool pre_norm = !olmo2, post_norm = olmo2 || s.arch == MODEL_ARCH_GEMMA3;
+        const bool phi3 = s.arch == MODEL_ARCH_PHI3;                                           // fused projections
+        if (pre_norm) t.push_back(plan_vector(p + "attn_norm.weight", s.n_embd, 1.0f, 0.1f));  // [n_embd]
+        if (post_norm) t.push_back(plan_vector(p + "post_attention_norm.weight", s.n_embd, 1.0f, 0.1f));  // [n_embd]
+        if (phi3) {  // q, k and v rows in one matrix
             t.push_back(plan_matrix(p + "attn_qkv.weight", s.n_embd, n_embd_q + 2 * n_embd_kv, wtype,
                                     in_embd));  // [n_embd, n_embd_q + 2 n_embd_kv]
         } else {
@@ -192,12 +223,13 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
             t.push_back(plan_vector(p + "attn_v.bias", n_embd_kv, 0.0f, 0.35f));  // [n_embd_kv]
         }
         if (s.qk_norm) {  // per head (qwen3) or over the whole projection (olmo2)
-            const int64_t n_q_norm = post_norm ? n_embd_q : s.head_dim, n_k_norm = post_norm ? n_embd_kv : s.head_dim;
+            const int64_t n_q_norm = olmo2 ? n_embd_q : s.head_dim, n_k_norm = olmo2 ? n_embd_kv : s.head_dim;
             t.push_back(plan_vector(p + "attn_q_norm.weight", n_q_norm, 1.0f, 0.1f));  // [head_dim] or [n_embd_q]
             t.push_back(plan_vector(p + "attn_k_norm.weight", n_k_norm, 1.0f, 0.1f));  // [head_dim] or [n_embd_kv]
         }
-        t.push_back(plan_vector(p + ffn_norm, s.n_embd, 1.0f, 0.1f));  // [n_embd]
-        if (phi3) {                                                    // gate rows, then up rows
+        if (pre_norm) t.push_back(plan_vector(p + "ffn_norm.weight", s.n_embd, 1.0f, 0.1f));        // [n_embd]
+        if (post_norm) t.push_back(plan_vector(p + "post_ffw_norm.weight", s.n_embd, 1.0f, 0.1f));  // [n_embd]
+        if (phi3) {  // gate rows, then up rows
             t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, 2 * s.n_ff, wtype, in_embd));  // [n_embd, 2 n_ff]
         } else {
             t.push_back(plan_matrix(p + "ffn_gate.weight", s.n_embd, s.n_ff, wtype, in_embd));  // [n_embd, n_ff]
@@ -231,6 +263,9 @@ void check_spec(const model_spec & s) {
     if (s.out_biases && !block_biases && s.arch != MODEL_ARCH_QWEN2)
         bad(std::string("libllama's ") + model_arch_name(s.arch) + " loader reads no output or FFN biases");
     if (s.arch == MODEL_ARCH_OLMO2 && s.tied_output) bad("olmo2 has no tied output (libllama requires output.weight)");
+    if (s.n_swa < 0 || s.swa_pattern < 0) bad("n_swa and swa_pattern must be >= 0");
+    if (s.arch != MODEL_ARCH_GEMMA3 && (s.n_swa > 0 || s.logit_softcap != 0.0f))
+        bad("sliding windows and logit soft-capping are gemma3's here");
 }
 
 // --- output file --------------------------------------------------------------
@@ -392,6 +427,15 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
                                                      {"attention.scale", spec.attn_scale}};
     for (const auto & [suffix, value] : scales)
         if (value != 0.0f) gguf_set_val_f32(g, key(suffix).c_str(), value);
+    if (spec.rope_scaling_factor != 0.0f) {
+        gguf_set_val_str(g, key("rope.scaling.type").c_str(), "linear");
+        gguf_set_val_f32(g, key("rope.scaling.factor").c_str(), spec.rope_scaling_factor);
+    }
+    if (spec.n_swa > 0) gguf_set_val_u32(g, key("attention.sliding_window").c_str(), uint32_t(spec.n_swa));
+    if (spec.swa_pattern > 0)
+        gguf_set_val_u32(g, key("attention.sliding_window_pattern").c_str(), uint32_t(spec.swa_pattern));
+    if (spec.rope_base_swa != 0.0f) gguf_set_val_f32(g, key("rope.freq_base_swa").c_str(), spec.rope_base_swa);
+    if (spec.logit_softcap != 0.0f) gguf_set_val_f32(g, key("final_logit_softcapping").c_str(), spec.logit_softcap);
 
     // copy the tokenizer.* keys (arrays included) through a filtered copy
     {

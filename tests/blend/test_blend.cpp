@@ -877,8 +877,12 @@ TEST_P(blend_family, ratio_one_is_the_full_prefill_ratio_zero_naive_and_gradual_
     bp.method = BLEND_METHOD_DENSE;
     const blend_result d = blend(ed, f.ptrs, f.p.query, bp);
     EXPECT_EQ(g.selected, d.selected);
-    EXPECT_LE(rel_diff(g.logits, d.logits), 1e-5);
-    expect_same_kv(eg, ed, n_layer, N, 1e-5);
+    // gradual and dense run the same rows in other batch shapes: rounding
+    // apart, except that ggml-cpu's GELU (gemma3) reads an f16 table, where a
+    // flipped f16 rounding of an input moves the output by up to 2^-11
+    const double tol = f.m->hparams().ffn_gelu ? 1e-4 : 1e-5;
+    EXPECT_LE(rel_diff(g.logits, d.logits), tol);
+    expect_same_kv(eg, ed, n_layer, N, tol);
     EXPECT_LT(g.stats.deep_frac, 1.0);
 }
 
@@ -918,7 +922,7 @@ TEST_P(blend_family, a_document_collected_where_it_is_placed_needs_no_recomputat
 
 INSTANTIATE_TEST_SUITE_P(families, blend_family,
                          ::testing::Values("tiny-qwen3", "tiny-mistral3", "tiny-granite", "tiny-olmo2", "tiny-smollm3",
-                                           "tiny-phi3"),
+                                           "tiny-phi3", "tiny-gemma3"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace(n.begin(), n.end(), '-', '_');

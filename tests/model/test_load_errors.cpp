@@ -317,6 +317,101 @@ TEST_F(load_errors, phi3_fused_tensors_and_longrope) {
     EXPECT_NO_THROW(model::load(dir.file("phi3.gguf")));
 }
 
+// gemma3 as libllama reads it: windowed layers by the period (6 when no key
+// says), their own RoPE base (10000 when no key says), q scaled by
+// 1/sqrt(head_dim), embeddings by sqrt(n_embd); the window keys of the wrong
+// type or range, an array period and missing pre or post norms are errors
+TEST_F(load_errors, gemma3_windows_keys_and_norms) {
+    const std::string gemma3 = make_test_model("tiny-gemma3");
+    {
+        auto m = model::load(gemma3);
+        const model_hparams & hp = m->hparams();
+        EXPECT_EQ(hp.arch, MODEL_ARCH_GEMMA3);
+        EXPECT_EQ(hp.rope_mode, GGML_ROPE_TYPE_NEOX);
+        EXPECT_EQ(hp.n_swa, 16);
+        std::vector<bool> swa;
+        for (int il = 0; il < 6; ++il) swa.push_back(hp.is_swa(il));
+        EXPECT_EQ(swa, std::vector<bool>({true, true, false, true, true, false}));
+        EXPECT_EQ(hp.window(1), 16);
+        EXPECT_EQ(hp.window(2), 0);
+        EXPECT_EQ(hp.rope_base_of(0), 1e4f);
+        EXPECT_EQ(hp.rope_base_of(2), 1e6f);
+        EXPECT_FLOAT_EQ(hp.q_scale, 1.0f / std::sqrt(48.0f));
+        EXPECT_FLOAT_EQ(hp.embd_scale, std::sqrt(128.0f));
+        EXPECT_EQ(hp.kq_scale(), 1.0f);
+        EXPECT_TRUE(hp.ffn_gelu && hp.pre_norm && hp.post_norm);
+    }
+    // what gemma 3's converter writes: no period, no local base, a linear factor (4b)
+    rewrite_gguf(gemma3, dir.file("gemma3.gguf"),
+                 {[](gguf_context * g) {
+                      gguf_remove_key(g, "gemma3.attention.sliding_window_pattern");
+                      gguf_remove_key(g, "gemma3.rope.freq_base_swa");
+                      gguf_set_val_str(g, "gemma3.rope.scaling.type", "linear");
+                      gguf_set_val_f32(g, "gemma3.rope.scaling.factor", 8.0f);
+                  },
+                  {},
+                  {}});
+    {
+        auto m = model::load(dir.file("gemma3.gguf"));
+        const model_hparams & hp = m->hparams();
+        EXPECT_EQ(hp.swa_pattern, 6);
+        std::vector<bool> swa;
+        for (int il = 0; il < 6; ++il) swa.push_back(hp.is_swa(il));
+        EXPECT_EQ(swa, std::vector<bool>({true, true, true, true, true, false}));
+        EXPECT_EQ(hp.rope_base_of(0), 1e4f);
+        EXPECT_EQ(hp.rope_scale_of(0), 1.0f);    // windowed layers rotate unscaled
+        EXPECT_EQ(hp.rope_scale_of(5), 0.125f);  // the global layer takes the factor
+    }
+    // no window key: every layer global, as libllama runs it
+    rewrite_gguf(gemma3, dir.file("gemma3.gguf"),
+                 {[](gguf_context * g) { gguf_remove_key(g, "gemma3.attention.sliding_window"); }, {}, {}});
+    EXPECT_FALSE(model::load(dir.file("gemma3.gguf"))->hparams().has_swa());
+
+    struct bad_file {
+        gguf_edit edit;
+        std::string message;
+    };
+    const uint32_t period[] = {3, 3, 3, 3, 3, 3};
+    const std::vector<bad_file> cases = {
+        {{[](gguf_context * g) { gguf_set_val_str(g, "gemma3.attention.sliding_window", "16"); }, {}, {}},
+         "key gemma3.attention.sliding_window has type str, expected an integer"},
+        {{[](gguf_context * g) { gguf_set_val_i32(g, "gemma3.attention.sliding_window", -16); }, {}, {}},
+         "gemma3.attention.sliding_window = -16 is outside"},
+        {{[](gguf_context * g) { gguf_set_val_f32(g, "gemma3.attention.sliding_window_pattern", 3.0f); }, {}, {}},
+         "key gemma3.attention.sliding_window_pattern has type f32, expected an integer"},
+        {{[&](gguf_context * g) {
+              gguf_set_arr_data(g, "gemma3.attention.sliding_window_pattern", GGUF_TYPE_UINT32, period, 6);
+          },
+          {},
+          {}},
+         "key gemma3.attention.sliding_window_pattern is an array"},
+        {{[](gguf_context * g) { gguf_set_val_str(g, "gemma3.rope.freq_base_swa", "1e4"); }, {}, {}},
+         "gemma3.rope.freq_base_swa is not a number"},
+        {{[](gguf_context * g) { gguf_set_val_f32(g, "gemma3.rope.freq_base_swa", 0.0f); }, {}, {}},
+         "gemma3.rope.freq_base_swa must be positive"},
+        {{[](gguf_context * g) { gguf_set_val_f32(g, "gemma3.final_logit_softcapping", INFINITY); }, {}, {}},
+         "gemma3.final_logit_softcapping is not finite"},
+        {{{}, {"blk.3.post_attention_norm.weight"}, {}}, "missing tensor 'blk.3.post_attention_norm.weight'"},
+        {{{}, {"blk.0.ffn_norm.weight"}, {}}, "missing tensor 'blk.0.ffn_norm.weight'"},
+        {{{}, {"blk.5.post_ffw_norm.weight"}, {}}, "missing tensor 'blk.5.post_ffw_norm.weight'"},
+        {{{}, {}, {{"blk.1.attn_q_norm.weight", {192}}}}, "'blk.1.attn_q_norm.weight' has shape [192], expected [48]"},
+    };
+    for (const bad_file & c : cases) {
+        rewrite_gguf(gemma3, dir.file("gemma3.gguf"), c.edit);
+        EXPECT_LOAD_ERROR(dir.file("gemma3.gguf"), c.message);
+    }
+}
+
+// the gemma architectures not built are refused by name with what they add
+TEST_F(load_errors, other_gemma_architectures_say_what_is_not_built) {
+    for (const char * arch : {"gemma", "gemma2", "gemma3n", "gemma4", "gemma-embedding"}) {
+        rewrite_gguf(make_test_model("tiny-gemma3"), dir.file("gemma.gguf"),
+                     {[&](gguf_context * g) { gguf_set_val_str(g, "general.architecture", arch); }, {}, {}});
+        const std::string msg = load_error(dir.file("gemma.gguf"));
+        EXPECT_NE(msg.find("architecture '" + std::string(arch) + "' is not built"), std::string::npos) << msg;
+    }
+}
+
 // a tensor the forward would not read is refused by name, never ignored; an
 // optional bias of the wrong shape is an error too
 TEST_F(load_errors, tensors_the_forward_would_not_read) {

@@ -65,7 +65,7 @@ void expect_tensor(const gguf_context * g, const std::string & name, ggml_type t
 
 TEST(model_maker, presets_have_real_shapes) {
     const auto names = model_spec_preset_names();
-    EXPECT_EQ(names.size(), 16u);
+    EXPECT_EQ(names.size(), 19u);
 
     const model_spec q3 = model_spec_preset("qwen3-0.6b");
     EXPECT_EQ(q3.arch, MODEL_ARCH_QWEN3);
@@ -124,6 +124,27 @@ TEST(model_maker, presets_have_real_shapes) {
     EXPECT_EQ(p4.n_head_kv, 8);
     EXPECT_EQ(p4.n_rot, 96);
     EXPECT_EQ(model_spec_preset_vocab("phi-4-mini"), "phi-3");
+
+    // gemma 3: 1b and 4b as its converter writes them (no period, no local base: libllama's 6 and 10000)
+    const model_spec g1 = model_spec_preset("gemma3-1b");
+    EXPECT_EQ(g1.arch, MODEL_ARCH_GEMMA3);
+    EXPECT_EQ(g1.n_layer, 26);
+    EXPECT_EQ(g1.n_embd, 1152);
+    EXPECT_EQ(g1.n_head * g1.head_dim, 1024);
+    EXPECT_EQ(g1.n_head_kv, 1);
+    EXPECT_EQ(g1.n_ff, 6912);
+    EXPECT_EQ(g1.n_swa, 512);
+    EXPECT_EQ(g1.swa_pattern, 0);
+    EXPECT_TRUE(g1.qk_norm && g1.tied_output);
+    const model_spec g4 = model_spec_preset("gemma3-4b");
+    EXPECT_EQ(g4.n_layer, 34);
+    EXPECT_EQ(g4.n_embd, 2560);
+    EXPECT_EQ(g4.n_head_kv, 4);
+    EXPECT_EQ(g4.n_swa, 1024);
+    EXPECT_EQ(g4.rope_scaling_factor, 8.0f);
+    EXPECT_EQ(model_spec_preset_vocab("gemma3-1b"), "gemma-4");
+    EXPECT_EQ(model_spec_preset_vocab("gemma3-4b"), "gemma-4");
+    EXPECT_LT(model_spec_preset("tiny-gemma3").n_swa, 64);  // shorter than the test prompts
 
     EXPECT_FALSE(model_spec_preset("tiny").tied_output);
     EXPECT_EQ(model_spec_preset("tiny").n_layer, 4);
