@@ -1,7 +1,6 @@
 // constrained output: JSON schemas to GBNF by the pinned llama.cpp's converter
-// (common/json-schema-to-grammar.cpp, compiled as kvblend_schema), and the
-// three string helpers of common.cpp it calls, so that common.cpp itself (and
-// the sampling, download and fit code it pulls in) stays out of the build.
+// (common/json-schema-to-grammar.cpp, compiled as kvblend_schema; the helpers
+// of common.cpp it calls are in src/util/llama_common.cpp).
 #include <algorithm>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -11,29 +10,6 @@
 #include "json-schema-to-grammar.h"
 #include "kvblend/common.h"
 #include "kvblend/sampler.h"
-
-std::string string_join(const std::vector<std::string> & values, const std::string & separator) {
-    std::string out;
-    for (size_t i = 0; i < values.size(); ++i) out += (i ? separator : std::string()) + values[i];
-    return out;
-}
-
-std::vector<std::string> string_split(const std::string & str, const std::string & delimiter) {
-    std::vector<std::string> parts;
-    size_t from = 0;
-    for (size_t at; !delimiter.empty() && (at = str.find(delimiter, from)) != std::string::npos;
-         from = at + delimiter.size())
-        parts.push_back(str.substr(from, at - from));
-    parts.push_back(str.substr(from));
-    return parts;
-}
-
-std::string string_repeat(const std::string & str, size_t n) {
-    std::string out;
-    out.reserve(str.size() * n);
-    for (size_t i = 0; i < n; ++i) out += str;
-    return out;
-}
 
 namespace kvblend {
 
