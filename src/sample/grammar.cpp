@@ -89,10 +89,32 @@ void check_patterns(const nlohmann::json & schema) {
     }
 }
 
+// the converter reads counts as int and bounds as int64: a number outside those
+// (1e92 items) would be an undefined conversion, so it is an error here
+void check_numbers(const nlohmann::json & schema) {
+    if (schema.is_array())
+        for (const auto & x : schema) check_numbers(x);
+    if (!schema.is_object()) return;
+    for (const auto & [key, value] : schema.items()) {
+        if (!value.is_number()) {
+            check_numbers(value);
+            continue;
+        }
+        const double v = value.get<double>();
+        const bool count = key == "minItems" || key == "maxItems" || key == "minLength" || key == "maxLength";
+        const bool bound =
+            key == "minimum" || key == "maximum" || key == "exclusiveMinimum" || key == "exclusiveMaximum";
+        if ((count && !(v >= 0 && v <= 2147483647.0)) || (bound && !(v >= -9.2e18 && v <= 9.2e18)))
+            throw error("the JSON schema's " + key + " is out of range: " + value.dump());
+    }
+}
+
 }  // namespace
 
 std::string grammar_from_json_schema(const std::string & schema) {
-    check_patterns(parse_schema(schema));
+    const nlohmann::json parsed_schema = parse_schema(schema);
+    check_numbers(parsed_schema);
+    check_patterns(parsed_schema);
     common_json parsed;
     try {
         parsed = common_json::parse(schema);

@@ -104,7 +104,10 @@ TEST(grammar, bad_grammars_and_schemas_are_errors_that_say_why) {
     for (const char * bad :
          {"{not json", R"({"type": "string", "pattern": "^(?=a)$"})", R"({"type": "string", "pattern": "^[a-y)?$"})",
           R"({"$ref": "#/definitions/none"})", R"({"type": "array", "items": {"type": "integer"}, "minItems": 100000})",
-          R"({"type": "string", "maxLength": 1000000})"}) {
+          R"({"type": "string", "maxLength": 1000000})",
+          // counts and bounds the converter cannot hold (an undefined conversion before)
+          R"({"type": "array", "items": {"enum": ["a"]}, "minItems": 1.3e92})",
+          R"({"type": "string", "maxLength": -1})", R"({"type": "integer", "minimum": 1e300})"}) {
         try {
             grammar_from_json_schema(bad);
             ADD_FAILURE() << "accepted " << bad;
