@@ -25,6 +25,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
             (void) r.body.value("temperature", 1.0);
             (void) r.body.value("stream", false);
         }
+        // the tool fields of an accepted chat body were checked: reading them again cannot refuse it
+        if (kind == kvblend::REQUEST_CHAT) {
+            try {
+                (void) kvblend::request_tools(r.body);
+            } catch (const kvblend::request_error &) {
+                __builtin_trap();
+            }
+        }
         if (kind == kvblend::REQUEST_TOKENIZE) {
             (void) r.body.value("add_special", false);
             (void) r.body.value("parse_special", true);

@@ -35,6 +35,9 @@ struct answer_params {
     int32_t max_tokens = 0;
     sampler_params sampling;
     std::vector<std::string> stop;  // empty strings are ignored
+    // tokens whose special text is part of the answer (a tool call's
+    // "<tool_call>", which its parser reads), sorted; others' is not
+    std::vector<llama_token> special_text;
 };
 
 class answer {

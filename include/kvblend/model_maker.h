@@ -62,6 +62,7 @@ struct make_model_params {
     std::string vocab_from;           // vocab-only GGUF whose tokenizer keys are copied
     uint64_t seed = 42;
     std::string name = "kvblend-synthetic";
+    std::string chat_template;  // jinja text written as tokenizer.chat_template ("": the vocab file's)
 };
 
 struct make_model_result {

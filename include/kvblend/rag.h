@@ -54,12 +54,12 @@ struct rag_fuse_params {
 };
 
 struct rag_fuse_result {
-    std::vector<float> logits;        // after the query's last token (and the fused cache's eviction)
-    std::vector<float> blend_logits;  // the same before the eviction
-    blend_stats stats;           // of the blend
-    chunk_fetch_stats fetch;     // of the chunks not given
-    std::vector<bool> chunk_hit;  // per non-empty chunk: given, or found in the store
-    double evict_ms = 0;          // evicting the fused cache to the engine's budget
+    std::vector<float> logits;                // after the query's last token (and the fused cache's eviction)
+    std::vector<float> blend_logits;          // the same before the eviction
+    blend_stats stats;                        // of the blend
+    chunk_fetch_stats fetch;                  // of the chunks not given
+    std::vector<bool> chunk_hit;              // per non-empty chunk: given, or found in the store
+    double evict_ms = 0;                      // evicting the fused cache to the engine's budget
     energy_span chunks_energy, blend_energy;  // from the engine's meter (absent without one)
 };
 

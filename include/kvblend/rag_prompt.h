@@ -43,4 +43,13 @@ rag_prompt rag_prompt_build_tokens(const vocab & v, const std::string & system,
 rag_prompt rag_prompt_build_conversation(const vocab & v, const std::vector<chat_message> & msgs,
                                          const std::vector<std::vector<llama_token>> & docs, bool chat);
 
+// the marker that stands for one document where a renderer places them (the
+// start of the first user message), and the prompt cut around the markers in
+// what it rendered: everything before them, each document, everything after
+// (the same cut as rag_prompt_build_conversation, for another renderer: the
+// tool-call chat code's). throws kvblend::error when the markers went missing or out of order
+extern const char * const k_rag_doc_mark;
+rag_prompt rag_prompt_cut_at_marks(const vocab & v, const std::string & rendered,
+                                   const std::vector<std::vector<llama_token>> & docs);
+
 }  // namespace kvblend

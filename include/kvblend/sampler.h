@@ -28,6 +28,15 @@ struct sampler_params {
     // token must keep the text inside; an end-of-generation token is allowed
     // only where the grammar is complete. empty: free text
     std::string grammar;
+    // lazy: the grammar binds only from the first text matching one of the
+    // trigger patterns (regexes over the generated text) or a trigger token;
+    // before that the text is free (tool calls that a model may or may not make)
+    bool grammar_lazy = false;
+    std::vector<std::string> grammar_trigger_patterns;
+    std::vector<llama_token> grammar_trigger_tokens;
+    // tokens a grammar that binds from the start reads before the first sampled
+    // one: a chat template's generation prompt, which its tool-call grammar begins with
+    std::vector<llama_token> grammar_prefill;
     bool logprobs = false;  // record last(): each sampled token's log-probability …
     int32_t n_probs = 0;    // … and this many of the most likely candidates (0 … k_max_probs)
 };
@@ -83,7 +92,8 @@ class sampler {
 
   private:
     void build(int32_t n_vocab);
-    bool penalized() const;  // some penalty is on
+    llama_sampler * init_lazy_grammar() const;  // the grammar sampler waiting for its triggers
+    bool penalized() const;                     // some penalty is on
     void record_probs(const llama_token_data_array & arr);
 
     sampler_params p_;

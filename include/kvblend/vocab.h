@@ -26,7 +26,8 @@ class vocab {
     // add_special: BOS/EOS as the model's tokenizer config asks;
     // parse_special: turn "<|im_start|>"-style text into special tokens.
     std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special = false) const;
-    std::string token_to_piece(llama_token tok) const;
+    // special: a control token ("<|im_end|>") as its text instead of ""
+    std::string token_to_piece(llama_token tok, bool special = false) const;
     // special: write special tokens as their text ("<|im_end|>") instead of dropping them
     std::string detokenize(const std::vector<llama_token> & toks, bool special = false) const;
 
@@ -42,6 +43,7 @@ class vocab {
     std::string apply_chat_template(const std::vector<chat_message> & msgs, bool add_assistant) const;
 
     const llama_vocab * raw() const { return vocab_; }
+    const llama_model * raw_model() const { return model_; }  // vocab-only: its chat templates
 
     // the most bytes one token stands for (special tokens' text included)
     size_t max_piece_bytes() const;

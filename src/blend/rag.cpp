@@ -76,7 +76,6 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
     return c;
 }
 
-
 rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
                          const std::vector<const chunk_kv *> & given) {
     rag_fuse_result r;
@@ -135,8 +134,7 @@ std::vector<std::vector<llama_token>> rag_ingest_chunks(const vocab & v, const s
             chunks.push_back(rag_doc_tokens(v, text));
         }
     }
-    chunks.erase(std::remove_if(chunks.begin(), chunks.end(), [](const auto & c) { return c.empty(); }),
-                 chunks.end());
+    chunks.erase(std::remove_if(chunks.begin(), chunks.end(), [](const auto & c) { return c.empty(); }), chunks.end());
     return chunks;
 }
 
@@ -144,8 +142,8 @@ rag_ingest_result rag_ingest(store & st, engine & eng, const std::vector<std::ve
                              const rag_ingest_params & p) {
     rag_ingest_result r;
     for (size_t i = 0; i < chunks.size(); ++i) {
-        r.keys.push_back(chunk_key(eng.mdl(), eng.cache().type_k(), codec_by_name(p.codec)->name(), p.prefix,
-                                   chunks[i], p.chunk_evict));
+        r.keys.push_back(chunk_key(eng.mdl(), eng.cache().type_k(), codec_by_name(p.codec)->name(), p.prefix, chunks[i],
+                                   p.chunk_evict));
         const int64_t misses = r.fetch.misses;
         chunk_get_or_collect(&st, eng, p.prefix, chunks[i], r.fetch, p.codec, p.chunk_evict, CHUNK_PUT_REQUIRED);
         if (r.fetch.misses > misses) r.n_tokens += (int64_t) chunks[i].size();

@@ -90,12 +90,18 @@ rag_prompt rag_prompt_build_conversation(const vocab & v, const std::vector<chat
         return rag_prompt_build_tokens(v, system, docs, turns, false);
     }
     // the markers open the first user message; the cut is made as in rag_prompt_build_tokens
-    const std::string mark = "\x1e@kvblend-doc@\x1e";
     std::vector<chat_message> marked = msgs;
     std::string marks;
-    for (size_t i = 0; i < docs.size(); ++i) marks += mark;
+    for (size_t i = 0; i < docs.size(); ++i) marks += k_rag_doc_mark;
     marked[first_user].content = marks + marked[first_user].content;
-    const std::string rendered = v.apply_chat_template(marked, true);
+    return rag_prompt_cut_at_marks(v, v.apply_chat_template(marked, true), docs);
+}
+
+const char * const k_rag_doc_mark = "\x1e@kvblend-doc@\x1e";
+
+rag_prompt rag_prompt_cut_at_marks(const vocab & v, const std::string & rendered,
+                                   const std::vector<std::vector<llama_token>> & docs) {
+    const std::string mark = k_rag_doc_mark;
     rag_prompt p;
     const size_t at = docs.empty() ? std::string::npos : rendered.find(mark);
     if (docs.empty() || at == std::string::npos) {

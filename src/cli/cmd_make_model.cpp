@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cli/args.h"
+#include "cli/cli_util.h"
 #include "cli/commands.h"
 #include "kvblend/model_maker.h"
 
@@ -31,6 +32,8 @@ void make_model_usage() {
         "  --layers N           override the preset's layer count\n"
         "  --tied | --untied    share token_embd as the output projection, or not\n"
         "  --name NAME          general.name (default kvblend-synthetic)\n"
+        "  --chat-template FILE a jinja chat template written as tokenizer.chat_template\n"
+        "                       (e.g. llama.cpp's models/templates/Qwen-Qwen2.5-7B-Instruct.jinja)\n"
         "  -o, --output FILE    where to write the model\n",
         presets.c_str());
 }
@@ -65,6 +68,8 @@ int cmd_make_model(int argc, char ** argv) {
             tied = 0;
         } else if (a.match({"--name"})) {
             params.name = a.str();
+        } else if (a.match({"--chat-template"})) {
+            params.chat_template = read_text_file(a.str());
         } else if (a.match({"-o", "--output"})) {
             out_path = a.str();
         } else {

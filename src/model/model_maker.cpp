@@ -447,6 +447,7 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
         }
         gguf_set_kv(g, tok.get());
     }
+    if (!params.chat_template.empty()) gguf_set_val_str(g, "tokenizer.chat_template", params.chat_template.c_str());
     vocab.reset();
 
     ggml_init_params cparams = {/*mem_size =*/ggml_tensor_overhead() * (plan.size() + 1), /*mem_buffer =*/nullptr,

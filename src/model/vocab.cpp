@@ -39,12 +39,12 @@ std::vector<llama_token> vocab::tokenize(const std::string & text, bool add_spec
     return out;
 }
 
-std::string vocab::token_to_piece(llama_token tok) const {
+std::string vocab::token_to_piece(llama_token tok, bool special) const {
     char buf[128];
-    int32_t n = llama_token_to_piece(vocab_, tok, buf, sizeof(buf), 0, false);
+    int32_t n = llama_token_to_piece(vocab_, tok, buf, sizeof(buf), 0, special);
     if (n >= 0) return std::string(buf, n);
     std::string big(-n, '\0');
-    n = llama_token_to_piece(vocab_, tok, big.data(), (int32_t) big.size(), 0, false);
+    n = llama_token_to_piece(vocab_, tok, big.data(), (int32_t) big.size(), 0, special);
     return n >= 0 ? big.substr(0, n) : std::string();
 }
 

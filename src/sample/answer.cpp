@@ -43,7 +43,7 @@ llama_token answer::on_logits(const float * logits, int32_t n_vocab, bool room) 
     tokens_.push_back(tok);
     if (p_.sampling.logprobs) unsent_.push_back(smp_.last());
     const size_t before = text_.size();
-    text_ += v_.token_to_piece(tok);
+    text_ += v_.token_to_piece(tok, std::binary_search(p_.special_text.begin(), p_.special_text.end(), tok));
     // a stop string can only end inside the new piece
     size_t cut = std::string::npos;
     for (const auto & s : p_.stop) {

@@ -1,7 +1,6 @@
 // constrained output: JSON schemas to GBNF by the pinned llama.cpp's converter
-// (common/json-schema-to-grammar.cpp, compiled as kvblend_schema), and the
-// three string helpers of common.cpp it calls, so that common.cpp itself (and
-// the sampling, download and fit code it pulls in) stays out of the build.
+// (common/json-schema-to-grammar.cpp, compiled as kvblend_schema; the helpers
+// of common.cpp it calls are in src/util/llama_common.cpp).
 #include <algorithm>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -11,29 +10,6 @@
 #include "json-schema-to-grammar.h"
 #include "kvblend/common.h"
 #include "kvblend/sampler.h"
-
-std::string string_join(const std::vector<std::string> & values, const std::string & separator) {
-    std::string out;
-    for (size_t i = 0; i < values.size(); ++i) out += (i ? separator : std::string()) + values[i];
-    return out;
-}
-
-std::vector<std::string> string_split(const std::string & str, const std::string & delimiter) {
-    std::vector<std::string> parts;
-    size_t from = 0;
-    for (size_t at; !delimiter.empty() && (at = str.find(delimiter, from)) != std::string::npos;
-         from = at + delimiter.size())
-        parts.push_back(str.substr(from, at - from));
-    parts.push_back(str.substr(from));
-    return parts;
-}
-
-std::string string_repeat(const std::string & str, size_t n) {
-    std::string out;
-    out.reserve(str.size() * n);
-    for (size_t i = 0; i < n; ++i) out += str;
-    return out;
-}
 
 namespace kvblend {
 
@@ -113,10 +89,32 @@ void check_patterns(const nlohmann::json & schema) {
     }
 }
 
+// the converter reads counts as int and bounds as int64: a number outside those
+// (1e92 items) would be an undefined conversion, so it is an error here
+void check_numbers(const nlohmann::json & schema) {
+    if (schema.is_array())
+        for (const auto & x : schema) check_numbers(x);
+    if (!schema.is_object()) return;
+    for (const auto & [key, value] : schema.items()) {
+        if (!value.is_number()) {
+            check_numbers(value);
+            continue;
+        }
+        const double v = value.get<double>();
+        const bool count = key == "minItems" || key == "maxItems" || key == "minLength" || key == "maxLength";
+        const bool bound =
+            key == "minimum" || key == "maximum" || key == "exclusiveMinimum" || key == "exclusiveMaximum";
+        if ((count && !(v >= 0 && v <= 2147483647.0)) || (bound && !(v >= -9.2e18 && v <= 9.2e18)))
+            throw error("the JSON schema's " + key + " is out of range: " + value.dump());
+    }
+}
+
 }  // namespace
 
 std::string grammar_from_json_schema(const std::string & schema) {
-    check_patterns(parse_schema(schema));
+    const nlohmann::json parsed_schema = parse_schema(schema);
+    check_numbers(parsed_schema);
+    check_patterns(parsed_schema);
     common_json parsed;
     try {
         parsed = common_json::parse(schema);

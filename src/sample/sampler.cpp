@@ -44,8 +44,14 @@ void sampler::build(int32_t n_vocab) {
                                                                      p_.freq_penalty, p_.presence_penalty));
     if (!p_.grammar.empty()) {
         grammar_check(vocab_, p_.grammar);
-        grammar_ = llama_sampler_init_grammar(vocab_, p_.grammar.c_str(), "root");
+        grammar_ =
+            p_.grammar_lazy ? init_lazy_grammar() : llama_sampler_init_grammar(vocab_, p_.grammar.c_str(), "root");
         if (!grammar_) throw error("the grammar is not valid GBNF with a 'root' rule");
+        if (!p_.grammar_lazy) try {
+                for (llama_token t : p_.grammar_prefill) llama_sampler_accept(grammar_, t);
+            } catch (const std::exception & e) {
+                throw error(std::string("the grammar does not begin with its prefill tokens: ") + e.what());
+            }
     }
     pick_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
     // logits divided by a temperature near zero overflow to inf (1e-38 gave garbage);
@@ -61,6 +67,16 @@ void sampler::build(int32_t n_vocab) {
     }
     for (llama_token t : pending_) llama_sampler_accept(chain_, t);
     pending_.clear();
+}
+
+llama_sampler * sampler::init_lazy_grammar() const {
+    if (p_.grammar_trigger_patterns.empty() && p_.grammar_trigger_tokens.empty())
+        throw error("a lazy grammar needs a trigger pattern or token");
+    std::vector<const char *> patterns;
+    for (const auto & t : p_.grammar_trigger_patterns) patterns.push_back(t.c_str());
+    return llama_sampler_init_grammar_lazy_patterns(vocab_, p_.grammar.c_str(), "root", patterns.data(),
+                                                    patterns.size(), p_.grammar_trigger_tokens.data(),
+                                                    p_.grammar_trigger_tokens.size());
 }
 
 sampler::~sampler() {

@@ -24,6 +24,7 @@
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
 #include "server/answer_logprobs.h"
+#include "server/chat_tools.h"
 #include "server/doc_index.h"
 #include "server/prompt_layout.h"
 #include "server/server_http.h"
@@ -58,6 +59,7 @@ struct job {
     std::vector<std::string> stop;
     blend_params sel = blend_default_params();  // the token selection (the fields of the request)
     std::vector<layout_span> spans;             // plain prompts: the known documents found in them (chunks of prompt)
+    std::shared_ptr<const tool_plan> tools;     // chat with tools: how the answer is rendered, constrained and read
     learn_stats learned;                        // … and the passages they added
 
     // what comes back (guarded by mu)
@@ -104,12 +106,19 @@ struct answer_stream {
     answer a;
 
     answer_stream(job & jj, const vocab & v)
-        : j(jj), a({jj.max_tokens, jj.sp, jj.stop}, v, [&jj](answer_piece & p) {
+        : j(jj), a(params_of(jj), v, [&jj](answer_piece & p) {
               jj.emit(std::move(p.text), p.tokens);
               return true;
           }) {
         a.accept_prompt(j.tokens);
         j.finish_reason = "length";
+    }
+
+    static answer_params params_of(const job & j) {
+        answer_params ap{j.max_tokens, j.sp, j.stop, {}};
+        // a tool call's control tokens ("<tool_call>"): their text is what the parser reads
+        if (j.tools) ap.special_text = j.tools->preserved;
+        return ap;
     }
 
     // the logits after the last token run (room: the cache can take another):
@@ -155,6 +164,8 @@ struct server::impl {
     server_params p;
     std::unique_ptr<soft_store> st;  // shared by the slots: its failures are misses, its breaker spares a dead store
     std::string model_id;
+    std::unique_ptr<tool_templates> tool_tmpl;  // the chat template as the tool-call code reads it (null: none)
+    std::string tool_tmpl_error;                // … or why it cannot be read
     http_server http{http_limits{p.max_body, p.read_timeout_s, p.write_timeout_s, 5, p.max_connections,
                                  p.max_connections_per_client}};
     mutable doc_index known;  // texts of the documents plain prompts are searched for
@@ -299,6 +310,7 @@ struct server::impl {
         }
         model_id = !p.alias.empty() ? p.alias : m->path().substr(m->path().find_last_of('/') + 1);
         m->tokens().max_piece_bytes();  // measured once at start, not on a request
+        load_tool_templates();
         engine_params ep = engine_default_params();
         ep.n_ctx = p.n_ctx;
         ep.n_threads = p.n_threads;
@@ -343,6 +355,19 @@ struct server::impl {
                          "kvblend: stopped after %lld requests (%lld failed, %lld cancelled), %lld tokens generated\n",
                          (long long) metrics.requests, (long long) metrics.errors, (long long) metrics.cancelled,
                          (long long) metrics.completion_tokens);
+        }
+    }
+
+    // a template the jinja engine cannot read fails tool requests only, not the server
+    void load_tool_templates() {
+        if (!m->tokens().has_chat_template()) {
+            tool_tmpl_error = "this model has no chat template (tokenizer.chat_template) to show it tools";
+            return;
+        }
+        try {
+            tool_tmpl = std::make_unique<tool_templates>(m->tokens());
+        } catch (const std::exception & e) {
+            tool_tmpl_error = e.what();
         }
     }
 
@@ -874,38 +899,18 @@ struct server::impl {
             if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
                 bad_request("every message needs a string 'role'");
             const std::string role = m["role"].get<std::string>();
-            if (role != "system" && role != "user" && role != "assistant" && role != "developer")
+            if (role != "system" && role != "user" && role != "assistant" && role != "developer" && role != "tool")
                 bad_request("unknown message role '" + role + "'");
             msgs.push_back({role == "developer" ? "system" : role, message_text(m.value("content", json()))});
         }
         auto j = std::make_shared<job>();
         const vocab & v = m->tokens();
+        const tool_request tr = request_tools(b);
+        if (tr.render) return tool_chat_job(b, tr, msgs);
         if (b.contains("documents") && !b["documents"].is_null()) {
             require_dense_slots();
-            const json & d = b["documents"];
-            if (!d.is_array()) bad_request("'documents' must be an array");
-            std::vector<std::vector<llama_token>> docs;
-            std::vector<std::pair<std::string, size_t>> texts;  // text documents, remembered once the request is read
-            std::unordered_map<std::string, size_t> by_id;      // an id repeated is read from the store once
-            int64_t n_doc_tokens = 0;
-            for (const auto & x : d) {
-                const bool text = x.is_string() || (x.is_object() && x.contains("text") && x["text"].is_string());
-                if (text) {
-                    const std::string t = x.is_string() ? x.get<std::string>() : x["text"].get<std::string>();
-                    docs.push_back(rag_doc_tokens(v, t));
-                    texts.emplace_back(t, docs.size() - 1);
-                } else if (x.is_object() && x.contains("id") && x["id"].is_string()) {
-                    const std::string id = x["id"].get<std::string>();
-                    auto it = by_id.find(id);
-                    docs.push_back(it != by_id.end() ? docs[it->second] : stored_doc(id));
-                    by_id.emplace(id, docs.size() - 1);
-                } else
-                    bad_request("every document must be {\"text\": string} or {\"id\": string}");
-                // no store entry is read for a request that can no longer fit
-                n_doc_tokens += (int64_t) docs.back().size();
-                if (n_doc_tokens > p.n_ctx)
-                    bad_request("the documents hold more than the context's " + std::to_string(p.n_ctx) + " tokens");
-            }
+            std::vector<std::pair<std::string, size_t>> texts;
+            const std::vector<std::vector<llama_token>> docs = read_documents(b["documents"], texts);
             // the system messages, the documents, then the conversation: a follow-up over the
             // same documents extends the earlier prompt, so the slot's fused prefix is reused
             j->fuse = true;
@@ -933,6 +938,95 @@ struct server::impl {
         if (j->tokens.empty()) bad_request("the prompt is empty");
         read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_CHAT);
         return j;
+    }
+
+    // a chat's "documents" as tokens (text, or the id of a stored one); texts: the
+    // text documents and their index, remembered once the request is read
+    std::vector<std::vector<llama_token>> read_documents(const json & d,
+                                                         std::vector<std::pair<std::string, size_t>> & texts) const {
+        if (!d.is_array()) bad_request("'documents' must be an array");
+        std::vector<std::vector<llama_token>> docs;
+        std::unordered_map<std::string, size_t> by_id;  // an id repeated is read from the store once
+        int64_t n_doc_tokens = 0;
+        for (const auto & x : d) {
+            const bool text = x.is_string() || (x.is_object() && x.contains("text") && x["text"].is_string());
+            if (text) {
+                const std::string t = x.is_string() ? x.get<std::string>() : x["text"].get<std::string>();
+                docs.push_back(rag_doc_tokens(m->tokens(), t));
+                texts.emplace_back(t, docs.size() - 1);
+            } else if (x.is_object() && x.contains("id") && x["id"].is_string()) {
+                const std::string id = x["id"].get<std::string>();
+                auto it = by_id.find(id);
+                docs.push_back(it != by_id.end() ? docs[it->second] : stored_doc(id));
+                by_id.emplace(id, docs.size() - 1);
+            } else
+                bad_request("every document must be {\"text\": string} or {\"id\": string}");
+            // no store entry is read for a request that can no longer fit
+            n_doc_tokens += (int64_t) docs.back().size();
+            if (n_doc_tokens > p.n_ctx)
+                bad_request("the documents hold more than the context's " + std::to_string(p.n_ctx) + " tokens");
+        }
+        return docs;
+    }
+
+    // a chat with tools (or tool calls and results): rendered by the chat code, its
+    // answer constrained by the format's grammar and read back into tool_calls.
+    // with documents: they open the first user message, as in rag_prompt_build_conversation
+    // (the tools sit in the system part before them), and the prompt is fused
+    std::shared_ptr<job> tool_chat_job(const json & b, const tool_request & tr,
+                                       const std::vector<chat_message> & msgs) const {
+        if (!tool_tmpl) bad_request("tool calls are not available: " + tool_tmpl_error, "unsupported_parameter");
+        auto j = std::make_shared<job>();
+        const vocab & v = m->tokens();
+        std::shared_ptr<tool_plan> plan;
+        if (b.contains("documents")) {
+            require_dense_slots();
+            std::vector<std::pair<std::string, size_t>> texts;
+            const std::vector<std::vector<llama_token>> docs = read_documents(b["documents"], texts);
+            plan = std::make_shared<tool_plan>(tool_tmpl->plan(with_doc_marks(b, docs.size()), tr));
+            j->fuse = true;
+            try {
+                j->prompt = rag_prompt_cut_at_marks(v, plan->prompt, docs);
+            } catch (const error & e) {
+                bad_request(e.what());
+            }
+            j->tokens = j->prompt.all();
+            for (const auto & [t, i] : texts) remember(t, docs[i]);
+        } else {
+            plan = std::make_shared<tool_plan>(tool_tmpl->plan(b, tr));
+            std::vector<std::string> contents;
+            for (const auto & mm : msgs) contents.push_back(mm.content);
+            std::vector<llama_token> toks = v.tokenize(plan->prompt, true, true);
+            if (!with_known_docs(*j, plan->prompt, contents, (int64_t) toks.size(), true))
+                plain_or_chunked(*j, std::move(toks));
+        }
+        if (j->tokens.empty()) bad_request("the prompt is empty");
+        read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_CHAT);
+        tool_plan_apply(*plan, j->sp);
+        if (plan->calls) try {
+                grammar_check(v.raw(), j->sp.grammar);
+            } catch (const error & e) {
+                bad_request(std::string("the tool calls' grammar: ") + e.what(), "invalid_grammar");
+            }
+        j->stop.insert(j->stop.end(), plan->stops.begin(), plan->stops.end());
+        j->tools = std::move(plan);
+        return j;
+    }
+
+    // the body with one k_rag_doc_mark per document opening its first user message
+    static json with_doc_marks(json b, size_t n_docs) {
+        std::string marks;
+        for (size_t i = 0; i < n_docs; ++i) marks += k_rag_doc_mark;
+        for (json & msg : b["messages"]) {
+            if (msg.value("role", "") != "user") continue;
+            json & c = msg["content"];
+            if (c.is_array())
+                c.insert(c.begin(), json{{"type", "text"}, {"text", marks}});
+            else
+                c = marks + (c.is_string() ? c.get<std::string>() : std::string());
+            return b;
+        }
+        bad_request("a request with documents needs a user message");
     }
 
     // a document added with POST /v1/documents: its tokens are in its store entry
@@ -1066,9 +1160,14 @@ struct server::impl {
                         {"kvblend", kvblend_of(*j)}};
             if (chat) {
                 out["object"] = "chat.completion";
-                out["choices"] = json::array({{{"index", 0},
-                                               {"message", {{"role", "assistant"}, {"content", text}}},
-                                               {"finish_reason", j->finish_reason}}});
+                json message = {{"role", "assistant"}, {"content", text}};
+                std::string finish = j->finish_reason;
+                if (j->tools) {  // the text read back into content and tool_calls
+                    tool_reader reader(*j->tools);
+                    message = reader.message(text, finish == "length");
+                    if (reader.made_calls() && finish == "stop") finish = "tool_calls";
+                }
+                out["choices"] = json::array({{{"index", 0}, {"message", message}, {"finish_reason", finish}}});
             } else {
                 out["object"] = "text_completion";
                 out["choices"] = json::array({{{"index", 0}, {"text", text}, {"finish_reason", j->finish_reason}}});
@@ -1090,6 +1189,9 @@ struct server::impl {
         };
         auto started = std::make_shared<bool>(false);
         auto streamed_bytes = std::make_shared<size_t>(0);  // completions' text_offset
+        // tools: the text so far, read again on each round into content and call deltas
+        auto reader = j->tools ? std::make_shared<tool_reader>(*j->tools) : nullptr;
+        auto tool_text = std::make_shared<std::string>();
         auto provider = [=, &req](size_t, httplib::DataSink & sink) {
             std::string out;
             bool finished = false;
@@ -1104,6 +1206,12 @@ struct server::impl {
                     }
                 if (!*started && chat) out += chunk({{"role", "assistant"}, {"content", ""}}, nullptr);
                 *started = true;
+                if (reader) {
+                    for (const answer_piece & piece : j->pieces) *tool_text += piece.text;
+                    j->pieces.clear();
+                    const bool cut = j->done && j->finish_reason == "length";
+                    for (const json & d : reader->deltas(*tool_text, j->done, cut)) out += chunk(d, nullptr);
+                }
                 while (!j->pieces.empty()) {
                     const answer_piece & piece = j->pieces.front();
                     std::string c = chunk(chat ? json{{"content", piece.text}} : json(piece.text), nullptr);
@@ -1121,7 +1229,9 @@ struct server::impl {
                     if (!j->error.empty()) {
                         out += "data: " + error_body(j->error, "server_error", "internal_error") + "\n\n";
                     } else {
-                        json last = json::parse(chunk(chat ? json::object() : json(""), j->finish_reason).substr(6));
+                        const bool calls = reader && reader->made_calls() && j->finish_reason == "stop";
+                        json last = json::parse(
+                            chunk(chat ? json::object() : json(""), calls ? "tool_calls" : j->finish_reason).substr(6));
                         last["kvblend"] = kvblend_of(*j);
                         out += "data: " + last.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
                         if (j->stream_usage) {  // OpenAI's usage chunk: its own, with no choices

@@ -3,6 +3,7 @@
 // probabilities are the log-softmax of what the sampler saw after the grammar.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -103,7 +104,10 @@ TEST(grammar, bad_grammars_and_schemas_are_errors_that_say_why) {
     for (const char * bad :
          {"{not json", R"({"type": "string", "pattern": "^(?=a)$"})", R"({"type": "string", "pattern": "^[a-y)?$"})",
           R"({"$ref": "#/definitions/none"})", R"({"type": "array", "items": {"type": "integer"}, "minItems": 100000})",
-          R"({"type": "string", "maxLength": 1000000})"}) {
+          R"({"type": "string", "maxLength": 1000000})",
+          // counts and bounds the converter cannot hold (an undefined conversion before)
+          R"({"type": "array", "items": {"enum": ["a"]}, "minItems": 1.3e92})",
+          R"({"type": "string", "maxLength": -1})", R"({"type": "integer", "minimum": 1e300})"}) {
         try {
             grammar_from_json_schema(bad);
             ADD_FAILURE() << "accepted " << bad;
@@ -186,6 +190,89 @@ TEST(logprobs, are_taken_after_the_grammar) {
             sampler x(bad);
         }(),
         error);
+}
+
+// logits that make tok the choice (a peak over random values)
+std::vector<float> peaked_logits(std::mt19937 & rng, int32_t n, llama_token tok) {
+    std::vector<float> l = random_logits(rng, n);
+    l[tok] = 100.0f;
+    return l;
+}
+
+// a lazy grammar (tool calls under tool_choice "auto") leaves the text free
+// until its trigger appears, then binds the rest from the trigger on
+TEST(grammar, a_lazy_grammar_binds_from_its_trigger_on) {
+    const vocab & v = stories_vocab();
+    const std::string grammar = R"(root ::= "<call>" [0-9] [0-9] [0-9] "</call>")";
+    for (uint32_t seed = 1; seed <= 4; ++seed) {
+        sampler_params sp;
+        sp.temp = 1.0f;
+        sp.top_k = 0, sp.top_p = 1.0f, sp.min_p = 0.0f;
+        sp.seed = seed;
+        sp.grammar = grammar;
+        sp.grammar_lazy = true;
+        sp.grammar_trigger_patterns = {"<call>"};
+        sampler smp(sp, v.raw());
+        std::mt19937 rng(seed);
+        // free text the grammar would refuse, then the trigger: both sampled as forced
+        std::string text;
+        for (llama_token t : v.tokenize("Once there was <call>", false)) {
+            const std::vector<float> l = peaked_logits(rng, v.n_tokens(), t);
+            ASSERT_EQ(smp.sample(l.data(), v.n_tokens()), t);
+            text += v.token_to_piece(t);
+        }
+        bool ended = false;
+        text += run(smp, seed, 40, &ended);
+        EXPECT_TRUE(ended) << text;
+        const size_t at = text.find("<call>");
+        ASSERT_NE(at, std::string::npos) << text;
+        const std::string call = text.substr(at + 6);
+        EXPECT_EQ(call.size(), 10u) << text;
+        EXPECT_TRUE(call.size() >= 3 && std::isdigit((unsigned char) call[0]) &&
+                    std::isdigit((unsigned char) call[1]) && std::isdigit((unsigned char) call[2]))
+            << text;
+        EXPECT_EQ(call.substr(3), "</call>") << text;
+    }
+    // the same first tokens under the grammar bound from the start: refused
+    sampler_params eager;
+    eager.grammar = grammar;
+    sampler smp(eager, v.raw());
+    std::mt19937 rng(1);
+    const llama_token first = v.tokenize("Once", false)[0];
+    const std::vector<float> l = peaked_logits(rng, v.n_tokens(), first);
+    EXPECT_NE(smp.sample(l.data(), v.n_tokens()), first);
+    // a lazy grammar without a trigger is an error, not a grammar that never binds
+    sampler_params none;
+    none.grammar = grammar;
+    none.grammar_lazy = true;
+    sampler bad(none, v.raw());
+    EXPECT_THROW(bad.sample(l.data(), v.n_tokens()), error);
+}
+
+// a tool-call grammar begins with the template's generation prompt, which is in
+// the prompt already: the grammar reads it first and the answer starts after it
+TEST(grammar, prefill_tokens_are_read_before_the_first_sampled_one) {
+    const vocab & v = stories_vocab();
+    sampler_params sp;
+    sp.temp = 1.0f;
+    sp.seed = 3;
+    sp.grammar_prefill = v.tokenize("Once upon", false);
+    std::string prefill_text;  // as the vocabulary writes it (a leading space, say)
+    for (llama_token t : sp.grammar_prefill) prefill_text += v.token_to_piece(t);
+    sp.grammar = "root ::= \"" + prefill_text + "\" \" \" [0-9] [0-9]";
+    sampler smp(sp, v.raw());
+    bool ended = false;
+    const std::string text = run(smp, 3, 10, &ended);
+    EXPECT_TRUE(ended) << text;
+    ASSERT_EQ(text.size(), 3u) << text;
+    EXPECT_TRUE(text[0] == ' ' && std::isdigit((unsigned char) text[1]) && std::isdigit((unsigned char) text[2]))
+        << text;
+    // prefill tokens the grammar cannot read are an error
+    sp.grammar_prefill = v.tokenize("Twice", false);
+    sampler bad(sp, v.raw());
+    std::mt19937 rng(1);
+    const std::vector<float> l = random_logits(rng, v.n_tokens());
+    EXPECT_THROW(bad.sample(l.data(), v.n_tokens()), error);
 }
 
 }  // namespace

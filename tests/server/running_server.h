@@ -3,7 +3,9 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
+#include <cstdio>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -12,6 +14,7 @@
 
 #include "httplib.h"
 #include "kvblend/server.h"
+#include "test_util.h"
 
 namespace kvblend::test {
 
@@ -43,6 +46,30 @@ class running_server {
     std::unique_ptr<server> srv_;
     std::thread thread_;
 };
+
+// a node script of tests/server/node (node SCRIPT BASE_URL API_KEY) against a
+// server on the model at model_path, with a store and an API key; its output on failure
+inline void run_node_client(const std::string & script, const std::string & model_path) {
+    const std::string dir = std::string(KVBLEND_SOURCE_DIR) + "/tests/server/node";
+    ASSERT_TRUE(std::ifstream(dir + "/node_modules/zod/package.json").good())
+        << "the npm clients are missing: run scripts/setup.sh";
+    test::temp_dir d("answersnode");
+    server_params p;
+    p.n_ctx = 512;
+    p.store_uri = d.path().string();
+    p.api_key = "test-key";
+    running_server s(p, model_path);
+    const std::string cmd =
+        "node " + dir + "/" + script + " http://127.0.0.1:" + std::to_string(s.port()) + "/v1 test-key 2>&1";
+    FILE * f = popen(cmd.c_str(), "r");
+    ASSERT_NE(f, nullptr);
+    std::string out;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof(buf), f)) out.append(buf, n);
+    const int rc = pclose(f);
+    EXPECT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 0) << out;
+    EXPECT_NE(out.find("all checks passed"), std::string::npos) << out;
+}
 
 // the testbed model and the prompts kept in the tree (system, chunks, query, answer)
 inline const std::string k_testbed_model = std::string(KVBLEND_SOURCE_DIR) + "/models/testbed.gguf";

@@ -262,25 +262,9 @@ TEST(server_answers, documents_with_an_earlier_conversation_are_answered_from_th
 }
 
 // a node script of tests/server/node against a server on tiny-qwen3 (random
-// weights, the qwen2 vocabulary and its chat template); its output on failure
+// weights, the qwen2 vocabulary and its chat template)
 void run_node_client(const std::string & script) {
-    const std::string dir = std::string(KVBLEND_SOURCE_DIR) + "/tests/server/node";
-    ASSERT_TRUE(std::ifstream(dir + "/node_modules/zod/package.json").good())
-        << "the npm clients are missing: run scripts/setup.sh";
-    test::temp_dir d("answersnode");
-    server_params p = small_params(d.path().string());
-    p.api_key = "test-key";
-    running_server s(p, test::make_test_model("tiny-qwen3", GGML_TYPE_F32, test::vocab_path("qwen2")));
-    const std::string cmd =
-        "node " + dir + "/" + script + " http://127.0.0.1:" + std::to_string(s.port()) + "/v1 test-key 2>&1";
-    FILE * f = popen(cmd.c_str(), "r");
-    ASSERT_NE(f, nullptr);
-    std::string out;
-    char buf[4096];
-    while (size_t n = fread(buf, 1, sizeof(buf), f)) out.append(buf, n);
-    const int rc = pclose(f);
-    EXPECT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 0) << out;
-    EXPECT_NE(out.find("all checks passed"), std::string::npos) << out;
+    test::run_node_client(script, test::make_test_model("tiny-qwen3", GGML_TYPE_F32, test::vocab_path("qwen2")));
 }
 
 TEST(server_answers, the_openai_client_parses_zod_schemas_and_reads_logprobs) {

@@ -87,8 +87,32 @@ TEST(server_request, fields_are_checked_per_endpoint) {
         "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + R"(,"documents":[{"text":"t","id":"a"}]})"), "invalid_request");
     // refused rather than ignored; the values clients send by default pass
-    for (const char * bad : {R"("tools":[{"type":"function"}])", R"("response_format":{"type":"xml"})"})
+    for (const char * bad : {R"("functions":[{"name":"f"}])", R"("response_format":{"type":"xml"})"})
         EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "unsupported_parameter") << bad;
+    // tools: a malformed one, a tool_choice naming none of them, a result answering no call
+    for (
+        const char * bad :
+        {R"("tools":[{"type":"function"}])", R"("tools":[],"tool_choice":"required")",
+         R"("tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":{"type":"function","function":{"name":"g"}})",
+         R"("tools":[{"type":"function","function":{"name":"f","parameters":[]}}])"})
+        EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + bad + "}"), "invalid_request") << bad;
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"tool","tool_call_id":"c","content":"1"}]})"),
+              "invalid_request");
+    // … and what passes: a required call, a named one, a round trip of a call and its result
+    const std::string tool = R"("tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}])";
+    EXPECT_EQ(error_code_of(REQUEST_CHAT, "{" + msg + "," + tool + R"(,"tool_choice":"required"})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT,
+                            "{" + msg + "," + tool + R"(,"tool_choice":{"type":"function","function":{"name":"f"}}})"),
+              "");
+    EXPECT_EQ(error_code_of(REQUEST_CHAT,
+                            R"({"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,)"
+                            R"("tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]},)"
+                            R"({"role":"tool","tool_call_id":"c","content":"1"}],)" +
+                                tool + "}"),
+              "");
+    EXPECT_EQ(
+        error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","tools":[{"type":"function","function":{"name":"f"}}]})"),
+        "invalid_request");
     // constrained output and log-probabilities: honoured when well formed
     for (
         const char * good :
