@@ -251,6 +251,38 @@ KVB_API kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char *
 // model, KV type and the store's codec; no prefix). computes no KV.
 KVB_API kvb_status kvb_doc_id(kvb_context * ctx, const kvb_store * store, const char * text, kvb_id * out);
 
+// --- chat with tools: OpenAI's messages and tools, through the model's chat template ---
+
+// a conversation rendered by the model's (jinja) chat template with its tools,
+// and the rules its answer follows: the grammar of the template's tool-call
+// format, its stop strings, and the parser that reads the calls back
+typedef struct kvb_chat kvb_chat;
+
+// request_json: a JSON object with OpenAI's chat fields "messages" (assistant
+// messages may carry "tool_calls"; "tool" messages answer them by
+// "tool_call_id"), "tools", "tool_choice" ("auto", the default with tools;
+// "none"; "required"; {"type": "function", "function": {"name": …}}) and
+// "parallel_tool_calls"; other fields are ignored. "required" and a named
+// function constrain the answer to calls from its first token. n_docs > 0:
+// that many documents open the first user message (kvb_blend places them).
+// KVB_ERR_INVALID_ARGUMENT says what is wrong with the request; KVB_ERR_FAILED:
+// the model has no chat template, or one the jinja engine cannot read.
+KVB_API kvb_status kvb_chat_new(const kvb_model * model, const char * request_json, size_t n_docs, kvb_chat ** out);
+KVB_API void kvb_chat_free(kvb_chat * chat);
+// the rendered conversation up to the assistant's turn; valid while chat lives
+KVB_API const char * kvb_chat_prompt(const kvb_chat * chat);
+// an answer generated with kvb_generate_params.chat, read as OpenAI's assistant
+// message: {"role": "assistant", "content": string or null, "tool_calls":
+// [{"id", "type": "function", "function": {"name", "arguments"}}]} ("tool_calls"
+// only when the answer made calls; "content" null when it made only calls).
+// cut: the answer ended at n_predict (its last call may be unfinished). *json: kvb_free()
+KVB_API kvb_status kvb_chat_read(kvb_chat * chat, const char * text, bool cut, char ** json);
+// streaming: what the answer added since the last read, as a JSON array of
+// OpenAI's deltas ({"content": …} or {"tool_calls": [{"index", "id"?, "type"?,
+// "function": {"name"?, "arguments"}}]}); text: the answer so far; done: it is
+// whole (then read as kvb_chat_read reads it). Call it with growing texts of one answer. *json: kvb_free()
+KVB_API kvb_status kvb_chat_read_deltas(kvb_chat * chat, const char * text, bool done, bool cut, char ** json);
+
 // --- generation parameters ---------------------------------------------------
 
 // a piece of generated text (len bytes, not NUL-terminated; a UTF-8 character
@@ -287,6 +319,12 @@ typedef enum kvb_stop_reason {
     KVB_STOP_CALLBACK = 3,  // on_piece or on_token returned false
 } kvb_stop_reason;
 
+// a number added to a token's logit before sampling (-100 bans it in effect, 100 all but forces it)
+typedef struct kvb_logit_bias {
+    kvb_token token;
+    float bias;  // in [-100, 100]
+} kvb_logit_bias;
+
 typedef struct kvb_generate_params {
     int32_t n_predict;  // tokens to generate at most (default 64; 0: none)
     float temp;         // below 1e-6 (0 included): greedy (the default)
@@ -312,6 +350,15 @@ typedef struct kvb_generate_params {
     // top_logprobs (0 … 20) candidates; user_data is passed to it too
     kvb_token_callback on_token;
     int32_t top_logprobs;
+    // the answer of a chat (kvb_chat_new; NULL: none): the prompt is the chat's
+    // rendered conversation (kvb_generate's prompt and kvb_blend's system and
+    // question are NULL), sampled under its tool-call grammar (no grammar or
+    // json_schema beside one that has tools) and its stop strings; read the
+    // text with kvb_chat_read
+    const kvb_chat * chat;
+    // logit biases (OpenAI's logit_bias), n_logit_bias of them (NULL, 0: none)
+    const kvb_logit_bias * logit_bias;
+    size_t n_logit_bias;
 } kvb_generate_params;
 
 typedef struct kvb_generate_stats {
@@ -325,11 +372,13 @@ typedef struct kvb_generate_stats {
 KVB_API kvb_generate_params kvb_generate_default_params(void);
 
 // plain generation: a full prefill of the prompt (tokenized with BOS as the
-// model asks, no special-token parsing), then sampling. *text (may be NULL):
-// the generated text, kvb_free(); stats may be NULL.
+// model asks, no special-token parsing; NULL with params->chat, whose prompt
+// it is), then sampling. *text (may be NULL): the generated text, kvb_free();
+// stats may be NULL.
 KVB_API kvb_status kvb_generate(kvb_context * ctx, const char * prompt, const kvb_generate_params * params,
                                 char ** text, kvb_generate_stats * stats);
-// the same from tokens (e.g. kvb_chat_apply_template + kvb_tokenize with parse_special)
+// the same from tokens (e.g. kvb_chat_apply_template + kvb_tokenize with
+// parse_special); not with params->chat
 KVB_API kvb_status kvb_generate_tokens(kvb_context * ctx, const kvb_token * prompt, size_t n_prompt,
                                        const kvb_generate_params * params, char ** text, kvb_generate_stats * stats);
 

@@ -95,6 +95,9 @@ class sampler {
     llama_sampler * init_lazy_grammar() const;  // the grammar sampler waiting for its triggers
     bool penalized() const;                     // some penalty is on
     void record_probs(const llama_token_data_array & arr);
+    llama_token_data_array candidates(const float * logits);  // every token, biased and penalised
+    bool grammar_allows(llama_token_data d) const;
+    llama_token take(llama_token tok);  // the choice: accepted by every stage, remembered in last_
 
     sampler_params p_;
     const llama_vocab * vocab_ = nullptr;

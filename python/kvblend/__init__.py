@@ -533,6 +533,37 @@ def _tokens(tokens, what="tokens"):
     return (_lib.kvb_token * len(ids))(*ids)
 
 
+class _Chat:
+    """A kvb_chat: OpenAI messages and tools rendered by the model's chat template, the
+    rules of the answer's tool calls, and the reader that turns the answer back into them."""
+
+    def __init__(self, model, request, n_docs):
+        body = _b(json.dumps(request, ensure_ascii=False), "the chat request")
+        h = c_void_p()
+        with model._using():
+            _check(_c.kvb_chat_new(model._m, body, n_docs, byref(h)))
+        self._h = h
+
+    def _json(self, status, out):
+        _check(status)
+        return json.loads(_take_string(out))
+
+    def read(self, text, cut):
+        """The whole answer as OpenAI's assistant message (content, tool_calls)."""
+        out = c_void_p()
+        return self._json(_c.kvb_chat_read(self._h, _b(text, "the answer"), cut, byref(out)), out)
+
+    def deltas(self, text, done, cut):
+        """What the answer so far adds since the last read, as OpenAI's stream deltas."""
+        out = c_void_p()
+        return self._json(_c.kvb_chat_read_deltas(self._h, _b(text, "the answer"), done, cut, byref(out)), out)
+
+    def __del__(self):
+        if getattr(self, "_h", None) and _c is not None:
+            _c.kvb_chat_free(self._h)
+            self._h = None
+
+
 class Model(_Closing):
     """A GGUF model (llama, mistral, qwen2, qwen3, mistral3, granite, olmo2, smollm3, phi3, gemma3) and an engine to run it.
 
@@ -677,7 +708,7 @@ class Model(_Closing):
 
     # parameters --------------------------------------------------------------
     @staticmethod
-    def _gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, constraint, keep):
+    def _gen_params(n_predict, temp, top_k, top_p, min_p, seed, stop, constraint, logit_bias, keep):
         gp = _c.kvb_generate_default_params()
         gp.grammar, gp.json_schema = constraint
         gp.n_predict = _int(n_predict, "n_predict", *_I32)
@@ -692,6 +723,14 @@ class Model(_Closing):
             keep.append(arr)
             gp.stop = arr
             gp.n_stop = len(stops)
+        if logit_bias:
+            items = list(dict(logit_bias).items())
+            biases = (_lib.kvb_logit_bias * len(items))(
+                *[_lib.kvb_logit_bias(_int(int(t), "a logit_bias token", *_I32), _real(b, "a logit bias"))
+                  for t, b in items])
+            keep.append(biases)
+            gp.logit_bias = biases
+            gp.n_logit_bias = len(items)
         return gp
 
     @staticmethod
@@ -727,10 +766,13 @@ class Model(_Closing):
         gp.on_token = cfn
         return entries
 
-    def _generating(self, sampling, on_piece, keep, stats_type, call, logprobs=None, on_logprob=None):
+    def _generating(self, sampling, on_piece, keep, stats_type, call, logprobs=None, on_logprob=None, chat=None):
         """Run ``call(ctx, gp, text, stats)`` (byrefs) under the lock, with the sampling
-        params, on_piece and the logprobs behind them; returns (text, stats struct, entries)."""
+        params, on_piece and the logprobs behind them (and the _Chat whose answer it is);
+        returns (text, stats struct, entries)."""
         gp = self._gen_params(*sampling, keep)
+        if chat is not None:
+            gp.chat = chat._h
         guard = _Callback(self)
         self._piece_callback(gp, on_piece, guard, keep)
         entries = self._token_callback(gp, logprobs, on_logprob, guard, keep)
@@ -805,7 +847,8 @@ class Model(_Closing):
               chunk_head=None, head_in_budget=None, weight_query=None, budget=None, dev_mass=None, schedule=None,
               chat=False, collect_with_prefix=False, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05,
               seed=None, stop=None, on_piece=None, max_tokens=None, temperature=None, response_format=None,
-              json_schema=None, grammar=None, logprobs=False, top_logprobs=None):
+              json_schema=None, grammar=None, logprobs=False, top_logprobs=None, logit_bias=None, _chat=None,
+              _on_logprob=None):
         """Answer ``question`` over ``[system, docs…]`` with CacheBlend prefill.
 
         ``docs``: texts, or {"text": …} / {"id": …} dicts (an id from ingest()).
@@ -842,8 +885,11 @@ class Model(_Closing):
                     cdocs[i].id = _b(d["id"], "document %d's id" % i)
             else:
                 cdocs[i].text = _b(d, "document %d" % i)
-        system_b = _b("" if system is None else system, "system")
-        question_b = _b(question, "question")
+        if _chat is None:  # else the chat's messages hold them
+            system_b = _b("" if system is None else system, "system")
+            question_b = _b(question, "question")
+        else:
+            system_b = question_b = None
         bp = _c.kvb_blend_default_params()
         if ratio is not None:
             bp.recomp_ratio = _real(ratio, "ratio")
@@ -874,16 +920,17 @@ class Model(_Closing):
         bp.collect_with_prefix = bool(collect_with_prefix)
         with _store_of(store)._using() if store is not None else contextlib.nullcontext():
             text, st, entries = self._generating(
-                (n_predict, temp, top_k, top_p, min_p, seed, stop, constraint), on_piece, keep, _lib.kvb_blend_stats,
+                (n_predict, temp, top_k, top_p, min_p, seed, stop, constraint, logit_bias), on_piece, keep,
+                _lib.kvb_blend_stats,
                 lambda ctx, gp, out, stats: _c.kvb_blend(ctx, store._h if store is not None else None, system_b,
                                                          cdocs, len(docs), question_b, byref(bp), gp, out, stats),
-                _logprobs_asked(logprobs, top_logprobs))
+                _logprobs_asked(logprobs, top_logprobs), _on_logprob, _chat)
         return BlendResult(text, _stats_from(BlendStats, st), entries)
 
     # plain generation --------------------------------------------------------
     def complete(self, prompt, *, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05, seed=None, stop=None,
                  on_piece=None, max_tokens=None, temperature=None, response_format=None, json_schema=None,
-                 grammar=None, logprobs=False, top_logprobs=None):
+                 grammar=None, logprobs=False, top_logprobs=None, logit_bias=None):
         """Prefill ``prompt`` (text, or a list of token ids) and generate; returns GenerateResult(text, stats).
 
         ``max_tokens`` and ``temperature`` are the openai client's and
@@ -894,40 +941,46 @@ class Model(_Closing):
         ``top_logprobs`` count, 0–20) fills the result's ``logprobs``: per
         generated token, OpenAI's chat entry {token, logprob, bytes,
         top_logprobs}, as the sampler saw it (after any grammar, before
-        top-k/top-p/min-p and the temperature).
+        top-k/top-p/min-p and the temperature). ``logit_bias`` {token id: bias
+        in [-100, 100]} is added to those tokens' logits (OpenAI's logit_bias).
         """
         return self._complete(prompt, on_piece, None, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p,
                               min_p=min_p, seed=seed, stop=stop, max_tokens=max_tokens, temperature=temperature,
                               response_format=response_format, json_schema=json_schema, grammar=grammar,
-                              logprobs=logprobs, top_logprobs=top_logprobs)
+                              logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=logit_bias)
 
     def _complete(self, prompt, on_piece, on_logprob, *, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05,
                   seed=None, stop=None, max_tokens=None, temperature=None, response_format=None, json_schema=None,
-                  grammar=None, logprobs=False, top_logprobs=None):
+                  grammar=None, logprobs=False, top_logprobs=None, logit_bias=None, chat=None):
+        """chat: a _Chat whose rendered conversation is the prompt (prompt is None)."""
         n_predict = _alias(n_predict, max_tokens, "n_predict", "max_tokens", 64)
         temp = _alias(temp, temperature, "temp", "temperature", 0.0)
         constraint = _constraint(response_format, json_schema, grammar)
-        if isinstance(prompt, (str, bytes)):
+        if chat is not None:
+            call = lambda ctx, gp, out, stats: _c.kvb_generate(ctx, None, gp, out, stats)  # noqa: E731
+        elif isinstance(prompt, (str, bytes)):
             text_b = _b(prompt, "prompt")
             call = lambda ctx, gp, out, stats: _c.kvb_generate(ctx, text_b, gp, out, stats)  # noqa: E731
         else:
             toks = _tokens(prompt, "prompt")
             call = lambda ctx, gp, out, stats: _c.kvb_generate_tokens(ctx, toks, len(toks), gp, out, stats)  # noqa: E731
 
-        text, st, entries = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop, constraint), on_piece,
+        text, st, entries = self._generating((n_predict, temp, top_k, top_p, min_p, seed, stop, constraint, logit_bias),
+                                             on_piece,
                                              [], _lib.kvb_generate_stats, call,
-                                             _logprobs_asked(logprobs, top_logprobs), on_logprob)
+                                             _logprobs_asked(logprobs, top_logprobs), on_logprob, chat)
         return GenerateResult(text, _stats_from(GenerateStats, st), entries)
 
     # llama-cpp-python's calls, answered in OpenAI's shapes -----------------------
     def create_completion(self, prompt, *, max_tokens=16, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
-                          stop=None, seed=None, stream=False, response_format=None, logprobs=None, documents=None,
+                          stop=None, seed=None, stream=False, response_format=None, logprobs=None, logit_bias=None,
+                          documents=None,
                           store=None):
         """An OpenAI ``text_completion`` dict (or, with ``stream``, an iterator of chunks), as
         llama-cpp-python's create_completion; ``logprobs=N`` (0–20) gives the legacy logprobs
         object with N candidates per token; ``documents`` (kvblend's extra) are fused before the prompt."""
         sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                        stop=stop, seed=seed, response_format=response_format)
+                        stop=stop, seed=seed, response_format=response_format, logit_bias=logit_bias)
         if logprobs is not None:
             sampling["top_logprobs"] = logprobs
         shape = None if logprobs is None else (lambda e: _legacy_logprobs(e, logprobs > 0))
@@ -935,26 +988,37 @@ class Model(_Closing):
 
     def create_chat_completion(self, messages, *, max_tokens=None, temperature=0.2, top_p=0.95, top_k=40, min_p=0.05,
                                stop=None, seed=None, stream=False, response_format=None, logprobs=False,
-                               top_logprobs=None, tools=None, tool_choice=None, documents=None, store=None):
+                               top_logprobs=None, logit_bias=None, tools=None, tool_choice=None, parallel_tool_calls=None,
+                               documents=None, store=None):
         """An OpenAI ``chat.completion`` dict (or, with ``stream``, an iterator of chunks), as
         llama-cpp-python's create_chat_completion: the model's chat template renders ``messages``;
-        ``logprobs``/``top_logprobs`` as OpenAI's. ``documents`` (kvblend's extra) are fused with
-        the system messages before the question."""
-        if tools or tool_choice not in (None, "none"):
-            raise InvalidArgumentError("tools are not supported yet", "KVB_ERR_INVALID_ARGUMENT")
+        ``logprobs``/``top_logprobs`` as OpenAI's. ``tools``, ``tool_choice`` and
+        ``parallel_tool_calls`` as OpenAI's: the template shows the model its tools, the calls are
+        sampled under the grammar of the template's call format and come back as
+        ``message.tool_calls`` with ``finish_reason`` "tool_calls"; assistant messages with
+        ``tool_calls`` and ``tool`` messages carry the conversation on. ``documents``
+        (kvblend's extra) are fused: after the system messages for a question alone, at the
+        start of the first user message in a longer conversation or with tools."""
         sampling = dict(max_tokens=256 if max_tokens is None else max_tokens, temperature=temperature, top_p=top_p,
-                        top_k=top_k, min_p=min_p, stop=stop, seed=seed, response_format=response_format)
+                        top_k=top_k, min_p=min_p, stop=stop, seed=seed, response_format=response_format,
+                        logit_bias=logit_bias)
         shape = None
         if logprobs or top_logprobs is not None:
             sampling.update(logprobs=True, top_logprobs=top_logprobs)
             shape = lambda e: {"content": e, "refusal": None}  # noqa: E731
+        tool_fields = {k: v for k, v in (("tools", tools), ("tool_choice", tool_choice),
+                                         ("parallel_tool_calls", parallel_tool_calls)) if v is not None}
+        questions_only = all(isinstance(m, dict) and m.get("role") in ("system", "developer", "user")
+                             and not m.get("tool_calls") for m in messages)
+        if tool_fields or not questions_only:
+            if stream and shape and tools and tool_choice != "none":
+                raise InvalidArgumentError("logprobs with tools are not streamed: ask for the whole answer",
+                                           "KVB_ERR_INVALID_ARGUMENT")
+            chat = _Chat(self, dict(messages=messages, **tool_fields), 0 if documents is None else len(documents))
+            return self._openai_answer(None, "", documents, store, stream, True, sampling, shape, chat)
         if documents is not None:
             system = "\n".join(m.get("content") or "" for m in messages if m.get("role") in ("system", "developer"))
-            turns = [m for m in messages if m.get("role") not in ("system", "developer")]
-            if any(m.get("role") != "user" for m in turns):
-                raise InvalidArgumentError("documents with an earlier conversation are not supported yet",
-                                           "KVB_ERR_INVALID_ARGUMENT")
-            question = "\n".join(m.get("content") or "" for m in turns)
+            question = "\n".join(m.get("content") or "" for m in messages if m.get("role") == "user")
             return self._openai_answer(question, system, documents, store, stream, True, sampling, shape)
         if self.has_chat_template:
             prompt = self.tokenize(self.apply_chat_template(messages), parse_special=True)
@@ -962,49 +1026,64 @@ class Model(_Closing):
             prompt = "".join((m.get("content") or "") + "\n" for m in messages)
         return self._openai_answer(prompt, "", None, store, stream, True, sampling, shape)
 
-    def _openai_answer(self, prompt, system, documents, store, stream, chat, sampling, shape):
-        """shape: the entries of the tokens asked for as the choice's "logprobs" (None: not asked)."""
+    def _openai_answer(self, prompt, system, documents, store, stream, chat, sampling, shape, tool_chat=None):
+        """shape: the entries of the tokens asked for as the choice's "logprobs" (None: not asked);
+        tool_chat: the _Chat whose conversation is the prompt (prompt is None)."""
         created = int(time.time())
-        ident = ("chatcmpl-" if chat else "cmpl-") + "%d-%d" % (created, id(prompt))
+        ident = ("chatcmpl-" if chat else "cmpl-") + "%d-%d" % (created, id(sampling))
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.path}
 
-        def choice(text, finish, entries):
-            c = {"index": 0, "logprobs": shape(entries) if shape else None, "finish_reason": finish}
-            if chat:
-                c["message"] = {"role": "assistant", "content": text}
-            else:
-                c["text"] = text
-            return c
+        def run(on_piece, on_logprob):
+            if documents is not None:
+                return self.blend(system, documents, prompt, store=store, chat=chat and self.has_chat_template,
+                                  on_piece=on_piece, _on_logprob=on_logprob, _chat=tool_chat, **sampling)
+            return self._complete(prompt, on_piece, on_logprob, chat=tool_chat, **sampling)
 
-        def finish_of(stats):
+        def finish_of(stats, message=None):
+            if message is not None and message.get("tool_calls"):
+                return "tool_calls"
             return "length" if stats.stop_reason == "length" else "stop"
 
         if stream:
-            if documents is not None:
-                raise InvalidArgumentError("stream with documents is not supported yet", "KVB_ERR_INVALID_ARGUMENT")
-            return self._openai_stream(prompt, sampling, head, chat, finish_of, shape)
-        if documents is not None:
-            r = self.blend(system, documents, prompt, store=store, chat=chat and self.has_chat_template, **sampling)
+            return self._openai_stream(Generation(self, run), head, chat, finish_of, shape, tool_chat)
+        r = run(None, None)
+        c = {"index": 0, "logprobs": shape(r.logprobs) if shape else None}
+        if tool_chat is not None:
+            c["message"] = tool_chat.read(r.text, r.stats.stop_reason == "length")
+            c["finish_reason"] = finish_of(r.stats, c["message"])
         else:
-            r = self.complete(prompt, **sampling)
+            c["finish_reason"] = finish_of(r.stats)
+            c["message" if chat else "text"] = {"role": "assistant", "content": r.text} if chat else r.text
         out = dict(head)
-        out["choices"] = [choice(r.text, finish_of(r.stats), r.logprobs)]
+        out["choices"] = [c]
         n_prompt = r.stats.n_tokens if documents is not None else r.stats.n_prompt  # BlendStats counts all it fused
         out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": r.stats.n_gen,
                         "total_tokens": n_prompt + r.stats.n_gen}
         return out
 
-    def _openai_stream(self, prompt, sampling, head, chat, finish_of, shape):
-        g = self.generate(prompt, **sampling)
+    def _openai_stream(self, g, head, chat, finish_of, shape, tool_chat):
         chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta, finish=None, lp=None):
+            body = {"delta": delta} if chat else {"text": delta}
+            return dict(head, object=chunk_object, choices=[dict(index=0, finish_reason=finish, logprobs=lp, **body)])
+
+        text = ""
         for piece in g:
-            delta = {"delta": {"content": piece}} if chat else {"text": piece}
-            lp = shape(g.piece_logprobs) if shape else None
-            yield dict(head, object=chunk_object, choices=[dict(index=0, finish_reason=None, logprobs=lp, **delta)])
-        last = {"delta": {}} if chat else {"text": ""}
-        yield dict(head, object=chunk_object,
-                   choices=[dict(index=0, finish_reason=finish_of(g.stats), logprobs=None, **last)])
+            text += piece
+            if tool_chat is None:
+                yield chunk({"content": piece} if chat else piece, lp=shape(g.piece_logprobs) if shape else None)
+                continue
+            for delta in tool_chat.deltas(text, False, False):
+                yield chunk(delta)
+        if tool_chat is None:
+            yield chunk({} if chat else "", finish_of(g.stats))
+            return
+        cut = g.stats.stop_reason == "length"
+        for delta in tool_chat.deltas(text, True, cut):
+            yield chunk(delta)
+        yield chunk({}, finish_of(g.stats, tool_chat.read(text, cut)))
 
     def generate(self, prompt, **kwargs):
         """Stream a plain generation: an iterator of text pieces (see complete() for the arguments).
@@ -1014,11 +1093,12 @@ class Model(_Closing):
         """
         if "on_piece" in kwargs:
             raise TypeError("generate() streams by itself: use complete(on_piece=…) for a callback")
-        return Generation(self, prompt, kwargs)
+        return Generation(self, lambda on_piece, on_logprob: self._complete(prompt, on_piece, on_logprob, **kwargs))
 
 
 class Generation:
-    """An iterator of the pieces of a plain generation (Model.generate).
+    """An iterator of the pieces of a generation (Model.generate, and the streams of
+    create_completion / create_chat_completion).
 
     The C call runs on a worker thread and hands each piece over a queue, so
     pieces arrive as they are decoded; ``text`` and ``stats`` are set at the end.
@@ -1026,8 +1106,9 @@ class Generation:
 
     _END = object()
 
-    def __init__(self, model, prompt, kwargs):
-        self._model, self._prompt, self._kwargs = model, prompt, kwargs
+    def __init__(self, model, run):
+        """run(on_piece, on_logprob): the call, returning a result with text, stats and logprobs."""
+        self._model, self._call = model, run
         self._q = queue.Queue()
         self._stop = threading.Event()
         self._thread = None
@@ -1047,7 +1128,7 @@ class Generation:
             return not self._stop.is_set()
 
         try:
-            self._result = self._model._complete(self._prompt, on_piece, tokens.append, **self._kwargs)
+            self._result = self._call(on_piece, tokens.append)
         except BaseException as e:
             self._error = e
         finally:

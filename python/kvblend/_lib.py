@@ -10,7 +10,7 @@ from ctypes import (CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_d
                     c_int64, c_size_t, c_uint32, c_uint64, c_void_p)
 
 # the C API's version this binding was written for: structs must match
-ABI_VERSION = (0, 4)  # 0.4: kvb_generate_params.on_token, top_logprobs (kvb_token_info)
+ABI_VERSION = (0, 5)  # 0.5: kvb_generate_params.chat (kvb_chat: tool calls), logit_bias
 _SONAME = "libkvblend.so.%d" % ABI_VERSION[0]
 
 KVB_ID_LEN = 32
@@ -77,11 +77,16 @@ class kvb_ingest_stats(Structure):
                 ("collect_ms", c_double)]
 
 
+class kvb_logit_bias(Structure):
+    _fields_ = [("token", kvb_token), ("bias", c_float)]
+
+
 class kvb_generate_params(Structure):
     _fields_ = [("n_predict", c_int32), ("temp", c_float), ("top_k", c_int32), ("top_p", c_float), ("min_p", c_float),
                 ("seed", c_uint32), ("stop", POINTER(c_char_p)), ("n_stop", c_size_t),
                 ("on_piece", kvb_piece_callback), ("user_data", c_void_p), ("grammar", c_char_p),
-                ("json_schema", c_char_p), ("on_token", kvb_token_callback), ("top_logprobs", c_int32)]
+                ("json_schema", c_char_p), ("on_token", kvb_token_callback), ("top_logprobs", c_int32),
+                ("chat", c_void_p), ("logit_bias", POINTER(kvb_logit_bias)), ("n_logit_bias", c_size_t)]
 
 
 class kvb_generate_stats(Structure):
@@ -107,7 +112,7 @@ class kvb_blend_stats(Structure):
                 ("blend_ms", c_double), ("n_gen", c_int64), ("decode_ms", c_double), ("stop_reason", c_int)]
 
 
-STRUCTS = [kvb_token_prob, kvb_token_info, kvb_id, kvb_model_params, kvb_model_info, kvb_chat_message,
+STRUCTS = [kvb_logit_bias, kvb_token_prob, kvb_token_info, kvb_id, kvb_model_params, kvb_model_info, kvb_chat_message,
            kvb_context_params, kvb_store_params, kvb_store_stats, kvb_ingest_params, kvb_ingest_stats,
            kvb_generate_params, kvb_generate_stats, kvb_blend_params, kvb_doc, kvb_blend_stats]
 
@@ -130,6 +135,11 @@ _FUNCS = {
     "kvb_tokenize": (_status, [_P, c_char_p, c_bool, c_bool, POINTER(POINTER(kvb_token)), POINTER(c_size_t)]),
     "kvb_detokenize": (_status, [_P, POINTER(kvb_token), c_size_t, c_bool, POINTER(c_void_p), POINTER(c_size_t)]),
     "kvb_chat_apply_template": (_status, [_P, POINTER(kvb_chat_message), c_size_t, c_bool, POINTER(c_void_p)]),
+    "kvb_chat_new": (_status, [_P, c_char_p, c_size_t, POINTER(_P)]),
+    "kvb_chat_free": (None, [_P]),
+    "kvb_chat_prompt": (c_char_p, [_P]),
+    "kvb_chat_read": (_status, [_P, c_char_p, c_bool, POINTER(c_void_p)]),
+    "kvb_chat_read_deltas": (_status, [_P, c_char_p, c_bool, c_bool, POINTER(c_void_p)]),
     "kvb_context_default_params": (kvb_context_params, []),
     "kvb_context_new": (_status, [_P, POINTER(kvb_context_params), POINTER(_P)]),
     "kvb_context_free": (None, [_P]),

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "chat/tool_chat.h"
 #include "kvblend.h"
 #include "kvblend/blend.h"
 #include "kvblend/codec.h"
@@ -40,6 +41,13 @@ struct kvb_context {
     int64_t fixed_n_ctx = 0;  // 0: sized per request
     std::unique_ptr<engine> eng;
     std::atomic<bool> busy{false};  // a call is running on it (context_use)
+};
+
+struct kvb_chat {
+    std::shared_ptr<const model> m;  // the vocabulary the plan's tokens belong to
+    tool_plan plan;
+    size_t n_docs = 0;  // documents marked in the prompt
+    std::unique_ptr<tool_reader> reader;
 };
 
 namespace {
@@ -75,6 +83,9 @@ kvb_status guarded(F && f) {
         t_last_error = e.msg;
         return e.status;
     } catch (const device_error & e) {  // a device named wrong: the caller's to fix
+        t_last_error = e.what();
+        return KVB_ERR_INVALID_ARGUMENT;
+    } catch (const chat_error & e) {  // a chat request that cannot be taken as given
         t_last_error = e.what();
         return KVB_ERR_INVALID_ARGUMENT;
     } catch (const error & e) {
@@ -233,6 +244,22 @@ sampler_params sampling_of(const kvb_generate_params & gp, const model & m) {
         fail(KVB_ERR_INVALID_ARGUMENT, "top_logprobs must be in [0, " + std::to_string(k_max_probs) + "]");
     sp.logprobs = gp.on_token != nullptr;
     sp.n_probs = gp.on_token ? gp.top_logprobs : 0;
+    if (gp.n_logit_bias > 0) need(gp.logit_bias, "logit_bias (with n_logit_bias > 0)");
+    const int64_t n_vocab = m.hparams().n_vocab;
+    for (size_t i = 0; i < gp.n_logit_bias; ++i) {
+        const kvb_logit_bias & b = gp.logit_bias[i];
+        if (b.token < 0 || b.token >= n_vocab)
+            fail(KVB_ERR_INVALID_ARGUMENT, "logit_bias names token " + std::to_string(b.token) +
+                                               ", outside the vocabulary of " + std::to_string(n_vocab));
+        if (!(b.bias >= -100 && b.bias <= 100)) fail(KVB_ERR_INVALID_ARGUMENT, "a logit bias must be in [-100, 100]");
+        sp.logit_bias.push_back({b.token, b.bias});
+    }
+    if (gp.chat) {
+        if (gp.chat->m.get() != &m) fail(KVB_ERR_INVALID_ARGUMENT, "the chat was made for another model");
+        if (gp.chat->plan.calls && !sp.grammar.empty())
+            fail(KVB_ERR_INVALID_ARGUMENT, "a chat with tools takes no grammar or json_schema: its calls have theirs");
+        tool_plan_apply(gp.chat->plan, sp);
+    }
     return sp;
 }
 
@@ -277,6 +304,10 @@ answer_params answer_params_of(const kvb_generate_params & gp, const sampler_par
     ap.max_tokens = gp.n_predict;
     ap.sampling = sp;
     for (size_t i = 0; i < gp.n_stop; ++i) ap.stop.emplace_back(gp.stop[i]);
+    if (gp.chat) {
+        ap.stop.insert(ap.stop.end(), gp.chat->plan.stops.begin(), gp.chat->plan.stops.end());
+        ap.special_text = gp.chat->plan.preserved;  // the parser reads the calls' control tokens
+    }
     return ap;
 }
 
@@ -480,6 +511,85 @@ kvb_status kvb_chat_apply_template(const kvb_model * model, const kvb_chat_messa
 
 // --- context ----------------------------------------------------------------
 
+// --- chat with tools -----------------------------------------------------------
+
+namespace {
+
+// a request's JSON, nested at most as deep as the server allows a body
+nlohmann::json parse_chat_request(const char * text) {
+    constexpr int k_max_depth = 64;
+    try {
+        return nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json &) {
+            if (depth > k_max_depth)
+                fail(KVB_ERR_INVALID_ARGUMENT, "the request nests deeper than " + std::to_string(k_max_depth));
+            return true;
+        });
+    } catch (const nlohmann::json::exception & e) {
+        fail(KVB_ERR_INVALID_ARGUMENT, std::string("the request is not JSON: ") + e.what());
+    }
+}
+
+}  // namespace
+
+kvb_status kvb_chat_new(const kvb_model * model, const char * request_json, size_t n_docs, kvb_chat ** out) {
+    return guarded([&] {
+        need(model, "model");
+        need(request_json, "request_json");
+        need(out, "out");
+        *out = nullptr;
+        nlohmann::json body = parse_chat_request(request_json);
+        if (!body.is_object()) fail(KVB_ERR_INVALID_ARGUMENT, "the request must be a JSON object");
+        const auto msgs = body.find("messages");
+        if (msgs == body.end() || !msgs->is_array() || msgs->empty())
+            fail(KVB_ERR_INVALID_ARGUMENT, "'messages' must be a non-empty array");
+        const tool_request tr = read_tool_request(body);
+        if (n_docs > 0) body = chat_with_doc_marks(std::move(body), n_docs);
+        const vocab & v = model->m->tokens();
+        if (!v.has_chat_template())
+            fail(KVB_ERR_FAILED, "this model has no chat template (tokenizer.chat_template) to render a chat with");
+        const tool_templates tmpl(v);  // a template that does not parse: KVB_ERR_FAILED
+        auto c = std::make_unique<kvb_chat>();
+        c->m = model->m;
+        c->n_docs = n_docs;
+        c->plan = tmpl.plan(body, tr);
+        if (c->plan.calls) try {
+                grammar_check(v.raw(), c->plan.grammar);
+            } catch (const error & e) {
+                fail(KVB_ERR_INVALID_ARGUMENT, std::string("the tool calls' grammar: ") + e.what());
+            }
+        c->reader = std::make_unique<tool_reader>(c->plan);
+        *out = c.release();
+    });
+}
+
+void kvb_chat_free(kvb_chat * chat) {
+    delete chat;
+}
+
+const char * kvb_chat_prompt(const kvb_chat * chat) {
+    return chat ? chat->plan.prompt.c_str() : "";
+}
+
+kvb_status kvb_chat_read(kvb_chat * chat, const char * text, bool cut, char ** json) {
+    return guarded([&] {
+        need(chat, "chat");
+        need(text, "text");
+        need(json, "json");
+        *json =
+            dup_string(chat->reader->message(text, cut).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    });
+}
+
+kvb_status kvb_chat_read_deltas(kvb_chat * chat, const char * text, bool done, bool cut, char ** json) {
+    return guarded([&] {
+        need(chat, "chat");
+        need(text, "text");
+        need(json, "json");
+        const nlohmann::json deltas = chat->reader->deltas(text, done, cut);
+        *json = dup_string(deltas.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    });
+}
+
 kvb_context_params kvb_context_default_params(void) {
     const engine_params d = engine_default_params();
     kvb_context_params p;
@@ -674,10 +784,13 @@ kvb_status kvb_generate(kvb_context * ctx, const char * prompt, const kvb_genera
                         kvb_generate_stats * stats) {
     return guarded([&] {
         need(ctx, "ctx");
-        need(prompt, "prompt");
+        const kvb_chat * chat = params ? params->chat : nullptr;
+        if (chat && prompt) fail(KVB_ERR_INVALID_ARGUMENT, "give a prompt or params->chat, not both");
+        if (!chat) need(prompt, "prompt");
+        const std::string & text_in = chat ? chat->plan.prompt : std::string(prompt);
         const context_use in_use(*ctx);
-        check_text_fits(*ctx, std::strlen(prompt), "the prompt");
-        generate_impl(ctx, ctx->m->tokens().tokenize(prompt, true, false), params, text, stats);
+        check_text_fits(*ctx, text_in.size(), "the prompt");
+        generate_impl(ctx, ctx->m->tokens().tokenize(text_in, true, chat != nullptr), params, text, stats);
     });
 }
 
@@ -685,6 +798,8 @@ kvb_status kvb_generate_tokens(kvb_context * ctx, const kvb_token * prompt, size
                                const kvb_generate_params * params, char ** text, kvb_generate_stats * stats) {
     return guarded([&] {
         need(ctx, "ctx");
+        if (params && params->chat)
+            fail(KVB_ERR_INVALID_ARGUMENT, "params->chat gives the prompt: call kvb_generate with a NULL prompt");
         if (n_prompt > 0) need(prompt, "prompt");
         const context_use in_use(*ctx);
         check_tokens(*ctx->m, prompt, n_prompt);
@@ -733,11 +848,21 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
     return guarded([&] {
         need(ctx, "ctx");
         if (n_docs > 0) need(docs, "docs");
-        need(question, "question");
-        if (!question[0]) fail(KVB_ERR_INVALID_ARGUMENT, "the question must not be empty");
-        const context_use in_use(*ctx);
         const kvb_blend_params p = blend_params ? *blend_params : kvb_blend_default_params();
         kvb_generate_params gp = gen_params ? *gen_params : kvb_generate_default_params();
+        const kvb_chat * chat = gp.chat;  // the prompt is the chat's, its documents where it marks them
+        if (chat) {
+            if (system || question)
+                fail(KVB_ERR_INVALID_ARGUMENT,
+                     "with gen_params->chat, system and question are NULL: the chat holds them");
+            if (n_docs != chat->n_docs)
+                fail(KVB_ERR_INVALID_ARGUMENT,
+                     "the chat marks " + std::to_string(chat->n_docs) + " documents, not " + std::to_string(n_docs));
+        } else {
+            need(question, "question");
+            if (!question[0]) fail(KVB_ERR_INVALID_ARGUMENT, "the question must not be empty");
+        }
+        const context_use in_use(*ctx);
         const sampler_params sp = sampling_of(gp, *ctx->m);
         const model & m = *ctx->m;
         const int n_layer = (int) m.hparams().n_layer;
@@ -793,7 +918,8 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         std::vector<std::unique_ptr<chunk_kv>> stored(n_docs);
         chunk_fetch_stats fs;
         // texts no context can hold are refused before they are tokenized
-        uint64_t text_bytes = std::strlen(question) + (system ? std::strlen(system) : 0);
+        uint64_t text_bytes =
+            chat ? chat->plan.prompt.size() : std::strlen(question) + (system ? std::strlen(system) : 0);
         for (size_t i = 0; i < n_docs; ++i)
             if (docs[i].text) text_bytes += std::strlen(docs[i].text);
         check_text_fits(*ctx, text_bytes, "the text of the documents and question");
@@ -840,7 +966,8 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
                 fs.load_ms += time_ms() - t0;
             }
         }
-        const rag_prompt rp = rag_prompt_build_tokens(v, system ? system : "", doc_tokens, question, p.chat);
+        const rag_prompt rp = chat ? rag_prompt_cut_at_marks(v, chat->plan.prompt, doc_tokens)
+                                   : rag_prompt_build_tokens(v, system ? system : "", doc_tokens, question, p.chat);
         const int64_t n_all = (int64_t) rp.all().size();
         gp.n_predict = n_predict_in_room(*ctx, n_all, gp.n_predict);
         engine & eng = engine_for(*ctx, n_all + gp.n_predict,

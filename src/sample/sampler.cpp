@@ -117,15 +117,44 @@ void sampler::record_probs(const llama_token_data_array & arr) {
     for (size_t i = 0; i < n_top; ++i) last_.top.push_back({order_[i], logprob_of_[order_[i]]});
 }
 
+llama_token_data_array sampler::candidates(const float * logits) {
+    for (int32_t i = 0; i < n_vocab_; ++i) buf_[i] = {i, logits[i], 0.0f};
+    llama_token_data_array arr = {buf_.data(), buf_.size(), -1, false};
+    llama_sampler_apply(chain_, &arr);
+    return arr;
+}
+
+bool sampler::grammar_allows(llama_token_data d) const {
+    llama_token_data_array one = {&d, 1, -1, false};
+    llama_sampler_apply(grammar_, &one);
+    return std::isfinite(d.logit);
+}
+
+llama_token sampler::take(llama_token tok) {
+    llama_sampler_accept(chain_, tok);
+    if (grammar_) llama_sampler_accept(grammar_, tok);
+    llama_sampler_accept(pick_, tok);
+    last_.token = tok;
+    last_.logprob = p_.logprobs ? logprob_of_[tok] : 0.0f;
+    return tok;
+}
+
 llama_token sampler::sample(const float * logits, int32_t n_vocab) {
     if (!chain_) build(n_vocab);
     if (n_vocab != n_vocab_)
         throw error("the sampler was built for " + std::to_string(n_vocab_) + " logits, given " +
                     std::to_string(n_vocab));
     buf_.resize(n_vocab);
-    for (int32_t i = 0; i < n_vocab; ++i) buf_[i] = {i, logits[i], 0.0f};
-    llama_token_data_array arr = {buf_.data(), buf_.size(), -1, false};
-    llama_sampler_apply(chain_, &arr);
+    llama_token_data_array arr = candidates(logits);
+    // a grammar first judges the token chosen without it, as llama.cpp's common
+    // sampler does: checking one token is cheap, checking a whole vocabulary is
+    // not. only a refused choice (or logprobs, which report the constrained
+    // distribution) runs the grammar over every candidate and chooses again
+    if (grammar_ && !p_.logprobs) {
+        llama_sampler_apply(pick_, &arr);
+        if (grammar_allows(arr.data[arr.selected])) return take(arr.data[arr.selected].id);
+        arr = candidates(logits);
+    }
     if (grammar_) {
         llama_sampler_apply(grammar_, &arr);
         // a grammar no token of this vocabulary can continue: an error, not a token it forbids
@@ -135,13 +164,7 @@ llama_token sampler::sample(const float * logits, int32_t n_vocab) {
     }
     if (p_.logprobs) record_probs(arr);
     llama_sampler_apply(pick_, &arr);
-    const llama_token tok = arr.data[arr.selected].id;
-    llama_sampler_accept(chain_, tok);
-    if (grammar_) llama_sampler_accept(grammar_, tok);
-    llama_sampler_accept(pick_, tok);
-    last_.token = tok;
-    last_.logprob = p_.logprobs ? logprob_of_[tok] : 0.0f;
-    return tok;
+    return take(arr.data[arr.selected].id);
 }
 
 }  // namespace kvblend

@@ -16,6 +16,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "chat/tool_chat.h"
 #include "httplib.h"
 #include "kvblend/answer.h"
 #include "kvblend/codec.h"
@@ -24,7 +25,6 @@
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
 #include "server/answer_logprobs.h"
-#include "server/chat_tools.h"
 #include "server/doc_index.h"
 #include "server/prompt_layout.h"
 #include "server/server_http.h"
@@ -969,6 +969,22 @@ struct server::impl {
         return docs;
     }
 
+    std::shared_ptr<tool_plan> tool_plan_of(const json & b, const tool_request & tr) const {
+        try {
+            return std::make_shared<tool_plan>(tool_tmpl->plan(b, tr));
+        } catch (const chat_error & e) {
+            bad_request(e.what(), e.code);
+        }
+    }
+
+    static json chat_with_doc_marks_or_400(const json & b, size_t n_docs) {
+        try {
+            return chat_with_doc_marks(b, n_docs);
+        } catch (const chat_error & e) {
+            bad_request(e.what(), e.code);
+        }
+    }
+
     // a chat with tools (or tool calls and results): rendered by the chat code, its
     // answer constrained by the format's grammar and read back into tool_calls.
     // with documents: they open the first user message, as in rag_prompt_build_conversation
@@ -983,7 +999,7 @@ struct server::impl {
             require_dense_slots();
             std::vector<std::pair<std::string, size_t>> texts;
             const std::vector<std::vector<llama_token>> docs = read_documents(b["documents"], texts);
-            plan = std::make_shared<tool_plan>(tool_tmpl->plan(with_doc_marks(b, docs.size()), tr));
+            plan = tool_plan_of(chat_with_doc_marks_or_400(b, docs.size()), tr);
             j->fuse = true;
             try {
                 j->prompt = rag_prompt_cut_at_marks(v, plan->prompt, docs);
@@ -993,7 +1009,7 @@ struct server::impl {
             j->tokens = j->prompt.all();
             for (const auto & [t, i] : texts) remember(t, docs[i]);
         } else {
-            plan = std::make_shared<tool_plan>(tool_tmpl->plan(b, tr));
+            plan = tool_plan_of(b, tr);
             std::vector<std::string> contents;
             for (const auto & mm : msgs) contents.push_back(mm.content);
             std::vector<llama_token> toks = v.tokenize(plan->prompt, true, true);
@@ -1011,22 +1027,6 @@ struct server::impl {
         j->stop.insert(j->stop.end(), plan->stops.begin(), plan->stops.end());
         j->tools = std::move(plan);
         return j;
-    }
-
-    // the body with one k_rag_doc_mark per document opening its first user message
-    static json with_doc_marks(json b, size_t n_docs) {
-        std::string marks;
-        for (size_t i = 0; i < n_docs; ++i) marks += k_rag_doc_mark;
-        for (json & msg : b["messages"]) {
-            if (msg.value("role", "") != "user") continue;
-            json & c = msg["content"];
-            if (c.is_array())
-                c.insert(c.begin(), json{{"type", "text"}, {"text", marks}});
-            else
-                c = marks + (c.is_string() ? c.get<std::string>() : std::string());
-            return b;
-        }
-        bad_request("a request with documents needs a user message");
     }
 
     // a document added with POST /v1/documents: its tokens are in its store entry

@@ -164,48 +164,15 @@ void check_sampling(const json & b, request_kind kind) {
     }
 }
 
-// an assistant message's earlier tool calls [{"id", "type": "function", "function": {"name", "arguments"}}]:
-// their ids are added to call_ids (what later tool messages answer)
-void check_tool_calls(const json & m, std::vector<std::string> & call_ids) {
-    const auto it = m.find("tool_calls");
-    if (it == m.end() || it->is_null()) return;
-    if (m["role"] != "assistant") bad_request("only assistant messages carry 'tool_calls'");
-    if (!it->is_array()) wrong_type("tool_calls", "an array", *it);
-    for (const auto & c : *it) {
-        const bool ok = c.is_object() && c.value("type", json("function")) == "function" && c.contains("id") &&
-                        c["id"].is_string() && c.contains("function") && c["function"].is_object() &&
-                        c["function"].contains("name") && c["function"]["name"].is_string() &&
-                        c["function"].contains("arguments") &&
-                        (c["function"]["arguments"].is_string() || c["function"]["arguments"].is_object());
-        if (!ok)
-            bad_request(
-                "every tool call of a message must be {\"id\": string, \"type\": \"function\", "
-                "\"function\": {\"name\": string, \"arguments\": string}}");
-        call_ids.push_back(c["id"].get<std::string>());
-    }
-}
-
 void check_messages(const json & b) {
     auto it = b.find("messages");
     if (it == b.end() || !it->is_array() || it->empty()) bad_request("'messages' must be a non-empty array");
-    std::vector<std::string> call_ids;  // the tool calls of the assistant messages so far
     for (const auto & m : *it) {
         if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
             bad_request("every message needs a string 'role'");
         const std::string role = m["role"].get<std::string>();
         if (role != "system" && role != "user" && role != "assistant" && role != "developer" && role != "tool")
             bad_request("unknown message role '" + role + "'");
-        check_tool_calls(m, call_ids);
-        if (role == "tool") {  // a tool's result answers one earlier call
-            const auto id = m.find("tool_call_id");
-            if (id == m.end() || !id->is_string())
-                bad_request("a tool message needs the string 'tool_call_id' of the call it answers");
-            if (std::find(call_ids.begin(), call_ids.end(), id->get<std::string>()) == call_ids.end())
-                bad_request("the tool message's tool_call_id '" + id->get<std::string>() +
-                            "' matches no tool call of an earlier assistant message");
-            if (!m.contains("content") || m["content"].is_null())
-                bad_request("a tool message needs 'content' (the tool's result)");
-        }
         // libllama's chat templates take C strings: a NUL would end the message there
         auto no_nul = [](const json & t) {
             if (t.get_ref<const std::string &>().find('\0') != std::string::npos)
@@ -250,88 +217,15 @@ size_t check_documents(const json & b, bool by_id, bool required) {
     return it->size();
 }
 
-// a tool's function name: what OpenAI accepts (^[a-zA-Z0-9_-]{1,64}$)
-bool is_function_name(const json & n) {
-    if (!n.is_string()) return false;
-    const std::string & s = n.get_ref<const std::string &>();
-    return !s.empty() && s.size() <= 64 && std::all_of(s.begin(), s.end(), [](char c) {
-        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
-    });
-}
-
-// "tools": [{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}];
-// the names, each parameters schema checked by the converter that makes its grammar
-std::vector<std::string> check_tool_list(const json & tools) {
-    if (!tools.is_array()) wrong_type("tools", "an array", tools);
-    if (tools.size() > k_max_tools) bad_request("'tools' may hold at most " + std::to_string(k_max_tools) + " tools");
-    std::vector<std::string> names;
-    for (size_t i = 0; i < tools.size(); ++i) {
-        const json & t = tools[i];
-        const std::string at = "tools[" + std::to_string(i) + "]";
-        if (!t.is_object() || t.value("type", json()) != "function" || !t.contains("function") ||
-            !t["function"].is_object())
-            bad_request(at + " must be {\"type\": \"function\", \"function\": {\"name\", \"parameters\"}}");
-        const json & f = t["function"];
-        if (!f.contains("name") || !is_function_name(f["name"]))
-            bad_request(at + ".function.name must be 1 to 64 letters, digits, '_' or '-'");
-        const std::string name = f["name"].get<std::string>();
-        if (std::find(names.begin(), names.end(), name) != names.end())
-            bad_request(at + " repeats the function name '" + name + "'");
-        if (f.contains("description") && !f["description"].is_string())
-            wrong_type(at + ".function.description", "a string", f["description"]);
-        if (f.contains("strict") && !f["strict"].is_null() && !f["strict"].is_boolean())
-            wrong_type(at + ".function.strict", "a boolean", f["strict"]);
-        if (f.contains("parameters") && !f["parameters"].is_null()) {
-            if (!f["parameters"].is_object())
-                wrong_type(at + ".function.parameters", "an object (a JSON schema)", f["parameters"]);
-            try {
-                grammar_from_json_schema(f["parameters"].dump());
-            } catch (const error & e) {
-                bad_request(at + " (" + name + "): " + e.what(), "invalid_json_schema");
-            }
-        }
-        names.push_back(name);
-    }
-    return names;
-}
-
 }  // namespace
 
 tool_request request_tools(const json & b) {
     tool_request r;
-    const auto tools = b.find("tools");
-    const std::vector<std::string> names = tools != b.end() ? check_tool_list(*tools) : std::vector<std::string>{};
-    if (const auto c = b.find("tool_choice"); c != b.end()) {
-        if (c->is_string()) {
-            r.choice = c->get<std::string>();
-            if (r.choice != "auto" && r.choice != "none" && r.choice != "required")
-                bad_request(
-                    "'tool_choice' must be \"auto\", \"none\", \"required\" or "
-                    "{\"type\": \"function\", \"function\": {\"name\": …}}, not \"" +
-                    r.choice + "\"");
-        } else if (c->is_object() && c->value("type", json()) == "function" && c->contains("function") &&
-                   (*c)["function"].is_object() && (*c)["function"].contains("name") &&
-                   (*c)["function"]["name"].is_string()) {
-            r.choice = "function";
-            r.function = (*c)["function"]["name"].get<std::string>();
-            if (std::find(names.begin(), names.end(), r.function) == names.end())
-                bad_request("'tool_choice' names the function '" + r.function + "', which is not one of 'tools'");
-        } else {
-            bad_request(
-                "'tool_choice' must be \"auto\", \"none\", \"required\" or "
-                "{\"type\": \"function\", \"function\": {\"name\": …}}");
-        }
-        if (r.choice == "required" && names.empty())
-            bad_request("'tool_choice' is \"required\" but no 'tools' are given");
+    try {
+        r = read_tool_request(b);
+    } catch (const chat_error & e) {
+        bad_request(e.what(), e.code);
     }
-    optional_bool(b, "parallel_tool_calls");
-    r.parallel = b.value("parallel_tool_calls", true);
-    r.calls = !names.empty() && r.choice != "none";
-    r.render = !names.empty();
-    for (const auto & m : b.value("messages", json::array()))
-        if (m.is_object() &&
-            (m.value("role", json()) == "tool" || (m.contains("tool_calls") && !m["tool_calls"].is_null())))
-            r.render = true;
     // the call's grammar is the answer's only constraint
     if (r.calls && !request_grammar(b).empty())
         bad_request("give 'tools' or one of 'response_format', 'grammar' and 'json_schema', not both");

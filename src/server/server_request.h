@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "chat/tool_chat.h"
+
 namespace kvblend {
 
 // a request that cannot be served as sent, answered with this status and an
@@ -51,17 +53,8 @@ struct request_spec {
 // throws request_error (a schema the converter cannot express is a 400)
 std::string request_grammar(const nlohmann::json & body);
 
-// what a chat request asks of tool calls (OpenAI's tools, tool_choice, parallel_tool_calls),
-// checked: every tool a function with a name and a parameters schema the
-// converter can express, a tool_choice naming one of them
-struct tool_request {
-    bool render = false;          // the chat code renders the prompt: tools, or tool calls and results in the messages
-    bool calls = false;           // the answer may hold tool calls (tools given, tool_choice not "none")
-    std::string choice = "auto";  // auto, none, required, or "function": the one named
-    std::string function;         // choice "function": its name
-    bool parallel = true;         // more than one call per answer
-};
-constexpr size_t k_max_tools = 128;  // tools one request may give
+// the tool fields of a chat body (read_tool_request), and that they ask for
+// nothing else the answer cannot also honour; throws request_error
 tool_request request_tools(const nlohmann::json & body);
 
 // the log-probabilities a request asks for: chat's logprobs + top_logprobs,

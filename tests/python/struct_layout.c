@@ -12,6 +12,10 @@
 int main(void) {
     int n = 0, first = 1;
     printf("{");
+    BEGIN(kvb_logit_bias);
+    FIELD(kvb_logit_bias, token);
+    FIELD(kvb_logit_bias, bias);
+    END();
     BEGIN(kvb_token_prob);
     FIELD(kvb_token_prob, token);
     FIELD(kvb_token_prob, logprob);
@@ -99,6 +103,9 @@ int main(void) {
     FIELD(kvb_generate_params, json_schema);
     FIELD(kvb_generate_params, on_token);
     FIELD(kvb_generate_params, top_logprobs);
+    FIELD(kvb_generate_params, chat);
+    FIELD(kvb_generate_params, logit_bias);
+    FIELD(kvb_generate_params, n_logit_bias);
     END();
     BEGIN(kvb_generate_stats);
     FIELD(kvb_generate_stats, n_prompt);

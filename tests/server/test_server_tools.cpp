@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "chat/tool_fixtures.h"
 #include "kvblend/model_maker.h"
 #include "kvblend/vocab.h"
 #include "server/running_server.h"
@@ -19,68 +20,18 @@ namespace {
 
 using json = nlohmann::json;
 
+using test::expect_valid_call;
 using test::post;
 using test::running_server;
 using test::small_params;
+using test::tool_model;
+using test::tools;
 
 // a constrained token looks at all 151936 candidates of this vocabulary: slow on a busy machine
 constexpr int k_timeout_s = 600;
 
-// tiny-qwen3 with the qwen2 vocabulary and Qwen2.5's chat template (made once per process)
-const std::string & tool_model() {
-    static const std::string path = [] {
-        std::ifstream f(std::string(KVBLEND_LLAMA_DIR) + "/models/templates/Qwen-Qwen2.5-7B-Instruct.jinja");
-        std::stringstream text;
-        text << f.rdbuf();
-        make_model_params mp;
-        mp.wtype = GGML_TYPE_F32;
-        mp.vocab_from = test::vocab_path("qwen2");
-        mp.chat_template = text.str();
-        const std::string out = test::process_dir().file("tiny-qwen3-qwen25-template.gguf");
-        make_model(model_spec_preset("tiny-qwen3"), mp, out);
-        return out;
-    }();
-    return path;
-}
-
-// a schema whose every value is bounded (an enum, an integer range, a boolean):
-// random weights cannot run past max_tokens inside a string
-const json k_weather_params = {{"type", "object"},
-                               {"properties",
-                                {{"city", {{"enum", {"Paris", "Oslo", "Lima"}}}},
-                                 {"days", {{"type", "integer"}, {"minimum", 1}, {"maximum", 7}}},
-                                 {"metric", {{"type", "boolean"}}}}},
-                               {"required", {"city", "days", "metric"}},
-                               {"additionalProperties", false}};
-const json k_time_params = {{"type", "object"},
-                            {"properties", {{"zone", {{"enum", {"UTC", "CET"}}}}}},
-                            {"required", {"zone"}},
-                            {"additionalProperties", false}};
-
-json tools() {
-    return json::array(
-        {{{"type", "function"},
-          {"function",
-           {{"name", "get_weather"}, {"description", "the weather of a city"}, {"parameters", k_weather_params}}}},
-         {{"type", "function"},
-          {"function", {{"name", "get_time"}, {"description", "the time in a zone"}, {"parameters", k_time_params}}}}});
-}
-
-// the ends of a turn made as likely as can be: random weights then stop as soon as the
-// grammar allows it (right after a call) instead of making call after call until max_tokens
-json end_of_turn_bias() {
-    const vocab v(tool_model());
-    json bias = json::object();
-    for (const char * end : {"<|im_end|>", "<|endoftext|>"}) {
-        const std::vector<llama_token> t = v.tokenize(end, false, true);
-        EXPECT_EQ(t.size(), 1u) << end;
-        if (t.size() == 1) bias[std::to_string(t[0])] = 100;
-    }
-    return bias;
-}
-
 json ask(const json & tool_choice, int seed) {
-    static const json bias = end_of_turn_bias();
+    static const json bias = test::tool_model_bias(false);
     return {{"messages", {{{"role", "user"}, {"content", "What is the weather in Oslo?"}}}},
             {"tools", tools()},
             {"tool_choice", tool_choice},
@@ -89,26 +40,6 @@ json ask(const json & tool_choice, int seed) {
             {"temperature", 1.0},
             {"logit_bias", bias},
             {"seed", seed}};
-}
-
-// a call's arguments: a JSON object of its function's schema
-void expect_valid_call(const json & call) {
-    ASSERT_TRUE(call.is_object()) << call;
-    EXPECT_EQ(call["type"], "function") << call;
-    EXPECT_TRUE(call["id"].is_string() && !call["id"].get<std::string>().empty()) << call;
-    const std::string name = call["function"]["name"];
-    ASSERT_TRUE(call["function"]["arguments"].is_string()) << call;
-    const json args = json::parse(call["function"]["arguments"].get<std::string>(), nullptr, false);
-    ASSERT_TRUE(args.is_object()) << call;
-    if (name == "get_weather") {
-        EXPECT_EQ(args.size(), 3u) << call;
-        EXPECT_TRUE(args["city"] == "Paris" || args["city"] == "Oslo" || args["city"] == "Lima") << call;
-        EXPECT_TRUE(args["days"].is_number_integer() && args["days"] >= 1 && args["days"] <= 7) << call;
-        EXPECT_TRUE(args["metric"].is_boolean()) << call;
-    } else {
-        EXPECT_EQ(name, "get_time") << call;
-        EXPECT_TRUE(args.size() == 1 && (args["zone"] == "UTC" || args["zone"] == "CET")) << call;
-    }
 }
 
 // a chat.completion that made calls
@@ -128,7 +59,7 @@ TEST(server_tools, required_always_answers_with_valid_calls) {
     auto c = s.client(k_timeout_s);
     for (int seed = 1; seed <= 2; ++seed) {
         const json r = post(c, "/v1/chat/completions", ask("required", seed));
-        expect_calls(r);
+        EXPECT_EQ(expect_calls(r).size(), 1u) << r;  // parallel_tool_calls false: one call at most
         EXPECT_TRUE(r["choices"][0]["message"]["content"].is_null()) << r;
     }
 }

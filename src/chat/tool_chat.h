@@ -11,16 +11,45 @@
 #include <string>
 #include <vector>
 
+#include "kvblend/common.h"
 #include "kvblend/sampler.h"
 #include "kvblend/vocab.h"
-#include "server/server_request.h"
 
 namespace kvblend {
+
+// a chat request the tool code cannot take, with an OpenAI-style error code
+// ("invalid_request", "invalid_json_schema"): the server answers it with a
+// 400, the C API with KVB_ERR_INVALID_ARGUMENT
+class chat_error : public error {
+  public:
+    chat_error(const std::string & msg, std::string code = "invalid_request") : error(msg), code(std::move(code)) {}
+    std::string code;
+};
+
+// what a chat request asks of tool calls (OpenAI's tools, tool_choice, parallel_tool_calls)
+struct tool_request {
+    bool render = false;          // the chat code renders the prompt: tools, or tool calls and results in the messages
+    bool calls = false;           // the answer may hold tool calls (tools given, tool_choice not "none")
+    std::string choice = "auto";  // auto, none, required, or "function": the one named
+    std::string function;         // choice "function": its name
+    bool parallel = true;         // more than one call per answer
+};
+constexpr size_t k_max_tools = 128;  // tools one request may give
+
+// the tool fields of a chat body, checked: every tool a function with a name and
+// a parameters schema the converter can express, a tool_choice naming one of
+// them, the messages' tool calls and tool results (check_tool_messages); throws chat_error
+tool_request read_tool_request(const nlohmann::json & body);
+
+// the "tool_calls" of assistant messages and the "tool" messages that answer
+// them, each naming an earlier call; throws chat_error
+void check_tool_messages(const nlohmann::json & messages);
 
 // how one request's answer is constrained and read back
 struct tool_plan {
     std::string prompt;                  // the rendered conversation, up to the assistant's turn
     bool calls = false;                  // the answer may hold calls (else it is plain text)
+    bool parallel = true;                // … more than one (else the first is the answer's only call)
     std::string grammar;                 // GBNF of the calls ("" none)
     bool lazy = false;                   // the grammar binds from a trigger on
     std::vector<std::string> patterns;   // trigger regexes over the generated text
@@ -56,12 +85,17 @@ class tool_reader {
     std::unique_ptr<impl> d_;
 };
 
+// the body with one k_rag_doc_mark per document opening its first user
+// message, where rag_prompt_cut_at_marks finds them in the rendered prompt
+// (the tools stay in the system part before them); throws chat_error
+nlohmann::json chat_with_doc_marks(nlohmann::json body, size_t n_docs);
+
 // the model's chat templates, loaded once per server
 class tool_templates {
   public:
     explicit tool_templates(const vocab & v);  // throws kvblend::error when the template does not parse
     ~tool_templates();
-    // the plan of a checked chat request (request_tools said render); throws request_error
+    // the plan of a chat body read by read_tool_request; throws chat_error
     tool_plan plan(const nlohmann::json & body, const tool_request & tr) const;
 
   private:

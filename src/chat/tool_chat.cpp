@@ -1,5 +1,5 @@
-// tool calls through the pinned llama.cpp's chat code (see chat_tools.h)
-#include "server/chat_tools.h"
+// tool calls through the pinned llama.cpp's chat code (see tool_chat.h)
+#include "chat/tool_chat.h"
 
 #include <algorithm>
 #include <cctype>
@@ -8,12 +8,88 @@
 
 #include "chat.h"
 #include "kvblend/common.h"
+#include "kvblend/rag_prompt.h"
+#include "kvblend/sampler.h"
 
 namespace kvblend {
 
 using json = nlohmann::json;
 
 namespace {
+
+[[noreturn]] void fail(const std::string & msg, const std::string & code = "invalid_request") {
+    throw chat_error(msg, code);
+}
+
+[[noreturn]] void wrong_type(const std::string & field, const char * want, const json & got) {
+    fail("'" + field + "' must be " + want + ", not " + got.type_name());
+}
+
+// a tool's function name: what OpenAI accepts (^[a-zA-Z0-9_-]{1,64}$)
+bool is_function_name(const json & n) {
+    if (!n.is_string()) return false;
+    const std::string & s = n.get_ref<const std::string &>();
+    return !s.empty() && s.size() <= 64 && std::all_of(s.begin(), s.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
+    });
+}
+
+// "tools": [{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}];
+// the names, each parameters schema checked by the converter that makes its grammar
+std::vector<std::string> check_tool_list(const json & tools) {
+    if (!tools.is_array()) wrong_type("tools", "an array", tools);
+    if (tools.size() > k_max_tools) fail("'tools' may hold at most " + std::to_string(k_max_tools) + " tools");
+    std::vector<std::string> names;
+    for (size_t i = 0; i < tools.size(); ++i) {
+        const json & t = tools[i];
+        const std::string at = "tools[" + std::to_string(i) + "]";
+        if (!t.is_object() || t.value("type", json()) != "function" || !t.contains("function") ||
+            !t["function"].is_object())
+            fail(at + " must be {\"type\": \"function\", \"function\": {\"name\", \"parameters\"}}");
+        const json & f = t["function"];
+        if (!f.contains("name") || !is_function_name(f["name"]))
+            fail(at + ".function.name must be 1 to 64 letters, digits, '_' or '-'");
+        const std::string name = f["name"].get<std::string>();
+        if (std::find(names.begin(), names.end(), name) != names.end())
+            fail(at + " repeats the function name '" + name + "'");
+        if (f.contains("description") && !f["description"].is_string())
+            wrong_type(at + ".function.description", "a string", f["description"]);
+        if (f.contains("strict") && !f["strict"].is_null() && !f["strict"].is_boolean())
+            wrong_type(at + ".function.strict", "a boolean", f["strict"]);
+        if (f.contains("parameters") && !f["parameters"].is_null()) {
+            if (!f["parameters"].is_object())
+                wrong_type(at + ".function.parameters", "an object (a JSON schema)", f["parameters"]);
+            try {
+                grammar_from_json_schema(f["parameters"].dump());
+            } catch (const error & e) {
+                fail(at + " (" + name + "): " + e.what(), "invalid_json_schema");
+            }
+        }
+        names.push_back(name);
+    }
+    return names;
+}
+
+// an assistant message's earlier tool calls [{"id", "type": "function", "function": {"name", "arguments"}}]:
+// their ids are added to call_ids (what later tool messages answer)
+void check_tool_calls(const json & m, std::vector<std::string> & call_ids) {
+    const auto it = m.find("tool_calls");
+    if (it == m.end() || it->is_null()) return;
+    if (m.value("role", json()) != "assistant") fail("only assistant messages carry 'tool_calls'");
+    if (!it->is_array()) wrong_type("tool_calls", "an array", *it);
+    for (const auto & c : *it) {
+        const bool ok = c.is_object() && c.value("type", json("function")) == "function" && c.contains("id") &&
+                        c["id"].is_string() && c.contains("function") && c["function"].is_object() &&
+                        c["function"].contains("name") && c["function"]["name"].is_string() &&
+                        c["function"].contains("arguments") &&
+                        (c["function"]["arguments"].is_string() || c["function"]["arguments"].is_object());
+        if (!ok)
+            fail(
+                "every tool call of a message must be {\"id\": string, \"type\": \"function\", "
+                "\"function\": {\"name\": string, \"arguments\": string}}");
+        call_ids.push_back(c["id"].get<std::string>());
+    }
+}
 
 // a literal as a regex (a trigger word as libllama's lazy grammar reads its patterns)
 std::string regex_literal(const std::string & s) {
@@ -67,6 +143,79 @@ json call_json(const common_chat_tool_call & c) {
 
 }  // namespace
 
+void check_tool_messages(const json & messages) {
+    if (!messages.is_array()) wrong_type("messages", "an array", messages);
+    std::vector<std::string> call_ids;  // the tool calls of the assistant messages so far
+    for (const auto & m : messages) {
+        if (!m.is_object()) fail("every message must be an object");
+        check_tool_calls(m, call_ids);
+        if (m.value("role", json()) != "tool") continue;
+        // a tool's result answers one earlier call
+        const auto id = m.find("tool_call_id");
+        if (id == m.end() || !id->is_string())
+            fail("a tool message needs the string 'tool_call_id' of the call it answers");
+        if (std::find(call_ids.begin(), call_ids.end(), id->get<std::string>()) == call_ids.end())
+            fail("the tool message's tool_call_id '" + id->get<std::string>() +
+                 "' matches no tool call of an earlier assistant message");
+        if (!m.contains("content") || m["content"].is_null())
+            fail("a tool message needs 'content' (the tool's result)");
+    }
+}
+
+tool_request read_tool_request(const json & b) {
+    tool_request r;
+    const auto tools = b.find("tools");
+    const bool given = tools != b.end() && !tools->is_null();
+    const std::vector<std::string> names = given ? check_tool_list(*tools) : std::vector<std::string>{};
+    const char * choices =
+        "'tool_choice' must be \"auto\", \"none\", \"required\" or "
+        "{\"type\": \"function\", \"function\": {\"name\": …}}";
+    if (const auto c = b.find("tool_choice"); c != b.end() && !c->is_null()) {
+        if (c->is_string()) {
+            r.choice = c->get<std::string>();
+            if (r.choice != "auto" && r.choice != "none" && r.choice != "required")
+                fail(std::string(choices) + ", not \"" + r.choice + "\"");
+        } else if (c->is_object() && c->value("type", json()) == "function" && c->contains("function") &&
+                   (*c)["function"].is_object() && (*c)["function"].contains("name") &&
+                   (*c)["function"]["name"].is_string()) {
+            r.choice = "function";
+            r.function = (*c)["function"]["name"].get<std::string>();
+            if (std::find(names.begin(), names.end(), r.function) == names.end())
+                fail("'tool_choice' names the function '" + r.function + "', which is not one of 'tools'");
+        } else {
+            fail(choices);
+        }
+        if (r.choice == "required" && names.empty()) fail("'tool_choice' is \"required\" but no 'tools' are given");
+    }
+    if (const auto p = b.find("parallel_tool_calls"); p != b.end() && !p->is_null()) {
+        if (!p->is_boolean()) wrong_type("parallel_tool_calls", "a boolean", *p);
+        r.parallel = p->get<bool>();
+    }
+    r.calls = !names.empty() && r.choice != "none";
+    r.render = !names.empty();
+    const json messages = b.value("messages", json::array());
+    check_tool_messages(messages);
+    for (const auto & m : messages)
+        if (m.value("role", json()) == "tool" || (m.contains("tool_calls") && !m["tool_calls"].is_null()))
+            r.render = true;
+    return r;
+}
+
+json chat_with_doc_marks(json body, size_t n_docs) {
+    std::string marks;
+    for (size_t i = 0; i < n_docs; ++i) marks += k_rag_doc_mark;
+    for (json & msg : body["messages"]) {
+        if (msg.value("role", "") != "user") continue;
+        json & c = msg["content"];
+        if (c.is_array())
+            c.insert(c.begin(), json{{"type", "text"}, {"text", marks}});
+        else
+            c = marks + (c.is_string() ? c.get<std::string>() : std::string());
+        return body;
+    }
+    fail("a request with documents needs a user message");
+}
+
 void tool_plan_apply(const tool_plan & plan, sampler_params & sp) {
     if (!plan.calls) return;
     sp.grammar = plan.grammar;
@@ -80,6 +229,7 @@ void tool_plan_apply(const tool_plan & plan, sampler_params & sp) {
 
 struct tool_reader::impl {
     bool calls = false;
+    bool parallel = true;
     common_chat_parser_params params;
     common_chat_msg last;          // the message last read
     std::vector<std::string> ids;  // the calls' ids, kept from one read to the next
@@ -98,6 +248,9 @@ struct tool_reader::impl {
         } catch (const std::exception &) {
             return std::nullopt;
         }
+        // parallel_tool_calls false: the template's grammar may allow more calls
+        // (the pinned chat code's generic formats do); the first is the answer's
+        if (!parallel && msg.tool_calls.size() > 1) msg.tool_calls.resize(1);
         msg.set_tool_call_ids(ids, new_call_id);
         return msg;
     }
@@ -117,6 +270,7 @@ struct tool_reader::impl {
 
 tool_reader::tool_reader(const tool_plan & plan) : d_(std::make_unique<impl>()) {
     d_->calls = plan.calls;
+    d_->parallel = plan.parallel;
     d_->params.format = (common_chat_format) plan.format;
     d_->params.generation_prompt = plan.generation_prompt;
     d_->params.reasoning_format = COMMON_REASONING_FORMAT_NONE;
@@ -187,8 +341,7 @@ struct tool_templates::impl {
         try {
             return common_chat_templates_apply(tmpls.get(), in);
         } catch (const std::exception & e) {
-            bad_request(std::string("the model's chat template cannot render this conversation with tools: ") +
-                        e.what());
+            fail(std::string("the model's chat template cannot render this conversation with tools: ") + e.what());
         }
     }
 
@@ -224,9 +377,9 @@ struct tool_templates::impl {
                     break;
             }
         }
-        if (plan.grammar.empty()) bad_request("the model's chat template gives no grammar for tool calls");
+        if (plan.grammar.empty()) fail("the model's chat template gives no grammar for tool calls");
         if (plan.lazy && plan.patterns.empty() && plan.triggers.empty())
-            bad_request("the model's chat template gives no trigger for its tool calls");
+            fail("the model's chat template gives no trigger for its tool calls");
     }
 };
 
@@ -246,7 +399,7 @@ tool_plan tool_templates::plan(const json & body, const tool_request & tr) const
         in.messages = common_chat_msgs_parse_oaicompat(common_json::parse(body.at("messages").dump()));
         in.tools = common_chat_tools_parse_oaicompat(common_json::parse(body.value("tools", json::array()).dump()));
     } catch (const std::exception & e) {
-        bad_request(e.what());
+        fail(e.what());
     }
     in.tool_choice = tr.choice == "none"   ? COMMON_CHAT_TOOL_CHOICE_NONE
                      : tr.choice == "auto" ? COMMON_CHAT_TOOL_CHOICE_AUTO
@@ -256,6 +409,7 @@ tool_plan tool_templates::plan(const json & body, const tool_request & tr) const
     in.reasoning_format = COMMON_REASONING_FORMAT_NONE;
     tool_plan plan;
     plan.calls = tr.calls;
+    plan.parallel = tr.parallel;
     const common_chat_params all = d_->apply(in);
     plan.prompt = all.prompt;
     if (tr.choice != "function") {
