@@ -28,6 +28,8 @@
 #include "server/doc_index.h"
 #include "server/prompt_layout.h"
 #include "server/server_http.h"
+#include "server/server_job.h"
+#include "server/server_metrics.h"
 #include "server/server_request.h"
 #include "server/soft_store.h"
 
@@ -44,59 +46,6 @@ namespace {
 struct slot_cache {
     std::vector<llama_token> tokens;
     size_t exact = 0;
-};
-
-struct job {
-    // what to compute: a completion, or (ingest) only collecting and storing chunks
-    bool ingest = false;
-    std::vector<std::vector<llama_token>> ingest_docs;
-    std::vector<std::string> ingest_keys;  // out: the documents' ids
-    bool fuse = false;
-    rag_prompt prompt;                // fuse: chunks + query
-    std::vector<llama_token> tokens;  // every prompt token in order
-    int32_t max_tokens = 0;
-    sampler_params sp;
-    std::vector<std::string> stop;
-    blend_params sel = blend_default_params();  // the token selection (the fields of the request)
-    std::vector<layout_span> spans;             // plain prompts: the known documents found in them (chunks of prompt)
-    std::shared_ptr<const tool_plan> tools;     // chat with tools: how the answer is rendered, constrained and read
-    learn_stats learned;                        // … and the passages they added
-
-    // what comes back (guarded by mu)
-    std::mutex mu;
-    std::condition_variable cv;
-    std::deque<answer_piece> pieces;
-    bool done = false;
-    std::string error;
-    int error_status = 500;  // the HTTP status and code error is answered with
-    std::string error_code = "internal_error";
-    std::string finish_reason = "stop";
-    bool stream_usage = false;  // stream_options.include_usage: a usage chunk before [DONE]
-    bool cache_prompt = true;   // reuse the slot's cached prefix (llama-server's cache_prompt)
-    int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
-    int64_t store_errors = 0;     // store calls that failed (each a miss or a skipped put)
-    std::vector<bool> chunk_hit;  // fuse: per non-empty chunk, whether the store had it
-    int64_t n_cached = 0;         // prompt tokens whose KV the slot still held from its previous request
-    int64_t kv_rows = 0;          // rows the slot's cache held after the prompt (fewer than the tokens when evicted)
-    double prefill_ms = 0;
-    double t_submit = 0, ttft_ms = -1;  // time to the first generated token, queueing included
-    std::atomic<bool> cancelled{false};
-    const char * route = "";  // for the log line: the endpoint that made it
-
-    void emit(std::string text, std::vector<sampled_token> & tokens) {
-        std::lock_guard l(mu);
-        pieces.push_back({std::move(text), std::move(tokens)});
-        tokens.clear();
-        cv.notify_all();
-    }
-    void finish(const std::string & err = {}, int status = 500, const std::string & code = "internal_error") {
-        std::lock_guard l(mu);
-        error = err;
-        error_status = status;
-        error_code = code;
-        done = true;
-        cv.notify_all();
-    }
 };
 
 // one request's answer on its slot: the library's answer (sampling, stops,
@@ -171,91 +120,7 @@ struct server::impl {
     mutable doc_index known;  // texts of the documents plain prompts are searched for
     std::atomic<int> bound_port{0};
 
-    // Prometheus counters (GET /metrics)
-    struct metrics_t {
-        std::mutex mu;
-        int64_t requests = 0, errors = 0, cancelled = 0, prompt_tokens = 0, completion_tokens = 0, fused_tokens = 0,
-                recomputed_tokens = 0, store_hits = 0, store_misses = 0, docs_matched = 0, docs_learned = 0,
-                learned_bytes = 0, learn_skipped = 0;
-        static constexpr double bounds[9] = {0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};  // seconds
-        int64_t ttft_buckets[10] = {};
-        double ttft_sum = 0;
-        int64_t ttft_count = 0;
-        int64_t responses[6] = {};  // HTTP responses by status class: 1xx … 5xx (index 1 … 5)
-    } metrics;
-
-    void record(const job & j, bool failed) {
-        std::lock_guard l(metrics.mu);
-        metrics.requests++;
-        if (failed) metrics.errors++;
-        if (j.cancelled) metrics.cancelled++;
-        metrics.prompt_tokens += (int64_t) j.tokens.size();
-        metrics.completion_tokens += j.n_gen;
-        metrics.fused_tokens += j.n_fused;
-        metrics.recomputed_tokens += j.n_recomputed;
-        metrics.store_hits += j.store_hits;
-        metrics.store_misses += j.store_misses;
-        metrics.docs_matched += (int64_t) j.spans.size();
-        metrics.docs_learned += j.learned.added;
-        metrics.learned_bytes += j.learned.bytes;
-        metrics.learn_skipped += j.learned.skipped;
-        if (j.ttft_ms >= 0) {
-            const double sec = j.ttft_ms / 1000.0;
-            int b = 0;
-            while (b < 9 && sec > metrics_t::bounds[b]) ++b;
-            metrics.ttft_buckets[b]++;
-            metrics.ttft_sum += sec;
-            metrics.ttft_count++;
-        }
-    }
-
-    std::string metrics_text() {
-        std::lock_guard l(metrics.mu);
-        std::string out;
-        auto counter = [&](const char * name, const char * help, int64_t v) {
-            out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " counter\n" + name + " " +
-                   std::to_string(v) + "\n";
-        };
-        counter("kvblend_requests_total", "completion requests answered", metrics.requests);
-        counter("kvblend_request_errors_total", "completion requests that failed in a slot", metrics.errors);
-        counter("kvblend_requests_cancelled_total", "completion requests stopped because their client went away",
-                metrics.cancelled);
-        out += "# HELP kvblend_http_responses_total HTTP responses by status class\n";
-        out += "# TYPE kvblend_http_responses_total counter\n";
-        for (int c = 1; c <= 5; ++c)
-            out += "kvblend_http_responses_total{code=\"" + std::to_string(c) + "xx\"} " +
-                   std::to_string(metrics.responses[c]) + "\n";
-        counter("kvblend_http_connections_refused_total", "connections answered 429/503 and closed (too many open)",
-                http.refused_connections());
-        counter("kvblend_prompt_tokens_total", "prompt tokens", metrics.prompt_tokens);
-        counter("kvblend_completion_tokens_total", "generated tokens", metrics.completion_tokens);
-        counter("kvblend_fused_tokens_total", "prompt tokens prefilled by CacheBlend fusion", metrics.fused_tokens);
-        counter("kvblend_recomputed_tokens_total", "fused tokens recomputed by the deep layers",
-                metrics.recomputed_tokens);
-        counter("kvblend_store_hits_total", "chunks loaded from the store", metrics.store_hits);
-        counter("kvblend_store_misses_total", "chunks collected (not in the store)", metrics.store_misses);
-        counter("kvblend_store_errors_total", "store calls that failed (served as misses)", st ? st->failures() : 0);
-        counter("kvblend_plain_docs_matched_total", "known documents found inside plain prompts", metrics.docs_matched);
-        counter("kvblend_plain_docs_learned_total", "passages of plain prompts added as documents",
-                metrics.docs_learned);
-        counter("kvblend_plain_learned_bytes_total", "text bytes of the passages added", metrics.learned_bytes);
-        counter("kvblend_plain_learn_skipped_total",
-                "passages not added: over a request's bound, or their first 48 bytes those of 16 given documents",
-                metrics.learn_skipped);
-        out += "# HELP kvblend_known_documents documents whose text plain prompts are searched for\n";
-        out += "# TYPE kvblend_known_documents gauge\nkvblend_known_documents " + std::to_string(known.size()) + "\n";
-        out += "# HELP kvblend_time_to_first_token_seconds time from a request's arrival to its first token\n";
-        out += "# TYPE kvblend_time_to_first_token_seconds histogram\n";
-        int64_t cum = 0;
-        for (int b = 0; b < 10; ++b) {
-            cum += metrics.ttft_buckets[b];
-            const std::string le = b < 9 ? std::to_string(metrics_t::bounds[b]) : "+Inf";
-            out += "kvblend_time_to_first_token_seconds_bucket{le=\"" + le + "\"} " + std::to_string(cum) + "\n";
-        }
-        out += "kvblend_time_to_first_token_seconds_sum " + std::to_string(metrics.ttft_sum) + "\n";
-        out += "kvblend_time_to_first_token_seconds_count " + std::to_string(metrics.ttft_count) + "\n";
-        return out;
-    }
+    server_metrics metrics;
 
     // --- the serving loop ------------------------------------------------------
     // one thread serves every slot. each round admits queued requests into free
@@ -349,13 +214,7 @@ struct server::impl {
         }
         pcv.notify_all();
         if (prepare_thread.joinable()) prepare_thread.join();
-        if (p.log_requests) {
-            std::lock_guard l(metrics.mu);
-            std::fprintf(stderr,
-                         "kvblend: stopped after %lld requests (%lld failed, %lld cancelled), %lld tokens generated\n",
-                         (long long) metrics.requests, (long long) metrics.errors, (long long) metrics.cancelled,
-                         (long long) metrics.completion_tokens);
-        }
+        if (p.log_requests) std::fprintf(stderr, "kvblend: %s\n", metrics.summary().c_str());
     }
 
     // a template the jinja engine cannot read fails tool requests only, not the server
@@ -435,7 +294,7 @@ struct server::impl {
         job & j = *s.j;
         if (s.answer && err.empty() && !j.cancelled) s.answer->flush();
         if (!err.empty()) s.held = {};  // what a failed request left in the cache is not known
-        if (!j.ingest) record(j, !err.empty());
+        if (!j.ingest) metrics.record(j, !err.empty());
         if (p.log_requests) log_line(j, err, status);
         j.finish(err, status, code);
         s.j.reset();
@@ -1360,10 +1219,8 @@ struct server::impl {
                                            "http_" + std::to_string(res.status)),
                                 "application/json");
         });
-        http.set_logger([this](const httplib::Request &, const httplib::Response & res) {
-            std::lock_guard l(metrics.mu);
-            metrics.responses[std::clamp(res.status / 100, 1, 5)]++;
-        });
+        http.set_logger(
+            [this](const httplib::Request &, const httplib::Response & res) { metrics.count_response(res.status); });
         http.Get("/health", [this](const httplib::Request &, httplib::Response & res) {
             const std::string kv = !p.kv_codec.empty() ? p.kv_codec
                                    : p.type_k == p.type_v
@@ -1421,7 +1278,8 @@ struct server::impl {
                           respond(completion_job(b), false, stream, req, res);
                       }));
         http.Get("/metrics", [this](const httplib::Request &, httplib::Response & res) {
-            res.set_content(metrics_text(), "text/plain; version=0.0.4");
+            res.set_content(metrics.text({http.refused_connections(), st ? st->failures() : 0, known.size()}),
+                            "text/plain; version=0.0.4");
         });
         http.Post("/v1/documents", guarded([this](const httplib::Request & req, httplib::Response & res) {
                       if (!st) bad_request("POST /v1/documents needs a server started with --store");
