@@ -23,7 +23,6 @@
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
-#include "server/answer_logprobs.h"
 #include "server/chat_tools.h"
 #include "server/doc_index.h"
 #include "server/prompt_layout.h"
@@ -31,6 +30,7 @@
 #include "server/server_job.h"
 #include "server/server_metrics.h"
 #include "server/server_request.h"
+#include "server/server_response.h"
 #include "server/soft_store.h"
 
 namespace kvblend {
@@ -112,7 +112,8 @@ struct server::impl {
     std::shared_ptr<const model> m;
     server_params p;
     std::unique_ptr<soft_store> st;  // shared by the slots: its failures are misses, its breaker spares a dead store
-    std::string model_id;
+    std::string model_id = !p.alias.empty() ? p.alias : m->path().substr(m->path().find_last_of('/') + 1);
+    openai_format fmt{m->tokens(), model_id, [this](const std::vector<llama_token> & t) { return doc_key(t); }};
     std::unique_ptr<tool_templates> tool_tmpl;  // the chat template as the tool-call code reads it (null: none)
     std::string tool_tmpl_error;                // … or why it cannot be read
     http_server http{http_limits{p.max_body, p.read_timeout_s, p.write_timeout_s, 5, p.max_connections,
@@ -173,7 +174,6 @@ struct server::impl {
             so.max_bytes = p.store_max_bytes;
             st = std::make_unique<soft_store>(store_open(p.store_uri, so));
         }
-        model_id = !p.alias.empty() ? p.alias : m->path().substr(m->path().find_last_of('/') + 1);
         m->tokens().max_piece_bytes();  // measured once at start, not on a request
         load_tool_templates();
         engine_params ep = engine_default_params();
@@ -739,17 +739,6 @@ struct server::impl {
         return true;
     }
 
-    json spans_of(const job & j) const {
-        json out = json::array();
-        for (const layout_span & s : j.spans) {
-            // chunk_hit counts the non-empty chunks; a plain layout has no empty ones
-            json x = {{"id", doc_key(j.prompt.chunks[s.chunk])}, {"begin", s.begin}, {"end", s.end}};
-            if (s.chunk < j.chunk_hit.size()) x["store_hit"] = (bool) j.chunk_hit[s.chunk];
-            out.push_back(std::move(x));
-        }
-        return out;
-    }
-
     std::shared_ptr<job> chat_job(const json & b) const {
         if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty())
             bad_request("'messages' must be a non-empty array");
@@ -926,58 +915,6 @@ struct server::impl {
         return j;
     }
 
-    json usage_of(const job & j) const {
-        return {{"prompt_tokens", (int64_t) j.tokens.size()},
-                {"completion_tokens", j.n_gen},
-                {"total_tokens", (int64_t) j.tokens.size() + j.n_gen}};
-    }
-
-    json kvblend_of(const job & j) const {
-        return {{"n_prompt", (int64_t) j.tokens.size()},
-                {"n_fused", j.n_fused},
-                {"n_recomputed", j.n_recomputed},
-                {"store_hits", j.store_hits},
-                {"store_misses", j.store_misses},
-                {"store_errors", j.store_errors},
-                {"spans", spans_of(j)},
-                {"n_learned", j.learned.added},
-                {"n_cached", j.n_cached},
-                {"kv_rows", j.kv_rows},
-                {"prefill_ms", j.prefill_ms}};
-    }
-
-    // a choice's "logprobs": null unless the request asked for them
-    json logprobs_of(const job & j, bool chat, const std::vector<sampled_token> & tokens, size_t offset) const {
-        if (!j.sp.logprobs) return nullptr;
-        if (chat) return logprobs_chat(m->tokens(), tokens);
-        return logprobs_completion(m->tokens(), tokens, offset, j.sp.n_probs > 0);
-    }
-
-    // /tokenize: ids, or llama-server's with_pieces [{"id", "piece"}] (a piece that is
-    // not whole UTF-8 is its bytes, as llama-server sends it)
-    json tokens_with_pieces(const std::vector<llama_token> & tokens, bool with_pieces) const {
-        if (!with_pieces) return tokens;
-        json out = json::array();
-        for (llama_token t : tokens) {
-            const std::string piece = m->tokens().token_to_piece(t);
-            json bytes = json::array();
-            for (unsigned char c : piece) bytes.push_back((int) c);
-            bool whole = true;  // valid UTF-8: nlohmann's strict dump says so
-            try {
-                (void) json(piece).dump();
-            } catch (const json::type_error &) {
-                whole = false;
-            }
-            out.push_back({{"id", t}, {"piece", whole ? json(piece) : bytes}});
-        }
-        return out;
-    }
-
-    static std::string new_id(const char * prefix) {
-        static std::atomic<uint64_t> counter{0};
-        return std::string(prefix) + std::to_string((uint64_t) time(nullptr)) + "-" + std::to_string(counter++);
-    }
-
     // wait (l holding j.mu) until j is done; a client that hangs up meanwhile
     // (or had before the wait: looked at first) cancels its work, as a stream's does
     static void wait_done(job & j, std::unique_lock<std::mutex> & l, const httplib::Request & req) {
@@ -986,72 +923,22 @@ struct server::impl {
         } while (!j.cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j.done; }));
     }
 
-    // run a job to the end or stream it; chat: chat.completion(.chunk), else text_completion
+    // run a job to the end or stream it
     void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const httplib::Request & req,
                  httplib::Response & res) {
         j->route = chat ? "/v1/chat/completions" : "/v1/completions";
         if (!submit(j))
             throw request_error{503, "the server is overloaded: every slot is busy and the queue is full",
                                 "server_error", "overloaded"};
-        const std::string id = new_id(chat ? "chatcmpl-" : "cmpl-");
-        const int64_t created = (int64_t) time(nullptr);
+        const completion_meta meta = completion_meta_new(chat);
         if (!stream) {
-            std::string text;
-            std::vector<sampled_token> tokens;
             std::unique_lock l(j->mu);
             wait_done(*j, l, req);
-            for (auto & s : j->pieces) {
-                text += s.text;
-                tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
-            }
-            if (!j->error.empty())
-                throw request_error{j->error_status, j->error,
-                                    j->error_status < 500 ? "invalid_request_error" : "server_error", j->error_code};
-            // stopped early because the client closed its side: what was made is
-            // no answer, and is never sent as a complete one
-            if (j->cancelled)
-                throw request_error{400, "the request was cancelled: the client closed its side of the connection",
-                                    "invalid_request_error", "client_closed_request"};
-            json out = {{"id", id},
-                        {"created", created},
-                        {"model", model_id},
-                        {"usage", usage_of(*j)},
-                        {"kvblend", kvblend_of(*j)}};
-            if (chat) {
-                out["object"] = "chat.completion";
-                json message = {{"role", "assistant"}, {"content", text}};
-                std::string finish = j->finish_reason;
-                if (j->tools) {  // the text read back into content and tool_calls
-                    tool_reader reader(*j->tools);
-                    message = reader.message(text, finish == "length");
-                    if (reader.made_calls() && finish == "stop") finish = "tool_calls";
-                }
-                out["choices"] = json::array({{{"index", 0}, {"message", message}, {"finish_reason", finish}}});
-            } else {
-                out["object"] = "text_completion";
-                out["choices"] = json::array({{{"index", 0}, {"text", text}, {"finish_reason", j->finish_reason}}});
-            }
-            out["choices"][0]["logprobs"] = logprobs_of(*j, chat, tokens, 0);
-            res.set_content(out.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+            res.set_content(fmt.completion(*j, meta), "application/json");
             return;
         }
-        auto chunk = [=](const json & delta_or_text, const json & finish) {
-            json c = {{"id", id}, {"created", created}, {"model", model_id}};
-            if (chat) {
-                c["object"] = "chat.completion.chunk";
-                c["choices"] = json::array({{{"index", 0}, {"delta", delta_or_text}, {"finish_reason", finish}}});
-            } else {
-                c["object"] = "text_completion";
-                c["choices"] = json::array({{{"index", 0}, {"text", delta_or_text}, {"finish_reason", finish}}});
-            }
-            return "data: " + c.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
-        };
-        auto started = std::make_shared<bool>(false);
-        auto streamed_bytes = std::make_shared<size_t>(0);  // completions' text_offset
-        // tools: the text so far, read again on each round into content and call deltas
-        auto reader = j->tools ? std::make_shared<tool_reader>(*j->tools) : nullptr;
-        auto tool_text = std::make_shared<std::string>();
-        auto provider = [=, &req](size_t, httplib::DataSink & sink) {
+        auto events = std::make_shared<completion_events>(fmt, *j, meta);
+        auto provider = [j, events, &req](size_t, httplib::DataSink & sink) {
             std::string out;
             bool finished = false;
             {
@@ -1063,45 +950,7 @@ struct server::impl {
                         j->cancelled = true;
                         return false;
                     }
-                if (!*started && chat) out += chunk({{"role", "assistant"}, {"content", ""}}, nullptr);
-                *started = true;
-                if (reader) {
-                    for (const answer_piece & piece : j->pieces) *tool_text += piece.text;
-                    j->pieces.clear();
-                    const bool cut = j->done && j->finish_reason == "length";
-                    for (const json & d : reader->deltas(*tool_text, j->done, cut)) out += chunk(d, nullptr);
-                }
-                while (!j->pieces.empty()) {
-                    const answer_piece & piece = j->pieces.front();
-                    std::string c = chunk(chat ? json{{"content", piece.text}} : json(piece.text), nullptr);
-                    if (j->sp.logprobs) {
-                        json with = json::parse(c.substr(6));
-                        with["choices"][0]["logprobs"] = logprobs_of(*j, chat, piece.tokens, *streamed_bytes);
-                        c = "data: " + with.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
-                    }
-                    *streamed_bytes += piece.text.size();
-                    out += c;
-                    j->pieces.pop_front();
-                }
-                if (j->done) {
-                    finished = true;
-                    if (!j->error.empty()) {
-                        out += "data: " + error_body(j->error, "server_error", "internal_error") + "\n\n";
-                    } else {
-                        const bool calls = reader && reader->made_calls() && j->finish_reason == "stop";
-                        json last = json::parse(
-                            chunk(chat ? json::object() : json(""), calls ? "tool_calls" : j->finish_reason).substr(6));
-                        last["kvblend"] = kvblend_of(*j);
-                        out += "data: " + last.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
-                        if (j->stream_usage) {  // OpenAI's usage chunk: its own, with no choices
-                            json usage = json::parse(chunk(json(""), nullptr).substr(6));
-                            usage["choices"] = json::array();
-                            usage["usage"] = usage_of(*j);
-                            out += "data: " + usage.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
-                        }
-                    }
-                    out += "data: [DONE]\n\n";
-                }
+                finished = events->take(*j, out);
             }
             if (!sink.write(out.data(), out.size())) {
                 j->cancelled = true;  // the client went away: stop its work
@@ -1304,10 +1153,7 @@ struct server::impl {
                       wait_done(*j, l, req);  // a client that hangs up stops the documents not yet collected
                       // known to plain prompts: the documents the store now holds
                       for (size_t i = 0; i < j->ingest_keys.size(); ++i) remember(texts[i], j->ingest_docs[i]);
-                      if (!j->error.empty())
-                          throw request_error{j->error_status, j->error,
-                                              j->error_status < 500 ? "invalid_request_error" : "server_error",
-                                              j->error_code};
+                      job_raise_error(*j);
                       json data = json::array();
                       for (size_t i = 0; i < j->ingest_keys.size(); ++i)
                           data.push_back({{"id", j->ingest_keys[i]},
@@ -1327,9 +1173,10 @@ struct server::impl {
                       const auto t =
                           m->tokens().tokenize(b["content"].get<std::string>(), b.value("add_special", false),
                                                b.value("parse_special", true));
-                      res.set_content(json{{"tokens", tokens_with_pieces(t, b.value("with_pieces", false))}}.dump(
-                                          -1, ' ', false, json::error_handler_t::replace),
-                                      "application/json");
+                      res.set_content(
+                          json{{"tokens", tokens_with_pieces(m->tokens(), t, b.value("with_pieces", false))}}.dump(
+                              -1, ' ', false, json::error_handler_t::replace),
+                          "application/json");
                   }));
         http.Post(
             "/detokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {
