@@ -1,8 +1,7 @@
-// the OpenAI-compatible server: HTTP threads parse and validate requests and
-// queue them; one serving loop runs every slot's prefill (CacheBlend over
-// stored document chunks, or a plain prefill in chunks) and decoding, all
-// slots' tokens in one forward per step; tokens flow back through the job, to
-// the response or to a server-sent-event stream.
+// the OpenAI-compatible server: it owns the store, the job builder, the
+// serving loop (server_context) and the HTTP layer, and its routes stay thin:
+// check the request, build a job, submit it, answer it whole or as a stream of
+// server-sent events. Errors are answered in OpenAI's shape.
 #include "kvblend/server.h"
 
 #include <algorithm>
@@ -13,7 +12,6 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "httplib.h"
 #include "kvblend/codec.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
@@ -77,15 +75,15 @@ struct server::impl {
 
     // wait (l holding j.mu) until j is done; a client that hangs up meanwhile
     // (or had before the wait: looked at first) cancels its work, as a stream's does
-    static void wait_done(job & j, std::unique_lock<std::mutex> & l, const httplib::Request & req) {
+    static void wait_done(job & j, std::unique_lock<std::mutex> & l, const http_request & req) {
         do {
-            if (!j.cancelled && req.is_connection_closed && req.is_connection_closed()) j.cancelled = true;
+            if (!j.cancelled && req.closed && req.closed()) j.cancelled = true;
         } while (!j.cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j.done; }));
     }
 
     // run a job to the end or stream it
-    void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const httplib::Request & req,
-                 httplib::Response & res) {
+    void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const http_request & req,
+                 http_response & res) {
         j->route = chat ? "/v1/chat/completions" : "/v1/completions";
         if (!submit(j))
             throw request_error{503, "the server is overloaded: every slot is busy and the queue is full",
@@ -98,43 +96,27 @@ struct server::impl {
             return;
         }
         auto events = std::make_shared<completion_events>(fmt, *j, meta);
-        auto provider = [j, events, &req](size_t, httplib::DataSink & sink) {
-            std::string out;
-            bool finished = false;
-            {
-                std::unique_lock l(j->mu);
-                // nothing to send yet (a tail held back for a stop string, a long
-                // prefill): a client that hangs up meanwhile still cancels its work
-                while (!j->cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j->done || !j->pieces.empty(); }))
-                    if (req.is_connection_closed && req.is_connection_closed()) {
-                        j->cancelled = true;
-                        return false;
-                    }
-                finished = events->take(*j, out);
-            }
-            if (!sink.write(out.data(), out.size())) {
-                j->cancelled = true;  // the client went away: stop its work
-                return false;
-            }
-            if (finished) sink.done();
+        auto next = [j, events, closed = req.closed](std::string & out, bool & last) {
+            std::unique_lock l(j->mu);
+            // nothing to send yet (a tail held back for a stop string, a long
+            // prefill): a client that hangs up meanwhile still cancels its work
+            while (!j->cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j->done || !j->pieces.empty(); }))
+                if (closed && closed()) {
+                    j->cancelled = true;
+                    return false;
+                }
+            last = events->take(*j, out);
             return true;
         };
-        auto release = [j](bool success) {
-            if (!success) j->cancelled = true;
-        };
-        // an HTTP/1.0 client cannot read chunks: the stream ends where the connection does
-        if (http_can_chunk(req)) {
-            res.set_chunked_content_provider("text/event-stream", provider, release);
-        } else {
-            res.set_header("Connection", "close");  // the last response on the connection
-            res.set_content_provider("text/event-stream", provider, release);
-        }
+        // the client went away before the end: stop its work
+        res.set_stream("text/event-stream", {next, [j] { j->cancelled = true; }});
     }
 
     // --- routes -----------------------------------------------------------------
+    // the request's error answer from an exception, logged when it never became a job
     template <typename F>
-    auto guarded(F && f) {
-        return [this, f](const httplib::Request & req, httplib::Response & res) {
+    http_handler guarded(F && f) {
+        return [this, f](const http_request & req, http_response & res) {
             submitted_here = false;
             std::string why;
             try {
@@ -163,181 +145,171 @@ struct server::impl {
         };
     }
 
+    std::string too_large() const {
+        return error_body("the request body is larger than this server's limit of " + std::to_string(p.max_body) +
+                              " bytes (--max-body)",
+                          "invalid_request_error", "request_too_large");
+    }
+
+    // before any body is read: the origin, the key, then the declared length
+    bool refuse_early(const http_request & req, http_response & res) const {
+        // a browser names the page behind a request: one of another origin must not
+        // drive a server on this machine (a form post needs no CORS preflight)
+        if (req.has_header("Origin")) {
+            const std::string origin = req.header("Origin");
+            if (!http_origin_allowed(origin, p.allow_origins)) {
+                res.status = 403;
+                res.set_content(error_body("requests from web pages of origin '" + origin +
+                                               "' are refused; start the server with --allow-origin to allow one",
+                                           "invalid_request_error", "forbidden_origin"),
+                                "application/json");
+                return true;
+            }
+            res.set_header("Access-Control-Allow-Origin", origin);
+            res.set_header("Vary", "Origin");
+            if (req.method == "OPTIONS") {  // a preflight: no key, no body
+                res.status = 204;
+                res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+                res.set_header("Access-Control-Allow-Headers", "Authorization, X-Api-Key, Content-Type");
+                res.set_header("Access-Control-Max-Age", "600");
+                return true;
+            }
+        }
+        if (!p.api_key.empty() && req.path != "/health" && !http_key_matches(req, p.api_key)) {
+            res.status = 401;
+            res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"),
+                            "application/json");
+            return true;
+        }
+        if (req.content_length > p.max_body) {
+            res.status = 413;
+            res.set_header("Connection", "close");  // the body is not read
+            res.set_content(too_large(), "application/json");
+            return true;
+        }
+        return false;
+    }
+
+    // an error status with no body yet (no route, a chunked body past the limit, …)
+    void error_answer(http_response & res) const {
+        if (res.status == 404)
+            res.set_content(error_body("unknown route", "invalid_request_error", "not_found"), "application/json");
+        else if (res.status == 413)  // a chunked body past the limit
+            res.set_content(too_large(), "application/json");
+        else if (res.status >= 400)
+            res.set_content(
+                error_body(http_status_message(res.status), res.status < 500 ? "invalid_request_error" : "server_error",
+                           "http_" + std::to_string(res.status)),
+                "application/json");
+    }
+
+    // GET /health: the store answers (a lookup of a key no chunk has), or the server is degraded
+    void health(http_response & res) const {
+        const std::string kv = !p.kv_codec.empty() ? p.kv_codec
+                               : p.type_k == p.type_v
+                                   ? ggml_type_name(p.type_k)
+                                   : std::string(ggml_type_name(p.type_k)) + "/" + ggml_type_name(p.type_v);
+        json h = {{"status", "ok"}, {"kv_cache", kv}, {"fusion", p.kv_codec.empty()}};
+        if (st) {
+            try {
+                // past the soft store's misses; at once while its breaker holds calls back
+                st->must([](store & s) { s.contains(std::string(32, '0')); });
+                h["store"] = {{"uri", st->uri()}, {"ok", true}};
+            } catch (const std::exception & e) {
+                h["status"] = "degraded";
+                h["store"] = {{"uri", st->uri()}, {"ok", false}, {"error", e.what()}};
+                res.status = 503;
+            }
+        }
+        res.set_content(json_text(h), "application/json");
+    }
+
+    // POST /v1/documents: each document collected (or found) and stored; its key is its id
+    void documents(const http_request & req, http_response & res) {
+        std::vector<std::string> texts;
+        const std::shared_ptr<job> j = jobs.ingest_job(req.body, texts);
+        if (!submit(j)) throw request_error{503, "the server is overloaded", "server_error", "overloaded"};
+        std::unique_lock l(j->mu);
+        wait_done(*j, l, req);  // a client that hangs up stops the documents not yet collected
+        // known to plain prompts: the documents the store now holds
+        for (size_t i = 0; i < j->ingest_keys.size(); ++i) jobs.remember(texts[i], j->ingest_docs[i]);
+        job_raise_error(*j);
+        json data = json::array();
+        for (size_t i = 0; i < j->ingest_keys.size(); ++i)
+            data.push_back(
+                {{"id", j->ingest_keys[i]}, {"object", "document"}, {"n_tokens", (int64_t) j->ingest_docs[i].size()}});
+        res.set_content(
+            json{{"object", "list"}, {"data", data}, {"store_hits", j->store_hits}, {"store_misses", j->store_misses}}
+                .dump(),
+            "application/json");
+    }
+
+    void tokenize(const http_request & req, http_response & res) const {
+        const json b = jobs.parse_body(req.body, REQUEST_TOKENIZE);
+        if (!b.contains("content") || !b["content"].is_string()) bad_request("'content' must be a string");
+        const auto t = m->tokens().tokenize(b["content"].get<std::string>(), b.value("add_special", false),
+                                            b.value("parse_special", true));
+        res.set_content(json_text({{"tokens", tokens_with_pieces(m->tokens(), t, b.value("with_pieces", false))}}),
+                        "application/json");
+    }
+
+    void detokenize(const http_request & req, http_response & res) const {
+        const json b = jobs.parse_body(req.body, REQUEST_DETOKENIZE);
+        if (!b.contains("tokens") || !b["tokens"].is_array()) bad_request("'tokens' must be an array");
+        std::vector<llama_token> t;
+        for (const auto & x : b["tokens"]) {
+            if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= m->hparams().n_vocab)
+                bad_request("token ids must be integers in [0, " + std::to_string(m->hparams().n_vocab) + ")");
+            t.push_back((llama_token) x.get<int64_t>());
+        }
+        res.set_content(json_text({{"content", m->tokens().detokenize(t)}}), "application/json");
+    }
+
     void routes() {
-        // before any body is read: the key, then the declared length
-        auto refuse_early = [this](const httplib::Request & req, httplib::Response & res) {
-            // a browser names the page behind a request: one of another origin must not
-            // drive a server on this machine (a form post needs no CORS preflight)
-            if (req.has_header("Origin")) {
-                const std::string origin = req.get_header_value("Origin");
-                if (!http_origin_allowed(origin, p.allow_origins)) {
-                    res.status = 403;
-                    res.set_content(error_body("requests from web pages of origin '" + origin +
-                                                   "' are refused; start the server with --allow-origin to allow one",
-                                               "invalid_request_error", "forbidden_origin"),
-                                    "application/json");
-                    return true;
-                }
-                res.set_header("Access-Control-Allow-Origin", origin);
-                res.set_header("Vary", "Origin");
-                if (req.method == "OPTIONS") {  // a preflight: no key, no body
-                    res.status = 204;
-                    res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
-                    res.set_header("Access-Control-Allow-Headers", "Authorization, X-Api-Key, Content-Type");
-                    res.set_header("Access-Control-Max-Age", "600");
-                    return true;
-                }
-            }
-            if (!p.api_key.empty() && req.path != "/health" && !http_key_matches(req, p.api_key)) {
-                res.status = 401;
-                res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"),
-                                "application/json");
-                return true;
-            }
-            if (req.has_header("Content-Length") && req.get_header_value_u64("Content-Length") > p.max_body) {
-                res.status = 413;
-                res.set_header("Connection", "close");  // the body is not read
-                res.set_content(error_body("the request body is larger than this server's limit of " +
-                                               std::to_string(p.max_body) + " bytes (--max-body)",
-                                           "invalid_request_error", "request_too_large"),
-                                "application/json");
-                return true;
-            }
-            return false;
-        };
-        http.set_pre_routing_handler([refuse_early](const httplib::Request & req, httplib::Response & res) {
-            return refuse_early(req, res) ? httplib::Server::HandlerResponse::Handled
-                                          : httplib::Server::HandlerResponse::Unhandled;
-        });
-        // "Expect: 100-continue": the answer comes before the client sends the body
-        http.set_expect_100_continue_handler([refuse_early](const httplib::Request & req, httplib::Response & res) {
-            return refuse_early(req, res) ? res.status : 100;
-        });
-        http.set_error_handler([this](const httplib::Request &, httplib::Response & res) {
-            if (!res.body.empty()) return;
-            if (res.status == 404)
-                res.set_content(error_body("unknown route", "invalid_request_error", "not_found"), "application/json");
-            else if (res.status == 413)  // a chunked body past the limit
-                res.set_content(error_body("the request body is larger than this server's limit of " +
-                                               std::to_string(p.max_body) + " bytes (--max-body)",
-                                           "invalid_request_error", "request_too_large"),
-                                "application/json");
-            else if (res.status >= 400)
-                res.set_content(error_body(httplib::status_message(res.status),
-                                           res.status < 500 ? "invalid_request_error" : "server_error",
-                                           "http_" + std::to_string(res.status)),
-                                "application/json");
-        });
-        http.set_logger(
-            [this](const httplib::Request &, const httplib::Response & res) { metrics.count_response(res.status); });
-        http.Get("/health", [this](const httplib::Request &, httplib::Response & res) {
-            const std::string kv = !p.kv_codec.empty() ? p.kv_codec
-                                   : p.type_k == p.type_v
-                                       ? ggml_type_name(p.type_k)
-                                       : std::string(ggml_type_name(p.type_k)) + "/" + ggml_type_name(p.type_v);
-            json h = {{"status", "ok"}, {"kv_cache", kv}, {"fusion", p.kv_codec.empty()}};
-            // the store answers (a lookup of a key no chunk has), or the server is degraded: documents fail
-            if (st) {
-                try {
-                    // past the soft store's misses; at once while its breaker holds calls back
-                    st->must([](store & s) { s.contains(std::string(32, '0')); });
-                    h["store"] = {{"uri", st->uri()}, {"ok", true}};
-                } catch (const std::exception & e) {
-                    h["status"] = "degraded";
-                    h["store"] = {{"uri", st->uri()}, {"ok", false}, {"error", e.what()}};
-                    res.status = 503;
-                }
-            }
-            res.set_content(h.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
-        });
+        http.on_headers([this](const http_request & req, http_response & res) { return refuse_early(req, res); });
+        http.on_error([this](http_response & res) { error_answer(res); });
+        http.on_response([this](int status) { metrics.count_response(status); });
+        http.get("/health", [this](const http_request &, http_response & res) { health(res); });
         const json model_card = {{"id", model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "kvblend"}};
         // llama-server serves its routes with and without /v1: clients configured either way find them
-        http.Get("/models", [model_card](const httplib::Request &, httplib::Response & res) {
-            res.set_content(json{{"object", "list"}, {"data", json::array({model_card})}}.dump(
-                                -1, ' ', false, json::error_handler_t::replace),
-                            "application/json");
-        });
-        http.Get("/v1/models", [model_card](const httplib::Request &, httplib::Response & res) {
-            res.set_content(json{{"object", "list"}, {"data", json::array({model_card})}}.dump(
-                                -1, ' ', false, json::error_handler_t::replace),
-                            "application/json");
-        });
+        for (const char * path : {"/models", "/v1/models"})
+            http.get(path, [model_card](const http_request &, http_response & res) {
+                res.set_content(json_text({{"object", "list"}, {"data", json::array({model_card})}}),
+                                "application/json");
+            });
         // models.retrieve(id): the one model this server runs, by its id
-        http.Get(R"(/v1/models/(.+))", [this, model_card](const httplib::Request & req, httplib::Response & res) {
+        http.get(R"(/v1/models/(.+))", [this, model_card](const http_request & req, http_response & res) {
             if (req.matches[1] == model_id) {
-                res.set_content(model_card.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+                res.set_content(json_text(model_card), "application/json");
                 return;
             }
             res.status = 404;
-            res.set_content(error_body("the model '" + std::string(req.matches[1]) +
-                                           "' does not exist; this server runs '" + model_id + "'",
-                                       "invalid_request_error", "model_not_found"),
-                            "application/json");
+            res.set_content(
+                error_body("the model '" + req.matches[1] + "' does not exist; this server runs '" + model_id + "'",
+                           "invalid_request_error", "model_not_found"),
+                "application/json");
         });
         for (const char * path : {"/v1/chat/completions", "/chat/completions"})
-            http.Post(path, guarded([this](const httplib::Request & req, httplib::Response & res) {
+            http.post(path, guarded([this](const http_request & req, http_response & res) {
                           bool stream = false;
                           const json b = jobs.parse_body(req.body, REQUEST_CHAT, &stream);
                           respond(jobs.chat_job(b), true, stream, req, res);
                       }));
         for (const char * path : {"/v1/completions", "/completions"})
-            http.Post(path, guarded([this](const httplib::Request & req, httplib::Response & res) {
+            http.post(path, guarded([this](const http_request & req, http_response & res) {
                           bool stream = false;
                           const json b = jobs.parse_body(req.body, REQUEST_COMPLETION, &stream);
                           respond(jobs.completion_job(b), false, stream, req, res);
                       }));
-        http.Get("/metrics", [this](const httplib::Request &, httplib::Response & res) {
+        http.get("/metrics", [this](const http_request &, http_response & res) {
             res.set_content(metrics.text({http.refused_connections(), st ? st->failures() : 0, jobs.known_documents()}),
                             "text/plain; version=0.0.4");
         });
-        http.Post("/v1/documents", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                      std::vector<std::string> texts;
-                      const std::shared_ptr<job> j = jobs.ingest_job(req.body, texts);
-                      if (!submit(j))
-                          throw request_error{503, "the server is overloaded", "server_error", "overloaded"};
-                      std::unique_lock l(j->mu);
-                      wait_done(*j, l, req);  // a client that hangs up stops the documents not yet collected
-                      // known to plain prompts: the documents the store now holds
-                      for (size_t i = 0; i < j->ingest_keys.size(); ++i) jobs.remember(texts[i], j->ingest_docs[i]);
-                      job_raise_error(*j);
-                      json data = json::array();
-                      for (size_t i = 0; i < j->ingest_keys.size(); ++i)
-                          data.push_back({{"id", j->ingest_keys[i]},
-                                          {"object", "document"},
-                                          {"n_tokens", (int64_t) j->ingest_docs[i].size()}});
-                      res.set_content(json{{"object", "list"},
-                                           {"data", data},
-                                           {"store_hits", j->store_hits},
-                                           {"store_misses", j->store_misses}}
-                                          .dump(),
-                                      "application/json");
-                  }));
-        http.Post("/tokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                      const json b = jobs.parse_body(req.body, REQUEST_TOKENIZE);
-                      if (!b.contains("content") || !b["content"].is_string())
-                          bad_request("'content' must be a string");
-                      const auto t =
-                          m->tokens().tokenize(b["content"].get<std::string>(), b.value("add_special", false),
-                                               b.value("parse_special", true));
-                      res.set_content(
-                          json{{"tokens", tokens_with_pieces(m->tokens(), t, b.value("with_pieces", false))}}.dump(
-                              -1, ' ', false, json::error_handler_t::replace),
-                          "application/json");
-                  }));
-        http.Post(
-            "/detokenize", guarded([this](const httplib::Request & req, httplib::Response & res) {
-                const json b = jobs.parse_body(req.body, REQUEST_DETOKENIZE);
-                if (!b.contains("tokens") || !b["tokens"].is_array()) bad_request("'tokens' must be an array");
-                std::vector<llama_token> t;
-                for (const auto & x : b["tokens"]) {
-                    if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= m->hparams().n_vocab)
-                        bad_request("token ids must be integers in [0, " + std::to_string(m->hparams().n_vocab) + ")");
-                    t.push_back((llama_token) x.get<int64_t>());
-                }
-                res.set_content(
-                    json{{"content", m->tokens().detokenize(t)}}.dump(-1, ' ', false, json::error_handler_t::replace),
-                    "application/json");
-            }));
+        http.post("/v1/documents",
+                  guarded([this](const http_request & req, http_response & res) { documents(req, res); }));
+        http.post("/tokenize", guarded([this](const http_request & req, http_response & res) { tokenize(req, res); }));
+        http.post("/detokenize",
+                  guarded([this](const http_request & req, http_response & res) { detokenize(req, res); }));
     }
 };
 
