@@ -1,6 +1,6 @@
 // the HTTP layer: connections are ours (admission, deadlines, a read buffer
-// that lives as long as the connection), requests and responses are
-// cpp-httplib's (process_request parses, routes and writes).
+// that lives as long as the connection), parsing, routing and writing are
+// cpp-httplib's (process_request); handlers see http_request / http_response.
 #include "server/server_http.h"
 
 #include <arpa/inet.h>
@@ -17,6 +17,8 @@
 #include <list>
 #include <memory>
 #include <thread>
+
+#include "httplib.h"
 
 namespace kvblend {
 
@@ -225,7 +227,24 @@ class connection_threads final : public httplib::TaskQueue {
 
 }  // namespace
 
-http_server::http_server(const http_limits & limits) : limits_(limits) {
+// httplib's server with our connections: admission, deadlines, a buffer per connection
+class http_server::connections final : public httplib::Server {
+  public:
+    explicit connections(const http_limits & limits);
+    int open_connections() const;
+    int64_t refused_connections() const;
+
+  private:
+    bool process_and_close_socket(socket_t sock) override;
+
+    http_limits limits_;
+    mutable std::mutex mu_;
+    int open_ = 0;
+    int64_t refused_ = 0;
+    std::map<std::string, int> open_by_client_;
+};
+
+http_server::connections::connections(const http_limits & limits) : limits_(limits) {
     set_read_timeout(limits.read_timeout_s);
     set_write_timeout(limits.write_timeout_s);
     set_keep_alive_timeout(limits.keep_alive_s);
@@ -243,17 +262,17 @@ http_server::http_server(const http_limits & limits) : limits_(limits) {
     });
 }
 
-int http_server::open_connections() const {
+int http_server::connections::open_connections() const {
     std::lock_guard l(mu_);
     return open_;
 }
 
-int64_t http_server::refused_connections() const {
+int64_t http_server::connections::refused_connections() const {
     std::lock_guard l(mu_);
     return refused_;
 }
 
-bool http_server::process_and_close_socket(socket_t sock) {
+bool http_server::connections::process_and_close_socket(socket_t sock) {
     std::string ip, local_ip;
     int port = 0, local_port = 0;
     address_of(sock, true, ip, port);
@@ -300,6 +319,163 @@ bool http_server::process_and_close_socket(socket_t sock) {
 
 namespace {
 
+// whether the client can read a chunked response (HTTP/1.1 and later)
+bool can_chunk(const httplib::Request & req) {
+    return req.version != "HTTP/1.0" && req.version != "HTTP/0.9";
+}
+
+http_request request_of(const httplib::Request & req) {
+    http_request r;
+    r.method = req.method;
+    r.path = req.path;
+    r.version = req.version;
+    for (const auto & [name, value] : req.headers) r.headers.emplace(name, value);
+    r.body = req.body;
+    for (const auto & m : req.matches) r.matches.push_back(m.str());
+    r.content_length = req.has_header("Content-Length") ? req.get_header_value_u64("Content-Length") : 0;
+    r.closed = req.is_connection_closed;
+    return r;
+}
+
+// a streamed body: chunked, or (a client that cannot read chunks) up to the connection's end
+void stream_to(const httplib::Request & req, http_response & out, httplib::Response & res) {
+    auto s = std::make_shared<http_stream>(std::move(out.stream));
+    auto provider = [s](size_t, httplib::DataSink & sink) {
+        std::string bytes;
+        bool last = false;
+        if (!s->next(bytes, last)) return false;
+        if (!sink.write(bytes.data(), bytes.size())) {
+            if (s->cut) s->cut();
+            return false;
+        }
+        if (last) sink.done();
+        return true;
+    };
+    auto release = [s](bool success) {
+        if (!success && s->cut) s->cut();
+    };
+    if (can_chunk(req)) {
+        res.set_chunked_content_provider(out.content_type, provider, release);
+    } else {
+        res.set_header("Connection", "close");  // the last response on the connection
+        res.set_content_provider(out.content_type, provider, release);
+    }
+}
+
+void respond_with(const httplib::Request & req, http_response & out, httplib::Response & res) {
+    res.status = out.status;
+    for (const auto & [name, value] : out.headers) res.set_header(name, value);
+    if (out.stream.next)
+        stream_to(req, out, res);
+    else if (!out.body.empty() || !out.content_type.empty())
+        res.set_content(out.body, out.content_type);
+}
+
+httplib::Server::Handler handler_of(http_handler h) {
+    return [h = std::move(h)](const httplib::Request & req, httplib::Response & res) {
+        http_response out;
+        h(request_of(req), out);
+        respond_with(req, out, res);
+    };
+}
+
+// the on_headers hook's answer: headers stay on the response either way
+bool answered_early(const std::function<bool(const http_request &, http_response &)> & f, const httplib::Request & req,
+                    httplib::Response & res) {
+    http_response out;
+    const bool answered = f(request_of(req), out);
+    if (!answered) {
+        for (const auto & [name, value] : out.headers) res.set_header(name, value);
+        return false;
+    }
+    respond_with(req, out, res);
+    return true;
+}
+
+}  // namespace
+
+http_server::http_server(const http_limits & limits) : d_(std::make_unique<connections>(limits)) {}
+
+http_server::~http_server() = default;
+
+void http_server::get(const std::string & pattern, http_handler h) {
+    d_->Get(pattern, handler_of(std::move(h)));
+}
+
+void http_server::post(const std::string & pattern, http_handler h) {
+    d_->Post(pattern, handler_of(std::move(h)));
+}
+
+void http_server::on_headers(std::function<bool(const http_request &, http_response &)> f) {
+    d_->set_pre_routing_handler([f](const httplib::Request & req, httplib::Response & res) {
+        return answered_early(f, req, res) ? httplib::Server::HandlerResponse::Handled
+                                           : httplib::Server::HandlerResponse::Unhandled;
+    });
+    // "Expect: 100-continue": the answer comes before the client sends the body
+    d_->set_expect_100_continue_handler([f](const httplib::Request & req, httplib::Response & res) {
+        return answered_early(f, req, res) ? res.status : 100;
+    });
+}
+
+void http_server::on_error(std::function<void(http_response &)> f) {
+    d_->set_error_handler([f](const httplib::Request &, httplib::Response & res) {
+        if (!res.body.empty()) return;
+        http_response out;
+        out.status = res.status;
+        f(out);
+        if (!out.body.empty() || !out.content_type.empty()) res.set_content(out.body, out.content_type);
+    });
+}
+
+void http_server::on_response(std::function<void(int status)> f) {
+    d_->set_logger([f](const httplib::Request &, const httplib::Response & res) { f(res.status); });
+}
+
+int http_server::bind_to_any_port(const std::string & host) {
+    return d_->bind_to_any_port(host);
+}
+
+bool http_server::bind_to_port(const std::string & host, int port) {
+    return d_->bind_to_port(host, port);
+}
+
+bool http_server::listen_after_bind() {
+    return d_->listen_after_bind();
+}
+
+void http_server::stop() {
+    d_->stop();
+}
+
+bool http_server::is_running() const {
+    return d_->is_running();
+}
+
+int http_server::open_connections() const {
+    return d_->open_connections();
+}
+
+int64_t http_server::refused_connections() const {
+    return d_->refused_connections();
+}
+
+std::string http_status_message(int status) {
+    return httplib::status_message(status);
+}
+
+bool http_name_less::operator()(const std::string & a, const std::string & b) const {
+    return std::lexicographical_compare(a.begin(), a.end(), b.begin(), b.end(), [](unsigned char x, unsigned char y) {
+        return std::tolower(x) < std::tolower(y);
+    });
+}
+
+std::string http_request::header(const std::string & name) const {
+    auto it = headers.find(name);
+    return it == headers.end() ? std::string() : it->second;
+}
+
+namespace {
+
 // compare in time independent of where they differ
 bool same_key(const std::string & got, const std::string & key) {
     unsigned diff = got.size() != key.size();
@@ -310,8 +486,8 @@ bool same_key(const std::string & got, const std::string & key) {
 
 }  // namespace
 
-bool http_bearer_matches(const httplib::Request & req, const std::string & key) {
-    const std::string h = req.get_header_value("Authorization");
+bool http_bearer_matches(const http_request & req, const std::string & key) {
+    const std::string h = req.header("Authorization");
     if (h.size() < 7 || h[6] != ' ') return false;
     std::string scheme = h.substr(0, 6);
     std::transform(scheme.begin(), scheme.end(), scheme.begin(),
@@ -322,13 +498,8 @@ bool http_bearer_matches(const httplib::Request & req, const std::string & key) 
     return same_key(h.substr(at), key);
 }
 
-bool http_key_matches(const httplib::Request & req, const std::string & key) {
-    return http_bearer_matches(req, key) ||
-           (req.has_header("X-Api-Key") && same_key(req.get_header_value("X-Api-Key"), key));
-}
-
-bool http_can_chunk(const httplib::Request & req) {
-    return req.version != "HTTP/1.0" && req.version != "HTTP/0.9";
+bool http_key_matches(const http_request & req, const std::string & key) {
+    return http_bearer_matches(req, key) || (req.has_header("X-Api-Key") && same_key(req.header("X-Api-Key"), key));
 }
 
 bool http_origin_allowed(const std::string & origin, const std::vector<std::string> & allowed) {

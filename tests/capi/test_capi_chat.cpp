@@ -155,9 +155,10 @@ TEST_F(capi_chat, streamed_deltas_add_up_to_the_whole_message) {
 }
 
 TEST_F(capi_chat, a_round_trip_renders_the_call_and_its_result) {
-    const json call = {{"id", "call_1"},
-                       {"type", "function"},
-                       {"function", {{"name", "get_weather"}, {"arguments", R"({"city":"Oslo","days":1,"metric":true})"}}}};
+    const json call = {
+        {"id", "call_1"},
+        {"type", "function"},
+        {"function", {{"name", "get_weather"}, {"arguments", R"({"city":"Oslo","days":1,"metric":true})"}}}};
     json req = ask("none");
     req["messages"].push_back({{"role", "assistant"}, {"content", nullptr}, {"tool_calls", {call}}});
     req["messages"].push_back({{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "light snow, -3 C"}});
@@ -205,7 +206,8 @@ TEST_F(capi_chat, bad_requests_are_invalid_arguments_that_say_why) {
         {"[1]", "JSON object"},
         {R"({"messages": []})", "'messages'"},
         {ask({{"type", "function"}, {"function", {{"name", "nope"}}}}).dump(), "not one of 'tools'"},
-        {json{{"messages", {{{"role", "tool"}, {"tool_call_id", "x"}, {"content", "1"}}}}}.dump(), "matches no tool call"},
+        {json{{"messages", {{{"role", "tool"}, {"tool_call_id", "x"}, {"content", "1"}}}}}.dump(),
+         "matches no tool call"},
         {json{{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"tools", {{{"type", "function"}}}}}.dump(),
          "tools[0]"},
         {std::string(100, '[') + std::string(100, ']'), "deeper"},
@@ -267,8 +269,8 @@ TEST_F(capi_chat, a_logit_bias_moves_the_choice_and_out_of_range_ones_are_refuse
     EXPECT_NE(std::string(plain), std::string(biased));
     kvb_free(plain);
     kvb_free(biased);
-    for (const kvb_logit_bias bad : {kvb_logit_bias{-1, 1.0f}, kvb_logit_bias{1 << 30, 1.0f},
-                                     kvb_logit_bias{1, 101.0f}, kvb_logit_bias{1, NAN}}) {
+    for (const kvb_logit_bias bad :
+         {kvb_logit_bias{-1, 1.0f}, kvb_logit_bias{1 << 30, 1.0f}, kvb_logit_bias{1, 101.0f}, kvb_logit_bias{1, NAN}}) {
         gp.logit_bias = &bad;
         EXPECT_EQ(kvb_generate(ctx, "Once upon a time", &gp, nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT)
             << bad.token << " " << bad.bias;

@@ -36,16 +36,16 @@ inline const std::string & tool_model() {
 // a schema whose every value is bounded (an enum, an integer range, a boolean):
 // random weights cannot run past max_tokens inside a string
 inline const nlohmann::json k_weather_params = {{"type", "object"},
-                               {"properties",
-                                {{"city", {{"enum", {"Paris", "Oslo", "Lima"}}}},
-                                 {"days", {{"type", "integer"}, {"minimum", 1}, {"maximum", 7}}},
-                                 {"metric", {{"type", "boolean"}}}}},
-                               {"required", {"city", "days", "metric"}},
-                               {"additionalProperties", false}};
+                                                {"properties",
+                                                 {{"city", {{"enum", {"Paris", "Oslo", "Lima"}}}},
+                                                  {"days", {{"type", "integer"}, {"minimum", 1}, {"maximum", 7}}},
+                                                  {"metric", {{"type", "boolean"}}}}},
+                                                {"required", {"city", "days", "metric"}},
+                                                {"additionalProperties", false}};
 inline const nlohmann::json k_time_params = {{"type", "object"},
-                            {"properties", {{"zone", {{"enum", {"UTC", "CET"}}}}}},
-                            {"required", {"zone"}},
-                            {"additionalProperties", false}};
+                                             {"properties", {{"zone", {{"enum", {"UTC", "CET"}}}}}},
+                                             {"required", {"zone"}},
+                                             {"additionalProperties", false}};
 
 inline nlohmann::json tools() {
     using json = nlohmann::json;

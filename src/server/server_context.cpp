@@ -1,0 +1,525 @@
+#include "server/server_context.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "kvblend/answer.h"
+#include "kvblend/codec.h"
+#include "kvblend/engine.h"
+#include "kvblend/rag.h"
+#include "kvblend/store.h"
+#include "server/server_request.h"
+
+namespace kvblend {
+
+namespace {
+
+// what a slot's KV cache holds: the tokens, and how many of them from the
+// start hold exactly the KV a plain prefill of them from position 0 would
+// (a fusion's KV depends on its other documents and its selection, an
+// evicted cache on the whole prompt: neither is ever reused)
+struct slot_cache {
+    std::vector<llama_token> tokens;
+    size_t exact = 0;
+};
+
+// one request's answer on its slot: the library's answer (sampling, stops,
+// whole UTF-8 characters, logprobs) with the request's pieces, counts and finish reason
+struct answer_stream {
+    job & j;
+    answer a;
+
+    answer_stream(job & jj, const vocab & v)
+        : j(jj), a(params_of(jj), v, [&jj](answer_piece & p) {
+              jj.emit(std::move(p.text), p.tokens);
+              return true;
+          }) {
+        a.accept_prompt(j.tokens);
+        j.finish_reason = "length";
+    }
+
+    static answer_params params_of(const job & j) {
+        answer_params ap{j.max_tokens, j.sp, j.stop, {}};
+        // a tool call's control tokens ("<tool_call>"): their text is what the parser reads
+        if (j.tools) ap.special_text = j.tools->preserved;
+        return ap;
+    }
+
+    // the logits after the last token run (room: the cache can take another):
+    // the token to run next, or -1 when the answer is complete. the request's
+    // own settings can leave no token: a grammar this vocabulary cannot continue is its error
+    llama_token on_logits(const float * logits, int32_t n_vocab, bool room) {
+        llama_token tok;
+        try {
+            tok = a.on_logits(logits, n_vocab, room);
+        } catch (const error & e) {
+            bad_request(e.what(), "invalid_grammar");
+        }
+        j.n_gen = a.n_generated();
+        if (j.n_gen > 0 && j.ttft_ms < 0) j.ttft_ms = time_ms() - j.t_submit;
+        if (a.end() == answer_end::eog || a.end() == answer_end::stop_string) j.finish_reason = "stop";
+        return tok;
+    }
+
+    // the answer ended: the held-back tail held no stop string
+    void flush() { a.finish(); }
+};
+
+}  // namespace
+
+struct server_context::impl {
+    std::shared_ptr<const model> m;
+    server_params p;
+    soft_store * st;  // null: none
+    server_metrics & metrics;
+
+    enum class slot_state { free, preparing, prepared, running };  // guarded by qmu
+
+    struct slot {
+        std::unique_ptr<engine> own;      // not batched: the slot's own engine
+        std::unique_ptr<kv_cache> cache;  // batched: its cache (lent to the preparing engine while preparing)
+        std::atomic<slot_state> state{slot_state::free};  // written under qmu; the steps read it without
+        slot_cache held;                                  // what its cache holds
+        std::shared_ptr<job> j;                           // the request it serves (null: free)
+        std::vector<llama_token> prompt_left;             // plain prompt tokens still to prefill
+        size_t prompt_at = 0;
+        std::unique_ptr<answer_stream> answer;  // once the prompt ran: sampling and emitting
+        llama_token next = -1;                  // the token the next step runs (-1: none)
+        double t_start = 0;
+        // what preparing left: the prompt's last logits, or the request's error
+        std::vector<float> prepared_logits;
+        std::string prep_err, prep_code;
+        int prep_status = 500;
+    };
+
+    std::mutex qmu;
+    std::condition_variable qcv;  // the loop waits here: a request queued, a slot prepared, stopping
+    std::condition_variable pcv;  // the preparing thread waits here
+    std::deque<std::shared_ptr<job>> queue;
+    std::deque<slot *> to_prepare;
+    bool stopping = false, stop_preparing = false;
+    std::unique_ptr<engine> step_eng;     // batched: the engine every step runs on
+    std::unique_ptr<engine> prepare_eng;  // batched: the engine ingest and blends run on
+    std::vector<slot> slots;
+    std::thread loop_thread, prepare_thread;
+
+    impl(std::shared_ptr<const model> mm, const server_params & pp, soft_store * store, server_metrics & counts)
+        : m(std::move(mm)), p(pp), st(store), metrics(counts) {
+        engine_params ep = engine_default_params();
+        ep.n_ctx = p.n_ctx;
+        ep.n_threads = p.n_threads;
+        ep.type_k = p.type_k;
+        ep.type_v = p.type_v;
+        ep.kv_codec = p.kv_codec;
+        ep.evict = p.evict;
+        // every slot's memory is allocated before serving
+        slots = std::vector<slot>((size_t) p.parallel);
+        if (batched()) {
+            // the engines' own caches stay small: every step and blend runs on a slot's cache
+            engine_params small = ep;
+            small.n_ctx = std::min<int64_t>(ep.n_ctx, 64);
+            step_eng = std::make_unique<engine>(m, small);
+            prepare_eng = std::make_unique<engine>(m, small);
+            const int64_t n_ctx = std::min<int64_t>(p.n_ctx, m->hparams().n_ctx_train);
+            for (slot & s : slots) s.cache = std::make_unique<kv_cache>(*m, n_ctx, p.type_k, p.type_v);
+        } else {
+            for (slot & s : slots) s.own = std::make_unique<engine>(m, ep);
+        }
+        prepare_thread = std::thread([this] { prepare_loop(); });
+        loop_thread = std::thread([this] { serve_loop(); });
+    }
+
+    ~impl() {
+        {
+            std::lock_guard l(qmu);
+            stopping = true;
+        }
+        qcv.notify_all();
+        if (loop_thread.joinable()) loop_thread.join();  // it ends once every queued request is answered
+        {
+            std::lock_guard l(qmu);
+            stop_preparing = true;
+        }
+        pcv.notify_all();
+        if (prepare_thread.joinable()) prepare_thread.join();
+        if (p.log_requests) std::fprintf(stderr, "kvblend: %s\n", metrics.summary().c_str());
+    }
+
+    bool batched() const { return p.kv_codec.empty() && p.evict.policy == EVICT_POLICY_NONE; }
+
+    kv_cache & cache_of(slot & s) { return s.own ? s.own->cache() : *s.cache; }
+
+    void serve_loop() {
+        while (admit()) step();
+    }
+
+    // free slots take queued requests and prepared slots join the steps
+    // (waiting while there is nothing to step); false once stopping with nothing left
+    bool admit() {
+        std::vector<slot *> started, prepared;
+        {
+            std::unique_lock l(qmu);
+            const auto any = [&](slot_state st) {
+                return std::any_of(slots.begin(), slots.end(), [&](const slot & s) { return s.state == st; });
+            };
+            const auto all_free = [&] {
+                return std::all_of(slots.begin(), slots.end(),
+                                   [](const slot & s) { return s.state == slot_state::free; });
+            };
+            qcv.wait(l, [&] {
+                return any(slot_state::running) || any(slot_state::prepared) ||
+                       (!queue.empty() && any(slot_state::free)) || (stopping && queue.empty() && all_free());
+            });
+            if (stopping && queue.empty() && all_free()) return false;
+            for (slot & s : slots) {
+                if (s.state == slot_state::prepared) {
+                    s.state = slot_state::running;
+                    prepared.push_back(&s);
+                } else if (s.state == slot_state::free && !queue.empty()) {
+                    s.j = queue.front();
+                    queue.pop_front();
+                    s.t_start = time_ms();
+                    // a plain prompt of a batched server is prefilled by the steps
+                    const bool in_steps = batched() && !s.j->ingest && !s.j->fuse;
+                    s.state = in_steps ? slot_state::running : slot_state::preparing;
+                    if (in_steps)
+                        started.push_back(&s);
+                    else
+                        to_prepare.push_back(&s);
+                }
+            }
+        }
+        pcv.notify_all();
+        for (slot * s : started) guarded_slot(*s, [&] { start_plain(*s); });
+        for (slot * s : prepared) {
+            if (!s->prep_err.empty())
+                end(*s, s->prep_err, s->prep_status, s->prep_code);
+            else if (s->j->cancelled)
+                end(*s);
+            else if (s->j->ingest)
+                end(*s);
+            else
+                begin_answer(*s, s->prepared_logits);
+        }
+        return true;
+    }
+
+    // a request ends: counted before it is answered (a client that reads /metrics next sees it)
+    void end(slot & s, const std::string & err = {}, int status = 500, const std::string & code = "internal_error") {
+        job & j = *s.j;
+        if (s.answer && err.empty() && !j.cancelled) s.answer->flush();
+        if (!err.empty()) s.held = {};  // what a failed request left in the cache is not known
+        if (!j.ingest) metrics.record(j, !err.empty());
+        if (p.log_requests) log_line(j, err, status);
+        j.finish(err, status, code);
+        s.j.reset();
+        s.answer.reset();
+        s.next = -1;
+        s.prompt_left.clear();
+        s.prompt_at = 0;
+        s.prepared_logits.clear();
+        s.prep_err.clear();
+        std::lock_guard l(qmu);
+        s.state = slot_state::free;
+    }
+
+    // one line per request on stderr: what it cost and how it ended
+    void log_line(const job & j, const std::string & err, int status) const {
+        const double total = time_ms() - j.t_submit;
+        const std::string how = !err.empty() ? std::to_string(status) : j.cancelled ? "cancelled" : "200";
+        std::fprintf(stderr,
+                     "kvblend: %s %s prompt %zu cached %lld fused %lld recomputed %lld store %lld/%lld hit "
+                     "generated %lld ttft %.0f ms total %.0f ms%s%s\n",
+                     j.route, how.c_str(), j.tokens.size(), (long long) j.n_cached, (long long) j.n_fused,
+                     (long long) j.n_recomputed, (long long) j.store_hits, (long long) (j.store_hits + j.store_misses),
+                     (long long) j.n_gen, j.ttft_ms, total, err.empty() ? "" : ": ", err.c_str());
+    }
+
+    // the request's error answer from an exception
+    template <typename F>
+    void guarded_slot(slot & s, F && f) {
+        try {
+            f();
+        } catch (const request_error & e) {
+            end(s, e.message, e.status, e.code);
+        } catch (const std::exception & e) {
+            end(s, e.what());
+        }
+    }
+
+    // --- preparing: what the steps do not batch yet ------------------------------
+    void prepare_loop() {
+        for (;;) {
+            slot * s = nullptr;
+            {
+                std::unique_lock l(qmu);
+                pcv.wait(l, [&] { return stop_preparing || !to_prepare.empty(); });
+                if (to_prepare.empty()) return;
+                s = to_prepare.front();
+                to_prepare.pop_front();
+            }
+            try {
+                prepare(*s);
+            } catch (const request_error & e) {
+                s->prep_err = e.message, s->prep_status = e.status, s->prep_code = e.code;
+            } catch (const std::exception & e) {
+                s->prep_err = e.what(), s->prep_status = 500, s->prep_code = "internal_error";
+            }
+            {
+                std::lock_guard l(qmu);
+                s->state = slot_state::prepared;
+            }
+            qcv.notify_all();
+        }
+    }
+
+    // run f on an engine that holds the slot's cache: its own, or the
+    // preparing engine with the slot's cache lent to it meanwhile
+    template <typename F>
+    void with_engine(slot & s, F && f) {
+        if (s.own) return f(*s.own);
+        std::unique_ptr<kv_cache> spare = prepare_eng->swap_cache(std::move(s.cache));
+        try {
+            f(*prepare_eng);
+        } catch (...) {
+            s.cache = prepare_eng->swap_cache(std::move(spare));
+            throw;
+        }
+        s.cache = prepare_eng->swap_cache(std::move(spare));
+    }
+
+    // ingest, a blend, or a whole prefill on a slot's own engine
+    void prepare(slot & s) {
+        job & j = *s.j;
+        const int64_t store_failures = soft_store::thread_failures();
+        if (j.cancelled && !j.ingest) return;  // its client left while it waited: nothing to compute
+        if (j.ingest) {
+            s.held = {};
+            with_engine(s, [&](engine & eng) { run_ingest(eng, j); });
+        } else if (j.fuse) {
+            with_engine(s, [&](engine & eng) { s.prepared_logits = run_fused(eng, j); });
+            s.held = {j.tokens, 0};
+        } else {
+            const size_t keep = j.cache_prompt ? reusable_prefix(s, j) : 0;
+            keep_head(s, keep);
+            // prefill applies the slot's eviction policy
+            s.prepared_logits =
+                s.own->prefill(std::vector<llama_token>(j.tokens.begin() + (ptrdiff_t) keep, j.tokens.end()));
+            s.held = {j.tokens, p.evict.policy == EVICT_POLICY_NONE ? j.tokens.size() : 0};
+        }
+        j.store_errors = soft_store::thread_failures() - store_failures;
+    }
+
+    // --- steps ---------------------------------------------------------------
+    // the slot's cache keeps the first keep tokens of its request
+    void keep_head(slot & s, size_t keep) {
+        cache_of(s).set_n_past((int64_t) keep);
+        s.j->n_cached = (int64_t) keep;
+        s.held.tokens.resize(keep);
+        s.held.exact = std::min(s.held.exact, keep);
+    }
+
+    // a plain prompt on a batched server: keep the slot's exact cached head; the steps prefill the rest
+    void start_plain(slot & s) {
+        job & j = *s.j;
+        const size_t keep = j.cache_prompt ? reusable_prefix(s, j) : 0;
+        keep_head(s, keep);
+        s.prompt_left.assign(j.tokens.begin() + (ptrdiff_t) keep, j.tokens.end());
+    }
+
+    // the prompt has run: sample the first token from its logits
+    void begin_answer(slot & s, const std::vector<float> & logits) {
+        job & j = *s.j;
+        j.kv_rows = cache_of(s).n_rows_max();
+        j.prefill_ms = time_ms() - s.t_start;
+        s.answer = std::make_unique<answer_stream>(j, m->tokens());
+        take_logits(s, logits.data() + logits.size() - m->hparams().n_vocab);
+    }
+
+    // the logits after the slot's last token: its next token, or the end of its answer
+    void take_logits(slot & s, const float * logits) {
+        guarded_slot(s, [&] {
+            const kv_cache & c = cache_of(s);
+            s.next = s.answer->on_logits(logits, (int32_t) m->hparams().n_vocab, c.n_past() < c.n_ctx());
+            if (s.next < 0) end(s);
+        });
+    }
+
+    // a token of the slot ran: its cache holds it
+    void ran_token(slot & s) {
+        slot_cache & h = s.held;
+        h.tokens.push_back(s.next);
+        // decoded in order after an exact head, into a dense cache: exact too
+        if (!(s.own && s.own->live()) && h.exact + 1 == h.tokens.size()) h.exact = h.tokens.size();
+    }
+
+    bool running(const slot & s) const { return s.state == slot_state::running && s.j; }
+
+    // one forward for every running slot (or one each, when not batched)
+    void step() {
+        for (slot & s : slots)
+            if (running(s) && s.j->cancelled) {
+                s.held.tokens.resize(std::min<size_t>(s.held.tokens.size(), (size_t) cache_of(s).n_past()));
+                s.held.exact = std::min(s.held.exact, s.held.tokens.size());
+                end(s);
+            }
+        if (!batched()) {
+            for (slot & s : slots) {
+                if (!running(s) || s.next < 0) continue;
+                std::vector<float> logits;
+                guarded_slot(s, [&] { logits = s.own->eval({s.next}); });
+                if (!running(s)) continue;
+                ran_token(s);
+                take_logits(s, logits.data());
+            }
+            return;
+        }
+        // the next token of every generating slot; then whole prompt chunks of
+        // up to n_batch tokens (a slot's chunks never depend on the others)
+        std::vector<engine::seq_tokens> seqs;
+        std::vector<slot *> who;
+        for (slot & s : slots)
+            if (running(s) && s.next >= 0) seqs.push_back({&cache_of(s), {s.next}, true}), who.push_back(&s);
+        int64_t budget = p.n_batch;
+        for (slot & s : slots) {
+            if (!running(s) || s.prompt_left.empty()) continue;
+            const size_t n = std::min(s.prompt_left.size() - s.prompt_at, (size_t) p.n_batch);
+            if ((int64_t) n > budget) break;
+            budget -= (int64_t) n;
+            const auto at = s.prompt_left.begin() + (ptrdiff_t) s.prompt_at;
+            const bool last = s.prompt_at + n == s.prompt_left.size();
+            seqs.push_back({&cache_of(s), {at, at + (ptrdiff_t) n}, last});
+            who.push_back(&s);
+        }
+        if (seqs.empty()) return;
+        std::vector<std::vector<float>> logits;
+        try {
+            logits = step_eng->eval_seqs(seqs);
+        } catch (const std::exception & e) {
+            for (slot * s : who) end(*s, e.what());
+            return;
+        }
+        for (size_t i = 0; i < who.size(); ++i) {
+            slot & s = *who[i];
+            if (s.prompt_left.empty()) {
+                ran_token(s);
+                take_logits(s, logits[i].data());
+                continue;
+            }
+            s.prompt_at += seqs[i].tokens.size();
+            if (s.prompt_at < s.prompt_left.size()) continue;
+            s.prompt_left.clear();
+            s.prompt_at = 0;
+            s.held = {s.j->tokens, s.j->tokens.size()};
+            begin_answer(s, logits[i]);
+        }
+    }
+
+    // POST /v1/documents: collect (or find) every document's chunk; its key is its id
+    void run_ingest(engine & eng, job & j) {
+        chunk_fetch_stats fs;
+        const auto cd = codec_by_name(p.codec);
+        for (const auto & d : j.ingest_docs) {
+            if (j.cancelled) throw error("the client went away");
+            if ((int64_t) d.size() > eng.cache().n_ctx())
+                bad_request("a document of " + std::to_string(d.size()) + " tokens exceeds the context of " +
+                            std::to_string(eng.cache().n_ctx()));
+            const std::string key = chunk_key(*m, eng.cache().type_k(), cd->name(), {}, d);
+            chunk_kv c = chunk_get_or_collect(st, eng, {}, d, fs, p.codec);
+            // an id is answered only for a document the store holds: a put the soft
+            // store skipped is tried once more on the backend itself to learn its reason
+            try {
+                st->must(
+                    [&](store & direct) {
+                        if (!direct.contains(key)) direct.put(key, chunk_encode(*m, c, {}, cd.get()));
+                        if (!direct.contains(key)) throw error("the entry is not there after the write");
+                    },
+                    false);
+            } catch (const std::exception & e) {
+                throw request_error{
+                    503, "the store did not keep document " + std::to_string(j.ingest_keys.size()) + ": " + e.what(),
+                    "server_error", "store_write_failed"};
+            }
+            j.ingest_keys.push_back(key);
+        }
+        // a budget too small for the whole request evicts its first documents again
+        size_t evicted = j.ingest_keys.size();  // the first document the store no longer holds
+        st->must([&](store & direct) {
+            for (size_t i = j.ingest_keys.size(); i-- > 0;)
+                if (!direct.contains(j.ingest_keys[i])) evicted = i;
+        });
+        if (evicted < j.ingest_keys.size())
+            throw request_error{507,
+                                "the store's budget cannot hold every document of this request: document " +
+                                    std::to_string(evicted) + " was evicted again before the request ended",
+                                "server_error", "store_budget_exceeded"};
+        j.store_hits = fs.hits;
+        j.store_misses = fs.misses;
+    }
+
+    // how many leading tokens of j's prompt the slot's cache may keep: only KV
+    // that this request would itself compute, so that an answer never depends
+    // on what the slot served before. A fused request always fuses (its KV
+    // depends on all its documents and its selection); a plain one reuses the
+    // exact head it shares with the cache (at least one token runs, for logits)
+    size_t reusable_prefix(slot & s, const job & j) {
+        const slot_cache & cache = s.held;
+        if (j.fuse || p.evict.policy != EVICT_POLICY_NONE) return 0;
+        const size_t upto = std::min(cache.exact, cache.tokens.size());
+        size_t keep = 0;
+        while (keep < upto && keep + 1 < j.tokens.size() && cache.tokens[keep] == j.tokens[keep]) ++keep;
+        // a live compressed cache encodes each micro-batch once it has run: a
+        // fresh prefill's later batches see the earlier ones encoded, its own
+        // rows dense; so only whole micro-batches of a prefill are the same
+        if (s.own && s.own->live()) keep -= keep % (size_t) s.own->params().n_ubatch;
+        return keep;
+    }
+
+    // a fused prompt: each document's chunk from the store (or collected), then
+    // the blend (and the slot's eviction); the last token's logits
+    std::vector<float> run_fused(engine & eng, job & j) {
+        rag_fuse_params fp;
+        fp.st = st;
+        fp.codec = p.codec;
+        fp.blend = j.sel;
+        fp.blend.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
+        // once a store call of this request failed (a deadline, say), its
+        // other chunks are collected without reading or writing the store
+        const int64_t store_failures = soft_store::thread_failures();
+        fp.store_usable = [store_failures] { return soft_store::thread_failures() == store_failures; };
+        rag_fuse_result fused = rag_fuse(eng, j.prompt, fp);  // the slot's eviction included
+        j.chunk_hit = std::move(fused.chunk_hit);
+        j.n_fused = fused.stats.n_tokens;
+        j.n_recomputed = fused.stats.n_selected;
+        j.store_hits = fused.fetch.hits;
+        j.store_misses = fused.fetch.misses;
+        return std::move(fused.logits);
+    }
+
+    bool submit(const std::shared_ptr<job> & j) {
+        j->t_submit = time_ms();
+        {
+            std::lock_guard l(qmu);
+            if ((int) queue.size() >= p.max_queue) return false;
+            queue.push_back(j);
+        }
+        qcv.notify_one();
+        return true;
+    }
+};
+
+server_context::server_context(std::shared_ptr<const model> m, const server_params & p, soft_store * st,
+                               server_metrics & metrics)
+    : d_(std::make_unique<impl>(std::move(m), p, st, metrics)) {}
+
+server_context::~server_context() = default;
+
+bool server_context::submit(const std::shared_ptr<job> & j) {
+    return d_->submit(j);
+}
+
+}  // namespace kvblend

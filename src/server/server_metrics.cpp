@@ -1,0 +1,89 @@
+#include "server/server_metrics.h"
+
+#include <algorithm>
+
+namespace kvblend {
+
+void server_metrics::record(const job & j, bool failed) {
+    std::lock_guard l(mu_);
+    requests_++;
+    if (failed) errors_++;
+    if (j.cancelled) cancelled_++;
+    prompt_tokens_ += (int64_t) j.tokens.size();
+    completion_tokens_ += j.n_gen;
+    fused_tokens_ += j.n_fused;
+    recomputed_tokens_ += j.n_recomputed;
+    store_hits_ += j.store_hits;
+    store_misses_ += j.store_misses;
+    docs_matched_ += (int64_t) j.spans.size();
+    docs_learned_ += j.learned.added;
+    learned_bytes_ += j.learned.bytes;
+    learn_skipped_ += j.learned.skipped;
+    if (j.ttft_ms >= 0) {
+        const double sec = j.ttft_ms / 1000.0;
+        int b = 0;
+        while (b < k_ttft_bounds && sec > k_ttft_bound_s[b]) ++b;
+        ttft_buckets_[b]++;
+        ttft_sum_s_ += sec;
+        ttft_count_++;
+    }
+}
+
+void server_metrics::count_response(int status) {
+    std::lock_guard l(mu_);
+    responses_[std::clamp(status / 100, 1, 5)]++;
+}
+
+std::string server_metrics::text(const metrics_gauges & g) const {
+    std::lock_guard l(mu_);
+    std::string out;
+    auto counter = [&](const char * name, const char * help, int64_t v) {
+        out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " counter\n" + name + " " +
+               std::to_string(v) + "\n";
+    };
+    counter("kvblend_requests_total", "completion requests answered", requests_);
+    counter("kvblend_request_errors_total", "completion requests that failed in a slot", errors_);
+    counter("kvblend_requests_cancelled_total", "completion requests stopped because their client went away",
+            cancelled_);
+    out += "# HELP kvblend_http_responses_total HTTP responses by status class\n";
+    out += "# TYPE kvblend_http_responses_total counter\n";
+    for (int c = 1; c <= 5; ++c)
+        out += "kvblend_http_responses_total{code=\"" + std::to_string(c) + "xx\"} " + std::to_string(responses_[c]) +
+               "\n";
+    counter("kvblend_http_connections_refused_total", "connections answered 429/503 and closed (too many open)",
+            g.refused_connections);
+    counter("kvblend_prompt_tokens_total", "prompt tokens", prompt_tokens_);
+    counter("kvblend_completion_tokens_total", "generated tokens", completion_tokens_);
+    counter("kvblend_fused_tokens_total", "prompt tokens prefilled by CacheBlend fusion", fused_tokens_);
+    counter("kvblend_recomputed_tokens_total", "fused tokens recomputed by the deep layers", recomputed_tokens_);
+    counter("kvblend_store_hits_total", "chunks loaded from the store", store_hits_);
+    counter("kvblend_store_misses_total", "chunks collected (not in the store)", store_misses_);
+    counter("kvblend_store_errors_total", "store calls that failed (served as misses)", g.store_errors);
+    counter("kvblend_plain_docs_matched_total", "known documents found inside plain prompts", docs_matched_);
+    counter("kvblend_plain_docs_learned_total", "passages of plain prompts added as documents", docs_learned_);
+    counter("kvblend_plain_learned_bytes_total", "text bytes of the passages added", learned_bytes_);
+    counter("kvblend_plain_learn_skipped_total",
+            "passages not added: over a request's bound, or their first 48 bytes those of 16 given documents",
+            learn_skipped_);
+    out += "# HELP kvblend_known_documents documents whose text plain prompts are searched for\n";
+    out += "# TYPE kvblend_known_documents gauge\nkvblend_known_documents " + std::to_string(g.known_documents) + "\n";
+    out += "# HELP kvblend_time_to_first_token_seconds time from a request's arrival to its first token\n";
+    out += "# TYPE kvblend_time_to_first_token_seconds histogram\n";
+    int64_t cum = 0;
+    for (int b = 0; b <= k_ttft_bounds; ++b) {
+        cum += ttft_buckets_[b];
+        const std::string le = b < k_ttft_bounds ? std::to_string(k_ttft_bound_s[b]) : "+Inf";
+        out += "kvblend_time_to_first_token_seconds_bucket{le=\"" + le + "\"} " + std::to_string(cum) + "\n";
+    }
+    out += "kvblend_time_to_first_token_seconds_sum " + std::to_string(ttft_sum_s_) + "\n";
+    out += "kvblend_time_to_first_token_seconds_count " + std::to_string(ttft_count_) + "\n";
+    return out;
+}
+
+std::string server_metrics::summary() const {
+    std::lock_guard l(mu_);
+    return "stopped after " + std::to_string(requests_) + " requests (" + std::to_string(errors_) + " failed, " +
+           std::to_string(cancelled_) + " cancelled), " + std::to_string(completion_tokens_) + " tokens generated";
+}
+
+}  // namespace kvblend

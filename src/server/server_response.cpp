@@ -1,0 +1,183 @@
+#include "server/server_response.h"
+
+#include <atomic>
+#include <ctime>
+
+#include "server/answer_logprobs.h"
+#include "server/server_request.h"
+
+namespace kvblend {
+
+using json = nlohmann::json;
+
+std::string json_text(const json & x) {
+    return x.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+completion_meta completion_meta_new(bool chat) {
+    static std::atomic<uint64_t> counter{0};
+    const std::string prefix = chat ? "chatcmpl-" : "cmpl-";
+    completion_meta c;
+    c.chat = chat;
+    c.id = prefix + std::to_string((uint64_t) time(nullptr)) + "-" + std::to_string(counter++);
+    c.created = (int64_t) time(nullptr);
+    return c;
+}
+
+void job_raise_error(const job & j) {
+    if (j.error.empty()) return;
+    throw request_error{j.error_status, j.error, j.error_status < 500 ? "invalid_request_error" : "server_error",
+                        j.error_code};
+}
+
+openai_format::openai_format(const vocab & v, std::string model_id, doc_key_fn doc_key)
+    : v_(v), model_id_(std::move(model_id)), doc_key_(std::move(doc_key)) {}
+
+json openai_format::usage(const job & j) const {
+    return {{"prompt_tokens", (int64_t) j.tokens.size()},
+            {"completion_tokens", j.n_gen},
+            {"total_tokens", (int64_t) j.tokens.size() + j.n_gen}};
+}
+
+json openai_format::spans(const job & j) const {
+    json out = json::array();
+    for (const layout_span & s : j.spans) {
+        // chunk_hit counts the non-empty chunks; a plain layout has no empty ones
+        json x = {{"id", doc_key_(j.prompt.chunks[s.chunk])}, {"begin", s.begin}, {"end", s.end}};
+        if (s.chunk < j.chunk_hit.size()) x["store_hit"] = (bool) j.chunk_hit[s.chunk];
+        out.push_back(std::move(x));
+    }
+    return out;
+}
+
+json openai_format::kvblend(const job & j) const {
+    return {{"n_prompt", (int64_t) j.tokens.size()},
+            {"n_fused", j.n_fused},
+            {"n_recomputed", j.n_recomputed},
+            {"store_hits", j.store_hits},
+            {"store_misses", j.store_misses},
+            {"store_errors", j.store_errors},
+            {"spans", spans(j)},
+            {"n_learned", j.learned.added},
+            {"n_cached", j.n_cached},
+            {"kv_rows", j.kv_rows},
+            {"prefill_ms", j.prefill_ms}};
+}
+
+json openai_format::logprobs(const job & j, bool chat, const std::vector<sampled_token> & tokens, size_t offset) const {
+    if (!j.sp.logprobs) return nullptr;
+    if (chat) return logprobs_chat(v_, tokens);
+    return logprobs_completion(v_, tokens, offset, j.sp.n_probs > 0);
+}
+
+json openai_format::chunk(const completion_meta & c, const json & delta_or_text, const json & finish) const {
+    json out = {{"id", c.id}, {"created", c.created}, {"model", model_id_}};
+    if (c.chat) {
+        out["object"] = "chat.completion.chunk";
+        out["choices"] = json::array({{{"index", 0}, {"delta", delta_or_text}, {"finish_reason", finish}}});
+    } else {
+        out["object"] = "text_completion";
+        out["choices"] = json::array({{{"index", 0}, {"text", delta_or_text}, {"finish_reason", finish}}});
+    }
+    return out;
+}
+
+std::string openai_format::completion(const job & j, const completion_meta & c) const {
+    std::string text;
+    std::vector<sampled_token> tokens;
+    for (const answer_piece & s : j.pieces) {
+        text += s.text;
+        tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
+    }
+    job_raise_error(j);
+    // stopped early because the client closed its side: what was made is
+    // no answer, and is never sent as a complete one
+    if (j.cancelled)
+        throw request_error{400, "the request was cancelled: the client closed its side of the connection",
+                            "invalid_request_error", "client_closed_request"};
+    json out = {
+        {"id", c.id}, {"created", c.created}, {"model", model_id_}, {"usage", usage(j)}, {"kvblend", kvblend(j)}};
+    if (c.chat) {
+        out["object"] = "chat.completion";
+        json message = {{"role", "assistant"}, {"content", text}};
+        std::string finish = j.finish_reason;
+        if (j.tools) {  // the text read back into content and tool_calls
+            tool_reader reader(*j.tools);
+            message = reader.message(text, finish == "length");
+            if (reader.made_calls() && finish == "stop") finish = "tool_calls";
+        }
+        out["choices"] = json::array({{{"index", 0}, {"message", message}, {"finish_reason", finish}}});
+    } else {
+        out["object"] = "text_completion";
+        out["choices"] = json::array({{{"index", 0}, {"text", text}, {"finish_reason", j.finish_reason}}});
+    }
+    out["choices"][0]["logprobs"] = logprobs(j, c.chat, tokens, 0);
+    return json_text(out);
+}
+
+completion_events::completion_events(const openai_format & f, const job & j, completion_meta c)
+    : f_(f), c_(std::move(c)), plan_(j.tools) {
+    if (plan_) reader_ = std::make_unique<tool_reader>(*plan_);
+}
+
+completion_events::~completion_events() = default;
+
+void completion_events::add(std::string & out, const json & chunk) const {
+    out += "data: " + json_text(chunk) + "\n\n";
+}
+
+bool completion_events::take(job & j, std::string & out) {
+    if (!started_ && c_.chat) add(out, f_.chunk(c_, {{"role", "assistant"}, {"content", ""}}, nullptr));
+    started_ = true;
+    if (reader_) {
+        for (const answer_piece & piece : j.pieces) tool_text_ += piece.text;
+        j.pieces.clear();
+        const bool cut = j.done && j.finish_reason == "length";
+        for (const json & d : reader_->deltas(tool_text_, j.done, cut)) add(out, f_.chunk(c_, d, nullptr));
+    }
+    while (!j.pieces.empty()) {
+        const answer_piece & piece = j.pieces.front();
+        json c = f_.chunk(c_, c_.chat ? json{{"content", piece.text}} : json(piece.text), nullptr);
+        if (j.sp.logprobs) c["choices"][0]["logprobs"] = f_.logprobs(j, c_.chat, piece.tokens, streamed_bytes_);
+        streamed_bytes_ += piece.text.size();
+        add(out, c);
+        j.pieces.pop_front();
+    }
+    if (!j.done) return false;
+    if (!j.error.empty()) {
+        out += "data: " + error_body(j.error, "server_error", "internal_error") + "\n\n";
+    } else {
+        const bool calls = reader_ && reader_->made_calls() && j.finish_reason == "stop";
+        json last = f_.chunk(c_, c_.chat ? json::object() : json(""), calls ? "tool_calls" : j.finish_reason);
+        last["kvblend"] = f_.kvblend(j);
+        add(out, last);
+        if (j.stream_usage) {  // OpenAI's usage chunk: its own, with no choices
+            json usage = f_.chunk(c_, json(""), nullptr);
+            usage["choices"] = json::array();
+            usage["usage"] = f_.usage(j);
+            add(out, usage);
+        }
+    }
+    out += "data: [DONE]\n\n";
+    return true;
+}
+
+json tokens_with_pieces(const vocab & v, const std::vector<llama_token> & tokens, bool with_pieces) {
+    if (!with_pieces) return tokens;
+    json out = json::array();
+    for (llama_token t : tokens) {
+        const std::string piece = v.token_to_piece(t);
+        json bytes = json::array();
+        for (unsigned char c : piece) bytes.push_back((int) c);
+        bool whole = true;  // valid UTF-8: nlohmann's strict dump says so
+        try {
+            (void) json(piece).dump();
+        } catch (const json::type_error &) {
+            whole = false;
+        }
+        out.push_back({{"id", t}, {"piece", whole ? json(piece) : bytes}});
+    }
+    return out;
+}
+
+}  // namespace kvblend

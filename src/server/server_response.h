@@ -1,0 +1,86 @@
+// the OpenAI shapes of the server's answers: a completion's whole response
+// (chat.completion, text_completion) or the server-sent events of its stream
+// (chat.completion.chunk, text_completion chunks), with their usage, finish
+// reasons, log-probabilities and tool calls, and kvblend's own "kvblend"
+// object (what the prompt cost: fused, recomputed, cached, store hits, spans).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "kvblend/vocab.h"
+#include "server/server_job.h"
+
+namespace kvblend {
+
+// what every response or stream chunk of one completion repeats
+struct completion_meta {
+    bool chat = false;    // chat.completion(.chunk), else text_completion
+    std::string id;       // chatcmpl-… or cmpl-…, unique in this process
+    int64_t created = 0;  // seconds since the epoch
+};
+completion_meta completion_meta_new(bool chat);
+
+// a failed job's error, thrown as the request_error its status calls for; nothing when it did not fail
+void job_raise_error(const job & j);
+
+class openai_format {
+  public:
+    // doc_key: the id of a document (its store key) from its chunk's tokens
+    using doc_key_fn = std::function<std::string(const std::vector<llama_token> &)>;
+    openai_format(const vocab & v, std::string model_id, doc_key_fn doc_key);
+
+    const std::string & model_id() const { return model_id_; }
+    nlohmann::json usage(const job & j) const;
+    nlohmann::json kvblend(const job & j) const;
+    // a choice's "logprobs": null unless the request asked for them; offset: the
+    // answer's bytes before these tokens (completions' text_offset)
+    nlohmann::json logprobs(const job & j, bool chat, const std::vector<sampled_token> & tokens, size_t offset) const;
+    // a stream chunk's object: one choice with a delta (chat) or text, and its finish reason
+    nlohmann::json chunk(const completion_meta & c, const nlohmann::json & delta_or_text,
+                         const nlohmann::json & finish) const;
+    // the response of a finished job (j.mu held); throws its error, or a 400 when its client went away
+    std::string completion(const job & j, const completion_meta & c) const;
+
+  private:
+    nlohmann::json spans(const job & j) const;
+
+    const vocab & v_;
+    std::string model_id_;
+    doc_key_fn doc_key_;
+};
+
+// the events of one streamed completion, made from its job's pieces as they come
+class completion_events {
+  public:
+    completion_events(const openai_format & f, const job & j, completion_meta c);
+    ~completion_events();
+    // (j.mu held) appends to out the events of the pieces j holds, which it takes,
+    // and once j is done the last ones and [DONE]; true then: the stream is complete
+    bool take(job & j, std::string & out);
+
+  private:
+    void add(std::string & out, const nlohmann::json & chunk) const;
+
+    const openai_format & f_;
+    completion_meta c_;
+    bool started_ = false;
+    size_t streamed_bytes_ = 0;  // completions' text_offset
+    // tools: the text so far, read again on each round into content and call deltas
+    std::shared_ptr<const tool_plan> plan_;
+    std::unique_ptr<tool_reader> reader_;
+    std::string tool_text_;
+};
+
+// /tokenize: ids, or llama-server's with_pieces [{"id", "piece"}] (a piece that is
+// not whole UTF-8 is its bytes, as llama-server sends it)
+nlohmann::json tokens_with_pieces(const vocab & v, const std::vector<llama_token> & tokens, bool with_pieces);
+
+// a JSON text as responses send it: bytes that are not UTF-8 replaced, never a throw
+std::string json_text(const nlohmann::json & x);
+
+}  // namespace kvblend
