@@ -68,31 +68,25 @@ json job_builder::parse_body(const std::string & body, request_kind kind, bool *
 
 // sampling fields shared by both completion endpoints
 void job_builder::read_sampling(const json & b, job & j, int64_t n_prompt, request_kind kind) const {
-    auto num = [&](const char * k, double lo, double hi, double def) {
-        if (!b.contains(k) || b[k].is_null()) return def;
-        if (!b[k].is_number()) bad_request(std::string("'") + k + "' must be a number");
-        const double x = b[k].get<double>();
-        if (!(x >= lo && x <= hi)) bad_request(std::string("'") + k + "' is out of range");
-        return x;
-    };
+    // every field's type and range were checked with the body (server_request)
+    auto num = [&](const char * k, double def) { return b.contains(k) && !b[k].is_null() ? b[k].get<double>() : def; };
     const int64_t room = p_.n_ctx - n_prompt;
     if (room < 1)
         bad_request("the prompt has " + std::to_string(n_prompt) + " tokens, more than the context of " +
                         std::to_string(p_.n_ctx) + " allows",
                     "context_length_exceeded");
-    j.max_tokens = (int32_t) num("max_tokens", 0, 1e9, (double) std::min<int64_t>(room, 256));
-    if (b.contains("max_completion_tokens")) j.max_tokens = (int32_t) num("max_completion_tokens", 0, 1e9, 0);
+    j.max_tokens = (int32_t) num("max_tokens", (double) std::min<int64_t>(room, 256));
+    if (b.contains("max_completion_tokens")) j.max_tokens = (int32_t) num("max_completion_tokens", 0);
     j.max_tokens = (int32_t) std::min<int64_t>(j.max_tokens, room);
-    j.sp.temp = (float) num("temperature", 0, 100, 1.0);
-    j.sp.top_p = (float) num("top_p", 0, 1, 1.0);
-    j.sp.top_k = std::max<int32_t>(0, (int32_t) num("top_k", -(1 << 30), 1 << 30, 0));
-    j.sp.min_p = (float) num("min_p", 0, 1, 0.0);
+    j.sp.temp = (float) num("temperature", 1.0);
+    j.sp.top_p = (float) num("top_p", 1.0);
+    j.sp.top_k = std::max<int32_t>(0, (int32_t) num("top_k", 0));
+    j.sp.min_p = (float) num("min_p", 0.0);
     if (b.contains("seed") && !b["seed"].is_null()) j.sp.seed = sampler_seed(b["seed"].get<int64_t>());
-    j.sp.freq_penalty = (float) num("frequency_penalty", -2, 2, 0.0);
-    j.sp.presence_penalty = (float) num("presence_penalty", -2, 2, 0.0);
-    j.sp.repeat_penalty =
-        (float) num(b.contains("repetition_penalty") ? "repetition_penalty" : "repeat_penalty", 0.01, 10, 1.0);
-    j.sp.penalty_last_n = (int32_t) num("repeat_last_n", -1, 1 << 20, 64);
+    j.sp.freq_penalty = (float) num("frequency_penalty", 0.0);
+    j.sp.presence_penalty = (float) num("presence_penalty", 0.0);
+    j.sp.repeat_penalty = (float) num(b.contains("repetition_penalty") ? "repetition_penalty" : "repeat_penalty", 1.0);
+    j.sp.penalty_last_n = (int32_t) num("repeat_last_n", 64);
     if (j.sp.penalty_last_n < 0)
         j.sp.penalty_last_n = (int32_t) p_.n_ctx;  // -1: the whole context (libllama's -1 is off)
     if (b.contains("logit_bias") && b["logit_bias"].is_object())
@@ -104,9 +98,9 @@ void job_builder::read_sampling(const json & b, job & j, int64_t n_prompt, reque
             j.sp.logit_bias.push_back({(llama_token) id, x.get<float>()});
         }
     read_output_rules(b, j, kind);
-    j.sel.recomp_ratio = (float) num("recomp_ratio", 0, 1, p_.recomp_ratio);
-    j.sel.recompute_chunk_head = (int) num("chunk_head", 0, 1 << 20, j.sel.recompute_chunk_head);
-    j.sel.dev_mass = (float) num("dev_mass", 0, 1, j.sel.dev_mass);
+    j.sel.recomp_ratio = (float) num("recomp_ratio", p_.recomp_ratio);
+    j.sel.recompute_chunk_head = (int) num("chunk_head", j.sel.recompute_chunk_head);
+    j.sel.dev_mass = (float) num("dev_mass", j.sel.dev_mass);
     auto flag = [&](const char * k, bool def) { return b.contains(k) && b[k].is_boolean() ? b[k].get<bool>() : def; };
     j.sel.head_in_budget = flag("head_in_budget", j.sel.head_in_budget);
     j.sel.weight_query = flag("weight_query", j.sel.weight_query);
@@ -114,15 +108,7 @@ void job_builder::read_sampling(const json & b, job & j, int64_t n_prompt, reque
         blend_budget_from_name(b["budget"].get<std::string>(), j.sel.budget);
     if (b.contains("stop") && !b["stop"].is_null()) {
         const json & s = b["stop"];
-        if (s.is_string())
-            j.stop.push_back(s.get<std::string>());
-        else if (s.is_array()) {
-            for (const auto & x : s) {
-                if (!x.is_string()) bad_request("'stop' must be a string or an array of strings");
-                j.stop.push_back(x.get<std::string>());
-            }
-        } else
-            bad_request("'stop' must be a string or an array of strings");
+        for (const json & x : s.is_array() ? s : json::array({s})) j.stop.push_back(x.get<std::string>());
     }
 }
 
