@@ -64,6 +64,10 @@ inline model_spec tiny_spec(model_arch arch = MODEL_ARCH_LLAMA) {
         s.logit_scale = 8.0f;
         s.attn_scale = 0.015625f;
     }
+    if (arch == MODEL_ARCH_PHI3) {  // LongRoPE: its two factor sets and its keys
+        s.longrope_ctx = 128;
+        s.rope_attn_factor = 1.1f;
+    }
     return s;
 }
 

@@ -17,7 +17,7 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("b.gguf", MODEL_ARCH_QWEN2, GGML_TYPE_F32)));
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("c.gguf", MODEL_ARCH_QWEN3, GGML_TYPE_Q8_0)));
         // the families whose own keys and tensors the loader checks: granite's
-        // multipliers, olmo2's output norms, phi3's fused projections
+        // multipliers, olmo2's output norms, phi3's fused projections and LongRoPE
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("d.gguf", MODEL_ARCH_GRANITE, GGML_TYPE_F32)));
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("e.gguf", MODEL_ARCH_OLMO2, GGML_TYPE_F16)));
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("f.gguf", MODEL_ARCH_PHI3, GGML_TYPE_F32)));

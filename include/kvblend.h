@@ -177,7 +177,10 @@ typedef enum kvb_kv_type {
 typedef struct kvb_context_params {
     int32_t n_threads;  // CPU threads (default 2)
     // KV capacity in tokens. 0 (the default): sized to each request (prompt +
-    // n_predict) up to the model's trained context, grown when one needs more
+    // n_predict) up to the model's trained context, grown when one needs more.
+    // a LongRoPE model (Phi-3.5/4-mini) rotates as a context of this size does
+    // in libllama: its long factors past the original context (4096), which a
+    // context sized per request always uses, as it may grow that far
     int64_t n_ctx;
     int64_t n_ubatch;    // tokens per prefill micro-batch (default 512)
     kvb_kv_type type_k;  // KV element types (default f16; the store key

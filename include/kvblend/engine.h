@@ -36,6 +36,9 @@ struct engine_params {
     // read around prefill and decode by generate() and generate_from(), when
     // set (not owned; it outlives the engine)
     const energy_meter * energy = nullptr;
+    // the context a LongRoPE model picks its factors for (model::at_context), when
+    // it is not n_ctx: a context that resizes its engine per request keeps one set
+    int64_t n_ctx_seq = 0;
 };
 
 engine_params engine_default_params();

@@ -43,6 +43,13 @@ struct model_hparams {
     float rms_eps = 1e-5f;
     float rope_base = 10000.0f;
     float rope_scale = 1.0f;  // frequency scale (1 / linear scaling factor)
+    // every fresh rotation scales q and k by this (rope.scaling.attn_factor, as
+    // libllama's attn_factor); moving a rotated K does not scale it again
+    float rope_attn_factor = 1.0f;
+    // LongRoPE (phi3): a context of more than this many tokens (rounded up to
+    // 256, as libllama rounds) rotates with the long factors, else the short
+    // ones (rope.scaling.original_context_length; n_ctx_train when absent)
+    int64_t n_ctx_orig = 0;
     // sliding-window layers (gemma3) rotate with their own base and no scaling
     float rope_base_swa = 10000.0f;
     int rope_mode = 0;  // GGML_ROPE_TYPE_NORMAL or GGML_ROPE_TYPE_NEOX
@@ -199,17 +206,30 @@ class model {
     ggml_tensor * output_norm = nullptr;  // [n_embd]
     ggml_tensor * output = nullptr;       // [n_embd, n_vocab] (== tok_embd when tied)
     ggml_tensor * output_b = nullptr;     // [n_vocab] optional
-    ggml_tensor * rope_freqs = nullptr;   // [n_rot/2] optional per-frequency factors (llama 3)
+    // [n_rot/2] per-frequency factors every rotation divides its angles by:
+    // llama 3's rope_freqs, or LongRoPE's short or long set (at_context)
+    ggml_tensor * rope_freqs = nullptr;
+    ggml_tensor * rope_short = nullptr;  // LongRoPE (phi3): the factors of a context up to n_ctx_orig
+    ggml_tensor * rope_long = nullptr;   // and of a longer one
     std::vector<model_layer> layers;
+
+    // the model as an engine of n_ctx tokens per sequence runs it: a LongRoPE
+    // model past n_ctx_orig rotates with its long factors, and its K then
+    // differ, so this one shares m's weights and has its own fingerprint.
+    // m itself for every other model and context
+    static std::shared_ptr<const model> at_context(std::shared_ptr<const model> m, int64_t n_ctx);
+    bool long_rope() const { return rope_long != nullptr && rope_freqs == rope_long; }
 
   private:
     model() = default;
+    model(const model &) = default;  // at_context: the weights, impl and vocabulary are shared
     struct impl;
-    std::unique_ptr<impl> impl_;
+    std::shared_ptr<impl> impl_;
     model_hparams hp_;
     std::string path_;
     std::string fingerprint_;
-    std::unique_ptr<vocab> vocab_;
+    std::string base_fingerprint_;  // the file's (and the short factors'), whatever at_context chose
+    std::shared_ptr<vocab> vocab_;
     ggml_backend_dev_t device_ = nullptr;
     size_t weights_bytes_ = 0;
 };

@@ -44,11 +44,16 @@ struct model_spec {
     int64_t swa_pattern = 0;
     float rope_base_swa = 0.0f;
     float logit_softcap = 0.0f;  // final_logit_softcapping; 0 writes no key
+    // phi3's LongRoPE: rope.scaling.type longrope, the short and long factor
+    // sets (rope_factors_short/long.weight) and the context the short ones are
+    // for (rope.scaling.original_context_length); 0: no LongRoPE
+    int64_t longrope_ctx = 0;
+    float rope_attn_factor = 0.0f;  // rope.scaling.attn_factor; 0 writes no key
 };
 
 // named real shapes: tiny (small llama), tiny-qwen2, tiny-qwen3,
 // tiny-mistral3, tiny-granite, tiny-olmo2, tiny-smollm3, tiny-phi3,
-// tiny-gemma3, qwen3-0.6b, qwen2-0.5b, llama-1b, ministral-3-3b,
+// tiny-phi3-longrope, tiny-gemma3, qwen3-0.6b, qwen2-0.5b, llama-1b, ministral-3-3b,
 // granite-3.3-2b, olmo2-1b, smollm3-3b, phi-4-mini, gemma3-1b, gemma3-4b.
 // throws kvblend::error for an unknown name.
 model_spec model_spec_preset(const std::string & name);

@@ -610,13 +610,16 @@ kvb_status kvb_context_new(kvb_model * model, const kvb_context_params * params,
         if (p.n_ctx < 0) fail(KVB_ERR_INVALID_ARGUMENT, "n_ctx must not be negative");
         if (p.n_ubatch < 1 || p.n_ubatch > 65536) fail(KVB_ERR_INVALID_ARGUMENT, "n_ubatch must be in [1, 65536]");
         auto c = std::make_unique<kvb_context>();
-        c->m = model->m;
         c->ep = engine_default_params();
         c->ep.n_threads = p.n_threads;
         c->ep.n_ubatch = p.n_ubatch;
         c->ep.type_k = kv_type(enum_value(p.type_k));
         c->ep.type_v = kv_type(enum_value(p.type_v));
-        c->fixed_n_ctx = std::min(p.n_ctx, c->m->hparams().n_ctx_train);
+        const int64_t n_train = model->m->hparams().n_ctx_train;
+        c->fixed_n_ctx = std::min(p.n_ctx, n_train);
+        // one rotation for the context's life, whatever size its engine grows to
+        c->ep.n_ctx_seq = c->fixed_n_ctx > 0 ? c->fixed_n_ctx : n_train;
+        c->m = model::at_context(model->m, c->ep.n_ctx_seq);
         // an engine now, so that a bad setting (a quantized cache for this head size) fails here
         c->ep.n_ctx = c->fixed_n_ctx > 0 ? c->fixed_n_ctx : std::min<int64_t>(256, c->m->hparams().n_ctx_train);
         c->eng = std::make_unique<engine>(c->m, c->ep);

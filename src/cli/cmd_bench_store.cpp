@@ -98,7 +98,7 @@ int bench_store(args & a) {
         const double t0 = time_ms();
         const chunk_kv c = collect(eng, t);
         t_collect.push_back(time_ms() - t0);
-        entries.push_back(chunk_encode(*m, c, {}));
+        entries.push_back(chunk_encode(eng.mdl(), c, {}));
     }
     const double collect_ms = median(t_collect);
     const double entry_mb = entries[0].size() / 1e6;
@@ -114,7 +114,7 @@ int bench_store(args & a) {
         auto st = store_open(uri);
         std::vector<std::string> keys;
         for (int64_t i = 0; i < n; ++i) {
-            keys.push_back(chunk_key(*m, ep.type_k, "raw", {}, toks[i]));
+            keys.push_back(chunk_key(eng.mdl(), ep.type_k, "raw", {}, toks[i]));
             st->put(keys.back(), entries[i]);
         }
         const bool is_dir = uri.rfind("redis://", 0) != 0;
@@ -131,7 +131,7 @@ int bench_store(args & a) {
                     auto bytes = st->get(keys[i]);
                     t_get.push_back(time_ms() - t0);
                     if (!bytes) throw error("entry vanished from " + shown);
-                    const chunk_kv c = chunk_decode(*m, std::move(*bytes));
+                    const chunk_kv c = chunk_decode(eng.mdl(), std::move(*bytes));
                     t_load.push_back(time_ms() - t0);
                     if (c.tokens != toks[i]) throw error("store returned another chunk");
                 }

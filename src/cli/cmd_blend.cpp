@@ -49,6 +49,10 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   --codec NAME            how stored chunks hold their KV: raw (default), f16,
                           q8_0, q4_0, kivi2, kivi4 (part of the store key)
   -n, --n-predict N       tokens to generate (default 64)
+  -c, --ctx-size N        the context (default: the prompt plus -n); a LongRoPE
+                          model (Phi-3.5/4-mini) rotates with its long factors
+                          past its original context, as libllama does, and finds
+                          only chunks ingested or served with such a context
   --temp T, --seed S      sampling (default greedy); also --top-k, --top-p, --min-p
   -j, --json-schema S     constrain the output to JSON valid under a JSON schema (the
                           schema, or a file holding it); --grammar-file F: to a GBNF grammar
@@ -78,7 +82,7 @@ int cmd_blend(int argc, char ** argv) {
     std::string model_path, system, query;
     std::vector<std::string> docs;
     bool chat = false, json = false, compare = false, with_prefix = false, have_query = false, energy = false;
-    int64_t n_predict = 64;
+    int64_t n_predict = 64, n_ctx = 0;
     blend_params bp = blend_default_params();
     sampler_params sp = sampler_default_params();
     engine_params ep = engine_default_params();
@@ -138,6 +142,8 @@ int cmd_blend(int argc, char ** argv) {
         else if (match_sampling_flag(a, sp) || match_engine_flag(a, ep) || match_evict_flag(a, ep.evict) ||
                  match_chunk_evict_flag(a, chunk_ev) || match_device_flag(a, mp))
             continue;
+        else if (a.match({"-c", "--ctx-size"}))
+            n_ctx = a.integer(1, 1 << 24);
         else if (a.match({"--chat"}))
             chat = true;
         else if (a.match({"--compare-full"}))
@@ -167,11 +173,11 @@ int cmd_blend(int argc, char ** argv) {
     const std::vector<llama_token> all = rp.all();
     const int64_t n_greedy = compare ? 32 : 0;
     const int64_t need = (int64_t) all.size() + std::max(n_predict, n_greedy);
-    if (need > m->hparams().n_ctx_train)
-        throw error("prompt (" + std::to_string(all.size()) +
-                    " tokens) plus generation exceeds the model's context of " +
-                    std::to_string(m->hparams().n_ctx_train));
-    ep.n_ctx = need;
+    const int64_t n_ctx_max = n_ctx > 0 ? std::min(n_ctx, m->hparams().n_ctx_train) : m->hparams().n_ctx_train;
+    if (need > n_ctx_max)
+        throw error("prompt (" + std::to_string(all.size()) + " tokens) plus generation exceeds the " +
+                    (n_ctx > 0 ? "context" : "model's context") + " of " + std::to_string(n_ctx_max));
+    ep.n_ctx = n_ctx > 0 ? n_ctx_max : need;
     const std::unique_ptr<energy_meter> meter = energy ? std::make_unique<energy_meter>() : nullptr;
     ep.energy = meter.get();  // the decode's energy (generate_from)
     auto energy_since = [&](const energy_mark & from) {

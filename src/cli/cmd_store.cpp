@@ -50,6 +50,10 @@ stored are skipped. By default each file is one chunk, cut exactly as
   --codec NAME            how entries hold the KV: raw (default), f16, q8_0, q4_0, kivi2, kivi4
   -t, --threads N         CPU threads (default 2)
   --cache-type f16|f32    KV element type (default f16; part of the key)
+  -c, --ctx-size N        the context of the server or blend that will read the
+                          chunks: a LongRoPE model (Phi-3.5/4-mini) rotates with
+                          its long factors past its original context, so its
+                          chunks differ (default: each chunk's own size)
 )";
 
 const char * k_store_help = R"(usage: kvblend store stats|ls|verify|gc --store URI [options]
@@ -99,7 +103,7 @@ int cmd_ingest(int argc, char ** argv) {
     std::string model_path, uri, system, split, codec_name = "raw";
     evict_params chunk_ev;
     std::vector<std::string> files;
-    int64_t chunk_size = 0;
+    int64_t chunk_size = 0, n_ctx = 0;
     bool with_prefix = false, chat = false;
     store_options so;
     engine_params ep = engine_default_params();
@@ -115,6 +119,8 @@ int cmd_ingest(int argc, char ** argv) {
             uri = a.str();
         else if (a.match({"--chunk-size"}))
             chunk_size = a.integer(1, 1 << 20);
+        else if (a.match({"-c", "--ctx-size"}))
+            n_ctx = a.integer(1, 1 << 24);
         else if (a.match({"--split"})) {
             split = a.str();
             if (split != "paragraph") throw error("--split must be 'paragraph', got '" + split + "'");
@@ -175,6 +181,7 @@ int cmd_ingest(int argc, char ** argv) {
     if (ep.n_ctx > m->hparams().n_ctx_train)
         throw error("a chunk of " + std::to_string(longest) + " tokens exceeds the model's context of " +
                     std::to_string(m->hparams().n_ctx_train) + " (use --chunk-size)");
+    ep.n_ctx_seq = n_ctx;
     engine eng(m, ep);
 
     rag_ingest_params ip;

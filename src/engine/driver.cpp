@@ -548,14 +548,14 @@ void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1)
                         ggml_view_4d(c, store, hp.head_dim, run0[r + 1] - run0[r], 1, hp.n_head_kv, store->nb[1],
                                      store->nb[2], store->nb[2], (size_t) run0[r] * store->nb[1]);
                     ggml_tensor * p = ggml_view_1d(c, pos, 1, r * sizeof(int32_t));
-                    ggml_build_forward_expand(gf, graph::build_rope(c, m, il, k, p, /*in_place =*/true));
+                    ggml_build_forward_expand(gf, graph::build_rope_shift(c, m, il, k, p, /*in_place =*/true));
                 }
                 continue;
             }
             ggml_tensor * k = ggml_view_3d(c, store, hp.head_dim, n, hp.n_head_kv, store->nb[1], store->nb[2], 0);
             k = ggml_cont(c, ggml_permute(c, k, 0, 2, 1, 3));  // [head_dim, n_head_kv, n]
             if (ggml_is_quantized(store->type)) k = ggml_cast(c, k, GGML_TYPE_F32);
-            ggml_tensor * kr = graph::build_rope(c, m, il, k, pos);
+            ggml_tensor * kr = graph::build_rope_shift(c, m, il, k, pos, /*in_place =*/false);
             kr = ggml_permute(c, kr, 0, 2, 1, 3);  // [head_dim, n, n_head_kv]
             ggml_build_forward_expand(gf, ggml_set_rows(c, store, kr, idx));
         }

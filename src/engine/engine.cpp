@@ -20,7 +20,10 @@ engine_params engine_default_params() {
 }
 
 engine::engine(std::shared_ptr<const model> m, const engine_params & params)
-    : impl_(std::make_unique<impl>()), model_(std::move(m)), params_(params) {
+    : impl_(std::make_unique<impl>()),
+      // the rotation of this context (LongRoPE's factor set)
+      model_(model::at_context(std::move(m), params.n_ctx_seq > 0 ? params.n_ctx_seq : params.n_ctx)),
+      params_(params) {
     const model_hparams & hp = model_->hparams();
     if (params_.n_threads <= 0) throw error("thread count must be positive");
     if (params_.n_ubatch <= 0) throw error("micro-batch size must be positive");

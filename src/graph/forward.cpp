@@ -19,14 +19,27 @@ ggml_tensor * build_embd(ggml_context * ctx, const model & m, ggml_tensor * tok)
     return scale != 1.0f ? ggml_scale(ctx, x, scale) : x;
 }
 
-ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tensor * t, ggml_tensor * pos,
-                         bool in_place) {
+namespace {
+
+ggml_tensor * rope_scaled(ggml_context * ctx, const model & m, int il, ggml_tensor * t, ggml_tensor * pos,
+                          float attn_factor, bool in_place) {
     const model_hparams & hp = m.hparams();
     if (!hp.has_rope(il)) return t;
     // no yarn: ext_factor 0 makes beta_fast/beta_slow irrelevant
     auto * rope = in_place ? ggml_rope_ext_inplace : ggml_rope_ext;
     return rope(ctx, t, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base_of(il),
-                hp.rope_scale_of(il), 0.0f, 1.0f, 32.0f, 1.0f);
+                hp.rope_scale_of(il), 0.0f, attn_factor, 32.0f, 1.0f);
+}
+
+}  // namespace
+
+ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tensor * t, ggml_tensor * pos) {
+    return rope_scaled(ctx, m, il, t, pos, m.hparams().rope_attn_factor, false);
+}
+
+ggml_tensor * build_rope_shift(ggml_context * ctx, const model & m, int il, ggml_tensor * k, ggml_tensor * delta,
+                               bool in_place) {
+    return rope_scaled(ctx, m, il, k, delta, 1.0f, in_place);
 }
 
 namespace {

@@ -42,9 +42,13 @@ struct attn_inputs {
 ggml_tensor * build_embd(ggml_context * ctx, const model & m, ggml_tensor * tok);
 
 // RoPE of layer il at pos on t ([head_dim, n_head, n_tok], or any view RoPE
-// takes); t itself on a layer without RoPE. in_place: rotate t where it lies
-ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tensor * t, ggml_tensor * pos,
-                         bool in_place = false);
+// takes), scaled by the model's rope_attn_factor; t itself on a layer without RoPE
+ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tensor * t, ggml_tensor * pos);
+
+// the rotation that moves K already rotated at p to p + delta (delta: pos), in
+// place or not: the same angles, and no second attn_factor scale
+ggml_tensor * build_rope_shift(ggml_context * ctx, const model & m, int il, ggml_tensor * k, ggml_tensor * delta,
+                               bool in_place);
 
 // w x (+ b when b is set): w [n_in, n_out], x [n_in, n_tok] -> [n_out, n_tok]
 ggml_tensor * build_linear(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x);

@@ -342,23 +342,6 @@ void check_weight_ops(const model & m, ggml_backend_dev_t dev, const kv_reader &
             need(t, GGML_OP_MUL_MAT);
 }
 
-// LongRoPE (phi3 models past a 4k context): factors per frequency that
-// libllama picks, short or long, by the size of each context it runs, and a
-// scale on every rotation (rope.scaling.attn_factor). refused, with the reason
-void check_longrope(ggml_context * meta, const kv_reader & kv, const std::string & a) {
-    const std::string why =
-        " LongRoPE is not supported: libllama picks its short or long factors by the size of each context it runs "
-        "(past rope.scaling.original_context_length), so a document's stored K would depend on the context it was "
-        "collected in";
-    if (kv.str(a + "rope.scaling.type") == "longrope") kv.fail(a + "rope.scaling.type is longrope:" + why);
-    for (const char * factors : {"rope_factors_long.weight", "rope_factors_short.weight"})
-        if (ggml_get_tensor(meta, factors)) kv.fail(std::string("the file has '") + factors + "':" + why);
-    // libllama scales every rotation by this factor (into its yarn attn_factor); we rotate unscaled
-    const double attn_factor = kv.finite(a + "rope.scaling.attn_factor", 1.0);
-    if (attn_factor != 1.0)
-        kv.fail(a + "rope.scaling.attn_factor = " + std::to_string(attn_factor) + " is not supported (only 1)");
-}
-
 // a tensor the forward would not read is refused, never ignored: an output
 // or FFN bias of a shape we do not know, a mixture-of-experts router, another
 // family's block. libllama refuses such a file too (its loader counts them)
@@ -427,6 +410,26 @@ struct model::impl {
 
 model::~model() = default;
 
+std::shared_ptr<const model> model::at_context(std::shared_ptr<const model> m, int64_t n_ctx) {
+    if (!m->rope_short && !m->rope_long) return m;
+    // an engine clamps its context to the trained one; libllama rounds every
+    // context up to 256 tokens, then compares
+    const int64_t rounded = (std::min(n_ctx, m->hp_.n_ctx_train) + 255) / 256 * 256;
+    ggml_tensor * factors = rounded > m->hp_.n_ctx_orig ? m->rope_long : m->rope_short;
+    if (m->rope_freqs == factors) return m;
+    std::shared_ptr<model> v(new model(*m));
+    v->rope_freqs = factors;
+    // a stored chunk's K hold its rotation: each factor set has its own chunks
+    v->fingerprint_ = m->base_fingerprint_;
+    if (v->long_rope()) {
+        fnv128 h;
+        h.add(m->base_fingerprint_);
+        h.add(std::string("longrope: long factors"));
+        v->fingerprint_ = h.hex();
+    }
+    return v;
+}
+
 bool model::on_gpu() const {
     return device_ && ggml_backend_dev_type(device_) != GGML_BACKEND_DEVICE_TYPE_CPU;
 }
@@ -457,7 +460,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
 
     std::shared_ptr<model> m(new model());
     m->path_ = path;
-    m->impl_ = std::make_unique<impl>();
+    m->impl_ = std::make_shared<impl>();
     impl & im = *m->impl_;
 
     ggml_context * meta = nullptr;
@@ -531,15 +534,18 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.rope_base = (float) kv.real(a + "rope.freq_base", 10000.0, false);
     if (!(hp.rope_base > 0.0f) || !std::isfinite(hp.rope_base)) inconsistent("rope.freq_base must be positive");
 
-    check_longrope(meta, kv, a);
     const std::string scaling = kv.str(a + "rope.scaling.type");
     if (scaling == "linear") {
         const double factor = kv.real(a + "rope.scaling.factor", 1.0, false);
         if (!(factor > 0.0)) inconsistent("rope.scaling.factor must be positive");
         hp.rope_scale = (float) (1.0 / factor);
-    } else if (!scaling.empty() && scaling != "none") {
-        kv.fail("rope scaling '" + scaling + "' is not supported (supported: none, linear)");
+    } else if (!scaling.empty() && scaling != "none" && scaling != "longrope") {
+        kv.fail("rope scaling '" + scaling + "' is not supported (supported: none, linear, longrope)");
     }
+    // libllama scales every fresh rotation by it, whatever the scaling type (yarn is refused above)
+    hp.rope_attn_factor = (float) kv.finite(a + "rope.scaling.attn_factor", 1.0);
+    if (!(hp.rope_attn_factor > 0.0f)) inconsistent("rope.scaling.attn_factor must be positive");
+    hp.n_ctx_orig = kv.dim(a + "rope.scaling.original_context_length", hp.n_ctx_train, false);
     const bool neox = hp.arch == MODEL_ARCH_QWEN2 || hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2 ||
                       hp.arch == MODEL_ARCH_PHI3 || hp.arch == MODEL_ARCH_GEMMA3;
     hp.rope_mode = neox ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
@@ -600,6 +606,11 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.tied_output = m->output == nullptr;
     if (hp.tied_output) m->output = m->tok_embd;
     m->rope_freqs = check(find("rope_freqs.weight", false), {hp.n_rot / 2}, false);
+    if (hp.arch == MODEL_ARCH_PHI3) {  // LongRoPE: libllama reads these for phi3
+        m->rope_short = check(find("rope_factors_short.weight", false), {hp.n_rot / 2}, false);
+        m->rope_long = check(find("rope_factors_long.weight", false), {hp.n_rot / 2}, false);
+        if (!m->rope_freqs) m->rope_freqs = m->rope_short;  // a context up to n_ctx_orig; see at_context
+    }
 
     m->layers.resize(hp.n_layer);
     for (int64_t il = 0; il < hp.n_layer; ++il) {
@@ -721,11 +732,11 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
             if (n && pread(f.fd, sample, n, (off_t) (off + at)) == (ssize_t) n) h.add(sample, n);
         }
     }
-    m->fingerprint_ = h.hex();
+    m->fingerprint_ = m->base_fingerprint_ = h.hex();
 
     // --- vocabulary (libllama, vocab only) ------------------------------------
     check_tokens(g, kv);
-    m->vocab_ = std::make_unique<vocab>(path);
+    m->vocab_ = std::make_shared<vocab>(path);
     if (m->vocab_->n_tokens() != hp.n_vocab)
         inconsistent("the tokenizer has " + std::to_string(m->vocab_->n_tokens()) +
                      " tokens but token_embd.weight has " + std::to_string(hp.n_vocab) + " rows");

@@ -70,6 +70,15 @@ model_spec granite(model_spec s) {
     return s;
 }
 
+// LongRoPE as phi-4-mini has it: its attn_factor is sqrt(1 + ln(ratio) / ln(original)),
+// ratio the trained context over the original one
+model_spec longrope(model_spec s, int64_t original_ctx) {
+    s.longrope_ctx = original_ctx;
+    const double ratio = double(s.n_ctx_train) / double(original_ctx);
+    s.rope_attn_factor = (float) std::sqrt(1.0 + std::log(ratio) / std::log(double(original_ctx)));
+    return s;
+}
+
 // partial rotary embedding: n_rot of head_dim dims per head rotate
 model_spec rotating(model_spec s, int64_t n_rot) {
     s.n_rot = n_rot;
@@ -89,6 +98,10 @@ const std::vector<preset> & presets() {
         {"tiny-smollm3", spec_of(MODEL_ARCH_SMOLLM3, 4, 128, 4, 2, 32, 256, 2048, 5e6f, 1e-6f, true), "llama-spm"},
         // 24 of 32 dims rotated, as phi-4-mini rotates 96 of 128
         {"tiny-phi3", rotating(spec_of(MODEL_ARCH_PHI3, 3, 128, 4, 2, 32, 256, 4096, 1e4f, 1e-5f, true), 24), "phi-3"},
+        // its LongRoPE: a context past 256 tokens rotates with the long factors
+        {"tiny-phi3-longrope",
+         longrope(rotating(spec_of(MODEL_ARCH_PHI3, 3, 128, 4, 2, 32, 256, 4096, 1e4f, 1e-5f, true), 24), 256),
+         "phi-3"},
         // a window of 16 (shorter than the test prompts), layers 2 and 5 global
         // as every 6th is in gemma 3; q wider than n_embd as there (4 x 48 over 128)
         {"tiny-gemma3",
@@ -108,9 +121,10 @@ const std::vector<preset> & presets() {
         {"olmo2-1b", spec_of(MODEL_ARCH_OLMO2, 16, 2048, 16, 16, 128, 8192, 4096, 5e5f, 1e-6f, false), "llama-bpe"},
         // smollm3 3b: layers 4, 8, … 36 without RoPE; its vocabulary is llama 3's bpe
         {"smollm3-3b", spec_of(MODEL_ARCH_SMOLLM3, 36, 2048, 16, 4, 128, 11008, 65536, 5e6f, 1e-6f, true), "llama-bpe"},
-        // phi-4-mini's shape without its LongRoPE factors (which load refuses); its
-        // 200k-token vocabulary is not shipped, phi-3's own is
-        {"phi-4-mini", rotating(spec_of(MODEL_ARCH_PHI3, 32, 3072, 24, 8, 128, 8192, 131072, 1e4f, 1e-5f, true), 96),
+        // phi-4-mini with its LongRoPE (original context 4096); its 200k-token
+        // vocabulary is not shipped, phi-3's own is
+        {"phi-4-mini",
+         longrope(rotating(spec_of(MODEL_ARCH_PHI3, 32, 3072, 24, 8, 128, 8192, 131072, 1e4f, 1e-5f, true), 96), 4096),
          "phi-3"},
         // gemma 3 1b and 4b with the keys its converter writes (window, global
         // base; the period 6 and the local base 10000 are libllama's defaults);
@@ -198,6 +212,11 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
     const bool output_bias = s.out_biases && s.arch == MODEL_ARCH_QWEN2;
     const bool block_biases = s.out_biases && !output_bias;
     if (output_bias) t.push_back(plan_vector("output.bias", n_vocab, 0.0f, 1.0f));  // [n_vocab]
+    if (s.longrope_ctx > 0) {  // per-frequency divisors: short ones near 1, long ones up to ~30
+        const int64_t n_rot = s.n_rot > 0 ? s.n_rot : s.head_dim;
+        t.push_back(plan_vector("rope_factors_short.weight", n_rot / 2, 1.5f, 0.5f));   // [n_rot/2]
+        t.push_back(plan_vector("rope_factors_long.weight", n_rot / 2, 16.0f, 15.0f));  // [n_rot/2]
+    }
 
     for (int64_t il = 0; il < s.n_layer; ++il) {
         const std::string p = "blk." + std::to_string(il) + ".";
@@ -264,6 +283,8 @@ void check_spec(const model_spec & s) {
         bad(std::string("libllama's ") + model_arch_name(s.arch) + " loader reads no output or FFN biases");
     if (s.arch == MODEL_ARCH_OLMO2 && s.tied_output) bad("olmo2 has no tied output (libllama requires output.weight)");
     if (s.n_swa < 0 || s.swa_pattern < 0) bad("n_swa and swa_pattern must be >= 0");
+    if (s.longrope_ctx < 0 || (s.longrope_ctx > 0 && s.arch != MODEL_ARCH_PHI3))
+        bad("LongRoPE factors are phi3's (libllama reads them for phi3 here)");
     if (s.arch != MODEL_ARCH_GEMMA3 && (s.n_swa > 0 || s.logit_softcap != 0.0f))
         bad("sliding windows and logit soft-capping are gemma3's here");
 }
@@ -431,6 +452,12 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
         gguf_set_val_str(g, key("rope.scaling.type").c_str(), "linear");
         gguf_set_val_f32(g, key("rope.scaling.factor").c_str(), spec.rope_scaling_factor);
     }
+    if (spec.longrope_ctx > 0) {
+        gguf_set_val_str(g, key("rope.scaling.type").c_str(), "longrope");
+        gguf_set_val_u32(g, key("rope.scaling.original_context_length").c_str(), uint32_t(spec.longrope_ctx));
+    }
+    if (spec.rope_attn_factor != 0.0f)
+        gguf_set_val_f32(g, key("rope.scaling.attn_factor").c_str(), spec.rope_attn_factor);
     if (spec.n_swa > 0) gguf_set_val_u32(g, key("attention.sliding_window").c_str(), uint32_t(spec.n_swa));
     if (spec.swa_pattern > 0)
         gguf_set_val_u32(g, key("attention.sliding_window_pattern").c_str(), uint32_t(spec.swa_pattern));

@@ -57,7 +57,7 @@ struct server::impl {
     }
 
     impl(std::shared_ptr<const model> mm, const server_params & pp)
-        : m(std::move(mm)),
+        : m(model::at_context(std::move(mm), pp.n_ctx)),  // the rotation of a slot's context
           p(checked(pp)),
           st(open_store(p)),
           model_id(!p.alias.empty() ? p.alias : m->path().substr(m->path().find_last_of('/') + 1)),

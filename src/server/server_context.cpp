@@ -111,6 +111,7 @@ struct server_context::impl {
         : m(std::move(mm)), p(pp), st(store), metrics(counts) {
         engine_params ep = engine_default_params();
         ep.n_ctx = p.n_ctx;
+        ep.n_ctx_seq = p.n_ctx;  // the small engines below rotate as the slots' contexts do
         ep.n_threads = p.n_threads;
         ep.type_k = p.type_k;
         ep.type_v = p.type_v;

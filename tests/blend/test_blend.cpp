@@ -87,8 +87,16 @@ std::vector<std::string> models_under_test() {
     return {k_stories, test::make_test_model("tiny-qwen3")};
 }
 
+// and a model whose rotations scale (LongRoPE's attn_factor) with per-frequency
+// factors (its long set, in f32_params' context): a move must not scale again
+std::vector<std::string> placement_models() {
+    std::vector<std::string> paths = models_under_test();
+    paths.push_back(test::make_test_model("tiny-phi3-longrope"));
+    return paths;
+}
+
 TEST(blend, chunk_placed_at_offset_equals_chunk_collected_there) {
-    for (const std::string & path : models_under_test()) {
+    for (const std::string & path : placement_models()) {
         fixture f(path, 2);
         const int64_t s = f.kv[0].n_tokens() + f.kv[1].n_tokens();  // where chunk 2 lands
         engine e(f.m, f32_params());
@@ -115,7 +123,7 @@ TEST(blend, chunk_placed_at_offset_equals_chunk_collected_there) {
 // collected alone has no context but itself, so collected at p and placed at
 // s it must equal it collected at s
 TEST(blend, placing_rotates_k_by_each_chunks_offset_at_every_cache_type) {
-    for (const std::string & path : models_under_test()) {
+    for (const std::string & path : placement_models()) {
         const auto m = model::load(path);
         const prompt p = make_prompt(*m, 0, 3, 0);
         std::vector<llama_token> toks = p.all();
@@ -149,8 +157,10 @@ TEST(blend, placing_rotates_k_by_each_chunks_offset_at_every_cache_type) {
                                                          direct.cache().read_k(il, 0, c.n_tokens())));
                     s += c.n_tokens();
                 }
-                // f32: exact up to the rotation's rounding; f16 and q8_0: one rounding of the cache type
-                const double tol = type == GGML_TYPE_F32 ? 1e-5 : type == GGML_TYPE_F16 ? 2e-3 : 2e-2;
+                // f32: exact up to the rotation's rounding; f16: one rounding of the
+                // cache type; q8_0: the moved row is rounded twice, where it was
+                // collected and where it lands (up to 2.3e-2 on tiny-phi3-longrope)
+                const double tol = type == GGML_TYPE_F32 ? 1e-5 : type == GGML_TYPE_F16 ? 2e-3 : 3e-2;
                 EXPECT_LE(worst, tol) << path << " " << ggml_type_name(type) << " mode " << mode;
             }
         }
@@ -922,7 +932,7 @@ TEST_P(blend_family, a_document_collected_where_it_is_placed_needs_no_recomputat
 
 INSTANTIATE_TEST_SUITE_P(families, blend_family,
                          ::testing::Values("tiny-qwen3", "tiny-mistral3", "tiny-granite", "tiny-olmo2", "tiny-smollm3",
-                                           "tiny-phi3", "tiny-gemma3"),
+                                           "tiny-phi3", "tiny-phi3-longrope", "tiny-gemma3"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace(n.begin(), n.end(), '-', '_');

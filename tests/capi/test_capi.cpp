@@ -373,6 +373,42 @@ TEST_F(capi, a_grown_context_and_a_fresh_one_give_the_same_blend_and_contexts_ou
     kvb_context_free(small);
 }
 
+// a LongRoPE model rotates as libllama does at each context's size: a context
+// past its original one (256 tokens in tiny-phi3-longrope) with the long
+// factors, and so with chunks of its own; a context sized per request as the
+// trained context, the longest it can grow to
+TEST(capi_longrope, each_factor_set_has_its_own_chunks) {
+    kvb_model * m = nullptr;
+    ASSERT_EQ(kvb_model_load(kvblend::test::make_test_model("tiny-phi3-longrope").c_str(), nullptr, &m), KVB_OK)
+        << kvb_last_error();
+    kvblend::test::temp_dir dir("capi-longrope");
+    kvb_store * st = nullptr;
+    ASSERT_EQ(kvb_store_open(dir.file("kv").c_str(), nullptr, &st), KVB_OK) << kvb_last_error();
+    auto ingest_in = [&](int64_t n_ctx, kvb_ingest_stats & is) {
+        kvb_context_params cp = kvb_context_default_params();
+        cp.n_ctx = n_ctx;
+        kvb_context * c = nullptr;
+        EXPECT_EQ(kvb_context_new(m, &cp, &c), KVB_OK) << kvb_last_error();
+        kvb_id * ids = nullptr;
+        size_t n = 0;
+        EXPECT_EQ(kvb_ingest(c, st, k_docs, 1, nullptr, &ids, &n, &is), KVB_OK) << kvb_last_error();
+        std::string id = n == 1 ? std::string(ids[0].hex) : std::string();
+        kvb_free(ids);
+        kvb_context_free(c);
+        return id;
+    };
+    kvb_ingest_stats s_short{}, s_long{}, s_sized{};
+    const std::string id_short = ingest_in(256, s_short), id_long = ingest_in(512, s_long);
+    const std::string id_sized = ingest_in(0, s_sized);
+    EXPECT_NE(id_short, id_long);
+    EXPECT_EQ(id_sized, id_long);
+    EXPECT_EQ(s_short.n_collected, 1);
+    EXPECT_EQ(s_long.n_collected, 1);
+    EXPECT_EQ(s_sized.n_collected, 0);  // the long context's chunk, found
+    kvb_store_free(st);
+    kvb_model_free(m);
+}
+
 // --- the device a model runs on (kvb_model_params.device, n_gpu_layers) ------
 
 TEST_F(capi, default_params_pick_the_device_automatically_with_every_layer_on_it) {

@@ -185,7 +185,8 @@ TEST_P(forward_equiv, f16_cache_close_to_libllama_f16_cache) {
 INSTANTIATE_TEST_SUITE_P(models, forward_equiv,
                          ::testing::Values("stories260K", "tiny", "tiny-qwen2", "tiny-qwen3", "tiny:q8_0",
                                            "tiny-qwen3:q4_0", "tiny-mistral3", "tiny-granite", "tiny-olmo2",
-                                           "tiny-smollm3", "tiny-phi3", "tiny-phi3:q8_0", "tiny-gemma3",
+                                           "tiny-smollm3", "tiny-phi3", "tiny-phi3:q8_0", "tiny-phi3-longrope",
+                                           "tiny-gemma3",
                                            "tiny-gemma3:q8_0"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
@@ -247,6 +248,50 @@ TEST(forward_equiv_biases, attn_output_ffn_and_output_biases_match_libllama) {
         for (size_t i = 0; i < gen.tokens.size(); ++i)
             EXPECT_EQ(gen.tokens[i], ref_toks[i]) << preset << " token " << i;
     }
+}
+
+// LongRoPE: libllama rotates with the long factors in a context past the
+// original one (256 tokens in tiny-phi3-longrope), the short ones up to it,
+// and scales every rotation by attn_factor; ours picks and scales the same
+TEST(forward_equiv_longrope, short_and_long_factors_match_libllama_by_context) {
+    const std::string path = test::make_test_model("tiny-phi3-longrope");
+    auto m = model::load(path);
+    const std::vector<llama_token> prompt = prompt_for(*m, false, 72);
+    std::vector<std::vector<float>> ours_by_ctx;
+    for (const int64_t n_ctx : {256, 512}) {
+        engine_params ep;
+        ep.n_ctx = n_ctx;
+        ep.type_k = ep.type_v = GGML_TYPE_F32;
+        engine eng(m, ep);
+        EXPECT_EQ(eng.mdl().long_rope(), n_ctx > 256);
+        ours_by_ctx.push_back(eng.eval(prompt, true));
+        ref::llama_ref_params rp;
+        rp.n_ctx = n_ctx;
+        rp.type_k = rp.type_v = GGML_TYPE_F32;
+        rp.flash_attn = false;
+        rp.extra_bufts = false;
+        ref::llama_ref lr(path, rp);
+        const std::vector<float> theirs = lr.eval(prompt, true);
+        const logit_diff d = compare(ours_by_ctx.back(), theirs);
+        std::printf("[ longrope, context %lld ] relative %.3g (bound %.0e)\n", (long long) n_ctx, d.rel(), k_tol);
+        EXPECT_LE(d.rel(), k_tol) << "context " << n_ctx;
+
+        sampler_params greedy;
+        greedy.temp = 0;
+        const int64_t nv = m->hparams().n_vocab;
+        const std::vector<float> & ours = ours_by_ctx.back();
+        const generate_result gen = eng.generate_from(std::vector<float>(ours.end() - nv, ours.end()), 16, greedy);
+        const std::vector<llama_token> ref_toks = lr.greedy(std::vector<float>(theirs.end() - nv, theirs.end()), 16);
+        ASSERT_FALSE(gen.tokens.empty());
+        for (size_t i = 0; i < gen.tokens.size(); ++i) EXPECT_EQ(gen.tokens[i], ref_toks[i]) << "token " << i;
+    }
+    // the two sets really rotate differently, and each context has its own chunks
+    const logit_diff between = compare(ours_by_ctx[0], ours_by_ctx[1]);
+    std::printf("[ longrope ] short vs long factors: relative %.3g\n", between.rel());
+    EXPECT_GT(between.rel(), 10 * k_tol);
+    EXPECT_NE(model::at_context(m, 256)->fingerprint(), model::at_context(m, 512)->fingerprint());
+    EXPECT_EQ(model::at_context(m, 256)->fingerprint(), m->fingerprint());
+    EXPECT_EQ(model::at_context(model::at_context(m, 512), 100)->fingerprint(), m->fingerprint());
 }
 
 // gemma3's windows change what a long prompt computes (the test prompts are

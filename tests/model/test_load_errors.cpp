@@ -277,35 +277,53 @@ TEST_F(load_errors, smollm3_layers_without_rope) {
     EXPECT_EQ(rope, std::vector<bool>({true, true, true, false, true, true, true, false}));
 }
 
-// phi3: fused q/k/v and gate-up matrices of the right shapes; LongRoPE, in
-// any of the ways a file says it, refused with the reason
+// phi3: fused q/k/v and gate-up matrices of the right shapes; LongRoPE's
+// factor sets of the rotated size, read for phi3 only, and its keys of the
+// right type and range
 TEST_F(load_errors, phi3_fused_tensors_and_longrope) {
     const std::string phi3 = make_test_model("tiny-phi3");
     EXPECT_NO_THROW(model::load(phi3));
-    const std::string why = "LongRoPE is not supported: libllama picks its short or long factors";
+    const std::string longrope = make_test_model("tiny-phi3-longrope");
+    {
+        auto m = model::load(longrope);
+        EXPECT_NE(m->rope_short, nullptr);
+        EXPECT_NE(m->rope_long, nullptr);
+        EXPECT_EQ(m->hparams().n_ctx_orig, 256);
+        EXPECT_NEAR(m->hparams().rope_attn_factor, std::sqrt(1.0 + std::log(16.0) / std::log(256.0)), 1e-6);
+    }
     struct bad_file {
+        std::string from;
         gguf_edit edit;
         std::string message;
     };
     const std::vector<bad_file> cases = {
-        {{{}, {}, {{"blk.0.ffn_up.weight", {128, 256}}}},
+        {phi3, {{}, {}, {{"blk.0.ffn_up.weight", {128, 256}}}},
          "'blk.0.ffn_up.weight' has shape [128, 256], expected [128, 512]"},
-        {{{}, {}, {{"blk.1.attn_qkv.weight", {128, 128}}}},
+        {phi3, {{}, {}, {{"blk.1.attn_qkv.weight", {128, 128}}}},
          "'blk.1.attn_qkv.weight' has shape [128, 128], expected [128, 256]"},
-        {{{}, {"blk.2.attn_qkv.weight"}, {}}, "missing tensor 'blk.2.attn_q.weight'"},
-        {{{}, {}, {}, {}, {{"rope_factors_long.weight", {12}}}}, "'rope_factors_long.weight': " + why},
-        {{{}, {}, {}, {}, {{"rope_factors_short.weight", {12}}}}, "'rope_factors_short.weight': " + why},
-        {{[](gguf_context * g) { gguf_set_val_str(g, "phi3.rope.scaling.type", "longrope"); }, {}, {}},
-         "phi3.rope.scaling.type is longrope: " + why},
-        {{[](gguf_context * g) { gguf_set_val_f32(g, "phi3.rope.scaling.attn_factor", 1.19f); }, {}, {}},
-         "phi3.rope.scaling.attn_factor = 1.19"},
-        {{[](gguf_context * g) { gguf_set_val_str(g, "phi3.rope.scaling.attn_factor", "1.19"); }, {}, {}},
+        {phi3, {{}, {"blk.2.attn_qkv.weight"}, {}}, "missing tensor 'blk.2.attn_q.weight'"},
+        {longrope, {{}, {}, {{"rope_factors_long.weight", {16}}}},
+         "'rope_factors_long.weight' has shape [16], expected [12]"},
+        {longrope, {{}, {}, {}, {{"rope_factors_short.weight", GGML_TYPE_F16}}},
+         "'rope_factors_short.weight' has type f16, expected f32"},
+        {longrope, {[](gguf_context * g) { gguf_set_val_str(g, "phi3.rope.scaling.attn_factor", "1.19"); }, {}, {}},
          "phi3.rope.scaling.attn_factor is not a number"},
+        {longrope, {[](gguf_context * g) { gguf_set_val_f32(g, "phi3.rope.scaling.attn_factor", 0.0f); }, {}, {}},
+         "rope.scaling.attn_factor must be positive"},
+        {longrope,
+         {[](gguf_context * g) { gguf_set_val_str(g, "phi3.rope.scaling.original_context_length", "4k"); }, {}, {}},
+         "phi3.rope.scaling.original_context_length"},
+        {longrope, {[](gguf_context * g) { gguf_set_val_str(g, "phi3.rope.scaling.type", "yarn"); }, {}, {}},
+         "rope scaling 'yarn' is not supported (supported: none, linear, longrope)"},
     };
     for (const bad_file & c : cases) {
-        rewrite_gguf(phi3, dir.file("phi3.gguf"), c.edit);
+        rewrite_gguf(c.from, dir.file("phi3.gguf"), c.edit);
         EXPECT_LOAD_ERROR(dir.file("phi3.gguf"), c.message);
     }
+    // another family's file with the factor sets: libllama reads them for phi3 only
+    rewrite_gguf(make_test_model("tiny"), dir.file("llama.gguf"),
+                 {{}, {}, {}, {}, {{"rope_factors_long.weight", {16}}}});
+    EXPECT_LOAD_ERROR(dir.file("llama.gguf"), "tensor 'rope_factors_long.weight' is not part of the block");
     // a factor of 1 changes nothing and loads
     rewrite_gguf(phi3, dir.file("phi3.gguf"),
                  {[](gguf_context * g) { gguf_set_val_f32(g, "phi3.rope.scaling.attn_factor", 1.0f); }, {}, {}});

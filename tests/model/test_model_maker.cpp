@@ -65,7 +65,7 @@ void expect_tensor(const gguf_context * g, const std::string & name, ggml_type t
 
 TEST(model_maker, presets_have_real_shapes) {
     const auto names = model_spec_preset_names();
-    EXPECT_EQ(names.size(), 19u);
+    EXPECT_EQ(names.size(), 20u);
 
     const model_spec q3 = model_spec_preset("qwen3-0.6b");
     EXPECT_EQ(q3.arch, MODEL_ARCH_QWEN3);
@@ -123,6 +123,9 @@ TEST(model_maker, presets_have_real_shapes) {
     EXPECT_EQ(p4.n_head * p4.head_dim, 3072);
     EXPECT_EQ(p4.n_head_kv, 8);
     EXPECT_EQ(p4.n_rot, 96);
+    // its LongRoPE: 4096 tokens of original context, attn_factor sqrt(1 + ln 32 / ln 4096)
+    EXPECT_EQ(p4.longrope_ctx, 4096);
+    EXPECT_NEAR(p4.rope_attn_factor, 1.1902381f, 1e-6);
     EXPECT_EQ(model_spec_preset_vocab("phi-4-mini"), "phi-3");
 
     // gemma 3: 1b and 4b as its converter writes them (no period, no local base: libllama's 6 and 10000)
