@@ -69,6 +69,31 @@ struct answer_stream {
     void flush() { a.finish(); }
 };
 
+// how many prompt tokens a step may take while other slots stream: as many as
+// add about 0.8 of a decode-only step's time, so that a stream waits at most
+// ~2x its usual time between two tokens while a long prompt is prefilled.
+// both costs are running averages of the steps as they ran
+class step_pace {
+  public:
+    int64_t prompt_budget(int64_t n_batch) const {
+        if (decode_ms_ <= 0 || token_ms_ <= 0) return std::min<int64_t>(n_batch, k_min_tokens * 4);
+        return std::min(n_batch, std::max(k_min_tokens, (int64_t) (0.8 * decode_ms_ / token_ms_)));
+    }
+    void ran(double ms, size_t n_decode, size_t n_prompt) {
+        if (n_prompt == 0) {
+            if (n_decode > 0) decode_ms_ = average(decode_ms_, ms);
+        } else if (decode_ms_ > 0) {  // what the prompt tokens added to a step's fixed cost
+            token_ms_ = average(token_ms_, std::max(0.0, ms - decode_ms_) / (double) n_prompt);
+        }
+    }
+
+  private:
+    static constexpr int64_t k_min_tokens = 8;  // a prompt always moves on
+    static double average(double avg, double x) { return avg > 0 ? 0.8 * avg + 0.2 * x : x; }
+    double decode_ms_ = 0;  // a step of decode tokens only
+    double token_ms_ = 0;   // one more prompt token in a step
+};
+
 }  // namespace
 
 struct server_context::impl {
@@ -104,6 +129,7 @@ struct server_context::impl {
     bool stopping = false, stop_preparing = false;
     std::unique_ptr<engine> step_eng;     // batched: the engine every step runs on
     std::unique_ptr<engine> prepare_eng;  // batched: the engine ingest and blends run on
+    step_pace pace;                       // batched: the prompt tokens a step takes while others stream
     std::vector<slot> slots;
     std::thread loop_thread, prepare_thread;
 
@@ -379,17 +405,18 @@ struct server_context::impl {
             }
             return;
         }
-        // the next token of every generating slot; then whole prompt chunks of
-        // up to n_batch tokens (a slot's chunks never depend on the others)
+        // the next token of every generating slot; then prompt chunks of up to
+        // n_batch tokens in all, fewer while others stream (step_pace)
         std::vector<engine::seq_tokens> seqs;
         std::vector<slot *> who;
         for (slot & s : slots)
             if (running(s) && s.next >= 0) seqs.push_back({&cache_of(s), {s.next}, true}), who.push_back(&s);
-        int64_t budget = p.n_batch;
+        const size_t n_decode = seqs.size();
+        int64_t budget = n_decode > 0 ? pace.prompt_budget(p.n_batch) : p.n_batch;
         for (slot & s : slots) {
             if (!running(s) || s.prompt_left.empty()) continue;
-            const size_t n = std::min(s.prompt_left.size() - s.prompt_at, (size_t) p.n_batch);
-            if ((int64_t) n > budget) break;
+            if (budget <= 0) break;
+            const size_t n = std::min(s.prompt_left.size() - s.prompt_at, (size_t) budget);
             budget -= (int64_t) n;
             const auto at = s.prompt_left.begin() + (ptrdiff_t) s.prompt_at;
             const bool last = s.prompt_at + n == s.prompt_left.size();
@@ -398,12 +425,16 @@ struct server_context::impl {
         }
         if (seqs.empty()) return;
         std::vector<std::vector<float>> logits;
+        const double t0 = time_ms();
         try {
             logits = step_eng->eval_seqs(seqs);
         } catch (const std::exception & e) {
             for (slot * s : who) end(*s, e.what());
             return;
         }
+        size_t n_prompt = 0;
+        for (size_t i = n_decode; i < seqs.size(); ++i) n_prompt += seqs[i].tokens.size();
+        pace.ran(time_ms() - t0, n_decode, n_prompt);
         for (size_t i = 0; i < who.size(); ++i) {
             slot & s = *who[i];
             if (s.prompt_left.empty()) {
