@@ -13,20 +13,13 @@ using json = nlohmann::json;
 
 namespace {
 
+// a message's content as server_request checked it: a string, text parts or none
 std::string message_text(const json & content) {
     if (content.is_string()) return content.get<std::string>();
-    if (content.is_array()) {  // [{"type": "text", "text": …}, …]
-        std::string out;
-        for (const auto & part : content) {
-            if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-                !part["text"].is_string())
-                bad_request("only text content parts are supported");
-            out += part["text"].get<std::string>();
-        }
-        return out;
-    }
-    if (content.is_null()) return {};
-    bad_request("message content must be a string or an array of text parts");
+    std::string out;
+    if (content.is_array())  // [{"type": "text", "text": …}, …]
+        for (const auto & part : content) out += part["text"].get_ref<const std::string &>();
+    return out;
 }
 
 }  // namespace
@@ -59,8 +52,8 @@ json job_builder::parse_body(const std::string & body, request_kind kind, bool *
     const size_t bytes = request_text_bytes(r);
     if (m_->tokens().min_tokens(bytes) > (uint64_t) p_.n_ctx)
         bad_request("the " + std::string(kind == REQUEST_DOCUMENTS ? "document" : "prompt") + " has " +
-                        std::to_string(bytes) + " bytes, more than the context of " + std::to_string(p_.n_ctx) +
-                        " tokens can hold",
+                        std::to_string(bytes) + " bytes, more than the maximum context length of " +
+                        std::to_string(p_.n_ctx) + " tokens can hold",
                     "context_length_exceeded");
     if (stream) *stream = r.stream;
     return std::move(r.body);
@@ -72,8 +65,9 @@ void job_builder::read_sampling(const json & b, job & j, int64_t n_prompt, reque
     auto num = [&](const char * k, double def) { return b.contains(k) && !b[k].is_null() ? b[k].get<double>() : def; };
     const int64_t room = p_.n_ctx - n_prompt;
     if (room < 1)
-        bad_request("the prompt has " + std::to_string(n_prompt) + " tokens, more than the context of " +
-                        std::to_string(p_.n_ctx) + " allows",
+        // OpenAI's words ("maximum context length"): clients such as LangChain read them as a context overflow
+        bad_request("the prompt has " + std::to_string(n_prompt) + " tokens, more than the maximum context length of " +
+                        std::to_string(p_.n_ctx) + " tokens allows",
                     "context_length_exceeded");
     j.max_tokens = (int32_t) num("max_tokens", (double) std::min<int64_t>(room, 256));
     if (b.contains("max_completion_tokens")) j.max_tokens = (int32_t) num("max_completion_tokens", 0);
@@ -129,7 +123,7 @@ void job_builder::read_output_rules(const json & b, job & j, request_kind kind) 
 
 // documents are fused into (and collected from) a dense cache
 void job_builder::require_dense_slots() const {
-    if (!p_.kv_codec.empty())
+    if (!dense_slots())
         bad_request("documents need a dense KV cache to be fused; this server's slots hold live " + p_.kv_codec +
                     " caches (--kv-codec), which only append tokens");
 }
@@ -139,7 +133,7 @@ void job_builder::plain_or_chunked(job & j, std::vector<llama_token> tokens) con
     j.tokens = std::move(tokens);
     const int64_t n = (int64_t) j.tokens.size();
     // a live compressed cache only appends: its slots prefill every prompt whole
-    if (!p_.kv_codec.empty() || n < p_.min_fuse_tokens || n <= p_.chunk_size) return;
+    if (!dense_slots() || n < p_.min_fuse_tokens || n <= p_.chunk_size) return;
     j.fuse = true;
     int64_t at = 0;
     for (; at + p_.chunk_size < n; at += p_.chunk_size)
@@ -153,14 +147,14 @@ std::string job_builder::doc_key(const std::vector<llama_token> & tokens) const 
 }
 // a document the server was given: plain prompts that contain its text reuse it
 void job_builder::remember(const std::string & text, const std::vector<llama_token> & tokens) const {
-    if (st_ && p_.kv_codec.empty()) known_.add(text, doc_key(tokens));
+    if (st_ && dense_slots()) known_.add(text, doc_key(tokens));
 }
 
 // a plain prompt with known_ documents inside (after learning its passages when it is
 // long): laid out around them and fused. false: prefill it as before
 bool job_builder::with_known_docs(job & j, const std::string & text, const std::vector<std::string> & contents,
                                   int64_t n_tokens, bool parse_special) const {
-    if (!st_ || !p_.kv_codec.empty()) return false;
+    if (!st_ || !dense_slots()) return false;
     if (p_.learn && n_tokens >= p_.min_fuse_tokens) {
         learn_params lp;
         lp.max_docs = (size_t) p_.learn_max_docs;
@@ -179,16 +173,11 @@ bool job_builder::with_known_docs(job & j, const std::string & text, const std::
     return true;
 }
 
+// b: a body server_request checked for its endpoint, as parse_body returns it
 std::shared_ptr<job> job_builder::chat_job(const json & b) const {
-    if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty())
-        bad_request("'messages' must be a non-empty array");
     std::vector<chat_message> msgs;
     for (const auto & m : b["messages"]) {
-        if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
-            bad_request("every message needs a string 'role'");
         const std::string role = m["role"].get<std::string>();
-        if (role != "system" && role != "user" && role != "assistant" && role != "developer" && role != "tool")
-            bad_request("unknown message role '" + role + "'");
         msgs.push_back({role == "developer" ? "system" : role, message_text(m.value("content", json()))});
     }
     auto j = std::make_shared<job>();
@@ -232,7 +221,6 @@ std::shared_ptr<job> job_builder::chat_job(const json & b) const {
 // text documents and their index, remembered once the request is read
 std::vector<std::vector<llama_token>> job_builder::read_documents(
     const json & d, std::vector<std::pair<std::string, size_t>> & texts) const {
-    if (!d.is_array()) bad_request("'documents' must be an array");
     std::vector<std::vector<llama_token>> docs;
     std::unordered_map<std::string, size_t> by_id;  // an id repeated is read from the store once
     int64_t n_doc_tokens = 0;
@@ -242,13 +230,12 @@ std::vector<std::vector<llama_token>> job_builder::read_documents(
             const std::string t = x.is_string() ? x.get<std::string>() : x["text"].get<std::string>();
             docs.push_back(rag_doc_tokens(m_->tokens(), t));
             texts.emplace_back(t, docs.size() - 1);
-        } else if (x.is_object() && x.contains("id") && x["id"].is_string()) {
+        } else {  // {"id": string}
             const std::string id = x["id"].get<std::string>();
             auto it = by_id.find(id);
             docs.push_back(it != by_id.end() ? docs[it->second] : stored_doc(id));
             by_id.emplace(id, docs.size() - 1);
-        } else
-            bad_request("every document must be {\"text\": string} or {\"id\": string}");
+        }
         // no store entry is read for a request that can no longer fit
         n_doc_tokens += (int64_t) docs.back().size();
         if (n_doc_tokens > p_.n_ctx)
@@ -338,13 +325,8 @@ std::vector<llama_token> job_builder::stored_doc(const std::string & id) const {
 }
 
 std::shared_ptr<job> job_builder::completion_job(const json & b) const {
-    std::string prompt;
-    if (b.contains("prompt") && b["prompt"].is_string())
-        prompt = b["prompt"].get<std::string>();
-    else if (b.contains("prompt") && b["prompt"].is_array() && b["prompt"].size() == 1 && b["prompt"][0].is_string())
-        prompt = b["prompt"][0].get<std::string>();
-    else
-        bad_request("'prompt' must be a string");
+    const json & p = b["prompt"];  // a string, or an array of one
+    const std::string prompt = (p.is_array() ? p[0] : p).get<std::string>();
     auto j = std::make_shared<job>();
     std::vector<llama_token> toks = m_->tokens().tokenize(prompt, true, false);
     if (!with_known_docs(*j, prompt, {prompt}, (int64_t) toks.size(), false)) plain_or_chunked(*j, std::move(toks));
@@ -357,17 +339,12 @@ std::shared_ptr<job> job_builder::ingest_job(const std::string & body, std::vect
     if (!st_) bad_request("POST /v1/documents needs a server started with --store");
     require_dense_slots();
     const json b = parse_body(body, REQUEST_DOCUMENTS);
-    if (!b.contains("documents") || !b["documents"].is_array() || b["documents"].empty())
-        bad_request("'documents' must be a non-empty array of texts or {\"text\": string}");
     auto j = std::make_shared<job>();
     j->ingest = true;
     j->route = "/v1/documents";
-    for (const auto & x : b["documents"]) {
-        if (x.is_string() || (x.is_object() && x.contains("text") && x["text"].is_string())) {
-            texts.push_back(x.is_string() ? x.get<std::string>() : x["text"].get<std::string>());
-            j->ingest_docs.push_back(rag_doc_tokens(m_->tokens(), texts.back()));
-        } else
-            bad_request("every document must be a string or {\"text\": string}");
+    for (const auto & x : b["documents"]) {  // strings or {"text": string}
+        texts.push_back(x.is_string() ? x.get<std::string>() : x["text"].get<std::string>());
+        j->ingest_docs.push_back(rag_doc_tokens(m_->tokens(), texts.back()));
     }
     return j;
 }

@@ -47,6 +47,8 @@ class job_builder {
     void load_tool_templates();
     void read_sampling(const nlohmann::json & b, job & j, int64_t n_prompt, request_kind kind) const;
     void read_output_rules(const nlohmann::json & b, job & j, request_kind kind) const;
+    // the slots hold dense caches (no --kv-codec): only these fuse documents
+    bool dense_slots() const { return p_.kv_codec.empty(); }
     void require_dense_slots() const;
     void plain_or_chunked(job & j, std::vector<llama_token> tokens) const;
     bool with_known_docs(job & j, const std::string & text, const std::vector<std::string> & contents, int64_t n_tokens,

@@ -194,6 +194,10 @@ TEST(server, errors_have_openai_shape_and_status) {
     auto rl = c.Post("/v1/completions", json{{"prompt", longp}}.dump(), "application/json");
     EXPECT_EQ(rl->status, 400);
     EXPECT_EQ(json::parse(rl->body)["error"]["code"], "context_length_exceeded");
+    // OpenAI's words, which LangChain reads as a ContextOverflowError
+    EXPECT_NE(json::parse(rl->body)["error"]["message"].get<std::string>().find("maximum context length"),
+              std::string::npos)
+        << rl->body;
     auto r404 = c.Get("/v2/nothing");
     EXPECT_EQ(r404->status, 404);
     EXPECT_EQ(json::parse(r404->body)["error"]["code"], "not_found");

@@ -68,6 +68,12 @@ TEST(server_request, fields_are_checked_per_endpoint) {
               "");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one"]})"), "");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one","two"]})"), "invalid_request");
+    try {  // several prompts: the 400 says that one is served, not that the array is no string
+        request_parse(REQUEST_COMPLETION, R"({"prompt":["one","two"]})");
+        ADD_FAILURE();
+    } catch (const request_error & e) {
+        EXPECT_NE(e.message.find("only one prompt per request"), std::string::npos) << e.message;
+    }
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","max_tokens":1e300})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","max_tokens":8.0})"), "");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","temperature":-1})"), "invalid_request");
