@@ -28,9 +28,13 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --codec NAME              how stored chunks hold their KV (default raw)
   -c, --ctx-size N          context per slot (default 4096)
   --parallel N              slots computing at once, batched into one forward per step (default 1)
-  -b, --batch-size N        prompt tokens one step prefills (default 512); while
-                            other slots stream, fewer: about what adds 0.8 of a
-                            decoding step, so streams keep their pace
+  -b, --batch-size N        prompt tokens one step prefills (default 512). a prompt
+                            longer than that goes in chunks, while other slots
+                            stream only as many tokens as add about 0.8 of a
+                            decoding step, so a long prompt never stalls them
+  --no-prompt-pacing        long prompts take whole -b chunks, streams or not
+                            (llama-server's way: their first token comes sooner,
+                            the streams stall while they are prefilled)
   --quiet                   no line per request on stderr (route, status, tokens, store hits, times)
   --queue N                 requests waiting beyond the slots; more get 503 (default 64)
   --recomp-ratio R          default share of document tokens recomputed (default 0.08)
@@ -124,6 +128,8 @@ int cmd_serve(int argc, char ** argv) {
             sp.log_requests = false;
         else if (a.match({"-b", "--batch-size"}))
             sp.n_batch = a.integer(1, 1 << 20);
+        else if (a.match({"--no-prompt-pacing"}))
+            sp.pace_prompts = false;
         else if (a.match({"--queue"}))
             sp.max_queue = (int) a.integer(0, 1 << 20);
         else if (a.match({"--recomp-ratio"}))

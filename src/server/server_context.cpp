@@ -405,19 +405,26 @@ struct server_context::impl {
             }
             return;
         }
-        // the next token of every generating slot; then prompt chunks of up to
-        // n_batch tokens in all, fewer while others stream (step_pace)
+        // the next token of every generating slot; then up to n_batch prompt
+        // tokens: a prompt that fits one batch runs whole, as llama-server runs
+        // it; a longer one in chunks, of which only what step_pace allows while
+        // others stream, so that a long prompt never stalls them
         std::vector<engine::seq_tokens> seqs;
         std::vector<slot *> who;
         for (slot & s : slots)
             if (running(s) && s.next >= 0) seqs.push_back({&cache_of(s), {s.next}, true}), who.push_back(&s);
         const size_t n_decode = seqs.size();
-        int64_t budget = n_decode > 0 ? pace.prompt_budget(p.n_batch) : p.n_batch;
+        int64_t room = p.n_batch;
+        int64_t paced_room = n_decode > 0 && p.pace_prompts ? pace.prompt_budget(p.n_batch) : p.n_batch;
         for (slot & s : slots) {
             if (!running(s) || s.prompt_left.empty()) continue;
-            if (budget <= 0) break;
-            const size_t n = std::min(s.prompt_left.size() - s.prompt_at, (size_t) budget);
-            budget -= (int64_t) n;
+            const size_t left = s.prompt_left.size() - s.prompt_at;
+            const bool long_prompt = s.prompt_left.size() > (size_t) p.n_batch;
+            if (!long_prompt && (int64_t) left > room) continue;  // whole, in a later step
+            const size_t n = std::min(left, (size_t) std::min(room, long_prompt ? paced_room : room));
+            if (n == 0) continue;
+            room -= (int64_t) n;
+            if (long_prompt) paced_room -= (int64_t) n;
             const auto at = s.prompt_left.begin() + (ptrdiff_t) s.prompt_at;
             const bool last = s.prompt_at + n == s.prompt_left.size();
             seqs.push_back({&cache_of(s), {at, at + (ptrdiff_t) n}, last});
