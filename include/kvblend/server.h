@@ -19,8 +19,8 @@ struct server_params {
     std::string store_uri;           // empty: chunks are collected per request, not kept
     uint64_t store_max_bytes = 0;    // the store's budget (least recently used go first); 0: none
     std::string codec = "raw";
-    int64_t n_ctx = 4096;        // per slot
-    int parallel = 1;            // slots: requests computed at once
+    int64_t n_ctx = 4096;  // per slot
+    int parallel = 1;      // slots: requests computed at once
     // prompt tokens one step of the serving loop prefills (chunked prefill).
     // pace_prompts: of a prompt longer than that, fewer while other slots
     // stream (about what adds 0.8 of a decoding step), so it never stalls them

@@ -352,8 +352,10 @@ request_spec request_check(request_kind kind, json body) {
                 p != b.end() && (p->is_string() || (p->is_array() && p->size() == 1 && (*p)[0].is_string()));
             // an array of several prompts (OpenAI's batch, one choice each) is refused by name
             if (!ok && p != b.end() && p->is_array() && p->size() > 1)
-                bad_request("only one prompt per request is supported ('prompt' must be a string or an array of one "
-                            "string, not " + std::to_string(p->size()) + ")");
+                bad_request(
+                    "only one prompt per request is supported ('prompt' must be a string or an array of one "
+                    "string, not " +
+                    std::to_string(p->size()) + ")");
             if (!ok) bad_request("'prompt' must be a string");
             check_sampling(b, kind);
             break;
