@@ -12,7 +12,7 @@ const { ChatPromptTemplate } = await pkg('@langchain/core/prompts');
 const { StringOutputParser } = await pkg('@langchain/core/output_parsers');
 const { RunnablePassthrough, RunnableSequence } = await pkg('@langchain/core/runnables');
 const { Document } = await pkg('@langchain/core/documents');
-const { BaseRetriever } = await pkg('@langchain/core/retrievers');
+const { KeywordRetriever } = await import('../../tests/server/node/keyword_retriever.mjs');
 const { z } = await pkg('zod');
 
 function chat(s, fields = {}) {
@@ -48,26 +48,13 @@ function checkToolCall(call, names = ['get_weather', 'get_time']) {
 const Answer = z.object({ who: z.enum(['Lily', 'Tom', 'Ben']), sure: z.boolean() });
 const story = [['system', 'Answer from the passages.'], ['human', 'Lily had a little cat named Tom. Ben had a big dog.\n\nWho had a cat?']];
 
-// a keyword retriever over a few passages, best k by shared words
+// a few passages for the keyword retriever (best k by shared words)
 const passages = [
   'Tom had a red ball. He threw it over the fence and it landed in the garden.',
   'Sue found a little cat under the tree and gave it some milk.',
   'Lily drew a big house with her crayons, then a sun and a dog.',
   'Ben ran to the park with his dog and played until the evening.',
 ].map((t, i) => new Document({ pageContent: t, metadata: { i } }));
-class KeywordRetriever extends BaseRetriever {
-  lc_namespace = ['kvblend', 'probes'];
-  constructor(docs, k) {
-    super();
-    this.docs = docs;
-    this.k = k;
-  }
-  async _getRelevantDocuments(query) {
-    const words = new Set(query.toLowerCase().match(/[a-z]+/g));
-    const score = (d) => d.pageContent.toLowerCase().match(/[a-z]+/g).filter((w) => words.has(w)).length;
-    return [...this.docs].sort((a, b) => score(b) - score(a)).slice(0, this.k);
-  }
-}
 function ragChain(llm) {
   const prompt = ChatPromptTemplate.fromMessages([['system', 'Answer from the passages.'], ['human', '{context}\n\nQuestion: {question}']]);
   return RunnableSequence.from([

@@ -10,27 +10,12 @@ import fs from 'node:fs';
 import path from 'node:path';
 import { ChatOpenAI } from '@langchain/openai';
 import { Document } from '@langchain/core/documents';
-import { BaseRetriever } from '@langchain/core/retrievers';
 import { ChatPromptTemplate } from '@langchain/core/prompts';
 import { StringOutputParser } from '@langchain/core/output_parsers';
 import { RunnablePassthrough, RunnableSequence } from '@langchain/core/runnables';
+import { KeywordRetriever } from './keyword_retriever.mjs';
 
 const [baseURL, apiKey, docsDir] = process.argv.slice(2);
-
-// a keyword retriever over the example documents: the best k by shared words
-class KeywordRetriever extends BaseRetriever {
-  lc_namespace = ['kvblend', 'test'];
-  constructor(docs, k) {
-    super();
-    this.docs = docs;
-    this.k = k;
-  }
-  async _getRelevantDocuments(query) {
-    const words = new Set(query.toLowerCase().match(/[a-z]+/g));
-    const score = (d) => d.pageContent.toLowerCase().match(/[a-z]+/g).filter((w) => words.has(w)).length;
-    return [...this.docs].sort((a, b) => score(b) - score(a)).slice(0, this.k);
-  }
-}
 
 const docs = fs.readdirSync(docsDir).sort().map((f) =>
   new Document({ pageContent: fs.readFileSync(path.join(docsDir, f), 'utf8').trim(), metadata: { source: f } }));
