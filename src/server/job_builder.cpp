@@ -325,14 +325,24 @@ std::vector<llama_token> job_builder::stored_doc(const std::string & id) const {
 }
 
 std::shared_ptr<job> job_builder::completion_job(const json & b) const {
-    const json & p = b["prompt"];  // a string, or an array of one
-    const std::string prompt = (p.is_array() ? p[0] : p).get<std::string>();
+    const std::string prompt = b["prompt"].get<std::string>();  // one (completion_jobs)
     auto j = std::make_shared<job>();
     std::vector<llama_token> toks = m_->tokens().tokenize(prompt, true, false);
     if (!with_known_docs(*j, prompt, {prompt}, (int64_t) toks.size(), false)) plain_or_chunked(*j, std::move(toks));
     if (j->tokens.empty()) bad_request("the prompt is empty");
     read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_COMPLETION);
     return j;
+}
+
+std::vector<std::shared_ptr<job>> job_builder::completion_jobs(const json & b) const {
+    if (!b["prompt"].is_array()) return {completion_job(b)};
+    std::vector<std::shared_ptr<job>> jobs;
+    json one = b;
+    for (const auto & p : b["prompt"]) {
+        one["prompt"] = p;
+        jobs.push_back(completion_job(one));
+    }
+    return jobs;
 }
 
 std::shared_ptr<job> job_builder::ingest_job(const std::string & body, std::vector<std::string> & texts) const {

@@ -33,6 +33,8 @@ class job_builder {
     // the jobs of checked bodies: POST /v1/chat/completions and /v1/completions
     std::shared_ptr<job> chat_job(const nlohmann::json & b) const;
     std::shared_ptr<job> completion_job(const nlohmann::json & b) const;
+    // one job per prompt of a body whose 'prompt' is an array (one for a string)
+    std::vector<std::shared_ptr<job>> completion_jobs(const nlohmann::json & b) const;
     // POST /v1/documents: collect and store each document; texts: theirs, in order
     std::shared_ptr<job> ingest_job(const std::string & body, std::vector<std::string> & texts) const;
 

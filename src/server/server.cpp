@@ -112,6 +112,46 @@ struct server::impl {
         res.set_stream("text/event-stream", {next, [j] { j->cancelled = true; }});
     }
 
+    // several prompts of one /v1/completions request: a job each, answered
+    // together (checked unstreamed), one choice each in the prompts' order and
+    // the usage summed. a job that fails fails the request, and the others stop
+    void respond_all(const std::vector<std::shared_ptr<job>> & js, const http_request & req, http_response & res) {
+        bool answered = false;
+        struct stop_the_rest {
+            const std::vector<std::shared_ptr<job>> & js;
+            const bool & answered;
+            ~stop_the_rest() {
+                if (!answered)
+                    for (const auto & j : js) j->cancelled = true;
+            }
+        } guard{js, answered};
+        for (const auto & j : js) {
+            j->route = "/v1/completions";
+            if (!submit(j))
+                throw request_error{503, "the server is overloaded: every slot is busy and the queue is full",
+                                    "server_error", "overloaded"};
+        }
+        const completion_meta meta = completion_meta_new(false);
+        json out;
+        for (size_t i = 0; i < js.size(); ++i) {
+            std::unique_lock l(js[i]->mu);
+            wait_done(*js[i], l, req);
+            json one = json::parse(fmt.completion(*js[i], meta));
+            one["choices"][0]["index"] = i;
+            if (i == 0) {
+                out = std::move(one);
+                out["kvblend"] = json::array({out["kvblend"]});
+                continue;
+            }
+            out["choices"].push_back(one["choices"][0]);
+            for (const char * k : {"prompt_tokens", "completion_tokens", "total_tokens"})
+                out["usage"][k] = out["usage"][k].get<int64_t>() + one["usage"][k].get<int64_t>();
+            out["kvblend"].push_back(one["kvblend"]);
+        }
+        answered = true;
+        res.set_content(json_text(out), "application/json");
+    }
+
     // --- routes -----------------------------------------------------------------
     // the request's error answer from an exception, logged when it never became a job
     template <typename F>
@@ -299,7 +339,11 @@ struct server::impl {
             http.post(path, guarded([this](const http_request & req, http_response & res) {
                           bool stream = false;
                           const json b = jobs.parse_body(req.body, REQUEST_COMPLETION, &stream);
-                          respond(jobs.completion_job(b), false, stream, req, res);
+                          const std::vector<std::shared_ptr<job>> js = jobs.completion_jobs(b);
+                          if (js.size() == 1)
+                              respond(js[0], false, stream, req, res);
+                          else
+                              respond_all(js, req, res);
                       }));
         http.get("/metrics", [this](const http_request &, http_response & res) {
             res.set_content(metrics.text({http.refused_connections(), st ? st->failures() : 0, jobs.known_documents()}),

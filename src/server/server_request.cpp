@@ -347,16 +347,19 @@ request_spec request_check(request_kind kind, json body) {
             check_sampling(b, kind);
             break;
         case REQUEST_COMPLETION: {
+            // a string, or an array of strings: OpenAI's batch, one choice each
             auto p = b.find("prompt");
-            const bool ok =
-                p != b.end() && (p->is_string() || (p->is_array() && p->size() == 1 && (*p)[0].is_string()));
-            // an array of several prompts (OpenAI's batch, one choice each) is refused by name
-            if (!ok && p != b.end() && p->is_array() && p->size() > 1)
-                bad_request(
-                    "only one prompt per request is supported ('prompt' must be a string or an array of one "
-                    "string, not " +
-                    std::to_string(p->size()) + ")");
-            if (!ok) bad_request("'prompt' must be a string");
+            if (p == b.end() || !(p->is_string() || p->is_array()))
+                bad_request("'prompt' must be a string or an array of strings");
+            if (p->is_array()) {
+                if (p->empty() || p->size() > k_max_prompts)
+                    bad_request("'prompt' must hold 1 to " + std::to_string(k_max_prompts) + " strings");
+                for (const auto & x : *p)
+                    if (!x.is_string()) bad_request("'prompt' must be a string or an array of strings");
+                if (p->size() > 1 && b.contains("stream") && b["stream"] == true)
+                    bad_request("several prompts are answered whole, not streamed: send them one per request",
+                                "unsupported_parameter");
+            }
             check_sampling(b, kind);
             break;
         }
@@ -400,7 +403,10 @@ size_t request_text_bytes(const request_spec & r) {
             if (b.contains("documents"))
                 for (const auto & d : b["documents"]) n += doc_bytes(d);
             return n;
-        case REQUEST_COMPLETION: return doc_bytes(b["prompt"].is_array() ? b["prompt"][0] : b["prompt"]);
+        case REQUEST_COMPLETION:  // each prompt is a job of its own
+            for (const auto & x : b["prompt"].is_array() ? b["prompt"] : json::array({b["prompt"]}))
+                n = std::max(n, doc_bytes(x));
+            return n;
         case REQUEST_DOCUMENTS:
             for (const auto & d : b["documents"]) n = std::max(n, doc_bytes(d));
             return n;

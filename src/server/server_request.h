@@ -37,6 +37,7 @@ enum request_kind {
 
 constexpr int k_request_max_depth = 64;    // nesting of arrays and objects a body may have
 constexpr size_t k_max_stop_bytes = 1024;  // the longest stop string a request may give
+constexpr size_t k_max_prompts = 16;       // prompts of one /v1/completions request (a choice each)
 
 // a body checked against its endpoint; the fields the routes need besides the JSON itself
 struct request_spec {

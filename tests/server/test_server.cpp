@@ -51,6 +51,20 @@ TEST(server, health_models_chat_and_completions) {
     EXPECT_EQ(stopped["choices"][0]["text"], ", there was a little girl named ");
     EXPECT_EQ(stopped["choices"][0]["finish_reason"], "stop");
 
+    // several prompts: a choice each, in their order, each as its request alone; the usage summed
+    const std::vector<std::string> prompts = {"Once upon a time", "The big dog"};
+    const json both = post(c, "/v1/completions", {{"prompt", prompts}, {"max_tokens", 8}, {"temperature", 0}});
+    ASSERT_EQ(both["choices"].size(), 2u) << both.dump();
+    int64_t prompt_tokens = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        const json one = post(c, "/v1/completions", {{"prompt", prompts[i]}, {"max_tokens", 8}, {"temperature", 0}});
+        EXPECT_EQ(both["choices"][i]["index"], i);
+        EXPECT_EQ(both["choices"][i]["text"], one["choices"][0]["text"]) << i;
+        prompt_tokens += one["usage"]["prompt_tokens"].get<int64_t>();
+    }
+    EXPECT_EQ(both["usage"]["prompt_tokens"], prompt_tokens);
+    EXPECT_EQ(both["usage"]["completion_tokens"], 16);
+
     const json tok = post(c, "/tokenize", {{"content", "Once upon a time"}});
     const json detok = post(c, "/detokenize", {{"tokens", tok["tokens"]}});
     EXPECT_EQ(detok["content"], "Once upon a time");

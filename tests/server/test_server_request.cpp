@@ -67,13 +67,14 @@ TEST(server_request, fields_are_checked_per_endpoint) {
     EXPECT_EQ(error_code_of(REQUEST_CHAT, R"({"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]})"),
               "");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one"]})"), "");
-    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one","two"]})"), "invalid_request");
-    try {  // several prompts: the 400 says that one is served, not that the array is no string
-        request_parse(REQUEST_COMPLETION, R"({"prompt":["one","two"]})");
-        ADD_FAILURE();
-    } catch (const request_error & e) {
-        EXPECT_NE(e.message.find("only one prompt per request"), std::string::npos) << e.message;
-    }
+    // several prompts (one choice each), answered whole: up to k_max_prompts strings, not streamed
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one","two"]})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one",2]})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":[]})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one","two"],"stream":true})"), "unsupported_parameter");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one"],"stream":true})"), "");
+    const json many = {{"prompt", std::vector<std::string>(k_max_prompts + 1, "x")}};
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, many.dump()), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","max_tokens":1e300})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","max_tokens":8.0})"), "");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":"x","temperature":-1})"), "invalid_request");
