@@ -25,6 +25,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
             (void) r.body.value("temperature", 1.0);
             (void) r.body.value("stream", false);
         }
+        // an accepted completion's prompts are strings (job_builder::completion_jobs reads them so)
+        if (kind == kvblend::REQUEST_COMPLETION) {
+            const nlohmann::json & p = r.body["prompt"];
+            for (const auto & x : p.is_array() ? p : nlohmann::json::array({p}))
+                (void) x.get_ref<const std::string &>();
+        }
         // the tool fields of an accepted chat body were checked: reading them again cannot refuse it
         if (kind == kvblend::REQUEST_CHAT) {
             try {

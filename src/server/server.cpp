@@ -81,18 +81,23 @@ struct server::impl {
         } while (!j.cv.wait_for(l, std::chrono::milliseconds(50), [&] { return j.done; }));
     }
 
-    // run a job to the end or stream it
-    void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const http_request & req,
-                 http_response & res) {
-        j->route = chat ? "/v1/chat/completions" : "/v1/completions";
+    // a job of this route into the queue; a 503 when the queue is full
+    void enqueue(const std::shared_ptr<job> & j, const char * route) {
+        j->route = route;
         if (!submit(j))
             throw request_error{503, "the server is overloaded: every slot is busy and the queue is full",
                                 "server_error", "overloaded"};
+    }
+
+    // run a job to the end or stream it
+    void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const http_request & req,
+                 http_response & res) {
+        enqueue(j, chat ? "/v1/chat/completions" : "/v1/completions");
         const completion_meta meta = completion_meta_new(chat);
         if (!stream) {
             std::unique_lock l(j->mu);
             wait_done(*j, l, req);
-            res.set_content(fmt.completion(*j, meta), "application/json");
+            res.set_content(json_text(fmt.completion(*j, meta)), "application/json");
             return;
         }
         auto events = std::make_shared<completion_events>(fmt, *j, meta);
@@ -125,18 +130,13 @@ struct server::impl {
                     for (const auto & j : js) j->cancelled = true;
             }
         } guard{js, answered};
-        for (const auto & j : js) {
-            j->route = "/v1/completions";
-            if (!submit(j))
-                throw request_error{503, "the server is overloaded: every slot is busy and the queue is full",
-                                    "server_error", "overloaded"};
-        }
+        for (const auto & j : js) enqueue(j, "/v1/completions");
         const completion_meta meta = completion_meta_new(false);
         json out;
         for (size_t i = 0; i < js.size(); ++i) {
             std::unique_lock l(js[i]->mu);
             wait_done(*js[i], l, req);
-            json one = json::parse(fmt.completion(*js[i], meta));
+            json one = fmt.completion(*js[i], meta);
             one["choices"][0]["index"] = i;
             if (i == 0) {
                 out = std::move(one);

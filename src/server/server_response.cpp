@@ -82,7 +82,7 @@ json openai_format::chunk(const completion_meta & c, const json & delta_or_text,
     return out;
 }
 
-std::string openai_format::completion(const job & j, const completion_meta & c) const {
+json openai_format::completion(const job & j, const completion_meta & c) const {
     std::string text;
     std::vector<sampled_token> tokens;
     for (const answer_piece & s : j.pieces) {
@@ -112,7 +112,7 @@ std::string openai_format::completion(const job & j, const completion_meta & c) 
         out["choices"] = json::array({{{"index", 0}, {"text", text}, {"finish_reason", j.finish_reason}}});
     }
     out["choices"][0]["logprobs"] = logprobs(j, c.chat, tokens, 0);
-    return json_text(out);
+    return out;
 }
 
 completion_events::completion_events(const openai_format & f, const job & j, completion_meta c)

@@ -44,7 +44,7 @@ class openai_format {
     nlohmann::json chunk(const completion_meta & c, const nlohmann::json & delta_or_text,
                          const nlohmann::json & finish) const;
     // the response of a finished job (j.mu held); throws its error, or a 400 when its client went away
-    std::string completion(const job & j, const completion_meta & c) const;
+    nlohmann::json completion(const job & j, const completion_meta & c) const;
 
   private:
     nlohmann::json spans(const job & j) const;
