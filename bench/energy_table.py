@@ -104,7 +104,7 @@ def main():
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--reps", type=int, default=3)
-    ap.add_argument("--device", help="--device for every run (e.g. cuda); the turboquant rows need the CPU")
+    ap.add_argument("--device", help="--device for every run (e.g. cuda); the turboquant rows run only with cpu")
     ap.add_argument("--kvblend", default=os.path.join(ROOT, "build", "bin", "kvblend"))
     ap.add_argument("--json", help="write the rows here too")
     a = ap.parse_args()
@@ -135,15 +135,24 @@ def main():
                          ("weights q4_0", models["q4_0"], []),
                          ("KV q8_0 cache", models["plain"], ["--cache-type", "q8_0"]),
                          ("KV " + CODEC, models["plain"], ["--kv-codec", CODEC])]
+        # a compressed live cache is decoded on the CPU: its rows run only there
+        # (with no --device a CUDA build picks the GPU: give --device there)
+        on_cpu = a.device in (None, "cpu", "none")
         rows = []
         for name, model, extra in generate_rows:
             if not model:
                 print("skipped %s: no model given (--model-q8/--model-q4 or --preset)" % name, file=sys.stderr)
                 continue
+            if "--kv-codec" in extra and not on_cpu:
+                print("skipped %s: the codec's live cache needs --device cpu" % name, file=sys.stderr)
+                continue
             cmd = [a.kvblend, "generate", "-m", model, "-f", prompt] + extra + common
             runs = [run_json(cmd) for _ in range(a.reps)]
             rows.append(summarize(name, runs, [("prefill", "prefill_j")], "n_prompt"))
         for name, extra in (("CacheBlend", []), ("CacheBlend + " + CODEC, ["--kv-codec", CODEC])):
+            if extra and not on_cpu:
+                print("skipped %s: the codec's live cache needs --device cpu" % name, file=sys.stderr)
+                continue
             runs = [run_json(blend + extra) for _ in range(a.reps)]
             for r in runs:
                 r["chunks_ms"] = r["load_ms"] + r["collect_ms"]

@@ -20,7 +20,8 @@ const char * k_help = R"(usage: kvblend bench store -m MODEL [options]
 
 Per store: collect --n chunks of --chunk tokens (timed), put them, then load
 each back (get + verify + decode), with the page cache warm and, for a dir
-store, cold (the entry's cached pages dropped first).
+store, cold (the entry's cached pages dropped first), and write it into the
+engine's cache on the model's device (place: on a GPU, the upload).
 
   -m, --model FILE      GGUF model
   --chunk N             tokens per chunk (default 512)
@@ -109,7 +110,8 @@ int bench_store(args & a) {
                 (long long) n, ep.n_threads);
     std::printf("collect (prefill of one chunk): %.1f ms\n\n", collect_ms);
     std::printf(
-        "| store | cache | load ms | of which get ms | GB/s | collect / load |\n|---|---|---:|---:|---:|---:|\n");
+        "| store | cache | load ms | of which get ms | GB/s | collect / load | place ms | collect / (load + place) "
+        "|\n|---|---|---:|---:|---:|---:|---:|---:|\n");
     for (const std::string & uri : uris) {
         auto st = store_open(uri);
         std::vector<std::string> keys;
@@ -122,7 +124,7 @@ int bench_store(args & a) {
         for (const char * cache : {"warm", "cold"}) {
             const bool cold = std::string(cache) == "cold";
             if (cold && !is_dir) continue;
-            std::vector<double> t_load, t_get;
+            std::vector<double> t_load, t_get, t_place;
             bool dropped = true;
             for (int64_t r = 0; r < reps; ++r) {
                 for (int64_t i = 0; i < n; ++i) {
@@ -134,13 +136,16 @@ int bench_store(args & a) {
                     const chunk_kv c = chunk_decode(eng.mdl(), std::move(*bytes));
                     t_load.push_back(time_ms() - t0);
                     if (c.tokens != toks[i]) throw error("store returned another chunk");
+                    const double t1 = time_ms();
+                    place(eng, {&c});
+                    t_place.push_back(time_ms() - t1);
                 }
             }
             if (cold && !dropped) {
-                std::printf("| %s | cold | (could not drop the page cache) | | | |\n", shown.c_str());
+                std::printf("| %s | cold | (could not drop the page cache) | | | | | |\n", shown.c_str());
                 continue;
             }
-            const double load_ms = median(t_load);
+            const double load_ms = median(t_load), place_ms = median(t_place);
             const double gbps = entries[0].size() / (load_ms / 1000.0) / 1e9;
             rows.push_back({{"store", shown},
                             {"cache", cache},
@@ -149,9 +154,11 @@ int bench_store(args & a) {
                             {"gb_per_s", gbps},
                             {"collect_ms", collect_ms},
                             {"speedup", collect_ms / load_ms},
+                            {"place_ms", place_ms},
+                            {"speedup_placed", collect_ms / (load_ms + place_ms)},
                             {"entry_bytes", entries[0].size()}});
-            std::printf("| %s | %s | %.2f | %.2f | %.2f | %.0fx |\n", shown.c_str(), cache, load_ms, median(t_get),
-                        gbps, collect_ms / load_ms);
+            std::printf("| %s | %s | %.2f | %.2f | %.2f | %.0fx | %.2f | %.0fx |\n", shown.c_str(), cache, load_ms,
+                        median(t_get), gbps, collect_ms / load_ms, place_ms, collect_ms / (load_ms + place_ms));
         }
         for (const auto & k : keys) st->erase(k);
     }

@@ -110,6 +110,9 @@ const std::vector<preset> & presets() {
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
         {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true), "qwen2"},
         {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true), "llama-bpe"},
+        // llama 3.1 8b's shape (its llama3 frequency scaling left out), the GPU benchmarks' large model
+        {"llama-8b", spec_of(MODEL_ARCH_LLAMA, 32, 4096, 32, 8, 128, 14336, 131072, 500000.0f, 1e-5f, false),
+         "llama-bpe"},
         // ministral 3 3b; its tekken vocabulary is not shipped, llama 3's bpe is the closest
         {"ministral-3-3b", spec_of(MODEL_ARCH_MISTRAL3, 26, 3072, 32, 8, 128, 9216, 262144, 1e6f, 1e-5f, true),
          "llama-bpe"},
