@@ -18,6 +18,8 @@
 #   THREADS        CPU threads of both engines (default 8)
 #   SMALL, LARGE   the two models as PRESET:VOCAB (default qwen3-0.6b:qwen2, llama-8b:llama-bpe)
 #   PREFILL_TOKENS, BLEND_CONTEXTS  prompt lengths (default 512,2048,8192 and 8192,32768)
+#   BUDGET_S       seconds for the whole run: a step gets at most what is left, and is
+#                  skipped with under 20 s left (default: no budget)
 #   DEVICE         the energy table's --device (default cuda; the benches take the build's first GPU)
 set -uo pipefail
 
@@ -47,6 +49,14 @@ mkdir -p "$models"
 # line per step (status, seconds) in OUT/summary.txt
 step() {
   local name=$1 limit=$2 t0=$SECONDS
+  if [[ -n ${BUDGET_S:-} ]]; then
+    local left=$((BUDGET_S - SECONDS))
+    if ((left < 20)); then
+      printf '%-10s skipped: %ss of the budget left\n' "$name" "$left" | tee -a "$out/summary.txt"
+      return 1
+    fi
+    ((limit > left)) && limit=$left
+  fi
   echo "== $name ($(date -u +%T))" >>"$out/$name.log"
   timeout --kill-after=10 "$limit" bash -c "run_$name" >>"$out/$name.log" 2>&1
   local rc=$?
@@ -90,7 +100,7 @@ run_models() {
 # the forward and the fusion on the GPU against libllama: the suites whose models
 # the test program makes itself (tiny presets) or finds in models/
 run_tests() {
-  "$tests_bin" --gtest_brief=1 \
+  "$tests_bin" \
     --gtest_filter='forward_equiv*:models/forward_equiv.*:models/eval_seqs_test.*:families/blend_family.*:blend.*:eval_seqs.*'
 }
 
@@ -146,7 +156,7 @@ run_serve() {
 export root out kvb tests_bin models vocab threads small large small_name large_name large_vocab \
   small_preset prefill_tokens blend_contexts
 export -f make_model wait_health run_info run_models run_tests run_prefill run_blend run_store run_energy run_serve
-declare -A limit=([info]=30 [models]=240 [tests]=180 [prefill]=240 [blend]=300 [store]=120 [energy]=360 [serve]=300)
+declare -A limit=([info]=30 [models]=240 [tests]=150 [prefill]=240 [blend]=300 [store]=120 [energy]=360 [serve]=300)
 for s in "${steps[@]}"; do
   [[ -n ${limit[$s]:-} ]] || { echo "unknown step '$s'" >&2; exit 2; }
   # without the device or the models nothing after can run
