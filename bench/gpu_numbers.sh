@@ -88,7 +88,7 @@ run_info() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit --format=csv
   grep -m1 'model name' /proc/cpuinfo
   nproc
-  "$kvb" --list-devices
+  "$kvb" generate --list-devices
 }
 
 run_models() {
@@ -156,7 +156,7 @@ run_serve() {
 export root out kvb tests_bin models vocab threads small large small_name large_name large_vocab \
   small_preset prefill_tokens blend_contexts
 export -f make_model wait_health run_info run_models run_tests run_prefill run_blend run_store run_energy run_serve
-declare -A limit=([info]=30 [models]=240 [tests]=150 [prefill]=240 [blend]=300 [store]=120 [energy]=360 [serve]=300)
+declare -A limit=([info]=30 [models]=240 [tests]=120 [prefill]=240 [blend]=300 [store]=120 [energy]=360 [serve]=300)
 for s in "${steps[@]}"; do
   [[ -n ${limit[$s]:-} ]] || { echo "unknown step '$s'" >&2; exit 2; }
   # without the device or the models nothing after can run

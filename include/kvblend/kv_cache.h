@@ -99,7 +99,7 @@ class kv_cache {
     uint64_t epoch() const { return epoch_; }  // counts clears: tells a cache's contents apart from earlier ones
 
     int64_t n_layer() const { return (int64_t) k_.size(); }
-    // a layer's K and V, head-major: [head_dim, capacity, n_head_kv], each
+    // a layer's K and V, head-major: [head_dim, rows_allocated(), n_head_kv], each
     // KV head's rows contiguous, so that attention reads one head's keys in
     // order (on a CPU, flash attention over rows 2 KB apart, one per token,
     // decodes at half the speed). chunks and readers see token-major rows
@@ -114,7 +114,15 @@ class kv_cache {
 
     // --- sparse state (token eviction) ---------------------------------------
     bool sparse() const { return !rows_.empty(); }
-    int64_t capacity() const { return cap_; }              // rows allocated per layer
+    int64_t capacity() const { return cap_; }  // rows it may hold per layer
+    // rows in memory per layer: on a GPU the capacity rounded up to a whole
+    // block, since ggml-cuda's flash attention takes its fast kernels (the
+    // vector kernel of a decode step, the grouping of query heads) only over a
+    // multiple of 256 keys, as libllama attends; the rows past what the cache
+    // holds stay masked. on the CPU the capacity itself (an evicted cache's
+    // allocation shrinks with its budget)
+    static constexpr int64_t k_row_block = 256;
+    int64_t rows_allocated() const { return k_.empty() ? 0 : k_[0]->ne[1]; }
     int64_t n_rows(int il) const;                          // rows held by a layer (dense: n_past)
     int64_t n_rows_max() const;                            // the most rows any layer holds
     int64_t n_retained(int il) const;                      // rows kept by the last compaction (dense: 0)

@@ -28,12 +28,14 @@ namespace {
 
 // decode keys rows in blocks of this many, so that a decode graph's shapes
 // (the K/V views and the mask) repeat from one token to the next
-constexpr int64_t k_decode_pad = 256;
-
-// the keys a step of n tokens over n_kv rows attends: a decode step (n == 1)
-// rounds up to a whole block, so that its shapes repeat from step to step
-int64_t step_n_kv(int64_t n_kv, int64_t n, int64_t capacity) {
-    return n == 1 ? std::min(capacity, (n_kv + k_decode_pad - 1) / k_decode_pad * k_decode_pad) : n_kv;
+// the keys a step of n tokens attends: whole blocks of cache rows
+// (kv_cache::k_row_block; the rows past what the cache holds are masked). a
+// decode step, so that its graph repeats from step to step; on a GPU every
+// step, for ggml-cuda's fast attention kernels
+int64_t padded_n_kv(int64_t n_kv, int64_t n, const kv_cache & cache, bool on_gpu) {
+    if (n > 1 && !on_gpu) return n_kv;
+    const int64_t b = kv_cache::k_row_block;
+    return std::min(cache.rows_allocated(), (n_kv + b - 1) / b * b);
 }
 
 ggml_tensor * new_input(ggml_context * c, ggml_type t, int64_t n) {
@@ -308,7 +310,7 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
     for (size_t si = 0; si < seqs.size(); ++si) {
         const seq_append & s = seqs[si];
         const int64_t n_past = s.cache->n_past();
-        const int64_t n_kv = step_n_kv(n_past + s.n, s.n, s.cache->capacity());
+        const int64_t n_kv = padded_n_kv(n_past + s.n, s.n, *s.cache, m.on_gpu());
         std::vector<int32_t> kpos(n_kv, -1);
         for (int64_t j = 0; j < n_past + s.n; ++j) kpos[j] = (int32_t) j;
         masks[si].resize(n_kv * s.n);
@@ -395,10 +397,10 @@ graph::ubatch forward_driver::append_ubatch(const llama_token * tokens, int64_t 
         graph::ubatch_attn a;
         const int64_t n_rows = cache.n_rows(il);
         a.n_kv = n_rows + n;
-        // a decode step attends over whole blocks of rows (the rows past the
-        // cache's are hidden): its graph is the same for k_decode_pad steps.
-        // live caches read exactly the rows they hold
-        if (!eng_.live_) a.n_kv = step_n_kv(a.n_kv, n, cache.capacity());
+        // whole blocks of rows, but for a scored prompt (its scores are per row
+        // held); live caches read exactly the rows they hold
+        if (!eng_.live_ && (n == 1 || ub.score_rows.empty()))
+            a.n_kv = padded_n_kv(a.n_kv, n, cache, eng_.mdl().on_gpu());
         // key positions: a dense cache's row r is position r (+ shift); a sparse
         // cache's retained rows are visible to all, newer rows causal
         a.kpos.assign(a.n_kv, -1);
@@ -426,7 +428,7 @@ void forward_driver::reserve() {
     ub.logit_rows = {(int32_t) (n_tok - 1)};
     ub.group_of.assign(hp.n_layer, 0);
     graph::ubatch_attn a;
-    a.n_kv = cache.n_ctx();
+    a.n_kv = padded_n_kv(cache.n_ctx(), n_tok, cache, eng_.mdl().on_gpu());
     a.kv_idx.assign(n_tok, 0);
     ub.groups.push_back(a);
     im_.decode_graph.reset();
@@ -462,8 +464,11 @@ std::vector<float> forward_driver::run_rows(const rows_run & r, std::vector<floa
         ub.l1 = r.l1;
         ub.score_layer = r.l1 - 1;  // a sequence run scores its last layer only
         graph::ubatch_attn a;
-        a.n_kv = rows[b0 + nt - 1] + 1;  // causal: later rows are hidden anyway
-        a.kpos.assign(r.pos->begin(), r.pos->begin() + a.n_kv);
+        const int64_t n_held = rows[b0 + nt - 1] + 1;  // causal: later rows are hidden anyway
+        // whole blocks of rows, as a step attends, unless attention sums are read per row
+        a.n_kv = attn || eng_.live_ ? n_held : padded_n_kv(n_held, nt, eng_.cache(), eng_.mdl().on_gpu());
+        a.kpos.assign(a.n_kv, -1);
+        std::copy(r.pos->begin(), r.pos->begin() + n_held, a.kpos.begin());
         for (int64_t i = 0; i < nt; ++i) {
             const int64_t row = rows[b0 + i];
             if (r.from_tokens)
@@ -553,8 +558,10 @@ void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1)
                 continue;
             }
             ggml_tensor * k = ggml_view_3d(c, store, hp.head_dim, n, hp.n_head_kv, store->nb[1], store->nb[2], 0);
-            k = ggml_cont(c, ggml_permute(c, k, 0, 2, 1, 3));  // [head_dim, n_head_kv, n]
+            // dequantized before the permuted copy: ggml-cuda copies no quantized
+            // rows into their own type unless both sides are contiguous
             if (ggml_is_quantized(store->type)) k = ggml_cast(c, k, GGML_TYPE_F32);
+            k = ggml_cont(c, ggml_permute(c, k, 0, 2, 1, 3));  // [head_dim, n_head_kv, n]
             ggml_tensor * kr = graph::build_rope_shift(c, m, il, k, pos, /*in_place =*/false);
             kr = ggml_permute(c, kr, 0, 2, 1, 3);  // [head_dim, n, n_head_kv]
             ggml_build_forward_expand(gf, ggml_set_rows(c, store, kr, idx));

@@ -37,13 +37,14 @@ std::unique_ptr<kv_cache> kv_cache::positions_only(const model & m, int64_t n_ct
 kv_cache::storage kv_cache::allocate(int64_t cap) const {
     const model_hparams & hp = m_->hparams();
     storage s;
+    const int64_t rows = m_->on_gpu() ? (cap + k_row_block - 1) / k_row_block * k_row_block : cap;
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer + 1), nullptr, true};
     s.ctx = ggml_init(ip);
     for (int64_t il = 0; il < hp.n_layer; ++il) {
         ggml_tensor * k =
-            ggml_new_tensor_3d(s.ctx, type_k_, hp.head_dim, cap, hp.n_head_kv);  // [head_dim, cap, n_head_kv]
+            ggml_new_tensor_3d(s.ctx, type_k_, hp.head_dim, rows, hp.n_head_kv);  // [head_dim, rows, n_head_kv]
         ggml_tensor * v =
-            ggml_new_tensor_3d(s.ctx, type_v_, hp.head_dim, cap, hp.n_head_kv);  // [head_dim, cap, n_head_kv]
+            ggml_new_tensor_3d(s.ctx, type_v_, hp.head_dim, rows, hp.n_head_kv);  // [head_dim, rows, n_head_kv]
         ggml_format_name(k, "cache_k_l%d", (int) il);
         ggml_format_name(v, "cache_v_l%d", (int) il);
         s.k.push_back(k);
