@@ -16,8 +16,8 @@ const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.g
 TEST(cli_bench_store, rows_time_load_and_place_against_the_collect) {
     test::temp_dir d("bench-store");
     const std::string store = d.file("store"), json = d.file("out.json");
-    const test::run_result r = test::run_cli("bench store -m " + k_stories + " --chunk 48 --n 2 -r 2 --store dir:" +
-                                             store + " --json " + json);
+    const test::run_result r = test::run_cli("bench store -m " + k_stories +
+                                             " --chunk 48 --n 2 -r 2 --store dir:" + store + " --json " + json);
     ASSERT_EQ(r.status, 0) << r.err;
     EXPECT_NE(r.out.find("| place ms |"), std::string::npos) << r.out;
     std::ifstream f(json);
