@@ -64,6 +64,14 @@ inline model_spec tiny_spec(model_arch arch = MODEL_ARCH_LLAMA) {
         s.logit_scale = 8.0f;
         s.attn_scale = 0.015625f;
     }
+    if (arch == MODEL_ARCH_MISTRAL3) {  // YaRN and the temperature of q, every key its converter writes
+        s.yarn_factor = 4.0f;
+        s.yarn_orig_ctx = 64;
+        s.yarn_beta_fast = 32.0f;
+        s.yarn_beta_slow = 1.0f;
+        s.yarn_log_mul = 1.0f;
+        s.attn_temp_scale = 0.1f;
+    }
     if (arch == MODEL_ARCH_PHI3) {  // LongRoPE: its two factor sets and its keys
         s.longrope_ctx = 128;
         s.rope_attn_factor = 1.1f;

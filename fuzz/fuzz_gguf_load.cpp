@@ -23,6 +23,7 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("f.gguf", MODEL_ARCH_PHI3, GGML_TYPE_F32)));
         // gemma3's pre and post norms, its window, period, local RoPE base and soft-capping keys
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("g.gguf", MODEL_ARCH_GEMMA3, GGML_TYPE_F16)));
+        seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("h.gguf", MODEL_ARCH_MISTRAL3, GGML_TYPE_F16)));
         return seeds;
     });
     return 0;

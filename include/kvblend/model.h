@@ -48,8 +48,21 @@ struct model_hparams {
     float rope_attn_factor = 1.0f;
     // LongRoPE (phi3): a context of more than this many tokens (rounded up to
     // 256, as libllama rounds) rotates with the long factors, else the short
-    // ones (rope.scaling.original_context_length; n_ctx_train when absent)
+    // ones (rope.scaling.original_context_length; n_ctx_train when absent).
+    // YaRN's original context, and mistral3's temperature period
     int64_t n_ctx_orig = 0;
+    // YaRN (rope.scaling.type yarn; rope_scale is 1 / its factor): ext_factor
+    // 1 mixes interpolated and extrapolated frequencies between the betas;
+    // ggml then scales every rotation by 1 + 0.1 ln(factor), which
+    // rope_attn_fresh() and rope_attn_shift() account for. mistral3 reads its
+    // betas and log multiplier from the file, other families keep 32, 1 and 0
+    float yarn_ext_factor = 0.0f;
+    float yarn_beta_fast = 32.0f;
+    float yarn_beta_slow = 1.0f;
+    float yarn_log_mul = 0.0f;
+    // mistral3 (llama 4's temperature tuning): q at position p is scaled by
+    // 1 + attn_temp_scale * ln(floor(p / n_ctx_orig) + 1); 0: not scaled
+    float attn_temp_scale = 0.0f;
     // sliding-window layers (gemma3) rotate with their own base and no scaling
     float rope_base_swa = 10000.0f;
     int rope_mode = 0;  // GGML_ROPE_TYPE_NORMAL or GGML_ROPE_TYPE_NEOX
@@ -99,6 +112,10 @@ struct model_hparams {
     float rope_base_of(int64_t il) const { return is_swa(il) ? rope_base_swa : rope_base; }
     float rope_scale_of(int64_t il) const { return is_swa(il) ? 1.0f : rope_scale; }
     float kq_scale() const;
+    // the attn_factor ggml's RoPE gets for a fresh rotation (libllama's), and
+    // for moving a rotated K of layer il, which must keep its magnitude
+    float rope_attn_fresh() const;
+    float rope_attn_shift(int64_t il) const;
 
     int64_t n_embd_q() const { return head_dim * n_head; }
     int64_t n_embd_kv() const { return head_dim * n_head_kv; }  // K or V row per token

@@ -49,11 +49,21 @@ struct model_spec {
     // for (rope.scaling.original_context_length); 0: no LongRoPE
     int64_t longrope_ctx = 0;
     float rope_attn_factor = 0.0f;  // rope.scaling.attn_factor; 0 writes no key
+    // YaRN: rope.scaling.type yarn with this factor and original context
+    // (rope.scaling.original_context_length); 0: no YaRN. mistral3's converter
+    // also writes the betas, the log multiplier and the temperature scale of
+    // q (attention.temperature_scale); 0 writes no key
+    float yarn_factor = 0.0f;
+    int64_t yarn_orig_ctx = 0;
+    float yarn_beta_fast = 0.0f;
+    float yarn_beta_slow = 0.0f;
+    float yarn_log_mul = 0.0f;
+    float attn_temp_scale = 0.0f;
 };
 
 // named real shapes: tiny (small llama), tiny-qwen2, tiny-qwen3,
 // tiny-mistral3, tiny-granite, tiny-olmo2, tiny-smollm3, tiny-phi3,
-// tiny-phi3-longrope, tiny-gemma3, qwen3-0.6b, qwen2-0.5b, llama-1b, ministral-3-3b,
+// tiny-phi3-longrope, tiny-gemma3, tiny-mistral3-yarn, qwen3-0.6b, qwen2-0.5b, llama-1b, llama-8b, ministral-3-3b,
 // granite-3.3-2b, olmo2-1b, smollm3-3b, phi-4-mini, gemma3-1b, gemma3-4b.
 // throws kvblend::error for an unknown name.
 model_spec model_spec_preset(const std::string & name);

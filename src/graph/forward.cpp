@@ -25,22 +25,36 @@ ggml_tensor * rope_scaled(ggml_context * ctx, const model & m, int il, ggml_tens
                           float attn_factor, bool in_place) {
     const model_hparams & hp = m.hparams();
     if (!hp.has_rope(il)) return t;
-    // no yarn: ext_factor 0 makes beta_fast/beta_slow irrelevant
+    // without YaRN (ext_factor 0) the original context and the betas play no part
     auto * rope = in_place ? ggml_rope_ext_inplace : ggml_rope_ext;
-    return rope(ctx, t, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_train, hp.rope_base_of(il),
-                hp.rope_scale_of(il), 0.0f, attn_factor, 32.0f, 1.0f);
+    return rope(ctx, t, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_orig, hp.rope_base_of(il),
+                hp.rope_scale_of(il), hp.yarn_ext_factor, attn_factor, hp.yarn_beta_fast, hp.yarn_beta_slow);
 }
 
 }  // namespace
 
 ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tensor * t, ggml_tensor * pos) {
-    return rope_scaled(ctx, m, il, t, pos, m.hparams().rope_attn_factor, false);
+    return rope_scaled(ctx, m, il, t, pos, m.hparams().rope_attn_fresh(), false);
 }
 
 ggml_tensor * build_rope_shift(ggml_context * ctx, const model & m, int il, ggml_tensor * k, ggml_tensor * delta,
                                bool in_place) {
-    return rope_scaled(ctx, m, il, k, delta, 1.0f, in_place);
+    return rope_scaled(ctx, m, il, k, delta, m.hparams().rope_attn_shift(il), in_place);
 }
+
+namespace {
+
+// mistral3's temperature tuning, per token: 1 + s ln(floor(p / n_ctx_orig) + 1),
+// F32 [1, 1, n_tok]. the quotient is floored at (p + 0.5) / n: the same integer,
+// whatever f32 rounds 1 / n to
+ggml_tensor * build_attn_temp(ggml_context * ctx, const model_hparams & hp, ggml_tensor * pos) {
+    const float inv = 1.0f / (float) hp.n_ctx_orig;
+    ggml_tensor * t = ggml_floor(ctx, ggml_scale_bias(ctx, ggml_cast(ctx, pos, GGML_TYPE_F32), inv, 0.5f * inv));
+    t = ggml_scale_bias(ctx, ggml_log(ctx, ggml_scale_bias(ctx, t, 1.0f, 1.0f)), hp.attn_temp_scale, 1.0f);
+    return ggml_reshape_3d(ctx, t, 1, 1, pos->ne[0]);
+}
+
+}  // namespace
 
 namespace {
 
@@ -97,6 +111,7 @@ qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml
     const projection p = build_projection(ctx, m, il, QKV_PART_Q);
     ggml_tensor * q = build_rotated(ctx, m, il, p.w, p.b, m.layers[il].q_norm, hp.n_head, x, pos);
     if (hp.q_scale != 0.0f) q = ggml_scale(ctx, q, hp.q_scale);  // phi3, gemma3; kq_scale() is 1
+    if (hp.attn_temp_scale != 0.0f) q = ggml_mul(ctx, q, build_attn_temp(ctx, hp, pos));
     return {q, build_k(ctx, m, il, x, pos), build_v(ctx, m, il, x)};
 }
 

@@ -42,11 +42,11 @@ struct attn_inputs {
 ggml_tensor * build_embd(ggml_context * ctx, const model & m, ggml_tensor * tok);
 
 // RoPE of layer il at pos on t ([head_dim, n_head, n_tok], or any view RoPE
-// takes), scaled by the model's rope_attn_factor; t itself on a layer without RoPE
+// takes), scaled as libllama scales it (rope_attn_fresh); t itself on a layer without RoPE
 ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tensor * t, ggml_tensor * pos);
 
 // the rotation that moves K already rotated at p to p + delta (delta: pos), in
-// place or not: the same angles, and no second attn_factor scale
+// place or not: the same angles, and no second scale (rope_attn_shift)
 ggml_tensor * build_rope_shift(ggml_context * ctx, const model & m, int il, ggml_tensor * k, ggml_tensor * delta,
                                bool in_place);
 

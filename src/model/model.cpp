@@ -43,6 +43,30 @@ float model_hparams::kq_scale() const {
     return attn_scale != 0.0f ? attn_scale : 1.0f / std::sqrt((float) head_dim);
 }
 
+namespace {
+
+// YaRN's magnitude correction for a context `scale` times the original
+float yarn_mscale(float scale, float mscale) {
+    return scale <= 1.0f ? 1.0f : 0.1f * mscale * std::log(scale) + 1.0f;
+}
+
+}  // namespace
+
+// libllama's yarn_attn_factor: the corrected magnitude, divided by the
+// 1 + 0.1 ln(factor) that ggml multiplies in itself, times rope.scaling.attn_factor
+float model_hparams::rope_attn_fresh() const {
+    if (yarn_ext_factor == 0.0f) return rope_attn_factor;
+    const float factor = 1.0f / rope_scale;
+    const float mscale = yarn_log_mul != 0.0f ? yarn_mscale(factor, 1.0f) / yarn_mscale(factor, yarn_log_mul)
+                                              : yarn_mscale(factor, 1.0f);
+    return mscale / (1.0f + 0.1f * std::log(factor)) * rope_attn_factor;
+}
+
+// a rotation by a position delta: only ggml's own YaRN factor is undone
+float model_hparams::rope_attn_shift(int64_t il) const {
+    return yarn_ext_factor == 0.0f ? 1.0f : 1.0f / (1.0f + 0.1f * std::log(1.0f / rope_scale_of(il)));
+}
+
 bool model_hparams::has_swa() const {
     for (int64_t il = 0; il < n_layer; ++il)
         if (is_swa(il)) return true;
@@ -376,10 +400,18 @@ void read_gemma3_keys(const kv_reader & kv, const std::string & a, model_hparams
 }
 
 // the keys one family adds to the llama block, read as libllama reads them
+// mistral3: YaRN's betas and log multiplier (read for this family only, as
+// libllama reads them) and the temperature tuning of q
+void read_mistral3_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
+    hp.yarn_beta_fast = (float) kv.finite(a + "rope.scaling.yarn_beta_fast", 32.0);
+    hp.yarn_beta_slow = (float) kv.finite(a + "rope.scaling.yarn_beta_slow", 1.0);
+    hp.yarn_log_mul = (float) kv.finite(a + "rope.scaling.yarn_log_multiplier", 0.0);
+    hp.attn_temp_scale = (float) kv.finite(a + "attention.temperature_scale", 0.0);
+}
+
 void read_family_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
     if (hp.arch == MODEL_ARCH_GEMMA3) return read_gemma3_keys(kv, a, hp);
-    if (hp.arch == MODEL_ARCH_MISTRAL3 && kv.finite(a + "attention.temperature_scale", 0.0) != 0.0)
-        kv.fail("attention temperature scaling (" + a + "attention.temperature_scale) is not supported");
+    if (hp.arch == MODEL_ARCH_MISTRAL3) return read_mistral3_keys(kv, a, hp);
     if (hp.arch != MODEL_ARCH_GRANITE) return;
     // libllama: logit_scale is required, a residual or embedding scale of 0 means none
     hp.logit_scale = (float) kv.real(a + "logit_scale", 0.0, true);
@@ -535,14 +567,17 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     if (!(hp.rope_base > 0.0f) || !std::isfinite(hp.rope_base)) inconsistent("rope.freq_base must be positive");
 
     const std::string scaling = kv.str(a + "rope.scaling.type");
-    if (scaling == "linear") {
-        const double factor = kv.real(a + "rope.scaling.factor", 1.0, false);
-        if (!(factor > 0.0)) inconsistent("rope.scaling.factor must be positive");
-        hp.rope_scale = (float) (1.0 / factor);
-    } else if (!scaling.empty() && scaling != "none" && scaling != "longrope") {
-        kv.fail("rope scaling '" + scaling + "' is not supported (supported: none, linear, longrope)");
+    if (!scaling.empty() && scaling != "none" && scaling != "linear" && scaling != "yarn" && scaling != "longrope")
+        kv.fail("rope scaling '" + scaling + "' is not supported (supported: none, linear, yarn, longrope)");
+    // libllama: a missing type is linear, and the factor (0: none) scales the
+    // frequencies of every type but none
+    if (scaling != "none") {
+        const double factor = kv.real(a + "rope.scaling.factor", 0.0, false);
+        if (factor < 0.0 || !std::isfinite(factor)) inconsistent("rope.scaling.factor must not be negative");
+        if (factor > 0.0) hp.rope_scale = (float) (1.0 / factor);
     }
-    // libllama scales every fresh rotation by it, whatever the scaling type (yarn is refused above)
+    if (scaling == "yarn") hp.yarn_ext_factor = 1.0f;
+    // libllama scales every fresh rotation by it, whatever the scaling type
     hp.rope_attn_factor = (float) kv.finite(a + "rope.scaling.attn_factor", 1.0);
     if (!(hp.rope_attn_factor > 0.0f)) inconsistent("rope.scaling.attn_factor must be positive");
     hp.n_ctx_orig = kv.dim(a + "rope.scaling.original_context_length", hp.n_ctx_train, false);

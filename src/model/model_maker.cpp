@@ -70,6 +70,19 @@ model_spec granite(model_spec s) {
     return s;
 }
 
+// YaRN as mistral3's converter writes it: ministral 3 has factor 16 over an
+// original 16384, betas 32 and 1, mscale_all_dim 1 and llama_4_scaling_beta 0.1
+model_spec yarn(model_spec s, float factor, int64_t original_ctx, float beta_fast, float beta_slow, float log_mul,
+                float temp_scale) {
+    s.yarn_factor = factor;
+    s.yarn_orig_ctx = original_ctx;
+    s.yarn_beta_fast = beta_fast;
+    s.yarn_beta_slow = beta_slow;
+    s.yarn_log_mul = log_mul;
+    s.attn_temp_scale = temp_scale;
+    return s;
+}
+
 // LongRoPE as phi-4-mini has it: its attn_factor is sqrt(1 + ln(ratio) / ln(original)),
 // ratio the trained context over the original one
 model_spec longrope(model_spec s, int64_t original_ctx) {
@@ -107,6 +120,12 @@ const std::vector<preset> & presets() {
         {"tiny-gemma3",
          windowed(spec_of(MODEL_ARCH_GEMMA3, 6, 128, 4, 2, 48, 256, 32768, 1e6f, 1e-6f, true), 16, 3, 1e4f),
          "llama-spm"},
+        // ministral 3's YaRN and temperature tuning on a short original context (32),
+        // so prompts reach the scaled positions; betas and log multiplier off their defaults
+        {"tiny-mistral3-yarn",
+         yarn(spec_of(MODEL_ARCH_MISTRAL3, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-5f, true), 4.0f, 32, 16.0f, 2.0f, 0.5f,
+              0.1f),
+         "llama-spm"},
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
         {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true), "qwen2"},
         {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true), "llama-bpe"},
@@ -114,7 +133,9 @@ const std::vector<preset> & presets() {
         {"llama-8b", spec_of(MODEL_ARCH_LLAMA, 32, 4096, 32, 8, 128, 14336, 131072, 500000.0f, 1e-5f, false),
          "llama-bpe"},
         // ministral 3 3b; its tekken vocabulary is not shipped, llama 3's bpe is the closest
-        {"ministral-3-3b", spec_of(MODEL_ARCH_MISTRAL3, 26, 3072, 32, 8, 128, 9216, 262144, 1e6f, 1e-5f, true),
+        {"ministral-3-3b",
+         yarn(spec_of(MODEL_ARCH_MISTRAL3, 26, 3072, 32, 8, 128, 9216, 262144, 1e6f, 1e-5f, true), 16.0f, 16384, 32.0f,
+              1.0f, 1.0f, 0.1f),
          "llama-bpe"},
         // granite 3.3 2b; its vocabulary is starcoder's bpe (49152 of its 49159 tokens)
         {"granite-3.3-2b", granite(spec_of(MODEL_ARCH_GRANITE, 40, 2048, 32, 8, 64, 8192, 131072, 1e7f, 1e-5f, true)),
@@ -288,6 +309,9 @@ void check_spec(const model_spec & s) {
     if (s.n_swa < 0 || s.swa_pattern < 0) bad("n_swa and swa_pattern must be >= 0");
     if (s.longrope_ctx < 0 || (s.longrope_ctx > 0 && s.arch != MODEL_ARCH_PHI3))
         bad("LongRoPE factors are phi3's (libllama reads them for phi3 here)");
+    if (s.yarn_factor < 0.0f || (s.yarn_factor > 0.0f) != (s.yarn_orig_ctx > 0) || s.yarn_orig_ctx < 0)
+        bad("YaRN needs both a factor and an original context");
+    if (s.yarn_factor > 0.0f && s.longrope_ctx > 0) bad("YaRN and LongRoPE exclude each other");
     if (s.arch != MODEL_ARCH_GEMMA3 && (s.n_swa > 0 || s.logit_softcap != 0.0f))
         bad("sliding windows and logit soft-capping are gemma3's here");
 }
@@ -461,6 +485,17 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     }
     if (spec.rope_attn_factor != 0.0f)
         gguf_set_val_f32(g, key("rope.scaling.attn_factor").c_str(), spec.rope_attn_factor);
+    if (spec.yarn_factor != 0.0f) {
+        gguf_set_val_str(g, key("rope.scaling.type").c_str(), "yarn");
+        gguf_set_val_f32(g, key("rope.scaling.factor").c_str(), spec.yarn_factor);
+        gguf_set_val_u32(g, key("rope.scaling.original_context_length").c_str(), uint32_t(spec.yarn_orig_ctx));
+    }
+    const std::pair<const char *, float> yarn_keys[] = {{"rope.scaling.yarn_beta_fast", spec.yarn_beta_fast},
+                                                        {"rope.scaling.yarn_beta_slow", spec.yarn_beta_slow},
+                                                        {"rope.scaling.yarn_log_multiplier", spec.yarn_log_mul},
+                                                        {"attention.temperature_scale", spec.attn_temp_scale}};
+    for (const auto & [suffix, value] : yarn_keys)
+        if (value != 0.0f) gguf_set_val_f32(g, key(suffix).c_str(), value);
     if (spec.n_swa > 0) gguf_set_val_u32(g, key("attention.sliding_window").c_str(), uint32_t(spec.n_swa));
     if (spec.swa_pattern > 0)
         gguf_set_val_u32(g, key("attention.sliding_window_pattern").c_str(), uint32_t(spec.swa_pattern));

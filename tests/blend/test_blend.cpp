@@ -87,11 +87,16 @@ std::vector<std::string> models_under_test() {
     return {k_stories, test::make_test_model("tiny-qwen3")};
 }
 
-// and a model whose rotations scale (LongRoPE's attn_factor) with per-frequency
-// factors (its long set, in f32_params' context): a move must not scale again
+// and models whose rotations scale: LongRoPE's attn_factor with per-frequency
+// factors (its long set, in f32_params' context), and YaRN, whose kernel scales
+// every rotation itself: a move must not scale again. the YaRN model has one
+// layer: its queries' temperature depends on the absolute position, so its
+// deeper layers' K/V of a chunk differ with where it was collected (a real
+// difference, which a blend recomputes); layer 0's differ only by the rotation
 std::vector<std::string> placement_models() {
     std::vector<std::string> paths = models_under_test();
     paths.push_back(test::make_test_model("tiny-phi3-longrope"));
+    paths.push_back(test::make_test_model("tiny-mistral3-yarn", GGML_TYPE_F32, "", 42, 1));
     return paths;
 }
 
@@ -932,7 +937,7 @@ TEST_P(blend_family, a_document_collected_where_it_is_placed_needs_no_recomputat
 
 INSTANTIATE_TEST_SUITE_P(families, blend_family,
                          ::testing::Values("tiny-qwen3", "tiny-mistral3", "tiny-granite", "tiny-olmo2", "tiny-smollm3",
-                                           "tiny-phi3", "tiny-phi3-longrope", "tiny-gemma3"),
+                                           "tiny-phi3", "tiny-phi3-longrope", "tiny-mistral3-yarn", "tiny-gemma3"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace(n.begin(), n.end(), '-', '_');

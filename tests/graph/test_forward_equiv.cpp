@@ -186,7 +186,7 @@ INSTANTIATE_TEST_SUITE_P(models, forward_equiv,
                          ::testing::Values("stories260K", "tiny", "tiny-qwen2", "tiny-qwen3", "tiny:q8_0",
                                            "tiny-qwen3:q4_0", "tiny-mistral3", "tiny-granite", "tiny-olmo2",
                                            "tiny-smollm3", "tiny-phi3", "tiny-phi3:q8_0", "tiny-phi3-longrope",
-                                           "tiny-gemma3", "tiny-gemma3:q8_0"),
+                                           "tiny-mistral3-yarn", "tiny-gemma3", "tiny-gemma3:q8_0"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace_if(

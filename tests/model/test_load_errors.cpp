@@ -236,11 +236,66 @@ TEST_F(load_errors, family_keys_missing_or_of_the_wrong_type) {
         rewrite_gguf(granite, dir.file("granite.gguf"), {c.edit, {}, {}});
         EXPECT_LOAD_ERROR(dir.file("granite.gguf"), c.message);
     }
-    const std::string mistral3 = make_test_model("tiny-mistral3");
-    EXPECT_NO_THROW(model::load(mistral3));
-    rewrite_gguf(mistral3, dir.file("m3.gguf"),
-                 {[](gguf_context * g) { gguf_set_val_f32(g, "mistral3.attention.temperature_scale", 0.1f); }, {}, {}});
-    EXPECT_LOAD_ERROR(dir.file("m3.gguf"), "temperature scaling");
+}
+
+// YaRN (any family) and mistral3's own keys: its betas, log multiplier and
+// temperature scale, read as libllama reads them and checked for their type
+TEST_F(load_errors, yarn_and_mistral3_temperature) {
+    const std::string plain = make_test_model("tiny-mistral3"), m3 = make_test_model("tiny-mistral3-yarn");
+    {
+        const model_hparams hp = model::load(plain)->hparams();
+        EXPECT_EQ(hp.yarn_ext_factor, 0.0f);
+        EXPECT_EQ(hp.attn_temp_scale, 0.0f);
+        EXPECT_EQ(hp.rope_attn_fresh(), 1.0f);
+        EXPECT_EQ(hp.rope_attn_shift(0), 1.0f);
+    }
+    {
+        const model_hparams hp = model::load(m3)->hparams();
+        EXPECT_EQ(hp.yarn_ext_factor, 1.0f);
+        EXPECT_FLOAT_EQ(hp.rope_scale, 0.25f);
+        EXPECT_EQ(hp.n_ctx_orig, 32);
+        EXPECT_EQ(hp.yarn_beta_fast, 16.0f);
+        EXPECT_EQ(hp.yarn_beta_slow, 2.0f);
+        EXPECT_EQ(hp.yarn_log_mul, 0.5f);
+        EXPECT_FLOAT_EQ(hp.attn_temp_scale, 0.1f);
+        // (0.1 ln 4 + 1) / (0.05 ln 4 + 1) / (1 + 0.1 ln 4): what ggml's own 1 + 0.1 ln 4 leaves
+        const double l4 = std::log(4.0);
+        EXPECT_NEAR(hp.rope_attn_fresh(), (0.1 * l4 + 1) / (0.05 * l4 + 1) / (1 + 0.1 * l4), 1e-6);
+        EXPECT_NEAR(hp.rope_attn_shift(0), 1 / (1 + 0.1 * l4), 1e-6);
+    }
+    // the same keys on a qwen3 file: libllama reads the betas for mistral3 only
+    rewrite_gguf(make_test_model("tiny-qwen3"), dir.file("q3.gguf"),
+                 {[](gguf_context * g) {
+                      gguf_set_val_str(g, "qwen3.rope.scaling.type", "yarn");
+                      gguf_set_val_f32(g, "qwen3.rope.scaling.factor", 4.0f);
+                      gguf_set_val_f32(g, "qwen3.rope.scaling.yarn_beta_fast", 8.0f);
+                  },
+                  {},
+                  {}});
+    {
+        const model_hparams hp = model::load(dir.file("q3.gguf"))->hparams();
+        EXPECT_EQ(hp.yarn_ext_factor, 1.0f);
+        EXPECT_EQ(hp.yarn_beta_fast, 32.0f);
+        EXPECT_EQ(hp.n_ctx_orig, hp.n_ctx_train);  // no original context: the trained one
+    }
+    struct bad_key {
+        gguf_edit edit;
+        std::string message;
+    };
+    const std::vector<bad_key> cases = {
+        {{[](gguf_context * g) { gguf_set_val_str(g, "mistral3.attention.temperature_scale", "0.1"); }, {}, {}},
+         "mistral3.attention.temperature_scale"},
+        {{[](gguf_context * g) { gguf_set_val_f32(g, "mistral3.rope.scaling.yarn_beta_fast", NAN); }, {}, {}},
+         "not finite"},
+        {{[](gguf_context * g) { gguf_set_val_bool(g, "mistral3.rope.scaling.yarn_log_multiplier", true); }, {}, {}},
+         "mistral3.rope.scaling.yarn_log_multiplier"},
+        {{[](gguf_context * g) { gguf_set_val_f32(g, "mistral3.rope.scaling.factor", -4.0f); }, {}, {}},
+         "rope.scaling.factor must not be negative"},
+    };
+    for (const bad_key & c : cases) {
+        rewrite_gguf(m3, dir.file("m3.gguf"), c.edit);
+        EXPECT_LOAD_ERROR(dir.file("m3.gguf"), c.message);
+    }
 }
 
 // olmo2's block: norms on the outputs of attention and FFN, q/k norms over
@@ -320,8 +375,8 @@ TEST_F(load_errors, phi3_fused_tensors_and_longrope) {
          {[](gguf_context * g) { gguf_set_val_str(g, "phi3.rope.scaling.original_context_length", "4k"); }, {}, {}},
          "phi3.rope.scaling.original_context_length"},
         {longrope,
-         {[](gguf_context * g) { gguf_set_val_str(g, "phi3.rope.scaling.type", "yarn"); }, {}, {}},
-         "rope scaling 'yarn' is not supported (supported: none, linear, longrope)"},
+         {[](gguf_context * g) { gguf_set_val_str(g, "phi3.rope.scaling.type", "dynamic"); }, {}, {}},
+         "rope scaling 'dynamic' is not supported (supported: none, linear, yarn, longrope)"},
     };
     for (const bad_file & c : cases) {
         rewrite_gguf(c.from, dir.file("phi3.gguf"), c.edit);
