@@ -26,8 +26,6 @@ struct ubatch_graph {
 
 namespace {
 
-// decode keys rows in blocks of this many, so that a decode graph's shapes
-// (the K/V views and the mask) repeat from one token to the next
 // the keys a step of n tokens attends: whole blocks of cache rows
 // (kv_cache::k_row_block; the rows past what the cache holds are masked). a
 // decode step, so that its graph repeats from step to step; on a GPU every
