@@ -276,28 +276,17 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
             r += c->n_rows();
         }
     }
-    // the rows go straight into the cache, a layer's rows of every chunk in one
-    // upload per KV head (one copy each of many small ones costs more than the
-    // bytes on a GPU); K rows are then rotated there by the offset change
-    // (RoPE rotations compose), all layers in one graph
+    // the rows go straight into the cache; K rows are then rotated there by
+    // the offset change (RoPE rotations compose), all layers in one graph.
+    // (gathering a layer's rows of every chunk into one upload was tried on an
+    // H200: an extra copy of every byte, and no faster)
     forward_driver drv(eng);
-    std::vector<uint8_t> rows;
     for (int il = layer0; il < hp.n_layer; ++il) {
-        for (ggml_tensor * t : {cache.k(il), cache.v(il)}) {
-            const bool is_k = t == cache.k(il);
-            const size_t row_bytes = kv_token_row_bytes(t);
-            const uint8_t * src = chunks.size() == 1 ? (is_k ? chunks[0]->k(il) : chunks[0]->v(il)) : nullptr;
-            if (!src) {
-                rows.resize(row_bytes * (size_t) n);
-                size_t at = 0;
-                for (const chunk_kv * c : chunks) {
-                    const size_t bytes = row_bytes * (size_t) c->n_rows();
-                    std::memcpy(rows.data() + at, is_k ? c->k(il) : c->v(il), bytes);
-                    at += bytes;
-                }
-                src = rows.data();
-            }
-            drv.upload_kv_rows(t, src, 0, n);
+        int64_t r = 0;
+        for (const chunk_kv * c : chunks) {
+            drv.upload_kv_rows(cache.k(il), c->k(il), r, c->n_rows());
+            drv.upload_kv_rows(cache.v(il), c->v(il), r, c->n_rows());
+            r += c->n_rows();
         }
     }
     if (rotate) drv.shift_k(delta, layer0, (int) hp.n_layer);
