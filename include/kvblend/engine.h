@@ -39,6 +39,10 @@ struct engine_params {
     // the context a LongRoPE model picks its factors for (model::at_context), when
     // it is not n_ctx: a context that resizes its engine per request keeps one set
     int64_t n_ctx_seq = 0;
+    // sliding-window layers keep every row while decoding (as libllama's
+    // --swa-full), instead of rings of their window plus n_ubatch rows
+    // (kv_cache::trim_windows), which the decode loop makes of them
+    bool swa_full = false;
 };
 
 engine_params engine_default_params();
@@ -123,6 +127,9 @@ class engine {
     // decode an answer from the current cache whose last logits are given,
     // until it is complete (its rules: kvblend/answer.h); returns the decode time
     double run_answer(std::vector<float> last_logits, answer & a);
+    // the cache's sliding-window layers become rings of their window (unless
+    // params().swa_full): what a decode keeps; run_answer does it first
+    void trim_windows();
     // run_answer with its tokens, text and decode time as a generate_result
     generate_result answer_from(std::vector<float> last_logits, answer & a);
 

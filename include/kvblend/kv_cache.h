@@ -122,11 +122,11 @@ class kv_cache {
     // holds stay masked. on the CPU the capacity itself (an evicted cache's
     // allocation shrinks with its budget)
     static constexpr int64_t k_row_block = 256;
-    int64_t rows_allocated() const { return k_.empty() ? 0 : k_[0]->ne[1]; }
-    int64_t n_rows(int il) const;                          // rows held by a layer (dense: n_past)
-    int64_t n_rows_max() const;                            // the most rows any layer holds
-    int64_t n_retained(int il) const;                      // rows kept by the last compaction (dense: 0)
-    bool per_head(int il) const;                           // rows hold other positions per KV head
+    int64_t rows_allocated() const { return rows_alloc_; }  // of each layer other than a ring
+    int64_t n_rows(int il) const;      // rows held by a layer (dense: n_past; a ring: the positions it holds)
+    int64_t n_rows_max() const;        // the most rows any layer other than a ring holds
+    int64_t n_retained(int il) const;  // rows kept by the last compaction (dense: 0)
+    bool per_head(int il) const;       // rows hold other positions per KV head
     int32_t row_pos(int il, int head, int64_t row) const;  // logical position held by a row of a head
     // mask positions of a layer's rows [0, n_rows): 0 for retained rows (seen
     // by every later query), the position for rows appended since
@@ -148,7 +148,30 @@ class kv_cache {
     // grow the allocation (up to n_ctx rows) so every layer can take n more rows
     void reserve_rows(int64_t n);
     // after a graph wrote n tokens at rows n_rows(il)… and positions n_past…
+    // (a ring layer: at rows (n_past + i) mod ring_rows())
     void advance(int64_t n);
+
+    // --- sliding-window rings --------------------------------------------------
+    // a windowed layer's query at p sees keys at p - W < k <= p only, so once a
+    // cache decodes, such a layer needs its last W positions. trim_windows turns
+    // every windowed layer of a dense cache into a ring of W + slack rows (on a
+    // GPU rounded up to whole blocks), keeping the last positions that fit: its
+    // memory no longer grows with the context. A step then appends at most
+    // max_append() tokens (its writes must not overwrite a row its own earlier
+    // queries still see). No effect on a cache without windowed layers, a
+    // sparse, positions-only or already windowed cache. clear() makes the cache
+    // dense again: placing chunks and collecting need every row
+    void trim_windows(int64_t slack);
+    bool windowed() const { return ring_rows_ > 0; }
+    bool ring(int il) const;                            // layer il is a ring
+    int64_t ring_rows() const { return ring_rows_; }    // rows of each ring (0: no rings)
+    int64_t ring_first() const { return ring_first_; }  // the first position the rings hold
+    int64_t max_append() const;                         // most tokens one step may append
+    // whether set_n_past(n) keeps every row the windows of position n on can see
+    bool can_cut_to(int64_t n) const;
+    // mask positions of a ring's rows [0, ring_rows()) once positions [n_past,
+    // n_after) are written: the position a row holds, or -1 when it holds none
+    void ring_kpos(int64_t n_after, int32_t * dst) const;
     // an independent copy of the held rows and state (its allocation: the rows held + reserve)
     std::unique_ptr<kv_cache> branch(int64_t reserve = 0) const;
 
@@ -157,7 +180,7 @@ class kv_cache {
     std::vector<float> read_v(int il, int64_t p0, int64_t n) const;
 
   private:
-    kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v, int64_t cap);
+    kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v, int64_t cap, int64_t ring_rows = 0);
 
     struct layer_rows {
         int64_t n_rows = 0;
@@ -169,15 +192,27 @@ class kv_cache {
         ggml_context * ctx = nullptr;
         ggml_backend_buffer_t buf = nullptr;
         std::vector<ggml_tensor *> k, v;
+        int64_t rows = 0;       // rows of each layer other than a ring
+        int64_t ring_rows = 0;  // rows of each ring (0: none)
     };
-    storage allocate(int64_t cap) const;  // a fresh, zeroed allocation of cap rows per layer
-    void adopt(storage s, int64_t cap);   // free the current allocation, take s
+    // a fresh, zeroed allocation of cap rows per layer (ring_rows > 0: that
+    // many per windowed layer)
+    storage allocate(int64_t cap, int64_t ring_rows = 0) const;
+    void adopt(storage s, int64_t cap);  // free the current allocation, take s
+    int64_t alloc_rows(int64_t n) const;
+    std::vector<float> read_rows(const ggml_tensor * t, int il, int64_t p0,
+                                 int64_t n) const;  // n rows, on a GPU rounded up to whole blocks
+    // a layer's held rows (a ring: all of it) into another allocation's
+    void copy_layer(int il, const storage & dst) const;
 
     const model * m_ = nullptr;
     ggml_type type_k_, type_v_;
     int64_t n_ctx_ = 0;
     int64_t n_past_ = 0;
     int64_t cap_ = 0;
+    int64_t rows_alloc_ = 0;  // rows allocated per layer other than a ring
+    int64_t ring_rows_ = 0;   // rows of each windowed layer's ring (0: dense)
+    int64_t ring_first_ = 0;  // the rings hold positions [ring_first_, n_past_)
     bool holds_rows_ = true;
     uint64_t epoch_ = 0;
     ggml_context * ctx_ = nullptr;

@@ -244,6 +244,7 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
     const model & m = eng.mdl();
     const model_hparams & hp = m.hparams();
     kv_cache & cache = eng.cache();
+    if (cache.windowed()) cache.clear();  // chunks fill every row of every layer
     int64_t n = 0, n_pos = 0;
     for (const chunk_kv * c : chunks) {
         if (!c) throw error("null chunk");

@@ -35,6 +35,9 @@ model, same threads, same KV type, in the same run.
   -t, --threads N       CPU threads (default 2)
   -b, --ubatch N        micro-batch for both (default 512)
   --cache-type T        f16 (default), f32, q8_0 or q4_0 (both K and V)
+  --swa-full            sliding-window layers keep every row while decoding, on both
+                        sides (default: their window plus a micro-batch, on both sides,
+                        as llama-server keeps them)
   --peer none|llama     time libllama too (default llama); 'none' also reports peak RSS
   --mmap                map the model file instead of reading the weights into memory
   --profile-ops         after the timed runs, one more prefill each with every
@@ -112,6 +115,8 @@ int bench_prefill(args & a) {
             ep.n_ubatch = a.integer(1, 1 << 16);
         else if (a.match({"--cache-type", "--cache-type-k", "--cache-type-v"}))
             ep.type_k = ep.type_v = parse_cache_type(a.str());
+        else if (a.match({"--swa-full"}))
+            ep.swa_full = true;
         else if (a.match({"--peer"})) {
             const std::string p = a.str();
             if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");
@@ -153,6 +158,7 @@ int bench_prefill(args & a) {
         rp.n_ubatch = ep.n_ubatch;
         rp.type_k = ep.type_k;
         rp.type_v = ep.type_v;
+        rp.swa_full = ep.swa_full;  // each keeps windowed layers as the other does
         rp.use_gpu =
             m->on_gpu();  // libllama offloads to the registered GPU/RPC devices, or stays on the CPU as ours does
         if (profile) rp.cb_eval = op_timer::callback, rp.cb_eval_user_data = &llama_ops;
@@ -193,6 +199,7 @@ int bench_prefill(args & a) {
             energy_add(e0, ours_pp_j);
             e0 = energy_now();
             t0 = time_ms();
+            eng.trim_windows();  // as the decode loop does (engine::run_answer)
             for (int64_t i = 0; i < n_gen; ++i) lg = eng.eval({tok_dist(rng)});
             if (n_gen) ours_tg.push_back(time_ms() - t0), energy_add(e0, ours_tg_j);
         };

@@ -36,6 +36,18 @@ int64_t padded_n_kv(int64_t n_kv, int64_t n, const kv_cache & cache, bool on_gpu
     return std::min(cache.rows_allocated(), (n_kv + b - 1) / b * b);
 }
 
+// what n tokens at positions pos0… attend over at a windowed cache's rings:
+// every ring row (those holding no position masked), the tokens written at
+// their positions' rows
+graph::ubatch_attn ring_attn(const kv_cache & cache, int64_t pos0, int64_t n) {
+    graph::ubatch_attn a;
+    a.n_kv = cache.ring_rows();
+    a.kpos.resize(a.n_kv);
+    cache.ring_kpos(pos0 + n, a.kpos.data());
+    for (int64_t i = 0; i < n; ++i) a.kv_idx.push_back((pos0 + i) % cache.ring_rows());
+    return a;
+}
+
 ggml_tensor * new_input(ggml_context * c, ggml_type t, int64_t n) {
     ggml_tensor * x = ggml_new_tensor_1d(c, t, n);
     ggml_set_input(x);
@@ -304,6 +316,10 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
     std::vector<graph::seq_kv> kv(seqs.size());
     std::vector<std::vector<int64_t>> kv_idx(seqs.size());
     std::vector<std::vector<ggml_fp16_t>> masks(seqs.size()), masks_swa(seqs.size());
+    // a windowed cache's rings: their own rows, written modulo the ring
+    std::vector<graph::attn_inputs> in_ring(seqs.size());
+    std::vector<graph::ubatch_attn> ring(seqs.size());
+    std::vector<std::vector<ggml_fp16_t>> masks_ring(seqs.size());
     int64_t t0 = 0;
     for (size_t si = 0; si < seqs.size(); ++si) {
         const seq_append & s = seqs[si];
@@ -328,15 +344,30 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
             q.in.kq_mask_swa = ggml_new_tensor_3d(c, GGML_TYPE_F16, n_kv, s.n, 1);  // [n_kv, n, 1]
             ggml_set_input(q.in.kq_mask_swa);
         }
+        if (s.cache->windowed()) {
+            ring[si] = ring_attn(*s.cache, n_past, s.n);
+            masks_ring[si].resize(ring[si].n_kv * s.n);
+            graph::fill_causal_mask(masks_ring[si].data(), ring[si].kpos.data(), ring[si].n_kv, pos.data() + t0, s.n,
+                                    hp.n_swa);
+            graph::attn_inputs & r = in_ring[si];
+            r.n_kv = ring[si].n_kv;
+            r.kv_idx = new_input(c, GGML_TYPE_I64, s.n);
+            r.kq_mask_swa = ggml_new_tensor_3d(c, GGML_TYPE_F16, r.n_kv, s.n, 1);  // [n_kv, n, 1]
+            ggml_set_input(r.kq_mask_swa);
+        }
         t0 += s.n;
     }
     ggml_tensor * x = graph::build_embd(c, m, tok);  // F32 [n_embd, n_tok]
     const bool reduce = out_rows && (int64_t) logit_rows.size() < n_tok;
     for (int il = 0; il < hp.n_layer; ++il) {
-        for (size_t si = 0; si < seqs.size(); ++si)
+        for (size_t si = 0; si < seqs.size(); ++si) {
             kv[si].k_store = seqs[si].cache->k(il), kv[si].v_store = seqs[si].cache->v(il);
+            if (seqs[si].cache->ring(il)) std::swap(kv[si].in, in_ring[si]);  // back after the layer
+        }
         const bool last = il == hp.n_layer - 1;
         x = graph::build_layer_seqs(c, gf, m, il, x, tpos, kv.data(), kv.size(), last && reduce ? out_rows : nullptr);
+        for (size_t si = 0; si < seqs.size(); ++si)
+            if (seqs[si].cache->ring(il)) std::swap(kv[si].in, in_ring[si]);
     }
     ggml_tensor * logits = nullptr;
     if (out_rows) {
@@ -357,6 +388,9 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
         upload(kv[si].in.kq_mask, masks[si].data(), 0, ggml_nbytes(kv[si].in.kq_mask));
         if (kv[si].in.kq_mask_swa)
             upload(kv[si].in.kq_mask_swa, masks_swa[si].data(), 0, ggml_nbytes(kv[si].in.kq_mask_swa));
+        if (!seqs[si].cache->windowed()) continue;
+        upload(in_ring[si].kv_idx, ring[si].kv_idx.data(), 0, ggml_nbytes(in_ring[si].kv_idx));
+        upload(in_ring[si].kq_mask_swa, masks_ring[si].data(), 0, ggml_nbytes(in_ring[si].kq_mask_swa));
     }
     if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
     std::vector<float> out;
@@ -386,12 +420,17 @@ graph::ubatch forward_driver::append_ubatch(const llama_token * tokens, int64_t 
     for (int il = 0; il < hp.n_layer; ++il) {
         size_t gi = 0;
         while (gi < group_layer.size() && (cache.n_rows(group_layer[gi]) != cache.n_rows(il) ||
-                                           cache.n_retained(group_layer[gi]) != cache.n_retained(il)))
+                                           cache.n_retained(group_layer[gi]) != cache.n_retained(il) ||
+                                           cache.ring(group_layer[gi]) != cache.ring(il)))
             ++gi;
         if (gi == group_layer.size()) group_layer.push_back(il);
         ub.group_of[il] = (int) gi;
     }
     for (int il : group_layer) {
+        if (cache.ring(il)) {
+            ub.groups.push_back(ring_attn(cache, ub.pos[0], n));
+            continue;
+        }
         graph::ubatch_attn a;
         const int64_t n_rows = cache.n_rows(il);
         a.n_kv = n_rows + n;
@@ -429,6 +468,11 @@ void forward_driver::reserve() {
     a.n_kv = padded_n_kv(cache.n_ctx(), n_tok, cache, eng_.mdl().on_gpu());
     a.kv_idx.assign(n_tok, 0);
     ub.groups.push_back(a);
+    if (cache.windowed()) {  // the rings attend over their own rows
+        a.n_kv = cache.ring_rows();
+        ub.groups.push_back(a);
+        for (int il = 0; il < hp.n_layer; ++il) ub.group_of[il] = cache.ring(il) ? 1 : 0;
+    }
     im_.decode_graph.reset();
     ubatch_graph g = build_ubatch(eng_.mdl(), eng_.cache(), nullptr, im_.hidden, im_.meta_buf, ub);
     if (!ggml_backend_sched_reserve(im_.sched.get(), g.gf)) throw error("cannot reserve the compute buffers");

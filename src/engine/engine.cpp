@@ -72,7 +72,7 @@ size_t engine::kv_bytes_f16() const {
 
 void engine::import_cache(const kv_cache & dense) {
     if (!live_) throw error("importing a cache needs an engine with a live compressed cache (kv_codec)");
-    if (dense.sparse() || !dense.holds_rows())
+    if (dense.sparse() || !dense.holds_rows() || dense.windowed())
         throw error("only a dense KV cache can be brought into a live compressed cache");
     if (dense.n_layer() != model_->hparams().n_layer || dense.n_embd_kv() != model_->hparams().n_embd_kv())
         throw error("the KV cache to import has another shape than this model's");
@@ -83,6 +83,10 @@ void engine::import_cache(const kv_cache & dense) {
     cache_->clear();
     live_->import_rows(dense, n);
     cache_->set_n_past(n);
+}
+
+void engine::trim_windows() {
+    if (!params_.swa_full) cache_->trim_windows(params_.n_ubatch);
 }
 
 void engine::require_dense_cache(const char * what) const {
@@ -137,6 +141,8 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
     const int64_t n = (int64_t) tokens.size();
     if (n == 0) throw error("nothing to evaluate: empty token list");
     if (cache.sparse() && pos_shift != 0) throw error("a sparse (evicted) KV cache takes no position shift");
+    if (cache.windowed() && (pos_shift != 0 || scores))
+        throw error("a windowed KV cache (its windowed layers kept as rings) takes no position shift or scoring");
     check_append(cache, tokens);
 
     // an evicted cache whose policy rolls keeps scoring (h2o) and evicting as it grows
@@ -153,7 +159,7 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
     std::vector<float> logits;
     logits.reserve((all_logits ? n : 1) * hp.n_vocab);
     for (int64_t b0 = 0; b0 < n; b0 += params_.n_ubatch) {
-        const int64_t n_tok = std::min(params_.n_ubatch, n - b0);
+        const int64_t n_tok = std::min({params_.n_ubatch, cache.max_append(), n - b0});
         const int64_t n_out = all_logits ? n_tok : (b0 + n_tok == n ? 1 : 0);
         std::vector<int32_t> sel;  // queries of this micro-batch whose attention is scored
         for (int64_t i = 0; sc && i < n_tok; ++i)
@@ -184,6 +190,9 @@ std::vector<std::vector<float>> engine::eval_seqs(const std::vector<seq_tokens> 
         if (s.cache->sparse() || !s.cache->holds_rows() || s.cache->n_layer() != hp.n_layer ||
             s.cache->n_embd_kv() != hp.n_embd_kv())
             throw error("a batched sequence needs a dense KV cache of this model");
+        if ((int64_t) s.tokens.size() > s.cache->max_append())
+            throw error("a windowed KV cache takes at most " + std::to_string(s.cache->max_append()) +
+                        " tokens a step; this sequence has " + std::to_string(s.tokens.size()));
         for (size_t j = 0; j < i; ++j)
             if (seqs[j].cache == s.cache) throw error("a cache appears twice in one batch");
         check_append(*s.cache, s.tokens);
@@ -358,6 +367,7 @@ generate_result engine::answer_from(std::vector<float> logits, answer & a) {
 double engine::run_answer(std::vector<float> logits, answer & a) {
     const int32_t n_vocab = (int32_t) model_->hparams().n_vocab;
     const double t0 = time_ms();
+    trim_windows();
     for (;;) {
         const bool room = cache_->n_past() < cache_->n_ctx();
         const llama_token tok = a.on_logits(logits.data() + logits.size() - n_vocab, n_vocab, room);

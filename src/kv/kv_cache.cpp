@@ -12,7 +12,7 @@ namespace kvblend {
 kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v)
     : kv_cache(m, n_ctx, type_k, type_v, n_ctx) {}
 
-kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v, int64_t cap)
+kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type type_v, int64_t cap, int64_t ring_rows)
     : m_(&m), type_k_(type_k), type_v_(type_v), n_ctx_(n_ctx) {
     const model_hparams & hp = m.hparams();
     if (n_ctx <= 0) throw error("KV cache size must be positive");
@@ -25,7 +25,7 @@ kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type t
                         std::to_string(ggml_blck_size(t)) + "; this model's is " + std::to_string(hp.head_dim));
     }
     cap = std::max<int64_t>(1, std::min(cap, n_ctx));
-    adopt(allocate(cap), cap);
+    adopt(allocate(cap, ring_rows), cap);
 }
 
 std::unique_ptr<kv_cache> kv_cache::positions_only(const model & m, int64_t n_ctx) {
@@ -34,13 +34,15 @@ std::unique_ptr<kv_cache> kv_cache::positions_only(const model & m, int64_t n_ct
     return c;
 }
 
-kv_cache::storage kv_cache::allocate(int64_t cap) const {
+kv_cache::storage kv_cache::allocate(int64_t cap, int64_t ring_rows) const {
     const model_hparams & hp = m_->hparams();
     storage s;
-    const int64_t rows = m_->on_gpu() ? (cap + k_row_block - 1) / k_row_block * k_row_block : cap;
+    s.rows = alloc_rows(cap);
+    s.ring_rows = ring_rows > 0 && hp.has_swa() ? alloc_rows(ring_rows) : 0;
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer + 1), nullptr, true};
     s.ctx = ggml_init(ip);
     for (int64_t il = 0; il < hp.n_layer; ++il) {
+        const int64_t rows = s.ring_rows > 0 && hp.is_swa(il) ? s.ring_rows : s.rows;
         ggml_tensor * k =
             ggml_new_tensor_3d(s.ctx, type_k_, hp.head_dim, rows, hp.n_head_kv);  // [head_dim, rows, n_head_kv]
         ggml_tensor * v =
@@ -68,7 +70,13 @@ void kv_cache::adopt(storage s, int64_t cap) {
     buf_ = s.buf;
     k_ = std::move(s.k);
     v_ = std::move(s.v);
+    rows_alloc_ = s.rows;
+    ring_rows_ = s.ring_rows;
     cap_ = cap;
+}
+
+int64_t kv_cache::alloc_rows(int64_t n) const {
+    return m_->on_gpu() ? (n + k_row_block - 1) / k_row_block * k_row_block : n;
 }
 
 kv_cache::~kv_cache() {
@@ -84,7 +92,8 @@ void kv_cache::clear() {
     ++epoch_;
     n_past_ = 0;
     rows_.clear();
-    if (holds_rows_ && cap_ != n_ctx_) adopt(allocate(n_ctx_), n_ctx_);
+    if (holds_rows_ && (cap_ != n_ctx_ || windowed())) adopt(allocate(n_ctx_), n_ctx_);
+    ring_first_ = 0;
 }
 
 void kv_cache::set_n_past(int64_t n) {
@@ -115,6 +124,13 @@ void kv_cache::set_n_past(int64_t n) {
     }
     if (n < 0 || n > n_ctx_)
         throw error("KV cache position " + std::to_string(n) + " is outside [0, " + std::to_string(n_ctx_) + "]");
+    if (windowed()) {
+        if (n > n_past_) throw error("KV cache position " + std::to_string(n) + " is past what the cache has seen");
+        if (!can_cut_to(n))
+            throw error("a windowed KV cache cannot be cut back to position " + std::to_string(n) +
+                        ": its rings no longer hold positions before " + std::to_string(ring_first_));
+        if (n == 0) ring_first_ = 0;
+    }
     n_past_ = n;
 }
 
@@ -123,13 +139,39 @@ size_t kv_cache::bytes() const {
 }
 
 int64_t kv_cache::n_rows(int il) const {
+    if (ring(il)) return n_past_ - ring_first_;
     return sparse() ? rows_[il].n_rows : n_past_;
 }
 
 int64_t kv_cache::n_rows_max() const {
     int64_t n = 0;
-    for (int il = 0; il < (int) n_layer(); ++il) n = std::max(n, n_rows(il));
+    for (int il = 0; il < (int) n_layer(); ++il)
+        if (!ring(il)) n = std::max(n, n_rows(il));
     return n;
+}
+
+bool kv_cache::ring(int il) const {
+    return windowed() && m_->hparams().is_swa(il);
+}
+
+int64_t kv_cache::max_append() const {
+    // a step writing n tokens overwrites positions up to n_past + n - 1 - R;
+    // its first query still sees back to n_past - W + 1: n <= R - W + 1
+    return windowed() ? ring_rows_ - m_->hparams().n_swa + 1 : n_ctx_ - n_past_;
+}
+
+bool kv_cache::can_cut_to(int64_t n) const {
+    if (!windowed() || n == 0) return true;
+    return n <= n_past_ && std::max<int64_t>(0, n - m_->hparams().n_swa + 1) >= ring_first_;
+}
+
+void kv_cache::ring_kpos(int64_t n_after, int32_t * dst) const {
+    const int64_t first = std::max(ring_first_, n_after - ring_rows_);
+    for (int64_t r = 0; r < ring_rows_; ++r) {
+        // the latest position below n_after that lands on row r
+        const int64_t p = n_after - 1 - ((n_after - 1 - r) % ring_rows_ + ring_rows_) % ring_rows_;
+        dst[r] = p >= first && p >= 0 ? (int32_t) p : -1;
+    }
 }
 
 int64_t kv_cache::n_retained(int il) const {
@@ -162,8 +204,9 @@ size_t kv_cache::bytes_held() const {
 }
 
 void kv_cache::advance(int64_t n) {
-    if (n < 0 || n_past_ + n > n_ctx_ || (holds_rows_ && n_rows_max() + n > cap_))
+    if (n < 0 || n_past_ + n > n_ctx_ || (holds_rows_ && n_rows_max() + n > cap_) || n > max_append())
         throw error("KV cache advance past its end");
+    if (windowed()) ring_first_ = std::max(ring_first_, n_past_ + n - ring_rows_);
     if (sparse()) {
         for (layer_rows & L : rows_) {
             for (int64_t i = 0; i < n; ++i)
@@ -195,11 +238,51 @@ void copy_rows(const ggml_tensor * src, ggml_tensor * dst, int64_t n) {
     }
 }
 
+// the rows of positions [first, end) of a dense layer's tensor into a ring of
+// dst->ne[1] rows (position p at row p mod rows), one block per head
+void fill_ring(const ggml_tensor * src, ggml_tensor * dst, int64_t first, int64_t end) {
+    const size_t seg = ggml_row_size(src->type, src->ne[0]);
+    const int64_t rows = dst->ne[1], n = end - first;
+    std::vector<uint8_t> held(seg * (size_t) n), ring(seg * (size_t) rows, 0);
+    for (int64_t h = 0; h < src->ne[2] && n > 0; ++h) {
+        ggml_backend_tensor_get(src, held.data(), h * src->nb[2] + (size_t) first * seg, held.size());
+        for (int64_t p = first; p < end; ++p) std::memcpy(&ring[(p % rows) * seg], &held[(p - first) * seg], seg);
+        ggml_backend_tensor_set(dst, ring.data(), h * dst->nb[2], ring.size());
+    }
+}
+
 }  // namespace
+
+void kv_cache::copy_layer(int il, const storage & dst) const {
+    const int64_t n = ring(il) ? ring_rows_ : n_rows(il);
+    copy_rows(k_[il], dst.k[il], n);
+    copy_rows(v_[il], dst.v[il], n);
+}
+
+void kv_cache::trim_windows(int64_t slack) {
+    const model_hparams & hp = m_->hparams();
+    if (!hp.has_swa() || windowed() || sparse() || !holds_rows_) return;
+    if (slack < 0) throw error("a window's slack must not be negative");
+    const int64_t rows = alloc_rows(hp.n_swa + slack);
+    if (rows >= rows_alloc_) return;  // a ring as long as the cache saves nothing
+    storage dst = allocate(cap_, rows);
+    const int64_t first = std::max<int64_t>(0, n_past_ - rows);
+    for (int il = 0; il < (int) n_layer(); ++il) {
+        if (!hp.is_swa(il)) {
+            copy_layer(il, dst);
+            continue;
+        }
+        fill_ring(k_[il], dst.k[il], first, n_past_);
+        fill_ring(v_[il], dst.v[il], first, n_past_);
+    }
+    adopt(std::move(dst), cap_);
+    ring_first_ = first;
+}
 
 void kv_cache::compact(const std::vector<std::vector<std::vector<int64_t>>> & keep, int64_t reserve) {
     const model_hparams & hp = m_->hparams();
     const int64_t nl = n_layer(), nh = hp.n_head_kv;
+    if (windowed()) throw error("eviction: a windowed KV cache keeps its windowed layers as rings; evict before");
     if ((int64_t) keep.size() != nl) throw error("eviction: one keep list per layer is needed");
     if (reserve < 0) throw error("eviction: negative reserve");
     int64_t n_keep_max = 0;
@@ -254,6 +337,7 @@ void kv_cache::compact(const std::vector<std::vector<std::vector<int64_t>>> & ke
 }
 
 void kv_cache::set_positions(const std::vector<int32_t> & pos, int64_t n_past) {
+    if (windowed()) throw error("KV cache positions: a windowed cache keeps its windowed layers as rings");
     if ((int64_t) pos.size() > cap_ || n_past > n_ctx_ || (!pos.empty() && pos.back() >= n_past))
         throw error("KV cache positions do not fit the cache");
     for (size_t i = 1; i < pos.size(); ++i)
@@ -282,30 +366,24 @@ void kv_cache::reserve_rows(int64_t n) {
                     std::to_string(std::min(cap_, n_ctx_)) + " it can hold");
     // grow by half again, so a decode that outgrows its reserve does not copy every step
     const int64_t cap = std::min(n_ctx_, std::max(need, cap_ + cap_ / 2));
-    storage dst = allocate(cap);
-    for (int il = 0; il < (int) n_layer(); ++il) {
-        for (int kv = 0; kv < 2; ++kv) {
-            copy_rows(kv == 0 ? k_[il] : v_[il], kv == 0 ? dst.k[il] : dst.v[il], n_rows(il));
-        }
-    }
+    storage dst = allocate(cap, ring_rows_);
+    for (int il = 0; il < (int) n_layer(); ++il) copy_layer(il, dst);
     adopt(std::move(dst), cap);
 }
 
 std::unique_ptr<kv_cache> kv_cache::branch(int64_t reserve) const {
     auto c = std::unique_ptr<kv_cache>(
-        new kv_cache(*m_, n_ctx_, type_k_, type_v_, n_rows_max() + std::max<int64_t>(reserve, 0)));
-    for (int il = 0; il < (int) n_layer(); ++il) {
-        for (int kv = 0; kv < 2; ++kv) {
-            copy_rows(kv == 0 ? k_[il] : v_[il], kv == 0 ? c->k_[il] : c->v_[il], n_rows(il));
-        }
-    }
+        new kv_cache(*m_, n_ctx_, type_k_, type_v_, n_rows_max() + std::max<int64_t>(reserve, 0), ring_rows_));
+    storage dst;
+    dst.k = c->k_, dst.v = c->v_;
+    for (int il = 0; il < (int) n_layer(); ++il) copy_layer(il, dst);
     c->n_past_ = n_past_;
+    c->ring_first_ = ring_first_;
     c->rows_ = rows_;
     return c;
 }
 
-static std::vector<float> read_rows(const ggml_tensor * t, int64_t p0, int64_t n) {
-    const std::vector<uint8_t> raw = get_raw(t, n, p0);
+static std::vector<float> to_f32(const ggml_tensor * t, const std::vector<uint8_t> & raw, int64_t n) {
     const int64_t n_val = t->ne[0] * t->ne[2] * n;
     std::vector<float> out(n_val);
     if (t->type == GGML_TYPE_F32) {
@@ -316,11 +394,23 @@ static std::vector<float> read_rows(const ggml_tensor * t, int64_t p0, int64_t n
     return out;
 }
 
+std::vector<float> kv_cache::read_rows(const ggml_tensor * t, int il, int64_t p0, int64_t n) const {
+    if (!ring(il)) return to_f32(t, get_raw(t, n, p0), n);
+    if (p0 < ring_first_ || p0 + n > n_past_)
+        throw error("a windowed KV cache holds positions [" + std::to_string(ring_first_) + ", " +
+                    std::to_string(n_past_) + ") of layer " + std::to_string(il));
+    const std::vector<uint8_t> ring = get_raw(t, ring_rows_);
+    const size_t row = kv_token_row_bytes(t);
+    std::vector<uint8_t> raw(row * n);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&raw[i * row], &ring[((p0 + i) % ring_rows_) * row], row);
+    return to_f32(t, raw, n);
+}
+
 std::vector<float> kv_cache::read_k(int il, int64_t p0, int64_t n) const {
-    return read_rows(k_[il], p0, n);
+    return read_rows(k_[il], il, p0, n);
 }
 std::vector<float> kv_cache::read_v(int il, int64_t p0, int64_t n) const {
-    return read_rows(v_[il], p0, n);
+    return read_rows(v_[il], il, p0, n);
 }
 
 }  // namespace kvblend

@@ -23,6 +23,7 @@ llama_ref::llama_ref(const std::string & path, const llama_ref_params & p) : n_b
     cp.type_k = p.type_k;
     cp.type_v = p.type_v;
     cp.flash_attn_type = p.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cp.swa_full = p.swa_full;
     cp.no_perf = true;
     cp.cb_eval = p.cb_eval;
     cp.cb_eval_user_data = p.cb_eval_user_data;

@@ -19,6 +19,9 @@ struct llama_ref_params {
     ggml_type type_v = GGML_TYPE_F16;
     bool flash_attn = true;
     bool use_gpu = true;
+    // sliding-window layers keep every row (libllama's own default); false:
+    // about their window plus a micro-batch, as llama-server keeps them
+    bool swa_full = true;
     // repacked CPU weight layouts (e.g. q4_0 interleaved): faster, but their
     // kernels round differently from the plain layout our forward uses
     bool extra_bufts = true;

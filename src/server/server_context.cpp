@@ -143,6 +143,7 @@ struct server_context::impl {
         ep.type_v = p.type_v;
         ep.kv_codec = p.kv_codec;
         ep.evict = p.evict;
+        ep.swa_full = p.swa_full;
         // every slot's memory is allocated before serving
         slots = std::vector<slot>((size_t) p.parallel);
         if (batched()) {
@@ -344,6 +345,7 @@ struct server_context::impl {
     // --- steps ---------------------------------------------------------------
     // the slot's cache keeps the first keep tokens of its request
     void keep_head(slot & s, size_t keep) {
+        if (!cache_of(s).can_cut_to((int64_t) keep)) keep = 0;  // a window's rows before it are gone
         cache_of(s).set_n_past((int64_t) keep);
         s.j->n_cached = (int64_t) keep;
         s.held.tokens.resize(keep);
@@ -361,6 +363,8 @@ struct server_context::impl {
     // the prompt has run: sample the first token from its logits
     void begin_answer(slot & s, const std::vector<float> & logits) {
         job & j = *s.j;
+        // windowed layers keep their window, and room for a step's prompt tokens
+        if (!p.swa_full) cache_of(s).trim_windows(p.n_batch);
         j.kv_rows = cache_of(s).n_rows_max();
         j.prefill_ms = time_ms() - s.t_start;
         s.answer = std::make_unique<answer_stream>(j, m->tokens());

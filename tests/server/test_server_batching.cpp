@@ -170,6 +170,50 @@ TEST(server_batching, documents_by_text_and_by_id_beside_a_cancelled_and_a_refus
     EXPECT_EQ(metric(s, "kvblend_request_errors_total"), 0);
 }
 
+// a gemma-shaped model (window 16): with n_batch 16 each slot's windowed
+// layers become rings of 32 rows once it decodes, wrapped by 40-token answers;
+// the next prompt on a slot runs in its rings, from the head the rings still
+// hold (a continuation of its last answer) or from nothing
+TEST(server_batching, windowed_slots_answer_as_slots_that_keep_every_row) {
+    const std::string gemma = test::make_test_model("tiny-gemma3");
+    std::vector<json> bodies;
+    for (int i = 0; i < 4; ++i) {
+        std::string prompt = "The big dog";
+        for (int k = 0; k < 3 * i; ++k) prompt += " ran and then it sat";
+        bodies.push_back(completion(prompt, 40));
+    }
+    server_params full = batching_params();
+    full.parallel = 4;
+    full.swa_full = true;
+    server_params rings = full;
+    rings.swa_full = false;
+    std::vector<std::string> alone, next_alone;
+    std::vector<json> next;
+    {
+        running_server s(full, gemma);
+        for (const json & b : bodies) {
+            auto c = s.client();
+            alone.push_back(text_of(post(c, "/v1/completions", b)));
+            next.push_back(completion(b["prompt"].get<std::string>() + alone.back() + " and", 20));
+            next_alone.push_back(text_of(post(c, "/v1/completions", next.back())));
+        }
+    }
+    running_server s(rings, gemma);
+    for (int round = 0; round < 2; ++round) {
+        const std::vector<std::string> together = all_at_once(s, "/v1/completions", bodies);
+        for (size_t i = 0; i < bodies.size(); ++i) {
+            EXPECT_FALSE(alone[i].empty()) << i;
+            EXPECT_EQ(together[i], alone[i]) << "request " << i << " in round " << round;
+        }
+    }
+    for (size_t i = 0; i < bodies.size(); ++i) {  // one at a time: each continues on the slot it ran on
+        auto c = s.client();
+        EXPECT_EQ(text_of(post(c, "/v1/completions", bodies[i])), alone[i]) << i;
+        EXPECT_EQ(text_of(post(c, "/v1/completions", next[i])), next_alone[i]) << i;
+    }
+    EXPECT_EQ(metric(s, "kvblend_request_errors_total"), 0);
+}
+
 TEST(server_log, a_line_per_request_and_one_at_shutdown_unless_quiet) {
     for (bool quiet : {false, true}) {
         server_params p = test::small_params();
