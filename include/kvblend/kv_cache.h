@@ -128,8 +128,10 @@ class kv_cache {
     int64_t n_retained(int il) const;  // rows kept by the last compaction (dense: 0)
     bool per_head(int il) const;       // rows hold other positions per KV head
     int32_t row_pos(int il, int head, int64_t row) const;  // logical position held by a row of a head
-    // mask positions of a layer's rows [0, n_rows): 0 for retained rows (seen
-    // by every later query), the position for rows appended since
+    // mask positions of a layer's rows [0, n_rows): the position a row holds
+    // (retained rows, all older than any later query, with positions per head:
+    // the newest, so on a windowed layer such a row leaves the mask once every
+    // head's key in it is out of the window)
     void mask_pos(int il, int32_t * dst) const;
     // bytes really held: the filled rows of every layer and the position arrays
     size_t bytes_held() const;

@@ -439,7 +439,7 @@ graph::ubatch forward_driver::append_ubatch(const llama_token * tokens, int64_t 
         if (!eng_.live_ && (n == 1 || ub.score_rows.empty()))
             a.n_kv = padded_n_kv(a.n_kv, n, cache, eng_.mdl().on_gpu());
         // key positions: a dense cache's row r is position r (+ shift); a sparse
-        // cache's retained rows are visible to all, newer rows causal
+        // cache's rows the positions they hold (kv_cache::mask_pos)
         a.kpos.assign(a.n_kv, -1);
         if (cache.sparse())
             cache.mask_pos(il, a.kpos.data());

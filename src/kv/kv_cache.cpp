@@ -190,7 +190,12 @@ int32_t kv_cache::row_pos(int il, int head, int64_t row) const {
 
 void kv_cache::mask_pos(int il, int32_t * dst) const {
     const int64_t n = n_rows(il);
-    for (int64_t r = 0; r < n; ++r) dst[r] = r < n_retained(il) ? 0 : row_pos(il, 0, r);
+    const int64_t n_head = per_head(il) ? m_->hparams().n_head_kv : 1;
+    for (int64_t r = 0; r < n; ++r) {
+        int32_t p = row_pos(il, 0, r);
+        for (int64_t h = 1; r < n_retained(il) && h < n_head; ++h) p = std::max(p, row_pos(il, (int) h, r));
+        dst[r] = p;
+    }
 }
 
 size_t kv_cache::bytes_held() const {

@@ -83,24 +83,29 @@ std::vector<int64_t> random_subset(int64_t n, int64_t k, int seed) {
     return out;
 }
 
+// tiny-gemma3: its windowed layers (window 16) keep hiding retained rows that
+// fall out of the window, as the dense cache's do
 TEST(evict, full_retention_equals_the_dense_cache) {
-    auto m = model::load(test::make_test_model("tiny-qwen3"));
-    const auto prompt = test::random_tokens(*m, 70, 1), cont = test::random_tokens(*m, 6, 2);
-    engine dense(m, f32_params(128));
-    dense.eval(prompt);
-    const std::vector<float> want = dense.eval(cont, true);
-    for (evict_policy pol : {EVICT_POLICY_STREAMING, EVICT_POLICY_H2O, EVICT_POLICY_SNAPKV, EVICT_POLICY_PYRAMIDKV}) {
-        for (bool per_head : {false, true}) {
-            engine_params ep = f32_params(128);
-            ep.evict.policy = pol;
-            ep.evict.budget_share = 1.0;
-            ep.evict.per_head = per_head;
-            engine eng(m, ep);
-            eng.prefill(prompt);
-            ASSERT_TRUE(eng.evicted());
-            EXPECT_EQ(eng.cache().n_rows_max(), 70);
-            const std::vector<float> got = eng.eval(cont, true);
-            EXPECT_EQ(got, want) << evict_policy_name(pol);
+    for (const char * name : {"tiny-qwen3", "tiny-gemma3"}) {
+        auto m = model::load(test::make_test_model(name));
+        const auto prompt = test::random_tokens(*m, 70, 1), cont = test::random_tokens(*m, 6, 2);
+        engine dense(m, f32_params(128));
+        dense.eval(prompt);
+        const std::vector<float> want = dense.eval(cont, true);
+        for (evict_policy pol :
+             {EVICT_POLICY_STREAMING, EVICT_POLICY_H2O, EVICT_POLICY_SNAPKV, EVICT_POLICY_PYRAMIDKV}) {
+            for (bool per_head : {false, true}) {
+                engine_params ep = f32_params(128);
+                ep.evict.policy = pol;
+                ep.evict.budget_share = 1.0;
+                ep.evict.per_head = per_head;
+                engine eng(m, ep);
+                eng.prefill(prompt);
+                ASSERT_TRUE(eng.evicted());
+                EXPECT_EQ(eng.cache().n_rows_max(), 70);
+                const std::vector<float> got = eng.eval(cont, true);
+                EXPECT_EQ(got, want) << name << " " << evict_policy_name(pol);
+            }
         }
     }
 }
@@ -167,11 +172,11 @@ TEST(evict, appended_tokens_sit_at_their_true_positions) {
     EXPECT_LE(test::max_rel_diff(c.read_k(0, 12, 5), dense.cache().read_k(0, 50, 5)), 1e-6);
     // retained rows kept their own rotation
     for (int64_t r = 0; r < 12; ++r) EXPECT_EQ(c.read_k(2, r, 1), dense.cache().read_k(2, keep[2][0][r], 1)) << r;
-    // the mask: retained rows open to all, appended rows by position
+    // the mask: every row at the position it holds
     std::vector<int32_t> mp(c.n_rows(0));
     c.mask_pos(0, mp.data());
     EXPECT_EQ(mp[0], 0);
-    EXPECT_EQ(mp[11], 0);
+    EXPECT_EQ(mp[11], keep[0][0][11]);
     EXPECT_EQ(mp[12], 50);
     // rows appended since the compaction can be cut back and written again; retained ones cannot
     const std::vector<float> again = sparse.eval({cont[4]}, true);
@@ -198,8 +203,13 @@ TEST(evict, per_head_rows_select_per_head) {
     sparse.cache().compact(keep, 4);
     for (int il = 0; il < hp.n_layer; ++il) {
         EXPECT_TRUE(sparse.cache().per_head(il));
+        std::vector<int32_t> mask_pos(9);
+        sparse.cache().mask_pos(il, mask_pos.data());
         for (int64_t r = 0; r < 9; ++r) {
             const std::vector<float> row = sparse.cache().read_v(il, r, 1);
+            int64_t newest = 0;  // one mask for every head: the newest position the row holds
+            for (int64_t h = 0; h < hp.n_head_kv; ++h) newest = std::max(newest, keep[il][h][r]);
+            EXPECT_EQ(mask_pos[r], newest);
             for (int64_t h = 0; h < hp.n_head_kv; ++h) {
                 const int64_t p = keep[il][h][r];
                 EXPECT_EQ(sparse.cache().row_pos(il, (int) h, r), p);
