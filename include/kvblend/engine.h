@@ -128,7 +128,8 @@ class engine {
     // until it is complete (its rules: kvblend/answer.h); returns the decode time
     double run_answer(std::vector<float> last_logits, answer & a);
     // the cache's sliding-window layers become rings of their window (unless
-    // params().swa_full): what a decode keeps; run_answer does it first
+    // params().swa_full): what a decode keeps; run_answer does it once its
+    // first token is out
     void trim_windows();
     // run_answer with its tokens, text and decode time as a generate_result
     generate_result answer_from(std::vector<float> last_logits, answer & a);

