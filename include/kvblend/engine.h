@@ -39,10 +39,12 @@ struct engine_params {
     // the context a LongRoPE model picks its factors for (model::at_context), when
     // it is not n_ctx: a context that resizes its engine per request keeps one set
     int64_t n_ctx_seq = 0;
-    // sliding-window layers keep every row while decoding (as libllama's
-    // --swa-full), instead of rings of their window plus n_ubatch rows
-    // (kv_cache::trim_windows), which the decode loop makes of them
-    bool swa_full = false;
+    // sliding-window layers keep every row while decoding (libllama's
+    // swa_full, true by default there too). false: the decode loop makes them
+    // rings of their window plus n_ubatch rows (kv_cache::trim_windows) once
+    // the first token is out. not the default, as a cache that blends or
+    // prefills next needs every row again (docs/ARCHITECTURE.md, "Memory")
+    bool swa_full = true;
 };
 
 engine_params engine_default_params();

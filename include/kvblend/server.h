@@ -49,10 +49,6 @@ struct server_params {
     int32_t n_threads = 2;
     ggml_type type_k = GGML_TYPE_F16;
     ggml_type type_v = GGML_TYPE_F16;
-    // sliding-window layers keep every row while a slot decodes, instead of
-    // rings of their window plus n_batch rows (kv_cache::trim_windows), in
-    // which the slot's next plain prompt runs too
-    bool swa_full = false;
     // a live compressed cache per slot (turboquantB[+qjl], minicache[:…]):
     // prompts are prefilled whole (no fusion) and documents are refused, as
     // they are fused into a dense cache

@@ -35,9 +35,9 @@ model, same threads, same KV type, in the same run.
   -t, --threads N       CPU threads (default 2)
   -b, --ubatch N        micro-batch for both (default 512)
   --cache-type T        f16 (default), f32, q8_0 or q4_0 (both K and V)
-  --swa-full            sliding-window layers keep every row while decoding, on both
-                        sides (default: their window plus a micro-batch, on both sides,
-                        as llama-server keeps them)
+  --swa-rings           sliding-window layers keep their window plus a micro-batch while
+                        decoding, on both sides, as llama-server keeps them (default: every
+                        row, on both sides, as libllama's library does)
   --peer none|llama     time libllama too (default llama); 'none' also reports peak RSS
   --mmap                map the model file instead of reading the weights into memory
   --profile-ops         after the timed runs, one more prefill each with every
@@ -115,8 +115,8 @@ int bench_prefill(args & a) {
             ep.n_ubatch = a.integer(1, 1 << 16);
         else if (a.match({"--cache-type", "--cache-type-k", "--cache-type-v"}))
             ep.type_k = ep.type_v = parse_cache_type(a.str());
-        else if (a.match({"--swa-full"}))
-            ep.swa_full = true;
+        else if (a.match({"--swa-rings"}))
+            ep.swa_full = false;
         else if (a.match({"--peer"})) {
             const std::string p = a.str();
             if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");

@@ -63,8 +63,8 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   -b, --ubatch N          micro-batch (default 512)
   --cache-type T          KV cache type: f16 (default), f32, q8_0, q4_0
                           (--cache-type-k / --cache-type-v must then agree)
-  --swa-full              sliding-window layers keep every row while decoding (default:
-                          only their window plus one micro-batch)
+  --swa-rings             once the first token is out, sliding-window layers keep only their
+                          window plus one micro-batch (default: every row)
   --kv-codec NAME         fuse on a dense cache, then decode over a live compressed one
                           (turboquantB[+qjl], minicache[:thr=G]; CPU only)
   --json                  print one JSON object

@@ -41,8 +41,8 @@ const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
   -b, --ubatch N        prefill micro-batch (default 512)
   --cache-type T        KV cache type for K and V: f16 (default), f32, q8_0, q4_0
   --cache-type-k T      K cache type only (-ctk); --cache-type-v T: V only (-ctv)
-  --swa-full            sliding-window layers keep every row while decoding (default:
-                        only their window plus one micro-batch)
+  --swa-rings           once the first token is out, sliding-window layers keep only their
+                        window plus one micro-batch (default: every row; see docs/ARCHITECTURE.md)
   --kv-codec NAME       a live compressed cache instead: turboquant2 … turboquant4 (2.5, 3.5 too;
                         +qjl for the keys' QJL sketch) or minicache[:thr=G]; CPU only, tiles
                         dequantized on the fly
@@ -187,8 +187,8 @@ bool match_engine_flag(args & a, engine_params & ep) {
         ep.type_v = parse_cache_type(a.str());
     else if (a.match({"--kv-codec"}))
         ep.kv_codec = parse_kv_codec(a.str());
-    else if (a.match({"--swa-full"}))
-        ep.swa_full = true;
+    else if (a.match({"--swa-rings"}))
+        ep.swa_full = false;
     else
         return false;
     return true;

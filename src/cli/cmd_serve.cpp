@@ -60,8 +60,6 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   -t, --threads N           CPU threads per slot (default 2)
   --cache-type T            KV cache type for K and V: f16 (default), f32, q8_0, q4_0
   --cache-type-k T          K only (-ctk); --cache-type-v T: V only (-ctv). Documents need K and V alike
-  --swa-full                sliding-window layers keep every row while a slot decodes (default:
-                            only their window plus one batch)
   --kv-codec NAME           live compressed slot caches: turboquantB[+qjl] or minicache[:thr=G] (CPU
                             only). prompts are prefilled whole; requests with documents get a 400
 
@@ -187,8 +185,6 @@ int cmd_serve(int argc, char ** argv) {
             sp.n_threads = (int32_t) a.integer(1, 1024);
         else if (a.match({"--cache-type"}))
             sp.type_k = sp.type_v = parse_cache_type(a.str());
-        else if (a.match({"--swa-full"}))
-            sp.swa_full = true;
         else if (a.match({"--cache-type-k", "-ctk"}))
             sp.type_k = parse_cache_type(a.str());
         else if (a.match({"--cache-type-v", "-ctv"}))

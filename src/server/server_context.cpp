@@ -143,7 +143,6 @@ struct server_context::impl {
         ep.type_v = p.type_v;
         ep.kv_codec = p.kv_codec;
         ep.evict = p.evict;
-        ep.swa_full = p.swa_full;
         // every slot's memory is allocated before serving
         slots = std::vector<slot>((size_t) p.parallel);
         if (batched()) {
@@ -332,7 +331,8 @@ struct server_context::impl {
             with_engine(s, [&](engine & eng) { s.prepared_logits = run_fused(eng, j); });
             s.held = {j.tokens, 0};
         } else {
-            const size_t keep = keep_head(s, j.cache_prompt ? reusable_prefix(s, j) : 0);
+            const size_t keep = j.cache_prompt ? reusable_prefix(s, j) : 0;
+            keep_head(s, keep);
             // prefill applies the slot's eviction policy
             s.prepared_logits =
                 s.own->prefill(std::vector<llama_token>(j.tokens.begin() + (ptrdiff_t) keep, j.tokens.end()));
@@ -342,21 +342,19 @@ struct server_context::impl {
     }
 
     // --- steps ---------------------------------------------------------------
-    // the slot's cache keeps the first keep tokens of its request, or none
-    // when its windows' rows before keep are gone; returns what it kept
-    size_t keep_head(slot & s, size_t keep) {
-        if (!cache_of(s).can_cut_to((int64_t) keep)) keep = 0;
+    // the slot's cache keeps the first keep tokens of its request
+    void keep_head(slot & s, size_t keep) {
         cache_of(s).set_n_past((int64_t) keep);
         s.j->n_cached = (int64_t) keep;
         s.held.tokens.resize(keep);
         s.held.exact = std::min(s.held.exact, keep);
-        return keep;
     }
 
     // a plain prompt on a batched server: keep the slot's exact cached head; the steps prefill the rest
     void start_plain(slot & s) {
         job & j = *s.j;
-        const size_t keep = keep_head(s, j.cache_prompt ? reusable_prefix(s, j) : 0);
+        const size_t keep = j.cache_prompt ? reusable_prefix(s, j) : 0;
+        keep_head(s, keep);
         s.prompt_left.assign(j.tokens.begin() + (ptrdiff_t) keep, j.tokens.end());
     }
 
@@ -367,9 +365,6 @@ struct server_context::impl {
         j.prefill_ms = time_ms() - s.t_start;
         s.answer = std::make_unique<answer_stream>(j, m->tokens());
         take_logits(s, logits.data() + logits.size() - m->hparams().n_vocab);
-        // the first token is out: windowed layers keep their window from here
-        // on, and room for a step's prompt tokens
-        if (running(s) && !p.swa_full) guarded_slot(s, [&] { cache_of(s).trim_windows(p.n_batch); });
     }
 
     // the logits after the slot's last token: its next token, or the end of its answer
