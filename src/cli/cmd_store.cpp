@@ -61,7 +61,8 @@ const char * k_store_help = R"(usage: kvblend store stats|ls|verify|gc --store U
   stats      entries, bytes and budget
   ls         one line per entry: key, bytes, last use
   verify     read every entry and check it (structure, checksum; with -m also
-             that it belongs to MODEL); unusable entries are removed
+             that it belongs to MODEL, either factor set of a LongRoPE one);
+             unusable entries are removed
   gc         enforce the size budget (least recently used first) and clean up
 
   --store URI        dir:PATH (or a bare path) or
@@ -255,8 +256,15 @@ int cmd_store(int argc, char ** argv) {
         // keys others wrote need not be UTF-8: such bytes are printed as U+FFFD, not an error
         if (json) std::printf("%s\n", rows.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     } else if (what == "verify") {
-        std::shared_ptr<model> m;
-        if (!model_path.empty()) m = model::load(model_path);
+        // a LongRoPE model's chunks are of two models: its short factors' and
+        // (a context past its original one) its long factors'
+        std::vector<std::shared_ptr<const model>> models;
+        if (!model_path.empty()) {
+            std::shared_ptr<const model> m = model::load(model_path);
+            models.push_back(m);
+            const auto m_long = model::at_context(m, m->hparams().n_ctx_orig + 1);
+            if (m_long->fingerprint() != m->fingerprint()) models.push_back(m_long);
+        }
         uint64_t ok = 0, bad = 0, skipped = 0;
         for (const auto & e : st->list()) {
             std::optional<std::vector<uint8_t>> bytes;
@@ -278,7 +286,10 @@ int cmd_store(int argc, char ** argv) {
             }
             // listed but no entry to read: removed meanwhile, or something else
             // in its place (a directory, a redis key of another type)
-            const std::string why = bytes ? chunk_entry_check(*bytes, m.get(), e.key) : "not a readable entry";
+            std::string why = bytes ? std::string() : "not a readable entry";
+            if (bytes && models.empty()) why = chunk_entry_check(*bytes, nullptr, e.key);
+            for (size_t i = 0; bytes && why.empty() && i < models.size(); ++i)
+                why = chunk_entry_check(*bytes, models[i].get(), e.key);
             if (!bytes && !st->erase(e.key)) continue;  // removed meanwhile
             if (why.empty()) {
                 ++ok;

@@ -471,5 +471,32 @@ TEST(chunk_store, cli_blend_uses_the_store_and_store_commands_work) {
     EXPECT_EQ(test::run_cli("ingest -m " + k_stories + " --store " + d.path().string() + " /nonexistent").status, 1);
 }
 
+// a LongRoPE model's chunks of a long context are its long factors' model's
+// (their own fingerprint): verify -m checks them against it too, so an entry
+// under another chunk's key is found there as under the short factors
+TEST(chunk_store, verify_checks_a_longrope_models_long_context_chunks) {
+    const std::string phi = test::make_test_model("tiny-phi3-longrope");  // original context 256
+    test::temp_dir docs("docs"), d("store");
+    const std::string f1 = docs.file("a.txt"), f2 = docs.file("b.txt");
+    std::ofstream(f1) << "Tom had a red ball. He liked to throw it high in the sky.";
+    std::ofstream(f2) << "Sue found a little cat in the garden. The cat was hungry.";
+    const test::run_result ing =
+        test::run_cli("ingest -m " + phi + " -c 512 --store dir:" + d.path().string() + " " + f1 + " " + f2);
+    ASSERT_EQ(ing.status, 0) << ing.err;
+    auto st = store_open(d.path().string());
+    const auto entries = st->list();
+    ASSERT_EQ(entries.size(), 2u);
+    const std::string verify = "store verify -m " + phi + " --json --store " + d.path().string();
+    test::run_result v = test::run_cli(verify);
+    ASSERT_EQ(v.status, 0) << v.err;
+    EXPECT_EQ(nlohmann::json::parse(v.out)["ok"].get<int>(), 2);
+    // one chunk's whole entry under the other's key: sound bytes, wrong chunk
+    fs::copy_file(entry_file(d, entries[0].key), entry_file(d, entries[1].key), fs::copy_options::overwrite_existing);
+    v = test::run_cli(verify);
+    ASSERT_EQ(v.status, 0) << v.err;
+    EXPECT_EQ(nlohmann::json::parse(v.out)["removed"].get<int>(), 1) << v.err;
+    EXPECT_NE(v.err.find(entries[1].key), std::string::npos) << v.err;
+}
+
 }  // namespace
 }  // namespace kvblend
