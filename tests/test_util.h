@@ -105,6 +105,11 @@ inline std::vector<llama_token> random_tokens(const model & m, int64_t n, int se
     return t;
 }
 
+// the id of the largest logit (greedy)
+inline llama_token argmax(const std::vector<float> & logits) {
+    return (llama_token) (std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
 // a chunk of n_tok tokens (each id 1) of this shape, its rows all zero
 inline chunk_kv zero_chunk(int64_t n_tok, int64_t n_embd_kv, int64_t n_layer, ggml_type type) {
     chunk_kv c;

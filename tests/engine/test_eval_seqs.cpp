@@ -16,28 +16,6 @@ namespace {
 // the forward-equivalence tolerance: 1e-3 of the largest logit
 constexpr double k_tol = 1e-3;
 
-double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
-    EXPECT_EQ(a.size(), b.size());
-    double d = 0, top = 0;
-    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-        d = std::max(d, (double) std::fabs(a[i] - b[i]));
-        top = std::max(top, (double) std::fabs(b[i]));
-    }
-    return d / top;
-}
-
-llama_token argmax(const std::vector<float> & l) {
-    return (llama_token) (std::max_element(l.begin(), l.end()) - l.begin());
-}
-
-std::vector<llama_token> random_prompt(const model & m, int64_t n, unsigned seed) {
-    std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> dist(0, (int) m.hparams().n_vocab - 1);
-    std::vector<llama_token> t(n);
-    for (auto & x : t) x = dist(rng);
-    return t;
-}
-
 engine_params f32_params() {
     engine_params ep = engine_default_params();
     ep.n_ctx = 512;
@@ -53,7 +31,7 @@ std::vector<std::vector<float>> alone(std::shared_ptr<const model> m, const std:
     for (size_t b = 0; b < prompt.size(); b += chunk)
         l = eng.eval(std::vector<llama_token>(prompt.begin() + b, prompt.begin() + std::min(prompt.size(), b + chunk)));
     std::vector<std::vector<float>> out{l};
-    for (int i = 0; i < steps; ++i) out.push_back(l = eng.eval({argmax(l)}));
+    for (int i = 0; i < steps; ++i) out.push_back(l = eng.eval({test::argmax(l)}));
     return out;
 }
 
@@ -64,8 +42,8 @@ TEST_P(eval_seqs_test, each_sequence_gets_its_logits_alone_while_others_prefill_
     const int64_t chunk = 16;
     const int steps = 12;
     // prompts of other lengths, so that the sequences prefill and decode at once
-    const std::vector<std::vector<llama_token>> prompts = {random_prompt(*m, 7, 1), random_prompt(*m, 40, 2),
-                                                           random_prompt(*m, 23, 3)};
+    const std::vector<std::vector<llama_token>> prompts = {
+        test::random_tokens(*m, 7, 1), test::random_tokens(*m, 40, 2), test::random_tokens(*m, 23, 3)};
     engine eng(m, f32_params());
     std::vector<std::unique_ptr<kv_cache>> caches;
     for (size_t i = 0; i < prompts.size(); ++i) caches.push_back(eng.branch_cache(512));
@@ -81,7 +59,7 @@ TEST_P(eval_seqs_test, each_sequence_gets_its_logits_alone_while_others_prefill_
                 step.push_back({caches[i].get(), {prompts[i].begin() + fed[i], prompts[i].begin() + e}, true});
                 fed[i] = e;
             } else if ((int) got[i].size() <= steps) {  // its next greedy token
-                step.push_back({caches[i].get(), {argmax(got[i].back())}, true});
+                step.push_back({caches[i].get(), {test::argmax(got[i].back())}, true});
             } else
                 continue;
             who.push_back(i);
@@ -95,8 +73,8 @@ TEST_P(eval_seqs_test, each_sequence_gets_its_logits_alone_while_others_prefill_
         const auto ref = alone(m, prompts[i], chunk, steps);
         ASSERT_EQ(got[i].size(), ref.size()) << "sequence " << i;
         for (size_t s = 0; s < ref.size(); ++s) {
-            EXPECT_LT(rel_diff(got[i][s], ref[s]), k_tol) << "sequence " << i << " step " << s;
-            EXPECT_EQ(argmax(got[i][s]), argmax(ref[s])) << "sequence " << i << " step " << s;
+            EXPECT_LT(test::max_rel_diff(got[i][s], ref[s]), k_tol) << "sequence " << i << " step " << s;
+            EXPECT_EQ(test::argmax(got[i][s]), test::argmax(ref[s])) << "sequence " << i << " step " << s;
         }
         EXPECT_EQ(caches[i]->n_past(), (int64_t) prompts[i].size() + steps);
     }

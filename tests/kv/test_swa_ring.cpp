@@ -19,28 +19,6 @@ namespace {
 // and rounding"): the rings attend over other rows in another order
 constexpr double k_tol = 2e-4;
 
-double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
-    EXPECT_EQ(a.size(), b.size());
-    double d = 0, top = 0;
-    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-        d = std::max(d, (double) std::fabs(a[i] - b[i]));
-        top = std::max(top, (double) std::fabs(b[i]));
-    }
-    return d / top;
-}
-
-llama_token argmax(const std::vector<float> & l) {
-    return (llama_token) (std::max_element(l.begin(), l.end()) - l.begin());
-}
-
-std::vector<llama_token> random_tokens(const model & m, int64_t n, unsigned seed) {
-    std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> dist(0, (int) m.hparams().n_vocab - 1);
-    std::vector<llama_token> t(n);
-    for (auto & x : t) x = dist(rng);
-    return t;
-}
-
 class swa_ring : public ::testing::Test {
   protected:
     void SetUp() override {
@@ -60,11 +38,11 @@ class swa_ring : public ::testing::Test {
     // greedy steps from logits l on both engines; each step's logits agree
     void decode_both(engine & full, engine & ring, std::vector<float> & lf, std::vector<float> & lr, int steps) const {
         for (int i = 0; i < steps; ++i) {
-            const llama_token t = argmax(lf);
-            ASSERT_EQ(t, argmax(lr)) << "step " << i;
+            const llama_token t = test::argmax(lf);
+            ASSERT_EQ(t, test::argmax(lr)) << "step " << i;
             lf = full.eval({t});
             lr = ring.eval({t});
-            ASSERT_LT(rel_diff(lr, lf), k_tol) << "step " << i;
+            ASSERT_LT(test::max_rel_diff(lr, lf), k_tol) << "step " << i;
         }
     }
     std::shared_ptr<const model> m;
@@ -72,7 +50,7 @@ class swa_ring : public ::testing::Test {
 
 TEST_F(swa_ring, decoding_and_appending_prompts_in_rings_equals_every_row_in_less_memory) {
     auto full = make(true), ring = make(false);
-    const std::vector<llama_token> prompt = random_tokens(*m, 60, 1);
+    const std::vector<llama_token> prompt = test::random_tokens(*m, 60, 1);
     std::vector<float> lf = full->eval(prompt), lr = ring->eval(prompt);
     full->trim_windows();  // swa_full: no effect
     ring->trim_windows();
@@ -83,14 +61,14 @@ TEST_F(swa_ring, decoding_and_appending_prompts_in_rings_equals_every_row_in_les
     EXPECT_EQ(ring->cache().ring_first(), 60 - 24);
     // 2 of 6 layers global: the rings hold 24 rows where the others hold 256
     EXPECT_LT(ring->cache().bytes() * 2, full->cache().bytes());
-    EXPECT_LT(rel_diff(lr, lf), k_tol);
+    EXPECT_LT(test::max_rel_diff(lr, lf), k_tol);
     decode_both(*full, *ring, lf, lr, 70);  // the rings wrap about three times
 
     // a prompt appended to the rings runs in steps that fit them (max_append)
-    const std::vector<llama_token> more = random_tokens(*m, 30, 2);
+    const std::vector<llama_token> more = test::random_tokens(*m, 30, 2);
     lf = full->eval(more);
     lr = ring->eval(more);
-    EXPECT_LT(rel_diff(lr, lf), k_tol);
+    EXPECT_LT(test::max_rel_diff(lr, lf), k_tol);
     decode_both(*full, *ring, lf, lr, 10);
     EXPECT_EQ(ring->cache().n_past(), full->cache().n_past());
     EXPECT_EQ(ring->cache().n_rows(0), 24);                      // a windowed layer
@@ -100,7 +78,7 @@ TEST_F(swa_ring, decoding_and_appending_prompts_in_rings_equals_every_row_in_les
 // the decode loop trims once the first token is out (off the time to first
 // token), and answers with the tokens of a cache that keeps every row
 TEST_F(swa_ring, generate_trims_after_the_first_token_and_answers_alike) {
-    const std::vector<llama_token> prompt = random_tokens(*m, 40, 3);
+    const std::vector<llama_token> prompt = test::random_tokens(*m, 40, 3);
     std::vector<llama_token> answers[2];
     for (bool swa_full : {true, false}) {
         auto eng = make(swa_full);
@@ -120,7 +98,7 @@ TEST_F(swa_ring, generate_trims_after_the_first_token_and_answers_alike) {
 
 TEST_F(swa_ring, the_rings_hold_the_window_rows_and_refuse_older_ones) {
     auto full = make(true), ring = make(false);
-    const std::vector<llama_token> prompt = random_tokens(*m, 40, 3);
+    const std::vector<llama_token> prompt = test::random_tokens(*m, 40, 3);
     std::vector<float> lf = full->eval(prompt), lr = ring->eval(prompt);
     ring->trim_windows();
     decode_both(*full, *ring, lf, lr, 30);
@@ -136,7 +114,7 @@ TEST_F(swa_ring, the_rings_hold_the_window_rows_and_refuse_older_ones) {
 
 TEST_F(swa_ring, cutting_back_keeps_what_the_window_sees_or_is_refused) {
     auto full = make(true), ring = make(false);
-    const std::vector<llama_token> prompt = random_tokens(*m, 50, 4);
+    const std::vector<llama_token> prompt = test::random_tokens(*m, 50, 4);
     std::vector<float> lf = full->eval(prompt), lr = ring->eval(prompt);
     ring->trim_windows();
     decode_both(*full, *ring, lf, lr, 20);
@@ -151,22 +129,22 @@ TEST_F(swa_ring, cutting_back_keeps_what_the_window_sees_or_is_refused) {
     const int64_t to = n - 6;
     r.set_n_past(to);
     full->cache().set_n_past(to);
-    const std::vector<llama_token> redo = random_tokens(*m, 12, 5);
+    const std::vector<llama_token> redo = test::random_tokens(*m, 12, 5);
     lf = full->eval(redo);
     lr = ring->eval(redo);
-    EXPECT_LT(rel_diff(lr, lf), k_tol);
+    EXPECT_LT(test::max_rel_diff(lr, lf), k_tol);
     decode_both(*full, *ring, lf, lr, 5);
     // cut to nothing: the rings stay rings, and a new prompt starts over in them
     r.set_n_past(0);
     full->cache().set_n_past(0);
     EXPECT_TRUE(r.windowed());
-    const std::vector<llama_token> again = random_tokens(*m, 33, 6);
-    EXPECT_LT(rel_diff(ring->eval(again), full->eval(again)), k_tol);
+    const std::vector<llama_token> again = test::random_tokens(*m, 33, 6);
+    EXPECT_LT(test::max_rel_diff(ring->eval(again), full->eval(again)), k_tol);
 }
 
 TEST_F(swa_ring, a_branch_decodes_on_as_its_source_and_clear_brings_every_row_back) {
     auto full = make(true), ring = make(false);
-    const std::vector<llama_token> prompt = random_tokens(*m, 45, 7);
+    const std::vector<llama_token> prompt = test::random_tokens(*m, 45, 7);
     std::vector<float> lf = full->eval(prompt), lr = ring->eval(prompt);
     ring->trim_windows();
     decode_both(*full, *ring, lf, lr, 12);
@@ -184,7 +162,7 @@ TEST_F(swa_ring, a_branch_decodes_on_as_its_source_and_clear_brings_every_row_ba
     EXPECT_FALSE(ring->cache().windowed());
     EXPECT_GT(ring->cache().bytes(), windowed_bytes);
     EXPECT_EQ(ring->cache().bytes(), full->cache().bytes());
-    const std::vector<llama_token> doc = random_tokens(*m, 40, 8), q = random_tokens(*m, 6, 9);
+    const std::vector<llama_token> doc = test::random_tokens(*m, 40, 8), q = test::random_tokens(*m, 6, 9);
     const chunk_kv c = collect(*ring, doc);
     EXPECT_EQ(c.n_tokens(), 40);
     blend_params bp = blend_default_params();
@@ -192,7 +170,7 @@ TEST_F(swa_ring, a_branch_decodes_on_as_its_source_and_clear_brings_every_row_ba
     auto other = make(true);
     const chunk_kv c2 = collect(*other, doc);
     const blend_result a = blend(*ring, {&c}, q, bp), b = blend(*other, {&c2}, q, bp);
-    EXPECT_LT(rel_diff(a.logits, b.logits), k_tol);
+    EXPECT_LT(test::max_rel_diff(a.logits, b.logits), k_tol);
     // and a fused cache becomes rings when it decodes, as a prefilled one does
     ring->trim_windows();
     EXPECT_TRUE(ring->cache().windowed());
@@ -201,32 +179,32 @@ TEST_F(swa_ring, a_branch_decodes_on_as_its_source_and_clear_brings_every_row_ba
 TEST_F(swa_ring, batched_steps_append_to_rings_as_one_engine_does) {
     auto eng = make(true);  // the engine the batch runs on; the caches are the sequences'
     auto a_full = make(true), b_ring = make(false);
-    const std::vector<llama_token> pa = random_tokens(*m, 30, 10), pb = random_tokens(*m, 41, 11);
+    const std::vector<llama_token> pa = test::random_tokens(*m, 30, 10), pb = test::random_tokens(*m, 41, 11);
     std::vector<float> la = a_full->eval(pa), lb = b_ring->eval(pb);
     b_ring->trim_windows();
     auto ca = a_full->branch_cache(128), cb = b_ring->branch_cache(128);
     ASSERT_TRUE(cb->windowed());
     std::vector<float> sa = la, sb = lb;
     for (int step = 0; step < 40; ++step) {
-        const llama_token ta = argmax(sa), tb = argmax(sb);
-        ASSERT_EQ(ta, argmax(la));
-        ASSERT_EQ(tb, argmax(lb));
+        const llama_token ta = test::argmax(sa), tb = test::argmax(sb);
+        ASSERT_EQ(ta, test::argmax(la));
+        ASSERT_EQ(tb, test::argmax(lb));
         // every 10th step, sequence b takes a prompt chunk as long as its rings allow
         std::vector<llama_token> b_in = {tb};
         if (step % 10 == 9) {
-            const std::vector<llama_token> extra = random_tokens(*m, 8, 12 + step);
+            const std::vector<llama_token> extra = test::random_tokens(*m, 8, 12 + step);
             b_in.insert(b_in.end(), extra.begin(), extra.end());
         }
         const auto out = eng->eval_seqs({{ca.get(), {ta}, true}, {cb.get(), b_in, true}});
         la = a_full->eval({ta});
         lb = b_ring->eval(b_in);
         sa = out[0], sb = out[1];
-        ASSERT_LT(rel_diff(sa, la), k_tol) << "step " << step;
-        ASSERT_LT(rel_diff(sb, lb), k_tol) << "step " << step;
+        ASSERT_LT(test::max_rel_diff(sa, la), k_tol) << "step " << step;
+        ASSERT_LT(test::max_rel_diff(sb, lb), k_tol) << "step " << step;
     }
     // a step longer than the rings take is refused before it runs
     const int64_t n_before = cb->n_past();
-    EXPECT_THROW(eng->eval_seqs({{cb.get(), random_tokens(*m, 10, 99), true}}), error);
+    EXPECT_THROW(eng->eval_seqs({{cb.get(), test::random_tokens(*m, 10, 99), true}}), error);
     EXPECT_EQ(cb->n_past(), n_before);
 }
 
