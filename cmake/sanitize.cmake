@@ -6,9 +6,20 @@
 # ASan still sees their heap through its malloc; it does not check their code.
 #
 #   KVBLEND_SANITIZE=ON  AddressSanitizer + UndefinedBehaviorSanitizer (gcc or clang)
+#   KVBLEND_TSAN=ON      ThreadSanitizer, set up by cmake/tsan.cmake (ggml too)
 #   KVBLEND_FUZZ=ON      the libFuzzer targets of fuzz/ (clang only), with ASan + UBSan
 option(KVBLEND_SANITIZE "build our code with ASan and UBSan" OFF)
 option(KVBLEND_FUZZ "build the libFuzzer targets in fuzz/ (needs clang)" OFF)
+# an instrumented libkvblend cannot be loaded by the plain python3 or linked by
+# the plain consumers of the install test: such builds skip those tests
+set(KVBLEND_INSTRUMENTED OFF)
+if (KVBLEND_SANITIZE OR KVBLEND_TSAN OR KVBLEND_FUZZ)
+    set(KVBLEND_INSTRUMENTED ON)
+endif()
+
+if (KVBLEND_TSAN AND (KVBLEND_SANITIZE OR KVBLEND_FUZZ))
+    message(FATAL_ERROR "KVBLEND_TSAN cannot be combined with KVBLEND_SANITIZE or KVBLEND_FUZZ")
+endif()
 
 if (KVBLEND_SANITIZE OR KVBLEND_FUZZ)
     set(KVBLEND_SANITIZE_FLAGS -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)

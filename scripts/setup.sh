@@ -4,8 +4,10 @@
 # source once, and lets cmake/ninja rebuild only what changed.
 #
 # environment knobs:
-#   KVBLEND_BUILD_DIR   build folder (default: build; build-sanitize with KVBLEND_SANITIZE=1)
+#   KVBLEND_BUILD_DIR   build folder (default: build; build-sanitize with KVBLEND_SANITIZE=1,
+#                       build-tsan with KVBLEND_SANITIZE=thread)
 #   KVBLEND_SANITIZE=1  build kvblend with ASan + UBSan (ggml and libllama stay uninstrumented)
+#   KVBLEND_SANITIZE=thread  with ThreadSanitizer instead
 #   KVBLEND_CUDA=1      build the CUDA backend too (needs the CUDA toolkit), into build-cuda
 #   KVBLEND_CUDA_ARCH   CUDA architectures to compile for (e.g. 90 for H100/H200; default:
 #                       the GPUs of this machine; set it on a machine without one)
@@ -23,6 +25,7 @@ LLAMA_COMMIT="80fb11ac73e66d89eae2c6a91d8a77428fa733ed"
 LLAMA_DIR="$root/third_party/llama.cpp"
 SANITIZE="${KVBLEND_SANITIZE:-0}"
 if [[ "$SANITIZE" == 1 ]]; then BUILD_DIR="${KVBLEND_BUILD_DIR:-build-sanitize}"
+elif [[ "$SANITIZE" == thread ]]; then BUILD_DIR="${KVBLEND_BUILD_DIR:-build-tsan}"
 elif [[ "${KVBLEND_CUDA:-0}" == 1 ]]; then BUILD_DIR="${KVBLEND_BUILD_DIR:-build-cuda}"
 else BUILD_DIR="${KVBLEND_BUILD_DIR:-build}"; fi
 JOBS="${KVBLEND_JOBS:-$(nproc)}"
@@ -109,6 +112,7 @@ else
   cmake_args+=(-DKVBLEND_CUDA=OFF)
 fi
 [[ "$SANITIZE" == 1 ]] && cmake_args+=(-DKVBLEND_SANITIZE=ON) || cmake_args+=(-DKVBLEND_SANITIZE=OFF)
+[[ "$SANITIZE" == thread ]] && cmake_args+=(-DKVBLEND_TSAN=ON) || cmake_args+=(-DKVBLEND_TSAN=OFF)
 log "configuring $BUILD_DIR"
 cmake "${cmake_args[@]}" >/dev/null
 log "building ($JOBS jobs)"
