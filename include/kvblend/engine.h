@@ -101,10 +101,11 @@ class engine {
 
     // continuous batching: append each sequence's tokens to its own dense
     // cache (made for this model, e.g. by branch_cache or kv_cache(mdl(), …))
-    // in one forward, the weights read once for all of them. the result holds,
-    // per sequence, its last token's logits (empty where it asked for none).
-    // throws kvblend::error for a sparse, positions-only or overflowing cache,
-    // or one cache given twice; nothing is written then
+    // in forwards of up to n_ubatch tokens, the weights read once for all the
+    // sequences of each; a sequence that does not fit goes on in the next.
+    // the result holds, per sequence, its last token's logits (empty where it
+    // asked for none). throws kvblend::error for a sparse, positions-only or
+    // overflowing cache, or one cache given twice; nothing is written then
     struct seq_tokens {
         kv_cache * cache = nullptr;
         std::vector<llama_token> tokens;

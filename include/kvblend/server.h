@@ -21,10 +21,13 @@ struct server_params {
     std::string codec = "raw";
     int64_t n_ctx = 4096;  // per slot
     int parallel = 1;      // slots: requests computed at once
-    // prompt tokens one step of the serving loop prefills (chunked prefill).
-    // pace_prompts: of a prompt longer than that, fewer while other slots
-    // stream (about what adds 0.8 of a decoding step), so it never stalls them
-    int64_t n_batch = 512;
+    // prompt tokens one step of the serving loop prefills (chunked prefill),
+    // in forwards of at most n_ubatch tokens (llama-server's logical and
+    // physical batch). a prompt longer than n_ubatch is paced while other
+    // slots stream: a step takes only about what adds 0.8 of a decoding step,
+    // so it never stalls them (pace_prompts false: as much as the batch holds)
+    int64_t n_batch = 2048;
+    int64_t n_ubatch = 512;
     bool pace_prompts = true;
     int max_queue = 64;          // waiting requests beyond the slots; more get 503
     float recomp_ratio = 0.08f;  // blend_default_params()'s

@@ -131,10 +131,12 @@ const char * k_words[] = {
 };
 constexpr size_t k_n_words = sizeof(k_words) / sizeof(k_words[0]);
 
-// the generator of one request's text: the same (seed, client, request) gives
-// the same text on both servers
-std::mt19937_64 request_rng(uint64_t seed, int64_t client, int64_t request, int64_t stream) {
-    std::seed_seq s{(uint32_t) seed, (uint32_t) (seed >> 32), (uint32_t) client, (uint32_t) request, (uint32_t) stream};
+// the generator of one request's text: the same (seed, run, client, request)
+// gives the same text on both servers. run: the client count, so that a run
+// never repeats an earlier run's prompts, which a prefix cache would serve
+std::mt19937_64 request_rng(uint64_t seed, int64_t run, int64_t client, int64_t request, int64_t stream) {
+    std::seed_seq s{(uint32_t) seed,   (uint32_t) (seed >> 32), (uint32_t) run,
+                    (uint32_t) client, (uint32_t) request,      (uint32_t) stream};
     return std::mt19937_64(s);
 }
 
@@ -181,15 +183,15 @@ class request_set {
   public:
     request_set(const load_target & t, const load_opts & o) : t_(t), o_(o) {
         const vocab voc(t.model_path);
-        std::mt19937_64 rng = request_rng(o.seed, -1, -1, 0);
+        std::mt19937_64 rng = request_rng(o.seed, -1, -1, -1, 0);
         if (o.mode == "rag")
             for (int64_t i = 0; i < o.doc_set; ++i) docs_.push_back(text_of_tokens(voc, rng, t.doc_tokens));
         if (o.long_prompt_tokens > 0) long_prompt_ = text_of_tokens(voc, rng, o.long_prompt_tokens);
     }
 
-    // client's request-th request, for kvblend (peer false) or the peer
-    wire_request at(int64_t client, int64_t request, bool peer) const {
-        std::mt19937_64 rng = request_rng(o_.seed, client, request, 1);
+    // client's request-th request in the run of n_clients, for kvblend (peer false) or the peer
+    wire_request at(int64_t n_clients, int64_t client, int64_t request, bool peer) const {
+        std::mt19937_64 rng = request_rng(o_.seed, n_clients, client, request, 1);
         if (o_.mode == "plain") return completion(random_words(rng, o_.prompt_words), o_.max_tokens);
         std::vector<size_t> order(docs_.size());
         std::iota(order.begin(), order.end(), 0);
@@ -242,6 +244,7 @@ struct stream_result {
     double sent_ms = 0, end_ms = 0;
     std::vector<double> chunk_ms;  // arrival of each chunk with generated text
     int64_t usage_tokens = -1;     // usage.completion_tokens; -1: none was sent
+    int64_t cached_tokens = -1;    // usage.prompt_tokens_details.cached_tokens; -1: none was sent
     std::string finish_reason;
     std::string error;  // empty: answered to the end
     bool done = false;  // data: [DONE] came
@@ -289,6 +292,9 @@ void take_event(const std::string & data, double now_ms, stream_result & s) {
             return;
         }
         s.usage_tokens = n.get<int64_t>();
+        const json & details = j["usage"].value("prompt_tokens_details", json::object());
+        if (details.is_object() && details.contains("cached_tokens") && details["cached_tokens"].is_number_integer())
+            s.cached_tokens = details["cached_tokens"].get<int64_t>();
     }
     if (!j.contains("choices") || !j["choices"].is_array() || j["choices"].empty()) return;
     const json & choice = j["choices"][0];
@@ -399,7 +405,7 @@ run_result run_clients(const endpoint & e, const request_set & rs, bool peer, in
                 s.long_prompt = long_client;
                 const std::function<void()> first =
                     long_client || r > 0 ? nullptr : std::function<void()>([&] { ++streaming; });
-                stream_request(e, long_client ? rs.long_prompt() : rs.at(c, r, peer), o.timeout_s, t0, s, first);
+                stream_request(e, long_client ? rs.long_prompt() : rs.at(n, c, r, peer), o.timeout_s, t0, s, first);
                 per_client[c].push_back(std::move(s));
             }
         });
@@ -453,6 +459,7 @@ json stream_json(const stream_result & s) {
             {"total_ms", s.end_ms - s.sent_ms},
             {"tokens", s.tokens()},
             {"tokens_from", s.usage_tokens >= 0 ? "usage" : "chunks"},
+            {"cached_tokens", s.cached_tokens >= 0 ? json(s.cached_tokens) : json(nullptr)},
             {"chunks", (int64_t) s.chunk_ms.size()},
             {"finish_reason", s.finish_reason},
             {"max_gap_ms", number_or_null(max_of(s.gaps_ms()))},

@@ -28,10 +28,12 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --codec NAME              how stored chunks hold their KV (default raw)
   -c, --ctx-size N          context per slot (default 4096)
   --parallel N              slots computing at once, batched into one forward per step (default 1)
-  -b, --batch-size N        prompt tokens one step prefills (default 512). a prompt
-                            longer than that goes in chunks, while other slots
-                            stream only as many tokens as add about 0.8 of a
-                            decoding step, so a long prompt never stalls them
+  -b, --batch-size N        prompt tokens one step prefills (default 2048)
+  -ub, --ubatch-size N      tokens of one forward: a step runs its -b tokens in
+                            forwards of this many (default 512). a prompt longer
+                            than that goes in chunks, while other slots stream
+                            only as many tokens as add about 0.8 of a decoding
+                            step, so a long prompt never stalls them
   --no-prompt-pacing        long prompts take whole -b chunks, streams or not
                             (llama-server's way: their first token comes sooner,
                             the streams stall while they are prefilled)
@@ -128,6 +130,8 @@ int cmd_serve(int argc, char ** argv) {
             sp.log_requests = false;
         else if (a.match({"-b", "--batch-size"}))
             sp.n_batch = a.integer(1, 1 << 20);
+        else if (a.match({"-ub", "--ubatch-size"}))
+            sp.n_ubatch = a.integer(1, 1 << 16);
         else if (a.match({"--no-prompt-pacing"}))
             sp.pace_prompts = false;
         else if (a.match({"--queue"}))

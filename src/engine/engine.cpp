@@ -183,38 +183,50 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
 
 std::vector<std::vector<float>> engine::eval_seqs(const std::vector<seq_tokens> & seqs) {
     const model_hparams & hp = model_->hparams();
-    std::vector<forward_driver::seq_append> run;
     for (size_t i = 0; i < seqs.size(); ++i) {
         const seq_tokens & s = seqs[i];
         if (!s.cache || s.tokens.empty()) throw error("a batched sequence needs a cache and at least one token");
         if (s.cache->sparse() || !s.cache->holds_rows() || s.cache->n_layer() != hp.n_layer ||
             s.cache->n_embd_kv() != hp.n_embd_kv())
             throw error("a batched sequence needs a dense KV cache of this model");
-        if ((int64_t) s.tokens.size() > s.cache->max_append())
-            throw error("a windowed KV cache takes at most " + std::to_string(s.cache->max_append()) +
-                        " tokens a step; this sequence has " + std::to_string(s.tokens.size()));
         for (size_t j = 0; j < i; ++j)
             if (seqs[j].cache == s.cache) throw error("a cache appears twice in one batch");
         check_append(*s.cache, s.tokens);
-        run.push_back({s.cache, s.tokens.data(), (int64_t) s.tokens.size(), s.logits});
     }
-    for (const auto & r : run) r.cache->reserve_rows(r.n);
+    for (const seq_tokens & s : seqs) s.cache->reserve_rows((int64_t) s.tokens.size());
     // a graph holds a bounded number of nodes, and each sequence adds its own
-    // attention to every layer: past that many sequences, one forward per group
+    // attention to every layer: past that many sequences, another micro-batch
     const size_t per_graph = (size_t) std::max<int64_t>(
         1, (graph::k_max_nodes - 64 - hp.n_layer * k_nodes_per_layer) / (hp.n_layer * k_nodes_per_seq_layer));
     std::vector<std::vector<float>> out(seqs.size());
     forward_driver drv(*this);
-    for (size_t g0 = 0; g0 < run.size(); g0 += per_graph) {
-        const std::vector<forward_driver::seq_append> group(
-            run.begin() + (ptrdiff_t) g0, run.begin() + (ptrdiff_t) std::min(run.size(), g0 + per_graph));
-        const std::vector<float> logits = drv.run_seqs(group);
+    size_t next = 0;                           // the first sequence not wholly run
+    std::vector<int64_t> fed(seqs.size(), 0);  // tokens of each sequence run so far
+    while (next < seqs.size()) {
+        // the sequences in order, n_ubatch tokens a micro-batch: one that does
+        // not fit (or that its rings cut) goes on in the next one
+        std::vector<forward_driver::seq_append> ub;
+        std::vector<size_t> owner;
+        int64_t room = params_.n_ubatch;
+        while (next < seqs.size() && room > 0 && ub.size() < per_graph) {
+            const seq_tokens & s = seqs[next];
+            const int64_t left = (int64_t) s.tokens.size() - fed[next];
+            const int64_t n = std::min({left, room, s.cache->max_append()});
+            const bool ends = n == left;
+            ub.push_back({s.cache, s.tokens.data() + fed[next], n, ends && s.logits});
+            owner.push_back(next);
+            fed[next] += n;
+            room -= n;
+            if (!ends) break;
+            ++next;
+        }
+        const std::vector<float> logits = drv.run_seqs(ub);
         size_t li = 0;
-        for (size_t i = 0; i < group.size(); ++i) {
-            group[i].cache->advance(group[i].n);
-            if (!group[i].logits) continue;
-            out[g0 + i].assign(logits.begin() + (ptrdiff_t) (li * hp.n_vocab),
-                               logits.begin() + (ptrdiff_t) ((li + 1) * hp.n_vocab));
+        for (size_t i = 0; i < ub.size(); ++i) {
+            ub[i].cache->advance(ub[i].n);
+            if (!ub[i].logits) continue;
+            out[owner[i]].assign(logits.begin() + (ptrdiff_t) (li * hp.n_vocab),
+                                 logits.begin() + (ptrdiff_t) ((li + 1) * hp.n_vocab));
             ++li;
         }
     }
@@ -315,7 +327,7 @@ answer_sink sink_of(const std::function<bool(const std::string &)> & on_token) {
 
 generate_result engine::generate(const std::vector<llama_token> & prompt, int32_t n_predict, const sampler_params & sp,
                                  const std::function<bool(const std::string &)> & on_token) {
-    answer a({n_predict, sp, {}}, model_->tokens(), sink_of(on_token));
+    answer a({n_predict, sp, {}, {}}, model_->tokens(), sink_of(on_token));
     return generate(prompt, a);
 }
 
@@ -350,7 +362,7 @@ energy_span engine::energy_since(const energy_mark & from) const {
 
 generate_result engine::generate_from(std::vector<float> logits, int32_t n_predict, const sampler_params & sp,
                                       const std::function<bool(const std::string &)> & on_token) {
-    answer a({n_predict, sp, {}}, model_->tokens(), sink_of(on_token));
+    answer a({n_predict, sp, {}, {}}, model_->tokens(), sink_of(on_token));
     return answer_from(std::move(logits), a);
 }
 

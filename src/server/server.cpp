@@ -44,6 +44,7 @@ struct server::impl {
     static const server_params & checked(const server_params & p) {
         if (p.parallel < 1) throw error("--parallel must be at least 1");
         if (p.n_batch < 1) throw error("--batch-size must be at least 1");
+        if (p.n_ubatch < 1) throw error("--ubatch-size must be at least 1");
         codec_by_name(p.codec);                              // a bad codec name fails at start
         if (!p.kv_codec.empty()) codec_by_name(p.kv_codec);  // … and a bad live cache name (its options too)
         return p;
@@ -146,6 +147,8 @@ struct server::impl {
             out["choices"].push_back(one["choices"][0]);
             for (const char * k : {"prompt_tokens", "completion_tokens", "total_tokens"})
                 out["usage"][k] = out["usage"][k].get<int64_t>() + one["usage"][k].get<int64_t>();
+            json & cached = out["usage"]["prompt_tokens_details"]["cached_tokens"];
+            cached = cached.get<int64_t>() + one["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
             out["kvblend"].push_back(one["kvblend"]);
         }
         answered = true;

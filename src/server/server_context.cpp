@@ -115,6 +115,7 @@ struct server_context::impl {
         std::unique_ptr<answer_stream> answer;  // once the prompt ran: sampling and emitting
         llama_token next = -1;                  // the token the next step runs (-1: none)
         double t_start = 0;
+        double t_free = 0;  // when it last became free
         // what preparing left: the prompt's last logits, or the request's error
         std::vector<float> prepared_logits;
         std::string prep_err, prep_code;
@@ -139,6 +140,7 @@ struct server_context::impl {
         ep.n_ctx = p.n_ctx;
         ep.n_ctx_seq = p.n_ctx;  // the small engines below rotate as the slots' contexts do
         ep.n_threads = p.n_threads;
+        ep.n_ubatch = p.n_ubatch;
         ep.type_k = p.type_k;
         ep.type_v = p.type_v;
         ep.kv_codec = p.kv_codec;
@@ -202,22 +204,25 @@ struct server_context::impl {
                        (!queue.empty() && any(slot_state::free)) || (stopping && queue.empty() && all_free());
             });
             if (stopping && queue.empty() && all_free()) return false;
-            for (slot & s : slots) {
+            for (slot & s : slots)
                 if (s.state == slot_state::prepared) {
                     s.state = slot_state::running;
                     prepared.push_back(&s);
-                } else if (s.state == slot_state::free && !queue.empty()) {
-                    s.j = queue.front();
-                    queue.pop_front();
-                    s.t_start = time_ms();
-                    // a plain prompt of a batched server is prefilled by the steps
-                    const bool in_steps = batched() && !s.j->ingest && !s.j->fuse;
-                    s.state = in_steps ? slot_state::running : slot_state::preparing;
-                    if (in_steps)
-                        started.push_back(&s);
-                    else
-                        to_prepare.push_back(&s);
                 }
+            // the queue in order, each request to the free slot that suits it best
+            while (!queue.empty()) {
+                slot * s = pick_slot(*queue.front());
+                if (!s) break;
+                s->j = queue.front();
+                queue.pop_front();
+                s->t_start = time_ms();
+                // a plain prompt of a batched server is prefilled by the steps
+                const bool in_steps = batched() && !s->j->ingest && !s->j->fuse;
+                s->state = in_steps ? slot_state::running : slot_state::preparing;
+                if (in_steps)
+                    started.push_back(s);
+                else
+                    to_prepare.push_back(s);
             }
         }
         pcv.notify_all();
@@ -235,6 +240,25 @@ struct server_context::impl {
         return true;
     }
 
+    // the free slot for j: the one where most of its prompt is already cached
+    // and least of another conversation is lost. each prompt token the slot
+    // keeps counts one, each exact cached token it drops minus one, so a
+    // conversation's next turn finds the slot of its last one and a new one
+    // takes an empty slot, else the smallest cache; on a tie, the slot free
+    // the longest, whose cache is the least likely to be asked for
+    slot * pick_slot(const job & j) {
+        slot * best = nullptr;
+        int64_t best_score = 0;
+        for (slot & s : slots) {
+            if (s.state != slot_state::free) continue;
+            const int64_t keep = j.cache_prompt ? (int64_t) reusable_prefix(s, j) : 0;
+            const int64_t score = 2 * keep - (int64_t) std::min(s.held.exact, s.held.tokens.size());
+            if (!best || score > best_score || (score == best_score && s.t_free < best->t_free))
+                best = &s, best_score = score;
+        }
+        return best;
+    }
+
     // a request ends: counted before it is answered (a client that reads /metrics next sees it)
     void end(slot & s, const std::string & err = {}, int status = 500, const std::string & code = "internal_error") {
         job & j = *s.j;
@@ -250,6 +274,7 @@ struct server_context::impl {
         s.prompt_at = 0;
         s.prepared_logits.clear();
         s.prep_err.clear();
+        s.t_free = time_ms();
         std::lock_guard l(qmu);
         s.state = slot_state::free;
     }
@@ -406,9 +431,10 @@ struct server_context::impl {
             return;
         }
         // the next token of every generating slot; then up to n_batch prompt
-        // tokens: a prompt that fits one batch runs whole, as llama-server runs
-        // it; a longer one in chunks, of which only what step_pace allows while
-        // others stream, so that a long prompt never stalls them
+        // tokens (eval_seqs runs them n_ubatch at a time): a prompt that fits
+        // one micro-batch runs whole, as llama-server runs it; a longer one in
+        // chunks, of which only what step_pace allows while others stream, so
+        // that a long prompt never stalls them
         std::vector<engine::seq_tokens> seqs;
         std::vector<slot *> who;
         for (slot & s : slots)
@@ -419,7 +445,7 @@ struct server_context::impl {
         for (slot & s : slots) {
             if (!running(s) || s.prompt_left.empty()) continue;
             const size_t left = s.prompt_left.size() - s.prompt_at;
-            const bool long_prompt = s.prompt_left.size() > (size_t) p.n_batch;
+            const bool long_prompt = s.prompt_left.size() > (size_t) std::min(p.n_batch, p.n_ubatch);
             if (!long_prompt && (int64_t) left > room) continue;  // whole, in a later step
             const size_t n = std::min(left, (size_t) std::min(room, long_prompt ? paced_room : room));
             if (n == 0) continue;
@@ -505,7 +531,7 @@ struct server_context::impl {
     // on what the slot served before. A fused request always fuses (its KV
     // depends on all its documents and its selection); a plain one reuses the
     // exact head it shares with the cache (at least one token runs, for logits)
-    size_t reusable_prefix(slot & s, const job & j) {
+    size_t reusable_prefix(const slot & s, const job & j) const {
         const slot_cache & cache = s.held;
         if (j.fuse || p.evict.policy != EVICT_POLICY_NONE) return 0;
         const size_t upto = std::min(cache.exact, cache.tokens.size());

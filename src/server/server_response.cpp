@@ -36,7 +36,8 @@ openai_format::openai_format(const vocab & v, std::string model_id, doc_key_fn d
 json openai_format::usage(const job & j) const {
     return {{"prompt_tokens", (int64_t) j.tokens.size()},
             {"completion_tokens", j.n_gen},
-            {"total_tokens", (int64_t) j.tokens.size() + j.n_gen}};
+            {"total_tokens", (int64_t) j.tokens.size() + j.n_gen},
+            {"prompt_tokens_details", {{"cached_tokens", j.n_cached}}}};
 }
 
 json openai_format::spans(const job & j) const {

@@ -120,6 +120,10 @@ TEST(cli_bench_serve, load_runs_every_client_count_and_every_stream_gets_its_tok
     ASSERT_EQ(j["runs"].size(), 2u) << r.out;
     expect_run_is_its_streams(j["runs"][0], 1, 2, 8);
     expect_run_is_its_streams(j["runs"][1], 2, 2, 8);
+    // every prompt is new: no run repeats an earlier one's, which the slots' caches
+    // would serve (30 words; two prompts may share a start word or so by chance)
+    for (const auto & run : j["runs"])
+        for (const auto & st : run["streams"]) EXPECT_LT(st["cached_tokens"].get<int64_t>(), 8) << st.dump();
     // the probe: at 2 clients only (one streams while the other sends the long prompt)
     ASSERT_EQ(j["probes"].size(), 1u) << r.out;
     const nlohmann::json & probe = j["probes"][0];

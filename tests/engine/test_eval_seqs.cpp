@@ -89,6 +89,40 @@ INSTANTIATE_TEST_SUITE_P(models, eval_seqs_test,
                              return n;
                          });
 
+TEST(eval_seqs, a_step_larger_than_a_micro_batch_runs_in_several) {
+    auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny-qwen3")));
+    engine_params ep = f32_params();
+    ep.n_ubatch = 8;  // every prompt below spans micro-batches, and the step holds 70 prompt tokens
+    engine eng(m, ep);
+    const std::vector<std::vector<llama_token>> prompts = {
+        test::random_tokens(*m, 7, 1), test::random_tokens(*m, 40, 2), test::random_tokens(*m, 23, 3)};
+    std::vector<std::unique_ptr<kv_cache>> caches;
+    std::vector<engine::seq_tokens> step;
+    for (const auto & p : prompts) {
+        caches.push_back(eng.branch_cache(512));
+        step.push_back({caches.back().get(), p, true});
+    }
+    std::vector<std::vector<float>> last = eng.eval_seqs(step);  // every prompt in one step
+    const int steps = 4;
+    std::vector<std::vector<std::vector<float>>> got(prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) got[i].push_back(last[i]);
+    for (int s = 0; s < steps; ++s) {
+        step.clear();
+        for (size_t i = 0; i < prompts.size(); ++i) step.push_back({caches[i].get(), {test::argmax(last[i])}, true});
+        last = eng.eval_seqs(step);
+        for (size_t i = 0; i < prompts.size(); ++i) got[i].push_back(last[i]);
+    }
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        const auto ref = alone(m, prompts[i], (int64_t) prompts[i].size(), steps);
+        ASSERT_EQ(got[i].size(), ref.size());
+        for (size_t s = 0; s < ref.size(); ++s) {
+            EXPECT_LT(test::max_rel_diff(got[i][s], ref[s]), k_tol) << "sequence " << i << " step " << s;
+            EXPECT_EQ(test::argmax(got[i][s]), test::argmax(ref[s])) << "sequence " << i << " step " << s;
+        }
+        EXPECT_EQ(caches[i]->n_past(), (int64_t) prompts[i].size() + steps);
+    }
+}
+
 TEST(eval_seqs, bad_batches_are_refused_and_write_nothing) {
     auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny")));
     engine eng(m, f32_params());

@@ -470,6 +470,27 @@ TEST(server, a_prompt_that_extends_the_last_one_reuses_its_prefix) {
     EXPECT_EQ(r2["choices"][0]["text"], r3["choices"][0]["text"]);
 }
 
+// two conversations taking turns on two slots: each turn goes to the slot that
+// holds the conversation's last turn, not to the first free one
+TEST(server, each_conversation_returns_to_the_slot_that_holds_it) {
+    server_params p = small_params();
+    p.parallel = 2;
+    running_server s(p);
+    auto c = s.client();
+    std::vector<std::string> convo = {"Once upon a time", "The sun was hot and"};
+    for (int turn = 0; turn < 3; ++turn)
+        for (std::string & text : convo) {
+            const json r = post(c, "/v1/completions", {{"prompt", text}, {"max_tokens", 6}, {"temperature", 0}});
+            const int cached = r["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>();
+            EXPECT_EQ(cached, r["kvblend"]["n_cached"].get<int>());
+            if (turn == 0)
+                EXPECT_EQ(cached, 0);
+            else  // the last turn's prompt and answer were still there
+                EXPECT_GE(cached, 6) << "turn " << turn << ": " << text;
+            text += r["choices"][0]["text"].get<std::string>() + " and";
+        }
+}
+
 // a slot's fused KV depends on every document of its fusion and on its
 // selection: a request with documents fuses them itself (from the store),
 // whatever its slot holds, so its answer is the one a fresh slot gives

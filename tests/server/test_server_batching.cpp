@@ -26,11 +26,13 @@ const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.g
 const std::string & k_testbed = test::k_testbed_model;
 using test::testbed_prompts;
 
-// eight slots, prompt chunks far smaller than the prompts, an f32 cache
+// eight slots, prompt chunks far smaller than the prompts, each step run in
+// several forwards, an f32 cache
 server_params batching_params(const std::string & store_uri = "") {
     server_params p = test::small_params(store_uri);
     p.parallel = 8;
-    p.n_batch = 16;
+    p.n_batch = 24;
+    p.n_ubatch = 8;
     p.type_k = p.type_v = GGML_TYPE_F32;
     return p;
 }
