@@ -32,9 +32,10 @@ const std::vector<std::string> & names() {
 // the chunk a shape byte describes: 1-2 layers, 1-8 tokens, 32 or 64 values a row, f16 or f32
 chunk_kv shape_of(uint8_t s) {
     chunk_kv c;
-    c.n_layer = 1 + (s & 1);
     c.tokens.resize(1 + ((s >> 1) & 7));
-    c.n_embd_kv = (s & 16) ? 64 : 32;
+    // one or two layers, of one width or (bit 6) two, as gemma4's windowed and global layers
+    c.widths.assign(1 + (s & 1), (s & 16) ? 64 : 32);
+    if ((s & 64) && c.widths.size() == 2) c.widths[1] = 96 - c.widths[0];
     c.type = (s & 32) ? GGML_TYPE_F32 : GGML_TYPE_F16;
     c.data.resize(c.bytes());
     return c;

@@ -50,13 +50,28 @@ inline model_spec tiny_spec(model_arch arch = MODEL_ARCH_LLAMA) {
     s.n_ctx_train = 256;
     s.tied_output = arch != MODEL_ARCH_OLMO2;  // olmo2 has its own output matrix
     s.qkv_bias = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2 || arch == MODEL_ARCH_GEMMA3;
+    s.qk_norm =
+        arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2 || arch == MODEL_ARCH_GEMMA3 || arch == MODEL_ARCH_GEMMA4;
     if (arch == MODEL_ARCH_GEMMA3) {  // every key of its windows written, so each can be mutated
         s.n_layer = 2;
         s.n_swa = 8;
         s.swa_pattern = 2;
         s.rope_base_swa = 10000.0f;
         s.logit_softcap = 30.0f;
+    }
+    if (arch == MODEL_ARCH_GEMMA4) {  // head sizes per layer kind, shared K/V, per-layer embeddings: every key
+        s.n_layer = 4;                // 0, 2 windowed; 1, 3 global; 2, 3 read the caches of 0 and 1
+        s.n_swa = 8;
+        s.swa_pattern = 2;
+        s.rope_base_swa = 10000.0f;
+        s.logit_softcap = 30.0f;
+        s.head_dim_swa = 8;
+        s.n_rot_swa = 8;
+        s.rope_partial_global = 0.25f;
+        s.n_kv_shared = 2;
+        s.n_embd_per_layer = 8;
+        s.double_wide_mlp = true;
+        s.layer_out_scale = true;
     }
     if (arch == MODEL_ARCH_GRANITE) {  // granite 3.3's multipliers; logit_scale is required
         s.embd_scale = 12.0f;
@@ -95,6 +110,13 @@ inline std::string make_tiny_model(const std::string & name, model_arch arch, gg
 // one loaded tiny model for the targets that check entries against a model
 inline const model & tiny_model() {
     static std::shared_ptr<model> m = model::load(make_tiny_model("tiny.gguf", MODEL_ARCH_LLAMA, GGML_TYPE_F16));
+    return *m;
+}
+
+// one loaded tiny gemma4: K/V rows of two widths, and layers without K/V
+inline const model & tiny_gemma4_model() {
+    static std::shared_ptr<model> m =
+        model::load(make_tiny_model("tiny-gemma4.gguf", MODEL_ARCH_GEMMA4, GGML_TYPE_F16));
     return *m;
 }
 

@@ -24,6 +24,8 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         // gemma3's pre and post norms, its window, period, local RoPE base and soft-capping keys
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("g.gguf", MODEL_ARCH_GEMMA3, GGML_TYPE_F16)));
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("h.gguf", MODEL_ARCH_MISTRAL3, GGML_TYPE_F16)));
+        // gemma4's per-layer head sizes, shared K/V layers, per-layer embeddings and their keys
+        seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("i.gguf", MODEL_ARCH_GEMMA4, GGML_TYPE_F16)));
         return seeds;
     });
     return 0;

@@ -27,8 +27,7 @@ void fix_up(std::vector<uint8_t> & b, const model & m) {
 
 chunk_kv random_chunk(const model & m, int64_t n_tokens, ggml_type type, uint32_t seed) {
     chunk_kv c;
-    c.n_layer = m.hparams().n_layer;
-    c.n_embd_kv = m.hparams().n_embd_kv();
+    c.widths = m.hparams().kv_widths();
     c.type = type;
     c.pos0 = seed % 7;
     for (int64_t i = 0; i < n_tokens; ++i) c.tokens.push_back((llama_token) ((seed + i * 31) % 500));
@@ -69,6 +68,11 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         sparse.kept = {0, 2, 5};
         sparse.data.resize(sparse.bytes());
         seeds.push_back(chunk_encode(m, sparse, {}, nullptr));  // version 2: evicted tokens
+        // gemma4: head_dim 0 and a table of each layer's head size
+        const model & g4 = fuzz::tiny_gemma4_model();
+        for (const char * name : {"raw", "cachegen", "turboquant3"})  // rows of 16 and 32 values
+            seeds.push_back(
+                chunk_encode(g4, random_chunk(g4, 4, GGML_TYPE_F16, seed++), {}, codec_by_name(name).get()));
         return seeds;
     });
     return 0;
@@ -76,7 +80,10 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (size > (1u << 20)) return -1;
-    const model & m = fuzz::tiny_model();
+    // an entry with a table of head sizes (head_dim 0 at byte 56) is read for the gemma4 model
+    uint32_t head_dim = 1;
+    if (size >= 60) std::memcpy(&head_dim, data + 56, 4);
+    const model & m = head_dim == 0 ? fuzz::tiny_gemma4_model() : fuzz::tiny_model();
     std::vector<uint8_t> b(data, data + size);
     (void) chunk_entry_check(b, nullptr);
     (void) chunk_entry_check(b, &m);

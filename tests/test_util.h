@@ -114,8 +114,7 @@ inline llama_token argmax(const std::vector<float> & logits) {
 inline chunk_kv zero_chunk(int64_t n_tok, int64_t n_embd_kv, int64_t n_layer, ggml_type type) {
     chunk_kv c;
     c.tokens.assign(n_tok, 1);
-    c.n_layer = n_layer;
-    c.n_embd_kv = n_embd_kv;
+    c.widths.assign(n_layer, n_embd_kv);
     c.type = type;
     c.data.resize(c.bytes());
     return c;

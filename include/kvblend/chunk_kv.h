@@ -17,10 +17,11 @@ namespace kvblend {
 struct chunk_kv {
     std::vector<llama_token> tokens;
     int64_t pos0 = 0;  // position of the first token when collected
-    int64_t n_layer = 0;
-    int64_t n_embd_kv = 0;           // values per row (head_dim * n_head_kv)
+    // values per K (or V) row of each layer that owns K/V (head_dim *
+    // n_head_kv of that layer: Gemma 4's windowed and global layers differ)
+    std::vector<int64_t> widths;
     ggml_type type = GGML_TYPE_F16;  // element type of the rows (the engine's cache type)
-    // layer by layer, K rows then V rows ([n_embd_kv, n_tokens] each), from
+    // layer by layer, K rows then V rows ([n_embd_kv(il), n_rows] each), from
     // data_offset on: the payload layout of a store entry, so a decoded entry
     // keeps its bytes where they were read
     std::vector<uint8_t> data;
@@ -30,17 +31,35 @@ struct chunk_kv {
     // placed at offset s, row j is position s + kept[j]
     std::vector<int32_t> kept;
 
+    int64_t n_layer() const { return (int64_t) widths.size(); }
+    int64_t n_embd_kv(int64_t il) const { return widths[il]; }
+    bool same_widths() const {  // every layer's rows as wide as the first's
+        for (int64_t w : widths)
+            if (w != widths[0]) return false;
+        return true;
+    }
+    int64_t values_per_token() const {  // K and V of every layer
+        int64_t n = 0;
+        for (int64_t w : widths) n += 2 * w;
+        return n;
+    }
     int64_t n_tokens() const { return (int64_t) tokens.size(); }
     int64_t n_rows() const { return kept.empty() ? n_tokens() : (int64_t) kept.size(); }  // rows held per layer
-    size_t row_bytes() const { return ggml_row_size(type, n_embd_kv); }                   // one K (or V) row
-    size_t layer_bytes() const { return row_bytes() * n_rows(); }                         // K (or V) of one layer
-    size_t bytes() const { return 2 * (size_t) n_layer * layer_bytes(); }                 // payload of all layers
+    size_t row_bytes(int64_t il) const { return ggml_row_size(type, widths[il]); }        // one K (or V) row
+    size_t layer_bytes(int64_t il) const { return row_bytes(il) * n_rows(); }             // K (or V) of one layer
+    size_t bytes() const { return layer_offset(n_layer()); }                              // payload of all layers
+    // bytes before layer il's K rows in the payload
+    size_t layer_offset(int64_t il) const {
+        size_t off = 0;
+        for (int64_t l = 0; l < il; ++l) off += 2 * layer_bytes(l);
+        return off;
+    }
     // the token index of row j (kept rows of an evicted chunk)
     int64_t row_token(int64_t j) const { return kept.empty() ? j : kept[j]; }
-    const uint8_t * k(int64_t il) const { return data.data() + data_offset + 2 * il * layer_bytes(); }
-    const uint8_t * v(int64_t il) const { return k(il) + layer_bytes(); }
-    uint8_t * k(int64_t il) { return data.data() + data_offset + 2 * il * layer_bytes(); }
-    uint8_t * v(int64_t il) { return k(il) + layer_bytes(); }
+    const uint8_t * k(int64_t il) const { return data.data() + data_offset + layer_offset(il); }
+    const uint8_t * v(int64_t il) const { return k(il) + layer_bytes(il); }
+    uint8_t * k(int64_t il) { return data.data() + data_offset + layer_offset(il); }
+    uint8_t * v(int64_t il) { return k(il) + layer_bytes(il); }
 };
 
 }  // namespace kvblend

@@ -98,6 +98,8 @@ class kv_cache {
     void clear();                              // empty and dense again, with the full allocation
     uint64_t epoch() const { return epoch_; }  // counts clears: tells a cache's contents apart from earlier ones
 
+    // the layers that own K/V (model_hparams::n_layer_kv): a shared layer
+    // attends over its source's (model_hparams::kv_layer)
     int64_t n_layer() const { return (int64_t) k_.size(); }
     // a layer's K and V, head-major: [head_dim, rows_allocated(), n_head_kv], each
     // KV head's rows contiguous, so that attention reads one head's keys in
@@ -108,7 +110,8 @@ class kv_cache {
     ggml_tensor * v(int il) const { return v_[il]; }
     ggml_type type_k() const { return k_[0]->type; }
     ggml_type type_v() const { return v_[0]->type; }
-    int64_t n_embd_kv() const { return k_[0]->ne[0] * k_[0]->ne[2]; }
+    int64_t n_embd_kv(int il) const { return k_[il]->ne[0] * k_[il]->ne[2]; }  // values per K (or V) row
+    std::vector<int64_t> kv_widths() const;                                    // of every layer
 
     size_t bytes() const;  // allocated bytes of all layers
 

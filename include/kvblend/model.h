@@ -22,6 +22,8 @@ enum model_arch {
     MODEL_ARCH_SMOLLM3,   // llama block; every 4th layer without RoPE (NoPE)
     MODEL_ARCH_PHI3,      // fused QKV and gate-up projections, q scaled before attention, NEOX rope
     MODEL_ARCH_GEMMA3,    // norms before and after attention and FFN, GeGLU, sliding-window layers, NEOX rope
+    MODEL_ARCH_GEMMA4,    // gemma3's block, head sizes per layer kind, K/V shared by the last layers, per-layer
+                          // embeddings
 };
 
 const char * model_arch_name(model_arch arch);
@@ -36,9 +38,11 @@ struct model_hparams {
     int64_t n_layer = 0;
     int64_t n_head = 0;
     int64_t n_head_kv = 0;
-    int64_t head_dim = 0;  // per-head size of q and k (== v for the supported archs)
-    int64_t n_ff = 0;
-    int64_t n_rot = 0;  // rotated dims per head
+    // per-head size of q, k and v (equal in every supported family); gemma4's
+    // windowed layers have their own (head_dim_of)
+    int64_t head_dim = 0;
+    int64_t n_ff = 0;   // FFN width (of the first layer where it varies: n_ff_of)
+    int64_t n_rot = 0;  // rotated dims per head (n_rot_of)
 
     float rms_eps = 1e-5f;
     float rope_base = 10000.0f;
@@ -102,11 +106,31 @@ struct model_hparams {
     // pattern: 0 makes every layer windowed, 1 none). n_swa 0: no windows
     int64_t n_swa = 0;
     int64_t swa_pattern = 0;
+    // gemma4: which layers are windowed, one flag per layer (read from its
+    // array; empty: swa_pattern decides)
+    std::vector<uint8_t> swa_layers;
+
+    // gemma4: the windowed layers' head size and rotated dims (0: head_dim, n_rot)
+    int64_t head_dim_swa = 0;
+    int64_t n_rot_swa = 0;
+    // layers [0, n_layer_kv) own a K/V cache; each later layer (gemma4's
+    // shared ones) attends over the cache of kv_layer(il) and writes none
+    int64_t n_layer_kv = 0;
+    // gemma4: the per-layer embeddings' width (0: none), V RMS-normed with no
+    // weight, the rotation factors (proportional RoPE) on global layers only
+    int64_t n_embd_per_layer = 0;
+    bool v_norm = false;
+    bool rope_freqs_global_only = false;
+    std::vector<int64_t> n_ff_layers;  // FFN width per layer where the file gives an array; empty: n_ff
 
     bool has_rope(int64_t il) const {
         return rope && il >= 0 && (no_rope_layer_step == 0 || (il + 1) % no_rope_layer_step != 0);
     }
-    bool is_swa(int64_t il) const { return n_swa > 0 && (swa_pattern == 0 || il % swa_pattern < swa_pattern - 1); }
+    bool is_swa(int64_t il) const {
+        if (n_swa <= 0) return false;
+        if (!swa_layers.empty()) return swa_layers[il] != 0;
+        return swa_pattern == 0 || il % swa_pattern < swa_pattern - 1;
+    }
     bool has_swa() const;                                                // any layer windowed
     int64_t window(int64_t il) const { return is_swa(il) ? n_swa : 0; }  // 0: the layer sees every earlier key
     float rope_base_of(int64_t il) const { return is_swa(il) ? rope_base_swa : rope_base; }
@@ -117,8 +141,17 @@ struct model_hparams {
     float rope_attn_fresh() const;
     float rope_attn_shift(int64_t il) const;
 
-    int64_t n_embd_q() const { return head_dim * n_head; }
-    int64_t n_embd_kv() const { return head_dim * n_head_kv; }  // K or V row per token
+    int64_t head_dim_of(int64_t il) const { return head_dim_swa > 0 && is_swa(il) ? head_dim_swa : head_dim; }
+    int64_t n_rot_of(int64_t il) const { return n_rot_swa > 0 && is_swa(il) ? n_rot_swa : n_rot; }
+    int64_t n_ff_of(int64_t il) const { return n_ff_layers.empty() ? n_ff : n_ff_layers[il]; }
+    int64_t n_embd_q(int64_t il) const { return head_dim_of(il) * n_head; }
+    int64_t n_embd_kv(int64_t il) const { return head_dim_of(il) * n_head_kv; }  // K or V row per token
+    // the K/V widths of the cache layers [0, n_layer_kv): what a chunk of this model holds
+    std::vector<int64_t> kv_widths() const;
+    bool has_kv(int64_t il) const { return il < n_layer_kv; }
+    // the cache layer il attends over: its own, or for a shared layer the last
+    // owner of its kind (libllama's rule: n_layer_kv - 1 global, - 2 windowed)
+    int64_t kv_layer(int64_t il) const { return has_kv(il) ? il : n_layer_kv - (is_swa(il) ? 2 : 1); }
 };
 
 struct model_layer {
@@ -145,6 +178,11 @@ struct model_layer {
     ggml_tensor * ffn_gate_b = nullptr;      // [n_ff]       optional
     ggml_tensor * ffn_up_b = nullptr;        // [n_ff], [2 n_ff] with a fused ffn_up; optional
     ggml_tensor * ffn_down_b = nullptr;      // [n_embd]     optional
+    // gemma4's per-layer embedding block and output scale
+    ggml_tensor * pe_gate = nullptr;       // [n_embd, n_embd_per_layer]
+    ggml_tensor * pe_proj = nullptr;       // [n_embd_per_layer, n_embd]
+    ggml_tensor * pe_post_norm = nullptr;  // [n_embd]
+    ggml_tensor * out_scale = nullptr;     // [1] optional
 };
 
 struct model_params {
@@ -228,6 +266,15 @@ class model {
     ggml_tensor * rope_freqs = nullptr;
     ggml_tensor * rope_short = nullptr;  // LongRoPE (phi3): the factors of a context up to n_ctx_orig
     ggml_tensor * rope_long = nullptr;   // and of a longer one
+    // gemma4's per-layer embeddings: every layer's slice of each token's row,
+    // and the projection of the scaled token embedding added to it
+    ggml_tensor * pe_tok_embd = nullptr;    // [n_embd_per_layer * n_layer, n_vocab]
+    ggml_tensor * pe_model_proj = nullptr;  // [n_embd, n_embd_per_layer * n_layer]
+    ggml_tensor * pe_proj_norm = nullptr;   // [n_embd_per_layer]
+    // the rotation factors of layer il (rope_freqs, or none on gemma4's windowed layers)
+    ggml_tensor * rope_factors(int64_t il) const {
+        return hp_.rope_freqs_global_only && hp_.is_swa(il) ? nullptr : rope_freqs;
+    }
     std::vector<model_layer> layers;
 
     // the model as an engine of n_ctx tokens per sequence runs it: a LongRoPE

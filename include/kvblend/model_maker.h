@@ -59,12 +59,35 @@ struct model_spec {
     float yarn_beta_slow = 0.0f;
     float yarn_log_mul = 0.0f;
     float attn_temp_scale = 0.0f;
+    // gemma4 (with n_swa > 0 and swa_pattern above, written as its per-layer
+    // bool array attention.sliding_window_pattern, true: windowed; and
+    // logit_softcap, whose key it always gets: libllama reads a missing one as
+    // 30): the windowed layers' head size and rotated dims
+    // (attention.key_length_swa, value_length_swa, rope.dimension_count_swa;
+    // 0: head_dim, and the whole windowed head); the share of a global layer's
+    // head_dim that rotates (rope_freqs.weight: 1 for the first
+    // int(head_dim * share / 2) pairs, 1e30 for the others; libllama requires
+    // it, so > 0 with a global layer; rope.dimension_count stays head_dim); the
+    // last n_kv_shared layers without K/V of their own
+    // (attention.shared_kv_layers; they read the caches of layer
+    // n_layer - n_kv_shared - 1, which must be global, and - 2, windowed); the
+    // per-layer embeddings' size (embedding_length_per_layer_input; 0: none);
+    // double_wide_mlp: the shared layers' FFN twice n_ff wide (an int32 array
+    // feed_forward_length); a scalar output scale per layer
+    // (blk.N.layer_output_scale.weight)
+    int64_t head_dim_swa = 0;
+    int64_t n_rot_swa = 0;
+    float rope_partial_global = 0.0f;
+    int64_t n_kv_shared = 0;
+    int64_t n_embd_per_layer = 0;
+    bool double_wide_mlp = false;
+    bool layer_out_scale = false;
 };
 
 // named real shapes: tiny (small llama), tiny-qwen2, tiny-qwen3,
 // tiny-mistral3, tiny-granite, tiny-olmo2, tiny-smollm3, tiny-phi3,
-// tiny-phi3-longrope, tiny-gemma3, tiny-mistral3-yarn, qwen3-0.6b, qwen2-0.5b, llama-1b, llama-8b, ministral-3-3b,
-// granite-3.3-2b, olmo2-1b, smollm3-3b, phi-4-mini, gemma3-1b, gemma3-4b.
+// tiny-phi3-longrope, tiny-gemma3, tiny-mistral3-yarn, tiny-gemma4, qwen3-0.6b, qwen2-0.5b, llama-1b, llama-8b,
+// ministral-3-3b, granite-3.3-2b, olmo2-1b, smollm3-3b, phi-4-mini, gemma3-1b, gemma3-4b, gemma4-e2b.
 // throws kvblend::error for an unknown name.
 model_spec model_spec_preset(const std::string & name);
 std::vector<std::string> model_spec_preset_names();

@@ -78,12 +78,11 @@ chunk_kv read_chunk(engine & eng, const std::vector<llama_token> & tokens, int64
     chunk_kv c;
     c.tokens = tokens;
     c.pos0 = pos0;
-    c.n_layer = cache.n_layer();
-    c.n_embd_kv = cache.n_embd_kv();
+    c.widths = cache.kv_widths();
     c.type = cache.type_k();
     c.data.resize(c.bytes());
     forward_driver drv(eng);
-    for (int il = 0; il < c.n_layer; ++il) {
+    for (int il = 0; il < c.n_layer(); ++il) {
         drv.download_kv_rows(cache.k(il), c.k(il), row0, c.n_tokens());
         drv.download_kv_rows(cache.v(il), c.v(il), row0, c.n_tokens());
     }
@@ -224,15 +223,18 @@ chunk_kv collect_evicted(engine & eng, const std::vector<llama_token> & tokens, 
         evict_select_rows(one, n, evict_budgets(ev, n, 1)[0], scored ? sum.data() : nullptr, nh)[0];
     chunk_kv c = read_chunk(eng, tokens, 0, 0);
     if ((int64_t) rows.size() == n) return c;
-    const size_t row = ggml_row_size(c.type, c.n_embd_kv);
-    std::vector<uint8_t> data(2 * c.n_layer * row * rows.size());
+    size_t kept_bytes = 0;
+    for (int64_t il = 0; il < c.n_layer(); ++il) kept_bytes += 2 * c.row_bytes(il) * rows.size();
+    std::vector<uint8_t> data(kept_bytes);
     uint8_t * out = data.data();
-    for (int64_t il = 0; il < c.n_layer; ++il)
+    for (int64_t il = 0; il < c.n_layer(); ++il) {
+        const size_t row = c.row_bytes(il);
         for (const uint8_t * src : {c.k(il), c.v(il)})
             for (int64_t r : rows) {
                 std::memcpy(out, src + r * row, row);
                 out += row;
             }
+    }
     c.data = std::move(data);
     c.data_offset = 0;
     c.kept.assign(rows.begin(), rows.end());
@@ -248,10 +250,10 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
     int64_t n = 0, n_pos = 0;
     for (const chunk_kv * c : chunks) {
         if (!c) throw error("null chunk");
-        if (c->n_layer != hp.n_layer || c->n_embd_kv != hp.n_embd_kv())
-            throw error("chunk KV shape (" + std::to_string(c->n_layer) + " layers x " + std::to_string(c->n_embd_kv) +
-                        ") does not match the model (" + std::to_string(hp.n_layer) + " x " +
-                        std::to_string(hp.n_embd_kv()) + ")");
+        if (c->widths != hp.kv_widths())
+            throw error("chunk KV shape (" + std::to_string(c->n_layer()) + " layers x " +
+                        std::to_string(c->widths.empty() ? 0 : c->n_embd_kv(0)) + ") does not match the model (" +
+                        std::to_string(hp.n_layer_kv) + " x " + std::to_string(hp.n_embd_kv(0)) + ")");
         if (c->type != cache.type_k() || c->type != cache.type_v())
             throw error(std::string("chunk KV type ") + ggml_type_name(c->type) + " differs from the cache type " +
                         ggml_type_name(cache.type_k()));
@@ -282,7 +284,7 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
     // (gathering a layer's rows of every chunk into one upload was tried on an
     // H200: an extra copy of every byte, and no faster)
     forward_driver drv(eng);
-    for (int il = layer0; il < hp.n_layer; ++il) {
+    for (int il = layer0; il < hp.n_layer_kv; ++il) {
         int64_t r = 0;
         for (const chunk_kv * c : chunks) {
             drv.upload_kv_rows(cache.k(il), c->k(il), r, c->n_rows());
@@ -290,7 +292,7 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
             r += c->n_rows();
         }
     }
-    if (rotate) drv.shift_k(delta, layer0, (int) hp.n_layer);
+    if (rotate) drv.shift_k(delta, layer0, (int) hp.n_layer_kv);
     return n;
 }
 
@@ -314,8 +316,10 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     if (steps.empty()) steps.push_back({params.check_layer, params.recomp_ratio});
     for (size_t i = 0; i < steps.size(); ++i) {
         const auto [l, r] = steps[i];
-        if (l < 0 || l >= hp.n_layer)
-            throw error("check layer " + std::to_string(l) + " is outside [0, " + std::to_string(hp.n_layer - 1) + "]");
+        // scoring compares a layer's fresh K/V with its cache: a layer that owns them
+        if (l < 0 || l >= hp.n_layer_kv)
+            throw error("check layer " + std::to_string(l) + " is outside [0, " + std::to_string(hp.n_layer_kv - 1) +
+                        "]" + (hp.n_layer_kv < hp.n_layer ? " (the layers with K/V of their own)" : ""));
         if (!(r >= 0.0f && r <= 1.0f)) throw error("recompute ratio must be in [0, 1], got " + std::to_string(r));
         if (i > 0 && (l <= steps[i - 1].first || r > steps[i - 1].second))
             throw error("a blend schedule needs increasing layers and non-increasing ratios");

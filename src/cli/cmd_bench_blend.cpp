@@ -190,7 +190,9 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
         size_t chunk_bytes = 0;
         for (const auto & c : kv) chunk_bytes += c.bytes();
         const double full_ms = median(t_full), blend_ms = median(t_blend), sel_ms = median(t_sel);
-        const double L = (double) hp.n_layer, early = (double) (check_layer + 1);
+        // the layers every row runs: past the last that owns K/V (gemma4) only
+        // the query's last row goes on, in the full prefill as in the blend
+        const double L = (double) hp.n_layer_kv, early = (double) (check_layer + 1);
         // the matmul-only cost model (docs/DESIGN.md, "Cost model") with the measured deep share
         const double ideal = 1.0 / (early / L + (1.0 - early / L) * br.stats.deep_frac);
         // the same model with measured times: early layers cost their share of a

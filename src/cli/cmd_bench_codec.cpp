@@ -84,7 +84,7 @@ int bench_codec(args & a) {
             cd.decode(enc.data(), enc.size(), dec);
             x.dec_ms += time_ms() - t0;
             x.enc_bytes += (double) enc.size();
-            const double values = 2.0 * (double) head.n_layer * head.n_tokens() * head.n_embd_kv;
+            const double values = (double) head.n_tokens() * (double) head.values_per_token();
             x.f16_bytes += values * 2.0;
             x.values += values;
             x.tokens += (double) head.n_tokens();

@@ -109,7 +109,7 @@ int bench_grid(args & a) {
             for (const auto & c : parts) {
                 const std::vector<uint8_t> enc = codecs[ci]->encode(c);
                 col.enc_bytes += (double) enc.size();
-                col.values += 2.0 * (double) c.n_layer * c.n_tokens() * c.n_embd_kv;
+                col.values += (double) c.n_tokens() * (double) c.values_per_token();
                 mc::params mp;
                 if (mc::parse_name(o.codecs[ci], mp)) {
                     const mc::payload_stats s = mc::inspect(enc.data(), enc.size());

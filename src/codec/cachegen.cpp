@@ -108,16 +108,17 @@ class cachegen_codec : public codec {
     std::string name() const override { return "cachegen"; }
 
     std::vector<uint8_t> encode(const chunk_kv & c) const override {
-        const int64_t n = c.n_tokens(), d = c.n_embd_kv;
+        const int64_t n = c.n_tokens();
         std::vector<uint8_t> out;
         byte_writer w{out};
         w.put<uint32_t>(k_magic);
         w.put<uint32_t>((uint32_t) n);
-        w.put<uint32_t>((uint32_t) d);
-        w.put<uint32_t>((uint32_t) c.n_layer);
-        std::vector<float> x((size_t) n * d), xa((size_t) n * d);
-        for (int64_t il = 0; il < c.n_layer; ++il) {
-            const int bits = delta_bits(il, c.n_layer), qmax = (1 << (bits - 1)) - 1;
+        w.put<uint32_t>((uint32_t) c.n_embd_kv(0));  // the first layer's width (the entry has every layer's)
+        w.put<uint32_t>((uint32_t) c.n_layer());
+        for (int64_t il = 0; il < c.n_layer(); ++il) {
+            const int64_t d = c.n_embd_kv(il);
+            std::vector<float> x((size_t) n * d), xa((size_t) n * d);
+            const int bits = delta_bits(il, c.n_layer()), qmax = (1 << (bits - 1)) - 1;
             for (int kv = 0; kv < 2; ++kv) {
                 codec_rows_f32(c, il, kv, x.data());
                 w.put<uint8_t>((uint8_t) bits);
@@ -172,17 +173,18 @@ class cachegen_codec : public codec {
 
     void decode(const uint8_t * p, size_t n_bytes, chunk_kv & out) const override {
         payload_reader r{p, p + n_bytes, "cachegen"};
-        const int64_t n = out.n_tokens(), d = out.n_embd_kv;
+        const int64_t n = out.n_tokens();
         if (r.get<uint32_t>() != k_magic) throw error("cachegen payload has a bad magic");
-        if (r.get<uint32_t>() != (uint32_t) n || r.get<uint32_t>() != (uint32_t) d ||
-            r.get<uint32_t>() != (uint32_t) out.n_layer)
+        if (r.get<uint32_t>() != (uint32_t) n || r.get<uint32_t>() != (uint32_t) out.n_embd_kv(0) ||
+            r.get<uint32_t>() != (uint32_t) out.n_layer())
             throw error("cachegen payload does not match the chunk's shape");
         const int64_t n_anchor = (n + k_group - 1) / k_group, n_delta = n - n_anchor;
-        std::vector<float> x((size_t) n * d), a_scale(2 * n_anchor), d_step(2 * d);
-        // a layer's symbols, K then V, each by channel group: anchors [n_anchor][w], deltas [n_delta][w]
-        std::vector<uint8_t> sym_a((size_t) (2 * n_anchor * d)), sym_d((size_t) (2 * n_delta * d));
         std::vector<stream_at> anchors, deltas;
-        for (int64_t il = 0; il < out.n_layer; ++il) {
+        for (int64_t il = 0; il < out.n_layer(); ++il) {
+            const int64_t d = out.n_embd_kv(il);
+            std::vector<float> x((size_t) n * d), a_scale(2 * n_anchor), d_step(2 * d);
+            // the layer's symbols, K then V, each by channel group: anchors [n_anchor][w], deltas [n_delta][w]
+            std::vector<uint8_t> sym_a((size_t) (2 * n_anchor * d)), sym_d((size_t) (2 * n_delta * d));
             int qmax[2];
             anchors.clear();
             deltas.clear();

@@ -14,7 +14,7 @@ namespace kvblend {
 
 void codec_rows_f32(const chunk_kv & c, int64_t il, int kv, float * out) {
     const uint8_t * src = kv ? c.v(il) : c.k(il);
-    const size_t n = (size_t) c.n_tokens() * c.n_embd_kv;
+    const size_t n = (size_t) c.n_tokens() * c.n_embd_kv(il);
     if (c.type == GGML_TYPE_F32)
         std::memcpy(out, src, n * sizeof(float));
     else if (c.type == GGML_TYPE_F16)
@@ -25,19 +25,19 @@ void codec_rows_f32(const chunk_kv & c, int64_t il, int kv, float * out) {
 
 void codec_store_rows(chunk_kv & c, int64_t il, int kv, const float * x) {
     uint8_t * dst = kv ? c.v(il) : c.k(il);
-    const size_t n = (size_t) c.n_tokens() * c.n_embd_kv;
+    const size_t n = (size_t) c.n_tokens() * c.n_embd_kv(il);
     if (c.type == GGML_TYPE_F32)
         std::memcpy(dst, x, n * sizeof(float));
     else if (c.type == GGML_TYPE_F16)
         ggml_cpu_fp32_to_fp16(x, (ggml_fp16_t *) dst, (int64_t) n);  // vectorized
     else
-        ggml_quantize_chunk(c.type, x, dst, 0, c.n_tokens(), c.n_embd_kv, nullptr);  // a quantized cache type
+        ggml_quantize_chunk(c.type, x, dst, 0, c.n_tokens(), c.n_embd_kv(il), nullptr);  // a quantized cache type
 }
 
 namespace {
 
 std::vector<float> rows_f32(const chunk_kv & c, int64_t il, int kv) {
-    std::vector<float> out((size_t) c.n_tokens() * c.n_embd_kv);
+    std::vector<float> out((size_t) c.n_tokens() * c.n_embd_kv(il));
     codec_rows_f32(c, il, kv, out.data());
     return out;
 }
@@ -72,28 +72,35 @@ class ggml_codec : public codec {
     explicit ggml_codec(ggml_type t) : t_(t) {}
     std::string name() const override { return ggml_type_name(t_); }
 
+    // one layer's K (or V) rows in t_
+    size_t part(const chunk_kv & c, int64_t il) const { return ggml_row_size(t_, c.n_embd_kv(il)) * c.n_tokens(); }
+
     std::vector<uint8_t> encode(const chunk_kv & c) const override {
-        if (c.n_embd_kv % ggml_blck_size(t_) != 0)
-            throw error(name() + " needs rows of a multiple of " + std::to_string(ggml_blck_size(t_)) + " values");
-        const size_t part = ggml_row_size(t_, c.n_embd_kv) * c.n_tokens();
-        std::vector<uint8_t> b(part * 2 * c.n_layer);
-        for (int64_t il = 0; il < c.n_layer; ++il)
-            for (int kv = 0; kv < 2; ++kv) {
+        size_t total = 0;
+        for (int64_t il = 0; il < c.n_layer(); ++il) {
+            if (c.n_embd_kv(il) % ggml_blck_size(t_) != 0)
+                throw error(name() + " needs rows of a multiple of " + std::to_string(ggml_blck_size(t_)) + " values");
+            total += 2 * part(c, il);
+        }
+        std::vector<uint8_t> b(total);
+        uint8_t * at = b.data();
+        for (int64_t il = 0; il < c.n_layer(); ++il)
+            for (int kv = 0; kv < 2; ++kv, at += part(c, il)) {
                 const std::vector<float> x = rows_f32(c, il, kv);
-                ggml_quantize_chunk(t_, x.data(), b.data() + part * (2 * il + kv), 0, c.n_tokens(), c.n_embd_kv,
-                                    nullptr);
+                ggml_quantize_chunk(t_, x.data(), at, 0, c.n_tokens(), c.n_embd_kv(il), nullptr);
             }
         return b;
     }
 
     void decode(const uint8_t * p, size_t n, chunk_kv & out) const override {
-        const size_t part = ggml_row_size(t_, out.n_embd_kv) * out.n_tokens();
-        if (n != part * 2 * out.n_layer) throw error(name() + " payload has an unexpected size");
+        size_t total = 0;
+        for (int64_t il = 0; il < out.n_layer(); ++il) total += 2 * part(out, il);
+        if (n != total) throw error(name() + " payload has an unexpected size");
         const auto * traits = ggml_get_type_traits(t_);
-        std::vector<float> x((size_t) out.n_tokens() * out.n_embd_kv);
-        for (int64_t il = 0; il < out.n_layer; ++il)
-            for (int kv = 0; kv < 2; ++kv) {
-                traits->to_float(p + part * (2 * il + kv), x.data(), (int64_t) x.size());
+        for (int64_t il = 0; il < out.n_layer(); ++il)
+            for (int kv = 0; kv < 2; ++kv, p += part(out, il)) {
+                std::vector<float> x((size_t) out.n_tokens() * out.n_embd_kv(il));
+                traits->to_float(p, x.data(), (int64_t) x.size());
                 store_rows(out, il, kv, x.data());
             }
     }
@@ -111,14 +118,17 @@ class kivi_codec : public codec {
     std::string name() const override { return "kivi" + std::to_string(bits_); }
 
     std::vector<uint8_t> encode(const chunk_kv & c) const override {
-        const int64_t d = c.n_embd_kv, n = c.n_tokens();
-        if (d % group_ != 0) throw error(name() + " needs rows of a multiple of " + std::to_string(group_) + " values");
+        const int64_t n = c.n_tokens();
+        for (int64_t il = 0; il < c.n_layer(); ++il)
+            if (c.n_embd_kv(il) % group_ != 0)
+                throw error(name() + " needs rows of a multiple of " + std::to_string(group_) + " values");
         const int64_t n_q = std::max<int64_t>(0, (n - residual_) / group_ * group_);  // quantized tokens
         std::vector<uint8_t> b;
         const uint32_t hdr[4] = {(uint32_t) bits_, (uint32_t) group_, (uint32_t) n, (uint32_t) n_q};
         append(b, hdr, sizeof(hdr));
         std::vector<float> g(group_);
-        for (int64_t il = 0; il < c.n_layer; ++il) {
+        for (int64_t il = 0; il < c.n_layer(); ++il) {
+            const int64_t d = c.n_embd_kv(il);
             for (int kv = 0; kv < 2; ++kv) {
                 const std::vector<float> x = rows_f32(c, il, kv);
                 if (kv == 0) {  // keys: per channel, groups along tokens
@@ -146,12 +156,14 @@ class kivi_codec : public codec {
         payload_reader r{p, p + n_bytes, "codec"};
         uint32_t hdr[4];
         r.take(hdr, sizeof(hdr));
-        const int64_t d = out.n_embd_kv, n = out.n_tokens(), n_q = hdr[3];
-        if ((int) hdr[0] != bits_ || (int) hdr[1] != group_ || (int64_t) hdr[2] != n || n_q > n || n_q % group_ != 0 ||
-            d % group_ != 0)
+        const int64_t n = out.n_tokens(), n_q = hdr[3];
+        if ((int) hdr[0] != bits_ || (int) hdr[1] != group_ || (int64_t) hdr[2] != n || n_q > n || n_q % group_ != 0)
             throw error(name() + " payload does not match the chunk's shape");
-        std::vector<float> x((size_t) n * d), g(group_);
-        for (int64_t il = 0; il < out.n_layer; ++il) {
+        std::vector<float> g(group_);
+        for (int64_t il = 0; il < out.n_layer(); ++il) {
+            const int64_t d = out.n_embd_kv(il);
+            if (d % group_ != 0) throw error(name() + " payload does not match the chunk's shape");
+            std::vector<float> x((size_t) n * d);
             for (int kv = 0; kv < 2; ++kv) {
                 if (kv == 0) {
                     for (int64_t ch = 0; ch < d; ++ch)
@@ -254,8 +266,7 @@ chunk_kv codec_roundtrip(const codec & cd, const chunk_kv & c, size_t * encoded_
     chunk_kv out;
     out.tokens = c.tokens;
     out.pos0 = c.pos0;
-    out.n_layer = c.n_layer;
-    out.n_embd_kv = c.n_embd_kv;
+    out.widths = c.widths;
     out.type = c.type;
     out.data.resize(out.bytes());
     cd.decode(b.data(), b.size(), out);

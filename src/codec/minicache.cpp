@@ -157,11 +157,17 @@ class minicache_codec : public codec {
     }
 
     std::vector<uint8_t> encode(const chunk_kv & c) const override {
-        const int64_t d = c.n_embd_kv, n = c.n_tokens();
-        const int64_t first = mc::first_merged_layer(p_, c.n_layer);
+        // a pair's rows merge element by element: every layer as wide
+        if (!c.same_widths())
+            throw error(name() +
+                        " merges adjacent layers, which needs rows of one width in every layer; "
+                        "this model's layers differ in head size");
+        const int64_t d = c.n_embd_kv(0), n = c.n_tokens();
+        const int64_t first = mc::first_merged_layer(p_, c.n_layer());
         const uint32_t elem = c.type == GGML_TYPE_F32 ? 1 : 0;
-        const mc_header h{k_mc_magic,           p_.start,         p_.t, p_.threshold, (uint32_t) n, (uint32_t) d,
-                          (uint32_t) c.n_layer, (uint32_t) first, elem};
+        const mc_header h{
+            k_mc_magic,       p_.start, p_.t, p_.threshold, (uint32_t) n, (uint32_t) d, (uint32_t) c.n_layer(),
+            (uint32_t) first, elem};
         std::vector<uint8_t> b(sizeof(h));
         std::memcpy(b.data(), &h, sizeof(h));
         std::vector<float> xa((size_t) n * d), xb((size_t) n * d), dir(d);
@@ -176,8 +182,8 @@ class minicache_codec : public codec {
             }
         };
         int64_t il = 0;
-        for (; il < c.n_layer; ++il) {
-            const bool paired = il >= first && il + 1 < c.n_layer;
+        for (; il < c.n_layer(); ++il) {
+            const bool paired = il >= first && il + 1 < c.n_layer();
             if (!paired) {
                 for (int kv = 0; kv < 2; ++kv) {
                     codec_rows_f32(c, il, kv, xa.data());
@@ -213,14 +219,15 @@ class minicache_codec : public codec {
     void decode(const uint8_t * p, size_t n_bytes, chunk_kv & out) const override {
         payload_reader r{p, p + n_bytes, "minicache"};
         const mc_header h = read_header(r);
-        const int64_t d = out.n_embd_kv, n = out.n_tokens();
+        if (!out.same_widths()) throw error("minicache payload does not match the chunk's shape");
+        const int64_t d = out.n_embd_kv(0), n = out.n_tokens();
         // the payload's own settings rule (the merged rows need none of them to decode)
         if (!(h.start >= 0 && h.start <= 1) || !(h.t >= 0 && h.t <= 1) || !(h.threshold <= 1))
             throw error("minicache payload has a corrupt header");
         mc::params pp;
         pp.start = h.start;
-        if ((int64_t) h.n_tokens != n || (int64_t) h.n_embd != d || (int64_t) h.n_layer != out.n_layer ||
-            (int64_t) h.first != mc::first_merged_layer(pp, out.n_layer))
+        if ((int64_t) h.n_tokens != n || (int64_t) h.n_embd != d || (int64_t) h.n_layer != out.n_layer() ||
+            (int64_t) h.first != mc::first_merged_layer(pp, out.n_layer()))
             throw error("minicache payload does not match the chunk's shape");
         const size_t esz = h.elem ? 4 : 2;
         std::vector<float> xa((size_t) n * d), xb((size_t) n * d);
@@ -231,8 +238,8 @@ class minicache_codec : public codec {
             else
                 ggml_fp16_to_fp32_row((const ggml_fp16_t *) src, x, rows * d);
         };
-        for (int64_t il = 0; il < out.n_layer; ++il) {
-            const bool paired = il >= (int64_t) h.first && il + 1 < out.n_layer;
+        for (int64_t il = 0; il < out.n_layer(); ++il) {
+            const bool paired = il >= (int64_t) h.first && il + 1 < out.n_layer();
             if (!paired) {
                 for (int kv = 0; kv < 2; ++kv) {
                     get_rows(xa.data(), n);

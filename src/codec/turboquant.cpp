@@ -420,16 +420,19 @@ class turboquant_codec : public codec {
     std::string name() const override { return tq::name_of(p_); }
 
     std::vector<uint8_t> encode(const chunk_kv & c) const override {
-        const int64_t d = c.n_embd_kv, n = c.n_tokens();
-        const int64_t block = tq::pick_block(d);
-        if (block == 0) throw error(name() + " needs rows of a multiple of 8 values");
-        tq_header h{k_tq_magic,   (uint8_t) p_.bits_x2, (uint8_t) p_.qjl,    0, p_.seed, (uint32_t) n,
-                    (uint32_t) d, (uint32_t) block,     (uint32_t) c.n_layer};
+        const int64_t n = c.n_tokens();
+        for (int64_t il = 0; il < c.n_layer(); ++il)
+            if (tq::pick_block(c.n_embd_kv(il)) == 0) throw error(name() + " needs rows of a multiple of 8 values");
+        // the header names the first layer's width and block; each layer has its own (the entry has its width)
+        const int64_t d0 = c.n_embd_kv(0);
+        tq_header h{k_tq_magic,    (uint8_t) p_.bits_x2,          (uint8_t) p_.qjl,      0, p_.seed, (uint32_t) n,
+                    (uint32_t) d0, (uint32_t) tq::pick_block(d0), (uint32_t) c.n_layer()};
         std::vector<uint8_t> b(sizeof(h));
         std::memcpy(b.data(), &h, sizeof(h));
-        std::vector<float> x((size_t) n * d);
-        for (int64_t il = 0; il < c.n_layer; ++il)
+        for (int64_t il = 0; il < c.n_layer(); ++il)
             for (int kv = 0; kv < 2; ++kv) {
+                const int64_t d = c.n_embd_kv(il), block = tq::pick_block(d);
+                std::vector<float> x((size_t) n * d);
                 codec_rows_f32(c, il, kv, x.data());
                 tq::row_coder rc(d, block, p_, kv == 0, (uint64_t) (2 * il + kv));
                 if (rc.fractional()) {
@@ -464,7 +467,7 @@ class turboquant_codec : public codec {
         tq_header h;
         if (n_bytes < sizeof(h)) throw error("turboquant payload is truncated");
         std::memcpy(&h, p, sizeof(h));
-        const int64_t d = out.n_embd_kv, n = out.n_tokens();
+        const int64_t d0 = out.n_embd_kv(0), n = out.n_tokens();
         if (h.magic != k_tq_magic) throw error("turboquant payload has a bad magic");
         if (h.bits_x2 < 4 || h.bits_x2 > 8 || h.qjl > 1 || h.reserved != 0)
             throw error("turboquant payload has a corrupt header");
@@ -472,14 +475,16 @@ class turboquant_codec : public codec {
         pp.bits_x2 = h.bits_x2;
         pp.qjl = h.qjl != 0;
         pp.seed = h.seed;
-        if ((int64_t) h.n_tokens != n || (int64_t) h.n_embd != d || (int64_t) h.n_layer != out.n_layer ||
-            (int64_t) h.block != tq::pick_block(d))
+        if ((int64_t) h.n_tokens != n || (int64_t) h.n_embd != d0 || (int64_t) h.n_layer != out.n_layer() ||
+            (int64_t) h.block != tq::pick_block(d0))
             throw error("turboquant payload does not match the chunk's shape");
         size_t at = sizeof(h);
-        std::vector<float> x((size_t) n * d);
-        for (int64_t il = 0; il < out.n_layer; ++il)
+        for (int64_t il = 0; il < out.n_layer(); ++il)
             for (int kv = 0; kv < 2; ++kv) {
-                tq::row_coder rc(d, h.block, pp, kv == 0, (uint64_t) (2 * il + kv));
+                const int64_t d = out.n_embd_kv(il), block = tq::pick_block(d);
+                if (block == 0) throw error("turboquant payload does not match the chunk's shape");
+                std::vector<float> x((size_t) n * d);
+                tq::row_coder rc(d, block, pp, kv == 0, (uint64_t) (2 * il + kv));
                 if (rc.fractional()) {
                     const size_t mb = (size_t) (d + 7) / 8;
                     if (n_bytes - at < mb) throw error("turboquant payload is truncated");

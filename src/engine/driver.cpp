@@ -15,13 +15,17 @@ namespace kvblend {
 struct ubatch_graph {
     ggml_context_ptr ctx;
     ggml_cgraph * gf = nullptr;
-    ggml_tensor *tok = nullptr, *x_rows = nullptr, *pos = nullptr, *write_rows = nullptr;
+    ggml_tensor *tok = nullptr, *x_rows = nullptr, *pos = nullptr, *write_rows = nullptr, *pe_tok = nullptr;
     ggml_tensor *out_x = nullptr, *logit_rows = nullptr, *sel = nullptr, *dev_rows = nullptr;
     std::vector<graph::attn_inputs> in;         // per group
     std::vector<ggml_tensor *> score_mask;      // per group, F32 [n_kv, n_sel]
     std::vector<ggml_tensor *> score_mask_swa;  // per group, F32 [n_kv, n_sel] within the window (windowed layers)
     std::vector<ggml_tensor *> score_out;       // per layer l0…l1-1, F32 [n_kv, n_head]
     ggml_tensor *logits = nullptr, *dev = nullptr;
+    // the layers past the last that owns K/V (gemma4's shared ones) run only
+    // the logit rows: their positions, rows of the per-layer inputs and masks
+    ggml_tensor *pos_out = nullptr, *pe_rows = nullptr;
+    std::vector<graph::attn_inputs> in_out;  // per group
 };
 
 namespace {
@@ -95,6 +99,13 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
         g.x_rows = new_input(c, GGML_TYPE_I32, n_tok);
         x = ggml_get_rows(c, hidden, g.x_rows);  // F32 [n_embd, n_tok]
     }
+    // gemma4's per-layer inputs: a function of the token ids, which a run from
+    // hidden states names apart (pe_tokens)
+    ggml_tensor * pe = nullptr;
+    if (m.pe_tok_embd) {
+        if (!g.tok) g.pe_tok = new_input(c, GGML_TYPE_I32, n_tok);
+        pe = graph::build_pe_inputs(c, m, g.tok ? g.tok : g.pe_tok);
+    }
     const int64_t n_write = ub.write_rows.empty() ? n_tok : (int64_t) ub.write_rows.size();
     if (n_write < n_tok) g.write_rows = new_input(c, GGML_TYPE_I32, n_write);
     if (n_sel > 0) g.sel = new_input(c, GGML_TYPE_I32, n_sel);
@@ -102,6 +113,7 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
     for (const graph::ubatch_attn & a : ub.groups) {
         graph::attn_inputs in;
         in.pos = g.pos;
+        in.pe = pe;
         in.n_kv = a.n_kv;
         in.hook = live;
         in.write_rows = g.write_rows;
@@ -129,14 +141,46 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
     const bool reduce = !keep_x && !with_dev && n_logit > 0 && n_logit < n_tok;
     if (n_logit > 0 && n_logit < n_tok) g.logit_rows = new_input(c, GGML_TYPE_I32, n_logit);
     const bool kv_only = !keep_x && !with_dev && n_logit == 0;
+    // layers that write no K/V (gemma4's shared ones) need only the rows whose logits are wanted
+    const int n_owners = (int) m.hparams().n_layer_kv;
+    const bool reduce_early =
+        reduce && n_sel == 0 && !live && ub.l0 < n_owners && n_owners < ub.l1 &&
+        std::all_of(ub.groups.begin(), ub.groups.end(), [](const graph::ubatch_attn & a) { return a.mask.empty(); });
+    if (reduce_early) {
+        g.pos_out = new_input(c, GGML_TYPE_I32, n_logit);
+        ggml_tensor * pe_out = nullptr;
+        if (pe) {  // I32 [n_logit, n_layer]: the logit rows of every layer's slice
+            g.pe_rows = ggml_new_tensor_2d(c, GGML_TYPE_I32, n_logit, m.hparams().n_layer);
+            ggml_set_input(g.pe_rows);
+            pe_out = ggml_get_rows(c, pe, g.pe_rows);  // [n_pe, n_logit, n_layer]
+        }
+        for (const graph::attn_inputs & full : g.in) {
+            graph::attn_inputs in = full;
+            in.pos = g.pos_out, in.pe = pe_out;
+            in.kv_idx = nullptr, in.write_rows = nullptr;  // nothing is written past the owners
+            auto new_mask = [&](ggml_tensor * like) -> ggml_tensor * {
+                if (!like) return nullptr;
+                ggml_tensor * t = ggml_new_tensor_3d(c, GGML_TYPE_F16, like->ne[0], n_logit, 1);  // [n_kv, n_logit, 1]
+                ggml_set_input(t);
+                return t;
+            };
+            in.kq_mask = new_mask(full.kq_mask), in.kq_mask_swa = new_mask(full.kq_mask_swa);
+            g.in_out.push_back(in);
+        }
+    }
 
     g.score_out.assign(ub.l1 - ub.l0, nullptr);
     score_taps taps(m, g, ub.group_of, ub.l0);
     taps.only = ub.score_layer;
-    for (int il = ub.l0; il < ub.l1; ++il) {
-        const bool last = il == ub.l1 - 1;
-        x = graph::build_layer(c, g.gf, m, il, x, cache.k(il), cache.v(il), g.in[ub.group_of[il]],
-                               last && reduce ? g.logit_rows : nullptr, n_sel > 0 ? &taps : nullptr, last && kv_only);
+    // when only K/V are wanted, the layers that share another's (gemma4's last ones) have nothing to do
+    const int l1 = kv_only && n_sel == 0 && ub.l0 < n_owners ? std::min(ub.l1, n_owners) : ub.l1;
+    for (int il = ub.l0; il < l1; ++il) {
+        const bool last = il == l1 - 1, early = reduce_early && il >= n_owners;
+        if (reduce_early && il == n_owners) x = ggml_get_rows(c, x, g.logit_rows);  // [n_embd, n_logit]
+        const int kl = (int) m.hparams().kv_layer(il);                              // the cache layer it attends over
+        x = graph::build_layer(
+            c, g.gf, m, il, x, cache.k(kl), cache.v(kl), early ? g.in_out[ub.group_of[il]] : g.in[ub.group_of[il]],
+            last && reduce && !early ? g.logit_rows : nullptr, n_sel > 0 ? &taps : nullptr, last && kv_only);
     }
     if (!x) return g;  // only K/V writes (and scores)
     if (keep_x) {
@@ -203,6 +247,30 @@ void forward_driver::set_masks(ggml_tensor * kq_mask, ggml_tensor * score_mask, 
     upload(score_mask, sm.data(), 0, ggml_nbytes(score_mask));
 }
 
+void forward_driver::set_logit_row_inputs(const ubatch_graph & g, const graph::ubatch & ub) {
+    const int64_t n_out = (int64_t) ub.logit_rows.size();
+    std::vector<int32_t> pos(n_out);
+    for (int64_t i = 0; i < n_out; ++i) pos[i] = ub.pos[ub.logit_rows[i]];
+    upload(g.pos_out, pos.data(), 0, ggml_nbytes(g.pos_out));
+    if (g.pe_rows) {
+        std::vector<int32_t> rows;
+        for (int64_t il = 0; il < g.pe_rows->ne[1]; ++il)
+            rows.insert(rows.end(), ub.logit_rows.begin(), ub.logit_rows.end());
+        upload(g.pe_rows, rows.data(), 0, ggml_nbytes(g.pe_rows));
+    }
+    std::vector<ggml_fp16_t> mask;
+    for (size_t gi = 0; gi < ub.groups.size(); ++gi) {
+        const graph::ubatch_attn & a = ub.groups[gi];
+        for (ggml_tensor * t : {g.in_out[gi].kq_mask, g.in_out[gi].kq_mask_swa}) {
+            if (!t) continue;
+            mask.resize(a.n_kv * n_out);
+            const int64_t window = t == g.in_out[gi].kq_mask_swa ? eng_.mdl().hparams().n_swa : 0;
+            graph::fill_causal_mask(mask.data(), a.kpos.data(), a.n_kv, pos.data(), n_out, window);
+            upload(t, mask.data(), 0, ggml_nbytes(t));
+        }
+    }
+}
+
 void forward_driver::upload_kv_rows(ggml_tensor * t, const void * rows, int64_t r0, int64_t n) {
     if (n <= 0) return;
     kv_rows_from_host(t, r0, n, static_cast<const uint8_t *>(rows),
@@ -253,6 +321,7 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
         if (t) upload(t, data, 0, ggml_nbytes(t));
     };
     up(g.tok, ub.tokens.data());
+    up(g.pe_tok, ub.pe_tokens.data());
     up(g.x_rows, ub.x_rows.data());
     up(g.pos, ub.pos.data());
     up(g.write_rows, ub.write_rows.data());
@@ -266,6 +335,7 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
         set_masks(g.in[gi].kq_mask, g.score_mask[gi], ub, a, 0);
         if (g.in[gi].kq_mask_swa) set_masks(g.in[gi].kq_mask_swa, g.score_mask_swa[gi], ub, a, m.hparams().n_swa);
     }
+    if (g.pos_out) set_logit_row_inputs(g, ub);
     if (ggml_backend_sched_graph_compute(sched, g.gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
 
     graph::ubatch_out out;
@@ -358,16 +428,63 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
         t0 += s.n;
     }
     ggml_tensor * x = graph::build_embd(c, m, tok);  // F32 [n_embd, n_tok]
+    ggml_tensor * pe = graph::build_pe_inputs(c, m, tok);
     const bool reduce = out_rows && (int64_t) logit_rows.size() < n_tok;
-    for (int il = 0; il < hp.n_layer; ++il) {
-        for (size_t si = 0; si < seqs.size(); ++si) {
-            kv[si].k_store = seqs[si].cache->k(il), kv[si].v_store = seqs[si].cache->v(il);
-            if (seqs[si].cache->ring(il)) std::swap(kv[si].in, in_ring[si]);  // back after the layer
+
+    // past the last layer that owns K/V (gemma4's shared ones) nothing is
+    // written: only the rows whose logits are wanted run on, one per sequence
+    // that asks, with inputs of their own (no write, their masks' last rows)
+    const int n_owners = (int) hp.n_layer_kv;
+    const bool cut = n_owners < hp.n_layer && (int64_t) logit_rows.size() < n_tok;
+    std::vector<size_t> tail;  // the sequences that run past the owners
+    for (size_t si = 0; cut && si < seqs.size(); ++si)
+        if (seqs[si].logits) tail.push_back(si);
+    std::vector<graph::seq_kv> kv_tail(tail.size());
+    std::vector<graph::attn_inputs> ring_tail(tail.size());
+    ggml_tensor *pos_tail = nullptr, *pe_tail = nullptr, *pe_rows = nullptr;
+    if (!tail.empty()) {
+        const int64_t n_tail = (int64_t) tail.size();
+        pos_tail = new_input(c, GGML_TYPE_I32, n_tail);
+        auto last_row_mask = [&](const ggml_tensor * like) -> ggml_tensor * {
+            if (!like) return nullptr;
+            ggml_tensor * t = ggml_new_tensor_3d(c, GGML_TYPE_F16, like->ne[0], 1, 1);  // [n_kv, 1, 1]
+            ggml_set_input(t);
+            return t;
+        };
+        for (int64_t j = 0; j < n_tail; ++j) {
+            graph::seq_kv & q = kv_tail[j];
+            q = kv[tail[j]];
+            q.t0 = j, q.n = 1;
+            q.in.kv_idx = nullptr;
+            q.in.kq_mask = last_row_mask(kv[tail[j]].in.kq_mask);
+            q.in.kq_mask_swa = last_row_mask(kv[tail[j]].in.kq_mask_swa);
+            ring_tail[j] = in_ring[tail[j]];
+            ring_tail[j].kv_idx = nullptr;
+            ring_tail[j].kq_mask_swa = last_row_mask(in_ring[tail[j]].kq_mask_swa);
+        }
+        if (pe) {  // I32 [n_tail, n_layer]: the logit rows of every layer's slice
+            pe_rows = ggml_new_tensor_2d(c, GGML_TYPE_I32, n_tail, hp.n_layer);
+            ggml_set_input(pe_rows);
+            pe_tail = ggml_get_rows(c, pe, pe_rows);  // [n_pe, n_tail, n_layer]
+        }
+    }
+    const int l1 = cut && tail.empty() ? n_owners : (int) hp.n_layer;  // no logits: the owners are all
+    for (int il = 0; il < l1; ++il) {
+        const int kl = (int) hp.kv_layer(il);
+        const bool past = cut && il >= n_owners;
+        if (past && il == n_owners) x = ggml_get_rows(c, x, out_rows);  // [n_embd, n_logit]
+        std::vector<graph::seq_kv> & sk = past ? kv_tail : kv;
+        std::vector<graph::attn_inputs> & rings = past ? ring_tail : in_ring;
+        for (size_t j = 0; j < sk.size(); ++j) {
+            const kv_cache & cache = *seqs[past ? tail[j] : j].cache;
+            sk[j].k_store = cache.k(kl), sk[j].v_store = cache.v(kl);
+            if (cache.ring(il)) std::swap(sk[j].in, rings[j]);  // back after the layer
         }
         const bool last = il == hp.n_layer - 1;
-        x = graph::build_layer_seqs(c, gf, m, il, x, tpos, kv.data(), kv.size(), last && reduce ? out_rows : nullptr);
-        for (size_t si = 0; si < seqs.size(); ++si)
-            if (seqs[si].cache->ring(il)) std::swap(kv[si].in, in_ring[si]);
+        x = graph::build_layer_seqs(c, gf, m, il, x, past ? pos_tail : tpos, past ? pe_tail : pe, sk.data(), sk.size(),
+                                    last && reduce && !past ? out_rows : nullptr);
+        for (size_t j = 0; j < sk.size(); ++j)
+            if (seqs[past ? tail[j] : j].cache->ring(il)) std::swap(sk[j].in, rings[j]);
     }
     ggml_tensor * logits = nullptr;
     if (out_rows) {
@@ -391,6 +508,22 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
         if (!seqs[si].cache->windowed()) continue;
         upload(in_ring[si].kv_idx, ring[si].kv_idx.data(), 0, ggml_nbytes(in_ring[si].kv_idx));
         upload(in_ring[si].kq_mask_swa, masks_ring[si].data(), 0, ggml_nbytes(in_ring[si].kq_mask_swa));
+    }
+    for (size_t j = 0; j < tail.size(); ++j) {  // each sequence's last row: its position and mask rows
+        const size_t si = tail[j];
+        const int64_t last = seqs[si].n - 1;
+        upload(pos_tail, &pos[logit_rows[j]], j * sizeof(int32_t), sizeof(int32_t));
+        auto up_row = [&](ggml_tensor * t, const std::vector<ggml_fp16_t> & mask) {
+            if (t) upload(t, mask.data() + last * t->ne[0], 0, ggml_nbytes(t));
+        };
+        up_row(kv_tail[j].in.kq_mask, masks[si]);
+        up_row(kv_tail[j].in.kq_mask_swa, masks_swa[si]);
+        up_row(ring_tail[j].kq_mask_swa, masks_ring[si]);
+    }
+    if (pe_rows) {
+        std::vector<int32_t> rows;
+        for (int64_t il = 0; il < hp.n_layer; ++il) rows.insert(rows.end(), logit_rows.begin(), logit_rows.end());
+        upload(pe_rows, rows.data(), 0, ggml_nbytes(pe_rows));
     }
     if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
     std::vector<float> out;
@@ -418,6 +551,7 @@ graph::ubatch forward_driver::append_ubatch(const llama_token * tokens, int64_t 
     std::vector<int> group_layer;  // a layer of each group
     ub.group_of.resize(hp.n_layer);
     for (int il = 0; il < hp.n_layer; ++il) {
+        if (!hp.has_kv(il)) continue;  // a layer that shares K/V takes its source's group, below
         size_t gi = 0;
         while (gi < group_layer.size() && (cache.n_rows(group_layer[gi]) != cache.n_rows(il) ||
                                            cache.n_retained(group_layer[gi]) != cache.n_retained(il) ||
@@ -426,6 +560,7 @@ graph::ubatch forward_driver::append_ubatch(const llama_token * tokens, int64_t 
         if (gi == group_layer.size()) group_layer.push_back(il);
         ub.group_of[il] = (int) gi;
     }
+    for (int il = (int) hp.n_layer_kv; il < hp.n_layer; ++il) ub.group_of[il] = ub.group_of[hp.kv_layer(il)];
     for (int il : group_layer) {
         if (cache.ring(il)) {
             ub.groups.push_back(ring_attn(cache, ub.pos[0], n));
@@ -513,10 +648,12 @@ std::vector<float> forward_driver::run_rows(const rows_run & r, std::vector<floa
         std::copy(r.pos->begin(), r.pos->begin() + n_held, a.kpos.begin());
         for (int64_t i = 0; i < nt; ++i) {
             const int64_t row = rows[b0 + i];
-            if (r.from_tokens)
+            if (r.from_tokens) {
                 ub.tokens.push_back((*r.tokens)[row]);
-            else
+            } else {
                 ub.x_rows.push_back((int32_t) row);
+                if (eng_.mdl().pe_tok_embd) ub.pe_tokens.push_back((*r.tokens)[row]);
+            }
             ub.pos.push_back((*r.pos)[row]);
             if (r.score && (*r.score)[row]) ub.score_rows.push_back((int32_t) i);
             if ((*r.write)[row]) {
@@ -592,14 +729,14 @@ void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1)
                     if (run_delta[r] == 0) continue;
                     // [head_dim, the run's rows, 1 position, n_head_kv]
                     ggml_tensor * k =
-                        ggml_view_4d(c, store, hp.head_dim, run0[r + 1] - run0[r], 1, hp.n_head_kv, store->nb[1],
+                        ggml_view_4d(c, store, store->ne[0], run0[r + 1] - run0[r], 1, store->ne[2], store->nb[1],
                                      store->nb[2], store->nb[2], (size_t) run0[r] * store->nb[1]);
                     ggml_tensor * p = ggml_view_1d(c, pos, 1, r * sizeof(int32_t));
                     ggml_build_forward_expand(gf, graph::build_rope_shift(c, m, il, k, p, /*in_place =*/true));
                 }
                 continue;
             }
-            ggml_tensor * k = ggml_view_3d(c, store, hp.head_dim, n, hp.n_head_kv, store->nb[1], store->nb[2], 0);
+            ggml_tensor * k = ggml_view_3d(c, store, store->ne[0], n, store->ne[2], store->nb[1], store->nb[2], 0);
             // dequantized before the permuted copy: ggml-cuda copies no quantized
             // rows into their own type unless both sides are contiguous
             if (ggml_is_quantized(store->type)) k = ggml_cast(c, k, GGML_TYPE_F32);

@@ -17,6 +17,8 @@
 
 namespace kvblend {
 
+struct ubatch_graph;
+
 namespace graph {
 struct ubatch;
 struct ubatch_attn;
@@ -90,6 +92,8 @@ class forward_driver {
     // windowed layer's) and, when scored, its F32 copy for the score rows
     void set_masks(ggml_tensor * kq_mask, ggml_tensor * score_mask, const graph::ubatch & ub,
                    const graph::ubatch_attn & a, int64_t window);
+    // the inputs of the logit rows that alone run past the last layer owning K/V
+    void set_logit_row_inputs(const ubatch_graph & g, const graph::ubatch & ub);
     engine & eng_;
     engine::impl & im_;
 };

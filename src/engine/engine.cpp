@@ -66,15 +66,16 @@ size_t engine::kv_bytes_held() const {
 }
 
 size_t engine::kv_bytes_f16() const {
-    const model_hparams & hp = model_->hparams();
-    return (size_t) hp.n_layer * cache_->n_past() * 2 * hp.n_embd_kv() * 2;
+    size_t values = 0;  // K and V of every layer that owns them
+    for (int64_t w : model_->hparams().kv_widths()) values += 2 * (size_t) w;
+    return values * (size_t) cache_->n_past() * 2;
 }
 
 void engine::import_cache(const kv_cache & dense) {
     if (!live_) throw error("importing a cache needs an engine with a live compressed cache (kv_codec)");
     if (dense.sparse() || !dense.holds_rows() || dense.windowed())
         throw error("only a dense KV cache can be brought into a live compressed cache");
-    if (dense.n_layer() != model_->hparams().n_layer || dense.n_embd_kv() != model_->hparams().n_embd_kv())
+    if (dense.kv_widths() != model_->hparams().kv_widths())
         throw error("the KV cache to import has another shape than this model's");
     const int64_t n = dense.n_past();
     if (n > cache_->n_ctx())
@@ -119,13 +120,14 @@ constexpr int64_t k_nodes_per_layer = 40;
 constexpr int64_t k_nodes_per_seq_layer = 20;
 
 // add a ubatch's attention sums (per query head) to the scores per KV head:
-// the sum over the query heads that share it
+// the sum over the query heads that share it. a layer that shares another's
+// K/V adds its attention to that layer's: both read those rows
 void add_scores(attn_scores & sc, const graph::ubatch_out & out, const model_hparams & hp) {
     const int64_t nh = hp.n_head_kv, n_gqa = hp.n_head / hp.n_head_kv;
     for (int il = 0; il < hp.n_layer; ++il) {
         const std::vector<float> & w = out.scores[il];
         const int64_t n_kv = (int64_t) w.size() / hp.n_head;
-        std::vector<float> & acc = sc.s[il];
+        std::vector<float> & acc = sc.s[hp.kv_layer(il)];
         if ((int64_t) acc.size() < n_kv * nh) acc.resize(n_kv * nh, 0.0f);
         for (int64_t hq = 0; hq < hp.n_head; ++hq)
             for (int64_t j = 0; j < n_kv; ++j) acc[j * nh + hq / n_gqa] += w[hq * n_kv + j];
@@ -152,7 +154,7 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
     attn_scores * sc = scores ? scores : (roll && ev.policy == EVICT_POLICY_H2O ? &impl_->ev_scores : nullptr);
     if (sc) {
         sc->n_head_kv = hp.n_head_kv;
-        sc->s.resize(hp.n_layer);
+        sc->s.resize(hp.n_layer_kv);
     }
 
     forward_driver drv(*this);
@@ -169,13 +171,14 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
         if (!out.scores.empty())
             add_scores(*sc, out, hp);
         else if (sc)
-            for (int il = 0; il < hp.n_layer; ++il) sc->s[il].resize((cache.n_rows(il) + n_tok) * hp.n_head_kv, 0.0f);
+            for (int il = 0; il < hp.n_layer_kv; ++il)
+                sc->s[il].resize((cache.n_rows(il) + n_tok) * hp.n_head_kv, 0.0f);
         cache.advance(n_tok);
         logits.insert(logits.end(), out.logits.begin(), out.logits.end());
     }
     if (roll) {
         bool over = false;
-        for (int il = 0; il < hp.n_layer; ++il) over = over || cache.n_rows(il) > impl_->ev_budget[il] + ev.slack;
+        for (int il = 0; il < hp.n_layer_kv; ++il) over = over || cache.n_rows(il) > impl_->ev_budget[il] + ev.slack;
         if (over) apply_evict(impl_->ev_budget);
     }
     return logits;
@@ -186,8 +189,7 @@ std::vector<std::vector<float>> engine::eval_seqs(const std::vector<seq_tokens> 
     for (size_t i = 0; i < seqs.size(); ++i) {
         const seq_tokens & s = seqs[i];
         if (!s.cache || s.tokens.empty()) throw error("a batched sequence needs a cache and at least one token");
-        if (s.cache->sparse() || !s.cache->holds_rows() || s.cache->n_layer() != hp.n_layer ||
-            s.cache->n_embd_kv() != hp.n_embd_kv())
+        if (s.cache->sparse() || !s.cache->holds_rows() || s.cache->kv_widths() != hp.kv_widths())
             throw error("a batched sequence needs a dense KV cache of this model");
         for (size_t j = 0; j < i; ++j)
             if (seqs[j].cache == s.cache) throw error("a cache appears twice in one batch");
@@ -244,7 +246,7 @@ void engine::check_append(const kv_cache & cache, const std::vector<llama_token>
 }
 
 void engine::check_fits(const kv_cache * c) const {
-    if (!c || c->n_layer() != model_->hparams().n_layer || c->n_embd_kv() != model_->hparams().n_embd_kv())
+    if (!c || c->kv_widths() != model_->hparams().kv_widths())
         throw error("the cache does not fit this engine's model");
 }
 
@@ -278,7 +280,7 @@ std::vector<float> engine::prefill(const std::vector<llama_token> & prompt) {
         evict_needs_scores(ev.policy)
             ? eval(prompt, false, 0, &impl_->ev_scores, evict_score_from(ev, n0 + (int64_t) prompt.size()) - n0)
             : eval(prompt);
-    apply_evict(evict_budgets(ev, cache_->n_past(), model_->hparams().n_layer));
+    apply_evict(evict_budgets(ev, cache_->n_past(), model_->hparams().n_layer_kv));
     return logits;
 }
 
@@ -297,7 +299,7 @@ std::vector<float> engine::evict(const std::vector<llama_token> & tail) {
         cache_->set_n_past(n - (int64_t) rerun.size());
         logits = eval(rerun, false, 0, &impl_->ev_scores, 0);
     }
-    apply_evict(evict_budgets(ev, cache_->n_past(), model_->hparams().n_layer));
+    apply_evict(evict_budgets(ev, cache_->n_past(), model_->hparams().n_layer_kv));
     return logits;
 }
 

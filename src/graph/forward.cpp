@@ -27,8 +27,9 @@ ggml_tensor * rope_scaled(ggml_context * ctx, const model & m, int il, ggml_tens
     if (!hp.has_rope(il)) return t;
     // without YaRN (ext_factor 0) the original context and the betas play no part
     auto * rope = in_place ? ggml_rope_ext_inplace : ggml_rope_ext;
-    return rope(ctx, t, pos, m.rope_freqs, (int) hp.n_rot, hp.rope_mode, (int) hp.n_ctx_orig, hp.rope_base_of(il),
-                hp.rope_scale_of(il), hp.yarn_ext_factor, attn_factor, hp.yarn_beta_fast, hp.yarn_beta_slow);
+    return rope(ctx, t, pos, m.rope_factors(il), (int) hp.n_rot_of(il), hp.rope_mode, (int) hp.n_ctx_orig,
+                hp.rope_base_of(il), hp.rope_scale_of(il), hp.yarn_ext_factor, attn_factor, hp.yarn_beta_fast,
+                hp.yarn_beta_slow);
 }
 
 }  // namespace
@@ -64,7 +65,7 @@ ggml_tensor * build_rotated(ggml_context * ctx, const model & m, int il, ggml_te
     const model_hparams & hp = m.hparams();
     ggml_tensor * t = build_linear(ctx, w, b, x);                            // [head_dim * n_head, n_tok]
     if (norm && hp.qk_norm_whole) t = build_norm(ctx, t, norm, hp.rms_eps);  // olmo2: over all heads at once
-    t = ggml_reshape_3d(ctx, t, hp.head_dim, n_head, x->ne[1]);              // [head_dim, n_head, n_tok]
+    t = ggml_reshape_3d(ctx, t, hp.head_dim_of(il), n_head, x->ne[1]);       // [head_dim, n_head, n_tok]
     if (norm && !hp.qk_norm_whole) t = build_norm(ctx, t, norm, hp.rms_eps);
     return build_rope(ctx, m, il, t, pos);
 }
@@ -82,9 +83,10 @@ projection build_projection(ggml_context * ctx, const model & m, int il, qkv_par
     const model_layer & L = m.layers[il];
     if (!L.wqkv) {
         if (part == QKV_PART_Q) return {L.wq, L.bq};
-        return part == QKV_PART_K ? projection{L.wk, L.bk} : projection{L.wv, L.bv};
+        // gemma4 without v_proj (k_eq_v): V is the k projection
+        return part == QKV_PART_K || !L.wv ? projection{L.wk, L.bk} : projection{L.wv, L.bv};
     }
-    const int64_t n_q = m.hparams().n_embd_q(), n_kv = m.hparams().n_embd_kv();
+    const int64_t n_q = m.hparams().n_embd_q(il), n_kv = m.hparams().n_embd_kv(il);
     const int64_t first = part == QKV_PART_Q ? 0 : part == QKV_PART_K ? n_q : n_q + n_kv;
     const int64_t n = part == QKV_PART_Q ? n_q : n_kv;
     ggml_tensor * w = ggml_view_2d(ctx, L.wqkv, L.wqkv->ne[0], n, L.wqkv->nb[1], first * L.wqkv->nb[1]);
@@ -102,8 +104,9 @@ ggml_tensor * build_k(ggml_context * ctx, const model & m, int il, ggml_tensor *
 ggml_tensor * build_v(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
     const model_hparams & hp = m.hparams();
     const projection p = build_projection(ctx, m, il, QKV_PART_V);
-    ggml_tensor * v = build_linear(ctx, p.w, p.b, x);                     // [n_embd_kv, n_tok]
-    return ggml_reshape_3d(ctx, v, hp.head_dim, hp.n_head_kv, x->ne[1]);  // [head_dim, n_head_kv, n_tok]
+    ggml_tensor * v = build_linear(ctx, p.w, p.b, x);                         // [n_embd_kv, n_tok]
+    v = ggml_reshape_3d(ctx, v, hp.head_dim_of(il), hp.n_head_kv, x->ne[1]);  // [head_dim, n_head_kv, n_tok]
+    return hp.v_norm ? ggml_rms_norm(ctx, v, hp.rms_eps) : v;                 // gemma4: normed per head, no weight
 }
 
 qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
@@ -112,30 +115,31 @@ qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml
     ggml_tensor * q = build_rotated(ctx, m, il, p.w, p.b, m.layers[il].q_norm, hp.n_head, x, pos);
     if (hp.q_scale != 0.0f) q = ggml_scale(ctx, q, hp.q_scale);  // phi3, gemma3; kq_scale() is 1
     if (hp.attn_temp_scale != 0.0f) q = ggml_mul(ctx, q, build_attn_temp(ctx, hp, pos));
+    if (!hp.has_kv(il)) return {q, nullptr, nullptr};  // a shared layer reads another layer's K/V
     return {q, build_k(ctx, m, il, x, pos), build_v(ctx, m, il, x)};
 }
 
 kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, ggml_tensor * k_store,
                         ggml_tensor * v_store, const attn_inputs & in) {
-    const model_hparams & hp = m.hparams();
-    const int64_t n_tok = cur.k->ne[2];
+    (void) m;
     // rows [0, n_kv) of a head-major store, seen through src (the store or a
     // write into it), in the token-major shape the attention takes
     auto rows = [&](ggml_tensor * src, const ggml_tensor * store) {
-        ggml_tensor * r = ggml_view_3d(ctx, src, hp.head_dim, in.n_kv, hp.n_head_kv, store->nb[1], store->nb[2], 0);
+        ggml_tensor * r = ggml_view_3d(ctx, src, store->ne[0], in.n_kv, store->ne[2], store->nb[1], store->nb[2], 0);
         return ggml_permute(ctx, r, 0, 2, 1, 3);  // [head_dim, n_head_kv, n_kv]
     };
-    if (!in.kv_idx) return {rows(k_store, k_store), rows(v_store, v_store)};  // nothing to write
+    if (!in.kv_idx || !cur.k) return {rows(k_store, k_store), rows(v_store, v_store)};  // nothing to write
 
+    const int64_t head_dim = k_store->ne[0], n_head_kv = k_store->ne[2], n_tok = cur.k->ne[2];
     ggml_tensor *k_rows = cur.k, *v_rows = cur.v;  // [head_dim, n_head_kv, n_tok]
     if (in.write_rows) {
-        const int64_t n_embd_kv = hp.n_embd_kv(), n_write = in.write_rows->ne[0];
+        const int64_t n_embd_kv = head_dim * n_head_kv, n_write = in.write_rows->ne[0];
         k_rows =
             ggml_get_rows(ctx, ggml_reshape_2d(ctx, k_rows, n_embd_kv, n_tok), in.write_rows);  // [n_embd_kv, n_write]
         v_rows =
             ggml_get_rows(ctx, ggml_reshape_2d(ctx, v_rows, n_embd_kv, n_tok), in.write_rows);  // [n_embd_kv, n_write]
-        k_rows = ggml_reshape_3d(ctx, k_rows, hp.head_dim, hp.n_head_kv, n_write);
-        v_rows = ggml_reshape_3d(ctx, v_rows, hp.head_dim, hp.n_head_kv, n_write);
+        k_rows = ggml_reshape_3d(ctx, k_rows, head_dim, n_head_kv, n_write);
+        v_rows = ggml_reshape_3d(ctx, v_rows, head_dim, n_head_kv, n_write);
     }
     // each head's rows go to its own block: [head_dim, n, n_head_kv] into [head_dim, cap, n_head_kv]
     auto write = [&](ggml_tensor * store, ggml_tensor * x) {
@@ -156,16 +160,15 @@ kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il,
 
 ggml_tensor * build_attn_heads(ggml_context * ctx, const model & m, ggml_tensor * q, const kv_views & kv,
                                ggml_tensor * kq_mask) {
-    const model_hparams & hp = m.hparams();
     const int64_t n_tok = q->ne[2];
-    const float scale = hp.kq_scale();
+    const float scale = m.hparams().kq_scale();
 
     ggml_tensor * qp = ggml_permute(ctx, q, 0, 2, 1, 3);                                 // [head_dim, n_tok, n_head]
     ggml_tensor * kp = ggml_permute(ctx, kv.k, 0, 2, 1, 3);                              // [head_dim, n_kv, n_head_kv]
     ggml_tensor * vp = ggml_permute(ctx, kv.v, 0, 2, 1, 3);                              // [head_dim, n_kv, n_head_kv]
     ggml_tensor * o = ggml_flash_attn_ext(ctx, qp, kp, vp, kq_mask, scale, 0.0f, 0.0f);  // [head_dim, n_head, n_tok]
     ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
-    return ggml_reshape_2d(ctx, o, hp.n_embd_q(), n_tok);  // [n_embd_q, n_tok]
+    return ggml_reshape_2d(ctx, o, q->ne[0] * q->ne[1], n_tok);  // [n_embd_q, n_tok]
 }
 
 ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_tensor * q, const kv_views & kv,
@@ -186,6 +189,38 @@ ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor
     }
     return build_linear(ctx, L.ffn_down, L.ffn_down_b, h);  // [n_embd, n_tok]
 }
+
+ggml_tensor * build_pe_inputs(ggml_context * ctx, const model & m, ggml_tensor * tok) {
+    if (!m.pe_tok_embd) return nullptr;
+    const model_hparams & hp = m.hparams();
+    const int64_t n_pe = hp.n_embd_per_layer, n_tok = tok->ne[0];
+    // the projection of the scaled token embedding, normed per layer slice
+    ggml_tensor * proj = ggml_mul_mat(ctx, m.pe_model_proj, build_embd(ctx, m, tok));  // [n_pe * n_layer, n_tok]
+    proj = ggml_scale(ctx, proj, 1.0f / std::sqrt((float) hp.n_embd));
+    proj = build_norm(ctx, ggml_reshape_3d(ctx, proj, n_pe, hp.n_layer, n_tok), m.pe_proj_norm, hp.rms_eps);
+    // plus the token's own per-layer rows
+    ggml_tensor * own = ggml_get_rows(ctx, m.pe_tok_embd, tok);  // F32 [n_pe * n_layer, n_tok]
+    own = ggml_scale(ctx, ggml_reshape_3d(ctx, own, n_pe, hp.n_layer, n_tok), std::sqrt((float) n_pe));
+    ggml_tensor * pe = ggml_scale(ctx, ggml_add(ctx, proj, own), 1.0f / std::sqrt(2.0f));
+    return ggml_cont(ctx, ggml_permute(ctx, pe, 0, 2, 1, 3));  // [n_pe, n_tok, n_layer]
+}
+
+namespace {
+
+// gemma4's per-layer embedding block on a layer's output x ([n_embd, n]):
+// a gated projection of the layer's slice of pe ([n_pe, n_tok, n_layer];
+// rows: the tokens x holds, nullptr when it holds every one) added to x
+ggml_tensor * build_pe_block(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pe,
+                             ggml_tensor * rows) {
+    const model_layer & L = m.layers[il];
+    ggml_tensor * slice = ggml_view_2d(ctx, pe, pe->ne[0], pe->ne[1], pe->nb[1], (size_t) il * pe->nb[2]);
+    if (rows) slice = ggml_get_rows(ctx, slice, rows);                                          // [n_pe, n]
+    ggml_tensor * g = ggml_mul(ctx, ggml_gelu(ctx, ggml_mul_mat(ctx, L.pe_gate, x)), slice);    // [n_pe, n]
+    g = build_norm(ctx, ggml_mul_mat(ctx, L.pe_proj, g), L.pe_post_norm, m.hparams().rms_eps);  // [n_embd, n]
+    return ggml_add(ctx, x, g);
+}
+
+}  // namespace
 
 namespace {
 
@@ -213,7 +248,7 @@ ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m,
                           ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in, ggml_tensor * out_rows,
                           layer_taps * taps, bool kv_only) {
     const seq_kv one{k_store, v_store, in, 0, x->ne[1]};
-    return build_layer_seqs(ctx, gf, m, il, x, in.pos, &one, 1, out_rows, taps, kv_only);
+    return build_layer_seqs(ctx, gf, m, il, x, in.pos, in.pe, &one, 1, out_rows, taps, kv_only);
 }
 
 namespace {
@@ -226,21 +261,24 @@ ggml_tensor * token_cols(ggml_context * ctx, ggml_tensor * t, int64_t t0, int64_
 }  // namespace
 
 ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
-                               ggml_tensor * pos, const seq_kv * seqs, size_t n_seq, ggml_tensor * out_rows,
-                               layer_taps * taps, bool kv_only) {
+                               ggml_tensor * pos, ggml_tensor * pe, const seq_kv * seqs, size_t n_seq,
+                               ggml_tensor * out_rows, layer_taps * taps, bool kv_only) {
     const model_hparams & hp = m.hparams();
     const model_layer & L = m.layers[il];
     GGML_ASSERT(n_seq >= 1 && (n_seq == 1 || (!taps && !kv_only)));
 
     ggml_tensor * cur = build_block_in(ctx, m, x, L.attn_norm);
     const qkv t = build_qkv(ctx, m, il, cur, pos);  // every token's projections at once
+    const bool shared = !hp.has_kv(il);             // reads the stores, writes nothing
     ggml_tensor * heads = nullptr;                  // [n_embd_q, n_tok]
     for (size_t s = 0; s < n_seq; ++s) {
         const seq_kv & sq = seqs[s];
         const qkv ts = n_seq == 1 ? t
+                       : shared   ? qkv{token_cols(ctx, t.q, sq.t0, sq.n), nullptr, nullptr}
                                   : qkv{token_cols(ctx, t.q, sq.t0, sq.n), token_cols(ctx, t.k, sq.t0, sq.n),
-                                        token_cols(ctx, t.v, sq.t0, sq.n)};
-        const kv_views kv = build_kv(ctx, gf, m, il, ts, sq.k_store, sq.v_store, sq.in);
+                                      token_cols(ctx, t.v, sq.t0, sq.n)};
+        const kv_views kv = shared ? build_kv_write(ctx, m, ts, sq.k_store, sq.v_store, sq.in)
+                                   : build_kv(ctx, gf, m, il, ts, sq.k_store, sq.v_store, sq.in);
         if (taps) taps->attn(ctx, gf, il, ts, kv);
         if (kv_only) return nullptr;
         ggml_tensor * h = build_attn_heads(ctx, m, ts.q, kv, layer_mask(hp, il, sq.in));  // [n_embd_q, n]
@@ -254,14 +292,16 @@ ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model
     }
     ggml_tensor * ffn_in = ggml_add(ctx, build_block_out(ctx, m, cur, L.attn_post_norm), resid);
     cur = build_ffn(ctx, m, il, build_block_in(ctx, m, ffn_in, L.ffn_norm));
-    return ggml_add(ctx, build_block_out(ctx, m, cur, L.ffn_post_norm), ffn_in);
+    cur = ggml_add(ctx, build_block_out(ctx, m, cur, L.ffn_post_norm), ffn_in);
+    if (pe) cur = build_pe_block(ctx, m, il, cur, pe, out_rows);
+    return L.out_scale ? ggml_mul(ctx, cur, L.out_scale) : cur;
 }
 
 ggml_tensor * build_attn_weight_sums(ggml_context * ctx, const model & m, ggml_tensor * q, ggml_tensor * k,
                                      ggml_tensor * sel, ggml_tensor * mask) {
     const model_hparams & hp = m.hparams();
-    ggml_tensor * q2 = ggml_reshape_2d(ctx, q, hp.n_embd_q(), q->ne[2]);  // [n_embd_q, n_tok]
-    ggml_tensor * qs = ggml_reshape_3d(ctx, ggml_get_rows(ctx, q2, sel), hp.head_dim, hp.n_head, sel->ne[0]);
+    ggml_tensor * q2 = ggml_reshape_2d(ctx, q, q->ne[0] * q->ne[1], q->ne[2]);  // [n_embd_q, n_tok]
+    ggml_tensor * qs = ggml_reshape_3d(ctx, ggml_get_rows(ctx, q2, sel), q->ne[0], q->ne[1], sel->ne[0]);
     ggml_tensor * qp = ggml_permute(ctx, qs, 0, 2, 1, 3);  // [head_dim, n_sel, n_head]
     ggml_tensor * kp = ggml_permute(ctx, k, 0, 2, 1, 3);   // [head_dim, n_kv, n_head_kv]
     ggml_tensor * kq = ggml_mul_mat(ctx, kp, qp);          // [n_kv, n_sel, n_head]
@@ -281,9 +321,10 @@ ggml_tensor * build_deviation(ggml_context * ctx, const model & m, int il, ggml_
     auto dev_of = [&](ggml_tensor * fresh, ggml_tensor * store) {  // fresh: [head_dim, n_head_kv, n_tok]
         ggml_tensor * s = nullptr;
         for (int64_t h = 0; h < hp.n_head_kv; ++h) {
+            const int64_t head_dim = fresh->ne[0];
             ggml_tensor * f =
-                ggml_view_2d(ctx, fresh, hp.head_dim, n_tok, fresh->nb[2], h * fresh->nb[1]);  // [head_dim, n_tok]
-            ggml_tensor * block = ggml_view_2d(ctx, store, hp.head_dim, store->ne[1], store->nb[1], h * store->nb[2]);
+                ggml_view_2d(ctx, fresh, head_dim, n_tok, fresh->nb[2], h * fresh->nb[1]);  // [head_dim, n_tok]
+            ggml_tensor * block = ggml_view_2d(ctx, store, head_dim, store->ne[1], store->nb[1], h * store->nb[2]);
             ggml_tensor * held = ggml_get_rows(ctx, block, rows);                         // F32 [head_dim, n_tok]
             ggml_tensor * d = ggml_sum_rows(ctx, ggml_sqr(ctx, ggml_sub(ctx, held, f)));  // [1, n_tok]
             s = s ? ggml_add(ctx, s, d) : d;

@@ -36,6 +36,8 @@ struct attn_inputs {
     ggml_tensor * write_rows = nullptr;
     // a store other than the layer's K/V tensors (a live compressed cache)
     kv_store_hook * hook = nullptr;
+    // gemma4: the per-layer inputs of the tokens (build_pe_inputs), read by every layer
+    ggml_tensor * pe = nullptr;
 };
 
 // the token embeddings of tok (I32 [n_tok]), scaled as the family scales them: F32 [n_embd, n_tok]
@@ -81,7 +83,9 @@ struct kv_store_hook {
                            const attn_inputs & in) = 0;
 };
 
-// the K/V views of layer il after its write: through in.hook when set, else build_kv_write
+// the K/V views of layer il after its write: through in.hook when set, else build_kv_write.
+// a layer without K/V of its own (model_hparams::has_kv) is given its source
+// layer's stores and reads rows [0, n_kv) of them, writing nothing
 kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, const qkv & cur, ggml_tensor * k_store,
                   ggml_tensor * v_store, const attn_inputs & in);
 
@@ -95,6 +99,10 @@ ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_t
 // SwiGLU feed-forward on normed input
 ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x);
 
+// gemma4's per-layer inputs of the tokens tok (I32 [n_tok]): F32 [n_embd_per_layer,
+// n_tok, n_layer], a function of each token id alone; nullptr for other models
+ggml_tensor * build_pe_inputs(ggml_context * ctx, const model & m, ggml_tensor * tok);
+
 // what a layer run lets its caller read on the way (the engine's attention
 // scores for token eviction): called once the layer's K/V are written, with
 // its q and the K/V views it attends over
@@ -103,11 +111,10 @@ struct layer_taps {
     virtual void attn(ggml_context * ctx, ggml_cgraph * gf, int il, const qkv & cur, const kv_views & kv) = 0;
 };
 
-// one whole layer. out_rows (I32 [n_out], optional) keeps only those rows
-// after attention (the last layer computes FFN only for rows whose logits are
-// wanted). the K/V writes are expanded into gf so they run even when the
-// returned hidden states are unused. kv_only: stop after the K/V write (and
-// the taps) and return nullptr: nothing reads this layer's output.
+// one whole layer (k_store, v_store: model_hparams::kv_layer(il)'s). out_rows (I32 [n_out], optional) keeps only those
+// rows after attention (the last layer computes FFN only for rows whose logits are wanted). the K/V writes are expanded
+// into gf so they run even when the returned hidden states are unused. kv_only: stop after the K/V write (and the taps)
+// and return nullptr: nothing reads this layer's output.
 ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
                           ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in,
                           ggml_tensor * out_rows = nullptr, layer_taps * taps = nullptr, bool kv_only = false);
@@ -123,10 +130,11 @@ struct seq_kv {
 
 // build_layer over several sequences, each with its own K/V store: the
 // projections and the FFN run once over every token (the weights are read
-// once), the attention per sequence. taps and kv_only take one sequence only
+// once), the attention per sequence. pe: the batch's per-layer inputs
+// (gemma4) or nullptr. taps and kv_only take one sequence only
 ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
-                               ggml_tensor * pos, const seq_kv * seqs, size_t n_seq, ggml_tensor * out_rows = nullptr,
-                               layer_taps * taps = nullptr, bool kv_only = false);
+                               ggml_tensor * pos, ggml_tensor * pe, const seq_kv * seqs, size_t n_seq,
+                               ggml_tensor * out_rows = nullptr, layer_taps * taps = nullptr, bool kv_only = false);
 
 // attention weights of the queries at sel (I32 [n_sel], rows of q) over the
 // K rows k ([head_dim, n_head_kv, n_kv]), summed over those queries:

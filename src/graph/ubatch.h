@@ -37,7 +37,10 @@ struct ubatch {
     // input: token ids (embedded), or else rows of the engine's hidden-state buffer
     std::vector<int32_t> tokens;  // [n_tok] or empty
     std::vector<int32_t> x_rows;  // [n_tok] hidden-state rows when tokens is empty
-    std::vector<int32_t> pos;     // [n_tok] positions (RoPE and the causal mask)
+    // with x_rows, the rows' token ids where the model needs them past its
+    // input (gemma4's per-layer embeddings); else empty
+    std::vector<int32_t> pe_tokens;
+    std::vector<int32_t> pos;  // [n_tok] positions (RoPE and the causal mask)
 
     std::vector<ubatch_attn> groups;  // attention inputs per layer group
     std::vector<int> group_of;        // [n_layer] the group of each layer

@@ -20,9 +20,11 @@ kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type t
         if (!kv_cache_type_supported(t))
             throw error(std::string("unsupported KV cache type ") + ggml_type_name(t) + " (f32, f16, q8_0, q4_0)");
         // each head's row is viewed on its own: it must fill whole blocks
-        if (hp.head_dim % ggml_blck_size(t) != 0)
-            throw error(std::string("a ") + ggml_type_name(t) + " KV cache needs a head size that is a multiple of " +
-                        std::to_string(ggml_blck_size(t)) + "; this model's is " + std::to_string(hp.head_dim));
+        for (int64_t il = 0; il < hp.n_layer_kv; ++il)
+            if (hp.head_dim_of(il) % ggml_blck_size(t) != 0)
+                throw error(std::string("a ") + ggml_type_name(t) +
+                            " KV cache needs a head size that is a multiple of " + std::to_string(ggml_blck_size(t)) +
+                            "; this model's is " + std::to_string(hp.head_dim_of(il)));
     }
     cap = std::max<int64_t>(1, std::min(cap, n_ctx));
     adopt(allocate(cap, ring_rows), cap);
@@ -39,14 +41,12 @@ kv_cache::storage kv_cache::allocate(int64_t cap, int64_t ring_rows) const {
     storage s;
     s.rows = alloc_rows(cap);
     s.ring_rows = ring_rows > 0 && hp.has_swa() ? alloc_rows(ring_rows) : 0;
-    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer + 1), nullptr, true};
+    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer_kv + 1), nullptr, true};
     s.ctx = ggml_init(ip);
-    for (int64_t il = 0; il < hp.n_layer; ++il) {
-        const int64_t rows = s.ring_rows > 0 && hp.is_swa(il) ? s.ring_rows : s.rows;
-        ggml_tensor * k =
-            ggml_new_tensor_3d(s.ctx, type_k_, hp.head_dim, rows, hp.n_head_kv);  // [head_dim, rows, n_head_kv]
-        ggml_tensor * v =
-            ggml_new_tensor_3d(s.ctx, type_v_, hp.head_dim, rows, hp.n_head_kv);  // [head_dim, rows, n_head_kv]
+    for (int64_t il = 0; il < hp.n_layer_kv; ++il) {  // the layers that own K/V
+        const int64_t rows = s.ring_rows > 0 && hp.is_swa(il) ? s.ring_rows : s.rows, hd = hp.head_dim_of(il);
+        ggml_tensor * k = ggml_new_tensor_3d(s.ctx, type_k_, hd, rows, hp.n_head_kv);  // [head_dim, rows, n_head_kv]
+        ggml_tensor * v = ggml_new_tensor_3d(s.ctx, type_v_, hd, rows, hp.n_head_kv);  // [head_dim, rows, n_head_kv]
         ggml_format_name(k, "cache_k_l%d", (int) il);
         ggml_format_name(v, "cache_v_l%d", (int) il);
         s.k.push_back(k);
@@ -73,6 +73,12 @@ void kv_cache::adopt(storage s, int64_t cap) {
     rows_alloc_ = s.rows;
     ring_rows_ = s.ring_rows;
     cap_ = cap;
+}
+
+std::vector<int64_t> kv_cache::kv_widths() const {
+    std::vector<int64_t> w(k_.size());
+    for (size_t il = 0; il < k_.size(); ++il) w[il] = n_embd_kv((int) il);
+    return w;
 }
 
 int64_t kv_cache::alloc_rows(int64_t n) const {
@@ -202,7 +208,7 @@ size_t kv_cache::bytes_held() const {
     size_t b = 0;
     for (int il = 0; il < (int) n_layer(); ++il) {
         const int64_t n = n_rows(il);
-        b += ggml_row_size(type_k_, n_embd_kv()) * n + ggml_row_size(type_v_, n_embd_kv()) * n;
+        b += (kv_token_row_bytes(k_[il]) + kv_token_row_bytes(v_[il])) * n;
         if (sparse()) b += rows_[il].pos.size() * sizeof(int32_t);
     }
     return b;
@@ -319,7 +325,7 @@ void kv_cache::compact(const std::vector<std::vector<std::vector<int64_t>>> & ke
         for (int kv = 0; kv < 2; ++kv) {
             ggml_tensor * src = kv == 0 ? k_[il] : v_[il];
             ggml_tensor * to = realloc ? (kv == 0 ? dst.k[il] : dst.v[il]) : src;
-            const size_t seg = ggml_row_size(src->type, hp.head_dim);
+            const size_t seg = ggml_row_size(src->type, src->ne[0]);
             old.resize(seg * n_old);
             out.resize(seg * n_keep);
             for (int64_t h = 0; h < nh; ++h) {

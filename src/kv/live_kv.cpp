@@ -344,10 +344,16 @@ class mc_live : public live_kv {
 
 live_kv::live_kv(const model & m, int64_t n_ctx)
     : n_layer_(m.hparams().n_layer),
-      n_embd_(m.hparams().n_embd_kv()),
+      n_embd_(m.hparams().n_embd_kv(0)),
       head_dim_(m.hparams().head_dim),
       n_head_kv_(m.hparams().n_head_kv),
-      n_ctx_(n_ctx) {}
+      n_ctx_(n_ctx) {
+    // one row width for every layer, each with its own K/V
+    const model_hparams & hp = m.hparams();
+    if (hp.n_layer_kv != hp.n_layer || (hp.head_dim_swa > 0 && hp.head_dim_swa != hp.head_dim))
+        throw error("a live compressed KV cache needs every layer to own K/V of one head size; " + hp.arch_name +
+                    "'s layers share K/V or differ in head size: use a ggml cache type (f16, q8_0, q4_0)");
+}
 
 bool live_kv::is_live_name(const std::string & name) {
     tq::params tp;

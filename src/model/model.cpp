@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -34,6 +35,7 @@ const char * model_arch_name(model_arch arch) {
         case MODEL_ARCH_SMOLLM3: return "smollm3";
         case MODEL_ARCH_PHI3: return "phi3";
         case MODEL_ARCH_GEMMA3: return "gemma3";
+        case MODEL_ARCH_GEMMA4: return "gemma4";
     }
     return "?";
 }
@@ -65,6 +67,12 @@ float model_hparams::rope_attn_fresh() const {
 // a rotation by a position delta: only ggml's own YaRN factor is undone
 float model_hparams::rope_attn_shift(int64_t il) const {
     return yarn_ext_factor == 0.0f ? 1.0f : 1.0f / (1.0f + 0.1f * std::log(1.0f / rope_scale_of(il)));
+}
+
+std::vector<int64_t> model_hparams::kv_widths() const {
+    std::vector<int64_t> w(n_layer_kv);
+    for (int64_t il = 0; il < n_layer_kv; ++il) w[il] = n_embd_kv(il);
+    return w;
 }
 
 bool model_hparams::has_swa() const {
@@ -132,6 +140,31 @@ class kv_reader {
         }
         int_size(t, key);
         return scalar(t, gguf_get_val_data(g_, id), key);
+    }
+
+    // a key of one value per layer (an array of n integers or bools), or one
+    // number for every layer, as libllama's get_key_or_arr reads it
+    std::vector<int64_t> per_layer(const std::string & key, int64_t n, bool required, int64_t def = 0) const {
+        const int64_t id = gguf_find_key(g_, key.c_str());
+        if (id < 0) {
+            if (required) fail("missing key " + key);
+            return std::vector<int64_t>(n, def);
+        }
+        if (gguf_get_kv_type(g_, id) != GGUF_TYPE_ARRAY) {
+            const gguf_type t = gguf_get_kv_type(g_, id);
+            if (t == GGUF_TYPE_BOOL) return std::vector<int64_t>(n, gguf_get_val_bool(g_, id) ? 1 : 0);
+            return std::vector<int64_t>(n, integer(key, def, true));
+        }
+        const gguf_type at = gguf_get_arr_type(g_, id);
+        if ((int64_t) gguf_get_arr_n(g_, id) != n)
+            fail("key " + key + " has " + std::to_string(gguf_get_arr_n(g_, id)) + " values for " + std::to_string(n) +
+                 " layers");
+        const char * data = (const char *) gguf_get_arr_data(g_, id);
+        std::vector<int64_t> out(n);
+        const size_t size = at == GGUF_TYPE_BOOL ? 1 : int_size(at, key);
+        for (int64_t i = 0; i < n; ++i)
+            out[i] = at == GGUF_TYPE_BOOL ? (int64_t) (data[i] != 0) : scalar(at, data + i * size, key);
+        return out;
     }
 
     // an integer hyper-parameter that sizes tensors: within [lo, hi] or a clear error
@@ -265,9 +298,9 @@ bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op 
     return true;
 }
 
-const model_arch k_archs[] = {MODEL_ARCH_LLAMA,    MODEL_ARCH_QWEN2,   MODEL_ARCH_QWEN3,
-                              MODEL_ARCH_MISTRAL3, MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2,
-                              MODEL_ARCH_SMOLLM3,  MODEL_ARCH_PHI3,    MODEL_ARCH_GEMMA3};
+const model_arch k_archs[] = {MODEL_ARCH_LLAMA,   MODEL_ARCH_QWEN2, MODEL_ARCH_QWEN3,   MODEL_ARCH_MISTRAL3,
+                              MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2, MODEL_ARCH_SMOLLM3, MODEL_ARCH_PHI3,
+                              MODEL_ARCH_GEMMA3,  MODEL_ARCH_GEMMA4};
 
 // the architecture named name (general.architecture) into arch; false when none is
 bool arch_of(const std::string & name, model_arch & arch) {
@@ -323,7 +356,6 @@ const char * unbuilt_gemma_of(const std::string & arch) {
         {"gemma", "Gemma 1's block (no norms after attention and FFN)"},
         {"gemma2", "attention-logit soft-capping in every layer (Gemma 2)"},
         {"gemma3n", "per-layer embeddings, AltUp and K/V shared across layers (Gemma 3n)"},
-        {"gemma4", "head sizes that differ between windowed and global layers and K/V shared across layers (Gemma 4)"},
         {"gemma-embedding", "bidirectional attention (an embedding model, with no next token to answer)"},
     };
     for (const auto & [name, what] : k_unbuilt)
@@ -399,6 +431,43 @@ void read_gemma3_keys(const kv_reader & kv, const std::string & a, model_hparams
         kv.fail("inconsistent hyper-parameters: " + a + "rope.freq_base_swa must be positive");
 }
 
+// gemma4: gemma3's block constants, its windows per layer, the windowed
+// layers' head size and rotation, the layers that share K/V, the per-layer
+// embeddings and FFN widths, read as libllama's gemma4 loader reads them
+void read_gemma4_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
+    auto inconsistent = [&](const std::string & why) { kv.fail("inconsistent hyper-parameters: " + why); };
+    hp.embd_scale = std::sqrt((float) hp.n_embd);
+    hp.ffn_gelu = true;
+    hp.attn_scale = 1.0f;  // q·k unscaled: q and k are RMS-normed
+    hp.v_norm = true;
+    hp.rope_freqs_global_only = true;
+    hp.logit_softcap = (float) kv.finite(a + "final_logit_softcapping", 30.0);  // libllama's default here
+    hp.n_swa = kv.dim(a + "attention.sliding_window", 0, true);
+    const std::vector<int64_t> swa = kv.per_layer(a + "attention.sliding_window_pattern", hp.n_layer, true);
+    hp.swa_layers.assign(swa.begin(), swa.end());
+    for (uint8_t & f : hp.swa_layers) f = f != 0;
+    hp.rope_base_swa = (float) kv.finite(a + "rope.freq_base_swa", 10000.0);
+    if (!(hp.rope_base_swa > 0.0f)) inconsistent(a + "rope.freq_base_swa must be positive");
+    hp.head_dim_swa = kv.dim(a + "attention.key_length_swa", 0, true);
+    if (kv.dim(a + "attention.value_length_swa", 0, true) != hp.head_dim_swa)
+        inconsistent(a + "attention.value_length_swa differs from key_length_swa");
+    hp.n_rot_swa = kv.dim(a + "rope.dimension_count_swa", hp.n_rot, false);
+    if (hp.n_rot_swa > hp.head_dim_swa || hp.n_rot_swa % 2 != 0)
+        inconsistent(a + "rope.dimension_count_swa (" + std::to_string(hp.n_rot_swa) +
+                     ") must be even and at most the windowed head size (" + std::to_string(hp.head_dim_swa) + ")");
+    const int64_t shared = kv.dim(a + "attention.shared_kv_layers", 0, false, 0, hp.n_layer - 1);
+    hp.n_layer_kv = hp.n_layer - shared;
+    // libllama's shared layers read layer n_layer_kv - 1 (global) or - 2 (windowed)
+    if (hp.n_layer_kv < 2) inconsistent("gemma4 needs at least 2 layers with K/V of their own");
+    if (shared > 0 && (!hp.is_swa(hp.n_layer_kv - 2) || hp.is_swa(hp.n_layer_kv - 1)))
+        inconsistent("the last layer with K/V of its own (" + std::to_string(hp.n_layer_kv - 1) +
+                     ") must be global and the one before it windowed: the shared layers read them");
+    hp.n_embd_per_layer = kv.dim(a + "embedding_length_per_layer_input", 0, true, 0);
+    hp.n_ff_layers = kv.per_layer(a + "feed_forward_length", hp.n_layer, true);
+    for (int64_t f : hp.n_ff_layers)
+        if (f <= 0 || f > INT32_MAX) inconsistent(a + "feed_forward_length must be positive in every layer");
+}
+
 // the keys one family adds to the llama block, read as libllama reads them
 // mistral3: YaRN's betas and log multiplier (read for this family only, as
 // libllama reads them) and the temperature tuning of q
@@ -411,6 +480,7 @@ void read_mistral3_keys(const kv_reader & kv, const std::string & a, model_hpara
 
 void read_family_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
     if (hp.arch == MODEL_ARCH_GEMMA3) return read_gemma3_keys(kv, a, hp);
+    if (hp.arch == MODEL_ARCH_GEMMA4) return read_gemma4_keys(kv, a, hp);
     if (hp.arch == MODEL_ARCH_MISTRAL3) return read_mistral3_keys(kv, a, hp);
     if (hp.arch != MODEL_ARCH_GRANITE) return;
     // libllama: logit_scale is required, a residual or embedding scale of 0 means none
@@ -469,9 +539,12 @@ bool model::on_gpu() const {
 std::string model::describe() const {
     std::ostringstream os;
     const ggml_type wt = layers.empty() ? tok_embd->type : layers[0].wo->type;
-    os << hp_.arch_name << ", " << hp_.n_layer << " layers, n_embd " << hp_.n_embd << ", heads " << hp_.n_head << "/"
-       << hp_.n_head_kv << " x " << hp_.head_dim << ", ff " << hp_.n_ff << ", vocab " << hp_.n_vocab << ", "
-       << ggml_type_name(wt) << ", " << (weights_bytes_ / (1024.0 * 1024.0)) << " MiB";
+    os << hp_.arch_name << ", " << hp_.n_layer << " layers";
+    if (hp_.n_layer_kv < hp_.n_layer) os << " (" << hp_.n_layer - hp_.n_layer_kv << " share K/V)";
+    os << ", n_embd " << hp_.n_embd << ", heads " << hp_.n_head << "/" << hp_.n_head_kv << " x " << hp_.head_dim;
+    if (hp_.head_dim_swa > 0 && hp_.head_dim_swa != hp_.head_dim) os << " (windowed " << hp_.head_dim_swa << ")";
+    os << ", ff " << hp_.n_ff << ", vocab " << hp_.n_vocab << ", " << ggml_type_name(wt) << ", "
+       << (weights_bytes_ / (1024.0 * 1024.0)) << " MiB";
     return os.str();
 }
 
@@ -530,13 +603,16 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.n_ctx_train = kv.dim(a + "context_length", 0, true);
     hp.n_embd = kv.dim(a + "embedding_length", 0, true);
     hp.n_layer = kv.dim(a + "block_count", 0, true, 1, std::min<int64_t>(INT32_MAX, n_tensors));
-    hp.n_ff = kv.dim(a + "feed_forward_length", 0, true);
+    const bool gemma4 = hp.arch == MODEL_ARCH_GEMMA4;
+    // gemma4's FFN widths may vary per layer (read_gemma4_keys): n_ff is the first layer's
+    hp.n_ff = gemma4 ? kv.per_layer(a + "feed_forward_length", hp.n_layer, true)[0]
+                     : kv.dim(a + "feed_forward_length", 0, true);
     hp.n_head = kv.dim(a + "attention.head_count", 0, true);
     hp.n_head_kv = kv.dim(a + "attention.head_count_kv", hp.n_head, false);
     const int64_t swa = kv.integer(a + "attention.sliding_window", 0, false);
     // libllama runs phi3 with full attention whatever its window says (Phi-3-mini-4k's 2047): so do we.
     // gemma3 reads its windows with its own keys (read_gemma3_keys)
-    if (swa > 0 && swa < hp.n_ctx_train && hp.arch != MODEL_ARCH_PHI3 && hp.arch != MODEL_ARCH_GEMMA3)
+    if (swa > 0 && swa < hp.n_ctx_train && hp.arch != MODEL_ARCH_PHI3 && hp.arch != MODEL_ARCH_GEMMA3 && !gemma4)
         kv.fail("sliding-window attention is not supported (" + a +
                 "attention.sliding_window = " + std::to_string(swa) + ")");
 
@@ -582,16 +658,17 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     if (!(hp.rope_attn_factor > 0.0f)) inconsistent("rope.scaling.attn_factor must be positive");
     hp.n_ctx_orig = kv.dim(a + "rope.scaling.original_context_length", hp.n_ctx_train, false);
     const bool neox = hp.arch == MODEL_ARCH_QWEN2 || hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2 ||
-                      hp.arch == MODEL_ARCH_PHI3 || hp.arch == MODEL_ARCH_GEMMA3;
+                      hp.arch == MODEL_ARCH_PHI3 || hp.arch == MODEL_ARCH_GEMMA3 || gemma4;
     hp.rope_mode = neox ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
     hp.qkv_bias = hp.arch == MODEL_ARCH_QWEN2;
-    hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2 || hp.arch == MODEL_ARCH_GEMMA3;
+    hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2 || hp.arch == MODEL_ARCH_GEMMA3 || gemma4;
     hp.qk_norm_whole = hp.arch == MODEL_ARCH_OLMO2;
     hp.pre_norm = hp.arch != MODEL_ARCH_OLMO2;
-    hp.post_norm = hp.arch == MODEL_ARCH_OLMO2 || hp.arch == MODEL_ARCH_GEMMA3;
+    hp.post_norm = hp.arch == MODEL_ARCH_OLMO2 || hp.arch == MODEL_ARCH_GEMMA3 || gemma4;
     // libllama fixes smollm3's NoPE period at 4 (no GGUF key carries it)
     hp.no_rope_layer_step = hp.arch == MODEL_ARCH_SMOLLM3 ? 4 : 0;
     if (hp.arch == MODEL_ARCH_PHI3) hp.q_scale = 1.0f / std::sqrt((float) hp.head_dim);
+    hp.n_layer_kv = hp.n_layer;
     read_family_keys(kv, a, hp);
 
     // --- tensors ------------------------------------------------------------
@@ -629,7 +706,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         return t;
     };
 
-    const int64_t n_embd = hp.n_embd, n_q = hp.n_embd_q(), n_kv = hp.n_embd_kv();
+    const int64_t n_embd = hp.n_embd;
     ggml_tensor * embd = find("token_embd.weight", true);
     hp.n_vocab = embd->ne[1];
     if (hp.n_vocab <= 0) inconsistent("token_embd.weight has no rows");
@@ -640,17 +717,30 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     m->output_b = check(find("output.bias", false), {hp.n_vocab}, false);
     hp.tied_output = m->output == nullptr;
     if (hp.tied_output) m->output = m->tok_embd;
-    m->rope_freqs = check(find("rope_freqs.weight", false), {hp.n_rot / 2}, false);
+    // gemma4's global layers rotate part of each head (proportional RoPE): libllama requires the factors
+    const bool gemma4_global =
+        gemma4 && !std::all_of(hp.swa_layers.begin(), hp.swa_layers.end(), [](uint8_t f) { return f != 0; });
+    m->rope_freqs = check(find("rope_freqs.weight", gemma4_global), {hp.n_rot / 2}, false);
     if (hp.arch == MODEL_ARCH_PHI3) {  // LongRoPE: libllama reads these for phi3
         m->rope_short = check(find("rope_factors_short.weight", false), {hp.n_rot / 2}, false);
         m->rope_long = check(find("rope_factors_long.weight", false), {hp.n_rot / 2}, false);
         if (!m->rope_freqs) m->rope_freqs = m->rope_short;  // a context up to n_ctx_orig; see at_context
+    }
+    if (hp.n_embd_per_layer > 0) {
+        const int64_t n_pe = hp.n_embd_per_layer * hp.n_layer;
+        m->pe_tok_embd = check(find("per_layer_token_embd.weight", true), {n_pe, hp.n_vocab}, true);
+        m->pe_model_proj = check(find("per_layer_model_proj.weight", true), {n_embd, n_pe}, true);
+        m->pe_proj_norm = check(find("per_layer_proj_norm.weight", true), {hp.n_embd_per_layer}, false);
     }
 
     m->layers.resize(hp.n_layer);
     for (int64_t il = 0; il < hp.n_layer; ++il) {
         model_layer & L = m->layers[il];
         auto name = [&](const char * what) { return "blk." + std::to_string(il) + "." + what; };
+        const int64_t n_q = hp.n_embd_q(il), n_kv = hp.n_embd_kv(il), head_dim = hp.head_dim_of(il);
+        const int64_t n_ff = hp.n_ff_of(il);
+        // a layer that shares another's K/V has no k/v projections (libllama reads them if present, unused)
+        const bool own_kv = hp.has_kv(il);
         // a block normalizes the inputs of attention and FFN, their outputs (olmo2) or both (gemma3)
         auto norm = [&](const char * what) { return check(find(name(what), true), {n_embd}, false); };
         if (hp.pre_norm) L.attn_norm = norm("attn_norm.weight");
@@ -661,8 +751,10 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
             L.bqkv = check(find(name("attn_qkv.bias"), hp.qkv_bias), {n_q + 2 * n_kv}, false);
         } else {
             L.wq = check(find(name("attn_q.weight"), true), {n_embd, n_q}, true);
-            L.wk = check(find(name("attn_k.weight"), true), {n_embd, n_kv}, true);
-            L.wv = check(find(name("attn_v.weight"), true), {n_embd, n_kv}, true);
+            L.wk = check(find(name("attn_k.weight"), own_kv), {n_embd, n_kv}, true);
+            L.wv = check(find(name("attn_v.weight"), own_kv), {n_embd, n_kv}, true);
+            // gemma4 without v_proj (k_eq_v) takes V from the k projection, as libllama does
+            if (own_kv && !L.wv && !gemma4) kv.fail("missing tensor '" + name("attn_v.weight") + "'");
             // libllama reads q/k/v biases wherever a file has them; qwen2 must
             L.bq = check(find(name("attn_q.bias"), hp.qkv_bias), {n_q}, false);
             L.bk = check(find(name("attn_k.bias"), hp.qkv_bias), {n_kv}, false);
@@ -671,22 +763,28 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         L.wo = check(find(name("attn_output.weight"), true), {n_q, n_embd}, true);
         L.bo = check(find(name("attn_output.bias"), false), {n_embd}, false);
         if (hp.qk_norm) {
-            L.q_norm = check(find(name("attn_q_norm.weight"), true), {hp.qk_norm_whole ? n_q : hp.head_dim}, false);
-            L.k_norm = check(find(name("attn_k_norm.weight"), true), {hp.qk_norm_whole ? n_kv : hp.head_dim}, false);
+            L.q_norm = check(find(name("attn_q_norm.weight"), true), {hp.qk_norm_whole ? n_q : head_dim}, false);
+            L.k_norm = check(find(name("attn_k_norm.weight"), own_kv), {hp.qk_norm_whole ? n_kv : head_dim}, false);
         }
         if (hp.pre_norm) L.ffn_norm = norm("ffn_norm.weight");
         if (hp.post_norm) L.ffn_post_norm = norm("post_ffw_norm.weight");
         if (hp.arch == MODEL_ARCH_PHI3) {  // gate and up fused in one matrix
-            L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, 2 * hp.n_ff}, true);
+            L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, 2 * n_ff}, true);
         } else {
-            L.ffn_gate = check(find(name("ffn_gate.weight"), true), {n_embd, hp.n_ff}, true);
-            L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, hp.n_ff}, true);
+            L.ffn_gate = check(find(name("ffn_gate.weight"), true), {n_embd, n_ff}, true);
+            L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, n_ff}, true);
         }
-        L.ffn_down = check(find(name("ffn_down.weight"), true), {hp.n_ff, n_embd}, true);
+        L.ffn_down = check(find(name("ffn_down.weight"), true), {n_ff, n_embd}, true);
         // optional biases, read wherever a file has them (libllama's llama, granite and mistral3 loaders do)
-        if (L.ffn_gate) L.ffn_gate_b = check(find(name("ffn_gate.bias"), false), {hp.n_ff}, false);
+        if (L.ffn_gate) L.ffn_gate_b = check(find(name("ffn_gate.bias"), false), {n_ff}, false);
         L.ffn_up_b = check(find(name("ffn_up.bias"), false), {L.ffn_up->ne[1]}, false);
         L.ffn_down_b = check(find(name("ffn_down.bias"), false), {n_embd}, false);
+        if (hp.n_embd_per_layer > 0) {
+            L.pe_gate = check(find(name("inp_gate.weight"), true), {n_embd, hp.n_embd_per_layer}, true);
+            L.pe_proj = check(find(name("proj.weight"), true), {hp.n_embd_per_layer, n_embd}, true);
+            L.pe_post_norm = check(find(name("post_norm.weight"), true), {n_embd}, false);
+        }
+        if (gemma4) L.out_scale = check(find(name("layer_output_scale.weight"), false), {1}, false);
     }
     check_all_read(g, used, kv);
 

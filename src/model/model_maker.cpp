@@ -42,7 +42,8 @@ model_spec spec_of(model_arch arch, int64_t n_layer, int64_t n_embd, int64_t n_h
     s.rms_eps = rms_eps;
     s.tied_output = tied;
     s.qkv_bias = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2 || arch == MODEL_ARCH_GEMMA3;
+    s.qk_norm =
+        arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2 || arch == MODEL_ARCH_GEMMA3 || arch == MODEL_ARCH_GEMMA4;
     return s;
 }
 
@@ -98,6 +99,23 @@ model_spec rotating(model_spec s, int64_t n_rot) {
     return s;
 }
 
+// gemma 4 on top of windowed(): the windowed layers' head size and rotated
+// dims, the share of a global head that rotates, the last n_kv_shared layers
+// reading the cache of the last owners (their FFN twice as wide), the
+// per-layer embeddings' width, the final soft-cap; every layer has an output scale
+model_spec gemma4(model_spec s, int64_t head_dim_swa, int64_t n_rot_swa, float partial_global, int64_t n_kv_shared,
+                  int64_t n_embd_per_layer, float softcap) {
+    s.head_dim_swa = head_dim_swa;
+    s.n_rot_swa = n_rot_swa;
+    s.rope_partial_global = partial_global;
+    s.n_kv_shared = n_kv_shared;
+    s.n_embd_per_layer = n_embd_per_layer;
+    s.double_wide_mlp = true;
+    s.layer_out_scale = true;
+    s.logit_softcap = softcap;
+    return s;
+}
+
 const std::vector<preset> & presets() {
     static const std::vector<preset> p = {
         {"tiny", spec_of(MODEL_ARCH_LLAMA, 4, 128, 4, 2, 32, 256, 2048, 10000.0f, 1e-5f, false), "llama-spm"},
@@ -125,6 +143,16 @@ const std::vector<preset> & presets() {
         {"tiny-mistral3-yarn",
          yarn(spec_of(MODEL_ARCH_MISTRAL3, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-5f, true), 4.0f, 32, 16.0f, 2.0f, 0.5f,
               0.1f),
+         "llama-spm"},
+        // gemma 4's layout in small: layers 0, 1 windowed (heads of 32, window 16,
+        // shorter than the test prompts), 2 global (heads of 64, a quarter of them
+        // rotating); 3, 4 (windowed) and 5 (global) share the caches of layers 1
+        // and 2 and have FFNs of 512. per-layer inputs of 32, a multiple of
+        // q8_0's block. llama-spm's 32000 tokens: gemma 4's 262144 would make
+        // this model ~185 MB in f16
+        {"tiny-gemma4",
+         gemma4(windowed(spec_of(MODEL_ARCH_GEMMA4, 6, 128, 4, 1, 64, 256, 32768, 1e6f, 1e-6f, true), 16, 3, 1e4f), 32,
+                32, 0.25f, 3, 32, 30.0f),
          "llama-spm"},
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
         {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true), "qwen2"},
@@ -161,6 +189,15 @@ const std::vector<preset> & presets() {
          rope_scaled(
              windowed(spec_of(MODEL_ARCH_GEMMA3, 34, 2560, 8, 4, 256, 10240, 131072, 1e6f, 1e-6f, true), 1024, 0, 0),
              8.0f),
+         "gemma-4"},
+        // gemma 4 E2B: windowed layers (heads of 256, window 512) with every 5th
+        // global (heads of 512, a quarter rotating); layers 15..34 share the
+        // caches of 13 (windowed) and 14 (global) with FFNs of 12288; per-layer
+        // inputs of 256 (a 262144 x 8960 table)
+        {"gemma4-e2b",
+         gemma4(
+             windowed(spec_of(MODEL_ARCH_GEMMA4, 35, 1536, 8, 1, 512, 6144, 131072, 1e6f, 1e-6f, true), 512, 5, 1e4f),
+             256, 256, 0.25f, 20, 256, 30.0f),
          "gemma-4"},
     };
     return p;
@@ -208,6 +245,9 @@ struct tensor_plan {
     ggml_type type = GGML_TYPE_F32;
     float center = 0.0f;
     float half_width = 0.0f;  // values are center + U(-half_width, half_width)
+    // >= 0: not random but gemma4's rope_freqs: 1 for the first n_rotated
+    // values (rotated pairs), 1e30 for the others (frequency ~0: not rotated)
+    int64_t n_rotated = -1;
 };
 
 // uniform with this standard deviation around 0
@@ -220,9 +260,46 @@ tensor_plan plan_vector(const std::string & name, int64_t ne0, float center, flo
     return {name, 1, ne0, 1, GGML_TYPE_F32, center, half_width};
 }
 
+// --- gemma4's layer kinds ---------------------------------------------------
+
+// windowed layers: of every swa_pattern layers the last is global (model.h's rule; 0: all windowed)
+bool is_swa(const model_spec & s, int64_t il) {
+    return s.n_swa > 0 && (s.swa_pattern == 0 || il % s.swa_pattern < s.swa_pattern - 1);
+}
+
+bool any_global(const model_spec & s) {
+    for (int64_t il = 0; il < s.n_layer; ++il)
+        if (!is_swa(s, il)) return true;
+    return false;
+}
+
+// layers [0, n_layer_kv) own a K/V cache; the later ones read the last owners' (gemma4)
+int64_t n_layer_kv(const model_spec & s) {
+    return s.n_layer - s.n_kv_shared;
+}
+
+// per-head size of layer il (gemma4's windowed layers have their own)
+int64_t head_dim_of(const model_spec & s, int64_t il) {
+    return s.head_dim_swa > 0 && is_swa(s, il) ? s.head_dim_swa : s.head_dim;
+}
+
+int64_t n_rot_swa_of(const model_spec & s) {
+    const int64_t hd = s.head_dim_swa > 0 ? s.head_dim_swa : s.head_dim;
+    return s.n_rot_swa > 0 ? s.n_rot_swa : hd;
+}
+
+// FFN width of layer il: the shared layers' is doubled with double_wide_mlp
+int64_t n_ff_of(const model_spec & s, int64_t il) {
+    return s.double_wide_mlp && il >= n_layer_kv(s) ? 2 * s.n_ff : s.n_ff;
+}
+
+// rotated pairs of a global gemma4 head (as conversion/gemma.py: int(head_dim * partial / 2))
+int64_t n_rot_pairs_global(const model_spec & s) {
+    return int64_t(double(s.head_dim) * double(s.rope_partial_global) / 2.0 + 1e-6);
+}
+
 std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggml_type wtype) {
-    const int64_t n_embd_q = s.head_dim * s.n_head;
-    const int64_t n_embd_kv = s.head_dim * s.n_head_kv;
+    const bool gemma4 = s.arch == MODEL_ARCH_GEMMA4;
     const float in_embd = 1.0f / std::sqrt(float(s.n_embd));
     // output rows of this std give logits of std ~3 from a unit-rms hidden
     // state, so greedy decoding is not decided by near-ties
@@ -230,7 +307,16 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
 
     std::vector<tensor_plan> t;
     t.push_back(plan_matrix("token_embd.weight", s.n_embd, n_vocab, wtype, logit_std));  // [n_embd, n_vocab]
-    t.push_back(plan_vector("output_norm.weight", s.n_embd, 1.0f, 0.1f));                // [n_embd]
+    if (s.n_embd_per_layer > 0) {  // gemma4's per-layer inputs: a row of n_layer slices per token
+        const int64_t n_pl = s.n_embd_per_layer * s.n_layer;
+        // libllama scales the rows by sqrt(n_embd_per_layer): unit values
+        t.push_back(plan_matrix("per_layer_token_embd.weight", n_pl, n_vocab, wtype,
+                                1.0f / std::sqrt(float(s.n_embd_per_layer))));  // [n_pl, n_vocab]
+        // its output is RMS-normed per slice, so its scale does not matter
+        t.push_back(plan_matrix("per_layer_model_proj.weight", s.n_embd, n_pl, wtype, in_embd));  // [n_embd, n_pl]
+        t.push_back(plan_vector("per_layer_proj_norm.weight", s.n_embd_per_layer, 1.0f, 0.1f));   // [n_embd_per_layer]
+    }
+    t.push_back(plan_vector("output_norm.weight", s.n_embd, 1.0f, 0.1f));  // [n_embd]
     if (!s.tied_output)
         t.push_back(plan_matrix("output.weight", s.n_embd, n_vocab, wtype, logit_std));  // [n_embd, n_vocab]
     const bool output_bias = s.out_biases && s.arch == MODEL_ARCH_QWEN2;
@@ -241,11 +327,21 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
         t.push_back(plan_vector("rope_factors_short.weight", n_rot / 2, 1.5f, 0.5f));   // [n_rot/2]
         t.push_back(plan_vector("rope_factors_long.weight", n_rot / 2, 16.0f, 15.0f));  // [n_rot/2]
     }
+    if (gemma4 && any_global(s)) {  // the global layers' proportional RoPE (libllama requires it)
+        tensor_plan f = plan_vector("rope_freqs.weight", s.head_dim / 2, 0.0f, 0.0f);  // [head_dim/2]
+        f.n_rotated = n_rot_pairs_global(s);
+        t.push_back(f);
+    }
 
     for (int64_t il = 0; il < s.n_layer; ++il) {
         const std::string p = "blk." + std::to_string(il) + ".";
         const bool olmo2 = s.arch == MODEL_ARCH_OLMO2;  // norms on block outputs, none on inputs
-        const bool pre_norm = !olmo2, post_norm = olmo2 || s.arch == MODEL_ARCH_GEMMA3;
+        const bool pre_norm = !olmo2, post_norm = olmo2 || s.arch == MODEL_ARCH_GEMMA3 || gemma4;
+        // gemma4: head size and FFN width per layer; its shared layers have no K/V projections
+        const int64_t head_dim = head_dim_of(s, il), n_ff = n_ff_of(s, il);
+        const bool has_kv = !gemma4 || il < n_layer_kv(s);
+        const int64_t n_embd_q = head_dim * s.n_head;
+        const int64_t n_embd_kv = head_dim * s.n_head_kv;
         const bool phi3 = s.arch == MODEL_ARCH_PHI3;                                           // fused projections
         if (pre_norm) t.push_back(plan_vector(p + "attn_norm.weight", s.n_embd, 1.0f, 0.1f));  // [n_embd]
         if (post_norm) t.push_back(plan_vector(p + "post_attention_norm.weight", s.n_embd, 1.0f, 0.1f));  // [n_embd]
@@ -253,9 +349,13 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
             t.push_back(plan_matrix(p + "attn_qkv.weight", s.n_embd, n_embd_q + 2 * n_embd_kv, wtype,
                                     in_embd));  // [n_embd, n_embd_q + 2 n_embd_kv]
         } else {
-            t.push_back(plan_matrix(p + "attn_q.weight", s.n_embd, n_embd_q, wtype, in_embd));   // [n_embd, n_embd_q]
-            t.push_back(plan_matrix(p + "attn_k.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
-            t.push_back(plan_matrix(p + "attn_v.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
+            t.push_back(plan_matrix(p + "attn_q.weight", s.n_embd, n_embd_q, wtype, in_embd));  // [n_embd, n_embd_q]
+            if (has_kv) {
+                t.push_back(
+                    plan_matrix(p + "attn_k.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
+                t.push_back(
+                    plan_matrix(p + "attn_v.weight", s.n_embd, n_embd_kv, wtype, in_embd));  // [n_embd, n_embd_kv]
+            }
         }
         t.push_back(plan_matrix(p + "attn_output.weight", n_embd_q, s.n_embd, wtype,
                                 1.0f / std::sqrt(float(n_embd_q))));  // [n_embd_q, n_embd]
@@ -266,27 +366,75 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
             t.push_back(plan_vector(p + "attn_v.bias", n_embd_kv, 0.0f, 0.35f));  // [n_embd_kv]
         }
         if (s.qk_norm) {  // per head (qwen3) or over the whole projection (olmo2)
-            const int64_t n_q_norm = olmo2 ? n_embd_q : s.head_dim, n_k_norm = olmo2 ? n_embd_kv : s.head_dim;
-            t.push_back(plan_vector(p + "attn_q_norm.weight", n_q_norm, 1.0f, 0.1f));  // [head_dim] or [n_embd_q]
-            t.push_back(plan_vector(p + "attn_k_norm.weight", n_k_norm, 1.0f, 0.1f));  // [head_dim] or [n_embd_kv]
+            const int64_t n_q_norm = olmo2 ? n_embd_q : head_dim, n_k_norm = olmo2 ? n_embd_kv : head_dim;
+            // gemma4 does not scale q.k (libllama's f_attention_scale 1): its q norm
+            // carries 1/sqrt(head_dim), so the scores keep the spread of the others
+            const float q_center = gemma4 ? 1.0f / std::sqrt(float(head_dim)) : 1.0f;
+            t.push_back(plan_vector(p + "attn_q_norm.weight", n_q_norm, q_center,
+                                    0.1f * q_center));  // [head_dim] or [n_embd_q]
+            if (has_kv)
+                t.push_back(plan_vector(p + "attn_k_norm.weight", n_k_norm, 1.0f, 0.1f));  // [head_dim] or [n_embd_kv]
         }
         if (pre_norm) t.push_back(plan_vector(p + "ffn_norm.weight", s.n_embd, 1.0f, 0.1f));        // [n_embd]
         if (post_norm) t.push_back(plan_vector(p + "post_ffw_norm.weight", s.n_embd, 1.0f, 0.1f));  // [n_embd]
         if (phi3) {  // gate rows, then up rows
             t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, 2 * s.n_ff, wtype, in_embd));  // [n_embd, 2 n_ff]
         } else {
-            t.push_back(plan_matrix(p + "ffn_gate.weight", s.n_embd, s.n_ff, wtype, in_embd));  // [n_embd, n_ff]
-            t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, s.n_ff, wtype, in_embd));    // [n_embd, n_ff]
+            t.push_back(plan_matrix(p + "ffn_gate.weight", s.n_embd, n_ff, wtype, in_embd));  // [n_embd, n_ff]
+            t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, n_ff, wtype, in_embd));    // [n_embd, n_ff]
         }
-        t.push_back(plan_matrix(p + "ffn_down.weight", s.n_ff, s.n_embd, wtype,
-                                1.0f / std::sqrt(float(s.n_ff))));  // [n_ff, n_embd]
+        t.push_back(plan_matrix(p + "ffn_down.weight", n_ff, s.n_embd, wtype,
+                                1.0f / std::sqrt(float(n_ff))));  // [n_ff, n_embd]
         if (block_biases) {
-            t.push_back(plan_vector(p + "ffn_gate.bias", s.n_ff, 0.0f, 0.35f));    // [n_ff]
-            t.push_back(plan_vector(p + "ffn_up.bias", s.n_ff, 0.0f, 0.35f));      // [n_ff]
+            t.push_back(plan_vector(p + "ffn_gate.bias", n_ff, 0.0f, 0.35f));      // [n_ff]
+            t.push_back(plan_vector(p + "ffn_up.bias", n_ff, 0.0f, 0.35f));        // [n_ff]
             t.push_back(plan_vector(p + "ffn_down.bias", s.n_embd, 0.0f, 0.35f));  // [n_embd]
         }
+        if (s.n_embd_per_layer > 0) {  // gemma4's per-layer input block (its output is RMS-normed)
+            const int64_t n_pl = s.n_embd_per_layer;
+            t.push_back(plan_matrix(p + "inp_gate.weight", s.n_embd, n_pl, wtype, in_embd));  // [n_embd, n_pl]
+            t.push_back(plan_matrix(p + "proj.weight", n_pl, s.n_embd, wtype,
+                                    1.0f / std::sqrt(float(n_pl))));                 // [n_pl, n_embd]
+            t.push_back(plan_vector(p + "post_norm.weight", s.n_embd, 1.0f, 0.1f));  // [n_embd]
+        }
+        // gemma4's scalar on the layer output: near 1, so 35 layers of them neither
+        // blow up nor drown the residual stream
+        if (s.layer_out_scale) t.push_back(plan_vector(p + "layer_output_scale.weight", 1, 1.0f, 0.25f));  // [1]
     }
     return t;
+}
+
+// what libllama's gemma4 loader needs (src/models/gemma4.cpp, the K/V reuse in llama-model.cpp)
+template <typename Bad>
+void check_gemma4(const model_spec & s, Bad bad) {
+    if (s.n_swa < 1) bad("gemma4 needs a sliding window n_swa (attention.sliding_window is required)");
+    if (s.swa_pattern == 1) bad("gemma4 needs windowed layers (swa_pattern 1 makes every layer global)");
+    if (s.head_dim_swa < 0 || s.head_dim_swa % 2 != 0) bad("head_dim_swa must be even (rope)");
+    const int64_t hd_swa = s.head_dim_swa > 0 ? s.head_dim_swa : s.head_dim;
+    if (s.n_rot_swa < 0 || s.n_rot_swa > hd_swa || s.n_rot_swa % 2 != 0)
+        bad("n_rot_swa must be even and at most head_dim_swa");
+    if (s.n_rot != 0 && s.n_rot != s.head_dim)
+        bad("gemma4's global layers rotate their whole head (rope.dimension_count = head_dim); "
+            "partial rotation goes through rope_partial_global");
+    if (!(s.rope_partial_global >= 0.0f && s.rope_partial_global <= 1.0f)) bad("rope_partial_global must be in [0, 1]");
+    if (any_global(s) && n_rot_pairs_global(s) < 1)
+        bad("gemma4's global layers need rope_partial_global > 0 (rope_freqs.weight, which libllama requires, "
+            "rotates int(head_dim * rope_partial_global / 2) pairs)");
+    if (s.n_kv_shared < 0 || s.n_kv_shared >= s.n_layer) bad("n_kv_shared must be in [0, n_layer)");
+    // libllama's K/V reuse asserts n_layer_kv >= 2 even without shared layers
+    if (n_layer_kv(s) < 2) bad("gemma4 needs n_layer - n_kv_shared >= 2 layers with their own K/V");
+    if (s.n_kv_shared > 0 && !(is_swa(s, n_layer_kv(s) - 2) && !is_swa(s, n_layer_kv(s) - 1)))
+        bad("n_kv_shared: the shared layers read the caches of layer n_layer - n_kv_shared - 1 (must be global) "
+            "and - 2 (must be windowed); layers " +
+            std::to_string(n_layer_kv(s) - 2) + " and " + std::to_string(n_layer_kv(s) - 1) + " are " +
+            (is_swa(s, n_layer_kv(s) - 2) ? "windowed" : "global") + " and " +
+            (is_swa(s, n_layer_kv(s) - 1) ? "windowed" : "global"));
+    if (s.n_embd_per_layer < 0) bad("n_embd_per_layer must be >= 0");
+    if (!s.qk_norm) bad("gemma4 has q and k norms (libllama requires them)");
+    if (s.qkv_bias) bad("libllama's gemma4 loader reads no q/k/v biases");
+    if (s.embd_scale != 0.0f || s.residual_scale != 0.0f || s.logit_scale != 0.0f || s.attn_scale != 0.0f)
+        bad("libllama's gemma4 loader reads none of granite's multipliers (its q.k scale is 1)");
+    if (s.longrope_ctx > 0 || s.yarn_factor > 0.0f) bad("gemma4 has no LongRoPE or YaRN here");
 }
 
 void check_spec(const model_spec & s) {
@@ -312,8 +460,14 @@ void check_spec(const model_spec & s) {
     if (s.yarn_factor < 0.0f || (s.yarn_factor > 0.0f) != (s.yarn_orig_ctx > 0) || s.yarn_orig_ctx < 0)
         bad("YaRN needs both a factor and an original context");
     if (s.yarn_factor > 0.0f && s.longrope_ctx > 0) bad("YaRN and LongRoPE exclude each other");
-    if (s.arch != MODEL_ARCH_GEMMA3 && (s.n_swa > 0 || s.logit_softcap != 0.0f))
-        bad("sliding windows and logit soft-capping are gemma3's here");
+    const bool gemma4 = s.arch == MODEL_ARCH_GEMMA4;
+    if (s.arch != MODEL_ARCH_GEMMA3 && !gemma4 && (s.n_swa > 0 || s.logit_softcap != 0.0f))
+        bad("sliding windows and logit soft-capping are gemma3's and gemma4's here");
+    if (!gemma4 && (s.head_dim_swa != 0 || s.n_rot_swa != 0 || s.rope_partial_global != 0.0f || s.n_kv_shared != 0 ||
+                    s.n_embd_per_layer != 0 || s.double_wide_mlp || s.layer_out_scale))
+        bad("windowed head sizes, proportional RoPE, shared K/V layers, per-layer embeddings, double-wide FFNs "
+            "and layer output scales are gemma4's");
+    if (gemma4) check_gemma4(s, bad);
 }
 
 // --- output file --------------------------------------------------------------
@@ -349,6 +503,12 @@ void write_zeros(FILE * f, size_t n, const std::string & path) {
 
 // generate, convert and write one tensor in row chunks (bounded memory)
 void write_tensor(FILE * f, const tensor_plan & t, uint64_t seed, const std::string & path) {
+    if (t.n_rotated >= 0) {  // gemma4's rope_freqs: fixed values, f32
+        std::vector<float> v(size_t(t.ne0), 1e30f);
+        std::fill(v.begin(), v.begin() + std::min(t.n_rotated, t.ne0), 1.0f);
+        write_all(f, v.data(), v.size() * sizeof(float), path);
+        return;
+    }
     const size_t row_bytes = ggml_row_size(t.type, t.ne0);
     const uint64_t tensor_seed = [&] {
         uint64_t s = seed ^ hash_name(t.name);
@@ -453,6 +613,7 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     // --- metadata ---
     gguf_context_ptr out(gguf_init_empty());
     gguf_context * g = out.get();
+    const bool gemma4 = spec.arch == MODEL_ARCH_GEMMA4;
     const std::string arch = model_arch_name(spec.arch);
     auto key = [&](const char * suffix) { return arch + "." + suffix; };
     gguf_set_val_str(g, "general.architecture", arch.c_str());
@@ -460,7 +621,13 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     gguf_set_val_u32(g, key("context_length").c_str(), uint32_t(spec.n_ctx_train));
     gguf_set_val_u32(g, key("embedding_length").c_str(), uint32_t(spec.n_embd));
     gguf_set_val_u32(g, key("block_count").c_str(), uint32_t(spec.n_layer));
-    gguf_set_val_u32(g, key("feed_forward_length").c_str(), uint32_t(spec.n_ff));
+    if (spec.double_wide_mlp) {  // per layer, as gemma4's converter writes it (int32)
+        std::vector<int32_t> n_ff(size_t(spec.n_layer));
+        for (int64_t il = 0; il < spec.n_layer; ++il) n_ff[size_t(il)] = int32_t(n_ff_of(spec, il));
+        gguf_set_arr_data(g, key("feed_forward_length").c_str(), GGUF_TYPE_INT32, n_ff.data(), n_ff.size());
+    } else {
+        gguf_set_val_u32(g, key("feed_forward_length").c_str(), uint32_t(spec.n_ff));
+    }
     gguf_set_val_u32(g, key("attention.head_count").c_str(), uint32_t(spec.n_head));
     gguf_set_val_u32(g, key("attention.head_count_kv").c_str(), uint32_t(spec.n_head_kv));
     gguf_set_val_u32(g, key("attention.key_length").c_str(), uint32_t(spec.head_dim));
@@ -497,10 +664,25 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     for (const auto & [suffix, value] : yarn_keys)
         if (value != 0.0f) gguf_set_val_f32(g, key(suffix).c_str(), value);
     if (spec.n_swa > 0) gguf_set_val_u32(g, key("attention.sliding_window").c_str(), uint32_t(spec.n_swa));
-    if (spec.swa_pattern > 0)
+    if (gemma4) {  // one flag per layer, true: windowed (libllama requires the key)
+        std::vector<int8_t> swa(size_t(spec.n_layer));
+        for (int64_t il = 0; il < spec.n_layer; ++il) swa[size_t(il)] = is_swa(spec, il) ? 1 : 0;
+        gguf_set_arr_data(g, key("attention.sliding_window_pattern").c_str(), GGUF_TYPE_BOOL, swa.data(), swa.size());
+    } else if (spec.swa_pattern > 0) {
         gguf_set_val_u32(g, key("attention.sliding_window_pattern").c_str(), uint32_t(spec.swa_pattern));
+    }
     if (spec.rope_base_swa != 0.0f) gguf_set_val_f32(g, key("rope.freq_base_swa").c_str(), spec.rope_base_swa);
-    if (spec.logit_softcap != 0.0f) gguf_set_val_f32(g, key("final_logit_softcapping").c_str(), spec.logit_softcap);
+    // gemma4 always: libllama's default for a missing key is 30, not off
+    if (spec.logit_softcap != 0.0f || gemma4)
+        gguf_set_val_f32(g, key("final_logit_softcapping").c_str(), spec.logit_softcap);
+    if (gemma4) {  // the keys its converter writes (libllama requires the lengths and the per-layer width)
+        const int64_t hd_swa = spec.head_dim_swa > 0 ? spec.head_dim_swa : spec.head_dim;
+        gguf_set_val_u32(g, key("attention.key_length_swa").c_str(), uint32_t(hd_swa));
+        gguf_set_val_u32(g, key("attention.value_length_swa").c_str(), uint32_t(hd_swa));
+        gguf_set_val_u32(g, key("rope.dimension_count_swa").c_str(), uint32_t(n_rot_swa_of(spec)));
+        gguf_set_val_u32(g, key("attention.shared_kv_layers").c_str(), uint32_t(spec.n_kv_shared));
+        gguf_set_val_u32(g, key("embedding_length_per_layer_input").c_str(), uint32_t(spec.n_embd_per_layer));
+    }
 
     // copy the tokenizer.* keys (arrays included) through a filtered copy
     {

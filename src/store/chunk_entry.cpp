@@ -1,5 +1,6 @@
 // chunk entries: keys, the self-describing entry format (docs/STORE_FORMAT.md),
 // and the get-or-collect path every caller of the store uses.
+#include <algorithm>
 #include <cctype>
 #include <cstdint>
 #include <cstdio>
@@ -51,6 +52,7 @@ std::string hex128(XXH128_hash_t h) {
 struct entry_header {
     std::string fingerprint;
     uint32_t version, n_layer, n_head_kv, head_dim, n_tokens, dtype, convention, n_prefix, n_kept;
+    std::vector<uint32_t> head_dims;  // each layer's: head_dim, or the table an entry with head_dim 0 carries
     std::string codec;
     int64_t pos0;
     size_t header_bytes, payload_bytes;
@@ -83,8 +85,7 @@ entry_header parse(const std::vector<uint8_t> & b) {
     if (h.codec.empty()) throw error("entry names no codec");
     if (h.convention != k_pos_k_rope_pos0)
         throw error("entry position convention " + std::to_string(h.convention) + " is unknown");
-    if (h.n_tokens == 0 || h.n_layer == 0 || h.n_head_kv == 0 || h.head_dim == 0)
-        throw error("entry has an empty shape");
+    if (h.n_tokens == 0 || h.n_layer == 0 || h.n_head_kv == 0) throw error("entry has an empty shape");
     // positions are int32 in the graph: the chunk's must all fit
     if (h.pos0 < 0 || h.pos0 > (int64_t) INT32_MAX - h.n_tokens)
         throw error("entry's first position " + std::to_string(h.pos0) + " is out of range");
@@ -93,23 +94,38 @@ entry_header parse(const std::vector<uint8_t> & b) {
         throw error("entry keeps " + std::to_string(h.n_kept) + " of " + std::to_string(h.n_tokens) + " tokens");
     if (h.n_kept != 0 && h.codec != k_codec_raw) throw error("an entry with evicted tokens must be raw");
     const uint64_t n_rows = h.n_kept ? h.n_kept : h.n_tokens;
-    const uint64_t want_header = k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens + h.n_kept);
+    // head_dim 0: a table of each layer's head size follows the kept indices
+    const uint64_t n_table = h.head_dim == 0 ? h.n_layer : 0;
+    const uint64_t want_header = k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens + h.n_kept + n_table);
     if (h.header_bytes != want_header) throw error("entry header size is inconsistent");
     if (b.size() < want_header + k_checksum_bytes)
         throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
     // raw rows have a size fixed by the shape; a codec's payload checks its own
     h.payload_bytes = b.size() - want_header - k_checksum_bytes;
+    // every layer holds at least a byte of payload: a count past the entry's size is a lie (and no allocation)
+    if (h.n_layer > h.payload_bytes)
+        throw error("entry claims " + std::to_string(h.n_layer) + " layers in " + std::to_string(h.payload_bytes) +
+                    " bytes of payload");
+    const size_t table_at = want_header - 4 * n_table;
+    h.head_dims.assign(h.n_layer, h.head_dim);
+    for (uint64_t il = 0; il < n_table; ++il) h.head_dims[il] = get_u32(&b[table_at + 4 * il]);
     // a row's values, and the rows' bytes, must not overflow: a crafted shape can ask for 2^64 bytes
-    uint64_t n_embd_kv = 0;
-    if (__builtin_mul_overflow((uint64_t) h.n_head_kv, (uint64_t) h.head_dim, &n_embd_kv) ||
-        n_embd_kv > (uint64_t) INT32_MAX)
-        throw error("entry rows of " + std::to_string(h.n_head_kv) + " x " + std::to_string(h.head_dim) +
-                    " values are too large");
+    uint64_t raw_bytes = 0;
+    for (uint32_t head_dim : h.head_dims) {
+        uint64_t n_embd_kv = 0, layer = 0;
+        if (head_dim == 0) throw error("entry has an empty shape");
+        if (__builtin_mul_overflow((uint64_t) h.n_head_kv, (uint64_t) head_dim, &n_embd_kv) ||
+            n_embd_kv > (uint64_t) INT32_MAX)
+            throw error("entry rows of " + std::to_string(h.n_head_kv) + " x " + std::to_string(head_dim) +
+                        " values are too large");
+        if (__builtin_mul_overflow(2 * n_rows, (uint64_t) ggml_row_size((ggml_type) h.dtype, (int64_t) n_embd_kv),
+                                   &layer) ||
+            __builtin_add_overflow(raw_bytes, layer, &raw_bytes))
+            throw error("entry shape is too large for any entry");
+    }
     if (h.codec == k_codec_raw) {
         uint64_t want = 0;
-        if (__builtin_mul_overflow((uint64_t) h.n_layer * 2, n_rows, &want) ||
-            __builtin_mul_overflow(want, (uint64_t) ggml_row_size((ggml_type) h.dtype, (int64_t) n_embd_kv), &want) ||
-            __builtin_add_overflow(want, want_header + k_checksum_bytes, &want))
+        if (__builtin_add_overflow(raw_bytes, want_header + k_checksum_bytes, &want))
             throw error("entry shape is too large for any entry");
         if (b.size() < want)
             throw error("entry is truncated (" + std::to_string(b.size()) + " of " + std::to_string(want) + " bytes)");
@@ -149,8 +165,9 @@ void check_against(const entry_header & h, const std::vector<uint8_t> & b, const
     const model_hparams & hp = m.hparams();
     if (h.fingerprint != m.fingerprint())
         throw error("entry belongs to another model (fingerprint " + h.fingerprint + ")");
-    if (h.n_layer != hp.n_layer || h.n_head_kv != hp.n_head_kv || h.head_dim != hp.head_dim)
-        throw error("entry shape does not match the model");
+    bool same = h.n_layer == hp.n_layer_kv && h.n_head_kv == hp.n_head_kv;
+    for (int64_t il = 0; same && il < hp.n_layer_kv; ++il) same = h.head_dims[il] == hp.head_dim_of(il);
+    if (!same) throw error("entry shape does not match the model");
     const uint64_t n = (uint64_t) h.n_prefix + h.n_tokens;
     for (uint64_t i = 0; i < n; ++i) {
         const int32_t t = (int32_t) get_u32(&b[k_fixed_header + 4 * i]);
@@ -216,8 +233,13 @@ std::string chunk_key(const model & m, ggml_type type, const std::string & codec
 std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std::vector<llama_token> & prefix,
                                   const codec * cd) {
     const model_hparams & hp = m.hparams();
-    if (c.n_layer != hp.n_layer || c.n_embd_kv != hp.n_embd_kv() || c.data.size() < c.data_offset + c.bytes())
+    if (c.widths != hp.kv_widths() || c.data.size() < c.data_offset + c.bytes())
         throw error("chunk KV does not match the model");
+    // one head size, or 0 and a table of each layer's (gemma4's windowed and global layers differ)
+    std::vector<uint32_t> head_dims;
+    for (int64_t il = 0; il < hp.n_layer_kv; ++il) head_dims.push_back((uint32_t) hp.head_dim_of(il));
+    const bool one_size =
+        std::all_of(head_dims.begin(), head_dims.end(), [&](uint32_t d) { return d == head_dims[0]; });
     if (m.fingerprint().size() != 32) throw error("model fingerprint has an unexpected size");
     const bool raw = !cd || cd->name() == k_codec_raw;
     if (!c.kept.empty() && !raw)
@@ -226,16 +248,17 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     const std::string codec_name = raw ? k_codec_raw : cd->entry_name();
     if (codec_name.size() >= 16) throw error("codec name too long: " + codec_name);
     const size_t payload = raw ? c.bytes() : coded.size();
-    const size_t header = k_fixed_header + 4 * (prefix.size() + c.tokens.size() + c.kept.size());
+    const size_t header =
+        k_fixed_header + 4 * (prefix.size() + c.tokens.size() + c.kept.size() + (one_size ? 0 : head_dims.size()));
     std::vector<uint8_t> b(header + payload + k_checksum_bytes);
     writer w{b.data()};
     w.raw(k_magic, 8);
     w.u32(c.kept.empty() ? k_version : k_version_sparse);
     w.u32((uint32_t) header);
     w.raw(m.fingerprint().data(), 32);
-    w.u32((uint32_t) hp.n_layer);
+    w.u32((uint32_t) hp.n_layer_kv);
     w.u32((uint32_t) hp.n_head_kv);
-    w.u32((uint32_t) hp.head_dim);
+    w.u32(one_size ? head_dims[0] : 0);
     w.u32((uint32_t) c.tokens.size());
     w.u32((uint32_t) c.type);
     char codec[16] = {};
@@ -248,6 +271,7 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     w.raw(prefix.data(), 4 * prefix.size());
     w.raw(c.tokens.data(), 4 * c.tokens.size());
     w.raw(c.kept.data(), 4 * c.kept.size());
+    if (!one_size) w.raw(head_dims.data(), 4 * head_dims.size());
     w.raw(raw ? c.k(0) : coded.data(), payload);  // raw: the payload layout is the chunk's own
     const XXH128_hash_t sum = XXH3_128bits(b.data(), b.size() - k_checksum_bytes);
     const uint64_t words[2] = {sum.low64, sum.high64};
@@ -284,8 +308,7 @@ chunk_kv decode_parsed(const model & m, const entry_header & h, std::vector<uint
     }
     chunk_kv c;
     c.pos0 = h.pos0;
-    c.n_layer = h.n_layer;
-    c.n_embd_kv = (int64_t) h.n_head_kv * h.head_dim;
+    for (uint32_t head_dim : h.head_dims) c.widths.push_back((int64_t) h.n_head_kv * head_dim);
     c.type = (ggml_type) h.dtype;
     c.tokens.resize(h.n_tokens);
     std::memcpy(c.tokens.data(), &b[k_fixed_header + 4ull * h.n_prefix], 4ull * h.n_tokens);

@@ -856,7 +856,7 @@ class blend_family : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(blend_family, ratio_one_is_the_full_prefill_ratio_zero_naive_and_gradual_dense) {
     fixture f(test::make_test_model(GetParam()), 3);
-    const int64_t n_layer = f.m->hparams().n_layer, N = (int64_t) f.p.all().size();
+    const int64_t n_layer = f.m->hparams().n_layer_kv, N = (int64_t) f.p.all().size();
     engine full(f.m, f32_params());
     const std::vector<float> ref = full.eval(f.p.all());
     double ratio_one_gap = 0;
@@ -921,7 +921,7 @@ TEST_P(blend_family, a_document_collected_where_it_is_placed_needs_no_recomputat
     const std::vector<float> ref = full.eval(f.p.all());
     const int64_t N = (int64_t) f.p.all().size();
     EXPECT_LE(rel_diff(r.logits, ref), 1e-4);
-    expect_same_kv(e, full, f.m->hparams().n_layer, N, 1e-4);
+    expect_same_kv(e, full, f.m->hparams().n_layer_kv, N, 1e-4);
 
     const int64_t doc0 = f.kv[0].n_tokens(), doc1 = N - (int64_t) f.p.query.size();
     float max_in_place = 0, max_alone = 0;
@@ -937,7 +937,8 @@ TEST_P(blend_family, a_document_collected_where_it_is_placed_needs_no_recomputat
 
 INSTANTIATE_TEST_SUITE_P(families, blend_family,
                          ::testing::Values("tiny-qwen3", "tiny-mistral3", "tiny-granite", "tiny-olmo2", "tiny-smollm3",
-                                           "tiny-phi3", "tiny-phi3-longrope", "tiny-mistral3-yarn", "tiny-gemma3"),
+                                           "tiny-phi3", "tiny-phi3-longrope", "tiny-mistral3-yarn", "tiny-gemma3",
+                                           "tiny-gemma4"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace(n.begin(), n.end(), '-', '_');

@@ -70,6 +70,35 @@ TEST(codec, lossless_and_block_codecs_meet_their_bounds) {
     }
 }
 
+// gemma4's windowed and global layers have rows of other widths: each codec
+// codes a layer as it codes that layer in a chunk of one width (the same
+// bytes back), and minicache, which merges adjacent layers, refuses
+TEST(codec, layers_of_two_widths_decode_as_each_width_alone) {
+    const chunk_kv narrow = random_chunk(GGML_TYPE_F16, 96, 64, 2), wide = random_chunk(GGML_TYPE_F16, 96, 128, 2);
+    chunk_kv mixed = test::zero_chunk(96, 64, 2, GGML_TYPE_F16);
+    mixed.widths = {64, 128};
+    mixed.data.assign(mixed.bytes(), 0);
+    std::memcpy(mixed.k(0), narrow.k(0), 2 * narrow.layer_bytes(0));  // layer 0 from the narrow chunk
+    std::memcpy(mixed.k(1), wide.k(1), 2 * wide.layer_bytes(1));      // layer 1 from the wide one
+    ASSERT_FALSE(mixed.same_widths());
+    ASSERT_EQ(mixed.bytes(), narrow.layer_bytes(0) * 2 + wide.layer_bytes(1) * 2);
+    for (const std::string & name : codec_names()) {
+        const auto cd = codec_by_name(name);
+        if (name.rfind("minicache", 0) == 0) {
+            EXPECT_NE(test::error_of([&] { cd->encode(mixed); }).find("one width"), std::string::npos) << name;
+            continue;
+        }
+        const chunk_kv m = codec_roundtrip(*cd, mixed), a = codec_roundtrip(*cd, narrow),
+                       b = codec_roundtrip(*cd, wide);
+        EXPECT_EQ(std::memcmp(m.k(0), a.k(0), 2 * a.layer_bytes(0)), 0) << name << ": the narrow layer";
+        EXPECT_EQ(std::memcmp(m.k(1), b.k(1), 2 * b.layer_bytes(1)), 0) << name << ": the wide layer";
+        // a payload read as a chunk of other widths is refused or its size is wrong, never read past
+        const std::vector<uint8_t> enc = cd->encode(mixed);
+        chunk_kv other = narrow;
+        EXPECT_NE(test::error_of([&] { cd->decode(enc.data(), enc.size(), other); }), "") << name;
+    }
+}
+
 TEST(codec, kivi_error_is_within_one_step_of_each_group) {
     for (int bits : {2, 4}) {
         const chunk_kv c = random_chunk(GGML_TYPE_F16);
@@ -77,9 +106,9 @@ TEST(codec, kivi_error_is_within_one_step_of_each_group) {
         size_t bytes = 0;
         const chunk_kv y = codec_roundtrip(*cd, c, &bytes);
         const std::vector<float> a = all_f32(c), b = all_f32(y);
-        const int64_t d = c.n_embd_kv, n = c.n_tokens(), G = 32, n_q = (n - 32) / G * G;
+        const int64_t d = c.n_embd_kv(0), n = c.n_tokens(), G = 32, n_q = (n - 32) / G * G;
         const size_t layer = (size_t) n * d;
-        for (int64_t il = 0; il < c.n_layer; ++il)
+        for (int64_t il = 0; il < c.n_layer(); ++il)
             for (int kv = 0; kv < 2; ++kv) {
                 const float * xa = &a[(2 * il + kv) * layer];
                 const float * xb = &b[(2 * il + kv) * layer];
@@ -101,7 +130,7 @@ TEST(codec, kivi_error_is_within_one_step_of_each_group) {
                     }
             }
         // real bytes: bits per value plus two f16 per group of 32, plus the f16 residual
-        const double bits_per_value = 8.0 * bytes / (double) (2 * c.n_layer * c.n_tokens() * c.n_embd_kv);
+        const double bits_per_value = 8.0 * bytes / (double) (c.n_tokens() * c.values_per_token());
         const double expect = ((double) n_q * (bits + 1.0) + (double) (n - n_q) * 16.0) / (double) n;
         std::printf("kivi%d: %.2f bits per value (%lld of %lld tokens quantized)\n", bits, bits_per_value,
                     (long long) n_q, (long long) n);

@@ -83,7 +83,7 @@ TEST(minicache, codec_merges_deep_pairs_and_leaves_shallow_layers) {
     // a merged pair holds one f16 direction and two f32 norms instead of two f16 rows: about half
     EXPECT_LT((double) s.merged_bytes / s.merged_f16, 0.55);
     // shallow layers are bit-exact (f32 chunk: kept in f32)
-    EXPECT_EQ(std::memcmp(out.k(0), c.k(0), 4 * 2 * c.layer_bytes()), 0);
+    EXPECT_EQ(std::memcmp(out.k(0), c.k(0), 4 * 2 * c.layer_bytes(0)), 0);
     // deep layers: each row keeps its own norm, its direction within the pair's angle
     std::vector<float> x(64 * 64), y(64 * 64);
     for (int64_t il = 4; il < 8; ++il)

@@ -150,8 +150,8 @@ chunk_kv gaussian_chunk(int64_t n_tok, int64_t n_embd, int64_t n_layer, ggml_typ
 
 TEST(turboquant, codec_rates_and_errors) {
     const chunk_kv c = gaussian_chunk(64, 256, 2, GGML_TYPE_F32);
-    const double values = 2.0 * c.n_layer * c.n_tokens() * c.n_embd_kv;
-    std::vector<float> x(c.n_tokens() * c.n_embd_kv), y(x.size());
+    const double values = (double) c.n_tokens() * (double) c.values_per_token();
+    std::vector<float> x(c.n_tokens() * c.n_embd_kv(0)), y(x.size());
     for (const std::string & name : std::vector<std::string>{"turboquant2", "turboquant2.5", "turboquant3",
                                                              "turboquant3.5", "turboquant4", "turboquant3.5+qjl"}) {
         const auto cd = codec_by_name(name);
@@ -165,7 +165,7 @@ TEST(turboquant, codec_rates_and_errors) {
         EXPECT_GE(bpv, p.bits_x2 / 2.0 + 0.125);
         EXPECT_LE(bpv, p.bits_x2 / 2.0 + 0.125 + 0.1 + (p.qjl ? 0.15 : 0.0));
         double e = 0, n2 = 0;
-        for (int64_t il = 0; il < c.n_layer; ++il)
+        for (int64_t il = 0; il < c.n_layer(); ++il)
             for (int kv = 0; kv < 2; ++kv) {
                 codec_rows_f32(c, il, kv, x.data());
                 codec_rows_f32(out, il, kv, y.data());

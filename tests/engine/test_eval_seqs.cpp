@@ -54,9 +54,10 @@ TEST_P(eval_seqs_test, each_sequence_gets_its_logits_alone_while_others_prefill_
         std::vector<engine::seq_tokens> step;
         std::vector<size_t> who;
         for (size_t i = 0; i < prompts.size(); ++i) {
-            if (fed[i] < prompts[i].size()) {  // the next chunk of its prompt
+            if (fed[i] < prompts[i].size()) {  // the next chunk of its prompt, logits at its end only
                 const size_t e = std::min(prompts[i].size(), fed[i] + (size_t) chunk);
-                step.push_back({caches[i].get(), {prompts[i].begin() + fed[i], prompts[i].begin() + e}, true});
+                step.push_back(
+                    {caches[i].get(), {prompts[i].begin() + fed[i], prompts[i].begin() + e}, e == prompts[i].size()});
                 fed[i] = e;
             } else if ((int) got[i].size() <= steps) {  // its next greedy token
                 step.push_back({caches[i].get(), {test::argmax(got[i].back())}, true});
@@ -82,7 +83,8 @@ TEST_P(eval_seqs_test, each_sequence_gets_its_logits_alone_while_others_prefill_
 
 INSTANTIATE_TEST_SUITE_P(models, eval_seqs_test,
                          ::testing::Values("tiny", "tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-smollm3",
-                                           "tiny-phi3", "tiny-phi3-longrope", "tiny-mistral3-yarn", "tiny-gemma3"),
+                                           "tiny-phi3", "tiny-phi3-longrope", "tiny-mistral3-yarn", "tiny-gemma3",
+                                           "tiny-gemma4"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace(n.begin(), n.end(), '-', '_');

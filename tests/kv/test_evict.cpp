@@ -241,7 +241,7 @@ TEST(evict, bytes_shrink_with_the_budget) {
         const size_t full_held = dense.cache().bytes_held();
         eng.prefill(prompt);
         const kv_cache & c = eng.cache();
-        const size_t row_bytes = 2 * ggml_row_size(t, c.n_embd_kv());
+        const size_t row_bytes = 2 * ggml_row_size(t, c.n_embd_kv(0));
         EXPECT_EQ(full_held, (size_t) (100 * c.n_layer()) * row_bytes);
         EXPECT_EQ(c.bytes_held(), (size_t) (25 * c.n_layer()) * (row_bytes + sizeof(int32_t)));
         EXPECT_LT(c.bytes(), dense.cache().bytes() / 6);  // the allocation shrank too (25 + slack rows of 256)
@@ -413,8 +413,8 @@ TEST(evict, stored_chunks_hold_only_the_kept_positions) {
     EXPECT_EQ(first.n_rows(), 10);
     EXPECT_EQ(again.kept, first.kept);
     EXPECT_EQ(again.tokens, toks);
-    EXPECT_EQ(std::vector<uint8_t>(again.k(0), again.k(0) + 2 * again.n_layer * again.layer_bytes()),
-              std::vector<uint8_t>(first.k(0), first.k(0) + 2 * first.n_layer * first.layer_bytes()));
+    EXPECT_EQ(std::vector<uint8_t>(again.k(0), again.k(0) + again.bytes()),
+              std::vector<uint8_t>(first.k(0), first.k(0) + first.bytes()));
     // a quarter of the plain entry's KV, in an entry of format version 2; the plain key is another entry
     const std::string key = chunk_key(*m, GGML_TYPE_F16, "raw", {}, toks, ev);
     EXPECT_NE(key, chunk_key(*m, GGML_TYPE_F16, "raw", {}, toks));

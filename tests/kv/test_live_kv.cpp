@@ -97,15 +97,15 @@ TEST(live_kv, bytes_are_what_is_held) {
     const int64_t n = dense.cache().n_past();
     EXPECT_EQ(tq.cache().n_past(), n);
     const model_hparams & hp = m->hparams();
-    EXPECT_EQ(dense.kv_bytes_held(), (size_t) n * hp.n_layer * 2 * hp.n_embd_kv() * 2);
+    EXPECT_EQ(dense.kv_bytes_held(), (size_t) n * hp.n_layer * 2 * hp.n_embd_kv(0) * 2);
     EXPECT_EQ(tq.kv_bytes_f16(), dense.kv_bytes_held());
     // 32-value rows: 16 values at 4 bits and 16 at 3, a 16-bit norm and an 8-bit split angle; the outlier masks
-    const size_t tq_expect = (size_t) n * hp.n_layer * 2 * (2 + 1 + 14) + hp.n_layer * 2 * hp.n_embd_kv();
+    const size_t tq_expect = (size_t) n * hp.n_layer * 2 * (2 + 1 + 14) + hp.n_layer * 2 * hp.n_embd_kv(0);
     EXPECT_EQ(tq.kv_bytes_held(), tq_expect);
     EXPECT_LT(tq.kv_bytes_held() * 3, dense.kv_bytes_held());
     // minicache merging every token of the pair (2, 3): one direction and two norms instead of two rows
-    const size_t pair_f16 = (size_t) n * 2 * 2 * hp.n_embd_kv() * 2;
-    EXPECT_EQ(dense.kv_bytes_held() - mc.kv_bytes_held(), pair_f16 - (size_t) n * 2 * (hp.n_embd_kv() * 2 + 8 + 4));
+    const size_t pair_f16 = (size_t) n * 2 * 2 * hp.n_embd_kv(0) * 2;
+    EXPECT_EQ(dense.kv_bytes_held() - mc.kv_bytes_held(), pair_f16 - (size_t) n * 2 * (hp.n_embd_kv(0) * 2 + 8 + 4));
     EXPECT_EQ(mc.live()->retained_share(n), 0.0);
 }
 

@@ -19,10 +19,12 @@ namespace {
 // and rounding"): the rings attend over other rows in another order
 constexpr double k_tol = 2e-4;
 
-class swa_ring : public ::testing::Test {
+// tiny-gemma3 and tiny-gemma4: windows of 16, layer 2 global in both (in
+// gemma4 the owner the shared global layer reads; 0 and 1 windowed)
+class swa_ring : public ::testing::TestWithParam<std::string> {
   protected:
     void SetUp() override {
-        m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny-gemma3")));
+        m = std::shared_ptr<const model>(model::load(test::make_test_model(GetParam())));
         ASSERT_TRUE(m->hparams().has_swa());
         ASSERT_EQ(m->hparams().n_swa, 16);
     }
@@ -48,7 +50,7 @@ class swa_ring : public ::testing::Test {
     std::shared_ptr<const model> m;
 };
 
-TEST_F(swa_ring, decoding_and_appending_prompts_in_rings_equals_every_row_in_less_memory) {
+TEST_P(swa_ring, decoding_and_appending_prompts_in_rings_equals_every_row_in_less_memory) {
     auto full = make(true), ring = make(false);
     const std::vector<llama_token> prompt = test::random_tokens(*m, 60, 1);
     std::vector<float> lf = full->eval(prompt), lr = ring->eval(prompt);
@@ -59,8 +61,12 @@ TEST_F(swa_ring, decoding_and_appending_prompts_in_rings_equals_every_row_in_les
     EXPECT_EQ(ring->cache().ring_rows(), 16 + 8);
     EXPECT_EQ(ring->cache().max_append(), 8 + 1);
     EXPECT_EQ(ring->cache().ring_first(), 60 - 24);
-    // 2 of 6 layers global: the rings hold 24 rows where the others hold 256
-    EXPECT_LT(ring->cache().bytes() * 2, full->cache().bytes());
+    // the rings hold 24 rows where the global layers hold 256 (f32 K and V)
+    size_t ring_bytes = 0;
+    for (int il = 0; il < ring->cache().n_layer(); ++il)
+        ring_bytes += (size_t) (m->hparams().is_swa(il) ? 24 : 256) * ring->cache().n_embd_kv(il) * 4 * 2;
+    EXPECT_EQ(ring->cache().bytes(), ring_bytes);
+    EXPECT_LT(ring->cache().bytes(), full->cache().bytes());
     EXPECT_LT(test::max_rel_diff(lr, lf), k_tol);
     decode_both(*full, *ring, lf, lr, 70);  // the rings wrap about three times
 
@@ -77,7 +83,7 @@ TEST_F(swa_ring, decoding_and_appending_prompts_in_rings_equals_every_row_in_les
 
 // the decode loop trims once the first token is out (off the time to first
 // token), and answers with the tokens of a cache that keeps every row
-TEST_F(swa_ring, generate_trims_after_the_first_token_and_answers_alike) {
+TEST_P(swa_ring, generate_trims_after_the_first_token_and_answers_alike) {
     const std::vector<llama_token> prompt = test::random_tokens(*m, 40, 3);
     std::vector<llama_token> answers[2];
     for (bool swa_full : {true, false}) {
@@ -96,7 +102,7 @@ TEST_F(swa_ring, generate_trims_after_the_first_token_and_answers_alike) {
     EXPECT_EQ(answers[false], answers[true]);
 }
 
-TEST_F(swa_ring, the_rings_hold_the_window_rows_and_refuse_older_ones) {
+TEST_P(swa_ring, the_rings_hold_the_window_rows_and_refuse_older_ones) {
     auto full = make(true), ring = make(false);
     const std::vector<llama_token> prompt = test::random_tokens(*m, 40, 3);
     std::vector<float> lf = full->eval(prompt), lr = ring->eval(prompt);
@@ -112,7 +118,7 @@ TEST_F(swa_ring, the_rings_hold_the_window_rows_and_refuse_older_ones) {
     EXPECT_EQ(r.read_k(2, 0, 4), full->cache().read_k(2, 0, 4));  // a global layer keeps every row
 }
 
-TEST_F(swa_ring, cutting_back_keeps_what_the_window_sees_or_is_refused) {
+TEST_P(swa_ring, cutting_back_keeps_what_the_window_sees_or_is_refused) {
     auto full = make(true), ring = make(false);
     const std::vector<llama_token> prompt = test::random_tokens(*m, 50, 4);
     std::vector<float> lf = full->eval(prompt), lr = ring->eval(prompt);
@@ -142,7 +148,7 @@ TEST_F(swa_ring, cutting_back_keeps_what_the_window_sees_or_is_refused) {
     EXPECT_LT(test::max_rel_diff(ring->eval(again), full->eval(again)), k_tol);
 }
 
-TEST_F(swa_ring, a_branch_decodes_on_as_its_source_and_clear_brings_every_row_back) {
+TEST_P(swa_ring, a_branch_decodes_on_as_its_source_and_clear_brings_every_row_back) {
     auto full = make(true), ring = make(false);
     const std::vector<llama_token> prompt = test::random_tokens(*m, 45, 7);
     std::vector<float> lf = full->eval(prompt), lr = ring->eval(prompt);
@@ -176,7 +182,7 @@ TEST_F(swa_ring, a_branch_decodes_on_as_its_source_and_clear_brings_every_row_ba
     EXPECT_TRUE(ring->cache().windowed());
 }
 
-TEST_F(swa_ring, batched_steps_append_to_rings_as_one_engine_does) {
+TEST_P(swa_ring, batched_steps_append_to_rings_as_one_engine_does) {
     auto eng = make(true);  // the engine the batch runs on; the caches are the sequences'
     auto a_full = make(true), b_ring = make(false);
     const std::vector<llama_token> pa = test::random_tokens(*m, 30, 10), pb = test::random_tokens(*m, 41, 11);
@@ -209,6 +215,13 @@ TEST_F(swa_ring, batched_steps_append_to_rings_as_one_engine_does) {
     EXPECT_LT(test::max_rel_diff(out[1], b_ring->eval(long_in)), k_tol);
     EXPECT_EQ(cb->n_past(), b_ring->cache().n_past());
 }
+
+INSTANTIATE_TEST_SUITE_P(models, swa_ring, ::testing::Values("tiny-gemma3", "tiny-gemma4"),
+                         [](const ::testing::TestParamInfo<std::string> & info) {
+                             std::string n = info.param;
+                             std::replace(n.begin(), n.end(), '-', '_');
+                             return n;
+                         });
 
 }  // namespace
 }  // namespace kvblend

@@ -482,9 +482,96 @@ TEST_F(load_errors, gemma3_windows_keys_and_norms) {
     }
 }
 
+// gemma4's keys as libllama reads them (tiny-gemma4: layers 0, 1, 3, 4
+// windowed with heads of 32, 2 and 5 global with heads of 64; 3, 4 and 5
+// share the caches of 1 and 2), and every new key or tensor that is
+// missing, of the wrong type or inconsistent is refused by name
+TEST_F(load_errors, gemma4_head_sizes_shared_layers_and_per_layer_embeddings) {
+    const std::string gemma4 = make_test_model("tiny-gemma4");
+    {
+        auto m = model::load(gemma4);
+        const model_hparams & hp = m->hparams();
+        EXPECT_EQ(hp.arch, MODEL_ARCH_GEMMA4);
+        std::vector<int64_t> head, kv;
+        for (int il = 0; il < 6; ++il) head.push_back(hp.head_dim_of(il)), kv.push_back(hp.kv_layer(il));
+        EXPECT_EQ(head, (std::vector<int64_t>{32, 32, 64, 32, 32, 64}));
+        EXPECT_EQ(kv, (std::vector<int64_t>{0, 1, 2, 1, 1, 2}));
+        EXPECT_EQ(hp.n_layer_kv, 3);
+        EXPECT_EQ(hp.n_rot_of(0), 32);
+        EXPECT_EQ(hp.n_rot_of(2), 64);
+        EXPECT_EQ(hp.n_ff_of(0), 256);
+        EXPECT_EQ(hp.n_ff_of(5), 512);
+        EXPECT_EQ(hp.n_embd_per_layer, 32);
+        EXPECT_EQ(hp.kq_scale(), 1.0f);
+        EXPECT_TRUE(hp.v_norm && hp.ffn_gelu && hp.pre_norm && hp.post_norm);
+        EXPECT_EQ(m->rope_factors(0), nullptr);  // proportional RoPE on global layers only
+        EXPECT_NE(m->rope_factors(2), nullptr);
+        EXPECT_NE(m->describe().find("3 share K/V"), std::string::npos) << m->describe();
+    }
+    // libllama's default soft-cap of 30 when the key is absent
+    rewrite_gguf(gemma4, dir.file("gemma4.gguf"),
+                 {[](gguf_context * g) { gguf_remove_key(g, "gemma4.final_logit_softcapping"); }, {}, {}});
+    EXPECT_EQ(model::load(dir.file("gemma4.gguf"))->hparams().logit_softcap, 30.0f);
+
+    struct bad_file {
+        gguf_edit edit;
+        std::string message;
+    };
+    const uint8_t five[] = {1, 1, 0, 1, 1};
+    const uint8_t swapped[] = {1, 0, 1, 1, 1, 0};  // layer 1 global, 2 windowed: the shared layers' sources swap
+    const std::vector<bad_file> cases = {
+        {{[](gguf_context * g) { gguf_remove_key(g, "gemma4.attention.key_length_swa"); }, {}, {}},
+         "missing key gemma4.attention.key_length_swa"},
+        {{[](gguf_context * g) { gguf_set_val_str(g, "gemma4.attention.value_length_swa", "32"); }, {}, {}},
+         "key gemma4.attention.value_length_swa has type str, expected an integer"},
+        {{[](gguf_context * g) { gguf_set_val_u32(g, "gemma4.attention.value_length_swa", 16); }, {}, {}},
+         "value_length_swa differs from key_length_swa"},
+        {{[](gguf_context * g) { gguf_set_val_u32(g, "gemma4.rope.dimension_count_swa", 48); }, {}, {}},
+         "rope.dimension_count_swa (48) must be even and at most the windowed head size (32)"},
+        {{[](gguf_context * g) { gguf_remove_key(g, "gemma4.attention.sliding_window_pattern"); }, {}, {}},
+         "missing key gemma4.attention.sliding_window_pattern"},
+        {{[&](gguf_context * g) {
+              gguf_set_arr_data(g, "gemma4.attention.sliding_window_pattern", GGUF_TYPE_BOOL, five, 5);
+          },
+          {},
+          {}},
+         "key gemma4.attention.sliding_window_pattern has 5 values for 6 layers"},
+        {{[&](gguf_context * g) {
+              gguf_set_arr_data(g, "gemma4.attention.sliding_window_pattern", GGUF_TYPE_BOOL, swapped, 6);
+          },
+          {},
+          {}},
+         "must be global and the one before it windowed"},
+        {{[](gguf_context * g) { gguf_set_val_u32(g, "gemma4.attention.shared_kv_layers", 6); }, {}, {}},
+         "gemma4.attention.shared_kv_layers = 6 is outside [0, 5]"},
+        {{[](gguf_context * g) { gguf_set_val_u32(g, "gemma4.attention.shared_kv_layers", 5); }, {}, {}},
+         "at least 2 layers with K/V of their own"},
+        {{[](gguf_context * g) { gguf_remove_key(g, "gemma4.embedding_length_per_layer_input"); }, {}, {}},
+         "missing key gemma4.embedding_length_per_layer_input"},
+        {{[](gguf_context * g) { gguf_set_val_str(g, "gemma4.feed_forward_length", "256"); }, {}, {}},
+         "key gemma4.feed_forward_length has type str, expected an integer"},
+        {{{}, {"rope_freqs.weight"}, {}}, "missing tensor 'rope_freqs.weight'"},
+        {{{}, {"per_layer_token_embd.weight"}, {}}, "missing tensor 'per_layer_token_embd.weight'"},
+        {{{}, {"blk.4.inp_gate.weight"}, {}}, "missing tensor 'blk.4.inp_gate.weight'"},
+        {{{}, {"blk.1.attn_k.weight"}, {}}, "missing tensor 'blk.1.attn_k.weight'"},
+        {{{}, {}, {{"blk.2.attn_q.weight", {128, 128}}}},
+         "'blk.2.attn_q.weight' has shape [128, 128], expected [128, 256]"},
+        {{{}, {}, {{"blk.5.ffn_up.weight", {128, 256}}}},
+         "'blk.5.ffn_up.weight' has shape [128, 256], expected [128, 512]"},
+        {{{}, {}, {{"per_layer_proj_norm.weight", {16}}}},
+         "'per_layer_proj_norm.weight' has shape [16], expected [32]"},
+        {{[](gguf_context * g) { gguf_set_val_u32(g, "gemma4.expert_count", 4); }, {}, {}},
+         "mixture-of-experts models are not supported"},
+    };
+    for (const bad_file & c : cases) {
+        rewrite_gguf(gemma4, dir.file("gemma4.gguf"), c.edit);
+        EXPECT_LOAD_ERROR(dir.file("gemma4.gguf"), c.message);
+    }
+}
+
 // the gemma architectures not built are refused by name with what they add
 TEST_F(load_errors, other_gemma_architectures_say_what_is_not_built) {
-    for (const char * arch : {"gemma", "gemma2", "gemma3n", "gemma4", "gemma-embedding"}) {
+    for (const char * arch : {"gemma", "gemma2", "gemma3n", "gemma-embedding"}) {
         rewrite_gguf(make_test_model("tiny-gemma3"), dir.file("gemma.gguf"),
                      {[&](gguf_context * g) { gguf_set_val_str(g, "general.architecture", arch); }, {}, {}});
         const std::string msg = load_error(dir.file("gemma.gguf"));

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iterator>
 #include <ostream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "kvblend/common.h"
 #include "kvblend/model_maker.h"
 #include "llama.h"
+#include "ref/llama_ref.h"
 #include "test_util.h"
 
 namespace {
@@ -22,6 +24,7 @@ namespace {
 using namespace kvblend;
 using kvblend::test::error_of;
 using kvblend::test::make_test_model;
+using kvblend::test::max_rel_diff;
 using kvblend::test::temp_dir;
 using kvblend::test::vocab_path;
 
@@ -65,7 +68,7 @@ void expect_tensor(const gguf_context * g, const std::string & name, ggml_type t
 
 TEST(model_maker, presets_have_real_shapes) {
     const auto names = model_spec_preset_names();
-    EXPECT_EQ(names.size(), 22u);
+    EXPECT_EQ(names.size(), 24u);
 
     const model_spec q3 = model_spec_preset("qwen3-0.6b");
     EXPECT_EQ(q3.arch, MODEL_ARCH_QWEN3);
@@ -148,6 +151,37 @@ TEST(model_maker, presets_have_real_shapes) {
     EXPECT_EQ(model_spec_preset_vocab("gemma3-1b"), "gemma-4");
     EXPECT_EQ(model_spec_preset_vocab("gemma3-4b"), "gemma-4");
     EXPECT_LT(model_spec_preset("tiny-gemma3").n_swa, 64);  // shorter than the test prompts
+
+    // gemma 4 E2B: the real shape (35 layers, the last 20 sharing the caches of 13 and 14)
+    const model_spec e2b = model_spec_preset("gemma4-e2b");
+    EXPECT_EQ(e2b.arch, MODEL_ARCH_GEMMA4);
+    EXPECT_EQ(e2b.n_layer, 35);
+    EXPECT_EQ(e2b.n_embd, 1536);
+    EXPECT_EQ(e2b.n_head, 8);
+    EXPECT_EQ(e2b.n_head_kv, 1);
+    EXPECT_EQ(e2b.head_dim, 512);
+    EXPECT_EQ(e2b.head_dim_swa, 256);
+    EXPECT_EQ(e2b.n_rot_swa, 256);
+    EXPECT_EQ(e2b.rope_partial_global, 0.25f);
+    EXPECT_EQ(e2b.n_ff, 6144);
+    EXPECT_EQ(e2b.n_kv_shared, 20);
+    EXPECT_EQ(e2b.n_embd_per_layer, 256);
+    EXPECT_EQ(e2b.n_swa, 512);
+    EXPECT_EQ(e2b.swa_pattern, 5);
+    EXPECT_EQ(e2b.rope_base, 1e6f);
+    EXPECT_EQ(e2b.rope_base_swa, 1e4f);
+    EXPECT_EQ(e2b.logit_softcap, 30.0f);
+    EXPECT_EQ(e2b.n_ctx_train, 131072);
+    EXPECT_TRUE(e2b.tied_output && e2b.qk_norm && e2b.double_wide_mlp && e2b.layer_out_scale);
+    EXPECT_EQ(model_spec_preset_vocab("gemma4-e2b"), "gemma-4");
+    EXPECT_TRUE(std::filesystem::exists(vocab_path(model_spec_preset_vocab("gemma4-e2b"))));
+    const model_spec tg4 = model_spec_preset("tiny-gemma4");
+    EXPECT_EQ(tg4.arch, MODEL_ARCH_GEMMA4);
+    EXPECT_LT(tg4.n_swa, 40);  // shorter than the test prompts
+    EXPECT_GT(tg4.n_kv_shared, 0);
+    EXPECT_GT(tg4.n_embd_per_layer, 0);
+    EXPECT_NE(tg4.head_dim_swa, tg4.head_dim);
+    EXPECT_EQ(model_spec_preset_vocab("tiny-gemma4"), "llama-spm");
 
     EXPECT_FALSE(model_spec_preset("tiny").tied_output);
     EXPECT_EQ(model_spec_preset("tiny").n_layer, 4);
@@ -496,6 +530,250 @@ TEST(model_maker, cli_make_model) {
         std::string(KVBLEND_CLI) + " make-model --preset nope --vocab-from x -o y > " + dir.file("bad.txt") + " 2>&1";
     EXPECT_NE(std::system(bad.c_str()), 0);
     EXPECT_NE(read_bytes(dir.file("bad.txt")).find("error: unknown model preset 'nope'"), std::string::npos);
+}
+
+// --- gemma4 ------------------------------------------------------------------
+
+// libllama's layer kinds of tiny-gemma4: of every swa_pattern layers the last is global
+bool tiny_gemma4_swa(const model_spec & s, int64_t il) {
+    return il % s.swa_pattern < s.swa_pattern - 1;
+}
+
+// the keys libllama's gemma4 loader reads, with what the converter writes, and
+// the tensors: per-layer head sizes, no K/V on the shared layers, per-layer
+// embeddings, rope_freqs, output scales
+TEST(model_maker_gemma4, keys_and_tensors) {
+    const model_spec s = model_spec_preset("tiny-gemma4");
+    const std::string path = make_test_model("tiny-gemma4", GGML_TYPE_F16);
+    ggml_context * data_ctx = nullptr;  // the tensors' data too: rope_freqs' values
+    gguf_init_params ip = {/*no_alloc =*/false, /*ctx =*/&data_ctx};
+    gguf_context_ptr g(gguf_init_from_file(path.c_str(), ip));
+    ASSERT_TRUE(g) << path;
+    ggml_context_ptr data(data_ctx);
+    const gguf_context * m = g.get();
+
+    const int64_t arch_id = gguf_find_key(m, "general.architecture");
+    ASSERT_GE(arch_id, 0);
+    EXPECT_STREQ(gguf_get_val_str(m, arch_id), "gemma4");
+    const std::string a = "gemma4.";
+    EXPECT_EQ(get_u32(m, a + "block_count"), 6u);
+    EXPECT_EQ(get_u32(m, a + "embedding_length"), 128u);
+    EXPECT_EQ(get_u32(m, a + "attention.head_count"), 4u);
+    EXPECT_EQ(get_u32(m, a + "attention.head_count_kv"), 1u);
+    EXPECT_EQ(get_u32(m, a + "attention.key_length"), 64u);
+    EXPECT_EQ(get_u32(m, a + "attention.value_length"), 64u);
+    EXPECT_EQ(get_u32(m, a + "attention.key_length_swa"), 32u);
+    EXPECT_EQ(get_u32(m, a + "attention.value_length_swa"), 32u);
+    EXPECT_EQ(get_u32(m, a + "rope.dimension_count"), 64u);
+    EXPECT_EQ(get_u32(m, a + "rope.dimension_count_swa"), 32u);
+    EXPECT_EQ(get_u32(m, a + "attention.sliding_window"), 16u);
+    EXPECT_EQ(get_u32(m, a + "attention.shared_kv_layers"), 3u);
+    EXPECT_EQ(get_u32(m, a + "embedding_length_per_layer_input"), 32u);
+    EXPECT_EQ(get_u32(m, a + "context_length"), 32768u);
+    EXPECT_EQ(get_f32(m, a + "rope.freq_base"), 1e6f);
+    EXPECT_EQ(get_f32(m, a + "rope.freq_base_swa"), 1e4f);
+    EXPECT_EQ(get_f32(m, a + "final_logit_softcapping"), 30.0f);
+    EXPECT_EQ(get_f32(m, a + "attention.layer_norm_rms_epsilon"), 1e-6f);
+
+    // the window flags: a bool per layer, layers 2 and 5 global
+    const int64_t pat = gguf_find_key(m, (a + "attention.sliding_window_pattern").c_str());
+    ASSERT_GE(pat, 0);
+    ASSERT_EQ(gguf_get_kv_type(m, pat), GGUF_TYPE_ARRAY);
+    ASSERT_EQ(gguf_get_arr_type(m, pat), GGUF_TYPE_BOOL);
+    ASSERT_EQ(gguf_get_arr_n(m, pat), 6u);
+    const auto * swa = static_cast<const int8_t *>(gguf_get_arr_data(m, pat));
+    for (int64_t il = 0; il < 6; ++il) EXPECT_EQ(swa[il] != 0, il != 2 && il != 5) << "layer " << il;
+    // the FFN widths: int32 per layer (as gguf-py writes a list of ints), the shared ones doubled
+    const int64_t ff = gguf_find_key(m, (a + "feed_forward_length").c_str());
+    ASSERT_GE(ff, 0);
+    ASSERT_EQ(gguf_get_kv_type(m, ff), GGUF_TYPE_ARRAY);
+    ASSERT_EQ(gguf_get_arr_type(m, ff), GGUF_TYPE_INT32);
+    ASSERT_EQ(gguf_get_arr_n(m, ff), 6u);
+    const auto * n_ff = static_cast<const int32_t *>(gguf_get_arr_data(m, ff));
+    for (int64_t il = 0; il < 6; ++il) EXPECT_EQ(n_ff[il], il < 3 ? 256 : 512) << "layer " << il;
+
+    // tensors
+    const int64_t n_vocab = 32000, n_pl = 32;
+    const ggml_type w = GGML_TYPE_F16, f32 = GGML_TYPE_F32;
+    expect_tensor(m, "token_embd.weight", w, {128, n_vocab});
+    EXPECT_LT(gguf_find_tensor(m, "output.weight"), 0);  // tied
+    expect_tensor(m, "output_norm.weight", f32, {128});
+    expect_tensor(m, "per_layer_token_embd.weight", w, {n_pl * 6, n_vocab});
+    expect_tensor(m, "per_layer_model_proj.weight", w, {128, n_pl * 6});
+    expect_tensor(m, "per_layer_proj_norm.weight", f32, {n_pl});
+    expect_tensor(m, "rope_freqs.weight", f32, {32});
+    int64_t n_expected = 6;
+    for (int64_t il = 0; il < 6; ++il) {
+        const std::string p = "blk." + std::to_string(il) + ".";
+        const int64_t hd = tiny_gemma4_swa(s, il) ? 32 : 64, nf = il < 3 ? 256 : 512;
+        const bool has_kv = il < 3;
+        for (const char * norm : {"attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "post_norm"})
+            expect_tensor(m, p + norm + ".weight", f32, {128});
+        expect_tensor(m, p + "attn_q.weight", w, {128, 4 * hd});
+        expect_tensor(m, p + "attn_output.weight", w, {4 * hd, 128});
+        expect_tensor(m, p + "attn_q_norm.weight", f32, {hd});
+        for (const char * kv : {"attn_k.weight", "attn_v.weight", "attn_k_norm.weight"})
+            EXPECT_EQ(gguf_find_tensor(m, (p + kv).c_str()) >= 0, has_kv) << p << kv;
+        if (has_kv) {
+            expect_tensor(m, p + "attn_k.weight", w, {128, hd});
+            expect_tensor(m, p + "attn_v.weight", w, {128, hd});
+            expect_tensor(m, p + "attn_k_norm.weight", f32, {hd});
+        }
+        expect_tensor(m, p + "ffn_gate.weight", w, {128, nf});
+        expect_tensor(m, p + "ffn_up.weight", w, {128, nf});
+        expect_tensor(m, p + "ffn_down.weight", w, {nf, 128});
+        expect_tensor(m, p + "inp_gate.weight", w, {128, n_pl});
+        expect_tensor(m, p + "proj.weight", w, {n_pl, 128});
+        expect_tensor(m, p + "layer_output_scale.weight", f32, {1});
+        n_expected += 14 + (has_kv ? 3 : 0);
+
+        const ggml_tensor * sc = ggml_get_tensor(data.get(), (p + "layer_output_scale.weight").c_str());
+        ASSERT_NE(sc, nullptr);
+        const float v = static_cast<const float *>(sc->data)[0];
+        EXPECT_TRUE(v > 0.5f && v < 1.5f) << p << " output scale " << v;
+    }
+    EXPECT_EQ(gguf_get_n_tensors(m), n_expected);
+
+    // proportional RoPE on the global layers: a quarter of the 64 dims (8 of 32 pairs) rotate
+    const ggml_tensor * rf = ggml_get_tensor(data.get(), "rope_freqs.weight");
+    ASSERT_NE(rf, nullptr);
+    for (int i = 0; i < 32; ++i) EXPECT_EQ(static_cast<const float *>(rf->data)[i], i < 8 ? 1.0f : 1e30f) << i;
+}
+
+// libllama (the reference) loads tiny-gemma4 and computes a sane forward: finite
+// logits with a spread, next-token predictions that vary and depend on context
+TEST(model_maker_gemma4, libllama_loads_and_decodes) {
+    for (ggml_type wtype : {GGML_TYPE_F16, GGML_TYPE_Q8_0}) {
+        SCOPED_TRACE(ggml_type_name(wtype));
+        const std::string path = make_test_model("tiny-gemma4", wtype);
+        ref::llama_ref_params rp;
+        rp.n_ctx = 256;
+        rp.use_gpu = false;
+        rp.extra_bufts = false;  // see libllama_loads_and_decodes above (AMX repack)
+        ref::llama_ref lr(path, rp);
+        const int32_t n_vocab = lr.n_vocab();
+        ASSERT_EQ(n_vocab, 32000);
+
+        // 40 tokens: longer than the window of 16, so windowed and shared layers mask
+        std::vector<llama_token> prompt;
+        for (int i = 0; i < 40; ++i) prompt.push_back(llama_token(1 + (i * 7919 + 13) % (n_vocab - 1)));
+        const std::vector<float> logits = lr.eval(prompt, true);
+        ASSERT_EQ(logits.size(), size_t(40) * size_t(n_vocab));
+        std::set<llama_token> next;  // the greedy next token at each position
+        for (int pos = 0; pos < 40; ++pos) {
+            const float * row = logits.data() + size_t(pos) * size_t(n_vocab);
+            double sum = 0, sum2 = 0;
+            for (int32_t i = 0; i < n_vocab; ++i) {
+                ASSERT_TRUE(std::isfinite(row[i])) << "position " << pos << " logit " << i;
+                sum += row[i];
+                sum2 += double(row[i]) * row[i];
+            }
+            const double mean = sum / n_vocab, sd = std::sqrt(std::max(0.0, sum2 / n_vocab - mean * mean));
+            EXPECT_GT(sd, 1.0) << "position " << pos;
+            EXPECT_LT(sd, 10.0) << "position " << pos;
+            EXPECT_LE(*std::max_element(row, row + n_vocab), 30.0f);  // soft-capped at 30
+            next.insert(llama_token(std::max_element(row, row + n_vocab) - row));
+        }
+        EXPECT_GT(next.size(), 20u) << "the greedy next tokens hardly vary";
+
+        // the same last 8 tokens after another prefix: the context changes the prediction
+        std::vector<llama_token> other = prompt;
+        for (int i = 0; i < 32; ++i) other[size_t(i)] = llama_token(1 + (i * 104729 + 5) % (n_vocab - 1));
+        lr.clear();
+        const std::vector<float> last = lr.eval(other, false);
+        ASSERT_EQ(last.size(), size_t(n_vocab));
+        const std::vector<float> mine(logits.end() - n_vocab, logits.end());
+        EXPECT_GT(max_rel_diff(last, mine), 0.05) << "the last logits ignore the first 32 tokens";
+    }
+}
+
+TEST(model_maker_gemma4, same_seed_same_bytes) {
+    temp_dir dir("maker");
+    const model_spec spec = model_spec_preset("tiny-gemma4");
+    make_model_params p;
+    p.wtype = GGML_TYPE_Q8_0;
+    p.vocab_from = vocab_path("llama-spm");
+    p.seed = 7;
+    const make_model_result r = make_model(spec, p, dir.file("a.gguf"));
+    make_model(spec, p, dir.file("b.gguf"));
+    p.seed = 8;
+    make_model(spec, p, dir.file("c.gguf"));
+
+    EXPECT_EQ(r.file_bytes, std::filesystem::file_size(dir.file("a.gguf")));
+    const std::string a = read_bytes(dir.file("a.gguf"));
+    const std::string b = read_bytes(dir.file("b.gguf"));
+    const std::string c = read_bytes(dir.file("c.gguf"));
+    ASSERT_FALSE(a.empty());
+    EXPECT_TRUE(a == b) << "same seed gave different files";
+    ASSERT_EQ(a.size(), c.size());
+
+    // another seed: the metadata and rope_freqs (fixed values) stay, every random tensor changes
+    gguf_context_ptr ga = open_gguf(dir.file("a.gguf"));
+    ASSERT_TRUE(ga);
+    const size_t data = gguf_get_data_offset(ga.get());
+    EXPECT_EQ(a.compare(0, data, c, 0, data), 0);
+    for (int64_t i = 0; i < gguf_get_n_tensors(ga.get()); ++i) {
+        const std::string name = gguf_get_tensor_name(ga.get(), i);
+        const size_t off = data + gguf_get_tensor_offset(ga.get(), i), n = gguf_get_tensor_size(ga.get(), i);
+        EXPECT_EQ(a.compare(off, n, c, off, n) == 0, name == "rope_freqs.weight") << name;
+    }
+}
+
+// specs libllama's gemma4 loader would refuse, or read otherwise than meant:
+// each refused with an error that names the problem, and no file left behind
+TEST(model_maker_gemma4, inconsistent_specs_are_refused) {
+    temp_dir dir("maker");
+    make_model_params p;
+    p.vocab_from = vocab_path("llama-spm");
+    p.wtype = GGML_TYPE_Q8_0;
+    struct bad_case {
+        const char * what;
+        void (*change)(model_spec &);
+        const char * expect;  // in the message
+    };
+    const bad_case cases[] = {
+        {"all layers shared", [](model_spec & s) { s.n_kv_shared = 6; }, "n_kv_shared"},
+        {"one layer with K/V", [](model_spec & s) { s.n_kv_shared = 5; }, "n_layer - n_kv_shared >= 2"},
+        // owners 0..3: layer 3 windowed, 2 global, the wrong way round
+        {"last owner windowed", [](model_spec & s) { s.n_kv_shared = 2; }, "layers 2 and 3 are global and windowed"},
+        {"odd windowed head", [](model_spec & s) { s.head_dim_swa = 33; }, "head_dim_swa"},
+        {"windowed rotation too wide", [](model_spec & s) { s.n_rot_swa = 48; }, "n_rot_swa"},
+        {"no rotation on global layers", [](model_spec & s) { s.rope_partial_global = 0.0f; }, "rope_partial_global"},
+        {"partial global n_rot", [](model_spec & s) { s.n_rot = 32; }, "rope_partial_global"},
+        {"no window", [](model_spec & s) { s.n_swa = 0; }, "n_swa"},
+        {"no windowed layer", [](model_spec & s) { s.swa_pattern = 1; }, "swa_pattern"},
+        {"no q/k norms", [](model_spec & s) { s.qk_norm = false; }, "q and k norms"},
+        {"a q.k scale", [](model_spec & s) { s.attn_scale = 0.125f; }, "multipliers"},
+        // windowed heads of 36: attn_output rows of 4 x 36 = 144, not a multiple of q8_0's 32
+        {"windowed head vs block", [](model_spec & s) { s.head_dim_swa = 36; }, "blk.0.attn_output.weight"},
+    };
+    for (const auto & c : cases) {
+        model_spec s = model_spec_preset("tiny-gemma4");
+        c.change(s);
+        const std::string msg = error_of([&] { make_model(s, p, dir.file("out.gguf")); });
+        EXPECT_NE(msg.find(c.expect), std::string::npos) << c.what << ": " << msg;
+        expect_no_output(dir);
+    }
+
+    // gemma4's fields on other families
+    const std::pair<const char *, void (*)(model_spec &)> foreign[] = {
+        {"head_dim_swa", [](model_spec & s) { s.head_dim_swa = 16; }},
+        {"n_rot_swa", [](model_spec & s) { s.n_rot_swa = 16; }},
+        {"rope_partial_global", [](model_spec & s) { s.rope_partial_global = 0.5f; }},
+        {"n_kv_shared", [](model_spec & s) { s.n_kv_shared = 1; }},
+        {"n_embd_per_layer", [](model_spec & s) { s.n_embd_per_layer = 32; }},
+        {"double_wide_mlp", [](model_spec & s) { s.double_wide_mlp = true; }},
+        {"layer_out_scale", [](model_spec & s) { s.layer_out_scale = true; }},
+    };
+    for (const char * preset : {"tiny", "tiny-gemma3"}) {
+        for (const auto & [field, change] : foreign) {
+            model_spec s = model_spec_preset(preset);
+            change(s);
+            const std::string msg = error_of([&] { make_model(s, p, dir.file("out.gguf")); });
+            EXPECT_NE(msg.find("gemma4"), std::string::npos) << preset << " with " << field << ": " << msg;
+            expect_no_output(dir);
+        }
+    }
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "cli_run.h"
 #include "kvblend/blend.h"
+#include "kvblend/codec.h"
 #include "kvblend/rag.h"
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
@@ -282,6 +283,45 @@ TEST(store_faults, entry_pos0_is_range_checked) {
         std::memcpy(&b[b.size() - 16], words, 16);
         EXPECT_NE(chunk_entry_check(b, m.get()).find("position"), std::string::npos) << pos0;
         EXPECT_THROW(chunk_decode(*m, b), error) << pos0;
+    }
+}
+
+// gemma4's windowed and global layers have other head sizes, and its last
+// layers keep no K/V: an entry holds the owning layers, with head_dim 0 and
+// a table of each layer's head size (docs/STORE_FORMAT.md); a table that lies
+// is refused, whatever it claims
+TEST(store_faults, per_layer_head_sizes_are_carried_and_checked) {
+    auto m = model::load(test::make_test_model("tiny-gemma4"));
+    const model_hparams & hp = m->hparams();
+    ASSERT_LT(hp.n_layer_kv, hp.n_layer);
+    ASSERT_NE(hp.head_dim_of(0), hp.head_dim_of(hp.n_layer_kv - 1));
+    engine eng(m, engine_default_params());
+    const chunk_kv c = collect(eng, rag_doc_tokens(m->tokens(), "Tom had a red ball. He liked to throw it."));
+    ASSERT_EQ(c.widths, hp.kv_widths());
+    std::vector<uint8_t> b = chunk_encode(*m, c, {});
+    uint32_t head_dim = 1, header = 0;
+    std::memcpy(&head_dim, &b[56], 4);
+    std::memcpy(&header, &b[12], 4);
+    EXPECT_EQ(head_dim, 0u);
+    EXPECT_EQ(header, 104 + 4 * (c.n_tokens() + hp.n_layer_kv));
+    ASSERT_EQ(chunk_entry_check(b, m.get()), "");
+    const chunk_kv back = chunk_decode(*m, b);
+    EXPECT_EQ(back.widths, c.widths);
+    ASSERT_EQ(back.bytes(), c.bytes());
+    EXPECT_EQ(std::memcmp(back.k(0), c.k(0), c.bytes()), 0);
+    for (const char * name : {"q8_0", "kivi4", "cachegen", "turboquant3"}) {
+        const auto cd = codec_by_name(name);
+        EXPECT_EQ(chunk_decode(*m, chunk_encode(*m, c, {}, cd.get())).widths, c.widths) << name;
+    }
+    const size_t table = header - 4 * hp.n_layer_kv;
+    for (const uint32_t lie : {(uint32_t) hp.head_dim_of(hp.n_layer_kv - 1), 0u, 0x7fffffffu}) {
+        std::vector<uint8_t> forged = b;
+        std::memcpy(&forged[table], &lie, 4);  // layer 0's head size
+        const XXH128_hash_t sum = XXH3_128bits(forged.data(), forged.size() - 16);
+        const uint64_t words[2] = {sum.low64, sum.high64};
+        std::memcpy(&forged[forged.size() - 16], words, 16);
+        EXPECT_NE(chunk_entry_check(forged, m.get()), "") << lie;
+        EXPECT_THROW(chunk_decode(*m, forged), error) << lie;
     }
 }
 
