@@ -109,7 +109,8 @@ typedef struct kvb_model_params {
 } kvb_model_params;
 
 typedef struct kvb_model_info {
-    const char * arch;         // "llama", "qwen2", "qwen3", "mistral3", "granite", "olmo2", "smollm3", "phi3"
+    const char *
+        arch;  // "llama", "qwen2", "qwen3", "mistral3", "granite", "olmo2", "smollm3", "phi3", "gemma3", "gemma4"
     const char * description;  // one line: arch, shape, weight type, size
     const char * fingerprint;  // hex digest of the weights (part of every store key)
     int64_t n_vocab;
@@ -126,8 +127,8 @@ typedef struct kvb_model_info {
 } kvb_model_info;
 
 KVB_API kvb_model_params kvb_model_default_params(void);
-// load a GGUF file (llama, mistral, qwen2, qwen3, mistral3, granite, olmo2, smollm3, phi3, gemma3); *out is set on
-// success
+// load a GGUF file (llama, mistral, qwen2, qwen3, mistral3, granite, olmo2, smollm3, phi3, gemma3, gemma4); *out is set
+// on success
 KVB_API kvb_status kvb_model_load(const char * path, const kvb_model_params * params, kvb_model ** out);
 KVB_API void kvb_model_free(kvb_model * model);
 KVB_API kvb_status kvb_model_get_info(const kvb_model * model, kvb_model_info * out);

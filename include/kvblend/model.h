@@ -67,7 +67,7 @@ struct model_hparams {
     // mistral3 (llama 4's temperature tuning): q at position p is scaled by
     // 1 + attn_temp_scale * ln(floor(p / n_ctx_orig) + 1); 0: not scaled
     float attn_temp_scale = 0.0f;
-    // sliding-window layers (gemma3) rotate with their own base and no scaling
+    // sliding-window layers (gemma3, gemma4) rotate with their own base and no scaling
     float rope_base_swa = 10000.0f;
     int rope_mode = 0;  // GGML_ROPE_TYPE_NORMAL or GGML_ROPE_TYPE_NEOX
 
@@ -79,10 +79,10 @@ struct model_hparams {
     float embd_scale = 1.0f;      // token embeddings times this (embedding_scale)
     float residual_scale = 1.0f;  // attention and FFN outputs times this before each residual add
     float logit_scale = 1.0f;     // logits divided by this (logit_scale)
-    float attn_scale = 0.0f;      // q·k times this (attention.scale); 0: 1/sqrt(head_dim)
+    float attn_scale = 0.0f;      // q·k times this (attention.scale; gemma4: 1); 0: 1/sqrt(head_dim)
     bool rope = true;             // granite: rope.scaling.finetuned = false turns RoPE off in every layer
 
-    // RMS norms on the attention and FFN inputs (all but olmo2) and on their outputs (olmo2, gemma3)
+    // RMS norms on the attention and FFN inputs (all but olmo2) and on their outputs (olmo2, gemma3, gemma4)
     bool pre_norm = true;
     bool post_norm = false;
     // olmo2: the q/k RMS norm spans the whole projection, not each head
@@ -95,7 +95,7 @@ struct model_hparams {
     // (libllama's order, so an f16 cache rounds the same); 0: q is not scaled
     float q_scale = 0.0f;
 
-    // gemma3: the FFN gate is GELU (GeGLU) instead of SiLU (SwiGLU)
+    // gemma3, gemma4: the FFN gate is GELU (GeGLU) instead of SiLU (SwiGLU)
     bool ffn_gelu = false;
     // logits become c * tanh(logits / c) (final_logit_softcapping); 0: none
     float logit_softcap = 0.0f;

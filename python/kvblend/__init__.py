@@ -565,7 +565,7 @@ class _Chat:
 
 
 class Model(_Closing):
-    """A GGUF model (llama, mistral, qwen2, qwen3, mistral3, granite, olmo2, smollm3, phi3, gemma3) and an engine to run it.
+    """A GGUF model (llama, mistral, qwen2, qwen3, mistral3, granite, olmo2, smollm3, phi3, gemma3, gemma4) and an engine to run it.
 
     ``n_threads`` CPU threads; ``n_ctx`` the KV capacity in tokens (0: sized to
     each request up to the model's trained context); ``cache_type`` the KV

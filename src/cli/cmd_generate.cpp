@@ -24,7 +24,7 @@ namespace {
 
 const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
 
-  -m, --model FILE      GGUF model (llama, qwen2, qwen3, mistral3, granite, olmo2, smollm3, phi3, gemma3)
+  -m, --model FILE      GGUF model (llama, qwen2, qwen3, mistral3, granite, olmo2, smollm3, phi3, gemma3, gemma4)
   -p, --prompt TEXT     prompt text
   -f, --file FILE       read the prompt from a file instead
   -n, --n-predict N     tokens to generate (default 64)

@@ -119,9 +119,8 @@ qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml
     return {q, build_k(ctx, m, il, x, pos), build_v(ctx, m, il, x)};
 }
 
-kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, ggml_tensor * k_store,
-                        ggml_tensor * v_store, const attn_inputs & in) {
-    (void) m;
+kv_views build_kv_write(ggml_context * ctx, const qkv & cur, ggml_tensor * k_store, ggml_tensor * v_store,
+                        const attn_inputs & in) {
     // rows [0, n_kv) of a head-major store, seen through src (the store or a
     // write into it), in the token-major shape the attention takes
     auto rows = [&](ggml_tensor * src, const ggml_tensor * store) {
@@ -152,7 +151,7 @@ kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, gg
 kv_views build_kv(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, const qkv & cur, ggml_tensor * k_store,
                   ggml_tensor * v_store, const attn_inputs & in) {
     const kv_views kv =
-        in.hook ? in.hook->build(ctx, gf, m, il, cur, in) : build_kv_write(ctx, m, cur, k_store, v_store, in);
+        in.hook ? in.hook->build(ctx, gf, m, il, cur, in) : build_kv_write(ctx, cur, k_store, v_store, in);
     ggml_build_forward_expand(gf, kv.k);
     ggml_build_forward_expand(gf, kv.v);
     return kv;
@@ -277,7 +276,7 @@ ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model
                        : shared   ? qkv{token_cols(ctx, t.q, sq.t0, sq.n), nullptr, nullptr}
                                   : qkv{token_cols(ctx, t.q, sq.t0, sq.n), token_cols(ctx, t.k, sq.t0, sq.n),
                                       token_cols(ctx, t.v, sq.t0, sq.n)};
-        const kv_views kv = shared ? build_kv_write(ctx, m, ts, sq.k_store, sq.v_store, sq.in)
+        const kv_views kv = shared ? build_kv_write(ctx, ts, sq.k_store, sq.v_store, sq.in)
                                    : build_kv(ctx, gf, m, il, ts, sq.k_store, sq.v_store, sq.in);
         if (taps) taps->attn(ctx, gf, il, ts, kv);
         if (kv_only) return nullptr;

@@ -66,13 +66,14 @@ ggml_tensor * build_v(ggml_context * ctx, const model & m, int il, ggml_tensor *
 
 // write k/v rows into the layer's store (head-major, [head_dim, n_rows,
 // n_head_kv], as kv_cache holds it) at in.kv_idx and return views of the
-// store rows [0, n_kv) that depend on the write
+// store rows [0, n_kv) that depend on the write; with no in.kv_idx or no
+// fresh k (a layer that shares another's K/V), the views only
 struct kv_views {
     ggml_tensor * k;  // [head_dim, n_head_kv, n_kv]
     ggml_tensor * v;  // [head_dim, n_head_kv, n_kv]
 };
-kv_views build_kv_write(ggml_context * ctx, const model & m, const qkv & cur, ggml_tensor * k_store,
-                        ggml_tensor * v_store, const attn_inputs & in);
+kv_views build_kv_write(ggml_context * ctx, const qkv & cur, ggml_tensor * k_store, ggml_tensor * v_store,
+                        const attn_inputs & in);
 
 // a K/V store that is not a pair of ggml tensors (kv/live_kv.h): builds the
 // write of layer il's fresh rows into gf and returns F16 views of its rows

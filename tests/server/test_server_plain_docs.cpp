@@ -73,6 +73,41 @@ TEST(server_plain_docs, stored_documents_are_found_inside_a_plain_prompt_in_any_
     EXPECT_NE(m.find("kvblend_known_documents 3"), std::string::npos) << m;
 }
 
+// gemma4 (K/V rows of two widths, layers that read other layers' K/V) through
+// the whole server: documents stored and fused, found inside a plain prompt,
+// and two prompts in one batched step answered as each alone
+TEST(server_plain_docs, a_gemma4_model_stores_fuses_and_batches) {
+    test::temp_dir d("g4store");
+    server_params p = small_params(d.path().string());
+    p.parallel = 2;
+    plain_server s(p, test::make_test_model("tiny-gemma4"));
+    auto c = s.client();
+    const json added = post(c, "/v1/documents", {{"documents", k_docs}});
+    ASSERT_EQ(added["data"].size(), 3u);
+    const std::string prompt = "Stories:\n\n" + k_docs[1] + "\n\n" + k_docs[0] + "\n\nOnce upon a time";
+    const json r = complete(c, prompt);
+    const json & kb = r["kvblend"];
+    ASSERT_EQ(kb["spans"].size(), 2u) << kb.dump();
+    for (const auto & sp : kb["spans"]) EXPECT_EQ(sp["store_hit"], true) << kb.dump();
+    EXPECT_EQ(kb["n_fused"], kb["n_prompt"]);
+    EXPECT_LT(kb["n_recomputed"].get<int64_t>(), kb["n_fused"].get<int64_t>());
+
+    // plain prompts with no document: alone, then both at once
+    const std::vector<std::string> plain = {"Once upon a time there was a little dog who liked to run",
+                                            "The sun was hot and the children went down to the river to swim"};
+    std::vector<json> alone;
+    for (const std::string & q : plain) alone.push_back(complete(c, q)["choices"][0]["text"]);
+    std::vector<json> together(plain.size());
+    std::vector<std::thread> th;
+    for (size_t i = 0; i < plain.size(); ++i)
+        th.emplace_back([&, i] {
+            auto ci = s.client();
+            together[i] = complete(ci, plain[i])["choices"][0]["text"];
+        });
+    for (auto & t : th) t.join();
+    for (size_t i = 0; i < plain.size(); ++i) EXPECT_EQ(together[i], alone[i]) << plain[i];
+}
+
 TEST(server_plain_docs, documents_of_the_documents_field_are_known_to_plain_prompts) {
     test::temp_dir d("plainstore");
     server_params p = small_params(d.path().string());
