@@ -386,38 +386,42 @@ INSTANTIATE_TEST_SUITE_P(presets, model_maker_file,
 // --- determinism -------------------------------------------------------------
 
 TEST(model_maker, same_seed_same_bytes_other_seed_other_bytes) {
-    temp_dir dir("maker");
-    model_spec spec = model_spec_preset("tiny");
-    spec.n_layer = 2;
-    make_model_params p;
-    p.wtype = GGML_TYPE_Q8_0;
-    p.vocab_from = vocab_path("llama-spm");
-    p.seed = 7;
-    const make_model_result r = make_model(spec, p, dir.file("a.gguf"));
-    make_model(spec, p, dir.file("b.gguf"));
-    p.seed = 8;
-    make_model(spec, p, dir.file("c.gguf"));
+    for (const char * preset : {"tiny", "tiny-gemma4"}) {
+        temp_dir dir("maker");
+        model_spec spec = model_spec_preset(preset);
+        if (spec.arch == MODEL_ARCH_LLAMA) spec.n_layer = 2;
+        make_model_params p;
+        p.wtype = GGML_TYPE_Q8_0;
+        p.vocab_from = vocab_path("llama-spm");
+        p.seed = 7;
+        const make_model_result r = make_model(spec, p, dir.file("a.gguf"));
+        make_model(spec, p, dir.file("b.gguf"));
+        p.seed = 8;
+        make_model(spec, p, dir.file("c.gguf"));
 
-    EXPECT_EQ(r.n_vocab, 32000);
-    EXPECT_EQ(r.file_bytes, std::filesystem::file_size(dir.file("a.gguf")));
-    const std::string a = read_bytes(dir.file("a.gguf"));
-    const std::string b = read_bytes(dir.file("b.gguf"));
-    const std::string c = read_bytes(dir.file("c.gguf"));
-    ASSERT_FALSE(a.empty());
-    EXPECT_TRUE(a == b) << "same seed gave different files";
-    ASSERT_EQ(a.size(), c.size());
-    EXPECT_FALSE(a == c) << "another seed gave the same file";
+        EXPECT_EQ(r.n_vocab, 32000);
+        EXPECT_EQ(r.file_bytes, std::filesystem::file_size(dir.file("a.gguf")));
+        const std::string a = read_bytes(dir.file("a.gguf"));
+        const std::string b = read_bytes(dir.file("b.gguf"));
+        const std::string c = read_bytes(dir.file("c.gguf"));
+        ASSERT_FALSE(a.empty());
+        EXPECT_TRUE(a == b) << preset << ": same seed gave different files";
+        ASSERT_EQ(a.size(), c.size());
+        EXPECT_FALSE(a == c) << preset << ": another seed gave the same file";
 
-    // only the weights differ: metadata is the same, and every tensor changed
-    gguf_context_ptr ga = open_gguf(dir.file("a.gguf"));
-    ASSERT_TRUE(ga);
-    const size_t data = gguf_get_data_offset(ga.get());
-    EXPECT_EQ(a.compare(0, data, c, 0, data), 0);
-    for (int64_t i = 0; i < gguf_get_n_tensors(ga.get()); ++i) {
-        const size_t off = data + gguf_get_tensor_offset(ga.get(), i), n = gguf_get_tensor_size(ga.get(), i);
-        EXPECT_NE(a.compare(off, n, c, off, n), 0) << gguf_get_tensor_name(ga.get(), i);
+        // only the weights differ: metadata is the same, and every random tensor
+        // changed (gemma4's rope_freqs hold fixed values)
+        gguf_context_ptr ga = open_gguf(dir.file("a.gguf"));
+        ASSERT_TRUE(ga);
+        const size_t data = gguf_get_data_offset(ga.get());
+        EXPECT_EQ(a.compare(0, data, c, 0, data), 0);
+        for (int64_t i = 0; i < gguf_get_n_tensors(ga.get()); ++i) {
+            const std::string name = gguf_get_tensor_name(ga.get(), i);
+            const size_t off = data + gguf_get_tensor_offset(ga.get(), i), n = gguf_get_tensor_size(ga.get(), i);
+            EXPECT_EQ(a.compare(off, n, c, off, n) == 0, name == "rope_freqs.weight") << preset << " " << name;
+        }
+        EXPECT_FALSE(std::filesystem::exists(dir.file("a.gguf.tmp")));
     }
-    EXPECT_FALSE(std::filesystem::exists(dir.file("a.gguf.tmp")));
 }
 
 TEST(model_maker, tied_override_and_layers) {
@@ -684,38 +688,6 @@ TEST(model_maker_gemma4, libllama_loads_and_decodes) {
         ASSERT_EQ(last.size(), size_t(n_vocab));
         const std::vector<float> mine(logits.end() - n_vocab, logits.end());
         EXPECT_GT(max_rel_diff(last, mine), 0.05) << "the last logits ignore the first 32 tokens";
-    }
-}
-
-TEST(model_maker_gemma4, same_seed_same_bytes) {
-    temp_dir dir("maker");
-    const model_spec spec = model_spec_preset("tiny-gemma4");
-    make_model_params p;
-    p.wtype = GGML_TYPE_Q8_0;
-    p.vocab_from = vocab_path("llama-spm");
-    p.seed = 7;
-    const make_model_result r = make_model(spec, p, dir.file("a.gguf"));
-    make_model(spec, p, dir.file("b.gguf"));
-    p.seed = 8;
-    make_model(spec, p, dir.file("c.gguf"));
-
-    EXPECT_EQ(r.file_bytes, std::filesystem::file_size(dir.file("a.gguf")));
-    const std::string a = read_bytes(dir.file("a.gguf"));
-    const std::string b = read_bytes(dir.file("b.gguf"));
-    const std::string c = read_bytes(dir.file("c.gguf"));
-    ASSERT_FALSE(a.empty());
-    EXPECT_TRUE(a == b) << "same seed gave different files";
-    ASSERT_EQ(a.size(), c.size());
-
-    // another seed: the metadata and rope_freqs (fixed values) stay, every random tensor changes
-    gguf_context_ptr ga = open_gguf(dir.file("a.gguf"));
-    ASSERT_TRUE(ga);
-    const size_t data = gguf_get_data_offset(ga.get());
-    EXPECT_EQ(a.compare(0, data, c, 0, data), 0);
-    for (int64_t i = 0; i < gguf_get_n_tensors(ga.get()); ++i) {
-        const std::string name = gguf_get_tensor_name(ga.get(), i);
-        const size_t off = data + gguf_get_tensor_offset(ga.get(), i), n = gguf_get_tensor_size(ga.get(), i);
-        EXPECT_EQ(a.compare(off, n, c, off, n) == 0, name == "rope_freqs.weight") << name;
     }
 }
 
