@@ -21,6 +21,7 @@
 namespace kvblend {
 
 class model;
+struct model_hparams;
 
 // element types a KV cache can hold: f32, f16, and ggml's q8_0 / q4_0 blocks
 // (attended by flash attention without dequantizing the cache)
@@ -112,6 +113,8 @@ class kv_cache {
     ggml_type type_v() const { return v_[0]->type; }
     int64_t n_embd_kv(int il) const { return k_[il]->ne[0] * k_[il]->ne[2]; }  // values per K (or V) row
     std::vector<int64_t> kv_widths() const;                                    // of every layer
+    // one layer per layer of hp that owns K/V, each as wide as hp's (no allocation: every step checks it)
+    bool shaped_for(const model_hparams & hp) const;
 
     size_t bytes() const;  // allocated bytes of all layers
 

@@ -115,9 +115,10 @@ class cachegen_codec : public codec {
         w.put<uint32_t>((uint32_t) n);
         w.put<uint32_t>((uint32_t) c.n_embd_kv(0));  // the first layer's width (the entry has every layer's)
         w.put<uint32_t>((uint32_t) c.n_layer());
+        std::vector<float> x, xa;  // one layer's rows, sized per layer (widths may differ)
         for (int64_t il = 0; il < c.n_layer(); ++il) {
             const int64_t d = c.n_embd_kv(il);
-            std::vector<float> x((size_t) n * d), xa((size_t) n * d);
+            x.resize((size_t) n * d), xa.resize((size_t) n * d);
             const int bits = delta_bits(il, c.n_layer()), qmax = (1 << (bits - 1)) - 1;
             for (int kv = 0; kv < 2; ++kv) {
                 codec_rows_f32(c, il, kv, x.data());
@@ -180,11 +181,14 @@ class cachegen_codec : public codec {
             throw error("cachegen payload does not match the chunk's shape");
         const int64_t n_anchor = (n + k_group - 1) / k_group, n_delta = n - n_anchor;
         std::vector<stream_at> anchors, deltas;
+        // a layer's values and symbols, K then V, each by channel group: anchors
+        // [n_anchor][w], deltas [n_delta][w]; sized per layer (widths may differ)
+        std::vector<float> x, a_scale(2 * n_anchor), d_step;
+        std::vector<uint8_t> sym_a, sym_d;
         for (int64_t il = 0; il < out.n_layer(); ++il) {
             const int64_t d = out.n_embd_kv(il);
-            std::vector<float> x((size_t) n * d), a_scale(2 * n_anchor), d_step(2 * d);
-            // the layer's symbols, K then V, each by channel group: anchors [n_anchor][w], deltas [n_delta][w]
-            std::vector<uint8_t> sym_a((size_t) (2 * n_anchor * d)), sym_d((size_t) (2 * n_delta * d));
+            x.resize((size_t) n * d), d_step.resize(2 * d);
+            sym_a.resize((size_t) (2 * n_anchor * d)), sym_d.resize((size_t) (2 * n_delta * d));
             int qmax[2];
             anchors.clear();
             deltas.clear();

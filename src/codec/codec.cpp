@@ -97,9 +97,10 @@ class ggml_codec : public codec {
         for (int64_t il = 0; il < out.n_layer(); ++il) total += 2 * part(out, il);
         if (n != total) throw error(name() + " payload has an unexpected size");
         const auto * traits = ggml_get_type_traits(t_);
+        std::vector<float> x;
         for (int64_t il = 0; il < out.n_layer(); ++il)
             for (int kv = 0; kv < 2; ++kv, p += part(out, il)) {
-                std::vector<float> x((size_t) out.n_tokens() * out.n_embd_kv(il));
+                x.resize((size_t) out.n_tokens() * out.n_embd_kv(il));
                 traits->to_float(p, x.data(), (int64_t) x.size());
                 store_rows(out, il, kv, x.data());
             }
@@ -159,11 +160,11 @@ class kivi_codec : public codec {
         const int64_t n = out.n_tokens(), n_q = hdr[3];
         if ((int) hdr[0] != bits_ || (int) hdr[1] != group_ || (int64_t) hdr[2] != n || n_q > n || n_q % group_ != 0)
             throw error(name() + " payload does not match the chunk's shape");
-        std::vector<float> g(group_);
+        std::vector<float> x, g(group_);
         for (int64_t il = 0; il < out.n_layer(); ++il) {
             const int64_t d = out.n_embd_kv(il);
             if (d % group_ != 0) throw error(name() + " payload does not match the chunk's shape");
-            std::vector<float> x((size_t) n * d);
+            x.resize((size_t) n * d);
             for (int kv = 0; kv < 2; ++kv) {
                 if (kv == 0) {
                     for (int64_t ch = 0; ch < d; ++ch)

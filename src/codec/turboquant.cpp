@@ -429,10 +429,11 @@ class turboquant_codec : public codec {
                     (uint32_t) d0, (uint32_t) tq::pick_block(d0), (uint32_t) c.n_layer()};
         std::vector<uint8_t> b(sizeof(h));
         std::memcpy(b.data(), &h, sizeof(h));
+        std::vector<float> x;  // one layer's rows, sized per layer (widths may differ)
         for (int64_t il = 0; il < c.n_layer(); ++il)
             for (int kv = 0; kv < 2; ++kv) {
                 const int64_t d = c.n_embd_kv(il), block = tq::pick_block(d);
-                std::vector<float> x((size_t) n * d);
+                x.resize((size_t) n * d);
                 codec_rows_f32(c, il, kv, x.data());
                 tq::row_coder rc(d, block, p_, kv == 0, (uint64_t) (2 * il + kv));
                 if (rc.fractional()) {
@@ -479,11 +480,12 @@ class turboquant_codec : public codec {
             (int64_t) h.block != tq::pick_block(d0))
             throw error("turboquant payload does not match the chunk's shape");
         size_t at = sizeof(h);
+        std::vector<float> x;
         for (int64_t il = 0; il < out.n_layer(); ++il)
             for (int kv = 0; kv < 2; ++kv) {
                 const int64_t d = out.n_embd_kv(il), block = tq::pick_block(d);
                 if (block == 0) throw error("turboquant payload does not match the chunk's shape");
-                std::vector<float> x((size_t) n * d);
+                x.resize((size_t) n * d);
                 tq::row_coder rc(d, block, pp, kv == 0, (uint64_t) (2 * il + kv));
                 if (rc.fractional()) {
                     const size_t mb = (size_t) (d + 7) / 8;

@@ -58,6 +58,29 @@ ggml_tensor * new_input(ggml_context * c, ggml_type t, int64_t n) {
     return x;
 }
 
+// an F16 mask input of n_q query rows over the keys of mask `like` (nullptr: none)
+ggml_tensor * new_mask_like(ggml_context * c, const ggml_tensor * like, int64_t n_q) {
+    if (!like) return nullptr;
+    ggml_tensor * t = ggml_new_tensor_3d(c, GGML_TYPE_F16, like->ne[0], n_q, 1);  // [n_kv, n_q, 1]
+    ggml_set_input(t);
+    return t;
+}
+
+// n_rows of gemma4's per-layer inputs pe ([n_pe, n_tok, n_layer]) through an
+// I32 input [n_rows, n_layer] (*idx, filled from pe_row_index): [n_pe, n_rows, n_layer]
+ggml_tensor * gather_pe_rows(ggml_context * c, ggml_tensor * pe, int64_t n_rows, ggml_tensor ** idx) {
+    *idx = ggml_new_tensor_2d(c, GGML_TYPE_I32, n_rows, pe->ne[2]);
+    ggml_set_input(*idx);
+    return ggml_get_rows(c, pe, *idx);
+}
+
+// the rows of gather_pe_rows' index: the same token rows for every layer
+std::vector<int32_t> pe_row_index(const std::vector<int32_t> & rows, int64_t n_layer) {
+    std::vector<int32_t> idx;
+    for (int64_t il = 0; il < n_layer; ++il) idx.insert(idx.end(), rows.begin(), rows.end());
+    return idx;
+}
+
 // attention scores of the ubatch's score_rows, read inside each layer
 struct score_taps : graph::layer_taps {
     const model & m;
@@ -104,7 +127,7 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
     ggml_tensor * pe = nullptr;
     if (m.pe_tok_embd) {
         if (!g.tok) g.pe_tok = new_input(c, GGML_TYPE_I32, n_tok);
-        pe = graph::build_pe_inputs(c, m, g.tok ? g.tok : g.pe_tok);
+        pe = g.tok ? graph::build_pe_inputs(c, m, g.tok, x) : graph::build_pe_inputs(c, m, g.pe_tok, nullptr);
     }
     const int64_t n_write = ub.write_rows.empty() ? n_tok : (int64_t) ub.write_rows.size();
     if (n_write < n_tok) g.write_rows = new_input(c, GGML_TYPE_I32, n_write);
@@ -148,23 +171,13 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
         std::all_of(ub.groups.begin(), ub.groups.end(), [](const graph::ubatch_attn & a) { return a.mask.empty(); });
     if (reduce_early) {
         g.pos_out = new_input(c, GGML_TYPE_I32, n_logit);
-        ggml_tensor * pe_out = nullptr;
-        if (pe) {  // I32 [n_logit, n_layer]: the logit rows of every layer's slice
-            g.pe_rows = ggml_new_tensor_2d(c, GGML_TYPE_I32, n_logit, m.hparams().n_layer);
-            ggml_set_input(g.pe_rows);
-            pe_out = ggml_get_rows(c, pe, g.pe_rows);  // [n_pe, n_logit, n_layer]
-        }
+        ggml_tensor * pe_out = pe ? gather_pe_rows(c, pe, n_logit, &g.pe_rows) : nullptr;
         for (const graph::attn_inputs & full : g.in) {
             graph::attn_inputs in = full;
             in.pos = g.pos_out, in.pe = pe_out;
             in.kv_idx = nullptr, in.write_rows = nullptr;  // nothing is written past the owners
-            auto new_mask = [&](ggml_tensor * like) -> ggml_tensor * {
-                if (!like) return nullptr;
-                ggml_tensor * t = ggml_new_tensor_3d(c, GGML_TYPE_F16, like->ne[0], n_logit, 1);  // [n_kv, n_logit, 1]
-                ggml_set_input(t);
-                return t;
-            };
-            in.kq_mask = new_mask(full.kq_mask), in.kq_mask_swa = new_mask(full.kq_mask_swa);
+            in.kq_mask = new_mask_like(c, full.kq_mask, n_logit);
+            in.kq_mask_swa = new_mask_like(c, full.kq_mask_swa, n_logit);
             g.in_out.push_back(in);
         }
     }
@@ -253,9 +266,7 @@ void forward_driver::set_logit_row_inputs(const ubatch_graph & g, const graph::u
     for (int64_t i = 0; i < n_out; ++i) pos[i] = ub.pos[ub.logit_rows[i]];
     upload(g.pos_out, pos.data(), 0, ggml_nbytes(g.pos_out));
     if (g.pe_rows) {
-        std::vector<int32_t> rows;
-        for (int64_t il = 0; il < g.pe_rows->ne[1]; ++il)
-            rows.insert(rows.end(), ub.logit_rows.begin(), ub.logit_rows.end());
+        const std::vector<int32_t> rows = pe_row_index(ub.logit_rows, g.pe_rows->ne[1]);
         upload(g.pe_rows, rows.data(), 0, ggml_nbytes(g.pe_rows));
     }
     std::vector<ggml_fp16_t> mask;
@@ -428,7 +439,7 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
         t0 += s.n;
     }
     ggml_tensor * x = graph::build_embd(c, m, tok);  // F32 [n_embd, n_tok]
-    ggml_tensor * pe = graph::build_pe_inputs(c, m, tok);
+    ggml_tensor * pe = graph::build_pe_inputs(c, m, tok, x);
     const bool reduce = out_rows && (int64_t) logit_rows.size() < n_tok;
 
     // past the last layer that owns K/V (gemma4's shared ones) nothing is
@@ -445,28 +456,18 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
     if (!tail.empty()) {
         const int64_t n_tail = (int64_t) tail.size();
         pos_tail = new_input(c, GGML_TYPE_I32, n_tail);
-        auto last_row_mask = [&](const ggml_tensor * like) -> ggml_tensor * {
-            if (!like) return nullptr;
-            ggml_tensor * t = ggml_new_tensor_3d(c, GGML_TYPE_F16, like->ne[0], 1, 1);  // [n_kv, 1, 1]
-            ggml_set_input(t);
-            return t;
-        };
         for (int64_t j = 0; j < n_tail; ++j) {
             graph::seq_kv & q = kv_tail[j];
             q = kv[tail[j]];
             q.t0 = j, q.n = 1;
             q.in.kv_idx = nullptr;
-            q.in.kq_mask = last_row_mask(kv[tail[j]].in.kq_mask);
-            q.in.kq_mask_swa = last_row_mask(kv[tail[j]].in.kq_mask_swa);
+            q.in.kq_mask = new_mask_like(c, kv[tail[j]].in.kq_mask, 1);
+            q.in.kq_mask_swa = new_mask_like(c, kv[tail[j]].in.kq_mask_swa, 1);
             ring_tail[j] = in_ring[tail[j]];
             ring_tail[j].kv_idx = nullptr;
-            ring_tail[j].kq_mask_swa = last_row_mask(in_ring[tail[j]].kq_mask_swa);
+            ring_tail[j].kq_mask_swa = new_mask_like(c, in_ring[tail[j]].kq_mask_swa, 1);
         }
-        if (pe) {  // I32 [n_tail, n_layer]: the logit rows of every layer's slice
-            pe_rows = ggml_new_tensor_2d(c, GGML_TYPE_I32, n_tail, hp.n_layer);
-            ggml_set_input(pe_rows);
-            pe_tail = ggml_get_rows(c, pe, pe_rows);  // [n_pe, n_tail, n_layer]
-        }
+        if (pe) pe_tail = gather_pe_rows(c, pe, n_tail, &pe_rows);
     }
     const int l1 = cut && tail.empty() ? n_owners : (int) hp.n_layer;  // no logits: the owners are all
     for (int il = 0; il < l1; ++il) {
@@ -521,8 +522,7 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
         up_row(ring_tail[j].kq_mask_swa, masks_ring[si]);
     }
     if (pe_rows) {
-        std::vector<int32_t> rows;
-        for (int64_t il = 0; il < hp.n_layer; ++il) rows.insert(rows.end(), logit_rows.begin(), logit_rows.end());
+        const std::vector<int32_t> rows = pe_row_index(logit_rows, hp.n_layer);
         upload(pe_rows, rows.data(), 0, ggml_nbytes(pe_rows));
     }
     if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");

@@ -75,8 +75,7 @@ void engine::import_cache(const kv_cache & dense) {
     if (!live_) throw error("importing a cache needs an engine with a live compressed cache (kv_codec)");
     if (dense.sparse() || !dense.holds_rows() || dense.windowed())
         throw error("only a dense KV cache can be brought into a live compressed cache");
-    if (dense.kv_widths() != model_->hparams().kv_widths())
-        throw error("the KV cache to import has another shape than this model's");
+    if (!dense.shaped_for(model_->hparams())) throw error("the KV cache to import has another shape than this model's");
     const int64_t n = dense.n_past();
     if (n > cache_->n_ctx())
         throw error("a cache of " + std::to_string(n) + " positions exceeds the context of " +
@@ -189,7 +188,7 @@ std::vector<std::vector<float>> engine::eval_seqs(const std::vector<seq_tokens> 
     for (size_t i = 0; i < seqs.size(); ++i) {
         const seq_tokens & s = seqs[i];
         if (!s.cache || s.tokens.empty()) throw error("a batched sequence needs a cache and at least one token");
-        if (s.cache->sparse() || !s.cache->holds_rows() || s.cache->kv_widths() != hp.kv_widths())
+        if (s.cache->sparse() || !s.cache->holds_rows() || !s.cache->shaped_for(hp))
             throw error("a batched sequence needs a dense KV cache of this model");
         for (size_t j = 0; j < i; ++j)
             if (seqs[j].cache == s.cache) throw error("a cache appears twice in one batch");
@@ -246,8 +245,7 @@ void engine::check_append(const kv_cache & cache, const std::vector<llama_token>
 }
 
 void engine::check_fits(const kv_cache * c) const {
-    if (!c || c->kv_widths() != model_->hparams().kv_widths())
-        throw error("the cache does not fit this engine's model");
+    if (!c || !c->shaped_for(model_->hparams())) throw error("the cache does not fit this engine's model");
 }
 
 std::unique_ptr<kv_cache> engine::swap_cache(std::unique_ptr<kv_cache> c) {

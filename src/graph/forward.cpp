@@ -189,12 +189,13 @@ ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor
     return build_linear(ctx, L.ffn_down, L.ffn_down_b, h);  // [n_embd, n_tok]
 }
 
-ggml_tensor * build_pe_inputs(ggml_context * ctx, const model & m, ggml_tensor * tok) {
+ggml_tensor * build_pe_inputs(ggml_context * ctx, const model & m, ggml_tensor * tok, ggml_tensor * embd) {
     if (!m.pe_tok_embd) return nullptr;
     const model_hparams & hp = m.hparams();
     const int64_t n_pe = hp.n_embd_per_layer, n_tok = tok->ne[0];
     // the projection of the scaled token embedding, normed per layer slice
-    ggml_tensor * proj = ggml_mul_mat(ctx, m.pe_model_proj, build_embd(ctx, m, tok));  // [n_pe * n_layer, n_tok]
+    if (!embd) embd = build_embd(ctx, m, tok);
+    ggml_tensor * proj = ggml_mul_mat(ctx, m.pe_model_proj, embd);  // [n_pe * n_layer, n_tok]
     proj = ggml_scale(ctx, proj, 1.0f / std::sqrt((float) hp.n_embd));
     proj = build_norm(ctx, ggml_reshape_3d(ctx, proj, n_pe, hp.n_layer, n_tok), m.pe_proj_norm, hp.rms_eps);
     // plus the token's own per-layer rows

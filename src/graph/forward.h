@@ -101,8 +101,9 @@ ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_t
 ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x);
 
 // gemma4's per-layer inputs of the tokens tok (I32 [n_tok]): F32 [n_embd_per_layer,
-// n_tok, n_layer], a function of each token id alone; nullptr for other models
-ggml_tensor * build_pe_inputs(ggml_context * ctx, const model & m, ggml_tensor * tok);
+// n_tok, n_layer], a function of each token id alone; nullptr for other models.
+// embd: their build_embd when the graph has it already (else it is built here)
+ggml_tensor * build_pe_inputs(ggml_context * ctx, const model & m, ggml_tensor * tok, ggml_tensor * embd);
 
 // what a layer run lets its caller read on the way (the engine's attention
 // scores for token eviction): called once the layer's K/V are written, with

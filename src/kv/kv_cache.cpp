@@ -81,6 +81,13 @@ std::vector<int64_t> kv_cache::kv_widths() const {
     return w;
 }
 
+bool kv_cache::shaped_for(const model_hparams & hp) const {
+    if (n_layer() != hp.n_layer_kv) return false;
+    for (int il = 0; il < (int) n_layer(); ++il)
+        if (n_embd_kv(il) != hp.n_embd_kv(il)) return false;
+    return true;
+}
+
 int64_t kv_cache::alloc_rows(int64_t n) const {
     return m_->on_gpu() ? (n + k_row_block - 1) / k_row_block * k_row_block : n;
 }

@@ -262,9 +262,21 @@ tensor_plan plan_vector(const std::string & name, int64_t ne0, float center, flo
 
 // --- gemma4's layer kinds ---------------------------------------------------
 
-// windowed layers: of every swa_pattern layers the last is global (model.h's rule; 0: all windowed)
+// the spec's layers as the loader reads them back: model_hparams holds the
+// rules (which layers are windowed, the head size of each, which own K/V)
+model_hparams layer_kinds(const model_spec & s) {
+    model_hparams hp;
+    hp.n_layer = s.n_layer;
+    hp.n_swa = s.n_swa;
+    hp.swa_pattern = s.swa_pattern;  // gemma4 writes it as one flag per layer
+    hp.head_dim = s.head_dim;
+    hp.head_dim_swa = s.head_dim_swa;
+    hp.n_layer_kv = s.n_layer - s.n_kv_shared;
+    return hp;
+}
+
 bool is_swa(const model_spec & s, int64_t il) {
-    return s.n_swa > 0 && (s.swa_pattern == 0 || il % s.swa_pattern < s.swa_pattern - 1);
+    return layer_kinds(s).is_swa(il);
 }
 
 bool any_global(const model_spec & s) {
@@ -273,14 +285,12 @@ bool any_global(const model_spec & s) {
     return false;
 }
 
-// layers [0, n_layer_kv) own a K/V cache; the later ones read the last owners' (gemma4)
 int64_t n_layer_kv(const model_spec & s) {
-    return s.n_layer - s.n_kv_shared;
+    return layer_kinds(s).n_layer_kv;
 }
 
-// per-head size of layer il (gemma4's windowed layers have their own)
 int64_t head_dim_of(const model_spec & s, int64_t il) {
-    return s.head_dim_swa > 0 && is_swa(s, il) ? s.head_dim_swa : s.head_dim;
+    return layer_kinds(s).head_dim_of(il);
 }
 
 int64_t n_rot_swa_of(const model_spec & s) {
