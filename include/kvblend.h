@@ -199,7 +199,13 @@ typedef struct kvb_store_params {
     // how entries hold the KV: "raw" (NULL, the default), "f16", "q8_0",
     // "q4_0", "kivi2", "kivi4", "cachegen", … (part of every key)
     const char * codec;
+    // decoded chunks kept in RAM in front of the store (the host chunk tier:
+    // a hot document is neither read, checked nor decoded again), least
+    // recently used go first. KVB_CACHE_DEFAULT (the default): an eighth of
+    // the RAM, at most 4 GiB; 0: off
+    uint64_t cache_bytes;
 } kvb_store_params;
+#define KVB_CACHE_DEFAULT UINT64_MAX
 
 typedef struct kvb_store_stats {
     uint64_t n_entries;
@@ -441,6 +447,7 @@ typedef struct kvb_blend_stats {
     double deep_frac;      // share of the tokens the deepest layers ran
     int64_t store_hits;    // chunks loaded from the store
     int64_t store_misses;  // chunks collected (and put, with a store)
+    int64_t cache_hits;    // of store_hits, those the store's RAM cache served (no read)
     double load_ms;
     double collect_ms;
     double place_ms;  // the blend's phases

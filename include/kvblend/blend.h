@@ -116,6 +116,8 @@ chunk_kv collect_evicted(engine & eng, const std::vector<llama_token> & tokens, 
 // write chunks' K/V for layers [layer0, n_layer) into the engine's cache rows
 // at consecutive offsets starting at 0; returns the total number of rows (the
 // tokens, or fewer with evicted chunks, whose positions still count every token).
+// a chunk with a device copy (kvblend/chunk_tiers.h) on the cache's device is
+// copied there, the others are uploaded from their host rows
 int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int layer0 = 0);
 
 // fuse: chunks[0] is the prefix c_0, the rest are documents, then the query.

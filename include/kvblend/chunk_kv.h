@@ -4,12 +4,15 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "ggml.h"
 #include "llama.h"
 
 namespace kvblend {
+
+struct chunk_dev;  // kvblend/chunk_tiers.h
 
 // one chunk's K and V for every layer. K rows are post-RoPE at positions
 // pos0, pos0 + 1, …: placing the chunk at offset s rotates them by s - pos0
@@ -30,6 +33,12 @@ struct chunk_kv {
     // (ascending; empty: every token), the same ones in every layer and head.
     // placed at offset s, row j is position s + kept[j]
     std::vector<int32_t> kept;
+    // the device tier's copy of the rows (kvblend/chunk_tiers.h): such a
+    // chunk holds no host bytes (data is empty), a blend copies its rows on
+    // the device
+    std::shared_ptr<const chunk_dev> dev;
+
+    bool on_host() const { return !data.empty(); }
 
     int64_t n_layer() const { return (int64_t) widths.size(); }
     int64_t n_embd_kv(int64_t il) const { return widths[il]; }

@@ -1,5 +1,5 @@
-// kvblend: the RAG request, written once. Each chunk's KV comes from the store
-// or is collected and put (chunk_get_or_collect), then the chunks are blended
+// kvblend: the RAG request, written once. Each chunk's KV comes from a chunk
+// tier, the store, or is collected and put (chunk_fetch), then the chunks are blended
 // and the fused cache evicted to the engine's budget (rag_fuse); the answer is
 // then decoded from the logits (engine::run_answer). The CLI's blend and
 // ingest, the server, the C API (and so Python) and the examples all come here.
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvblend/blend.h"
+#include "kvblend/chunk_tiers.h"
 #include "kvblend/energy.h"
 #include "kvblend/engine.h"
 #include "kvblend/evict.h"
@@ -19,11 +20,14 @@
 
 namespace kvblend {
 
-// get a chunk's KV from the store, or collect it on the engine and put it.
-// a corrupt, truncated or mismatched entry is a miss: it is removed, a
-// warning goes to stderr, and the chunk is collected again.
+// get a chunk's KV from the tiers (kvblend/chunk_tiers.h), else the store,
+// else collect it on the engine and put it; a chunk read or collected is
+// kept in the tiers. a corrupt, truncated or mismatched entry is a miss: it
+// is removed, a warning goes to stderr, and the chunk is collected again.
 struct chunk_fetch_stats {
-    int64_t hits = 0, misses = 0;
+    int64_t hits = 0, misses = 0;         // hits: chunks not collected (from a tier or the store)
+    int64_t hits_dev = 0, hits_host = 0;  // of the hits, those a tier served (no store read)
+    int64_t store_reads() const { return hits - hits_dev - hits_host; }
     double load_ms = 0, collect_ms = 0;
 };
 // codec: how the entry stores the KV (include/kvblend/codec.h; part of the key).
@@ -37,6 +41,13 @@ struct chunk_fetch_stats {
 // kvblend::error (CHUNK_PUT_REQUIRED). removing an unusable entry is best
 // effort in both (a read-only store still serves its other entries).
 enum chunk_put_mode { CHUNK_PUT_BEST_EFFORT, CHUNK_PUT_REQUIRED };
+// tiers may be null (none). the chunk may be a device copy (no host bytes)
+// when the tiers have a device tier
+chunk_ptr chunk_fetch(store * st, chunk_tiers * tiers, engine & eng, const std::vector<llama_token> & prefix,
+                      const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
+                      const std::string & codec = "raw", const evict_params & ev = {},
+                      chunk_put_mode put = CHUNK_PUT_BEST_EFFORT);
+// the same without tiers, the chunk in hand
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
                               const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
                               const std::string & codec = "raw", const evict_params & ev = {},
@@ -44,6 +55,8 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
 
 struct rag_fuse_params {
     store * st = nullptr;  // null: every chunk is collected and nothing is kept
+    // null: none. asked before the store, whether or not the store is usable
+    chunk_tiers * tiers = nullptr;
     std::string codec = "raw";
     bool collect_with_prefix = false;  // documents collected behind the prefix chunk
     evict_params chunk_evict;          // documents collected evicted (the prefix chunk is kept whole)
@@ -58,7 +71,7 @@ struct rag_fuse_result {
     std::vector<float> blend_logits;          // the same before the eviction
     blend_stats stats;                        // of the blend
     chunk_fetch_stats fetch;                  // of the chunks not given
-    std::vector<bool> chunk_hit;              // per non-empty chunk: given, or found in the store
+    std::vector<bool> chunk_hit;              // per non-empty chunk: given, or found in a tier or the store
     double evict_ms = 0;                      // evicting the fused cache to the engine's budget
     energy_span chunks_energy, blend_energy;  // from the engine's meter (absent without one)
 };

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvblend/blend.h"
+#include "kvblend/chunk_tiers.h"
 
 namespace kvblend {
 
@@ -18,6 +19,10 @@ struct server_params {
     int port = 8080;                 // 0: any free port (see server::port())
     std::string store_uri;           // empty: chunks are collected per request, not kept
     uint64_t store_max_bytes = 0;    // the store's budget (least recently used go first); 0: none
+    // the chunk tiers in front of the store (kvblend/chunk_tiers.h), in MiB:
+    // -1 picks the default (chunk_tier_params_for), 0 turns a tier off
+    int64_t chunk_cache_host_mb = -1;
+    int64_t chunk_cache_dev_mb = -1;
     std::string codec = "raw";
     int64_t n_ctx = 4096;  // per slot
     int parallel = 1;      // slots: requests computed at once
@@ -77,6 +82,7 @@ class server {
     void stop();
     bool wait_ready(int timeout_ms) const;  // true once listening
     int port() const;                       // the bound port (after listen() started)
+    chunk_tier_stats tier_stats() const;    // the chunk tiers' bounds and use
 
   private:
     struct impl;

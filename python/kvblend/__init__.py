@@ -258,6 +258,7 @@ class BlendStats:
     deep_frac: float
     store_hits: int
     store_misses: int
+    cache_hits: int  # of store_hits, those the store's RAM cache served (no read)
     load_ms: float
     collect_ms: float
     place_ms: float
@@ -427,15 +428,20 @@ class Store(_Closing):
 
     ``codec`` is how entries hold the KV ("raw", "f16", "q8_0", "q4_0", "kivi2",
     "kivi4", "cachegen", …; part of every key); ``max_bytes`` a size budget for
-    a dir store (least recently used entries go first). Use it as a context
-    manager, or call close().
+    a dir store (least recently used entries go first). ``cache_bytes`` bounds
+    the decoded chunks kept in RAM in front of the store, so that a hot
+    document is neither read, checked nor decoded again (None: an eighth of
+    the RAM, at most 4 GiB; 0: off). Use it as a context manager, or call
+    close().
     """
 
     _what = "store"
 
-    def __init__(self, uri, *, codec="raw", max_bytes=0):
+    def __init__(self, uri, *, codec="raw", max_bytes=0, cache_bytes=None):
         p = _c.kvb_store_default_params()
         p.max_bytes = _int(max_bytes, "max_bytes", *_U64)
+        if cache_bytes is not None:
+            p.cache_bytes = _int(cache_bytes, "cache_bytes", 0, 2**64 - 2, "an unsigned 64-bit integer below 2**64 - 1")
         codec_b = _b(codec, "codec")  # kept alive for the call
         p.codec = codec_b
         uri_b = _path(uri, "uri")

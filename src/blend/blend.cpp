@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "engine/driver.h"
+#include "kvblend/chunk_tiers.h"
 
 namespace kvblend {
 
@@ -283,15 +284,41 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
     // the offset change (RoPE rotations compose), all layers in one graph.
     // (gathering a layer's rows of every chunk into one upload was tried on an
     // H200: an extra copy of every byte, and no faster)
+    // a chunk of the device tier is copied on the device (no host bytes);
+    // one whose copy lies on another device comes to the host first
     forward_driver drv(eng);
-    for (int il = layer0; il < hp.n_layer_kv; ++il) {
+    std::vector<forward_driver::dev_rows> on_dev;
+    std::vector<chunk_ptr> brought;  // device copies of another device, as host rows
+    std::vector<const chunk_kv *> host(chunks.size());
+    {
         int64_t r = 0;
-        for (const chunk_kv * c : chunks) {
-            drv.upload_kv_rows(cache.k(il), c->k(il), r, c->n_rows());
-            drv.upload_kv_rows(cache.v(il), c->v(il), r, c->n_rows());
+        for (size_t i = 0; i < chunks.size(); ++i) {
+            const chunk_kv * c = chunks[i];
+            const bool here =
+                c->dev && c->dev->buf && cache.k(0)->buffer &&
+                ggml_backend_buffer_get_type(c->dev->buf) == ggml_backend_buffer_get_type(cache.k(0)->buffer);
+            if (here) {
+                on_dev.push_back({c->dev.get(), r});
+            } else if (!c->on_host()) {
+                brought.push_back(chunk_to_host(*c));
+                host[i] = brought.back().get();
+            } else {
+                host[i] = c;
+            }
             r += c->n_rows();
         }
     }
+    for (int il = layer0; il < hp.n_layer_kv; ++il) {
+        int64_t r = 0;
+        for (size_t i = 0; i < chunks.size(); ++i) {
+            if (host[i]) {
+                drv.upload_kv_rows(cache.k(il), host[i]->k(il), r, host[i]->n_rows());
+                drv.upload_kv_rows(cache.v(il), host[i]->v(il), r, host[i]->n_rows());
+            }
+            r += chunks[i]->n_rows();
+        }
+    }
+    drv.copy_dev_rows(on_dev, layer0, (int) hp.n_layer_kv);
     if (rotate) drv.shift_k(delta, layer0, (int) hp.n_layer_kv);
     return n;
 }

@@ -3,15 +3,63 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 
 #include "kvblend/codec.h"
 #include "kvblend/common.h"
 
 namespace kvblend {
 
-chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
-                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
-                              const std::string & codec_name, const evict_params & ev, chunk_put_mode put) {
+namespace {
+
+// the entry under key as a chunk of these tokens and kind, or a kvblend::error
+// saying why it is not one
+chunk_kv entry_as_chunk(engine & eng, std::vector<uint8_t> && bytes, const std::string & key, const codec & cd,
+                        const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens,
+                        const evict_params & ev) {
+    chunk_entry_info info;
+    chunk_kv c = chunk_decode(eng.mdl(), std::move(bytes), &info);
+    // what the key names, as the entry holds it (its header is not signed)
+    if (c.tokens != tokens || info.prefix != prefix) throw error("entry holds other tokens than its key says");
+    if (c.type != eng.cache().type_k())
+        throw error(std::string("entry holds ") + ggml_type_name(c.type) + " KV, the cache is " +
+                    ggml_type_name(eng.cache().type_k()));
+    if (info.codec != cd.entry_name())
+        throw error("entry is coded with " + info.codec + ", its key names " + cd.name());
+    if (c.kept.empty() != (ev.policy == EVICT_POLICY_NONE))
+        throw error(c.kept.empty() ? "entry holds every token, its key names an evicted chunk"
+                                   : "entry holds an evicted chunk, its key names every token");
+    if (!info.key.empty() && info.key != key) throw error("entry holds the chunk of key " + info.key);
+    return c;
+}
+
+// the store's verified chunk under key, or nullopt (a miss; an unusable
+// entry is removed with a warning)
+std::optional<chunk_kv> chunk_from_store(store & st, engine & eng, const std::string & key, const codec & cd,
+                                         const std::vector<llama_token> & prefix,
+                                         const std::vector<llama_token> & tokens, const evict_params & ev) {
+    std::optional<std::vector<uint8_t>> bytes = st.get(key);
+    if (!bytes) return std::nullopt;
+    try {
+        return entry_as_chunk(eng, std::move(*bytes), key, cd, prefix, tokens, ev);
+    } catch (const error & e) {
+        // never loaded, never a crash: drop it and collect again
+        std::fprintf(stderr, "warning: store entry %s is unusable (%s): collecting again\n", key.c_str(), e.what());
+        try {
+            st.erase(key);
+        } catch (const error & e2) {
+            // a read-only store: the entry stays a miss, the rest still serve
+            std::fprintf(stderr, "warning: could not remove store entry %s: %s\n", key.c_str(), e2.what());
+        }
+    }
+    return std::nullopt;
+}
+
+}  // namespace
+
+chunk_ptr chunk_fetch(store * st, chunk_tiers * tiers, engine & eng, const std::vector<llama_token> & prefix,
+                      const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
+                      const std::string & codec_name, const evict_params & ev, chunk_put_mode put) {
     const model & m = eng.mdl();
     const std::unique_ptr<codec> cd = codec_by_name(codec_name);
     if (ev.policy != EVICT_POLICY_NONE) {
@@ -21,45 +69,30 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
         if (!prefix.empty()) throw error("evicted chunks are collected alone, not behind a prefix");
     }
     const std::string key = chunk_key(m, eng.cache().type_k(), cd->name(), prefix, tokens, ev);
-    if (st) {
-        const double t0 = time_ms();
-        std::optional<std::vector<uint8_t>> bytes = st->get(key);
-        if (bytes) {
-            try {
-                chunk_entry_info info;
-                chunk_kv c = chunk_decode(m, std::move(*bytes), &info);
-                // what the key names, as the entry holds it (its header is not signed)
-                if (c.tokens != tokens || info.prefix != prefix)
-                    throw error("entry holds other tokens than its key says");
-                if (c.type != eng.cache().type_k())
-                    throw error(std::string("entry holds ") + ggml_type_name(c.type) + " KV, the cache is " +
-                                ggml_type_name(eng.cache().type_k()));
-                if (info.codec != cd->entry_name())
-                    throw error("entry is coded with " + info.codec + ", its key names " + cd->name());
-                if (c.kept.empty() != (ev.policy == EVICT_POLICY_NONE))
-                    throw error(c.kept.empty() ? "entry holds every token, its key names an evicted chunk"
-                                               : "entry holds an evicted chunk, its key names every token");
-                if (!info.key.empty() && info.key != key) throw error("entry holds the chunk of key " + info.key);
-                stats.hits++;
-                stats.load_ms += time_ms() - t0;
-                return c;
-            } catch (const error & e) {
-                // never loaded, never a crash: drop it and collect again
-                std::fprintf(stderr, "warning: store entry %s is unusable (%s): collecting again\n", key.c_str(),
-                             e.what());
-                try {
-                    st->erase(key);
-                } catch (const error & e2) {
-                    // a read-only store: the entry stays a miss, the rest still serve
-                    std::fprintf(stderr, "warning: could not remove store entry %s: %s\n", key.c_str(), e2.what());
-                }
-            }
+    // a tier's chunk is one this function verified (or collected) under the same key
+    const bool tiered = tiers && tiers->enabled();
+    const double t0 = time_ms();
+    if (tiered) {
+        chunk_tier where = CHUNK_TIER_NONE;
+        if (chunk_ptr c = tiers->find(key, &where)) {
+            stats.hits++;
+            (where == CHUNK_TIER_DEVICE ? stats.hits_dev : stats.hits_host)++;
+            stats.load_ms += time_ms() - t0;
+            return c;
         }
     }
-    const double t0 = time_ms();
+    if (st) {
+        if (std::optional<chunk_kv> c = chunk_from_store(*st, eng, key, *cd, prefix, tokens, ev)) {
+            auto p = std::make_shared<chunk_kv>(std::move(*c));
+            stats.hits++;
+            stats.load_ms += time_ms() - t0;
+            return tiered ? tiers->keep(key, p) : p;
+        }
+    }
+    const double t1 = time_ms();
     chunk_kv c = !prefix.empty() ? collect_after(eng, prefix, tokens) : collect_evicted(eng, tokens, ev);
     stats.misses++;
-    stats.collect_ms += time_ms() - t0;
+    stats.collect_ms += time_ms() - t1;
     std::vector<uint8_t> entry = chunk_encode(m, c, prefix, cd.get());
     // with a lossy codec, return what a later hit returns: a first request and
     // a repeat give the same answer
@@ -73,15 +106,23 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
             std::fprintf(stderr, "warning: could not store chunk %s: %s\n", key.c_str(), e.what());
         }
     }
-    return c;
+    auto p = std::make_shared<chunk_kv>(std::move(c));
+    return tiered ? tiers->keep(key, p) : p;
+}
+
+chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
+                              const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
+                              const std::string & codec_name, const evict_params & ev, chunk_put_mode put) {
+    chunk_ptr c = chunk_fetch(st, nullptr, eng, prefix, tokens, stats, codec_name, ev, put);
+    // without tiers the chunk is this call's alone: moved out, not copied
+    return std::move(const_cast<chunk_kv &>(*c));
 }
 
 rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
                          const std::vector<const chunk_kv *> & given) {
     rag_fuse_result r;
     const energy_mark e_chunks = eng.energy_now();
-    std::vector<chunk_kv> fetched;
-    fetched.reserve(rp.chunks.size());  // ptrs point into it
+    std::vector<chunk_ptr> fetched;  // held until the blend is done, whatever the tiers drop meanwhile
     std::vector<const chunk_kv *> ptrs;
     bool use_store = p.st != nullptr;
     for (size_t i = 0; i < rp.chunks.size(); ++i) {
@@ -95,10 +136,10 @@ rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_par
         const bool behind = p.collect_with_prefix && i > 0 && !rp.chunks[0].empty();
         const int64_t hits = r.fetch.hits;
         // the prefix chunk (system text, sinks) is kept whole; documents may be evicted
-        fetched.push_back(chunk_get_or_collect(use_store ? p.st : nullptr, eng,
-                                               behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i],
-                                               r.fetch, p.codec, i > 0 ? p.chunk_evict : evict_params{}));
-        ptrs.push_back(&fetched.back());
+        fetched.push_back(chunk_fetch(use_store ? p.st : nullptr, p.tiers, eng,
+                                      behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i], r.fetch,
+                                      p.codec, i > 0 ? p.chunk_evict : evict_params{}));
+        ptrs.push_back(fetched.back().get());
         r.chunk_hit.push_back(r.fetch.hits > hits);
     }
     r.chunks_energy = eng.energy_since(e_chunks);

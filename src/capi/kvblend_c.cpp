@@ -32,7 +32,8 @@ struct kvb_model {
 
 struct kvb_store {
     std::unique_ptr<store> st;
-    std::string codec;  // canonical codec name, part of every key
+    std::string codec;                   // canonical codec name, part of every key
+    std::unique_ptr<chunk_tiers> tiers;  // the host tier in front of st (a model-free store: no device tier)
 };
 
 struct kvb_context {
@@ -637,6 +638,7 @@ kvb_store_params kvb_store_default_params(void) {
     kvb_store_params p;
     p.max_bytes = 0;
     p.codec = nullptr;
+    p.cache_bytes = KVB_CACHE_DEFAULT;
     return p;
 }
 
@@ -654,6 +656,9 @@ kvb_status kvb_store_open(const char * uri, const kvb_store_params * params, kvb
         store_options so;
         so.max_bytes = p.max_bytes;
         s->st = store_open(uri, so);
+        chunk_tier_params tp;
+        tp.host_bytes = p.cache_bytes == KVB_CACHE_DEFAULT ? chunk_tier_host_default_bytes() : p.cache_bytes;
+        s->tiers = std::make_unique<chunk_tiers>(tp);
         *out = s.release();
     });
 }
@@ -918,7 +923,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         const vocab & v = m.tokens();
         const std::string codec_name = store ? store->codec : "raw";
         std::vector<std::vector<llama_token>> doc_tokens(n_docs);
-        std::vector<std::unique_ptr<chunk_kv>> stored(n_docs);
+        std::vector<chunk_ptr> stored(n_docs);
         chunk_fetch_stats fs;
         // texts no context can hold are refused before they are tokenized
         uint64_t text_bytes =
@@ -948,13 +953,18 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
             if (!store) fail(KVB_ERR_INVALID_ARGUMENT, "documents by id need a store");
             const std::string id = d.id;
             const double t0 = time_ms();
+            // the RAM tier holds chunks verified under their key: a hot document is not read again
+            chunk_tier where = CHUNK_TIER_NONE;
+            if (is_id(d.id)) stored[i] = store->tiers->find(id, &where);
             std::optional<std::vector<uint8_t>> bytes;
-            if (is_id(d.id))
+            if (!stored[i] && is_id(d.id))
                 bytes = store_call("document '" + id + "' is unavailable", [&] { return store->st->get(id); });
-            if (!bytes) fail(KVB_ERR_NOT_FOUND, "unknown document id '" + id + "'");
+            if (!stored[i] && !bytes) fail(KVB_ERR_NOT_FOUND, "unknown document id '" + id + "'");
             bool remove = true;
             try {
-                stored[i] = std::make_unique<chunk_kv>(chunk_decode_id(m, std::move(*bytes), id, &remove));
+                if (!stored[i])
+                    stored[i] = store->tiers->keep(
+                        id, std::make_shared<chunk_kv>(chunk_decode_id(m, std::move(*bytes), id, &remove)));
             } catch (const error & e) {
                 if (remove) store->st->erase(id);
                 fail(KVB_ERR_NOT_FOUND, "document '" + id + "' is no longer usable (" + e.what() + ")");
@@ -966,6 +976,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
                 stored[i].reset();
             } else {
                 fs.hits++;
+                if (where != CHUNK_TIER_NONE) fs.hits_host++;
                 fs.load_ms += time_ms() - t0;
             }
         }
@@ -979,6 +990,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         // every chunk's KV (the documents by id in hand, the rest stored, or collected and put), then the blend
         rag_fuse_params fp;
         fp.st = store ? store->st.get() : nullptr;
+        fp.tiers = store ? store->tiers.get() : nullptr;
         fp.codec = codec_name;
         fp.collect_with_prefix = p.collect_with_prefix;
         fp.blend = bp;
@@ -987,6 +999,8 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         const rag_fuse_result fused = rag_fuse(eng, rp, fp, given);
         fs.hits += fused.fetch.hits;  // beside the documents by id found above
         fs.misses += fused.fetch.misses;
+        fs.hits_host += fused.fetch.hits_host;
+        fs.hits_dev += fused.fetch.hits_dev;
         fs.load_ms += fused.fetch.load_ms;
         fs.collect_ms += fused.fetch.collect_ms;
         const blend_stats & bs = fused.stats;
@@ -1002,6 +1016,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
             s.deep_frac = bs.deep_frac;
             s.store_hits = fs.hits;
             s.store_misses = fs.misses;
+            s.cache_hits = fs.hits_host + fs.hits_dev;
             s.load_ms = fs.load_ms;
             s.collect_ms = fs.collect_ms;
             s.place_ms = bs.place_ms;

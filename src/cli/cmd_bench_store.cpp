@@ -10,6 +10,7 @@
 
 #include "cli/args.h"
 #include "cli/cli_util.h"
+#include "kvblend/chunk_tiers.h"
 #include "kvblend/store.h"
 
 namespace kvblend::cli {
@@ -21,7 +22,9 @@ const char * k_help = R"(usage: kvblend bench store -m MODEL [options]
 Per store: collect --n chunks of --chunk tokens (timed), put them, then load
 each back (get + verify + decode), with the page cache warm and, for a dir
 store, cold (the entry's cached pages dropped first), and write it into the
-engine's cache on the model's device (place: on a GPU, the upload).
+engine's cache on the model's device (place: on a GPU, the upload). Then the
+chunk tiers in front of any store: a hot chunk found decoded in RAM (tier:host)
+or on the model's device in the cache's layout (tier:device), and placed.
 
   -m, --model FILE      GGUF model
   --chunk N             tokens per chunk (default 512)
@@ -163,6 +166,43 @@ int bench_store(args & a) {
         for (const auto & k : keys) st->erase(k);
     }
     if (!tmp_dir.empty()) std::filesystem::remove_all(tmp_dir);
+    // the chunk tiers in front of any store: a hot chunk found decoded in RAM
+    // (host) or on the model's device in the cache's layout (device), then placed
+    for (chunk_tier tier : {CHUNK_TIER_HOST, CHUNK_TIER_DEVICE}) {
+        chunk_tier_params tp;
+        tp.dev = m->device();
+        tp.n_head_kv = m->hparams().n_head_kv;
+        (tier == CHUNK_TIER_HOST ? tp.host_bytes : tp.dev_bytes) = 2 * (uint64_t) n * entries[0].size();
+        chunk_tiers tiers(tp);
+        std::vector<std::string> keys;
+        for (int64_t i = 0; i < n; ++i) {
+            keys.push_back(chunk_key(eng.mdl(), ep.type_k, "raw", {}, toks[i]));
+            tiers.keep(keys.back(), std::make_shared<chunk_kv>(chunk_decode(eng.mdl(), entries[i])));
+        }
+        std::vector<double> t_load, t_place;
+        for (int64_t r = 0; r < reps; ++r) {
+            for (int64_t i = 0; i < n; ++i) {
+                const double t0 = time_ms();
+                const chunk_ptr c = tiers.find(keys[i]);
+                t_load.push_back(time_ms() - t0);
+                if (!c || c->tokens != toks[i]) throw error("the tier lost a chunk");
+                const double t1 = time_ms();
+                place(eng, {c.get()});
+                t_place.push_back(time_ms() - t1);
+            }
+        }
+        const double load_ms = median(t_load), place_ms = median(t_place);
+        const std::string shown = std::string("tier:") + chunk_tier_name(tier);
+        rows.push_back({{"store", shown},
+                        {"cache", "hot"},
+                        {"load_ms", load_ms},
+                        {"collect_ms", collect_ms},
+                        {"place_ms", place_ms},
+                        {"speedup_placed", collect_ms / (load_ms + place_ms)},
+                        {"entry_bytes", entries[0].size()}});
+        std::printf("| %s | hot | %.3f | - | - | - | %.2f | %.0fx |\n", shown.c_str(), load_ms, place_ms,
+                    collect_ms / (load_ms + place_ms));
+    }
     write_json(json_path,
                {{"model", model_path}, {"chunk", chunk}, {"n", n}, {"collect_ms", collect_ms}, {"rows", rows}});
     return 0;

@@ -26,6 +26,10 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
                             redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S])
   --store-max-gb X          size budget of the store (least recently used go first; default none)
   --codec NAME              how stored chunks hold their KV (default raw)
+  --chunk-cache-host MB     decoded chunks kept in RAM in front of the store, least recently used
+                            go first (default: an eighth of the RAM, at most 4096; 0: off)
+  --chunk-cache-dev MB      chunks kept on the model's device in the cache's layout (default: a
+                            quarter of its free memory on a GPU, 0 on the CPU)
   -c, --ctx-size N          context per slot (default 4096)
   --parallel N              slots computing at once, batched into one forward per step (default 1)
   -b, --batch-size N        prompt tokens one step prefills (default 2048)
@@ -173,6 +177,10 @@ int cmd_serve(int argc, char ** argv) {
             sp.max_connections_per_client = (int) a.integer(0, 65536);
         else if (a.match({"--store-max-gb"}))
             sp.store_max_bytes = parse_store_budget(a);
+        else if (a.match({"--chunk-cache-host"}))
+            sp.chunk_cache_host_mb = a.integer(0, 1 << 30);
+        else if (a.match({"--chunk-cache-dev"}))
+            sp.chunk_cache_dev_mb = a.integer(0, 1 << 30);
         else if (a.match({"--allow-origin"})) {
             const std::string o = a.str();
             if (o.empty() || o.find_first_of(" \t\r\n,") != std::string::npos ||
@@ -214,8 +222,9 @@ int cmd_serve(int argc, char ** argv) {
     std::signal(SIGTERM, on_signal);
     std::thread announce([&] {
         if (srv.wait_ready(10000))
-            std::fprintf(stderr, "kvblend serve: %s on http://%s:%d (%d slot%s, context %lld)\n", m->describe().c_str(),
-                         sp.host.c_str(), srv.port(), sp.parallel, sp.parallel > 1 ? "s" : "", (long long) sp.n_ctx);
+            std::fprintf(stderr, "kvblend serve: %s on http://%s:%d (%d slot%s, context %lld; chunk tiers: %s)\n",
+                         m->describe().c_str(), sp.host.c_str(), srv.port(), sp.parallel, sp.parallel > 1 ? "s" : "",
+                         (long long) sp.n_ctx, chunk_tier_summary(srv.tier_stats()).c_str());
     });
     const bool ok = srv.listen();
     announce.join();

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvblend/chunk_tiers.h"
 #include "kvblend/engine.h"
 
 namespace kvblend {
@@ -85,6 +86,13 @@ class forward_driver {
     // the backend, kv_rows_to_host), counted
     void upload_kv_rows(ggml_tensor * t, const void * rows, int64_t r0, int64_t n);
     void download_kv_rows(const ggml_tensor * t, void * rows, int64_t r0, int64_t n);
+    // device copies of chunks (the device tier's, head-major) into the cache
+    // at rows r0…, layers [l0, l1): copies on the backend, no host bytes
+    struct dev_rows {
+        const chunk_dev * d = nullptr;
+        int64_t r0 = 0;
+    };
+    void copy_dev_rows(const std::vector<dev_rows> & chunks, int l0, int l1);
 
   private:
     void count(const ggml_tensor * t, size_t size, bool to_backend, bool maybe_hidden);

@@ -24,8 +24,8 @@ std::string message_text(const json & content) {
 
 }  // namespace
 
-job_builder::job_builder(std::shared_ptr<const model> m, const server_params & p, soft_store * st)
-    : m_(std::move(m)), p_(p), st_(st), known_((size_t) std::max<int64_t>(1, p.known_docs_max)) {
+job_builder::job_builder(std::shared_ptr<const model> m, const server_params & p, soft_store * st, chunk_tiers * tiers)
+    : m_(std::move(m)), p_(p), st_(st), tiers_(tiers), known_((size_t) std::max<int64_t>(1, p.known_docs_max)) {
     m_->tokens().max_piece_bytes();  // measured once at start, not on a request
     load_tool_templates();
 }
@@ -307,6 +307,9 @@ std::shared_ptr<tool_plan> job_builder::tool_plan_of(const json & b, const tool_
 std::vector<llama_token> job_builder::stored_doc(const std::string & id) const {
     if (!st_) bad_request("documents by id need a server started with --store");
     const bool hex = id.size() == 32 && id.find_first_not_of("0123456789abcdef") == std::string::npos;
+    // a tier holds only chunks verified under their key, and an id is the key of a document alone
+    if (hex && tiers_)
+        if (chunk_ptr c = tiers_->peek(id)) return c->tokens;
     const int64_t failures = soft_store::thread_failures();
     std::optional<std::vector<uint8_t>> bytes = hex ? st_->get(id) : std::nullopt;
     if (soft_store::thread_failures() != failures)

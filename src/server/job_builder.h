@@ -24,8 +24,9 @@ namespace kvblend {
 
 class job_builder {
   public:
-    // st: the server's store (null: none); documents by id and learning need one
-    job_builder(std::shared_ptr<const model> m, const server_params & p, soft_store * st);
+    // st: the server's store (null: none); documents by id and learning need
+    // one. tiers: the hot chunks in front of it (a document's tokens by id)
+    job_builder(std::shared_ptr<const model> m, const server_params & p, soft_store * st, chunk_tiers * tiers);
     ~job_builder();
 
     // the body, checked for its endpoint and for a text the context cannot hold
@@ -65,6 +66,7 @@ class job_builder {
     std::shared_ptr<const model> m_;
     server_params p_;
     soft_store * st_;
+    chunk_tiers * tiers_;
     mutable doc_index known_;                    // texts of the documents plain prompts are searched for
     std::unique_ptr<tool_templates> tool_tmpl_;  // the chat template as the tool-call code reads it (null: none)
     std::string tool_tmpl_error_;                // … or why it cannot be read

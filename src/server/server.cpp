@@ -31,6 +31,7 @@ struct server::impl {
     std::shared_ptr<const model> m;
     server_params p;
     std::unique_ptr<soft_store> st;  // shared by the slots: its failures are misses, its breaker spares a dead store
+    chunk_tiers tiers;               // hot chunks in front of the store
     std::string model_id;            // the model's id in the API
     job_builder jobs;
     openai_format fmt{m->tokens(), model_id, [this](const std::vector<llama_token> & t) { return jobs.doc_key(t); }};
@@ -62,8 +63,10 @@ struct server::impl {
           p(checked(pp)),
           st(open_store(p)),
           model_id(!p.alias.empty() ? p.alias : m->path().substr(m->path().find_last_of('/') + 1)),
-          jobs(m, p, st.get()),
-          context(m, p, st.get(), metrics) {
+          jobs(m, p, st.get(), &tiers),
+          context(m, p, st.get(), &tiers, metrics) {
+        // sized once the slots' caches hold their memory: the device's free memory is the tiers'
+        tiers.configure(chunk_tier_params_for(*m, p.chunk_cache_host_mb, p.chunk_cache_dev_mb));
         routes();
     }
 
@@ -349,7 +352,8 @@ struct server::impl {
                               respond_all(js, req, res);
                       }));
         http.get("/metrics", [this](const http_request &, http_response & res) {
-            res.set_content(metrics.text({http.refused_connections(), st ? st->failures() : 0, jobs.known_documents()}),
+            res.set_content(metrics.text({http.refused_connections(), st ? st->failures() : 0, jobs.known_documents(),
+                                          tiers.stats()}),
                             "text/plain; version=0.0.4");
         });
         http.post("/v1/documents",
@@ -396,6 +400,10 @@ bool server::wait_ready(int timeout_ms) const {
 
 int server::port() const {
     return impl_->bound_port;
+}
+
+chunk_tier_stats server::tier_stats() const {
+    return impl_->tiers.stats();
 }
 
 }  // namespace kvblend

@@ -99,7 +99,8 @@ class step_pace {
 struct server_context::impl {
     std::shared_ptr<const model> m;
     server_params p;
-    soft_store * st;  // null: none
+    soft_store * st;      // null: none
+    chunk_tiers * tiers;  // never null (its tiers may be off)
     server_metrics & metrics;
 
     enum class slot_state { free, preparing, prepared, running };  // guarded by qmu
@@ -134,8 +135,9 @@ struct server_context::impl {
     std::vector<slot> slots;
     std::thread loop_thread, prepare_thread;
 
-    impl(std::shared_ptr<const model> mm, const server_params & pp, soft_store * store, server_metrics & counts)
-        : m(std::move(mm)), p(pp), st(store), metrics(counts) {
+    impl(std::shared_ptr<const model> mm, const server_params & pp, soft_store * store, chunk_tiers * hot,
+         server_metrics & counts)
+        : m(std::move(mm)), p(pp), st(store), tiers(hot), metrics(counts) {
         engine_params ep = engine_default_params();
         ep.n_ctx = p.n_ctx;
         ep.n_ctx_seq = p.n_ctx;  // the small engines below rotate as the slots' contexts do
@@ -285,10 +287,11 @@ struct server_context::impl {
         const std::string how = !err.empty() ? std::to_string(status) : j.cancelled ? "cancelled" : "200";
         std::fprintf(stderr,
                      "kvblend: %s %s prompt %zu cached %lld fused %lld recomputed %lld store %lld/%lld hit "
-                     "generated %lld ttft %.0f ms total %.0f ms%s%s\n",
+                     "(tiers: device %lld, host %lld) generated %lld ttft %.0f ms total %.0f ms%s%s\n",
                      j.route, how.c_str(), j.tokens.size(), (long long) j.n_cached, (long long) j.n_fused,
                      (long long) j.n_recomputed, (long long) j.store_hits, (long long) (j.store_hits + j.store_misses),
-                     (long long) j.n_gen, j.ttft_ms, total, err.empty() ? "" : ": ", err.c_str());
+                     (long long) j.tier_hits_dev, (long long) j.tier_hits_host, (long long) j.n_gen, j.ttft_ms, total,
+                     err.empty() ? "" : ": ", err.c_str());
     }
 
     // the request's error answer from an exception
@@ -549,6 +552,7 @@ struct server_context::impl {
     std::vector<float> run_fused(engine & eng, job & j) {
         rag_fuse_params fp;
         fp.st = st;
+        fp.tiers = tiers;
         fp.codec = p.codec;
         fp.blend = j.sel;
         fp.blend.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
@@ -562,6 +566,8 @@ struct server_context::impl {
         j.n_recomputed = fused.stats.n_selected;
         j.store_hits = fused.fetch.hits;
         j.store_misses = fused.fetch.misses;
+        j.tier_hits_dev = fused.fetch.hits_dev;
+        j.tier_hits_host = fused.fetch.hits_host;
         return std::move(fused.logits);
     }
 
@@ -578,8 +584,8 @@ struct server_context::impl {
 };
 
 server_context::server_context(std::shared_ptr<const model> m, const server_params & p, soft_store * st,
-                               server_metrics & metrics)
-    : d_(std::make_unique<impl>(std::move(m), p, st, metrics)) {}
+                               chunk_tiers * tiers, server_metrics & metrics)
+    : d_(std::make_unique<impl>(std::move(m), p, st, tiers, metrics)) {}
 
 server_context::~server_context() = default;
 

@@ -25,8 +25,10 @@ namespace kvblend {
 class server_context {
   public:
     // every slot's memory is allocated here, before serving; st: the server's
-    // store (null: none), metrics: where each request is counted when it ends
-    server_context(std::shared_ptr<const model> m, const server_params & p, soft_store * st, server_metrics & metrics);
+    // store (null: none), tiers: the hot chunks in front of it (not null),
+    // metrics: where each request is counted when it ends
+    server_context(std::shared_ptr<const model> m, const server_params & p, soft_store * st, chunk_tiers * tiers,
+                   server_metrics & metrics);
     // answers every queued request, then stops
     ~server_context();
     server_context(const server_context &) = delete;

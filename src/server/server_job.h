@@ -49,10 +49,11 @@ struct job {
     bool stream_usage = false;  // stream_options.include_usage: a usage chunk before [DONE]
     bool cache_prompt = true;   // reuse the slot's cached prefix (llama-server's cache_prompt)
     int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
-    int64_t store_errors = 0;     // store calls that failed (each a miss or a skipped put)
-    std::vector<bool> chunk_hit;  // fuse: per non-empty chunk, whether the store had it
-    int64_t n_cached = 0;         // prompt tokens whose KV the slot still held from its previous request
-    int64_t kv_rows = 0;          // rows the slot's cache held after the prompt (fewer than the tokens when evicted)
+    int64_t tier_hits_dev = 0, tier_hits_host = 0;  // of the store hits, those a chunk tier served
+    int64_t store_errors = 0;                       // store calls that failed (each a miss or a skipped put)
+    std::vector<bool> chunk_hit;                    // fuse: per non-empty chunk, whether the store had it
+    int64_t n_cached = 0;  // prompt tokens whose KV the slot still held from its previous request
+    int64_t kv_rows = 0;   // rows the slot's cache held after the prompt (fewer than the tokens when evicted)
     double prefill_ms = 0;
     double t_submit = 0, ttft_ms = -1;  // time to the first generated token, queueing included
     std::atomic<bool> cancelled{false};

@@ -15,6 +15,8 @@ void server_metrics::record(const job & j, bool failed) {
     recomputed_tokens_ += j.n_recomputed;
     store_hits_ += j.store_hits;
     store_misses_ += j.store_misses;
+    tier_hits_dev_ += j.tier_hits_dev;
+    tier_hits_host_ += j.tier_hits_host;
     docs_matched_ += (int64_t) j.spans.size();
     docs_learned_ += j.learned.added;
     learned_bytes_ += j.learned.bytes;
@@ -56,7 +58,7 @@ std::string server_metrics::text(const metrics_gauges & g) const {
     counter("kvblend_completion_tokens_total", "generated tokens", completion_tokens_);
     counter("kvblend_fused_tokens_total", "prompt tokens prefilled by CacheBlend fusion", fused_tokens_);
     counter("kvblend_recomputed_tokens_total", "fused tokens recomputed by the deep layers", recomputed_tokens_);
-    counter("kvblend_store_hits_total", "chunks loaded from the store", store_hits_);
+    counter("kvblend_store_hits_total", "chunks reused (from a chunk tier or the store), not collected", store_hits_);
     counter("kvblend_store_misses_total", "chunks collected (not in the store)", store_misses_);
     counter("kvblend_store_errors_total", "store calls that failed (served as misses)", g.store_errors);
     counter("kvblend_plain_docs_matched_total", "known documents found inside plain prompts", docs_matched_);
@@ -65,6 +67,23 @@ std::string server_metrics::text(const metrics_gauges & g) const {
     counter("kvblend_plain_learn_skipped_total",
             "passages not added: over a request's bound, or their first 48 bytes those of 16 given documents",
             learn_skipped_);
+    out += "# HELP kvblend_chunk_tier_hits_total chunks a request took from a chunk tier (no store read)\n";
+    out += "# TYPE kvblend_chunk_tier_hits_total counter\n";
+    out += "kvblend_chunk_tier_hits_total{tier=\"device\"} " + std::to_string(tier_hits_dev_) + "\n";
+    out += "kvblend_chunk_tier_hits_total{tier=\"host\"} " + std::to_string(tier_hits_host_) + "\n";
+    const chunk_tier_stats & t = g.tiers;
+    auto tier_gauge = [&](const char * name, const char * help, int64_t dev, int64_t host) {
+        out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " gauge\n";
+        out += std::string(name) + "{tier=\"device\"} " + std::to_string(dev) + "\n";
+        out += std::string(name) + "{tier=\"host\"} " + std::to_string(host) + "\n";
+    };
+    tier_gauge("kvblend_chunk_tier_bytes", "bytes of chunk KV a tier holds", (int64_t) t.dev_bytes,
+               (int64_t) t.host_bytes);
+    tier_gauge("kvblend_chunk_tier_max_bytes", "a tier's bound (0: off)", (int64_t) t.dev_max, (int64_t) t.host_max);
+    tier_gauge("kvblend_chunk_tier_chunks", "chunks a tier holds", t.dev_chunks, t.host_chunks);
+    counter("kvblend_chunk_tier_promotions_total", "chunks moved from the host tier to the device tier", t.promotions);
+    counter("kvblend_chunk_tier_demotions_total", "chunks moved from the device tier to the host tier", t.demotions);
+    counter("kvblend_chunk_tier_dropped_total", "chunks the host tier let go to stay in its bound", t.dropped);
     out += "# HELP kvblend_known_documents documents whose text plain prompts are searched for\n";
     out += "# TYPE kvblend_known_documents gauge\nkvblend_known_documents " + std::to_string(g.known_documents) + "\n";
     out += "# HELP kvblend_time_to_first_token_seconds time from a request's arrival to its first token\n";

@@ -57,6 +57,7 @@ json openai_format::kvblend(const job & j) const {
             {"n_recomputed", j.n_recomputed},
             {"store_hits", j.store_hits},
             {"store_misses", j.store_misses},
+            {"tier_hits", {{"device", j.tier_hits_dev}, {"host", j.tier_hits_host}}},
             {"store_errors", j.store_errors},
             {"spans", spans(j)},
             {"n_learned", j.learned.added},

@@ -257,6 +257,7 @@ TEST_F(capi, blend_through_a_store_hits_the_second_time_and_documents_by_id_matc
     const std::string t2 = blend_text(ctx, st, docs, &s2);
     EXPECT_EQ(s2.store_hits, 4);
     EXPECT_EQ(s2.store_misses, 0);
+    EXPECT_EQ(s2.cache_hits, 4);  // the store's RAM tier (on by default): nothing read again
     EXPECT_EQ(t1, t2);
     EXPECT_EQ(s1.n_selected, s2.n_selected);
     EXPECT_GT(s1.n_tokens, s1.n_selected);
@@ -284,7 +285,20 @@ TEST_F(capi, blend_through_a_store_hits_the_second_time_and_documents_by_id_matc
     kvb_blend_stats s3;
     EXPECT_EQ(blend_text(ctx, st, by_id, &s3), t1);
     EXPECT_EQ(s3.store_hits, 4);
+    EXPECT_EQ(s3.cache_hits, 4);  // documents by id too
     EXPECT_EQ(s3.n_selected, s1.n_selected);
+
+    // a store without its RAM tier reads every chunk, and answers the same
+    kvb_store_params sp = kvb_store_default_params();
+    EXPECT_EQ(sp.cache_bytes, KVB_CACHE_DEFAULT);
+    sp.cache_bytes = 0;
+    kvb_store * cold = nullptr;
+    ASSERT_EQ(kvb_store_open(("dir:" + dir.file("kv")).c_str(), &sp, &cold), KVB_OK) << kvb_last_error();
+    kvb_blend_stats s4;
+    EXPECT_EQ(blend_text(ctx, cold, by_id, &s4), t1);
+    EXPECT_EQ(s4.store_hits, 4);
+    EXPECT_EQ(s4.cache_hits, 0);
+    kvb_store_free(cold);
 
     // an id the store lacks, a malformed one, an id without a store
     const kvb_doc unknown[] = {{nullptr, "0123456789abcdef0123456789abcdef"}};

@@ -66,6 +66,7 @@ int main(void) {
     BEGIN(kvb_store_params);
     FIELD(kvb_store_params, max_bytes);
     FIELD(kvb_store_params, codec);
+    FIELD(kvb_store_params, cache_bytes);
     END();
     BEGIN(kvb_store_stats);
     FIELD(kvb_store_stats, n_entries);
@@ -141,6 +142,7 @@ int main(void) {
     FIELD(kvb_blend_stats, deep_frac);
     FIELD(kvb_blend_stats, store_hits);
     FIELD(kvb_blend_stats, store_misses);
+    FIELD(kvb_blend_stats, cache_hits);
     FIELD(kvb_blend_stats, load_ms);
     FIELD(kvb_blend_stats, collect_ms);
     FIELD(kvb_blend_stats, place_ms);

@@ -153,9 +153,17 @@ def test_a_store_opened_from_python_sees_what_the_cli_ingested(model, tmp_path):
         assert "0" * 32 not in store
         r = model.blend(SYSTEM, [read(f) for f in DOC_FILES], QUERY, store=store)
         assert (r.stats.store_hits, r.stats.store_misses) == (3, 1)  # the documents; the system prefix is new
+        assert r.stats.cache_hits == 0  # read from the store, then kept in its RAM tier
         by_id = model.blend(SYSTEM, [{"id": i} for i in ids], QUERY, store=store)
         assert by_id.text == r.text
-        assert by_id.stats.store_hits == 4
+        assert (by_id.stats.store_hits, by_id.stats.cache_hits) == (4, 4)
+    with kvblend.Store(uri, cache_bytes=0) as cold:  # no RAM tier: every chunk is read
+        again = model.blend(SYSTEM, [{"id": i} for i in ids], QUERY, store=cold)
+        assert (again.stats.store_hits, again.stats.cache_hits) == (4, 0)
+        assert again.text == r.text
+    with pytest.raises(kvblend.InvalidArgumentError):
+        kvblend.Store(uri, cache_bytes=-1)
+    with kvblend.Store(uri) as store:
         # ingesting from Python what the CLI stored: nothing to collect, the same ids
         again, st = model.ingest(store, [read(f) for f in DOC_FILES], with_stats=True)
         assert again == ids

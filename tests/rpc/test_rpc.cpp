@@ -233,6 +233,46 @@ TEST(rpc, blend_from_stored_chunks_equals_the_cpu_blend) {
     }
 }
 
+// the device tier keeps hot chunks on the RPC device, in the cache's layout:
+// a repeated request moves only its inputs and read-backs over the link, no
+// chunk rows, and fuses as from host rows
+TEST(rpc, a_hot_request_moves_no_chunk_bytes_over_the_link) {
+    auto m = load_on_rpc(k_stories);
+    engine e(m, f32_params());
+    const rag_prompt rp = rag_prompt_build(m->tokens(), "Here are some stories.", k_docs, k_query, false);
+    chunk_tier_params tp;
+    tp.dev = m->device();
+    tp.n_head_kv = m->hparams().n_head_kv;
+    std::vector<float> logits;
+    uint64_t moved[2] = {0, 0}, placed = 0;
+    for (int dev : {0, 1}) {
+        tp.host_bytes = dev ? 0 : 64 << 20;
+        tp.dev_bytes = dev ? 64 << 20 : 0;
+        chunk_tiers tiers(tp);
+        rag_fuse_params p;
+        p.tiers = &tiers;
+        rag_fuse(e, rp, p);  // collected, kept
+        const uint64_t t0 = e.transfers().to_backend;
+        const rag_fuse_result hot = rag_fuse(e, rp, p);
+        moved[dev] = e.transfers().to_backend - t0;
+        EXPECT_EQ(dev ? hot.fetch.hits_dev : hot.fetch.hits_host, (int64_t) rp.chunks.size());
+        if (logits.empty()) logits = hot.logits;
+        EXPECT_EQ(hot.logits, logits);  // the same arithmetic on the same device
+        if (!dev) {
+            // the rows a placement uploads: every chunk's K and V below the check layer's recompute
+            const int l0 = blend_default_params().check_layer;
+            for (const auto & c : rp.chunks)
+                for (int il = l0; il < m->hparams().n_layer_kv; ++il)
+                    placed += 2 * (uint64_t) c.size() * ggml_row_size(GGML_TYPE_F32, m->hparams().n_embd_kv(il));
+        }
+    }
+    std::printf(
+        "[ rpc ] a hot request sends %llu bytes to the device from the host tier, %llu from the device "
+        "tier (chunk rows: %llu)\n",
+        (unsigned long long) moved[0], (unsigned long long) moved[1], (unsigned long long) placed);
+    EXPECT_EQ(moved[0] - moved[1], placed);
+}
+
 json post(httplib::Client & c, const json & body) {
     auto r = c.Post("/v1/chat/completions", body.dump(), "application/json");
     EXPECT_TRUE(r);

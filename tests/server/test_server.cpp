@@ -137,6 +137,9 @@ TEST(server, documents_come_back_from_the_store_in_another_order) {
          {"temperature", 0},
          {"recomp_ratio", 0.3}});
     EXPECT_EQ(r2["kvblend"]["store_hits"], 3);  // the prefix and both documents
+    // from the host tier in front of the store: nothing read, checked or decoded again
+    EXPECT_EQ(r2["kvblend"]["tier_hits"]["host"], 3);
+    EXPECT_EQ(r2["kvblend"]["tier_hits"]["device"], 0);  // a CPU server has no device tier by default
     EXPECT_EQ(r2["usage"]["prompt_tokens"], r2["kvblend"]["n_prompt"]);
     // the selection fields reach the blend: the same documents in two orders,
     // the second with 3 chunk heads per document beyond the ratio
@@ -317,6 +320,37 @@ TEST(server, documents_endpoint_ids_and_metrics) {
           "kvblend_store_hits_total", "kvblend_store_misses_total",
           "kvblend_time_to_first_token_seconds_bucket{le=\"+Inf\"} 1", "kvblend_time_to_first_token_seconds_count 1"})
         EXPECT_NE(m.find(k), std::string::npos) << k << "\n" << m;
+}
+
+// the chunk tiers' flags: off, a hot request reads the store again, and
+// answers as from the tier; the metrics show each tier's use and bound
+TEST(server, chunk_tiers_serve_hot_documents_and_show_in_metrics) {
+    test::temp_dir d("srvtiers");
+    const json body = {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}},
+                       {"documents", {{{"text", "Tom had a red ball."}}, {{"text", "Sue found a little cat."}}}},
+                       {"max_tokens", 8},
+                       {"temperature", 0}};
+    std::string answer;
+    for (int64_t host_mb : {0, 16}) {
+        SCOPED_TRACE("host tier " + std::to_string(host_mb) + " MiB");
+        server_params p = small_params(d.path().string());
+        p.chunk_cache_host_mb = host_mb;
+        running_server s(p);
+        auto c = s.client();
+        post(c, "/v1/chat/completions", body);
+        const json r = post(c, "/v1/chat/completions", body);
+        EXPECT_EQ(r["kvblend"]["store_hits"], 3);  // the template's head and both documents
+        EXPECT_EQ(r["kvblend"]["tier_hits"]["host"], host_mb ? 3 : 0);
+        const std::string text = r["choices"][0]["message"]["content"];
+        if (answer.empty()) answer = text;
+        EXPECT_EQ(text, answer);
+        const std::string m = c.Get("/metrics")->body;
+        for (const std::string & k : {"kvblend_chunk_tier_hits_total{tier=\"host\"} " + std::to_string(host_mb ? 3 : 0),
+                                      "kvblend_chunk_tier_max_bytes{tier=\"host\"} " + std::to_string(host_mb << 20),
+                                      "kvblend_chunk_tier_chunks{tier=\"host\"} " + std::to_string(host_mb ? 3 : 0),
+                                      std::string("kvblend_chunk_tier_max_bytes{tier=\"device\"} 0")})
+            EXPECT_NE(m.find(k), std::string::npos) << k << "\n" << m;
+    }
 }
 
 TEST(server, documents_endpoint_needs_a_store) {

@@ -29,8 +29,10 @@ class serve_process {
   public:
     explicit serve_process(const std::string & store_uri) : dir_("serve") {
         const std::string logfile = dir_.file("serve.log");
-        std::vector<std::string> args = {KVBLEND_CLI, "serve", "-m",  k_stories, "--port",
-                                         "0",         "-c",    "512", "--store", store_uri};
+        // the store's own behaviour: no chunk tier in front of it
+        std::vector<std::string> args = {
+            KVBLEND_CLI,          "serve", "-m", k_stories, "--port", "0", "-c", "512", "--store", store_uri,
+            "--chunk-cache-host", "0"};
         std::vector<char *> argv;
         for (auto & a : args) argv.push_back(a.data());
         argv.push_back(nullptr);

@@ -1,0 +1,266 @@
+// chunk tiers in front of the store (kvblend/chunk_tiers.h)
+#include "kvblend/chunk_tiers.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "kvblend/common.h"
+#include "kvblend/kv_cache.h"
+#include "kvblend/model.h"
+
+namespace kvblend {
+
+chunk_dev::~chunk_dev() {
+    if (buf) ggml_backend_buffer_free(buf);
+    if (ctx) ggml_free(ctx);
+}
+
+chunk_ptr chunk_to_device(const chunk_kv & c, int64_t n_head_kv, ggml_backend_dev_t dev) {
+    if (!c.on_host()) throw error("internal: a chunk without host bytes cannot be copied to a device");
+    if (n_head_kv <= 0 || !dev) throw error("internal: a device copy needs the device and its KV head count");
+    auto d = std::make_shared<chunk_dev>();
+    const int64_t n_layer = c.n_layer();
+    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * n_layer + 1), nullptr, true};
+    d->ctx = ggml_init(ip);
+    for (int64_t il = 0; il < n_layer; ++il) {
+        if (c.n_embd_kv(il) % n_head_kv != 0) throw error("internal: a chunk's rows do not split into its KV heads");
+        const int64_t hd = c.n_embd_kv(il) / n_head_kv;
+        d->k.push_back(ggml_new_tensor_3d(d->ctx, c.type, hd, c.n_rows(), n_head_kv));
+        d->v.push_back(ggml_new_tensor_3d(d->ctx, c.type, hd, c.n_rows(), n_head_kv));
+    }
+    d->buf = ggml_backend_alloc_ctx_tensors_from_buft(d->ctx, ggml_backend_dev_buffer_type(dev));
+    if (!d->buf) return nullptr;  // the device is full: the caller keeps the chunk on the host
+    // the one host pass of the chunk's life on this device: token-major to head-major
+    for (int64_t il = 0; il < n_layer; ++il) {
+        for (const auto & part : {std::pair{d->k[il], c.k(il)}, std::pair{d->v[il], c.v(il)}}) {
+            ggml_tensor * t = part.first;
+            kv_rows_from_host(t, 0, c.n_rows(), part.second, [t](size_t off, size_t size, const void * host) {
+                ggml_backend_tensor_set(t, host, off, size);
+            });
+        }
+    }
+    auto out = std::make_shared<chunk_kv>();
+    out->tokens = c.tokens;
+    out->pos0 = c.pos0;
+    out->widths = c.widths;
+    out->type = c.type;
+    out->kept = c.kept;
+    out->dev = std::move(d);
+    return out;
+}
+
+chunk_ptr chunk_to_host(const chunk_kv & c) {
+    if (!c.dev) throw error("internal: a chunk without a device copy");
+    auto out = std::make_shared<chunk_kv>();
+    out->tokens = c.tokens;
+    out->pos0 = c.pos0;
+    out->widths = c.widths;
+    out->type = c.type;
+    out->kept = c.kept;
+    out->data.resize(out->bytes());
+    for (int64_t il = 0; il < out->n_layer(); ++il) {
+        for (const auto & part : {std::pair{c.dev->k[il], out->k(il)}, std::pair{c.dev->v[il], out->v(il)}}) {
+            const ggml_tensor * t = part.first;
+            kv_rows_to_host(t, 0, out->n_rows(), part.second,
+                            [t](size_t off, size_t size, void * host) { ggml_backend_tensor_get(t, host, off, size); });
+        }
+    }
+    return out;
+}
+
+size_t chunk_held_bytes(const chunk_kv & c) {
+    return c.dev ? c.dev->bytes() : c.data.size();
+}
+
+uint64_t chunk_tier_host_default_bytes() {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    const uint64_t ram = pages > 0 && page > 0 ? (uint64_t) pages * (uint64_t) page : 0;
+    return std::min<uint64_t>(ram / 8, 4096ull << 20);
+}
+
+chunk_tier_params chunk_tier_params_for(const model & m, int64_t host_mb, int64_t dev_mb) {
+    constexpr uint64_t mib = 1ull << 20;
+    if (host_mb < -1 || dev_mb < -1) throw error("a chunk tier's size is -1 (the default), 0 (off) or MiB");
+    chunk_tier_params p;
+    p.dev = m.device();
+    p.n_head_kv = m.hparams().n_head_kv;
+    p.host_bytes = host_mb >= 0 ? (uint64_t) host_mb * mib : chunk_tier_host_default_bytes();
+    size_t free = 0, total = 0;
+    const bool cpu = ggml_backend_dev_type(p.dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    if (!cpu) ggml_backend_dev_memory(p.dev, &free, &total);
+    if (dev_mb < 0) {
+        p.dev_bytes = cpu ? 0 : free / 4;
+    } else {
+        p.dev_bytes = (uint64_t) dev_mb * mib;
+        if (!cpu && p.dev_bytes > free)
+            throw error("--chunk-cache-dev " + std::to_string(dev_mb) + " MiB is more than the " +
+                        std::to_string(free / mib) + " MiB free on " + ggml_backend_dev_name(p.dev));
+    }
+    return p;
+}
+
+std::string chunk_tier_summary(const chunk_tier_stats & s) {
+    auto one = [](uint64_t b) { return b ? std::to_string(b >> 20) + " MiB" : std::string("off"); };
+    return "device " + one(s.dev_max) + ", host " + one(s.host_max);
+}
+
+const char * chunk_tier_name(chunk_tier t) {
+    switch (t) {
+        case CHUNK_TIER_HOST:
+            return "host";
+        case CHUNK_TIER_DEVICE:
+            return "device";
+        default:
+            return "none";
+    }
+}
+
+chunk_tiers::chunk_tiers(const chunk_tier_params & p) {
+    configure(p);
+}
+
+void chunk_tiers::configure(const chunk_tier_params & p) {
+    if (p.dev_bytes > 0 && (!p.dev || p.n_head_kv <= 0))
+        throw error("a device tier needs the model's device and KV head count");
+    std::lock_guard l(mu_);
+    if (!host_.map.empty() || !dev_.map.empty()) throw error("internal: chunk tiers sized again while in use");
+    p_ = p;
+    host_.max = p_.host_bytes;
+    dev_.max = p_.dev_bytes;
+}
+
+void chunk_tiers::remove(tier & t, const std::string & key) {
+    auto it = t.map.find(key);
+    if (it == t.map.end()) return;
+    t.held -= it->second.bytes;
+    t.lru.erase(it->second.lru);
+    t.map.erase(it);
+}
+
+void chunk_tiers::insert(tier & t, const std::string & key, chunk_ptr c, size_t bytes,
+                         std::vector<std::pair<std::string, chunk_ptr>> * evicted) {
+    remove(t, key);
+    while (!t.lru.empty() && t.held + bytes > t.max) {
+        const std::string victim = t.lru.back();
+        if (evicted) evicted->emplace_back(victim, t.map[victim].c);
+        remove(t, victim);
+    }
+    t.lru.push_front(key);
+    t.map[key] = entry{std::move(c), bytes, t.lru.begin()};
+    t.held += bytes;
+}
+
+void chunk_tiers::put_host(const std::string & key, chunk_ptr c) {
+    const size_t bytes = chunk_held_bytes(*c);
+    if (bytes > host_.max) return;  // larger than the whole tier (or the tier is off)
+    std::vector<std::pair<std::string, chunk_ptr>> gone;
+    insert(host_, key, std::move(c), bytes, &gone);
+    st_.dropped += (int64_t) gone.size();
+}
+
+void chunk_tiers::dev_room(size_t bytes) {
+    std::vector<std::pair<std::string, chunk_ptr>> gone;
+    while (!dev_.lru.empty() && dev_.held + bytes > dev_.max) {
+        const std::string victim = dev_.lru.back();
+        gone.emplace_back(victim, dev_.map[victim].c);
+        remove(dev_, victim);
+    }
+    for (auto & [k, c] : gone) {  // down to the host tier, not lost
+        st_.demotions++;
+        if (host_.max > 0) put_host(k, chunk_to_host(*c));
+    }
+}
+
+bool chunk_tiers::put_dev(const std::string & key, const chunk_ptr & host) {
+    if (dev_.max == 0) return false;
+    // the device copy's bytes before it is allocated: K and V of every layer
+    size_t bytes = 0;
+    for (int64_t il = 0; il < host->n_layer(); ++il) bytes += 2 * host->layer_bytes(il);
+    if (bytes > dev_.max) return false;
+    dev_room(bytes);
+    chunk_ptr d = chunk_to_device(*host, p_.n_head_kv, p_.dev);
+    if (!d) {
+        st_.dev_alloc_failed++;
+        return false;
+    }
+    const size_t held = chunk_held_bytes(*d);  // with the buffer's alignment
+    if (held > dev_.max) return false;
+    dev_room(held);
+    insert(dev_, key, std::move(d), held, nullptr);
+    return true;
+}
+
+chunk_ptr chunk_tiers::find(const std::string & key, chunk_tier * where) {
+    std::lock_guard l(mu_);
+    if (where) *where = CHUNK_TIER_NONE;
+    if (auto it = dev_.map.find(key); it != dev_.map.end()) {
+        dev_.lru.splice(dev_.lru.begin(), dev_.lru, it->second.lru);
+        st_.dev_hits++;
+        if (where) *where = CHUNK_TIER_DEVICE;
+        return it->second.c;
+    }
+    auto it = host_.map.find(key);
+    if (it == host_.map.end()) {
+        st_.misses++;
+        return nullptr;
+    }
+    st_.host_hits++;
+    if (where) *where = CHUNK_TIER_HOST;
+    chunk_ptr c = it->second.c;
+    if (put_dev(key, c)) {  // promoted: the host copy is no longer needed
+        st_.promotions++;
+        remove(host_, key);
+        return dev_.map[key].c;
+    }
+    host_.lru.splice(host_.lru.begin(), host_.lru, it->second.lru);
+    return c;
+}
+
+chunk_ptr chunk_tiers::peek(const std::string & key) {
+    std::lock_guard l(mu_);
+    for (tier * t : {&dev_, &host_})
+        if (auto it = t->map.find(key); it != t->map.end()) return it->second.c;
+    return nullptr;
+}
+
+chunk_ptr chunk_tiers::keep(const std::string & key, const chunk_ptr & c) {
+    if (!c || !c->on_host()) throw error("internal: a tier keeps chunks with their host bytes");
+    std::lock_guard l(mu_);
+    if (auto it = dev_.map.find(key); it != dev_.map.end()) return it->second.c;
+    if (put_dev(key, c)) {
+        remove(host_, key);
+        return dev_.map[key].c;
+    }
+    put_host(key, c);
+    return c;
+}
+
+void chunk_tiers::erase(const std::string & key) {
+    std::lock_guard l(mu_);
+    remove(dev_, key);
+    remove(host_, key);
+}
+
+void chunk_tiers::clear() {
+    std::lock_guard l(mu_);
+    for (tier * t : {&dev_, &host_}) {
+        t->map.clear();
+        t->lru.clear();
+        t->held = 0;
+    }
+}
+
+chunk_tier_stats chunk_tiers::stats() const {
+    std::lock_guard l(mu_);
+    chunk_tier_stats s = st_;
+    s.host_bytes = host_.held;
+    s.dev_bytes = dev_.held;
+    s.host_max = host_.max;
+    s.dev_max = dev_.max;
+    s.host_chunks = (int64_t) host_.map.size();
+    s.dev_chunks = (int64_t) dev_.map.size();
+    return s;
+}
+
+}  // namespace kvblend
