@@ -448,6 +448,7 @@ typedef struct kvb_blend_stats {
     int64_t store_hits;    // chunks loaded from the store
     int64_t store_misses;  // chunks collected (and put, with a store)
     int64_t cache_hits;    // of store_hits, those the store's RAM cache served (no read)
+    int64_t store_errors;  // store calls that failed: the blend went on without the store
     double load_ms;
     double collect_ms;
     double place_ms;  // the blend's phases
@@ -468,6 +469,9 @@ KVB_API kvb_blend_params kvb_blend_default_params(void);
 // fused cache. system may be NULL or "". *text (may be NULL): the answer,
 // kvb_free(); stats may be NULL. KVB_ERR_NOT_FOUND for an id the store lacks,
 // KVB_ERR_STORE for one it cannot be asked about (the store is down or broken).
+// documents given as text need no store: one that fails (a dead or stalled
+// Redis) is a cache that misses, the blend answers without it (one failed
+// call, a warning on stderr, stats->store_errors)
 KVB_API kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, const kvb_doc * docs,
                              size_t n_docs, const char * question, const kvb_blend_params * blend_params,
                              const kvb_generate_params * gen_params, char ** text, kvb_blend_stats * stats);

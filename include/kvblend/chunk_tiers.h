@@ -56,8 +56,8 @@ enum chunk_tier { CHUNK_TIER_NONE, CHUNK_TIER_HOST, CHUNK_TIER_DEVICE };
 const char * chunk_tier_name(chunk_tier t);  // "none", "host", "device"
 
 struct chunk_tier_params {
-    uint64_t host_bytes = 0;  // host tier bound (0: off)
-    uint64_t dev_bytes = 0;   // device tier bound (0: off)
+    uint64_t host_bytes = 0;           // host tier bound (0: off)
+    uint64_t dev_bytes = 0;            // device tier bound (0: off)
     ggml_backend_dev_t dev = nullptr;  // where the device tier allocates (the model's device)
     int64_t n_head_kv = 0;             // the model's KV heads: the device copies' layout
 };

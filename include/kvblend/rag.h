@@ -28,6 +28,10 @@ struct chunk_fetch_stats {
     int64_t hits = 0, misses = 0;         // hits: chunks not collected (from a tier or the store)
     int64_t hits_dev = 0, hits_host = 0;  // of the hits, those a tier served (no store read)
     int64_t store_reads() const { return hits - hits_dev - hits_host; }
+    // store calls that failed: a blend (CHUNK_PUT_BEST_EFFORT) goes on without
+    // the store, a warning on stderr; ingest (CHUNK_PUT_REQUIRED) throws instead
+    int64_t store_errors = 0;
+    bool store_unreadable = false;  // a read failed: the request's other chunks skip the store
     double load_ms = 0, collect_ms = 0;
 };
 // codec: how the entry stores the KV (include/kvblend/codec.h; part of the key).
@@ -35,8 +39,11 @@ struct chunk_fetch_stats {
 // decoded), so a repeat request gives the same answer as the first.
 // ev: store only the positions this policy keeps (collect_evicted; raw
 // codec, no prefix); part of the key
-// put: what a failed store write means. a blend uses the store as a cache and
-// goes on without it (a warning on stderr: CHUNK_PUT_BEST_EFFORT); ingest and
+// put: what a failed store call means. a blend uses the store as a cache and
+// goes on without it: a read that fails is a miss and the request's other
+// chunks skip the store, a write that fails is skipped (a read-only store
+// still serves the rest; a warning on stderr
+// each, counted in store_errors: CHUNK_PUT_BEST_EFFORT); ingest and
 // POST /v1/documents exist to store, so there it throws the put's
 // kvblend::error (CHUNK_PUT_REQUIRED). removing an unusable entry is best
 // effort in both (a read-only store still serves its other entries).

@@ -259,6 +259,7 @@ class BlendStats:
     store_hits: int
     store_misses: int
     cache_hits: int  # of store_hits, those the store's RAM cache served (no read)
+    store_errors: int  # store calls that failed: the blend went on without the store
     load_ms: float
     collect_ms: float
     place_ms: float

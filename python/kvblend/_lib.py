@@ -107,7 +107,7 @@ class kvb_doc(Structure):
 
 class kvb_blend_stats(Structure):
     _fields_ = [("n_tokens", c_int64), ("n_doc_tokens", c_int64), ("n_selected", c_int64), ("deep_frac", c_double),
-                ("store_hits", c_int64), ("store_misses", c_int64), ("cache_hits", c_int64), ("load_ms", c_double), ("collect_ms", c_double),
+                ("store_hits", c_int64), ("store_misses", c_int64), ("cache_hits", c_int64), ("store_errors", c_int64), ("load_ms", c_double), ("collect_ms", c_double),
                 ("place_ms", c_double), ("early_ms", c_double), ("check_ms", c_double), ("deep_ms", c_double),
                 ("blend_ms", c_double), ("n_gen", c_int64), ("decode_ms", c_double), ("stop_reason", c_int)]
 

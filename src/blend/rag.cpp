@@ -82,7 +82,20 @@ chunk_ptr chunk_fetch(store * st, chunk_tiers * tiers, engine & eng, const std::
         }
     }
     if (st) {
-        if (std::optional<chunk_kv> c = chunk_from_store(*st, eng, key, *cd, prefix, tokens, ev)) {
+        std::optional<chunk_kv> c;
+        try {
+            c = chunk_from_store(*st, eng, key, *cd, prefix, tokens, ev);
+        } catch (const error & e) {
+            if (put == CHUNK_PUT_REQUIRED) throw;
+            // a blend uses the store as a cache: it answers without it (a dead or
+            // stalled Redis costs this one call), and writes nothing to it either
+            std::fprintf(stderr, "warning: store %s could not be read (%s): going on without it\n", st->uri().c_str(),
+                         e.what());
+            stats.store_errors++;
+            stats.store_unreadable = true;
+            st = nullptr;
+        }
+        if (c) {
             auto p = std::make_shared<chunk_kv>(std::move(*c));
             stats.hits++;
             stats.load_ms += time_ms() - t0;
@@ -104,6 +117,7 @@ chunk_ptr chunk_fetch(store * st, chunk_tiers * tiers, engine & eng, const std::
             if (put == CHUNK_PUT_REQUIRED) throw error("could not store chunk " + key + ": " + e.what());
             // the blend goes on without caching this chunk
             std::fprintf(stderr, "warning: could not store chunk %s: %s\n", key.c_str(), e.what());
+            stats.store_errors++;
         }
     }
     auto p = std::make_shared<chunk_kv>(std::move(c));
@@ -132,6 +146,8 @@ rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_par
             r.chunk_hit.push_back(true);
             continue;
         }
+        // once a store call of this request failed, its other chunks go without the store
+        if (use_store && r.fetch.store_unreadable) use_store = false;
         if (use_store && p.store_usable) use_store = p.store_usable();
         const bool behind = p.collect_with_prefix && i > 0 && !rp.chunks[0].empty();
         const int64_t hits = r.fetch.hits;

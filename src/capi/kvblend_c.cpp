@@ -1001,6 +1001,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         fs.misses += fused.fetch.misses;
         fs.hits_host += fused.fetch.hits_host;
         fs.hits_dev += fused.fetch.hits_dev;
+        fs.store_errors += fused.fetch.store_errors;
         fs.load_ms += fused.fetch.load_ms;
         fs.collect_ms += fused.fetch.collect_ms;
         const blend_stats & bs = fused.stats;
@@ -1017,6 +1018,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
             s.store_hits = fs.hits;
             s.store_misses = fs.misses;
             s.cache_hits = fs.hits_host + fs.hits_dev;
+            s.store_errors = fs.store_errors;
             s.load_ms = fs.load_ms;
             s.collect_ms = fs.collect_ms;
             s.place_ms = bs.place_ms;

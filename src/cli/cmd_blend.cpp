@@ -193,6 +193,7 @@ int cmd_blend(int argc, char ** argv) {
     std::unique_ptr<engine> live = ep.kv_codec.empty() ? nullptr : std::make_unique<engine>(m, ep);
 
     // every chunk's KV (from the store, or collected), the blend and the fused cache's eviction
+    // a store that fails once open is a cache: the blend answers without it (store_errors)
     std::unique_ptr<store> st = store_uri.empty() ? nullptr : store_open(store_uri, so);
     rag_fuse_params fp;
     fp.st = st.get();
@@ -229,6 +230,7 @@ int cmd_blend(int argc, char ** argv) {
                         {"load_ms", fs.load_ms},
                         {"store_hits", fs.hits},
                         {"store_misses", fs.misses},
+                        {"store_errors", fs.store_errors},
                         {"blend_ms", bs.total_ms},
                         {"place_ms", bs.place_ms},
                         {"early_ms", bs.early_ms},

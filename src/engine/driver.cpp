@@ -242,10 +242,10 @@ void forward_driver::download(const ggml_tensor * t, void * data, size_t offset,
 void forward_driver::set_masks(ggml_tensor * kq_mask, ggml_tensor * score_mask, const graph::ubatch & ub,
                                const graph::ubatch_attn & a, int64_t window) {
     const int64_t n_tok = ub.n_tokens(), n_sel = (int64_t) ub.score_rows.size();
-    std::vector<ggml_fp16_t> filled;
     const ggml_fp16_t * mask = a.mask.data();
     if (a.mask.empty()) {
-        filled.resize(a.n_kv * n_tok);
+        std::vector<ggml_fp16_t> & filled = im_.mask_buf;
+        if (filled.size() < (size_t) (a.n_kv * n_tok)) filled.resize(a.n_kv * n_tok);
         graph::fill_causal_mask(filled.data(), a.kpos.data(), a.n_kv, ub.pos.data(), n_tok, window);
         mask = filled.data();
     } else if (window > 0) {

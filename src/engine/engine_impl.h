@@ -26,6 +26,9 @@ struct engine::impl {
     ggml_tensor * hidden = nullptr;
     int64_t n_hidden = 0;
     engine::transfer_stats transfers;
+    // a micro-batch's causal mask, filled on the host: kept between micro-batches,
+    // so that its n_kv x n_tokens values are not allocated and zeroed for each
+    std::vector<ggml_fp16_t> mask_buf;
     // decode graph reuse: the last decode ubatch's graph stays allocated on the
     // scheduler while nothing else runs and the shapes repeat (key)
     std::shared_ptr<ubatch_graph> decode_graph;

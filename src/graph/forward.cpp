@@ -1,5 +1,7 @@
 #include "graph/forward.h"
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 
 namespace kvblend::graph {
@@ -353,13 +355,28 @@ void fill_causal_mask(ggml_fp16_t * dst, const int32_t * kpos, int64_t n_kv, con
                       int64_t window) {
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f);
     const ggml_fp16_t ninf = ggml_fp32_to_fp16(-INFINITY);
+    auto visible = [&](int64_t j, int32_t q) {
+        return kpos[j] >= 0 && kpos[j] <= q && (window == 0 || (int64_t) q - kpos[j] < window);
+    };
+    // the keys' leading run of ascending positions (a dense cache, a blend's
+    // layout: most or all of them): a query sees one index range of it, so a
+    // row is three fills, not a test per key (a blend's early layers fill
+    // n_kv x n_ubatch values per micro-batch)
+    int64_t run = 0;
+    while (run < n_kv && kpos[run] >= 0 && (run == 0 || kpos[run] >= kpos[run - 1])) ++run;
     for (int64_t i = 0; i < n_q; ++i) {
         ggml_fp16_t * row = dst + i * n_kv;
-        for (int64_t j = 0; j < n_kv; ++j) {
-            const bool causal = kpos[j] >= 0 && kpos[j] <= qpos[i];
-            const bool in_window = window == 0 || (int64_t) qpos[i] - kpos[j] < window;
-            row[j] = causal && in_window ? zero : ninf;
-        }
+        const int32_t q = qpos[i];
+        // [lo, hi): the run's keys with q - window < kpos <= q
+        const int64_t hi = std::upper_bound(kpos, kpos + run, q) - kpos;
+        const int64_t lo =
+            window == 0
+                ? 0
+                : std::lower_bound(kpos, kpos + hi, (int32_t) std::max<int64_t>(INT32_MIN, q - window + 1)) - kpos;
+        std::fill(row, row + lo, ninf);
+        std::fill(row + lo, row + hi, zero);
+        std::fill(row + hi, row + run, ninf);
+        for (int64_t j = run; j < n_kv; ++j) row[j] = visible(j, q) ? zero : ninf;
     }
 }
 

@@ -107,12 +107,9 @@ std::string chunk_tier_summary(const chunk_tier_stats & s) {
 
 const char * chunk_tier_name(chunk_tier t) {
     switch (t) {
-        case CHUNK_TIER_HOST:
-            return "host";
-        case CHUNK_TIER_DEVICE:
-            return "device";
-        default:
-            return "none";
+        case CHUNK_TIER_HOST: return "host";
+        case CHUNK_TIER_DEVICE: return "device";
+        default: return "none";
     }
 }
 

@@ -17,6 +17,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -191,6 +192,21 @@ class dir_store : public store {
     std::optional<std::vector<uint8_t>> get(const std::string & key) override { return read_entry(key, true); }
     std::optional<std::vector<uint8_t>> peek(const std::string & key) override { return read_entry(key, false); }
 
+    // n bytes of new memory to read an entry into. a chunk's entry is tens of
+    // MB: in 4 KiB pages its first touch is one fault per page, which cost
+    // more than the read itself (1.3 GB/s); in 2 MiB pages (asked for where
+    // the kernel has transparent huge pages on "madvise") it reads at 3.3 GB/s
+    static std::vector<uint8_t> fresh_buffer(size_t n) {
+        std::vector<uint8_t> out;
+        out.reserve(n);
+        constexpr uintptr_t huge = 2u << 20;
+        const uintptr_t a = ((uintptr_t) out.data() + huge - 1) & ~(huge - 1),
+                        e = ((uintptr_t) out.data() + n) & ~(huge - 1);
+        if (n >= 2 * huge && e > a) madvise((void *) a, e - a, MADV_HUGEPAGE);  // a hint: failure changes nothing
+        out.resize(n);
+        return out;
+    }
+
     // use: a hit is a use, its recency for LRU is now
     std::optional<std::vector<uint8_t>> read_entry(const std::string & key, bool use) {
         check_key(key);
@@ -216,7 +232,7 @@ class dir_store : public store {
         const uint64_t cap =
             opts_.max_bytes ? std::min<uint64_t>(opts_.max_bytes, k_max_entry_bytes) : k_max_entry_bytes;
         if ((uint64_t) st.st_size > cap) return std::nullopt;
-        std::vector<uint8_t> out((size_t) st.st_size);
+        std::vector<uint8_t> out = fresh_buffer((size_t) st.st_size);
         size_t done = 0;
         while (done < out.size()) {
             const ssize_t r = read(fd.get(), out.data() + done, out.size() - done);

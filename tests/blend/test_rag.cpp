@@ -55,6 +55,44 @@ TEST(rag, a_fusion_is_the_same_from_the_store_from_collects_and_from_chunks_in_h
     EXPECT_EQ(st2->stats().n_entries, 1u);  // only the first chunk was put
 }
 
+// a store whose every call fails, as a dead or stalled Redis does once open
+class failing_store : public store {
+  public:
+    void put(const std::string &, const std::vector<uint8_t> &) override { fail(); }
+    std::optional<std::vector<uint8_t>> get(const std::string &) override { return fail(), std::nullopt; }
+    bool contains(const std::string &) override { return fail(), false; }
+    bool erase(const std::string &) override { return fail(), false; }
+    std::vector<store_entry_info> list() override { return fail(), std::vector<store_entry_info>{}; }
+    store_stats stats() override { return fail(), store_stats{}; }
+    uint64_t gc() override { return fail(), 0; }
+    std::string uri() const override { return "redis://127.0.0.1:1/0"; }
+    int calls = 0;
+
+  private:
+    void fail() {
+        ++calls;
+        throw error("redis at 127.0.0.1:1 did not answer within 1.0 s");
+    }
+};
+
+TEST(rag, a_blend_answers_without_a_store_that_fails_and_calls_it_once) {
+    auto m = model::load(k_stories);
+    engine eng(m, engine_default_params());
+    const rag_prompt rp = rag_prompt_build(m->tokens(), "Some stories.", k_docs, "Once upon a time", false);
+    const rag_fuse_result alone = rag_fuse(eng, rp, rag_fuse_params{});
+    failing_store dead;
+    rag_fuse_params p;
+    p.st = &dead;
+    const rag_fuse_result r = rag_fuse(eng, rp, p);
+    EXPECT_EQ(r.logits, alone.logits);
+    EXPECT_EQ(r.fetch.misses, 4);
+    EXPECT_EQ(r.fetch.store_errors, 1);
+    EXPECT_EQ(dead.calls, 1);  // one failed read: the other chunks skip the store, nothing is written
+    // ingest exists to store: there the failure is the caller's error
+    rag_ingest_params ip;
+    EXPECT_THROW(rag_ingest(dead, eng, rag_ingest_chunks(m->tokens(), k_docs, 0, false), ip), error);
+}
+
 TEST(rag, ingest_puts_every_chunk_under_the_key_a_blend_reads) {
     auto m = model::load(k_stories);
     engine eng(m, engine_default_params());

@@ -11,6 +11,7 @@
 
 #include "capi_suite.h"
 #include "kvblend.h"
+#include "store/redis_server.h"
 #include "test_util.h"
 
 namespace {
@@ -242,6 +243,26 @@ TEST_F(capi, a_grammar_or_a_json_schema_constrains_the_answer) {
     gp.grammar = "root ::= missing";
     EXPECT_EQ(kvb_generate(ctx, "Once", &gp, nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT);
     EXPECT_NE(std::string(kvb_last_error()).find("GBNF"), std::string::npos) << kvb_last_error();
+}
+
+// a store is a cache for documents given as text: a Redis that dies after
+// the store was opened costs one failed call, and the blend still answers
+TEST_F(capi, a_blend_answers_without_its_redis_once_it_dies) {
+    kvblend::test::redis_server redis;
+    kvb_store_params sp = kvb_store_default_params();
+    sp.cache_bytes = 0;  // no RAM tier: every chunk asks Redis
+    kvb_store * st = nullptr;
+    ASSERT_EQ(kvb_store_open((redis.uri() + "?timeout=1").c_str(), &sp, &st), KVB_OK) << kvb_last_error();
+    const std::vector<kvb_doc> docs = text_docs();
+    kvb_blend_stats s1, s2;
+    const std::string t1 = blend_text(ctx, st, docs, &s1);
+    EXPECT_EQ(s1.store_errors, 0);
+    redis.stop();
+    const std::string t2 = blend_text(ctx, st, docs, &s2);  // asserts KVB_OK
+    EXPECT_EQ(t2, t1);
+    EXPECT_EQ(s2.store_errors, 1);
+    EXPECT_EQ(s2.store_misses, 4);
+    kvb_store_free(st);
 }
 
 TEST_F(capi, blend_through_a_store_hits_the_second_time_and_documents_by_id_match) {

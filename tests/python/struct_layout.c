@@ -143,6 +143,7 @@ int main(void) {
     FIELD(kvb_blend_stats, store_hits);
     FIELD(kvb_blend_stats, store_misses);
     FIELD(kvb_blend_stats, cache_hits);
+    FIELD(kvb_blend_stats, store_errors);
     FIELD(kvb_blend_stats, load_ms);
     FIELD(kvb_blend_stats, collect_ms);
     FIELD(kvb_blend_stats, place_ms);

@@ -219,12 +219,8 @@ TEST(chunk_tiers, bounds_hold_under_many_threads_and_a_dropped_chunk_stays_usabl
                 const size_t k = rng() % chunks.size();
                 const std::string key = "k" + std::to_string(k);
                 switch (rng() % 4) {
-                    case 0:
-                        t.keep(key, chunks[k]);
-                        break;
-                    case 1:
-                        t.erase(key);
-                        break;
+                    case 0: t.keep(key, chunks[k]); break;
+                    case 1: t.erase(key); break;
                     default:
                         // a chunk found is the one kept under its key, whatever the others do
                         if (chunk_ptr c = t.find(key)) {
