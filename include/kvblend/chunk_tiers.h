@@ -28,13 +28,18 @@ namespace kvblend {
 
 using chunk_ptr = std::shared_ptr<const chunk_kv>;
 
-// a chunk's K and V of every layer in a backend buffer, head-major
-// ([head_dim, n_rows, n_head_kv] per layer, as kv_cache::k()): the device
-// tier's copy. the chunk_kv that carries one holds no host bytes
+// a chunk's K and V of every layer in a backend buffer: the device tier's
+// copy (the chunk_kv that carries one holds no host bytes). f16/f32 rows stay
+// token-major as the chunk holds them ([n_embd_kv, n_rows] per layer: one
+// upload, no host pass; a placement's copy turns them head-major on the
+// device); quantized rows are head-major already ([head_dim, n_rows,
+// n_head_kv], as kv_cache::k()), since ggml-cuda copies quantized rows only
+// contiguous to contiguous
 struct chunk_dev {
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
     std::vector<ggml_tensor *> k, v;  // by layer
+    bool token_major = false;
 
     chunk_dev() = default;
     chunk_dev(const chunk_dev &) = delete;
@@ -43,8 +48,8 @@ struct chunk_dev {
     size_t bytes() const { return buf ? ggml_backend_buffer_get_size(buf) : 0; }
 };
 
-// a copy of c's rows on device dev, split into n_head_kv heads per row
-// (nullptr when the device cannot allocate it); the result carries c's
+// a copy of c's rows on device dev, head-major rows split into n_head_kv
+// heads (nullptr when the device cannot allocate it); the result carries c's
 // tokens and shape, no host bytes
 chunk_ptr chunk_to_device(const chunk_kv & c, int64_t n_head_kv, ggml_backend_dev_t dev);
 // the host bytes of a chunk held on a device (a demotion)

@@ -300,20 +300,21 @@ void forward_driver::copy_dev_rows(const std::vector<dev_rows> & chunks, int l0,
     kv_cache & cache = eng_.cache();
     if (chunks.empty() || l0 >= l1) return;
     im_.decode_graph.reset();
-    // f16/f32: one strided copy per chunk and K or V. quantized rows go per
-    // head, contiguous to contiguous: ggml-cuda copies no quantized rows into
-    // their own type otherwise
-    const bool per_head = ggml_is_quantized(cache.type_k()) || ggml_is_quantized(cache.type_v());
+    // f16/f32 (token-major): one strided copy per chunk and K or V. quantized
+    // (head-major): one per head, contiguous to contiguous
     const int64_t n_head = cache.k(0)->ne[2];
-    const int64_t nodes_per_layer = 2 * (int64_t) chunks.size() * (per_head ? 3 * n_head : 2);
+    const int64_t nodes_per_layer = 2 * (int64_t) chunks.size() * 3 * n_head;  // the most: per head
     const int per_graph = (int) std::max<int64_t>(1, graph::k_max_nodes / 2 / nodes_per_layer);
     for (const dev_rows & c : chunks)
         for (int il = l0; il < l1; ++il)
-            for (auto [src, dst] : {std::pair{c.d->k[il], cache.k(il)}, std::pair{c.d->v[il], cache.v(il)}})
-                if (src->type != dst->type || src->ne[0] != dst->ne[0] || src->ne[2] != dst->ne[2] ||
-                    c.r0 + src->ne[1] > dst->ne[1] || src->buffer == nullptr ||
+            for (auto [src, dst] : {std::pair{c.d->k[il], cache.k(il)}, std::pair{c.d->v[il], cache.v(il)}}) {
+                const bool shaped = c.d->token_major
+                                        ? src->ne[0] == dst->ne[0] * dst->ne[2] && !ggml_is_quantized(src->type)
+                                        : src->ne[0] == dst->ne[0] && src->ne[2] == dst->ne[2];
+                if (!shaped || src->type != dst->type || c.r0 + src->ne[1] > dst->ne[1] || src->buffer == nullptr ||
                     ggml_backend_buffer_get_type(src->buffer) != ggml_backend_buffer_get_type(dst->buffer))
                     throw error("internal: a device chunk does not fit the cache it is placed in");
+            }
     for (int la = l0; la < l1; la += per_graph) {
         const int lb = std::min(l1, la + per_graph);
         ggml_init_params ip = {im_.meta_buf.size(), im_.meta_buf.data(), true};
@@ -324,12 +325,19 @@ void forward_driver::copy_dev_rows(const std::vector<dev_rows> & chunks, int l0,
             for (const dev_rows & ch : chunks) {
                 for (auto [src, dst] : {std::pair{ch.d->k[il], cache.k(il)}, std::pair{ch.d->v[il], cache.v(il)}}) {
                     const int64_t n = src->ne[1];
-                    if (!per_head) {
+                    if (ch.d->token_major) {
+                        // token-major rows [head_dim x n_head, n] seen as [head_dim, n, n_head]: the
+                        // copy into the cache's rows r0… is the transposition, on the device
+                        ggml_tensor * from = ggml_permute(
+                            c, ggml_view_3d(c, src, dst->ne[0], dst->ne[2], n, dst->nb[0] * dst->ne[0], src->nb[1], 0),
+                            0, 2, 1, 3);
                         ggml_tensor * to = ggml_view_3d(c, dst, dst->ne[0], n, dst->ne[2], dst->nb[1], dst->nb[2],
                                                         (size_t) ch.r0 * dst->nb[1]);
-                        ggml_build_forward_expand(gf, ggml_cpy(c, src, to));
+                        ggml_build_forward_expand(gf, ggml_cpy(c, from, to));
                         continue;
                     }
+                    // quantized, head-major: one contiguous copy per head (ggml-cuda
+                    // copies quantized rows into their own type only so)
                     for (int64_t h = 0; h < n_head; ++h) {
                         ggml_tensor * from = ggml_view_1d(c, src, src->ne[0] * n, (size_t) h * src->nb[2]);
                         ggml_tensor * to =

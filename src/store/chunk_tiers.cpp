@@ -16,22 +16,52 @@ chunk_dev::~chunk_dev() {
     if (ctx) ggml_free(ctx);
 }
 
+namespace {
+
+// c's tokens and shape, without its rows
+std::shared_ptr<chunk_kv> shape_of(const chunk_kv & c) {
+    auto out = std::make_shared<chunk_kv>();
+    out->tokens = c.tokens;
+    out->pos0 = c.pos0;
+    out->widths = c.widths;
+    out->type = c.type;
+    out->kept = c.kept;
+    return out;
+}
+
+chunk_ptr with_device_copy(const chunk_kv & c, std::shared_ptr<const chunk_dev> d) {
+    auto out = shape_of(c);
+    out->dev = std::move(d);
+    return out;
+}
+
+}  // namespace
+
 chunk_ptr chunk_to_device(const chunk_kv & c, int64_t n_head_kv, ggml_backend_dev_t dev) {
     if (!c.on_host()) throw error("internal: a chunk without host bytes cannot be copied to a device");
     if (n_head_kv <= 0 || !dev) throw error("internal: a device copy needs the device and its KV head count");
     auto d = std::make_shared<chunk_dev>();
     const int64_t n_layer = c.n_layer();
+    d->token_major = !ggml_is_quantized(c.type);
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * n_layer + 1), nullptr, true};
     d->ctx = ggml_init(ip);
     for (int64_t il = 0; il < n_layer; ++il) {
         if (c.n_embd_kv(il) % n_head_kv != 0) throw error("internal: a chunk's rows do not split into its KV heads");
         const int64_t hd = c.n_embd_kv(il) / n_head_kv;
-        d->k.push_back(ggml_new_tensor_3d(d->ctx, c.type, hd, c.n_rows(), n_head_kv));
-        d->v.push_back(ggml_new_tensor_3d(d->ctx, c.type, hd, c.n_rows(), n_head_kv));
+        for (auto * side : {&d->k, &d->v})
+            side->push_back(d->token_major ? ggml_new_tensor_2d(d->ctx, c.type, c.n_embd_kv(il), c.n_rows())
+                                           : ggml_new_tensor_3d(d->ctx, c.type, hd, c.n_rows(), n_head_kv));
     }
     d->buf = ggml_backend_alloc_ctx_tensors_from_buft(d->ctx, ggml_backend_dev_buffer_type(dev));
     if (!d->buf) return nullptr;  // the device is full: the caller keeps the chunk on the host
-    // the one host pass of the chunk's life on this device: token-major to head-major
+    if (d->token_major) {  // the rows as they are, one upload per layer's K and V
+        for (int64_t il = 0; il < n_layer; ++il) {
+            ggml_backend_tensor_set(d->k[il], c.k(il), 0, c.layer_bytes(il));
+            ggml_backend_tensor_set(d->v[il], c.v(il), 0, c.layer_bytes(il));
+        }
+        return with_device_copy(c, std::move(d));
+    }
+    // quantized: the one host pass of the chunk's life on this device, to head-major
     for (int64_t il = 0; il < n_layer; ++il) {
         for (const auto & part : {std::pair{d->k[il], c.k(il)}, std::pair{d->v[il], c.v(il)}}) {
             ggml_tensor * t = part.first;
@@ -40,26 +70,19 @@ chunk_ptr chunk_to_device(const chunk_kv & c, int64_t n_head_kv, ggml_backend_de
             });
         }
     }
-    auto out = std::make_shared<chunk_kv>();
-    out->tokens = c.tokens;
-    out->pos0 = c.pos0;
-    out->widths = c.widths;
-    out->type = c.type;
-    out->kept = c.kept;
-    out->dev = std::move(d);
-    return out;
+    return with_device_copy(c, std::move(d));
 }
 
 chunk_ptr chunk_to_host(const chunk_kv & c) {
     if (!c.dev) throw error("internal: a chunk without a device copy");
-    auto out = std::make_shared<chunk_kv>();
-    out->tokens = c.tokens;
-    out->pos0 = c.pos0;
-    out->widths = c.widths;
-    out->type = c.type;
-    out->kept = c.kept;
+    auto out = shape_of(c);
     out->data.resize(out->bytes());
     for (int64_t il = 0; il < out->n_layer(); ++il) {
+        if (c.dev->token_major) {
+            ggml_backend_tensor_get(c.dev->k[il], out->k(il), 0, out->layer_bytes(il));
+            ggml_backend_tensor_get(c.dev->v[il], out->v(il), 0, out->layer_bytes(il));
+            continue;
+        }
         for (const auto & part : {std::pair{c.dev->k[il], out->k(il)}, std::pair{c.dev->v[il], out->v(il)}}) {
             const ggml_tensor * t = part.first;
             kv_rows_to_host(t, 0, out->n_rows(), part.second,
