@@ -63,6 +63,12 @@ struct blend_params {
 };
 
 blend_params blend_default_params();
+// the one rule for a blend's params on a model: check layers among the layers
+// that own K/V ([0, n_layer_kv), fewer than n_layer on Gemma 4), ratios and
+// the deviation mass in [0, 1], a schedule's order, the chunk head and the
+// budget. throws kvblend::error naming the field and its range. blend() asks
+// it; the server (at start), the C API and the CLI ask it before any work
+void blend_params_check(const blend_params & p, const model_hparams & hp);
 
 // the options' names, as the CLI, the server and the bindings spell them:
 // v | k | kv, gradual | dense, global | chunk | mass. *_from_name returns

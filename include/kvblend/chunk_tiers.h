@@ -74,7 +74,7 @@ struct chunk_tier_stats {
     int64_t host_hits = 0, dev_hits = 0;  // finds served, since start
     int64_t misses = 0;                   // finds that neither tier held
     int64_t promotions = 0, demotions = 0;
-    int64_t dropped = 0;           // chunks the host tier let go (its bound)
+    int64_t dropped = 0;           // chunks let go for good (the host tier's bound, or no room there)
     int64_t dev_alloc_failed = 0;  // device copies the device could not allocate (kept on the host)
 };
 
@@ -137,8 +137,8 @@ class chunk_tiers {
     void insert(tier & t, const std::string & key, chunk_ptr c, size_t bytes,
                 std::vector<std::pair<std::string, chunk_ptr>> * evicted);
     void remove(tier & t, const std::string & key);
-    // under mu_: keep c in the host tier (when it fits the bound)
-    void put_host(const std::string & key, chunk_ptr c);
+    // under mu_: keep c in the host tier; false when it is larger than the bound
+    bool put_host(const std::string & key, chunk_ptr c);
     // under mu_: a device copy of host in the device tier; false when the
     // tier is off, the chunk too large or the device full
     bool put_dev(const std::string & key, const chunk_ptr & host);

@@ -72,6 +72,31 @@ const char * blend_budget_names() {
     return k_budgets.list;
 }
 
+void blend_params_check(const blend_params & params, const model_hparams & hp) {
+    std::vector<std::pair<int, float>> steps = params.schedule;
+    if (steps.empty()) steps.push_back({params.check_layer, params.recomp_ratio});
+    for (size_t i = 0; i < steps.size(); ++i) {
+        const auto [l, r] = steps[i];
+        const std::string step = params.schedule.empty() ? "" : "blend schedule step " + std::to_string(i) + ": ";
+        // scoring compares a layer's fresh K/V with its cache: a layer that owns them
+        if (l < 0 || l >= hp.n_layer_kv)
+            throw error(step + "check layer " + std::to_string(l) + " is outside [0, " +
+                        std::to_string(hp.n_layer_kv - 1) + "]" +
+                        (hp.n_layer_kv < hp.n_layer ? " (the layers with K/V of their own)" : ""));
+        if (!(r >= 0.0f && r <= 1.0f))
+            throw error(step + "recompute ratio must be in [0, 1], got " + std::to_string(r));
+        if (i > 0 && (l <= steps[i - 1].first || r > steps[i - 1].second))
+            throw error("a blend schedule needs increasing layers and non-increasing ratios");
+    }
+    if (params.recompute_chunk_head < 0) throw error("recompute_chunk_head must not be negative");
+    if (params.budget != BLEND_BUDGET_GLOBAL && params.budget != BLEND_BUDGET_CHUNK &&
+        params.budget != BLEND_BUDGET_MASS)
+        throw error("unknown blend budget " + std::to_string((int) params.budget));
+    if (!(params.dev_mass >= 0.0f && params.dev_mass <= 1.0f))
+        throw error("the deviation mass of an adaptive ratio must be in [0, 1], got " +
+                    std::to_string(params.dev_mass));
+}
+
 namespace {
 
 chunk_kv read_chunk(engine & eng, const std::vector<llama_token> & tokens, int64_t row0, int64_t pos0) {
@@ -339,22 +364,9 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     if (chunks.empty()) throw error("blend needs at least one non-empty chunk");
     if (query.empty()) throw error("blend needs a non-empty query");
 
+    blend_params_check(params, hp);
     std::vector<std::pair<int, float>> steps = params.schedule;
     if (steps.empty()) steps.push_back({params.check_layer, params.recomp_ratio});
-    for (size_t i = 0; i < steps.size(); ++i) {
-        const auto [l, r] = steps[i];
-        // scoring compares a layer's fresh K/V with its cache: a layer that owns them
-        if (l < 0 || l >= hp.n_layer_kv)
-            throw error("check layer " + std::to_string(l) + " is outside [0, " + std::to_string(hp.n_layer_kv - 1) +
-                        "]" + (hp.n_layer_kv < hp.n_layer ? " (the layers with K/V of their own)" : ""));
-        if (!(r >= 0.0f && r <= 1.0f)) throw error("recompute ratio must be in [0, 1], got " + std::to_string(r));
-        if (i > 0 && (l <= steps[i - 1].first || r > steps[i - 1].second))
-            throw error("a blend schedule needs increasing layers and non-increasing ratios");
-    }
-    if (params.recompute_chunk_head < 0) throw error("recompute_chunk_head must not be negative");
-    if (params.budget != BLEND_BUDGET_GLOBAL && params.budget != BLEND_BUDGET_CHUNK &&
-        params.budget != BLEND_BUDGET_MASS)
-        throw error("unknown blend budget " + std::to_string((int) params.budget));
 
     // layout: [c_0 | c_1 … c_k | query], one row per held token (evicted
     // chunks hold fewer rows than tokens; positions count every token)
@@ -406,9 +418,6 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     std::vector<int32_t> chunk_of(N, -1);  // the chunk of each row
     for (size_t i = 0; i < chunks.size(); ++i)
         for (int64_t j = 0; j < chunks[i]->n_rows(); ++j) chunk_of[chunk_start[i] + j] = (int32_t) i;
-    if (!(params.dev_mass >= 0.0f && params.dev_mass <= 1.0f))
-        throw error("the deviation mass of an adaptive ratio must be in [0, 1], got " +
-                    std::to_string(params.dev_mass));
 
     // the layers below the first check are recomputed for every token: place the rest
     double t0 = time_ms();

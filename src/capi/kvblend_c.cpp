@@ -873,28 +873,20 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         const context_use in_use(*ctx);
         const sampler_params sp = sampling_of(gp, *ctx->m);
         const model & m = *ctx->m;
-        const int n_layer = (int) m.hparams().n_layer;
         // every document takes a position at least: more cannot fit, and the count sizes vectors below
         if (n_docs > (uint64_t) m.hparams().n_ctx_train)
             fail(KVB_ERR_INVALID_ARGUMENT, std::to_string(n_docs) + " documents cannot fit the model's context of " +
                                                std::to_string(m.hparams().n_ctx_train) + " tokens");
 
-        // the blend params, checked here so that a bad one is an invalid argument
+        // the blend params, checked here (blend_params_check, the one rule) so that a bad one is an invalid argument
         kvblend::blend_params bp = blend_default_params();
-        if (!(p.recomp_ratio >= 0 && p.recomp_ratio <= 1))
-            fail(KVB_ERR_INVALID_ARGUMENT, "recomp_ratio must be in [0, 1]");
-        if (p.check_layer < 0 || p.check_layer >= n_layer)
-            fail(KVB_ERR_INVALID_ARGUMENT, "check_layer must be in [0, " + std::to_string(n_layer - 1) + "]");
-        const int score = enum_value(p.score), method = enum_value(p.method);
+        const int score = enum_value(p.score), method = enum_value(p.method), budget = enum_value(p.budget);
         if (score < KVB_SCORE_V || score > KVB_SCORE_KV)
             fail(KVB_ERR_INVALID_ARGUMENT, "score must be KVB_SCORE_V, K or KV");
         if (method != KVB_METHOD_GRADUAL && method != KVB_METHOD_DENSE)
             fail(KVB_ERR_INVALID_ARGUMENT, "method must be KVB_METHOD_GRADUAL or KVB_METHOD_DENSE");
-        if (p.chunk_head < 0) fail(KVB_ERR_INVALID_ARGUMENT, "chunk_head must not be negative");
-        const int budget = enum_value(p.budget);
         if (budget < KVB_BUDGET_GLOBAL || budget > KVB_BUDGET_MASS)
             fail(KVB_ERR_INVALID_ARGUMENT, "budget must be KVB_BUDGET_GLOBAL, CHUNK or MASS");
-        if (!(p.dev_mass >= 0 && p.dev_mass <= 1)) fail(KVB_ERR_INVALID_ARGUMENT, "dev_mass must be in [0, 1]");
         bp.recomp_ratio = p.recomp_ratio;
         bp.check_layer = p.check_layer;
         bp.score = k_score_of[score];
@@ -907,15 +899,15 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         if (p.n_schedule > 0) {
             need(p.schedule_layers, "schedule_layers (with n_schedule > 0)");
             need(p.schedule_ratios, "schedule_ratios (with n_schedule > 0)");
-            for (size_t i = 0; i < p.n_schedule; ++i) {
-                const int l = p.schedule_layers[i];
-                const float r = p.schedule_ratios[i];
-                if (l < 0 || l >= n_layer || !(r >= 0 && r <= 1) ||
-                    (i > 0 && (l <= p.schedule_layers[i - 1] || r > p.schedule_ratios[i - 1])))
-                    fail(KVB_ERR_INVALID_ARGUMENT, "a schedule needs layers in [0, " + std::to_string(n_layer - 1) +
-                                                       "] increasing and ratios in [0, 1] not increasing");
-                bp.schedule.emplace_back(l, r);
-            }
+            if (p.n_schedule > (size_t) m.hparams().n_layer)
+                fail(KVB_ERR_INVALID_ARGUMENT, "a schedule has at most one step per layer");
+            for (size_t i = 0; i < p.n_schedule; ++i)
+                bp.schedule.emplace_back(p.schedule_layers[i], p.schedule_ratios[i]);
+        }
+        try {
+            blend_params_check(bp, m.hparams());
+        } catch (const error & e) {
+            fail(KVB_ERR_INVALID_ARGUMENT, e.what());
         }
 
         // the documents as token chunks: texts cut as every layout cuts them,

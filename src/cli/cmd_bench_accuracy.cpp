@@ -245,7 +245,7 @@ variant parse_variant(const std::string & spec, int n_layer) {
         else if (key == "method" && has_val)
             v.bp.method = parse_choice(parse_blend_method, val, spec);
         else if (key == "check" && has_val)
-            v.bp.check_layer = (int) parse_int(val, spec, 0, n_layer - 1);
+            v.bp.check_layer = (int) parse_int(val, spec, 0, n_layer - 1);  // and blend_params_check once loaded
         else if (key == "head" && has_val)
             v.bp.recompute_chunk_head = (int) parse_int(val, spec, 0, 1 << 20);
         else if (s == "beyond-budget")
@@ -343,10 +343,11 @@ int bench_accuracy(args & a) {
     const int64_t nv = hp.n_vocab;
     std::vector<variant> vars;
     for (const auto & s : specs) vars.push_back(parse_variant(s, (int) hp.n_layer));
-    for (const auto & v : vars)
-        if (v.bp.check_layer >= hp.n_layer)
-            throw error("variant '" + v.name + "': the check layer must be below the model's " +
-                        std::to_string(hp.n_layer) + " layers");
+    for (const auto & v : vars) try {
+            blend_params_check(v.bp, hp);
+        } catch (const error & e) {
+            throw error("variant '" + v.name + "': " + e.what());
+        }
 
     // every prompt as kvblend blend builds it
     std::vector<rag_prompt> rps;

@@ -166,8 +166,7 @@ int cmd_blend(int argc, char ** argv) {
     check_chunk_evict_flags(chunk_ev);
 
     auto m = model::load(model_path, mp);
-    if (bp.check_layer >= m->hparams().n_layer)
-        throw error("--check-layer must be below the model's " + std::to_string(m->hparams().n_layer) + " layers");
+    blend_params_check(bp, m->hparams());
     uint64_t text_bytes = system.size() + query.size();
     for (const auto & d : docs) text_bytes += d.size();
     check_text_fits(m->tokens(), text_bytes, m->hparams().n_ctx_train, "the system text, documents and query");

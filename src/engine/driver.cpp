@@ -303,8 +303,6 @@ void forward_driver::copy_dev_rows(const std::vector<dev_rows> & chunks, int l0,
     // f16/f32 (token-major): one strided copy per chunk and K or V. quantized
     // (head-major): one per head, contiguous to contiguous
     const int64_t n_head = cache.k(0)->ne[2];
-    const int64_t nodes_per_layer = 2 * (int64_t) chunks.size() * 3 * n_head;  // the most: per head
-    const int per_graph = (int) std::max<int64_t>(1, graph::k_max_nodes / 2 / nodes_per_layer);
     for (const dev_rows & c : chunks)
         for (int il = l0; il < l1; ++il)
             for (auto [src, dst] : {std::pair{c.d->k[il], cache.k(il)}, std::pair{c.d->v[il], cache.v(il)}}) {
@@ -315,43 +313,57 @@ void forward_driver::copy_dev_rows(const std::vector<dev_rows> & chunks, int l0,
                     ggml_backend_buffer_get_type(src->buffer) != ggml_backend_buffer_get_type(dst->buffer))
                     throw error("internal: a device chunk does not fit the cache it is placed in");
             }
-    for (int la = l0; la < l1; la += per_graph) {
-        const int lb = std::min(l1, la + per_graph);
-        ggml_init_params ip = {im_.meta_buf.size(), im_.meta_buf.data(), true};
-        ggml_context_ptr ctx(ggml_init(ip));
-        ggml_context * c = ctx.get();
-        ggml_cgraph * gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
-        for (int il = la; il < lb; ++il) {
-            for (const dev_rows & ch : chunks) {
-                for (auto [src, dst] : {std::pair{ch.d->k[il], cache.k(il)}, std::pair{ch.d->v[il], cache.v(il)}}) {
-                    const int64_t n = src->ne[1];
-                    if (ch.d->token_major) {
-                        // token-major rows [head_dim x n_head, n] seen as [head_dim, n, n_head]: the
-                        // copy into the cache's rows r0… is the transposition, on the device
-                        ggml_tensor * from = ggml_permute(
-                            c, ggml_view_3d(c, src, dst->ne[0], dst->ne[2], n, dst->nb[0] * dst->ne[0], src->nb[1], 0),
-                            0, 2, 1, 3);
-                        ggml_tensor * to = ggml_view_3d(c, dst, dst->ne[0], n, dst->ne[2], dst->nb[1], dst->nb[2],
-                                                        (size_t) ch.r0 * dst->nb[1]);
-                        ggml_build_forward_expand(gf, ggml_cpy(c, from, to));
-                        continue;
-                    }
-                    // quantized, head-major: one contiguous copy per head (ggml-cuda
-                    // copies quantized rows into their own type only so)
-                    for (int64_t h = 0; h < n_head; ++h) {
-                        ggml_tensor * from = ggml_view_1d(c, src, src->ne[0] * n, (size_t) h * src->nb[2]);
-                        ggml_tensor * to =
-                            ggml_view_1d(c, dst, dst->ne[0] * n, (size_t) h * dst->nb[2] + (size_t) ch.r0 * dst->nb[1]);
-                        ggml_build_forward_expand(gf, ggml_cpy(c, from, to));
-                    }
-                }
-            }
-        }
+    // graphs of at most half the node budget (a copy and its views: 4 tensors at most),
+    // cut between copies, so any number of chunks and heads fits
+    const int64_t max_objects = graph::k_max_nodes / 2;
+    ggml_context_ptr ctx;
+    ggml_cgraph * gf = nullptr;
+    int64_t objects = 0;
+    auto run = [&] {
+        if (!gf || ggml_graph_n_nodes(gf) == 0) return;
         ggml_backend_sched_t sched = im_.sched.get();
         ggml_backend_sched_reset(sched);
         if (!ggml_backend_sched_alloc_graph(sched, gf)) throw error("cannot allocate the compute graph");
         if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
+        gf = nullptr;
+    };
+    auto copy = [&](ggml_tensor * from, ggml_tensor * to) {
+        ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), from, to));
+        objects += 4;
+    };
+    for (int il = l0; il < l1; ++il) {
+        for (const dev_rows & ch : chunks) {
+            const int64_t need = 2 * 4 * (ch.d->token_major ? 1 : n_head);  // K and V of this chunk and layer
+            if (!gf || objects + need > max_objects) {
+                run();
+                ctx.reset();  // its tensors live in meta_buf, which the next graph takes over
+                ggml_init_params ip = {im_.meta_buf.size(), im_.meta_buf.data(), true};
+                ctx.reset(ggml_init(ip));
+                gf = ggml_new_graph_custom(ctx.get(), graph::k_max_nodes, false);
+                objects = 0;
+            }
+            ggml_context * c = ctx.get();
+            for (auto [src, dst] : {std::pair{ch.d->k[il], cache.k(il)}, std::pair{ch.d->v[il], cache.v(il)}}) {
+                const int64_t n = src->ne[1];
+                if (ch.d->token_major) {
+                    // token-major rows [head_dim x n_head, n] seen as [head_dim, n, n_head]: the
+                    // copy into the cache's rows r0… is the transposition, on the device
+                    ggml_tensor * from = ggml_permute(
+                        c, ggml_view_3d(c, src, dst->ne[0], dst->ne[2], n, dst->nb[0] * dst->ne[0], src->nb[1], 0), 0,
+                        2, 1, 3);
+                    copy(from, ggml_view_3d(c, dst, dst->ne[0], n, dst->ne[2], dst->nb[1], dst->nb[2],
+                                            (size_t) ch.r0 * dst->nb[1]));
+                    continue;
+                }
+                // quantized, head-major: one contiguous copy per head (ggml-cuda
+                // copies quantized rows into their own type only so)
+                for (int64_t h = 0; h < n_head; ++h)
+                    copy(ggml_view_1d(c, src, src->ne[0] * n, (size_t) h * src->nb[2]),
+                         ggml_view_1d(c, dst, dst->ne[0] * n, (size_t) h * dst->nb[2] + (size_t) ch.r0 * dst->nb[1]));
+            }
+        }
     }
+    run();
 }
 
 graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {

@@ -51,6 +51,19 @@ struct server::impl {
         return p;
     }
 
+    // … and those the model cannot take (a check layer past its layers with K/V)
+    static const server_params & checked_for(const model & mm, const server_params & p) {
+        blend_params bp = blend_default_params();
+        bp.check_layer = p.check_layer;
+        bp.recomp_ratio = p.recomp_ratio;
+        try {
+            blend_params_check(bp, mm.hparams());
+        } catch (const error & e) {
+            throw error(std::string("--check-layer / --recomp-ratio: ") + e.what());
+        }
+        return p;
+    }
+
     static std::unique_ptr<soft_store> open_store(const server_params & p) {
         if (p.store_uri.empty()) return nullptr;
         store_options so;
@@ -60,7 +73,7 @@ struct server::impl {
 
     impl(std::shared_ptr<const model> mm, const server_params & pp)
         : m(model::at_context(std::move(mm), pp.n_ctx)),  // the rotation of a slot's context
-          p(checked(pp)),
+          p(checked_for(*m, checked(pp))),
           st(open_store(p)),
           model_id(!p.alias.empty() ? p.alias : m->path().substr(m->path().find_last_of('/') + 1)),
           jobs(m, p, st.get(), &tiers),

@@ -555,7 +555,7 @@ struct server_context::impl {
         fp.tiers = tiers;
         fp.codec = p.codec;
         fp.blend = j.sel;
-        fp.blend.check_layer = std::min<int>(p.check_layer, (int) m->hparams().n_layer - 1);
+        fp.blend.check_layer = p.check_layer;  // checked at start (server.cpp)
         // once a store call of this request failed (a deadline, say), its
         // other chunks are collected without reading or writing the store
         const int64_t store_failures = soft_store::thread_failures();

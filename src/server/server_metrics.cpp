@@ -83,7 +83,8 @@ std::string server_metrics::text(const metrics_gauges & g) const {
     tier_gauge("kvblend_chunk_tier_chunks", "chunks a tier holds", t.dev_chunks, t.host_chunks);
     counter("kvblend_chunk_tier_promotions_total", "chunks moved from the host tier to the device tier", t.promotions);
     counter("kvblend_chunk_tier_demotions_total", "chunks moved from the device tier to the host tier", t.demotions);
-    counter("kvblend_chunk_tier_dropped_total", "chunks the host tier let go to stay in its bound", t.dropped);
+    counter("kvblend_chunk_tier_dropped_total", "chunks the tiers let go for good (the store still has them)",
+            t.dropped);
     out += "# HELP kvblend_known_documents documents whose text plain prompts are searched for\n";
     out += "# TYPE kvblend_known_documents gauge\nkvblend_known_documents " + std::to_string(g.known_documents) + "\n";
     out += "# HELP kvblend_time_to_first_token_seconds time from a request's arrival to its first token\n";

@@ -54,7 +54,7 @@ chunk_ptr chunk_to_device(const chunk_kv & c, int64_t n_head_kv, ggml_backend_de
     }
     d->buf = ggml_backend_alloc_ctx_tensors_from_buft(d->ctx, ggml_backend_dev_buffer_type(dev));
     if (!d->buf) return nullptr;  // the device is full: the caller keeps the chunk on the host
-    if (d->token_major) {  // the rows as they are, one upload per layer's K and V
+    if (d->token_major) {         // the rows as they are, one upload per layer's K and V
         for (int64_t il = 0; il < n_layer; ++il) {
             ggml_backend_tensor_set(d->k[il], c.k(il), 0, c.layer_bytes(il));
             ggml_backend_tensor_set(d->v[il], c.v(il), 0, c.layer_bytes(il));
@@ -96,10 +96,15 @@ size_t chunk_held_bytes(const chunk_kv & c) {
     return c.dev ? c.dev->bytes() : c.data.size();
 }
 
-uint64_t chunk_tier_host_default_bytes() {
+namespace {
+uint64_t ram_bytes() {
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    const uint64_t ram = pages > 0 && page > 0 ? (uint64_t) pages * (uint64_t) page : 0;
-    return std::min<uint64_t>(ram / 8, 4096ull << 20);
+    return pages > 0 && page > 0 ? (uint64_t) pages * (uint64_t) page : 0;
+}
+}  // namespace
+
+uint64_t chunk_tier_host_default_bytes() {
+    return std::min<uint64_t>(ram_bytes() / 8, 4096ull << 20);
 }
 
 chunk_tier_params chunk_tier_params_for(const model & m, int64_t host_mb, int64_t dev_mb) {
@@ -120,6 +125,13 @@ chunk_tier_params chunk_tier_params_for(const model & m, int64_t host_mb, int64_
             throw error("--chunk-cache-dev " + std::to_string(dev_mb) + " MiB is more than the " +
                         std::to_string(free / mib) + " MiB free on " + ggml_backend_dev_name(p.dev));
     }
+    // the host tier is RAM, and so is a device tier on the CPU
+    const uint64_t ram = ram_bytes(), in_ram = p.host_bytes + (cpu ? p.dev_bytes : 0);
+    if (ram > 0 && in_ram > ram)
+        throw error(std::string(cpu && p.dev_bytes ? "--chunk-cache-host and --chunk-cache-dev (on the CPU) add up to "
+                                                   : "--chunk-cache-host is ") +
+                    std::to_string(in_ram / mib) + " MiB, more than the machine's " + std::to_string(ram / mib) +
+                    " MiB of RAM");
     return p;
 }
 
@@ -171,12 +183,13 @@ void chunk_tiers::insert(tier & t, const std::string & key, chunk_ptr c, size_t 
     t.held += bytes;
 }
 
-void chunk_tiers::put_host(const std::string & key, chunk_ptr c) {
+bool chunk_tiers::put_host(const std::string & key, chunk_ptr c) {
     const size_t bytes = chunk_held_bytes(*c);
-    if (bytes > host_.max) return;  // larger than the whole tier (or the tier is off)
+    if (bytes > host_.max) return false;  // larger than the whole tier (or the tier is off)
     std::vector<std::pair<std::string, chunk_ptr>> gone;
     insert(host_, key, std::move(c), bytes, &gone);
     st_.dropped += (int64_t) gone.size();
+    return true;
 }
 
 void chunk_tiers::dev_room(size_t bytes) {
@@ -186,9 +199,9 @@ void chunk_tiers::dev_room(size_t bytes) {
         gone.emplace_back(victim, dev_.map[victim].c);
         remove(dev_, victim);
     }
-    for (auto & [k, c] : gone) {  // down to the host tier, not lost
-        st_.demotions++;
-        if (host_.max > 0) put_host(k, chunk_to_host(*c));
+    for (auto & [k, c] : gone) {  // down to the host tier where it fits, else dropped (the store has it)
+        const bool kept = host_.max > 0 && put_host(k, chunk_to_host(*c));
+        (kept ? st_.demotions : st_.dropped)++;
     }
 }
 
@@ -228,12 +241,18 @@ chunk_ptr chunk_tiers::find(const std::string & key, chunk_tier * where) {
     st_.host_hits++;
     if (where) *where = CHUNK_TIER_HOST;
     chunk_ptr c = it->second.c;
-    if (put_dev(key, c)) {  // promoted: the host copy is no longer needed
+    if (dev_.max == 0) {
+        host_.lru.splice(host_.lru.begin(), host_.lru, it->second.lru);
+        return c;
+    }
+    // out of the host tier first: the room the device tier makes may demote
+    // chunks into it, which must not push this one out under our feet
+    remove(host_, key);
+    if (put_dev(key, c)) {  // promoted
         st_.promotions++;
-        remove(host_, key);
         return dev_.map[key].c;
     }
-    host_.lru.splice(host_.lru.begin(), host_.lru, it->second.lru);
+    put_host(key, c);  // the device could not take it: back, as the most recent
     return c;
 }
 

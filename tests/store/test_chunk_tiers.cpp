@@ -137,6 +137,37 @@ TEST(chunk_tiers, device_copies_place_as_host_rows) {
     }
 }
 
+// more chunks than one graph holds copies for (a request of ~200 short
+// documents aborted the server in ggml with a quantized cache): the copies go
+// in several graphs, and every row lands where the uploads put it
+TEST(chunk_tiers, hundreds_of_device_chunks_place_in_several_graphs) {
+    auto m = model::load(test::make_test_model("tiny"));
+    for (ggml_type t : {GGML_TYPE_Q8_0, GGML_TYPE_F16}) {
+        SCOPED_TRACE(ggml_type_name(t));
+        engine_params ep = engine_default_params();
+        ep.type_k = ep.type_v = t;
+        ep.n_ctx = 1500;
+        engine eng(m, ep);
+        // past k_max_nodes tensors in one layer's copies (2 x n_head x 3 a chunk, before) for any head count
+        const int n = 1400;
+        std::vector<chunk_kv> host;
+        std::vector<chunk_ptr> dev;
+        for (int i = 0; i < n; ++i) {
+            host.push_back(collect(eng, test::random_tokens(*m, 1, 100 + i)));
+            dev.push_back(chunk_to_device(host.back(), m->hparams().n_head_kv, m->device()));
+        }
+        std::vector<const chunk_kv *> hp, dp;
+        for (int i = 0; i < n; ++i) hp.push_back(&host[i]), dp.push_back(dev[i].get());
+        eng.cache().clear();
+        place(eng, hp);
+        const std::vector<float> k = eng.cache().read_k(1, 0, n), v = eng.cache().read_v(1, 0, n);
+        eng.cache().clear();
+        place(eng, dp);
+        EXPECT_EQ(eng.cache().read_k(1, 0, n), k);
+        EXPECT_EQ(eng.cache().read_v(1, 0, n), v);
+    }
+}
+
 chunk_ptr chunk_of(const model & m, int64_t n_tokens, int seed) {
     auto c = std::make_shared<chunk_kv>();
     c->tokens = test::random_tokens(m, n_tokens, seed);
