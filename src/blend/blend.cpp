@@ -80,11 +80,10 @@ void blend_params_check(const blend_params & params, const model_hparams & hp) {
         const std::string step = params.schedule.empty() ? "" : "blend schedule step " + std::to_string(i) + ": ";
         // scoring compares a layer's fresh K/V with its cache: a layer that owns them
         if (l < 0 || l >= hp.n_layer_kv)
-            throw error(step + "check layer " + std::to_string(l) + " is outside [0, " +
+            throw error(step + "check_layer " + std::to_string(l) + " is outside [0, " +
                         std::to_string(hp.n_layer_kv - 1) + "]" +
                         (hp.n_layer_kv < hp.n_layer ? " (the layers with K/V of their own)" : ""));
-        if (!(r >= 0.0f && r <= 1.0f))
-            throw error(step + "recompute ratio must be in [0, 1], got " + std::to_string(r));
+        if (!(r >= 0.0f && r <= 1.0f)) throw error(step + "recomp_ratio must be in [0, 1], got " + std::to_string(r));
         if (i > 0 && (l <= steps[i - 1].first || r > steps[i - 1].second))
             throw error("a blend schedule needs increasing layers and non-increasing ratios");
     }
@@ -93,7 +92,7 @@ void blend_params_check(const blend_params & params, const model_hparams & hp) {
         params.budget != BLEND_BUDGET_MASS)
         throw error("unknown blend budget " + std::to_string((int) params.budget));
     if (!(params.dev_mass >= 0.0f && params.dev_mass <= 1.0f))
-        throw error("the deviation mass of an adaptive ratio must be in [0, 1], got " +
+        throw error("dev_mass must be in [0, 1] (an adaptive ratio's share of the deviation), got " +
                     std::to_string(params.dev_mass));
 }
 

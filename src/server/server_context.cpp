@@ -13,6 +13,7 @@
 #include "kvblend/rag.h"
 #include "kvblend/store.h"
 #include "server/server_request.h"
+#include "server/server_response.h"
 
 namespace kvblend {
 
@@ -492,7 +493,7 @@ struct server_context::impl {
         chunk_fetch_stats fs;
         const auto cd = codec_by_name(p.codec);
         for (const auto & d : j.ingest_docs) {
-            if (j.cancelled) throw error("the client went away");
+            if (j.cancelled) throw client_closed_error();
             if ((int64_t) d.size() > eng.cache().n_ctx())
                 bad_request("a document of " + std::to_string(d.size()) + " tokens exceeds the context of " +
                             std::to_string(eng.cache().n_ctx()));

@@ -24,6 +24,11 @@ completion_meta completion_meta_new(bool chat) {
     return c;
 }
 
+request_error client_closed_error() {
+    return request_error{400, "the request was cancelled: the client closed its side of the connection",
+                         "invalid_request_error", "client_closed_request"};
+}
+
 void job_raise_error(const job & j) {
     if (j.error.empty()) return;
     throw request_error{j.error_status, j.error, j.error_status < 500 ? "invalid_request_error" : "server_error",
@@ -94,9 +99,7 @@ json openai_format::completion(const job & j, const completion_meta & c) const {
     job_raise_error(j);
     // stopped early because the client closed its side: what was made is
     // no answer, and is never sent as a complete one
-    if (j.cancelled)
-        throw request_error{400, "the request was cancelled: the client closed its side of the connection",
-                            "invalid_request_error", "client_closed_request"};
+    if (j.cancelled) throw client_closed_error();
     json out = {
         {"id", c.id}, {"created", c.created}, {"model", model_id_}, {"usage", usage(j)}, {"kvblend", kvblend(j)}};
     if (c.chat) {

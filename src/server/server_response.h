@@ -14,6 +14,7 @@
 
 #include "kvblend/vocab.h"
 #include "server/server_job.h"
+#include "server/server_request.h"
 
 namespace kvblend {
 
@@ -27,6 +28,9 @@ completion_meta completion_meta_new(bool chat);
 
 // a failed job's error, thrown as the request_error its status calls for; nothing when it did not fail
 void job_raise_error(const job & j);
+// the error of a request whose client closed its side before the end: a 400
+// (client_closed_request), so that a hang-up is never counted as the server's fault
+request_error client_closed_error();
 
 class openai_format {
   public:

@@ -68,9 +68,7 @@ TEST(blend_params_rule, the_check_layer_bound_is_the_same_at_every_edge) {
 
     // the CLI
     test::temp_dir d("blend-params");
-    {
-        std::ofstream(d.file("doc.txt")) << "Tom had a red ball.";
-    }
+    { std::ofstream(d.file("doc.txt")) << "Tom had a red ball."; }
     const std::string args = "blend -m " + path + " --doc " + d.file("doc.txt") + " --query q -n 2 --check-layer ";
     test::run_result r = test::run_cli(args + std::to_string(bad));
     EXPECT_EQ(r.status, 1) << r.err;

@@ -64,7 +64,7 @@ TEST(cli_blend, bad_flags_are_errors) {
     const std::vector<std::pair<std::string, std::string>> cases = {
         {"blend -m " + k_stories + docs.args() + " --query q --recomp-ratio 2",
          "--recomp-ratio expects a number in [0, 1]"},
-        {"blend -m " + k_stories + docs.args() + " --query q --check-layer 9", "--check-layer must be below"},
+        {"blend -m " + k_stories + docs.args() + " --query q --check-layer 9", "check_layer 9 is outside [0, 4]"},
         {"blend -m " + k_stories + docs.args() + " --query q --method fast", "--method must be gradual or dense"},
         {"blend -m " + k_stories + docs.args() + " --query q --score z", "--score must be v, k or kv"},
         {"blend -m " + k_stories + docs.args() + " --query q --budget local", "--budget must be global, chunk or mass"},

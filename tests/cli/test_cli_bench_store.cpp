@@ -27,6 +27,9 @@ TEST(cli_bench_store, rows_time_load_and_place_against_the_collect) {
     EXPECT_GT(collect_ms, 0.0);
     ASSERT_FALSE(j["rows"].empty());
     EXPECT_EQ(j["rows"][0]["cache"], "warm");
+    int tiers = 0;  // the hot rows of the chunk tiers follow the store's
+    for (const auto & row : j["rows"]) tiers += row["store"] == "tier:host" || row["store"] == "tier:device";
+    EXPECT_EQ(tiers, 2) << j.dump();
     for (const auto & row : j["rows"]) {
         const double load = row["load_ms"].get<double>(), place = row["place_ms"].get<double>();
         EXPECT_GT(load, 0.0);

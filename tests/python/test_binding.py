@@ -114,7 +114,7 @@ def test_errors_are_exceptions_with_the_c_message(model, tmp_path):
     assert e.value.status == "KVB_ERR_FAILED"
     with pytest.raises(kvblend.InvalidArgumentError, match=r"recomp_ratio must be in \[0, 1\]"):
         model.blend(SYSTEM, ["a doc"], QUERY, ratio=2.0)
-    with pytest.raises(ValueError, match="check_layer must be in"):
+    with pytest.raises(ValueError, match=r"check_layer 999 is outside \[0, 4\]"):
         model.blend(SYSTEM, ["a doc"], QUERY, check_layer=999)
     # the selection's settings: out of range, NaN, or too wide for the C struct's int32
     # (which ctypes would silently wrap: 2**32 would become 0)

@@ -679,6 +679,27 @@ TEST(server_hardening, a_request_cut_short_by_its_client_is_never_answered_as_co
     EXPECT_NE(body_of(r).find("client_closed_request"), std::string::npos) << r;
 }
 
+// a client that hangs up while its documents are being stored stops the rest,
+// and its request is counted as the client's doing (4xx), not the server's (5xx)
+TEST(server_hardening, a_hang_up_during_post_documents_is_no_server_error) {
+    test::temp_dir d("hangup-docs");
+    live_server s(small_params(d.path().string()));
+    json docs = json::array();
+    std::string words;
+    for (int w = 0; w < 30; ++w) words += " the little cat ran to the park and played";
+    for (int i = 0; i < 40; ++i) docs.push_back("Story " + std::to_string(i) + ":" + words);
+    raw_conn rc(s.port());
+    ASSERT_TRUE(rc.ok());
+    rc.send(http_post("/v1/documents", json{{"documents", docs}}.dump()));
+    rc.shut_write();
+    const std::string r = rc.read_all(60000);
+    EXPECT_EQ(status_of(r), 400) << r.substr(0, 300);
+    EXPECT_NE(body_of(r).find("client_closed_request"), std::string::npos) << r.substr(0, 300);
+    auto c = s.client();
+    const std::string m = c.Get("/metrics")->body;
+    EXPECT_NE(m.find("kvblend_http_responses_total{code=\"5xx\"} 0"), std::string::npos) << m;
+}
+
 TEST(server_hardening, a_form_encoded_json_body_is_bounded_by_max_body_not_8k) {
     live_server s(small_params());
     auto c = s.client();
