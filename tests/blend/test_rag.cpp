@@ -3,16 +3,15 @@
 // unusable is left alone; ingest keys are what a later blend looks up.
 #include <gtest/gtest.h>
 
+#include "blend/rag_docs.h"
 #include "kvblend/rag.h"
 #include "test_util.h"
 
 namespace kvblend {
 namespace {
 
-const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
-const std::vector<std::string> k_docs = {"Tom had a red ball. He liked to throw it high in the sky.",
-                                         "Sue found a little cat in the garden. The cat was hungry.",
-                                         "Lily had a big box of crayons. She drew a house and a tree."};
+const std::string & k_stories = test::k_rag_model;
+const std::vector<std::string> & k_docs = test::k_rag_docs;
 
 TEST(rag, a_fusion_is_the_same_from_the_store_from_collects_and_from_chunks_in_hand) {
     auto m = model::load(k_stories);

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <thread>
 
+#include "blend/rag_docs.h"
 #include "kvblend/blend.h"
 #include "kvblend/rag.h"
 #include "test_util.h"
@@ -15,10 +16,8 @@
 namespace kvblend {
 namespace {
 
-const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
-const std::vector<std::string> k_docs = {"Tom had a red ball. He liked to throw it high in the sky.",
-                                         "Sue found a little cat in the garden. The cat was hungry.",
-                                         "Lily had a big box of crayons. She drew a house and a tree."};
+const std::string & k_stories = test::k_rag_model;
+const std::vector<std::string> & k_docs = test::k_rag_docs;
 
 // a store that counts the reads that reach it
 class counting_store : public store {
