@@ -227,6 +227,23 @@ void tool_plan_apply(const tool_plan & plan, sampler_params & sp) {
 
 // --- reading answers -----------------------------------------------------------
 
+namespace {
+
+// an answer read as partial (cut by max_tokens, or stopped mid-call): a call
+// without a name or whose arguments are not yet a whole JSON object is no call,
+// as a client parses every call it gets (`"arguments": "{"` fails them all)
+void drop_unfinished_calls(common_chat_msg & msg) {
+    auto unfinished = [](const common_chat_tool_call & c) {
+        if (c.name.empty()) return true;
+        const json args = json::parse(c.arguments, nullptr, false);
+        return args.is_discarded() || !args.is_object();
+    };
+    msg.tool_calls.erase(std::remove_if(msg.tool_calls.begin(), msg.tool_calls.end(), unfinished),
+                         msg.tool_calls.end());
+}
+
+}  // namespace
+
 struct tool_reader::impl {
     bool calls = false;
     bool parallel = true;
@@ -256,10 +273,11 @@ struct tool_reader::impl {
     }
 
     // the whole answer (cut: by max_tokens, read as partial): a text that does not
-    // parse as finished is read as partial, and one that does not parse at all is plain content
+    // parse as finished is read as partial, keeping only its whole calls, and one
+    // that does not parse at all is plain content
     common_chat_msg read_whole(const std::string & text, bool cut) {
-        std::optional<common_chat_msg> msg = read(text, cut);
-        if (!msg && !cut) msg = read(text, true);
+        std::optional<common_chat_msg> msg = cut ? std::nullopt : read(text, false);
+        if (!msg && (msg = read(text, true))) drop_unfinished_calls(*msg);
         if (msg) return *msg;
         common_chat_msg plain;
         plain.role = "assistant";

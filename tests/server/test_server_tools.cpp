@@ -112,6 +112,22 @@ TEST(server_tools, a_call_cut_by_max_tokens_ends_with_length) {
     const json r = post(c, "/v1/chat/completions", b);
     EXPECT_EQ(r["choices"][0]["finish_reason"], "length") << r;
     EXPECT_EQ(r["usage"]["completion_tokens"], 4) << r;
+    // wherever the cut falls, every call returned parses (before, a call cut in
+    // its arguments came back with "arguments": "{"), and the reason stays length
+    int calls = 0;
+    for (int n : {2, 6, 10, 14, 18, 24, 30, 40, 60}) {
+        b["max_tokens"] = n;
+        b["parallel_tool_calls"] = true;
+        const json cut = post(c, "/v1/chat/completions", b);
+        const json & msg = cut["choices"][0]["message"];
+        if (cut["choices"][0]["finish_reason"] != "length") continue;
+        EXPECT_TRUE(msg.contains("tool_calls") || msg["content"].is_string()) << n << ": " << cut;
+        for (const auto & call : msg.value("tool_calls", json::array())) {
+            ++calls;
+            EXPECT_TRUE(json::accept(call["function"]["arguments"].get<std::string>())) << n << ": " << cut;
+        }
+    }
+    EXPECT_GT(calls, 0) << "no cut answer kept a whole call before its unfinished one";
 }
 
 // tools → tool_calls → the tool's result → an answer, as an agent loop sends them
