@@ -10,6 +10,7 @@
 #include "json-schema-to-grammar.h"
 #include "kvblend/common.h"
 #include "kvblend/sampler.h"
+#include "llama-grammar.h"
 
 namespace kvblend {
 
@@ -134,9 +135,48 @@ std::string grammar_from_json_schema(const std::string & schema) {
     return grammar;
 }
 
+namespace {
+
+constexpr size_t k_grammar_quote_bytes = 80;  // of the grammar, what an error message quotes
+
+// libllama's messages quote the grammar from where parsing stopped to its end
+std::string bounded(std::string why) {
+    if (why.size() > k_grammar_quote_bytes) why.resize(k_grammar_quote_bytes), why += "…";
+    std::replace(why.begin(), why.end(), '\n', ' ');
+    return why;
+}
+
+// the grammar through libllama's own parser, rule by rule: its parse() prints a
+// failing grammar whole on stderr (megabytes into a server's log), so the
+// sampler only ever sees one that parses. parse() skips space and comments, reads
+// rules to the end, then checks that each rule referred to is defined.
+void parse_quietly(const llama_vocab * vocab, const std::string & grammar) {
+    llama_grammar_parser parser(vocab);
+    auto skip_space = [](const char * p) {
+        while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n' || *p == '#')
+            if (*p == '#')
+                while (*p && *p != '\r' && *p != '\n') ++p;
+            else
+                ++p;
+        return p;
+    };
+    try {
+        for (const char * pos = skip_space(grammar.c_str()); *pos;) pos = parser.parse_rule(pos);
+    } catch (const std::exception & e) {
+        throw error("the grammar is not valid GBNF: " + bounded(e.what()));
+    }
+    for (const auto & [name, id] : parser.symbol_ids)
+        if (id >= parser.rules.size() || parser.rules[id].empty())
+            throw error("the grammar is not valid GBNF: rule '" + bounded(name) + "' is used but not defined");
+    if (!parser.symbol_ids.count("root")) throw error("the grammar has no 'root' rule");
+}
+
+}  // namespace
+
 void grammar_check(const llama_vocab * vocab, const std::string & grammar) {
     if (grammar.empty()) throw error("the grammar is empty");
     check_repetitions(grammar);
+    parse_quietly(vocab, grammar);
     std::unique_ptr<llama_sampler, decltype(&llama_sampler_free)> g(
         llama_sampler_init_grammar(vocab, grammar.c_str(), "root"), &llama_sampler_free);
     if (!g) throw error("the grammar is not valid GBNF with a 'root' rule");

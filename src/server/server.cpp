@@ -199,8 +199,8 @@ struct server::impl {
             }
             // a request refused before it became a job (a job's end is logged by the loop)
             if (!why.empty() && !submitted_here && p.log_requests)
-                std::fprintf(stderr, "kvblend: %s %s %d: %s\n", req.method.c_str(), req.path.c_str(), res.status,
-                             why.c_str());
+                std::fprintf(stderr, "kvblend: %s %s %d: %s\n", req.method.c_str(), log_quote(req.path).c_str(),
+                             res.status, log_quote(why).c_str());
         };
     }
 

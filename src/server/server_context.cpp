@@ -292,7 +292,7 @@ struct server_context::impl {
                      j.route, how.c_str(), j.tokens.size(), (long long) j.n_cached, (long long) j.n_fused,
                      (long long) j.n_recomputed, (long long) j.store_hits, (long long) (j.store_hits + j.store_misses),
                      (long long) j.tier_hits_dev, (long long) j.tier_hits_host, (long long) j.n_gen, j.ttft_ms, total,
-                     err.empty() ? "" : ": ", err.c_str());
+                     err.empty() ? "" : ": ", log_quote(err).c_str());
     }
 
     // the request's error answer from an exception

@@ -21,6 +21,14 @@ std::string error_body(const std::string & message, const std::string & type, co
                                                                                         json::error_handler_t::replace);
 }
 
+std::string log_quote(const std::string & text) {
+    std::string q = text.substr(0, k_log_quote_bytes);
+    for (char & c : q)
+        if (c == '\n' || c == '\r') c = ' ';
+    if (text.size() > k_log_quote_bytes) q += "… (" + std::to_string(text.size()) + " bytes)";
+    return q;
+}
+
 namespace {
 
 // nlohmann's parse error, without its "[json.exception…]" tag and the raw bytes it last read

@@ -27,6 +27,11 @@ struct request_error {
 // the OpenAI error body; never throws (bytes that are not UTF-8 are replaced)
 std::string error_body(const std::string & message, const std::string & type, const std::string & code);
 
+constexpr size_t k_log_quote_bytes = 300;  // of any text from a request, what a log line quotes
+// text from a request as a log line may quote it: its first k_log_quote_bytes
+// bytes on one line (a request's input never fills or forges the log)
+std::string log_quote(const std::string & text);
+
 enum request_kind {
     REQUEST_CHAT,        // POST /v1/chat/completions
     REQUEST_COMPLETION,  // POST /v1/completions

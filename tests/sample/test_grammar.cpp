@@ -123,6 +123,30 @@ TEST(grammar, bad_grammars_and_schemas_are_errors_that_say_why) {
     EXPECT_THROW(sampler no_vocab(sp), error);  // a grammar without the vocabulary
 }
 
+// a failing grammar is one short message: libllama's parser printed the whole
+// grammar on stderr (an 8 MB grammar, 7 MB in a server's log even with --quiet)
+TEST(grammar, a_failing_grammar_is_quoted_only_in_part) {
+    const llama_vocab * v = stories_vocab().raw();
+    const std::string body(1 << 20, 'a');
+    for (const std::string & bad : {"root ::= \"" + body, "root ::= x\nx ::= " + body + " (", "root ::= " + body,
+                                    "# " + body + "\nroot ::= \"a\" )", "item ::= \"" + body + "\""}) {
+        testing::internal::CaptureStderr();
+        std::string why;
+        try {
+            grammar_check(v, bad);
+        } catch (const error & e) {
+            why = e.what();
+        }
+        const std::string printed = testing::internal::GetCapturedStderr();
+        EXPECT_FALSE(why.empty()) << bad.substr(0, 40);
+        EXPECT_LT(why.size(), 200u) << why.substr(0, 300);
+        EXPECT_LT(printed.size(), 1000u) << printed.substr(0, 300);
+    }
+    // the check is libllama's own parse: what it takes, the sampler takes
+    EXPECT_NO_THROW(
+        grammar_check(v, "# a comment\n\nroot ::= x | y # and another\r\nx ::= \"" + body + "\"\ny ::= [a-z]+\n"));
+}
+
 // the log-softmax of a row, by hand
 std::vector<double> log_softmax(const std::vector<float> & l) {
     double mx = -INFINITY, sum = 0;
