@@ -67,9 +67,10 @@ typedef enum kvb_status {
     KVB_ERR_NOT_FOUND = 2,         // a document id that the store does not hold (or holds unusable)
     KVB_ERR_CANCELLED = 3,         // a progress callback asked to stop
     KVB_ERR_OUT_OF_MEMORY = 4,
-    KVB_ERR_FAILED = 5,    // a bad file, an unreachable store, a prompt too long, …: see the message
-    KVB_ERR_INTERNAL = 6,  // an unexpected error inside kvblend (a bug: please report it)
-    KVB_ERR_STORE = 7,     // the store cannot be read (down, unreachable, broken): an outage, not a missing id
+    KVB_ERR_FAILED = 5,            // a bad file, a model that cannot do it, …: see the message
+    KVB_ERR_INTERNAL = 6,          // an unexpected error inside kvblend (a bug: please report it)
+    KVB_ERR_STORE = 7,             // the store cannot be read (down, unreachable, broken): an outage, not a missing id
+    KVB_ERR_CONTEXT_OVERFLOW = 8,  // a prompt or text longer than the context can hold
 } kvb_status;
 
 // --- errors, memory, version -------------------------------------------------

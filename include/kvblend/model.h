@@ -213,7 +213,7 @@ model_params model_default_params();
 // no CUDA device, a split -ngl) is a plain kvblend::error
 class device_error : public error {
   public:
-    using error::error;
+    explicit device_error(const std::string & msg) : error(msg, error_kind::invalid_argument) {}
 };
 
 // register the devices of a ggml rpc-server at "HOST:PORT" (llama.cpp's --rpc)

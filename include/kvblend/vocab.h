@@ -51,6 +51,10 @@ class vocab {
     // piece, halved for slack): a text no context can hold is known before the
     // tokenizer spends time and memory on it
     uint64_t min_tokens(uint64_t bytes) const { return bytes / (2 * max_piece_bytes()); }
+    // the one rule for every text a user gives (prompt, document, /tokenize): one
+    // that cannot fit n_ctx tokens is refused before it is tokenized, with an
+    // error (context_overflow) that names it as `what` ("the prompt")
+    void check_text_fits(uint64_t bytes, int64_t n_ctx, const std::string & what) const;
 
   private:
     llama_model * model_ = nullptr;  // vocab-only

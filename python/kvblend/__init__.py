@@ -63,7 +63,7 @@ library_path = _c.path
 
 __all__ = ["Model", "Store", "BlendResult", "BlendStats", "GenerateResult", "GenerateStats", "StoreStats",
            "IngestStats", "Generation", "Error", "InvalidArgumentError", "NotFoundError", "CancelledError",
-           "StoreUnavailableError",
+           "StoreUnavailableError", "ContextOverflowError",
            "DEFAULT_SEED", "set_verbose", "list_devices", "add_rpc_server", "library_path"]
 
 
@@ -94,8 +94,13 @@ class StoreUnavailableError(Error):
     """The store cannot be read (down, unreachable, broken): an outage, not a missing document."""
 
 
+class ContextOverflowError(Error, ValueError):
+    """A prompt or text longer than the context can hold."""
+
+
 _ERRORS = {_lib.ERR_INVALID_ARGUMENT: InvalidArgumentError, _lib.ERR_NOT_FOUND: NotFoundError,
-           _lib.ERR_CANCELLED: CancelledError, _lib.ERR_STORE: StoreUnavailableError}
+           _lib.ERR_CANCELLED: CancelledError, _lib.ERR_STORE: StoreUnavailableError,
+           _lib.ERR_CONTEXT_OVERFLOW: ContextOverflowError}
 
 
 def _check(status):

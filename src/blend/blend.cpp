@@ -75,25 +75,25 @@ const char * blend_budget_names() {
 void blend_params_check(const blend_params & params, const model_hparams & hp) {
     std::vector<std::pair<int, float>> steps = params.schedule;
     if (steps.empty()) steps.push_back({params.check_layer, params.recomp_ratio});
+    auto invalid = [](const std::string & why) { throw error(why, error_kind::invalid_argument); };
     for (size_t i = 0; i < steps.size(); ++i) {
         const auto [l, r] = steps[i];
         const std::string step = params.schedule.empty() ? "" : "blend schedule step " + std::to_string(i) + ": ";
         // scoring compares a layer's fresh K/V with its cache: a layer that owns them
         if (l < 0 || l >= hp.n_layer_kv)
-            throw error(step + "check_layer " + std::to_string(l) + " is outside [0, " +
-                        std::to_string(hp.n_layer_kv - 1) + "]" +
-                        (hp.n_layer_kv < hp.n_layer ? " (the layers with K/V of their own)" : ""));
-        if (!(r >= 0.0f && r <= 1.0f)) throw error(step + "recomp_ratio must be in [0, 1], got " + std::to_string(r));
+            invalid(step + "check_layer " + std::to_string(l) + " is outside [0, " + std::to_string(hp.n_layer_kv - 1) +
+                    "]" + (hp.n_layer_kv < hp.n_layer ? " (the layers with K/V of their own)" : ""));
+        if (!(r >= 0.0f && r <= 1.0f)) invalid(step + "recomp_ratio must be in [0, 1], got " + std::to_string(r));
         if (i > 0 && (l <= steps[i - 1].first || r > steps[i - 1].second))
-            throw error("a blend schedule needs increasing layers and non-increasing ratios");
+            invalid("a blend schedule needs increasing layers and non-increasing ratios");
     }
-    if (params.recompute_chunk_head < 0) throw error("recompute_chunk_head must not be negative");
+    if (params.recompute_chunk_head < 0) invalid("recompute_chunk_head must not be negative");
     if (params.budget != BLEND_BUDGET_GLOBAL && params.budget != BLEND_BUDGET_CHUNK &&
         params.budget != BLEND_BUDGET_MASS)
-        throw error("unknown blend budget " + std::to_string((int) params.budget));
+        invalid("unknown blend budget " + std::to_string((int) params.budget));
     if (!(params.dev_mass >= 0.0f && params.dev_mass <= 1.0f))
-        throw error("dev_mass must be in [0, 1] (an adaptive ratio's share of the deviation), got " +
-                    std::to_string(params.dev_mass));
+        invalid("dev_mass must be in [0, 1] (an adaptive ratio's share of the deviation), got " +
+                std::to_string(params.dev_mass));
 }
 
 namespace {
@@ -288,8 +288,9 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
         n_pos += c->n_tokens();
     }
     if (n_pos > cache.n_ctx())
-        throw error("chunks of " + std::to_string(n_pos) + " tokens exceed the context of " +
-                    std::to_string(cache.n_ctx()));
+        throw error(
+            "chunks of " + std::to_string(n_pos) + " tokens exceed the context of " + std::to_string(cache.n_ctx()),
+            error_kind::context_overflow);
 
     // per-row rotation: row j of chunk i moves from position pos0_i + t_j to s_i + t_j
     // (t_j its token index): by s_i - pos0_i, whichever tokens the chunk kept
@@ -395,7 +396,8 @@ blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in
     const int64_t N_pos = s + (int64_t) query.size();  // positions
     if (N_pos > eng.cache().n_ctx())
         throw error("blend of " + std::to_string(N_pos) + " tokens exceeds the context of " +
-                    std::to_string(eng.cache().n_ctx()));
+                        std::to_string(eng.cache().n_ctx()),
+                    error_kind::context_overflow);
 
     blend_result res;
     blend_stats & st = res.stats;

@@ -55,14 +55,21 @@ namespace {
 
 thread_local std::string t_last_error;
 
-// an error with the status it maps to (the rest map by their type)
-struct capi_error {
-    kvb_status status;
-    std::string msg;
-};
+// the C API's one table from the core's error kinds to statuses
+kvb_status status_of(error_kind kind) {
+    switch (kind) {
+        case error_kind::invalid_argument: return KVB_ERR_INVALID_ARGUMENT;
+        case error_kind::not_found: return KVB_ERR_NOT_FOUND;
+        case error_kind::store_unavailable: return KVB_ERR_STORE;
+        case error_kind::context_overflow: return KVB_ERR_CONTEXT_OVERFLOW;
+        case error_kind::cancelled: return KVB_ERR_CANCELLED;
+        case error_kind::failed: return KVB_ERR_FAILED;
+    }
+    return KVB_ERR_FAILED;
+}
 
-[[noreturn]] void fail(kvb_status status, const std::string & msg) {
-    throw capi_error{status, msg};
+[[noreturn]] void fail(error_kind kind, const std::string & msg) {
+    throw error(msg, kind);
 }
 
 // a store call whose failure is an outage (KVB_ERR_STORE), never a missing id
@@ -71,7 +78,7 @@ auto store_call(const std::string & what, F && f) -> decltype(f()) {
     try {
         return f();
     } catch (const error & e) {
-        fail(KVB_ERR_STORE, "the store cannot be read: " + what + " (" + e.what() + ")");
+        fail(error_kind::store_unavailable, "the store cannot be read: " + what + " (" + e.what() + ")");
     }
 }
 
@@ -80,18 +87,9 @@ kvb_status guarded(F && f) {
     try {
         f();
         return KVB_OK;
-    } catch (const capi_error & e) {
-        t_last_error = e.msg;
-        return e.status;
-    } catch (const device_error & e) {  // a device named wrong: the caller's to fix
-        t_last_error = e.what();
-        return KVB_ERR_INVALID_ARGUMENT;
-    } catch (const chat_error & e) {  // a chat request that cannot be taken as given
-        t_last_error = e.what();
-        return KVB_ERR_INVALID_ARGUMENT;
     } catch (const error & e) {
         t_last_error = e.what();
-        return KVB_ERR_FAILED;
+        return status_of(e.kind());
     } catch (const std::bad_alloc &) {
         t_last_error = "out of memory";
         return KVB_ERR_OUT_OF_MEMORY;
@@ -105,7 +103,7 @@ kvb_status guarded(F && f) {
 }
 
 void need(const void * p, const char * what) {
-    if (!p) fail(KVB_ERR_INVALID_ARGUMENT, std::string(what) + " must not be NULL");
+    if (!p) fail(error_kind::invalid_argument, std::string(what) + " must not be NULL");
 }
 
 char * dup_string(const std::string & s) {
@@ -141,7 +139,7 @@ ggml_type kv_type(int t) {
         case KVB_KV_Q8_0: return GGML_TYPE_Q8_0;
         case KVB_KV_Q4_0: return GGML_TYPE_Q4_0;
     }
-    fail(KVB_ERR_INVALID_ARGUMENT, "KV type must be KVB_KV_F16, F32, Q8_0 or Q4_0, got " + std::to_string((int) t));
+    fail(error_kind::invalid_argument, "KV type must be KVB_KV_F16, F32, Q8_0 or Q4_0, got " + std::to_string((int) t));
 }
 
 bool is_id(const char * id) {
@@ -157,7 +155,7 @@ class context_use {
   public:
     explicit context_use(kvb_context & c) : c_(c) {
         if (c_.busy.exchange(true))
-            fail(KVB_ERR_INVALID_ARGUMENT, "ctx is in use by another call (from its callback or another thread)");
+            fail(error_kind::invalid_argument, "ctx is in use by another call (from its callback or another thread)");
     }
     ~context_use() { c_.busy.store(false); }
     context_use(const context_use &) = delete;
@@ -178,11 +176,13 @@ engine & engine_for(kvb_context & c, int64_t want, const char * what) {
     if (c.fixed_n_ctx > 0) {
         const int64_t cap = c.eng->cache().n_ctx();
         if (want > cap)
-            fail(KVB_ERR_FAILED, std::string(what) + " exceeds the context of " + std::to_string(cap) + " tokens");
+            fail(error_kind::context_overflow,
+                 std::string(what) + " exceeds the context of " + std::to_string(cap) + " tokens");
         return *c.eng;
     }
     if (want > n_train)
-        fail(KVB_ERR_FAILED, std::string(what) + " exceeds the model's context of " + std::to_string(n_train));
+        fail(error_kind::context_overflow,
+             std::string(what) + " exceeds the model's context of " + std::to_string(n_train));
     if (!c.eng || c.eng->cache().n_ctx() < want) {
         c.eng.reset();  // the old cache goes before the new one is allocated
         engine_params ep = c.ep;
@@ -197,14 +197,9 @@ int64_t context_room(const kvb_context & c) {
     return c.fixed_n_ctx > 0 ? c.eng->cache().n_ctx() : c.m->hparams().n_ctx_train;
 }
 
-// a text no context of c can hold is refused before it is tokenized: no token
-// stands for more than the vocabulary's longest piece (vocab::min_tokens), so
-// 100 MB costs milliseconds, not a minute and gigabytes of tokens
+// a text no context of c can hold is refused before it is tokenized (vocab::check_text_fits)
 void check_text_fits(const kvb_context & c, uint64_t bytes, const std::string & what) {
-    const int64_t room = context_room(c);
-    if (c.m->tokens().min_tokens(bytes) > (uint64_t) room)
-        fail(KVB_ERR_FAILED, what + " of " + std::to_string(bytes) + " bytes exceeds what the context of " +
-                                 std::to_string(room) + " tokens can hold");
+    c.m->tokens().check_text_fits(bytes, context_room(c), what);
 }
 
 // n_predict is "at most": a prompt that leaves less room generates until the context is full
@@ -215,25 +210,25 @@ int32_t n_predict_in_room(const kvb_context & c, int64_t n_prompt, int32_t n_pre
 
 // the grammar of a kvb_generate_params (its grammar or its JSON schema's), checked against the vocabulary
 std::string grammar_of(const kvb_generate_params & gp, const model & m) {
-    if (gp.grammar && gp.json_schema) fail(KVB_ERR_INVALID_ARGUMENT, "give grammar or json_schema, not both");
+    if (gp.grammar && gp.json_schema) fail(error_kind::invalid_argument, "give grammar or json_schema, not both");
     if (!gp.grammar && !gp.json_schema) return {};
     try {
         std::string g = gp.grammar ? std::string(gp.grammar) : grammar_from_json_schema(gp.json_schema);
         grammar_check(m.tokens().raw(), g);
         return g;
     } catch (const error & e) {
-        fail(KVB_ERR_INVALID_ARGUMENT, e.what());
+        fail(error_kind::invalid_argument, e.what());
     }
 }
 
 sampler_params sampling_of(const kvb_generate_params & gp, const model & m) {
-    if (gp.n_predict < 0) fail(KVB_ERR_INVALID_ARGUMENT, "n_predict must not be negative");
-    if (!(gp.temp >= 0 && gp.temp <= 100)) fail(KVB_ERR_INVALID_ARGUMENT, "temp must be in [0, 100]");
-    if (!(gp.top_p >= 0 && gp.top_p <= 1)) fail(KVB_ERR_INVALID_ARGUMENT, "top_p must be in [0, 1]");
-    if (!(gp.min_p >= 0 && gp.min_p <= 1)) fail(KVB_ERR_INVALID_ARGUMENT, "min_p must be in [0, 1]");
+    if (gp.n_predict < 0) fail(error_kind::invalid_argument, "n_predict must not be negative");
+    if (!(gp.temp >= 0 && gp.temp <= 100)) fail(error_kind::invalid_argument, "temp must be in [0, 100]");
+    if (!(gp.top_p >= 0 && gp.top_p <= 1)) fail(error_kind::invalid_argument, "top_p must be in [0, 1]");
+    if (!(gp.min_p >= 0 && gp.min_p <= 1)) fail(error_kind::invalid_argument, "min_p must be in [0, 1]");
     if (gp.n_stop > 0) need(gp.stop, "stop (with n_stop > 0)");
     for (size_t i = 0; i < gp.n_stop; ++i)
-        if (!gp.stop[i] || !gp.stop[i][0]) fail(KVB_ERR_INVALID_ARGUMENT, "stop strings must be non-empty");
+        if (!gp.stop[i] || !gp.stop[i][0]) fail(error_kind::invalid_argument, "stop strings must be non-empty");
     sampler_params sp = sampler_default_params();
     sp.temp = gp.temp;
     sp.top_k = gp.top_k;
@@ -242,7 +237,7 @@ sampler_params sampling_of(const kvb_generate_params & gp, const model & m) {
     sp.seed = gp.seed;
     sp.grammar = grammar_of(gp, m);
     if (gp.top_logprobs < 0 || gp.top_logprobs > k_max_probs)
-        fail(KVB_ERR_INVALID_ARGUMENT, "top_logprobs must be in [0, " + std::to_string(k_max_probs) + "]");
+        fail(error_kind::invalid_argument, "top_logprobs must be in [0, " + std::to_string(k_max_probs) + "]");
     sp.logprobs = gp.on_token != nullptr;
     sp.n_probs = gp.on_token ? gp.top_logprobs : 0;
     if (gp.n_logit_bias > 0) need(gp.logit_bias, "logit_bias (with n_logit_bias > 0)");
@@ -250,15 +245,17 @@ sampler_params sampling_of(const kvb_generate_params & gp, const model & m) {
     for (size_t i = 0; i < gp.n_logit_bias; ++i) {
         const kvb_logit_bias & b = gp.logit_bias[i];
         if (b.token < 0 || b.token >= n_vocab)
-            fail(KVB_ERR_INVALID_ARGUMENT, "logit_bias names token " + std::to_string(b.token) +
-                                               ", outside the vocabulary of " + std::to_string(n_vocab));
-        if (!(b.bias >= -100 && b.bias <= 100)) fail(KVB_ERR_INVALID_ARGUMENT, "a logit bias must be in [-100, 100]");
+            fail(error_kind::invalid_argument, "logit_bias names token " + std::to_string(b.token) +
+                                                   ", outside the vocabulary of " + std::to_string(n_vocab));
+        if (!(b.bias >= -100 && b.bias <= 100))
+            fail(error_kind::invalid_argument, "a logit bias must be in [-100, 100]");
         sp.logit_bias.push_back({b.token, b.bias});
     }
     if (gp.chat) {
-        if (gp.chat->m.get() != &m) fail(KVB_ERR_INVALID_ARGUMENT, "the chat was made for another model");
+        if (gp.chat->m.get() != &m) fail(error_kind::invalid_argument, "the chat was made for another model");
         if (gp.chat->plan.calls && !sp.grammar.empty())
-            fail(KVB_ERR_INVALID_ARGUMENT, "a chat with tools takes no grammar or json_schema: its calls have theirs");
+            fail(error_kind::invalid_argument,
+                 "a chat with tools takes no grammar or json_schema: its calls have theirs");
         tool_plan_apply(gp.chat->plan, sp);
     }
     return sp;
@@ -326,15 +323,15 @@ void check_tokens(const model & m, const kvb_token * toks, size_t n) {
     const int64_t nv = m.hparams().n_vocab;
     for (size_t i = 0; i < n; ++i)
         if (toks[i] < 0 || toks[i] >= nv)
-            fail(KVB_ERR_INVALID_ARGUMENT, "token " + std::to_string(toks[i]) + " at " + std::to_string(i) +
-                                               " is outside the vocabulary of " + std::to_string(nv));
+            fail(error_kind::invalid_argument, "token " + std::to_string(toks[i]) + " at " + std::to_string(i) +
+                                                   " is outside the vocabulary of " + std::to_string(nv));
 }
 
 void generate_impl(kvb_context * ctx, const std::vector<llama_token> & toks, const kvb_generate_params * params,
                    char ** text, kvb_generate_stats * stats) {
     kvb_generate_params gp = params ? *params : kvb_generate_default_params();
     const sampler_params sp = sampling_of(gp, *ctx->m);
-    if (toks.empty()) fail(KVB_ERR_INVALID_ARGUMENT, "the prompt tokenizes to nothing");
+    if (toks.empty()) fail(error_kind::invalid_argument, "the prompt tokenizes to nothing");
     gp.n_predict = n_predict_in_room(*ctx, (int64_t) toks.size(), gp.n_predict);
     engine & eng = engine_for(
         *ctx, (int64_t) toks.size() + gp.n_predict,
@@ -370,6 +367,7 @@ const char * kvb_status_name(kvb_status status) {
         case KVB_ERR_FAILED: return "KVB_ERR_FAILED";
         case KVB_ERR_INTERNAL: return "KVB_ERR_INTERNAL";
         case KVB_ERR_STORE: return "KVB_ERR_STORE";
+        case KVB_ERR_CONTEXT_OVERFLOW: return "KVB_ERR_CONTEXT_OVERFLOW";
     }
     return "KVB_ERR_UNKNOWN";
 }
@@ -503,7 +501,7 @@ kvb_status kvb_chat_apply_template(const kvb_model * model, const kvb_chat_messa
         std::vector<chat_message> msgs;
         for (size_t i = 0; i < n_messages; ++i) {
             if (!messages[i].role || !messages[i].content)
-                fail(KVB_ERR_INVALID_ARGUMENT, "message " + std::to_string(i) + " needs a role and a content");
+                fail(error_kind::invalid_argument, "message " + std::to_string(i) + " needs a role and a content");
             msgs.push_back({messages[i].role, messages[i].content});
         }
         *text = dup_string(model->m->tokens().apply_chat_template(msgs, add_assistant));
@@ -522,11 +520,11 @@ nlohmann::json parse_chat_request(const char * text) {
     try {
         return nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json &) {
             if (depth > k_max_depth)
-                fail(KVB_ERR_INVALID_ARGUMENT, "the request nests deeper than " + std::to_string(k_max_depth));
+                fail(error_kind::invalid_argument, "the request nests deeper than " + std::to_string(k_max_depth));
             return true;
         });
     } catch (const nlohmann::json::exception & e) {
-        fail(KVB_ERR_INVALID_ARGUMENT, std::string("the request is not JSON: ") + e.what());
+        fail(error_kind::invalid_argument, std::string("the request is not JSON: ") + e.what());
     }
 }
 
@@ -539,15 +537,15 @@ kvb_status kvb_chat_new(const kvb_model * model, const char * request_json, size
         need(out, "out");
         *out = nullptr;
         nlohmann::json body = parse_chat_request(request_json);
-        if (!body.is_object()) fail(KVB_ERR_INVALID_ARGUMENT, "the request must be a JSON object");
+        if (!body.is_object()) fail(error_kind::invalid_argument, "the request must be a JSON object");
         const auto msgs = body.find("messages");
         if (msgs == body.end() || !msgs->is_array() || msgs->empty())
-            fail(KVB_ERR_INVALID_ARGUMENT, "'messages' must be a non-empty array");
+            fail(error_kind::invalid_argument, "'messages' must be a non-empty array");
         const tool_request tr = read_tool_request(body);
         if (n_docs > 0) body = chat_with_doc_marks(std::move(body), n_docs);
         const vocab & v = model->m->tokens();
         if (!v.has_chat_template())
-            fail(KVB_ERR_FAILED, "this model has no chat template (tokenizer.chat_template) to render a chat with");
+            fail(error_kind::failed, "this model has no chat template (tokenizer.chat_template) to render a chat with");
         const tool_templates tmpl(v);  // a template that does not parse: KVB_ERR_FAILED
         auto c = std::make_unique<kvb_chat>();
         c->m = model->m;
@@ -556,7 +554,7 @@ kvb_status kvb_chat_new(const kvb_model * model, const char * request_json, size
         if (c->plan.calls) try {
                 grammar_check(v.raw(), c->plan.grammar);
             } catch (const error & e) {
-                fail(KVB_ERR_INVALID_ARGUMENT, std::string("the tool calls' grammar: ") + e.what());
+                fail(error_kind::invalid_argument, std::string("the tool calls' grammar: ") + e.what());
             }
         c->reader = std::make_unique<tool_reader>(c->plan);
         *out = c.release();
@@ -607,9 +605,9 @@ kvb_status kvb_context_new(kvb_model * model, const kvb_context_params * params,
         need(model, "model");
         need(out, "out");
         const kvb_context_params p = params ? *params : kvb_context_default_params();
-        if (p.n_threads < 1 || p.n_threads > 1024) fail(KVB_ERR_INVALID_ARGUMENT, "n_threads must be in [1, 1024]");
-        if (p.n_ctx < 0) fail(KVB_ERR_INVALID_ARGUMENT, "n_ctx must not be negative");
-        if (p.n_ubatch < 1 || p.n_ubatch > 65536) fail(KVB_ERR_INVALID_ARGUMENT, "n_ubatch must be in [1, 65536]");
+        if (p.n_threads < 1 || p.n_threads > 1024) fail(error_kind::invalid_argument, "n_threads must be in [1, 1024]");
+        if (p.n_ctx < 0) fail(error_kind::invalid_argument, "n_ctx must not be negative");
+        if (p.n_ubatch < 1 || p.n_ubatch > 65536) fail(error_kind::invalid_argument, "n_ubatch must be in [1, 65536]");
         auto c = std::make_unique<kvb_context>();
         c->ep = engine_default_params();
         c->ep.n_threads = p.n_threads;
@@ -651,7 +649,7 @@ kvb_status kvb_store_open(const char * uri, const kvb_store_params * params, kvb
         try {
             s->codec = codec_by_name(p.codec && p.codec[0] ? p.codec : "raw")->name();
         } catch (const error & e) {
-            fail(KVB_ERR_INVALID_ARGUMENT, e.what());
+            fail(error_kind::invalid_argument, e.what());
         }
         store_options so;
         so.max_bytes = p.max_bytes;
@@ -705,9 +703,9 @@ kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const *
         if (ids) need(n_ids, "n_ids (with ids)");
         const context_use in_use(*ctx);
         const kvb_ingest_params p = params ? *params : kvb_ingest_default_params();
-        if (p.chunk_size < 0) fail(KVB_ERR_INVALID_ARGUMENT, "chunk_size must not be negative");
+        if (p.chunk_size < 0) fail(error_kind::invalid_argument, "chunk_size must not be negative");
         if (p.chunk_size > 0 && p.split_paragraphs)
-            fail(KVB_ERR_INVALID_ARGUMENT, "chunk_size and split_paragraphs exclude each other");
+            fail(error_kind::invalid_argument, "chunk_size and split_paragraphs exclude each other");
         const model & m = *ctx->m;
         const vocab & v = m.tokens();
         std::vector<llama_token> prefix;
@@ -715,7 +713,7 @@ kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const *
 
         std::vector<std::string> text_list;
         for (size_t i = 0; i < n_texts; ++i) {
-            if (!texts[i]) fail(KVB_ERR_INVALID_ARGUMENT, "text " + std::to_string(i) + " is NULL");
+            if (!texts[i]) fail(error_kind::invalid_argument, "text " + std::to_string(i) + " is NULL");
             // one chunk per text or paragraph: each must fit before any is tokenized
             if (p.chunk_size == 0 && !p.split_paragraphs)
                 check_text_fits(*ctx, std::strlen(texts[i]), "text " + std::to_string(i) + " (use chunk_size)");
@@ -736,8 +734,8 @@ kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char * const *
         ip.prefix = prefix;
         ip.progress = [&](size_t done, size_t total, int64_t) {
             if (p.progress && !p.progress(done, total, p.user_data))
-                fail(KVB_ERR_CANCELLED, "ingest cancelled by the progress callback after " + std::to_string(done) +
-                                            " of " + std::to_string(total) + " chunks");
+                fail(error_kind::cancelled, "ingest cancelled by the progress callback after " + std::to_string(done) +
+                                                " of " + std::to_string(total) + " chunks");
         };
         const rag_ingest_result r = rag_ingest(*store->st, eng, chunks, ip);
         std::vector<kvb_id> out(chunks.size());
@@ -767,8 +765,9 @@ kvb_status kvb_doc_id(kvb_context * ctx, const kvb_store * store, const char * t
         check_text_fits(*ctx, std::strlen(text), "the document");
         const std::vector<llama_token> doc = rag_doc_tokens(m.tokens(), text);
         if ((int64_t) doc.size() > context_room(*ctx))
-            fail(KVB_ERR_FAILED, "the document's " + std::to_string(doc.size()) + " tokens exceed the context of " +
-                                     std::to_string(context_room(*ctx)));
+            fail(error_kind::context_overflow, "the document's " + std::to_string(doc.size()) +
+                                                   " tokens exceed the context of " +
+                                                   std::to_string(context_room(*ctx)));
         copy_id(chunk_key(m, ctx->ep.type_k, store->codec, {}, doc), *out);
     });
 }
@@ -793,7 +792,7 @@ kvb_status kvb_generate(kvb_context * ctx, const char * prompt, const kvb_genera
     return guarded([&] {
         need(ctx, "ctx");
         const kvb_chat * chat = params ? params->chat : nullptr;
-        if (chat && prompt) fail(KVB_ERR_INVALID_ARGUMENT, "give a prompt or params->chat, not both");
+        if (chat && prompt) fail(error_kind::invalid_argument, "give a prompt or params->chat, not both");
         if (!chat) need(prompt, "prompt");
         const std::string & text_in = chat ? chat->plan.prompt : std::string(prompt);
         const context_use in_use(*ctx);
@@ -807,7 +806,7 @@ kvb_status kvb_generate_tokens(kvb_context * ctx, const kvb_token * prompt, size
     return guarded([&] {
         need(ctx, "ctx");
         if (params && params->chat)
-            fail(KVB_ERR_INVALID_ARGUMENT, "params->chat gives the prompt: call kvb_generate with a NULL prompt");
+            fail(error_kind::invalid_argument, "params->chat gives the prompt: call kvb_generate with a NULL prompt");
         if (n_prompt > 0) need(prompt, "prompt");
         const context_use in_use(*ctx);
         check_tokens(*ctx->m, prompt, n_prompt);
@@ -861,32 +860,33 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         const kvb_chat * chat = gp.chat;  // the prompt is the chat's, its documents where it marks them
         if (chat) {
             if (system || question)
-                fail(KVB_ERR_INVALID_ARGUMENT,
+                fail(error_kind::invalid_argument,
                      "with gen_params->chat, system and question are NULL: the chat holds them");
             if (n_docs != chat->n_docs)
-                fail(KVB_ERR_INVALID_ARGUMENT,
+                fail(error_kind::invalid_argument,
                      "the chat marks " + std::to_string(chat->n_docs) + " documents, not " + std::to_string(n_docs));
         } else {
             need(question, "question");
-            if (!question[0]) fail(KVB_ERR_INVALID_ARGUMENT, "the question must not be empty");
+            if (!question[0]) fail(error_kind::invalid_argument, "the question must not be empty");
         }
         const context_use in_use(*ctx);
         const sampler_params sp = sampling_of(gp, *ctx->m);
         const model & m = *ctx->m;
         // every document takes a position at least: more cannot fit, and the count sizes vectors below
         if (n_docs > (uint64_t) m.hparams().n_ctx_train)
-            fail(KVB_ERR_INVALID_ARGUMENT, std::to_string(n_docs) + " documents cannot fit the model's context of " +
-                                               std::to_string(m.hparams().n_ctx_train) + " tokens");
+            fail(error_kind::invalid_argument, std::to_string(n_docs) +
+                                                   " documents cannot fit the model's context of " +
+                                                   std::to_string(m.hparams().n_ctx_train) + " tokens");
 
-        // the blend params, checked here (blend_params_check, the one rule) so that a bad one is an invalid argument
+        // the blend params, checked by the one rule (blend_params_check: an invalid argument)
         kvblend::blend_params bp = blend_default_params();
         const int score = enum_value(p.score), method = enum_value(p.method), budget = enum_value(p.budget);
         if (score < KVB_SCORE_V || score > KVB_SCORE_KV)
-            fail(KVB_ERR_INVALID_ARGUMENT, "score must be KVB_SCORE_V, K or KV");
+            fail(error_kind::invalid_argument, "score must be KVB_SCORE_V, K or KV");
         if (method != KVB_METHOD_GRADUAL && method != KVB_METHOD_DENSE)
-            fail(KVB_ERR_INVALID_ARGUMENT, "method must be KVB_METHOD_GRADUAL or KVB_METHOD_DENSE");
+            fail(error_kind::invalid_argument, "method must be KVB_METHOD_GRADUAL or KVB_METHOD_DENSE");
         if (budget < KVB_BUDGET_GLOBAL || budget > KVB_BUDGET_MASS)
-            fail(KVB_ERR_INVALID_ARGUMENT, "budget must be KVB_BUDGET_GLOBAL, CHUNK or MASS");
+            fail(error_kind::invalid_argument, "budget must be KVB_BUDGET_GLOBAL, CHUNK or MASS");
         bp.recomp_ratio = p.recomp_ratio;
         bp.check_layer = p.check_layer;
         bp.score = k_score_of[score];
@@ -900,15 +900,11 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
             need(p.schedule_layers, "schedule_layers (with n_schedule > 0)");
             need(p.schedule_ratios, "schedule_ratios (with n_schedule > 0)");
             if (p.n_schedule > (size_t) m.hparams().n_layer)
-                fail(KVB_ERR_INVALID_ARGUMENT, "a schedule has at most one step per layer");
+                fail(error_kind::invalid_argument, "a schedule has at most one step per layer");
             for (size_t i = 0; i < p.n_schedule; ++i)
                 bp.schedule.emplace_back(p.schedule_layers[i], p.schedule_ratios[i]);
         }
-        try {
-            blend_params_check(bp, m.hparams());
-        } catch (const error & e) {
-            fail(KVB_ERR_INVALID_ARGUMENT, e.what());
-        }
+        blend_params_check(bp, m.hparams());
 
         // the documents as token chunks: texts cut as every layout cuts them,
         // stored ones from their entries (kept: a usable entry is the chunk's KV)
@@ -929,20 +925,21 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
         auto count = [&](size_t i) {
             n_doc_tokens += (int64_t) doc_tokens[i].size();
             if (n_doc_tokens > n_room)
-                fail(KVB_ERR_FAILED, "documents 0.." + std::to_string(i) + " hold " + std::to_string(n_doc_tokens) +
-                                         " tokens, more than the context of " + std::to_string(n_room));
+                fail(error_kind::context_overflow, "documents 0.." + std::to_string(i) + " hold " +
+                                                       std::to_string(n_doc_tokens) +
+                                                       " tokens, more than the context of " + std::to_string(n_room));
         };
         for (size_t i = 0; i < n_docs; ++i) {
             const kvb_doc & d = docs[i];
             if ((d.text != nullptr) == (d.id != nullptr))
-                fail(KVB_ERR_INVALID_ARGUMENT,
+                fail(error_kind::invalid_argument,
                      "document " + std::to_string(i) + " needs a text or an id (one of them)");
             if (d.text) {
                 doc_tokens[i] = rag_doc_tokens(v, d.text);
                 count(i);
                 continue;
             }
-            if (!store) fail(KVB_ERR_INVALID_ARGUMENT, "documents by id need a store");
+            if (!store) fail(error_kind::invalid_argument, "documents by id need a store");
             const std::string id = d.id;
             const double t0 = time_ms();
             // the RAM tier holds chunks verified under their key: a hot document is not read again
@@ -951,7 +948,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
             std::optional<std::vector<uint8_t>> bytes;
             if (!stored[i] && is_id(d.id))
                 bytes = store_call("document '" + id + "' is unavailable", [&] { return store->st->get(id); });
-            if (!stored[i] && !bytes) fail(KVB_ERR_NOT_FOUND, "unknown document id '" + id + "'");
+            if (!stored[i] && !bytes) fail(error_kind::not_found, "unknown document id '" + id + "'");
             bool remove = true;
             try {
                 if (!stored[i])
@@ -959,7 +956,7 @@ kvb_status kvb_blend(kvb_context * ctx, kvb_store * store, const char * system, 
                         id, std::make_shared<chunk_kv>(chunk_decode_id(m, std::move(*bytes), id, &remove)));
             } catch (const error & e) {
                 if (remove) store->st->erase(id);
-                fail(KVB_ERR_NOT_FOUND, "document '" + id + "' is no longer usable (" + e.what() + ")");
+                fail(error_kind::not_found, "document '" + id + "' is no longer usable (" + e.what() + ")");
             }
             doc_tokens[i] = stored[i]->tokens;
             count(i);

@@ -22,7 +22,8 @@ namespace kvblend {
 // 400, the C API with KVB_ERR_INVALID_ARGUMENT
 class chat_error : public error {
   public:
-    chat_error(const std::string & msg, std::string code = "invalid_request") : error(msg), code(std::move(code)) {}
+    chat_error(const std::string & msg, std::string code = "invalid_request")
+        : error(msg, error_kind::invalid_argument), code(std::move(code)) {}
     std::string code;
 };
 

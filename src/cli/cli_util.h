@@ -23,11 +23,6 @@ std::string read_text_file(const std::string & path, uint64_t max_bytes = k_max_
 // --store-max-gb X: 0 = no budget; any positive X is honoured (at least 1 byte)
 uint64_t parse_store_budget(args & a);
 
-// a text of `bytes` bytes that no context of n_ctx tokens can hold is refused
-// before it is tokenized (vocab::min_tokens): several large --doc files must
-// not cost gigabytes first
-void check_text_fits(const vocab & v, uint64_t bytes, int64_t n_ctx, const std::string & what);
-
 int bench_blend(args & a);     // kvblend bench blend …
 int bench_store(args & a);     // kvblend bench store …
 int bench_codec(args & a);     // kvblend bench codec …

@@ -169,7 +169,7 @@ int cmd_blend(int argc, char ** argv) {
     blend_params_check(bp, m->hparams());
     uint64_t text_bytes = system.size() + query.size();
     for (const auto & d : docs) text_bytes += d.size();
-    check_text_fits(m->tokens(), text_bytes, m->hparams().n_ctx_train, "the system text, documents and query");
+    m->tokens().check_text_fits(text_bytes, m->hparams().n_ctx_train, "the system text, documents and query");
     const rag_prompt rp = rag_prompt_build(m->tokens(), system, docs, query, chat);
     const std::vector<llama_token> all = rp.all();
     const int64_t n_greedy = compare ? 32 : 0;

@@ -232,13 +232,6 @@ std::string read_text_file(const std::string & path, uint64_t max_bytes) {
     return out;
 }
 
-void check_text_fits(const vocab & v, uint64_t bytes, int64_t n_ctx, const std::string & what) {
-    if (v.min_tokens(bytes) > (uint64_t) n_ctx)
-        throw error(what + " of " + std::to_string(bytes) + " bytes cannot fit the model's context of " +
-                    std::to_string(n_ctx) + " tokens (a token stands for at most " +
-                    std::to_string(v.max_piece_bytes()) + " bytes)");
-}
-
 uint64_t parse_store_budget(args & a) {
     const double gb = a.real(0.0, 1e6);
     if (gb == 0.0) return 0;
@@ -310,7 +303,7 @@ int cmd_generate(int argc, char ** argv) {
     auto m = model::load(model_path, mp);
     const vocab & voc = m->tokens();
 
-    check_text_fits(voc, prompt.size() + system.size(), m->hparams().n_ctx_train, "the prompt");
+    voc.check_text_fits(prompt.size() + system.size(), m->hparams().n_ctx_train, "the prompt");
     std::vector<llama_token> toks;
     if (chat) {
         std::vector<chat_message> msgs;

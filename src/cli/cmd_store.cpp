@@ -166,10 +166,10 @@ int cmd_ingest(int argc, char ** argv) {
         for (const auto & text : texts)
             for (auto & p : rag_split_paragraphs(text)) paragraphs.push_back(std::move(p));
         for (size_t i = 0; i < paragraphs.size(); ++i)
-            check_text_fits(v, paragraphs[i].size(), n_train, "paragraph " + std::to_string(i));
+            v.check_text_fits(paragraphs[i].size(), n_train, "paragraph " + std::to_string(i));
     } else if (chunk_size == 0) {
         for (size_t i = 0; i < texts.size(); ++i)
-            check_text_fits(v, texts[i].size(), n_train, "'" + files[i] + "' (use --chunk-size)");
+            v.check_text_fits(texts[i].size(), n_train, "'" + files[i] + "' (use --chunk-size)");
     }
     auto st = store_open(uri, so);
     std::vector<llama_token> prefix;

@@ -78,8 +78,9 @@ void engine::import_cache(const kv_cache & dense) {
     if (!dense.shaped_for(model_->hparams())) throw error("the KV cache to import has another shape than this model's");
     const int64_t n = dense.n_past();
     if (n > cache_->n_ctx())
-        throw error("a cache of " + std::to_string(n) + " positions exceeds the context of " +
-                    std::to_string(cache_->n_ctx()));
+        throw error(
+            "a cache of " + std::to_string(n) + " positions exceeds the context of " + std::to_string(cache_->n_ctx()),
+            error_kind::context_overflow);
     cache_->clear();
     live_->import_rows(dense, n);
     cache_->set_n_past(n);
@@ -238,7 +239,8 @@ void engine::check_append(const kv_cache & cache, const std::vector<llama_token>
     const int64_t n = (int64_t) tokens.size();
     if (cache.n_past() + n > cache.n_ctx())
         throw error("context overflow: " + std::to_string(cache.n_past()) + " cached + " + std::to_string(n) +
-                    " new tokens exceed the context of " + std::to_string(cache.n_ctx()));
+                        " new tokens exceed the context of " + std::to_string(cache.n_ctx()),
+                    error_kind::context_overflow);
     for (llama_token t : tokens)
         if (t < 0 || t >= model_->hparams().n_vocab)
             throw error("token id " + std::to_string(t) + " is outside the vocabulary");

@@ -375,13 +375,15 @@ void kv_cache::reserve_rows(int64_t n) {
     if (!holds_rows_) {  // the rows live elsewhere: only the context bounds them
         if (need > n_ctx_)
             throw error("KV cache overflow: " + std::to_string(need) + " positions exceed the context of " +
-                        std::to_string(n_ctx_));
+                            std::to_string(n_ctx_),
+                        error_kind::context_overflow);
         return;
     }
     if (need <= cap_) return;
     if (need > n_ctx_)
         throw error("KV cache overflow: " + std::to_string(need) + " rows exceed the " +
-                    std::to_string(std::min(cap_, n_ctx_)) + " it can hold");
+                        std::to_string(std::min(cap_, n_ctx_)) + " it can hold",
+                    error_kind::context_overflow);
     // grow by half again, so a decode that outgrows its reserve does not copy every step
     const int64_t cap = std::min(n_ctx_, std::max(need, cap_ + cap_ / 2));
     storage dst = allocate(cap, ring_rows_);

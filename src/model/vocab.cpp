@@ -21,11 +21,20 @@ vocab::~vocab() {
     llama_model_free(model_);
 }
 
+void vocab::check_text_fits(uint64_t bytes, int64_t n_ctx, const std::string & what) const {
+    if (min_tokens(bytes) > (uint64_t) n_ctx)
+        throw error(what + " has " + std::to_string(bytes) + " bytes, more than the maximum context length of " +
+                        std::to_string(n_ctx) + " tokens can hold (a token stands for at most " +
+                        std::to_string(max_piece_bytes()) + " bytes)",
+                    error_kind::context_overflow);
+}
+
 std::vector<llama_token> vocab::tokenize(const std::string & text, bool add_special, bool parse_special) const {
     // libllama counts bytes and tokens in int32: a longer text would wrap
     if (text.size() > (size_t) INT32_MAX - 8)
         throw error("text of " + std::to_string(text.size()) + " bytes is too long to tokenize (at most " +
-                    std::to_string(INT32_MAX - 8) + ")");
+                        std::to_string(INT32_MAX - 8) + ")",
+                    error_kind::context_overflow);
     std::vector<llama_token> out(text.size() + 8);
     int32_t n = llama_tokenize(vocab_, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
                                add_special, parse_special);

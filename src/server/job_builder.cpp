@@ -49,12 +49,10 @@ void job_builder::load_tool_templates() {
 json job_builder::parse_body(const std::string & body, request_kind kind, bool * stream) const {
     request_spec r = request_parse(kind, body);
     // a text too long for the context is refused before the tokenizer spends time on it
-    const size_t bytes = request_text_bytes(r);
-    if (m_->tokens().min_tokens(bytes) > (uint64_t) p_.n_ctx)
-        bad_request("the " + std::string(kind == REQUEST_DOCUMENTS ? "document" : "prompt") + " has " +
-                        std::to_string(bytes) + " bytes, more than the maximum context length of " +
-                        std::to_string(p_.n_ctx) + " tokens can hold",
-                    "context_length_exceeded");
+    const char * what = kind == REQUEST_DOCUMENTS  ? "the document"
+                        : kind == REQUEST_TOKENIZE ? "the text"
+                                                   : "the prompt";
+    m_->tokens().check_text_fits(request_text_bytes(r), p_.n_ctx, what);
     if (stream) *stream = r.stream;
     return std::move(r.body);
 }

@@ -185,9 +185,10 @@ struct server::impl {
                 res.set_content(error_body(e.message, e.type, e.code), "application/json");
                 why = e.message;
             } catch (const error & e) {
-                res.status = 400;
-                res.set_content(error_body(e.what(), "invalid_request_error", "invalid_request"), "application/json");
-                why = e.what();
+                const request_error r = request_error_of(e, false);
+                res.status = r.status;
+                res.set_content(error_body(r.message, r.type, r.code), "application/json");
+                why = r.message;
             } catch (const json::exception & e) {  // a field read as a type it does not have: the check missed it
                 res.status = 400;
                 why = "a field of the request has the wrong type";

@@ -302,6 +302,9 @@ struct server_context::impl {
             f();
         } catch (const request_error & e) {
             end(s, e.message, e.status, e.code);
+        } catch (const error & e) {
+            const request_error r = request_error_of(e, true);
+            end(s, r.message, r.status, r.code);
         } catch (const std::exception & e) {
             end(s, e.what());
         }
@@ -322,6 +325,9 @@ struct server_context::impl {
                 prepare(*s);
             } catch (const request_error & e) {
                 s->prep_err = e.message, s->prep_status = e.status, s->prep_code = e.code;
+            } catch (const error & e) {
+                const request_error r = request_error_of(e, true);
+                s->prep_err = r.message, s->prep_status = r.status, s->prep_code = r.code;
             } catch (const std::exception & e) {
                 s->prep_err = e.what(), s->prep_status = 500, s->prep_code = "internal_error";
             }

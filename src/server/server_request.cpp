@@ -418,6 +418,7 @@ size_t request_text_bytes(const request_spec & r) {
         case REQUEST_DOCUMENTS:
             for (const auto & d : b["documents"]) n = std::max(n, doc_bytes(d));
             return n;
+        case REQUEST_TOKENIZE: return b.contains("content") ? doc_bytes(b["content"]) : 0;
         default: return 0;
     }
 }

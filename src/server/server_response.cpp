@@ -24,6 +24,20 @@ completion_meta completion_meta_new(bool chat) {
     return c;
 }
 
+request_error request_error_of(const error & e, bool in_job) {
+    const std::string why = e.what();
+    switch (e.kind()) {
+        case error_kind::invalid_argument: return {400, why, "invalid_request_error", "invalid_request"};
+        case error_kind::not_found: return {404, why, "invalid_request_error", "not_found"};
+        case error_kind::store_unavailable: return {503, why, "server_error", "store_unavailable"};
+        case error_kind::context_overflow: return {400, why, "invalid_request_error", "context_length_exceeded"};
+        case error_kind::cancelled: return client_closed_error();
+        case error_kind::failed: break;
+    }
+    if (in_job) return {500, why, "server_error", "internal_error"};
+    return {400, why, "invalid_request_error", "invalid_request"};
+}
+
 request_error client_closed_error() {
     return request_error{400, "the request was cancelled: the client closed its side of the connection",
                          "invalid_request_error", "client_closed_request"};

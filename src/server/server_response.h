@@ -26,6 +26,10 @@ struct completion_meta {
 };
 completion_meta completion_meta_new(bool chat);
 
+// the server's one table from a core error's kind to its answer (status, type,
+// code). `failed` before a job exists is the request's fault (400: only it was
+// read); in a job, the server's (500)
+request_error request_error_of(const error & e, bool in_job);
 // a failed job's error, thrown as the request_error its status calls for; nothing when it did not fail
 void job_raise_error(const job & j);
 // the error of a request whose client closed its side before the end: a 400

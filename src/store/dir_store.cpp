@@ -135,6 +135,7 @@ class dir_store : public store {
                 if (ec) throw error("cannot create the store directory '" + p.string() + "': " + ec.message());
             }
         }
+        opened_ = fs::is_directory(root_, ec);
     }
 
     std::string uri() const override { return "dir:" + root_.string(); }
@@ -147,6 +148,7 @@ class dir_store : public store {
                         std::to_string(opts_.max_bytes) + " bytes");
         const fs::path dst = entry_path(key);
         std::error_code ec;
+        check_not_gone();
         check_is_store();  // it may have gone since it was opened, and something else come in its place
         if (!opts_.create && !fs::is_directory(root_, ec)) throw error("store '" + root_.string() + "' does not exist");
         make_dir(root_ / "tmp");
@@ -218,6 +220,7 @@ class dir_store : public store {
             // the store's own folders unusable (a file in their place, not
             // searchable) is an outage, not a miss: it throws
             if (err == ENOTDIR || err == EACCES || err == ELOOP) check_readable();
+            if (err == ENOENT) check_not_gone();
             // missing, or something in its place that is not an entry we may read
             if (err == ENOENT || err == ENOTDIR || err == EISDIR || err == EACCES || err == ELOOP || err == ENXIO)
                 return std::nullopt;
@@ -249,8 +252,9 @@ class dir_store : public store {
     bool contains(const std::string & key) override {
         check_key(key);
         std::error_code ec;
-        // a missing store is an empty one (a put creates it again); something
-        // else in its place is a store that cannot work, and says so
+        // a store that was never made is an empty one (a put creates it); one
+        // whose folder went, or something else in its place, cannot work and says so
+        check_not_gone();
         for (const fs::path & dir : {root_, root_ / "entries"}) {
             const fs::file_status st = fs::status(dir, ec);
             if (fs::exists(st) && !fs::is_directory(st)) throw error("store '" + dir.string() + "' is not a directory");
@@ -354,6 +358,18 @@ class dir_store : public store {
     }
     // under the lock: an entries/XX folder left empty goes (a put makes it again under the lock)
     static void remove_if_empty(const fs::path & shard) { rmdir(shard.c_str()); }
+
+    // a store opened on a folder that is gone since (removed, unmounted) is an
+    // outage until the folder is back, not an empty store: its ids would be
+    // "unknown" while they are only out of reach, and a put would make a new
+    // store where the old one should be mounted
+    void check_not_gone() const {
+        std::error_code ec;
+        if (opened_ && !fs::exists(fs::symlink_status(root_, ec)))
+            throw error(
+                "the store's folder '" + root_.string() + "' is gone (removed or unmounted since it was opened)",
+                error_kind::store_unavailable);
+    }
 
     // a read that failed below the store's own folders: throws when the store
     // itself cannot be read (its folder or entries/ not a directory, or not
@@ -570,6 +586,7 @@ class dir_store : public store {
 
     fs::path root_;
     store_options opts_;
+    bool opened_ = false;  // its folder was there when it was opened
     std::mt19937_64 random_{std::random_device{}()};
 };
 

@@ -24,6 +24,18 @@ void log_cb(ggml_log_level /*level*/, const char * text, void * /*user*/) {
 
 }  // namespace
 
+const char * error_kind_name(error_kind kind) {
+    switch (kind) {
+        case error_kind::failed: return "failed";
+        case error_kind::invalid_argument: return "invalid_argument";
+        case error_kind::not_found: return "not_found";
+        case error_kind::store_unavailable: return "store_unavailable";
+        case error_kind::context_overflow: return "context_overflow";
+        case error_kind::cancelled: return "cancelled";
+    }
+    return "failed";
+}
+
 void log_set_verbose(bool verbose) {
     g_verbose = verbose;
     backend_init();

@@ -121,9 +121,10 @@ TEST_F(capi_hostile, every_required_null_pointer_is_an_invalid_argument_naming_i
 
 TEST_F(capi_hostile, status_names_of_values_outside_the_enum_are_unknown_not_undefined) {
     // any int a C caller passes has a name (read as an int, not as the C++ enum type)
-    for (int s : {-1, 8, 42, INT32_MAX})
+    for (int s : {-1, 9, 42, INT32_MAX})
         EXPECT_STREQ(kvb_status_name(static_cast<kvb_status>(s)), "KVB_ERR_UNKNOWN") << s;
     EXPECT_STREQ(kvb_status_name(KVB_ERR_INTERNAL), "KVB_ERR_INTERNAL");
+    EXPECT_STREQ(kvb_status_name(KVB_ERR_CONTEXT_OVERFLOW), "KVB_ERR_CONTEXT_OVERFLOW");
 }
 
 TEST_F(capi_hostile, nan_infinite_and_negative_numbers_in_every_params_struct_are_refused) {
@@ -236,36 +237,38 @@ TEST_F(capi_hostile, empty_invalid_utf8_and_long_texts_are_answered_or_refused_n
         << kvb_last_error();
     kvb_free(text);
     const kvb_doc big = {long_doc.c_str(), nullptr};
-    EXPECT_EQ(kvb_blend(ctx, nullptr, "", &big, 1, "q", nullptr, &gp, nullptr, nullptr), KVB_ERR_FAILED);
+    EXPECT_EQ(kvb_blend(ctx, nullptr, "", &big, 1, "q", nullptr, &gp, nullptr, nullptr), KVB_ERR_CONTEXT_OVERFLOW);
     EXPECT_NE(last_error().find("exceeds"), std::string::npos) << last_error();
     // so many bytes that no context of the model can hold them: refused before tokenizing
     const std::string huge_doc(3 << 20, 'a');
     const kvb_doc huge[] = {{huge_doc.c_str(), nullptr}, {huge_doc.c_str(), nullptr}};
-    EXPECT_EQ(kvb_blend(ctx, nullptr, "", huge, 2, "q", nullptr, &gp, nullptr, nullptr), KVB_ERR_FAILED);
-    EXPECT_NE(last_error().find("bytes exceeds what the context of"), std::string::npos) << last_error();
-    EXPECT_EQ(kvb_generate(ctx, long_doc.c_str(), &gp, nullptr, nullptr), KVB_ERR_FAILED);
+    EXPECT_EQ(kvb_blend(ctx, nullptr, "", huge, 2, "q", nullptr, &gp, nullptr, nullptr), KVB_ERR_CONTEXT_OVERFLOW);
+    EXPECT_NE(last_error().find("bytes, more than the maximum context length of"), std::string::npos) << last_error();
+    EXPECT_EQ(kvb_generate(ctx, long_doc.c_str(), &gp, nullptr, nullptr), KVB_ERR_CONTEXT_OVERFLOW);
     // every entry point bounds its text before tokenizing it: the byte bound's message, not the token count's
-    EXPECT_EQ(kvb_generate(ctx, huge_doc.c_str(), &gp, nullptr, nullptr), KVB_ERR_FAILED);
-    EXPECT_NE(last_error().find("the prompt of 3145728 bytes exceeds what the context"), std::string::npos)
+    EXPECT_EQ(kvb_generate(ctx, huge_doc.c_str(), &gp, nullptr, nullptr), KVB_ERR_CONTEXT_OVERFLOW);
+    EXPECT_NE(last_error().find("the prompt has 3145728 bytes, more than the maximum context length"),
+              std::string::npos)
         << last_error();
     {
         kvblend::test::temp_dir sdir("capi-huge");
         kvb_store * hs = nullptr;
         ASSERT_EQ(kvb_store_open(sdir.file("kv").c_str(), nullptr, &hs), KVB_OK);
         kvb_id id{};
-        EXPECT_EQ(kvb_doc_id(ctx, hs, huge_doc.c_str(), &id), KVB_ERR_FAILED);  // no id of a document never storable
-        EXPECT_NE(last_error().find("bytes exceeds what the context"), std::string::npos) << last_error();
-        EXPECT_EQ(kvb_doc_id(ctx, hs, long_doc.c_str(), &id), KVB_ERR_FAILED);  // nor one too long in tokens
+        EXPECT_EQ(kvb_doc_id(ctx, hs, huge_doc.c_str(), &id),
+                  KVB_ERR_CONTEXT_OVERFLOW);  // no id of a document never storable
+        EXPECT_NE(last_error().find("bytes, more than the maximum context length"), std::string::npos) << last_error();
+        EXPECT_EQ(kvb_doc_id(ctx, hs, long_doc.c_str(), &id), KVB_ERR_CONTEXT_OVERFLOW);  // nor one too long in tokens
         const char * texts[] = {"Once upon a time", huge_doc.c_str()};
         kvb_id * ids = nullptr;
         size_t n_ids = 0;
-        EXPECT_EQ(kvb_ingest(ctx, hs, texts, 2, nullptr, &ids, &n_ids, nullptr), KVB_ERR_FAILED);
-        EXPECT_NE(last_error().find("text 1 (use chunk_size) of 3145728 bytes exceeds"), std::string::npos)
+        EXPECT_EQ(kvb_ingest(ctx, hs, texts, 2, nullptr, &ids, &n_ids, nullptr), KVB_ERR_CONTEXT_OVERFLOW);
+        EXPECT_NE(last_error().find("text 1 (use chunk_size) has 3145728 bytes, more than"), std::string::npos)
             << last_error();
         kvb_ingest_params ip = kvb_ingest_default_params();
         ip.split_paragraphs = true;
-        EXPECT_EQ(kvb_ingest(ctx, hs, texts, 2, &ip, &ids, &n_ids, nullptr), KVB_ERR_FAILED);
-        EXPECT_NE(last_error().find("a paragraph of text 1 of 3145728 bytes exceeds"), std::string::npos)
+        EXPECT_EQ(kvb_ingest(ctx, hs, texts, 2, &ip, &ids, &n_ids, nullptr), KVB_ERR_CONTEXT_OVERFLOW);
+        EXPECT_NE(last_error().find("a paragraph of text 1 has 3145728 bytes, more than"), std::string::npos)
             << last_error();
         kvb_store_stats ss{};
         ASSERT_EQ(kvb_store_get_stats(hs, &ss), KVB_OK);

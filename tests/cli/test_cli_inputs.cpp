@@ -75,20 +75,21 @@ TEST(cli_inputs, texts_longer_than_any_context_are_refused_before_tokenizing) {
     const test::run_result b = run_limited("blend -m " + k_stories + " --query q -n 1 --doc " + files[0] + " --doc " +
                                            files[1] + " --doc " + files[2]);
     EXPECT_EQ(b.status, 1) << b.err;
-    EXPECT_NE(b.err.find("cannot fit the model's context of"), std::string::npos) << b.err;
+    EXPECT_NE(b.err.find("more than the maximum context length of"), std::string::npos) << b.err;
     const test::run_result g = run_limited("generate -m " + k_stories + " -n 1 -f " + files[0]);
     EXPECT_EQ(g.status, 1) << g.err;
-    EXPECT_NE(g.err.find("cannot fit the model's context of"), std::string::npos) << g.err;
+    EXPECT_NE(g.err.find("more than the maximum context length of"), std::string::npos) << g.err;
     // ingest too, a whole file as one chunk or a paragraph of it, before the store is opened
     const std::string store = d.file("store");
     const test::run_result i = run_limited("ingest -m " + k_stories + " --store " + store + " " + files[0]);
     EXPECT_EQ(i.status, 1) << i.err;
-    EXPECT_NE(i.err.find("(use --chunk-size) of 800000 bytes cannot fit the model's context of"), std::string::npos)
+    EXPECT_NE(i.err.find("(use --chunk-size) has 800000 bytes, more than the maximum context length of"),
+              std::string::npos)
         << i.err;
     const test::run_result ip =
         run_limited("ingest -m " + k_stories + " --store " + store + " --split paragraph " + files[1]);
     EXPECT_EQ(ip.status, 1) << ip.err;
-    EXPECT_NE(ip.err.find("paragraph 0 of 799999 bytes cannot fit"), std::string::npos) << ip.err;  // trimmed
+    EXPECT_NE(ip.err.find("paragraph 0 has 799999 bytes, more than"), std::string::npos) << ip.err;  // trimmed
     EXPECT_FALSE(std::filesystem::exists(store));
     // one that may fit is tokenized and answered as before
     std::ofstream(d.file("small.txt")) << "Tom had a red ball.";

@@ -370,7 +370,7 @@ def test_texts_no_context_can_hold_are_refused_before_tokenizing(model, tmp_path
     with kvblend.Store(str(tmp_path / "store")) as store:
         for call in (lambda: model.doc_id(huge, store), lambda: model.ingest(store, [huge]),
                      lambda: model.complete(huge, n_predict=1)):
-            with pytest.raises(kvblend.Error, match="bytes exceeds what the context"):
+            with pytest.raises(kvblend.ContextOverflowError, match="bytes, more than the maximum context length"):
                 call()
         assert store.stats().n_entries == 0
 

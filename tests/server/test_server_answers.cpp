@@ -303,6 +303,12 @@ TEST(server_habits, routes_keys_alias_pieces_slots_and_the_usage_chunk) {
     }
     EXPECT_EQ(joined, " Once upon a time");  // the tokenizer's leading space
     EXPECT_TRUE(post(c, "/tokenize", {{"content", "x"}})["tokens"][0].is_number_integer());
+    // a text no context can hold is refused before it is tokenized, as every other
+    // text is (8 MB under a larger --max-body took seconds and ~0.8 GB, kept after)
+    auto huge = c.Post("/tokenize", json{{"content", std::string(7 << 20, 'a')}}.dump(), "application/json");
+    ASSERT_TRUE(huge);
+    EXPECT_EQ(huge->status, 400) << huge->body.substr(0, 300);
+    EXPECT_EQ(json::parse(huge->body)["error"]["code"], "context_length_exceeded") << huge->body.substr(0, 300);
     // cache_prompt: honoured both ways; id_slot: only -1
     const json ask = {{"prompt", "Once upon a time there was a girl"}, {"max_tokens", 2}};
     post(c, "/completions", ask);

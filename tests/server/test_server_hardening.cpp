@@ -518,18 +518,40 @@ TEST(server_hardening, health_reports_a_store_that_is_down) {
     EXPECT_FALSE(h["store"]["error"].get<std::string>().empty());
 }
 
-// a dir store whose directory was replaced by a file cannot work: /health says
-// so (a removed one is recreated by the next write, and stays healthy)
+// a dir store whose directory went or was replaced by a file cannot work:
+// /health says so, and a document by id is a 503, not an unknown id (it was
+// a 404 while /health said 200); the folder back, both are answered again
 TEST(server_hardening, health_reports_a_dir_store_that_cannot_work) {
     test::temp_dir d("hardstore");
     const std::filesystem::path root = d.path() / "st";
     server_params p = small_params();
     p.store_uri = root.string();
+    p.chunk_cache_host_mb = 0;  // no tier in front: a chunk in RAM is answered without the store
     live_server s(p);
     auto c = s.client();
     EXPECT_EQ(c.Get("/health")->status, 200);
+    auto ok = c.Post("/v1/documents", R"({"documents":["Tom had a red ball."]})", "application/json");
+    ASSERT_EQ(ok->status, 200) << ok->body;
+    const std::string by_id = json{
+        {"messages", {{{"role", "user"}, {"content", "What had Tom?"}}}},
+        {"documents", {{{"id", json::parse(ok->body)["data"][0]["id"]}}}},
+        {"max_tokens", 1}}.dump();
+    const std::filesystem::path moved = d.path() / "elsewhere";
+    std::filesystem::rename(root, moved);  // as an unmounted volume
+    auto gone = c.Get("/health");
+    EXPECT_EQ(gone->status, 503) << gone->body;
+    EXPECT_NE(gone->body.find("is gone"), std::string::npos) << gone->body;
+    auto r = c.Post("/v1/chat/completions", by_id, "application/json");
+    EXPECT_EQ(r->status, 503) << r->body;
+    EXPECT_EQ(openai_error_of(r)["code"], "store_unavailable") << r->body;
+    EXPECT_FALSE(std::filesystem::exists(root));  // no write made a new, empty store in its place
+    std::filesystem::rename(moved, root);
+    for (int i = 0; i < 100 && c.Get("/health")->status != 200; ++i)  // past the breaker's backoff
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_EQ(c.Get("/health")->status, 200);
+    r = c.Post("/v1/chat/completions", by_id, "application/json");
+    EXPECT_EQ(r->status, 200) << r->body;
     std::filesystem::remove_all(root);
-    EXPECT_EQ(c.Get("/health")->status, 200);  // missing: an empty store, made again by a put
     std::ofstream(root) << "a file";
     auto down = c.Get("/health");
     EXPECT_EQ(down->status, 503);
