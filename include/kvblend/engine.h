@@ -45,6 +45,13 @@ struct engine_params {
     // the first token is out. not the default, as a cache that blends or
     // prefills next needs every row again (docs/ARCHITECTURE.md, "Memory")
     bool swa_full = true;
+    // a token's logits do not depend on the batch it runs in (the other
+    // sequences of a step, how its prompt was cut into micro-batches, a cached
+    // head), bit for bit, on the CPU: every product and the attention run one
+    // kernel whatever the batch (graph::build_mul_mat, ggml's per-row
+    // attention). Off by default: it costs decode and prefill speed
+    // (docs/RELIABILITY.md, "The same bits whatever the batch")
+    bool batch_invariant = false;
 };
 
 engine_params engine_default_params();

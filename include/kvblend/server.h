@@ -34,8 +34,9 @@ struct server_params {
     int64_t n_batch = 2048;
     int64_t n_ubatch = 512;
     bool pace_prompts = true;
-    int max_queue = 64;          // waiting requests beyond the slots; more get 503
-    float recomp_ratio = 0.08f;  // blend_default_params()'s
+    bool batch_invariant = false;  // engine_params::batch_invariant for every slot
+    int max_queue = 64;            // waiting requests beyond the slots; more get 503
+    float recomp_ratio = 0.08f;    // blend_default_params()'s
     int check_layer = 1;
     int64_t chunk_size = 256;       // plain long prompts: chunk length
     int64_t min_fuse_tokens = 512;  // plain prompts at least this long are chunked and fused

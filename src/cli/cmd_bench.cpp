@@ -38,6 +38,8 @@ model, same threads, same KV type, in the same run.
   --swa-rings           sliding-window layers keep their window plus a micro-batch while
                         decoding, on both sides, as llama-server keeps them (default: every
                         row, on both sides, as libllama's library does)
+  --batch-invariant     our forward in its batch-invariant mode (the same bits whatever the
+                        batch; see kvblend serve --help), to measure what it costs
   --peer none|llama     time libllama too (default llama); 'none' also reports peak RSS
   --mmap                map the model file instead of reading the weights into memory
   --profile-ops         after the timed runs, one more prefill each with every
@@ -117,6 +119,8 @@ int bench_prefill(args & a) {
             ep.type_k = ep.type_v = parse_cache_type(a.str());
         else if (a.match({"--swa-rings"}))
             ep.swa_full = false;
+        else if (a.match({"--batch-invariant"}))
+            ep.batch_invariant = true;
         else if (a.match({"--peer"})) {
             const std::string p = a.str();
             if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");

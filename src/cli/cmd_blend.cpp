@@ -78,6 +78,20 @@ Token eviction of the fused cache (after the blend, before decoding; scoring
 policies re-run the query's last tokens over the fused cache to score):
 )";
 
+// the store a blend uses as a cache: one that cannot be reached is a warning
+// and no store, as one that fails once open is (a wrong URI or password is
+// still an error: the blend would never use the store it was told to)
+std::unique_ptr<store> open_as_cache(const std::string & uri, const store_options & so) {
+    if (uri.empty()) return nullptr;
+    try {
+        return store_open(uri, so);
+    } catch (const error & e) {
+        if (e.kind() != error_kind::store_unavailable) throw;
+        std::fprintf(stderr, "warning: %s; answering without the store\n", e.what());
+        return nullptr;
+    }
+}
+
 }  // namespace
 
 int cmd_blend(int argc, char ** argv) {
@@ -192,8 +206,8 @@ int cmd_blend(int argc, char ** argv) {
     std::unique_ptr<engine> live = ep.kv_codec.empty() ? nullptr : std::make_unique<engine>(m, ep);
 
     // every chunk's KV (from the store, or collected), the blend and the fused cache's eviction
-    // a store that fails once open is a cache: the blend answers without it (store_errors)
-    std::unique_ptr<store> st = store_uri.empty() ? nullptr : store_open(store_uri, so);
+    // a store that fails is a cache: the blend answers without it (store_errors)
+    std::unique_ptr<store> st = open_as_cache(store_uri, so);
     rag_fuse_params fp;
     fp.st = st.get();
     fp.codec = codec_name;

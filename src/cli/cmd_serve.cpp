@@ -41,6 +41,9 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --no-prompt-pacing        long prompts take whole -b chunks, streams or not
                             (llama-server's way: their first token comes sooner,
                             the streams stall while they are prefilled)
+  --batch-invariant         a request's logits are the same bits whatever else is in the step and
+                            however its prompt was cut or cached (CPU; slower: decode 0.5-0.6x,
+                            prefill 0.6-0.9x; docs/RELIABILITY.md)
   --quiet                   no line per request on stderr (route, status, tokens, store hits, times)
   --queue N                 requests waiting beyond the slots; more get 503 (default 64)
   --recomp-ratio R          default share of document tokens recomputed (default 0.08)
@@ -150,6 +153,8 @@ int cmd_serve(int argc, char ** argv) {
             sp.min_fuse_tokens = a.integer(1, 1 << 24);
         else if (a.match({"--no-learn"}))
             sp.learn = false;
+        else if (a.match({"--batch-invariant"}))
+            sp.batch_invariant = true;
         else if (a.match({"--learn-max-docs"}))
             sp.learn_max_docs = a.integer(0, 1 << 20);
         else if (a.match({"--learn-max-bytes"}))

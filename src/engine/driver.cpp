@@ -391,6 +391,7 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
         gp = im_.decode_graph;
     } else {
         im_.decode_graph.reset();  // its descriptors live in meta_buf, which the new graph takes over
+        const graph::batch_invariant_scope invariant(eng_.params().batch_invariant);
         gp = std::make_shared<ubatch_graph>(build_ubatch(m, cache, eng_.live_.get(), im_.hidden, im_.meta_buf, ub));
         ggml_backend_sched_reset(sched);
         if (!ggml_backend_sched_alloc_graph(sched, gp->gf)) throw error("cannot allocate the compute graph");
@@ -458,6 +459,7 @@ std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs
     ggml_context_ptr ctx(ggml_init(ip));
     ggml_context * c = ctx.get();
     ggml_cgraph * gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
+    const graph::batch_invariant_scope invariant(eng_.params().batch_invariant);
     ggml_tensor * tok = new_input(c, GGML_TYPE_I32, n_tok);
     ggml_tensor * tpos = new_input(c, GGML_TYPE_I32, n_tok);
     ggml_tensor * out_rows = logit_rows.empty() ? nullptr : new_input(c, GGML_TYPE_I32, (int64_t) logit_rows.size());

@@ -48,6 +48,8 @@ engine::engine(std::shared_ptr<const model> m, const engine_params & params)
     if (!impl_->cpu) throw error("cannot initialise the CPU backend");
     impl_->backends.emplace_back(impl_->cpu);
     set_n_threads(params_.n_threads);
+    // attention by ggml's per-row kernel at every batch size (no tiles, no split rows)
+    ggml_backend_cpu_set_use_ref(impl_->cpu, params_.batch_invariant);
 
     std::vector<ggml_backend_t> raw;
     for (auto & b : impl_->backends) raw.push_back(b.get());

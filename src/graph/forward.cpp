@@ -4,14 +4,36 @@
 #include <climits>
 #include <cmath>
 
+#include "ggml-backend.h"
+
 namespace kvblend::graph {
 
 ggml_tensor * build_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, float eps) {
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), w);
 }
 
+namespace {
+thread_local bool t_batch_invariant = false;  // batch_invariant_scope
+}  // namespace
+
+batch_invariant_scope::batch_invariant_scope(bool on) : was_(t_batch_invariant) {
+    t_batch_invariant = on;
+}
+
+batch_invariant_scope::~batch_invariant_scope() {
+    t_batch_invariant = was_;
+}
+
+ggml_tensor * build_mul_mat(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x) {
+    const bool one_column = x->ne[1] == 1 && x->ne[2] == 1 && x->ne[3] == 1;
+    if (!t_batch_invariant || !one_column || !w->buffer || !ggml_backend_buffer_is_host(w->buffer))
+        return ggml_mul_mat(ctx, w, x);
+    ggml_tensor * y = ggml_mul_mat(ctx, w, ggml_concat(ctx, x, x, 1));  // [w->ne[1], 2]
+    return ggml_view_2d(ctx, y, y->ne[0], 1, y->nb[1], 0);
+}
+
 ggml_tensor * build_linear(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x) {
-    ggml_tensor * y = ggml_mul_mat(ctx, w, x);  // [w->ne[1], n_tok]
+    ggml_tensor * y = build_mul_mat(ctx, w, x);  // [w->ne[1], n_tok]
     return b ? ggml_add(ctx, y, b) : y;
 }
 
@@ -197,7 +219,7 @@ ggml_tensor * build_pe_inputs(ggml_context * ctx, const model & m, ggml_tensor *
     const int64_t n_pe = hp.n_embd_per_layer, n_tok = tok->ne[0];
     // the projection of the scaled token embedding, normed per layer slice
     if (!embd) embd = build_embd(ctx, m, tok);
-    ggml_tensor * proj = ggml_mul_mat(ctx, m.pe_model_proj, embd);  // [n_pe * n_layer, n_tok]
+    ggml_tensor * proj = build_mul_mat(ctx, m.pe_model_proj, embd);  // [n_pe * n_layer, n_tok]
     proj = ggml_scale(ctx, proj, 1.0f / std::sqrt((float) hp.n_embd));
     proj = build_norm(ctx, ggml_reshape_3d(ctx, proj, n_pe, hp.n_layer, n_tok), m.pe_proj_norm, hp.rms_eps);
     // plus the token's own per-layer rows
@@ -216,9 +238,9 @@ ggml_tensor * build_pe_block(ggml_context * ctx, const model & m, int il, ggml_t
                              ggml_tensor * rows) {
     const model_layer & L = m.layers[il];
     ggml_tensor * slice = ggml_view_2d(ctx, pe, pe->ne[0], pe->ne[1], pe->nb[1], (size_t) il * pe->nb[2]);
-    if (rows) slice = ggml_get_rows(ctx, slice, rows);                                          // [n_pe, n]
-    ggml_tensor * g = ggml_mul(ctx, ggml_gelu(ctx, ggml_mul_mat(ctx, L.pe_gate, x)), slice);    // [n_pe, n]
-    g = build_norm(ctx, ggml_mul_mat(ctx, L.pe_proj, g), L.pe_post_norm, m.hparams().rms_eps);  // [n_embd, n]
+    if (rows) slice = ggml_get_rows(ctx, slice, rows);                                           // [n_pe, n]
+    ggml_tensor * g = ggml_mul(ctx, ggml_gelu(ctx, build_mul_mat(ctx, L.pe_gate, x)), slice);    // [n_pe, n]
+    g = build_norm(ctx, build_mul_mat(ctx, L.pe_proj, g), L.pe_post_norm, m.hparams().rms_eps);  // [n_embd, n]
     return ggml_add(ctx, x, g);
 }
 

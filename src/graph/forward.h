@@ -52,7 +52,29 @@ ggml_tensor * build_rope(ggml_context * ctx, const model & m, int il, ggml_tenso
 ggml_tensor * build_rope_shift(ggml_context * ctx, const model & m, int il, ggml_tensor * k, ggml_tensor * delta,
                                bool in_place);
 
-// w x (+ b when b is set): w [n_in, n_out], x [n_in, n_tok] -> [n_out, n_tok]
+// w x: w [n_in, n_out], x [n_in, n_tok] -> [n_out, n_tok]. Under a
+// batch_invariant_scope, by the same kernel whatever n_tok, so that a token's
+// result does not depend on the batch it runs in: ggml's CPU backend computes
+// one column with its dot-product loop and two or more with its tiled GEMM,
+// whose sums run in another order, so with weights in host memory one column
+// runs as two (itself twice) and the first is kept
+ggml_tensor * build_mul_mat(ggml_context * ctx, ggml_tensor * w, ggml_tensor * x);
+
+// engine_params::batch_invariant for the graphs built on this thread while it
+// lives: the driver holds one around each graph it builds (a flag of the
+// build, not an argument of every builder that reaches build_mul_mat)
+class batch_invariant_scope {
+  public:
+    explicit batch_invariant_scope(bool on);
+    ~batch_invariant_scope();
+    batch_invariant_scope(const batch_invariant_scope &) = delete;
+    batch_invariant_scope & operator=(const batch_invariant_scope &) = delete;
+
+  private:
+    bool was_;
+};
+
+// w x (+ b when b is set), by build_mul_mat
 ggml_tensor * build_linear(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x);
 
 // RMS norm times weight over ne[0]

@@ -98,7 +98,8 @@ void sampler::accept(llama_token tok) {
 }
 
 // the candidates' log-softmax as they stand (biased, penalised, constrained):
-// keeps every token's log-probability for the choice and the n_probs best
+// keeps every token's log-probability for the choice and the n_probs best of
+// those it allows
 void sampler::record_probs(const llama_token_data_array & arr) {
     float max_logit = -INFINITY;
     for (size_t i = 0; i < arr.size; ++i) max_logit = std::max(max_logit, arr.data[i].logit);
@@ -113,8 +114,9 @@ void sampler::record_probs(const llama_token_data_array & arr) {
     std::partial_sort(order_.begin(), order_.begin() + n_top, order_.end(), [&](llama_token a, llama_token b) {
         return logprob_of_[a] > logprob_of_[b] || (logprob_of_[a] == logprob_of_[b] && a < b);
     });
-    last_.top.clear();
-    for (size_t i = 0; i < n_top; ++i) last_.top.push_back({order_[i], logprob_of_[order_[i]]});
+    last_.top.clear();  // a token the grammar forbids (-inf) is no candidate
+    for (size_t i = 0; i < n_top && std::isfinite(logprob_of_[order_[i]]); ++i)
+        last_.top.push_back({order_[i], logprob_of_[order_[i]]});
 }
 
 llama_token_data_array sampler::candidates(const float * logits) {

@@ -148,6 +148,7 @@ struct server_context::impl {
         ep.type_v = p.type_v;
         ep.kv_codec = p.kv_codec;
         ep.evict = p.evict;
+        ep.batch_invariant = p.batch_invariant;
         // every slot's memory is allocated before serving
         slots = std::vector<slot>((size_t) p.parallel);
         if (batched()) {

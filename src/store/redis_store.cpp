@@ -56,7 +56,7 @@ using context_ptr = std::unique_ptr<redisContext, context_deleter>;
 // worth one reconnect and retry
 class io_error : public error {
   public:
-    using error::error;
+    explicit io_error(const std::string & msg) : error(msg, error_kind::store_unavailable) {}
 };
 
 // hiredis sends with write(2): a server that went away raises SIGPIPE, which
@@ -367,14 +367,14 @@ class redis_store : public store {
         if (ctx_->err) {
             const std::string why = ctx_->errstr;
             disconnect();
-            throw error("cannot reach redis at " + where() + ": " + why);
+            throw error("cannot reach redis at " + where() + ": " + why, error_kind::store_unavailable);
         }
         // a bound on each read()/write() besides the deadline that wait_reply keeps
         const timeval command_timeout = to_timeval(opts_.timeout_s * 1000);
         if (redisSetTimeout(ctx_.get(), command_timeout) != REDIS_OK || redisEnableKeepAlive(ctx_.get()) != REDIS_OK) {
             const std::string why = ctx_->errstr;
             disconnect();
-            throw error("cannot reach redis at " + where() + ": " + why);
+            throw error("cannot reach redis at " + where() + ": " + why, error_kind::store_unavailable);
         }
         try {
             // a reconnect is a new client: AUTH again, before anything else
@@ -391,7 +391,7 @@ class redis_store : public store {
             expect_ok(r.get(), "SELECT");
         } catch (const io_error & e) {
             disconnect();
-            throw error("cannot reach redis at " + where() + ": " + e.what());
+            throw error("cannot reach redis at " + where() + ": " + e.what(), error_kind::store_unavailable);
         } catch (...) {
             disconnect();
             throw;

@@ -398,7 +398,7 @@ TEST_F(capi, a_grown_context_and_a_fresh_one_give_the_same_blend_and_contexts_ou
     ASSERT_EQ(kvb_context_new(model, &cp, &small), KVB_OK);
     EXPECT_EQ(kvb_generate(small, "Once upon a time there was a little girl named Lily who liked to play", nullptr,
                            nullptr, nullptr),
-              KVB_ERR_FAILED);
+              KVB_ERR_CONTEXT_OVERFLOW);
     EXPECT_NE(std::string(kvb_last_error()).find("exceeds the context of 16"), std::string::npos) << kvb_last_error();
     kvb_generate_stats gs{};
     gp.n_predict = 64;

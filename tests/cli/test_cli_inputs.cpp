@@ -96,6 +96,23 @@ TEST(cli_inputs, texts_longer_than_any_context_are_refused_before_tokenizing) {
     EXPECT_EQ(run_limited("blend -m " + k_stories + " --query q -n 1 --doc " + d.file("small.txt")).status, 0);
 }
 
+// a store blend cannot reach is a cache that misses: a warning and the answer
+// without it (it exited 1 before); a store URI that is wrong is still an error
+TEST(cli_inputs, blend_answers_without_a_store_it_cannot_reach) {
+    test::temp_dir d("cli-deadstore");
+    std::ofstream(d.file("doc.txt")) << "Tom had a red ball.";
+    const std::string args = "blend -m " + k_stories + " --query q -n 2 --seed 1 --doc " + d.file("doc.txt");
+    const test::run_result alone = run_limited(args);
+    ASSERT_EQ(alone.status, 0) << alone.err;
+    const test::run_result dead = run_limited(args + " --store redis://127.0.0.1:1");  // nothing listens on port 1
+    EXPECT_EQ(dead.status, 0) << dead.err;
+    EXPECT_NE(dead.err.find("warning: cannot reach redis at 127.0.0.1:1"), std::string::npos) << dead.err;
+    EXPECT_NE(dead.err.find("answering without the store"), std::string::npos) << dead.err;
+    EXPECT_EQ(dead.out, alone.out);  // the same answer as with no store
+    const test::run_result wrong = run_limited(args + " --store redis:/127.0.0.1");
+    EXPECT_EQ(wrong.status, 1) << wrong.err;
+}
+
 // a fifo where a model, a vocabulary or a prompts file goes is refused at
 // once (an open that waits for a writer would hang the command forever), and
 // /dev/zero as a prompts file is not read until memory runs out

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "kvblend/engine.h"
@@ -144,6 +145,81 @@ TEST(eval_seqs, bad_batches_are_refused_and_write_nothing) {
     EXPECT_EQ(out[1].size(), (size_t) m->hparams().n_vocab);
     EXPECT_EQ(a->n_past(), 5);
 }
+
+// batch invariance (engine_params::batch_invariant): a
+// sequence's logits are the same bits alone, among other sequences of a step,
+// and however its prompt was cut (whole, in chunks, a head and then one token),
+// with f16/f32/bf16 weights and the default f16 cache, where ggml's CPU kernels
+// for one row and for many sum in other orders. 600 tokens: the decode attends
+// over more than 512 keys, where ggml splits one row's attention over threads
+class batch_invariance_test : public ::testing::TestWithParam<ggml_type> {};
+
+// prompt fed in pieces of `cut` tokens (the last piece what is left), then greedy steps
+std::vector<std::vector<float>> fed_alone(engine & eng, const std::vector<llama_token> & prompt, size_t cut,
+                                          int steps) {
+    std::vector<float> l;
+    for (size_t b = 0; b < prompt.size(); b += cut)
+        l = eng.eval(std::vector<llama_token>(prompt.begin() + b, prompt.begin() + std::min(prompt.size(), b + cut)));
+    std::vector<std::vector<float>> out{l};
+    for (int i = 0; i < steps; ++i) out.push_back(l = eng.eval({test::argmax(l)}));
+    return out;
+}
+
+// "" when a and b hold the same bits, else the first step where they differ and by how much
+std::string bit_difference(const std::vector<std::vector<float>> & a, const std::vector<std::vector<float>> & b) {
+    if (a.size() != b.size()) return std::to_string(a.size()) + " steps vs " + std::to_string(b.size());
+    for (size_t s = 0; s < a.size(); ++s)
+        if (a[s].size() != b[s].size() || std::memcmp(a[s].data(), b[s].data(), a[s].size() * sizeof(float)) != 0)
+            return "step " + std::to_string(s) + ": max relative difference " +
+                   std::to_string(test::max_rel_diff(a[s], b[s]));
+    return "";
+}
+
+TEST_P(batch_invariance_test, logits_are_the_same_bits_alone_among_others_and_however_the_prompt_is_cut) {
+    auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny-qwen3", GetParam())));
+    engine_params ep = engine_default_params();
+    ep.n_ctx = 1024;
+    ep.batch_invariant = true;
+    const std::vector<llama_token> prompt = test::random_tokens(*m, 600, 5);
+    const int steps = 3;
+    engine whole_eng(m, ep);
+    const auto whole = fed_alone(whole_eng, prompt, prompt.size(), steps);
+    for (size_t cut : {(size_t) 7, prompt.size() - 1}) {  // chunks; a cached head, then its last token alone
+        engine e(m, ep);
+        EXPECT_EQ(bit_difference(fed_alone(e, prompt, cut, steps), whole), "") << "cut " << cut;
+    }
+    // among two others that prefill and decode beside it, one step at a time
+    engine eng(m, ep);
+    const std::vector<std::vector<llama_token>> others = {test::random_tokens(*m, 9, 6),
+                                                          test::random_tokens(*m, 300, 7)};
+    auto mine = eng.branch_cache(1024);
+    std::vector<std::unique_ptr<kv_cache>> their;
+    for (size_t i = 0; i < others.size(); ++i) their.push_back(eng.branch_cache(1024));
+    std::vector<std::vector<float>> got;
+    std::vector<llama_token> next_of_theirs(others.size(), -1);
+    for (int s = 0; (int) got.size() <= steps; ++s) {
+        std::vector<engine::seq_tokens> step;
+        if (got.empty())
+            step.push_back({mine.get(), prompt, true});
+        else
+            step.push_back({mine.get(), {test::argmax(got.back())}, true});
+        for (size_t i = 0; i < others.size(); ++i)
+            if (s == 0)
+                step.push_back({their[i].get(), others[i], true});
+            else
+                step.push_back({their[i].get(), {next_of_theirs[i]}, true});
+        const auto logits = eng.eval_seqs(step);
+        got.push_back(logits[0]);
+        for (size_t i = 0; i < others.size(); ++i) next_of_theirs[i] = test::argmax(logits[i + 1]);
+    }
+    EXPECT_EQ(bit_difference(got, whole), "") << "among others";
+}
+
+INSTANTIATE_TEST_SUITE_P(weights, batch_invariance_test,
+                         ::testing::Values(GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_BF16, GGML_TYPE_Q8_0),
+                         [](const ::testing::TestParamInfo<ggml_type> & info) {
+                             return std::string(ggml_type_name(info.param));
+                         });
 
 }  // namespace
 }  // namespace kvblend

@@ -134,8 +134,8 @@ def test_errors_are_exceptions_with_the_c_message(model, tmp_path):
             model.blend(SYSTEM, [{"id": "0123456789abcdef0123456789abcdef"}], QUERY, store=store)
     with pytest.raises(kvblend.InvalidArgumentError, match="codec"):
         kvblend.Store(str(tmp_path / "kv2"), codec="zip")
-    with pytest.raises(kvblend.Error, match="127.0.0.1:1"):
-        kvblend.Store("redis://127.0.0.1:1")  # nothing listens on port 1
+    with pytest.raises(kvblend.StoreUnavailableError, match="127.0.0.1:1"):
+        kvblend.Store("redis://127.0.0.1:1")  # nothing listens on port 1: an outage, KVB_ERR_STORE
     # a callback that raises: generation stops and the exception comes through
     def boom(piece):
         raise RuntimeError("stop here")

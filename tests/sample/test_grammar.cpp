@@ -207,6 +207,18 @@ TEST(logprobs, are_taken_after_the_grammar) {
     // the grammar's tokens share all the probability: renormalised among them
     EXPECT_GT(mass, 0.5);
     EXPECT_LE(mass, 1.0 + 1e-4);
+    // fewer allowed tokens than asked for: only they are listed (the forbidden
+    // ones came after them with "logprob": null)
+    sp.grammar = R"(root ::= "a" | "b")";
+    sampler two(sp, v.raw());
+    two.sample(l.data(), n);
+    ASSERT_FALSE(two.last().top.empty());
+    EXPECT_LT(two.last().top.size(), 20u);
+    for (const token_logprob & c : two.last().top) {
+        EXPECT_TRUE(std::isfinite(c.logprob)) << c.token;
+        const std::string piece = v.token_to_piece(c.token);
+        EXPECT_TRUE(piece == "a" || piece == "b") << piece;
+    }
     EXPECT_THROW(
         [] {
             sampler_params bad;

@@ -101,6 +101,41 @@ TEST(server_batching, plain_prompts_served_together_answer_as_served_alone) {
     EXPECT_EQ(metric(s, "kvblend_request_errors_total"), 0);
 }
 
+// --batch-invariant: with f16 weights and an f16 cache (where a one-row forward
+// and a batched one sum in other orders), every token's logprobs are the same
+// bits alone, among others, and with its head cached from the same prompt before
+TEST(server_batching, batch_invariant_logprobs_are_the_same_bits_alone_and_together) {
+    server_params p = batching_params();
+    p.parallel = 4;
+    p.type_k = p.type_v = GGML_TYPE_F16;
+    p.batch_invariant = true;
+    running_server s(p, test::make_test_model("tiny-qwen3", GGML_TYPE_F16));
+    std::vector<json> bodies;
+    for (int i = 0; i < 6; ++i) {
+        std::string prompt = "Once upon a time";
+        for (int k = 0; k < 3 * i; ++k) prompt += " there was a bird";  // other lengths: other chunk counts
+        json b = completion(prompt, 10);
+        b["logprobs"] = 2;
+        b["cache_prompt"] = i % 2 == 0;
+        bodies.push_back(b);
+    }
+    auto logprobs_of = [&](const json & b) {
+        auto c = s.client();
+        const json r = post(c, "/v1/completions", b);
+        return r.contains("choices") ? r["choices"][0]["logprobs"].dump() : "<error " + r.dump() + ">";
+    };
+    std::vector<std::string> alone;
+    for (const json & b : bodies) alone.push_back(logprobs_of(b));
+    for (size_t i = 0; i < bodies.size(); ++i)  // again at once: a cached head, then one token
+        EXPECT_EQ(logprobs_of(bodies[i]), alone[i]) << "request " << i << " after itself";
+    for (int round = 0; round < 2; ++round) {
+        std::vector<std::future<std::string>> f;
+        for (const json & b : bodies) f.push_back(std::async(std::launch::async, logprobs_of, b));
+        for (size_t i = 0; i < bodies.size(); ++i)
+            EXPECT_EQ(f[i].get(), alone[i]) << "request " << i << " in round " << round;
+    }
+}
+
 json rag_chat(const json & rec, const json & docs, int max_tokens = 12) {
     return {
         {"messages", {{{"role", "system"}, {"content", rec["system"]}}, {{"role", "user"}, {"content", rec["query"]}}}},

@@ -726,8 +726,8 @@ TEST(server_hardening, a_form_encoded_json_body_is_bounded_by_max_body_not_8k) {
     live_server s(small_params());
     auto c = s.client();
     // curl -d sends its body as application/x-www-form-urlencoded
-    const std::string text(20000, 'a');
-    auto r = c.Post("/tokenize", json{{"content", text}}.dump(), "application/x-www-form-urlencoded");
+    const json tokens(std::vector<int>(10000, 1));  // 20 kB (a text that long is more than the context holds)
+    auto r = c.Post("/detokenize", json{{"tokens", tokens}}.dump(), "application/x-www-form-urlencoded");
     ASSERT_TRUE(r);
     EXPECT_EQ(r->status, 200) << r->body.substr(0, 300);
 }
