@@ -43,6 +43,26 @@ struct sampler_params {
 
 constexpr int32_t k_max_probs = 20;  // the most candidates n_probs may ask for (OpenAI's top_logprobs bound)
 
+// the range of each sampling setting, declared once (OpenAI's ranges where it
+// has them): sampler_params_check applies them, and the server's request
+// check and the CLI's flags read them from here
+struct setting_range {
+    double lo, hi;
+};
+constexpr setting_range k_temp_range{0, 100};
+constexpr setting_range k_top_p_range{0, 1};
+constexpr setting_range k_min_p_range{0, 1};
+constexpr setting_range k_freq_penalty_range{-2, 2};
+constexpr setting_range k_presence_penalty_range{-2, 2};
+constexpr setting_range k_repeat_penalty_range{0.01, 10};
+constexpr setting_range k_logit_bias_range{-100, 100};
+
+// the one check of sampler_params: each setting in its range (named as OpenAI
+// names it: temperature, top_p, …), n_probs in [0, k_max_probs], and, when
+// n_vocab > 0, every logit bias on a token of the vocabulary; throws
+// error(invalid_argument). The sampler checks its params with it too
+void sampler_params_check(const sampler_params & p, int64_t n_vocab);
+
 // a JSON schema (as JSON text) as a GBNF grammar of the JSON texts it accepts,
 // by the pinned llama.cpp's converter; throws kvblend::error when the schema is
 // not JSON or uses what the converter cannot express

@@ -57,7 +57,8 @@ class kvb_chat_message(Structure):
 
 
 class kvb_context_params(Structure):
-    _fields_ = [("n_threads", c_int32), ("n_ctx", c_int64), ("n_ubatch", c_int64), ("type_k", c_int), ("type_v", c_int)]
+    _fields_ = [("n_threads", c_int32), ("n_ctx", c_int64), ("n_ubatch", c_int64), ("type_k", c_int), ("type_v", c_int),
+                ("batch_invariant", c_bool)]
 
 
 class kvb_store_params(Structure):

@@ -223,9 +223,6 @@ std::string grammar_of(const kvb_generate_params & gp, const model & m) {
 
 sampler_params sampling_of(const kvb_generate_params & gp, const model & m) {
     if (gp.n_predict < 0) fail(error_kind::invalid_argument, "n_predict must not be negative");
-    if (!(gp.temp >= 0 && gp.temp <= 100)) fail(error_kind::invalid_argument, "temp must be in [0, 100]");
-    if (!(gp.top_p >= 0 && gp.top_p <= 1)) fail(error_kind::invalid_argument, "top_p must be in [0, 1]");
-    if (!(gp.min_p >= 0 && gp.min_p <= 1)) fail(error_kind::invalid_argument, "min_p must be in [0, 1]");
     if (gp.n_stop > 0) need(gp.stop, "stop (with n_stop > 0)");
     for (size_t i = 0; i < gp.n_stop; ++i)
         if (!gp.stop[i] || !gp.stop[i][0]) fail(error_kind::invalid_argument, "stop strings must be non-empty");
@@ -235,22 +232,14 @@ sampler_params sampling_of(const kvb_generate_params & gp, const model & m) {
     sp.top_p = gp.top_p;
     sp.min_p = gp.min_p;
     sp.seed = gp.seed;
-    sp.grammar = grammar_of(gp, m);
-    if (gp.top_logprobs < 0 || gp.top_logprobs > k_max_probs)
-        fail(error_kind::invalid_argument, "top_logprobs must be in [0, " + std::to_string(k_max_probs) + "]");
     sp.logprobs = gp.on_token != nullptr;
-    sp.n_probs = gp.on_token ? gp.top_logprobs : 0;
+    sp.n_probs = gp.top_logprobs;  // checked whether or not on_token asks for them
     if (gp.n_logit_bias > 0) need(gp.logit_bias, "logit_bias (with n_logit_bias > 0)");
-    const int64_t n_vocab = m.hparams().n_vocab;
-    for (size_t i = 0; i < gp.n_logit_bias; ++i) {
-        const kvb_logit_bias & b = gp.logit_bias[i];
-        if (b.token < 0 || b.token >= n_vocab)
-            fail(error_kind::invalid_argument, "logit_bias names token " + std::to_string(b.token) +
-                                                   ", outside the vocabulary of " + std::to_string(n_vocab));
-        if (!(b.bias >= -100 && b.bias <= 100))
-            fail(error_kind::invalid_argument, "a logit bias must be in [-100, 100]");
-        sp.logit_bias.push_back({b.token, b.bias});
-    }
+    for (size_t i = 0; i < gp.n_logit_bias; ++i)
+        sp.logit_bias.push_back({gp.logit_bias[i].token, gp.logit_bias[i].bias});
+    sampler_params_check(sp, m.hparams().n_vocab);  // the one rule: ranges, n_probs, biased tokens
+    if (!gp.on_token) sp.n_probs = 0;
+    sp.grammar = grammar_of(gp, m);
     if (gp.chat) {
         if (gp.chat->m.get() != &m) fail(error_kind::invalid_argument, "the chat was made for another model");
         if (gp.chat->plan.calls && !sp.grammar.empty())
@@ -597,6 +586,7 @@ kvb_context_params kvb_context_default_params(void) {
     p.n_ubatch = d.n_ubatch;
     p.type_k = KVB_KV_F16;
     p.type_v = KVB_KV_F16;
+    p.batch_invariant = d.batch_invariant;
     return p;
 }
 
@@ -614,6 +604,7 @@ kvb_status kvb_context_new(kvb_model * model, const kvb_context_params * params,
         c->ep.n_ubatch = p.n_ubatch;
         c->ep.type_k = kv_type(enum_value(p.type_k));
         c->ep.type_v = kv_type(enum_value(p.type_v));
+        c->ep.batch_invariant = p.batch_invariant;
         const int64_t n_train = model->m->hparams().n_ctx_train;
         c->fixed_n_ctx = std::min(p.n_ctx, n_train);
         // one rotation for the context's life, whatever size its engine grows to

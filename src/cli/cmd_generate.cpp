@@ -156,13 +156,13 @@ static void set_grammar(sampler_params & sp, std::string grammar, const char * f
 
 bool match_sampling_flag(args & a, sampler_params & sp) {
     if (a.match({"--temp"}))
-        sp.temp = (float) a.real(0.0, 100.0);
+        sp.temp = (float) a.real(k_temp_range.lo, k_temp_range.hi);
     else if (a.match({"--top-k"}))
         sp.top_k = (int32_t) a.integer(0, 1 << 24);
     else if (a.match({"--top-p"}))
-        sp.top_p = (float) a.real(0.0, 1.0);
+        sp.top_p = (float) a.real(k_top_p_range.lo, k_top_p_range.hi);
     else if (a.match({"--min-p"}))
-        sp.min_p = (float) a.real(0.0, 1.0);
+        sp.min_p = (float) a.real(k_min_p_range.lo, k_min_p_range.hi);
     else if (a.match({"--seed"}))
         sp.seed = (uint32_t) a.integer(0, UINT32_MAX);
     else if (a.match({"--json-schema", "-j"}))

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "kvblend/common.h"
 
@@ -11,6 +12,17 @@ namespace kvblend {
 sampler_params sampler_default_params() {
     return sampler_params{};
 }
+
+namespace {
+
+// a bound or value as a person writes it: 0.01, 100, -2
+std::string fmt_g(double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", v);
+    return buf;
+}
+
+}  // namespace
 
 uint32_t sampler_seed(int64_t seed) {
     if (seed < 0) return LLAMA_DEFAULT_SEED;
@@ -21,21 +33,39 @@ uint32_t sampler_seed(int64_t seed) {
     return (uint32_t) ((z ^ (z >> 31)) % LLAMA_DEFAULT_SEED);
 }
 
+void sampler_params_check(const sampler_params & p, int64_t n_vocab) {
+    auto in = [](const char * name, double v, setting_range r) {
+        if (!(v >= r.lo && v <= r.hi))
+            throw error(std::string(name) + " must be in [" + fmt_g(r.lo) + ", " + fmt_g(r.hi) + "], got " + fmt_g(v),
+                        error_kind::invalid_argument);
+    };
+    in("temperature", p.temp, k_temp_range);
+    in("top_p", p.top_p, k_top_p_range);
+    in("min_p", p.min_p, k_min_p_range);
+    in("frequency_penalty", p.freq_penalty, k_freq_penalty_range);
+    in("presence_penalty", p.presence_penalty, k_presence_penalty_range);
+    in("repeat_penalty", p.repeat_penalty, k_repeat_penalty_range);
+    in("top_logprobs", p.n_probs, {0, k_max_probs});
+    if (p.penalty_last_n < 0) throw error("penalty_last_n must not be negative", error_kind::invalid_argument);
+    for (const llama_logit_bias & b : p.logit_bias) {
+        if (n_vocab > 0 && (b.token < 0 || b.token >= n_vocab))
+            throw error("a logit bias names token " + std::to_string(b.token) + ", outside the vocabulary of " +
+                            std::to_string(n_vocab),
+                        error_kind::invalid_argument);
+        in("a logit bias", b.bias, k_logit_bias_range);
+    }
+}
+
 sampler::sampler(const sampler_params & p, const llama_vocab * vocab) : p_(p), vocab_(vocab) {
-    if (p_.n_probs < 0 || p_.n_probs > k_max_probs)
-        throw error("n_probs must be in [0, " + std::to_string(k_max_probs) + "]");
+    sampler_params_check(p_, vocab_ ? llama_vocab_n_tokens(vocab_) : 0);
     if (!p_.grammar.empty() && !vocab_) throw error("a grammar needs the model's vocabulary");
 }
 
 void sampler::build(int32_t n_vocab) {
-    if (p_.penalty_last_n < 0) throw error("penalty_last_n must not be negative");
+    sampler_params_check(p_, n_vocab);  // the logits' vocabulary, which a sampler without one learns here
     n_vocab_ = n_vocab;
     chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
     if (!p_.logit_bias.empty()) {
-        for (const auto & b : p_.logit_bias)
-            if (b.token < 0 || b.token >= n_vocab)
-                throw error("a logit bias names token " + std::to_string(b.token) + ", outside the vocabulary of " +
-                            std::to_string(n_vocab));
         llama_sampler_chain_add(
             chain_, llama_sampler_init_logit_bias(n_vocab, (int32_t) p_.logit_bias.size(), p_.logit_bias.data()));
     }

@@ -60,11 +60,12 @@ void optional_bool(const json & b, const char * k) {
     optional_field(b, k, "a boolean", [](const json & x) { return x.is_boolean(); });
 }
 
-void optional_number(const json & b, const char * k, double lo, double hi) {
+void optional_number(const json & b, const char * k, setting_range r) {
     if (const json * x = optional_field(b, k, "a number", [](const json & v) { return v.is_number(); })) {
         const double v = x->get<double>();
-        if (!(v >= lo && v <= hi))
-            bad_request(std::string("'") + k + "' is out of range [" + json(lo).dump() + ", " + json(hi).dump() + "]");
+        if (!(v >= r.lo && v <= r.hi))
+            bad_request(std::string("'") + k + "' is out of range [" + json(r.lo).dump() + ", " + json(r.hi).dump() +
+                        "]");
     }
 }
 
@@ -97,10 +98,10 @@ void check_sampling(const json & b, request_kind kind) {
         bad_request("only one choice per request is supported ('n' must be 1)");
     optional_integer(b, "max_tokens", 0, 1e9);
     optional_integer(b, "max_completion_tokens", 0, 1e9);
-    optional_number(b, "temperature", 0, 100);
-    optional_number(b, "top_p", 0, 1);
+    optional_number(b, "temperature", k_temp_range);
+    optional_number(b, "top_p", k_top_p_range);
     optional_integer(b, "top_k", -(1 << 30), 1 << 30);  // llama-server's extensions: top_k <= 0 is off (vLLM sends -1)
-    optional_number(b, "min_p", 0, 1);
+    optional_number(b, "min_p", k_min_p_range);
     // what this server cannot do is refused, not ignored: a client asking for
     // JSON, tool calls or log-probabilities would read a plain answer as one
     auto unsupported = [](const std::string & what) {
@@ -128,12 +129,12 @@ void check_sampling(const json & b, request_kind kind) {
     // -1: a random seed (llama-server's); others are hashed to 32 bits when they do not fit
     optional_integer(b, "seed", -1, 9.2e18);
     // penalties (OpenAI's ranges; repeat_penalty is llama-server's name, repetition_penalty vLLM's)
-    optional_number(b, "frequency_penalty", -2, 2);
-    optional_number(b, "presence_penalty", -2, 2);
+    optional_number(b, "frequency_penalty", k_freq_penalty_range);
+    optional_number(b, "presence_penalty", k_presence_penalty_range);
     if (b.contains("repeat_penalty") && b.contains("repetition_penalty"))
         bad_request("give 'repeat_penalty' or 'repetition_penalty', not both");
-    optional_number(b, "repeat_penalty", 0.01, 10);
-    optional_number(b, "repetition_penalty", 0.01, 10);
+    optional_number(b, "repeat_penalty", k_repeat_penalty_range);
+    optional_number(b, "repetition_penalty", k_repeat_penalty_range);
     optional_integer(b, "repeat_last_n", -1, 1 << 20);
     if (const json * lb = optional_field(b, "logit_bias", "an object of token ids to numbers",
                                          [](const json & x) { return x.is_object(); })) {
@@ -143,17 +144,19 @@ void check_sampling(const json & b, request_kind kind) {
                                 std::all_of(k.begin(), k.end(), [](char c) { return c >= '0' && c <= '9'; });
             if (!digits || std::stoll(k) > INT32_MAX)
                 bad_request("'logit_bias' keys must be token ids, not '" + k + "'");
-            if (!v.is_number() || !(v.get<double>() >= -100 && v.get<double>() <= 100))
-                bad_request("'logit_bias' values must be numbers in [-100, 100]");
+            if (!v.is_number() ||
+                !(v.get<double>() >= k_logit_bias_range.lo && v.get<double>() <= k_logit_bias_range.hi))
+                bad_request("'logit_bias' values must be numbers in [" + json(k_logit_bias_range.lo).dump() + ", " +
+                            json(k_logit_bias_range.hi).dump() + "]");
         }
     }
     request_logprobs(b, kind);
-    optional_number(b, "recomp_ratio", 0, 1);
+    optional_number(b, "recomp_ratio", {0, 1});
     // the token selection of a fused request (blend_params)
     optional_integer(b, "chunk_head", 0, 1 << 20);
     optional_bool(b, "head_in_budget");
     optional_bool(b, "weight_query");
-    optional_number(b, "dev_mass", 0, 1);
+    optional_number(b, "dev_mass", {0, 1});
     if (const json * s = optional_field(b, "budget", "a string", [](const json & x) { return x.is_string(); }))
         if (blend_budget b; !blend_budget_from_name(s->get<std::string>(), b))
             bad_request(std::string("'budget' must be ") + blend_budget_names());

@@ -24,16 +24,22 @@ engine_params f32_params() {
     return ep;
 }
 
+// prompt fed in pieces of `cut` tokens (the last piece what is left), then greedy steps
+std::vector<std::vector<float>> fed_alone(engine & eng, const std::vector<llama_token> & prompt, size_t cut,
+                                          int steps) {
+    std::vector<float> l;
+    for (size_t b = 0; b < prompt.size(); b += cut)
+        l = eng.eval(std::vector<llama_token>(prompt.begin() + b, prompt.begin() + std::min(prompt.size(), b + cut)));
+    std::vector<std::vector<float>> out{l};
+    for (int i = 0; i < steps; ++i) out.push_back(l = eng.eval({test::argmax(l)}));
+    return out;
+}
+
 // each sequence alone: its prompt in chunks of `chunk`, then greedy steps; the logits of every step
 std::vector<std::vector<float>> alone(std::shared_ptr<const model> m, const std::vector<llama_token> & prompt,
                                       int64_t chunk, int steps) {
     engine eng(m, f32_params());
-    std::vector<float> l;
-    for (size_t b = 0; b < prompt.size(); b += chunk)
-        l = eng.eval(std::vector<llama_token>(prompt.begin() + b, prompt.begin() + std::min(prompt.size(), b + chunk)));
-    std::vector<std::vector<float>> out{l};
-    for (int i = 0; i < steps; ++i) out.push_back(l = eng.eval({test::argmax(l)}));
-    return out;
+    return fed_alone(eng, prompt, (size_t) chunk, steps);
 }
 
 class eval_seqs_test : public ::testing::TestWithParam<std::string> {};
@@ -153,17 +159,6 @@ TEST(eval_seqs, bad_batches_are_refused_and_write_nothing) {
 // for one row and for many sum in other orders. 600 tokens: the decode attends
 // over more than 512 keys, where ggml splits one row's attention over threads
 class batch_invariance_test : public ::testing::TestWithParam<ggml_type> {};
-
-// prompt fed in pieces of `cut` tokens (the last piece what is left), then greedy steps
-std::vector<std::vector<float>> fed_alone(engine & eng, const std::vector<llama_token> & prompt, size_t cut,
-                                          int steps) {
-    std::vector<float> l;
-    for (size_t b = 0; b < prompt.size(); b += cut)
-        l = eng.eval(std::vector<llama_token>(prompt.begin() + b, prompt.begin() + std::min(prompt.size(), b + cut)));
-    std::vector<std::vector<float>> out{l};
-    for (int i = 0; i < steps; ++i) out.push_back(l = eng.eval({test::argmax(l)}));
-    return out;
-}
 
 // "" when a and b hold the same bits, else the first step where they differ and by how much
 std::string bit_difference(const std::vector<std::vector<float>> & a, const std::vector<std::vector<float>> & b) {

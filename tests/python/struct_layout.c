@@ -62,6 +62,7 @@ int main(void) {
     FIELD(kvb_context_params, n_ubatch);
     FIELD(kvb_context_params, type_k);
     FIELD(kvb_context_params, type_v);
+    FIELD(kvb_context_params, batch_invariant);
     END();
     BEGIN(kvb_store_params);
     FIELD(kvb_store_params, max_bytes);

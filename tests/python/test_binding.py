@@ -237,6 +237,25 @@ def test_chat_template_blend_equals_the_cli(tmp_path):
     assert (got.text, got.stats.n_selected, got.stats.n_tokens) == (want["text"], want["n_selected"], want["n_tokens"])
 
 
+def test_batch_invariant_logprobs_are_the_same_however_the_prompt_is_cut(tmp_path):
+    # f16 weights and cache, where ggml sums a one-row forward and a batched one in other orders
+    vocab = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                         "third_party", "llama.cpp", "models", "ggml-vocab-qwen2.gguf")
+    path = str(tmp_path / "tiny-qwen3-f16.gguf")
+    cli("make-model", "--preset", "tiny-qwen3", "--type", "f16", "--vocab-from", vocab, "-o", path)
+    prompt = "Once upon a time there was a bird " * 12
+
+    def logprobs(**kw):
+        with kvblend.Model(path, **kw) as m:
+            r = m.complete(prompt, max_tokens=6, temperature=0, top_logprobs=3)
+            return [(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+                    for e in r.logprobs]
+
+    whole = logprobs(batch_invariant=True)
+    assert len(whole) == 6
+    assert logprobs(batch_invariant=True, n_ubatch=7) == whole  # the same floats, not close ones
+
+
 def test_list_devices_and_the_device_a_model_runs_on(model):
     devices = kvblend.list_devices()
     assert devices and all(isinstance(n, str) and isinstance(d, str) for n, d in devices), devices

@@ -364,6 +364,14 @@ def test_the_text_is_the_streamed_pieces_and_holds_no_part_of_a_stop_string(mode
     assert b.text == "".join(pieces)
 
 
+@pytest.mark.parametrize("field,value", [("temperature", 150), ("top_p", 1.5), ("min_p", -0.5), ("top_logprobs", 21)])
+def test_rules_hold_as_at_every_edge(model, field, value):
+    # the core's one check (sampler_params_check), as the server, the C API and the CLI
+    # meet it (tests/server/test_rules_at_every_edge.cpp): an invalid argument naming the field
+    with pytest.raises(kvblend.InvalidArgumentError, match=field + " must be in"):
+        model.complete("Once upon a time", max_tokens=2, **{field: value})
+
+
 def test_texts_no_context_can_hold_are_refused_before_tokenizing(model, tmp_path):
     # 100 MB took over a minute and gigabytes to tokenize before the refusal (doc_id even returned an id)
     huge = "Tom had a red ball. " * (5 << 20)
