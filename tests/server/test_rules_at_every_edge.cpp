@@ -21,21 +21,33 @@ const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.g
 
 // one bad value, as each edge spells it
 struct bad_value {
-    std::string rule;         // what the message names
-    json http_field;          // the completion request's field(s)
-    const char * cli_flags;   // generate's flags
+    std::string rule;        // what the message names
+    json http_field;         // the completion request's field(s)
+    const char * cli_flags;  // generate's flags
     void (*c_set)(kvb_generate_params &);
-    kvb_status c_status;      // the C API's status for its kind
-    int http_status;          // … and the server's
+    kvb_status c_status;  // the C API's status for its kind
+    int http_status;      // … and the server's
 };
 
 const bad_value k_bad_values[] = {
-    {"temperature", {{"temperature", 150}}, "--temp 150", [](kvb_generate_params & g) { g.temp = 150; },
-     KVB_ERR_INVALID_ARGUMENT, 400},
-    {"top_p", {{"top_p", 1.5}}, "--top-p 1.5", [](kvb_generate_params & g) { g.top_p = 1.5f; },
-     KVB_ERR_INVALID_ARGUMENT, 400},
-    {"min_p", {{"min_p", -0.5}}, "--min-p -0.5", [](kvb_generate_params & g) { g.min_p = -0.5f; },
-     KVB_ERR_INVALID_ARGUMENT, 400},
+    {"temperature",
+     {{"temperature", 150}},
+     "--temp 150",
+     [](kvb_generate_params & g) { g.temp = 150; },
+     KVB_ERR_INVALID_ARGUMENT,
+     400},
+    {"top_p",
+     {{"top_p", 1.5}},
+     "--top-p 1.5",
+     [](kvb_generate_params & g) { g.top_p = 1.5f; },
+     KVB_ERR_INVALID_ARGUMENT,
+     400},
+    {"min_p",
+     {{"min_p", -0.5}},
+     "--min-p -0.5",
+     [](kvb_generate_params & g) { g.min_p = -0.5f; },
+     KVB_ERR_INVALID_ARGUMENT,
+     400},
 };
 
 class rules_at_every_edge : public ::testing::Test {
