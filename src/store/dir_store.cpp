@@ -254,9 +254,9 @@ class dir_store : public store {
         std::error_code ec;
         // a store that was never made is an empty one (a put creates it); one
         // whose folder went, or something else in its place, cannot work and says so
-        check_not_gone();
         for (const fs::path & dir : {root_, root_ / "entries"}) {
             const fs::file_status st = fs::status(dir, ec);
+            if (!fs::exists(st) && dir == root_) check_not_gone();  // a stat more only when the folder is missing
             if (fs::exists(st) && !fs::is_directory(st)) throw error("store '" + dir.string() + "' is not a directory");
         }
         return fs::is_regular_file(entry_path(key), ec);
