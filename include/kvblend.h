@@ -268,9 +268,11 @@ KVB_API kvb_status kvb_doc_id(kvb_context * ctx, const kvb_store * store, const 
 
 // --- chat with tools: OpenAI's messages and tools, through the model's chat template ---
 
-// a conversation rendered by the model's (jinja) chat template with its tools,
-// and the rules its answer follows: the grammar of the template's tool-call
-// format, its stop strings, and the parser that reads the calls back
+// a conversation rendered by the model's chat template, as the server renders
+// it: with tools (or tool calls and results in the messages) by the jinja
+// engine, with the rules its answer follows (the grammar of the template's
+// tool-call format, its stop strings, the parser that reads the calls back);
+// without, as libllama applies the template. Every turn is kept.
 typedef struct kvb_chat kvb_chat;
 
 // request_json: a JSON object with OpenAI's chat fields "messages" (assistant
@@ -281,7 +283,7 @@ typedef struct kvb_chat kvb_chat;
 // function constrain the answer to calls from its first token. n_docs > 0:
 // that many documents open the first user message (kvb_blend places them).
 // KVB_ERR_INVALID_ARGUMENT says what is wrong with the request; KVB_ERR_FAILED:
-// the model has no chat template, or one the jinja engine cannot read.
+// the model has no chat template, or one the engine it needs cannot read.
 KVB_API kvb_status kvb_chat_new(const kvb_model * model, const char * request_json, size_t n_docs, kvb_chat ** out);
 KVB_API void kvb_chat_free(kvb_chat * chat);
 // the rendered conversation up to the assistant's turn; valid while chat lives

@@ -34,6 +34,11 @@ rag_prompt rag_prompt_build(const vocab & v, const std::string & system, const s
 rag_prompt rag_prompt_build_tokens(const vocab & v, const std::string & system,
                                    const std::vector<std::vector<llama_token>> & docs, const std::string & question,
                                    bool chat);
+// a conversation rendered by the model's template as libllama applies it, the
+// assistant's turn opened; n_docs > 0: that many k_rag_doc_mark open the first
+// user message (invalid_argument without one). The one renderer of chats
+// without tools: the server's, the C API's kvb_chat and so Python's
+std::string rag_conversation_render(const vocab & v, std::vector<chat_message> msgs, size_t n_docs);
 // a conversation over documents: the system messages, then the documents (at
 // the start of the first user message), then every turn after them (earlier
 // answers, follow-up questions) as the chat template renders them, the

@@ -545,6 +545,17 @@ def _tokens(tokens, what="tokens"):
     return (_lib.kvb_token * len(ids))(*ids)
 
 
+def _content_text(content):
+    """A message's content as its text: a string, or text parts in order (None: "")."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise InvalidArgumentError("a message's content must be a string or a list of {\"type\": \"text\", \"text\": …}",
+                               "KVB_ERR_INVALID_ARGUMENT")
+
+
 class _Chat:
     """A kvb_chat: OpenAI messages and tools rendered by the model's chat template, the
     rules of the answer's tool calls, and the reader that turns the answer back into them."""
@@ -1023,27 +1034,31 @@ class Model(_Closing):
             shape = lambda e: {"content": e, "refusal": None}  # noqa: E731
         tool_fields = {k: v for k, v in (("tools", tools), ("tool_choice", tool_choice),
                                          ("parallel_tool_calls", parallel_tool_calls)) if v is not None}
+        calls = bool(tools) and tool_choice != "none"
         questions_only = all(isinstance(m, dict) and m.get("role") in ("system", "developer", "user")
                              and not m.get("tool_calls") for m in messages)
-        if tool_fields or not questions_only:
-            if stream and shape and tools and tool_choice != "none":
+        if self.has_chat_template or tool_fields or not questions_only:
+            if stream and shape and calls:
                 raise InvalidArgumentError("logprobs with tools are not streamed: ask for the whole answer",
                                            "KVB_ERR_INVALID_ARGUMENT")
+            # the conversation is built as the server builds it (every turn kept,
+            # documents opening the first user message)
             chat = _Chat(self, dict(messages=messages, **tool_fields), 0 if documents is None else len(documents))
-            return self._openai_answer(None, "", documents, store, stream, True, sampling, shape, chat)
+            return self._openai_answer(None, "", documents, store, stream, True, sampling, shape, chat, calls)
+        # no chat template: the texts one per line (with documents: the system ones before them)
+        text = [(m.get("role"), _content_text(m.get("content"))) for m in messages]
         if documents is not None:
-            system = "\n".join(m.get("content") or "" for m in messages if m.get("role") in ("system", "developer"))
-            question = "\n".join(m.get("content") or "" for m in messages if m.get("role") == "user")
+            system = "\n".join(t for r, t in text if r in ("system", "developer"))
+            question = "\n".join(t for r, t in text if r == "user")
             return self._openai_answer(question, system, documents, store, stream, True, sampling, shape)
-        if self.has_chat_template:
-            prompt = self.tokenize(self.apply_chat_template(messages), parse_special=True)
-        else:
-            prompt = "".join((m.get("content") or "") + "\n" for m in messages)
+        prompt = "".join(t + "\n" for _, t in text)
         return self._openai_answer(prompt, "", None, store, stream, True, sampling, shape)
 
-    def _openai_answer(self, prompt, system, documents, store, stream, chat, sampling, shape, tool_chat=None):
+    def _openai_answer(self, prompt, system, documents, store, stream, chat, sampling, shape, tool_chat=None,
+                       calls=False):
         """shape: the entries of the tokens asked for as the choice's "logprobs" (None: not asked);
-        tool_chat: the _Chat whose conversation is the prompt (prompt is None)."""
+        tool_chat: the _Chat whose conversation is the prompt (prompt is None), whose
+        reader turns the answer into tool calls when calls."""
         created = int(time.time())
         ident = ("chatcmpl-" if chat else "cmpl-") + "%d-%d" % (created, id(sampling))
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -1060,12 +1075,13 @@ class Model(_Closing):
                 return "tool_calls"
             return "length" if stats.stop_reason == "length" else "stop"
 
+        reader = tool_chat if calls else None
         if stream:
-            return self._openai_stream(Generation(self, run), head, chat, finish_of, shape, tool_chat)
+            return self._openai_stream(Generation(self, run), head, chat, finish_of, shape, reader)
         r = run(None, None)
         c = {"index": 0, "logprobs": shape(r.logprobs) if shape else None}
-        if tool_chat is not None:
-            c["message"] = tool_chat.read(r.text, r.stats.stop_reason == "length")
+        if reader is not None:
+            c["message"] = reader.read(r.text, r.stats.stop_reason == "length")
             c["finish_reason"] = finish_of(r.stats, c["message"])
         else:
             c["finish_reason"] = finish_of(r.stats)
@@ -1077,7 +1093,7 @@ class Model(_Closing):
                         "total_tokens": n_prompt + r.stats.n_gen}
         return out
 
-    def _openai_stream(self, g, head, chat, finish_of, shape, tool_chat):
+    def _openai_stream(self, g, head, chat, finish_of, shape, reader):
         chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta, finish=None, lp=None):
@@ -1087,18 +1103,18 @@ class Model(_Closing):
         text = ""
         for piece in g:
             text += piece
-            if tool_chat is None:
+            if reader is None:
                 yield chunk({"content": piece} if chat else piece, lp=shape(g.piece_logprobs) if shape else None)
                 continue
-            for delta in tool_chat.deltas(text, False, False):
+            for delta in reader.deltas(text, False, False):
                 yield chunk(delta)
-        if tool_chat is None:
+        if reader is None:
             yield chunk({} if chat else "", finish_of(g.stats))
             return
         cut = g.stats.stop_reason == "length"
-        for delta in tool_chat.deltas(text, True, cut):
+        for delta in reader.deltas(text, True, cut):
             yield chunk(delta)
-        yield chunk({}, finish_of(g.stats, tool_chat.read(text, cut)))
+        yield chunk({}, finish_of(g.stats, reader.read(text, cut)))
 
     def generate(self, prompt, **kwargs):
         """Stream a plain generation: an iterator of text pieces (see complete() for the arguments).

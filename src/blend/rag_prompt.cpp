@@ -1,5 +1,7 @@
 #include "kvblend/rag_prompt.h"
 
+#include <algorithm>
+
 #include "kvblend/common.h"
 
 namespace kvblend {
@@ -46,55 +48,35 @@ rag_prompt rag_prompt_build_tokens(const vocab & v, const std::string & system,
         p.query = v.tokenize(question, false);
         return p;
     }
-    // render once with markers where the documents go, then cut there: the
-    // template's own text is tokenized with special tokens, documents without
-    const std::string mark = "\x1e@kvblend-doc@\x1e";
-    std::string user;
-    for (size_t i = 0; i < docs.size(); ++i) user += mark;
-    user += question;
     std::vector<chat_message> msgs;
     if (!system.empty()) msgs.push_back({"system", system});
-    msgs.push_back({"user", user});
-    const std::string rendered = v.apply_chat_template(msgs, true);
+    msgs.push_back({"user", question});
+    return rag_prompt_build_conversation(v, msgs, docs, true);
+}
 
-    if (docs.empty()) {
-        p.chunks.push_back(v.tokenize("", true));  // BOS when the tokenizer adds one
-        p.query = v.tokenize(rendered, false, true);
-        return p;
-    }
-    const size_t at = rendered.find(mark);
-    if (at == std::string::npos) throw error("the chat template dropped the documents");
-    p.chunks.push_back(v.tokenize(rendered.substr(0, at), true, true));
-    std::string tail = rendered.substr(at);
-    for (const auto & d : docs) {
-        if (tail.compare(0, mark.size(), mark) != 0) throw error("the chat template reordered the documents");
-        tail = tail.substr(mark.size());
-        p.chunks.push_back(d);
-    }
-    p.query = v.tokenize(tail, false, true);
-    return p;
+std::string rag_conversation_render(const vocab & v, std::vector<chat_message> msgs, size_t n_docs) {
+    if (n_docs == 0) return v.apply_chat_template(msgs, true);
+    const auto first_user =
+        std::find_if(msgs.begin(), msgs.end(), [](const chat_message & m) { return m.role == "user"; });
+    if (first_user == msgs.end())
+        throw error("a request with documents needs a user message", error_kind::invalid_argument);
+    std::string marks;
+    for (size_t i = 0; i < n_docs; ++i) marks += k_rag_doc_mark;
+    first_user->content = marks + first_user->content;
+    return v.apply_chat_template(msgs, true);
 }
 
 rag_prompt rag_prompt_build_conversation(const vocab & v, const std::vector<chat_message> & msgs,
                                          const std::vector<std::vector<llama_token>> & docs, bool chat) {
-    size_t first_user = msgs.size();
-    for (size_t i = 0; i < msgs.size() && first_user == msgs.size(); ++i)
-        if (msgs[i].role == "user") first_user = i;
-    if (first_user == msgs.size()) throw error("a request with documents needs a user message");
-    if (!chat) {
-        std::string system, turns;  // each one per line
-        for (const auto & m : msgs) {
-            std::string & to = m.role == "system" ? system : turns;
-            to += (to.empty() ? "" : "\n") + m.content;
-        }
-        return rag_prompt_build_tokens(v, system, docs, turns, false);
+    if (std::none_of(msgs.begin(), msgs.end(), [](const chat_message & m) { return m.role == "user"; }))
+        throw error("a request with documents needs a user message", error_kind::invalid_argument);
+    if (chat) return rag_prompt_cut_at_marks(v, rag_conversation_render(v, msgs, docs.size()), docs);
+    std::string system, turns;  // each one per line
+    for (const auto & m : msgs) {
+        std::string & to = m.role == "system" ? system : turns;
+        to += (to.empty() ? "" : "\n") + m.content;
     }
-    // the markers open the first user message; the cut is made as in rag_prompt_build_tokens
-    std::vector<chat_message> marked = msgs;
-    std::string marks;
-    for (size_t i = 0; i < docs.size(); ++i) marks += k_rag_doc_mark;
-    marked[first_user].content = marks + marked[first_user].content;
-    return rag_prompt_cut_at_marks(v, v.apply_chat_template(marked, true), docs);
+    return rag_prompt_build_tokens(v, system, docs, turns, false);
 }
 
 const char * const k_rag_doc_mark = "\x1e@kvblend-doc@\x1e";

@@ -531,15 +531,15 @@ kvb_status kvb_chat_new(const kvb_model * model, const char * request_json, size
         if (msgs == body.end() || !msgs->is_array() || msgs->empty())
             fail(error_kind::invalid_argument, "'messages' must be a non-empty array");
         const tool_request tr = read_tool_request(body);
-        if (n_docs > 0) body = chat_with_doc_marks(std::move(body), n_docs);
         const vocab & v = model->m->tokens();
         if (!v.has_chat_template())
             fail(error_kind::failed, "this model has no chat template (tokenizer.chat_template) to render a chat with");
-        const tool_templates tmpl(v);  // a template that does not parse: KVB_ERR_FAILED
+        // the jinja engine only for tools (a template it cannot read: KVB_ERR_FAILED), as the server
+        const std::unique_ptr<tool_templates> tmpl = tr.render ? std::make_unique<tool_templates>(v) : nullptr;
         auto c = std::make_unique<kvb_chat>();
         c->m = model->m;
         c->n_docs = n_docs;
-        c->plan = tmpl.plan(body, tr);
+        c->plan = chat_plan(v, tmpl.get(), std::move(body), tr, n_docs);
         if (c->plan.calls) try {
                 grammar_check(v.raw(), c->plan.grammar);
             } catch (const error & e) {

@@ -216,6 +216,43 @@ json chat_with_doc_marks(json body, size_t n_docs) {
     fail("a request with documents needs a user message");
 }
 
+std::vector<chat_message> chat_messages_of(const json & messages) {
+    if (!messages.is_array()) wrong_type("messages", "an array", messages);
+    std::vector<chat_message> out;
+    for (const json & m : messages) {
+        if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+            fail("each message must be an object with a string 'role'");
+        const std::string role = m["role"].get<std::string>();
+        std::string text;
+        const json c = m.value("content", json());
+        if (c.is_string()) {
+            text = c.get<std::string>();
+        } else if (c.is_array()) {
+            for (const json & part : c) {
+                if (!part.is_object() || part.value("type", json()) != "text" || !part.contains("text") ||
+                    !part["text"].is_string())
+                    fail("a message's content parts must be {\"type\": \"text\", \"text\": …}");
+                text += part["text"].get_ref<const std::string &>();
+            }
+        } else if (!c.is_null()) {
+            wrong_type("content", "a string or an array of text parts", c);
+        }
+        out.push_back({role == "developer" ? "system" : role, std::move(text)});
+    }
+    return out;
+}
+
+tool_plan chat_plan(const vocab & v, const tool_templates * tmpl, json body, const tool_request & tr, size_t n_docs) {
+    if (!tr.render) {
+        tool_plan plan;
+        plan.prompt = rag_conversation_render(v, chat_messages_of(body.value("messages", json::array())), n_docs);
+        return plan;
+    }
+    if (!tmpl) throw error("this model's chat template cannot show it tools");
+    if (n_docs > 0) body = chat_with_doc_marks(std::move(body), n_docs);
+    return tmpl->plan(body, tr);
+}
+
 void tool_plan_apply(const tool_plan & plan, sampler_params & sp) {
     if (!plan.calls) return;
     sp.grammar = plan.grammar;

@@ -91,6 +91,19 @@ class tool_reader {
 // (the tools stay in the system part before them); throws chat_error
 nlohmann::json chat_with_doc_marks(nlohmann::json body, size_t n_docs);
 
+// a chat body's "messages" as the template renderer reads them: "developer"
+// is "system", a content its text (a string, or its text parts in order; none: "")
+std::vector<chat_message> chat_messages_of(const nlohmann::json & messages);
+
+class tool_templates;
+// the plan of any chat body read by read_tool_request, n_docs documents
+// opening its first user message: with tools or tool messages (tr.render) the
+// jinja chat code's (tmpl), else the model's template as libllama applies it
+// (rag_conversation_render) and no calls. throws chat_error, or kvblend::error
+// when the model has no template (or tmpl is null where it is needed)
+tool_plan chat_plan(const vocab & v, const tool_templates * tmpl, nlohmann::json body, const tool_request & tr,
+                    size_t n_docs);
+
 // the model's chat templates, loaded once per server
 class tool_templates {
   public:

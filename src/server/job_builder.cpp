@@ -11,19 +11,6 @@ namespace kvblend {
 
 using json = nlohmann::json;
 
-namespace {
-
-// a message's content as server_request checked it: a string, text parts or none
-std::string message_text(const json & content) {
-    if (content.is_string()) return content.get<std::string>();
-    std::string out;
-    if (content.is_array())  // [{"type": "text", "text": …}, …]
-        for (const auto & part : content) out += part["text"].get_ref<const std::string &>();
-    return out;
-}
-
-}  // namespace
-
 job_builder::job_builder(std::shared_ptr<const model> m, const server_params & p, soft_store * st, chunk_tiers * tiers)
     : m_(std::move(m)), p_(p), st_(st), tiers_(tiers), known_((size_t) std::max<int64_t>(1, p.known_docs_max)) {
     m_->tokens().max_piece_bytes();  // measured once at start, not on a request
@@ -173,11 +160,7 @@ bool job_builder::with_known_docs(job & j, const std::string & text, const std::
 
 // b: a body server_request checked for its endpoint, as parse_body returns it
 std::shared_ptr<job> job_builder::chat_job(const json & b) const {
-    std::vector<chat_message> msgs;
-    for (const auto & m : b["messages"]) {
-        const std::string role = m["role"].get<std::string>();
-        msgs.push_back({role == "developer" ? "system" : role, message_text(m.value("content", json()))});
-    }
+    const std::vector<chat_message> msgs = chat_messages_of(b["messages"]);
     auto j = std::make_shared<job>();
     const vocab & v = m_->tokens();
     const tool_request tr = request_tools(b);
@@ -256,13 +239,7 @@ std::shared_ptr<job> job_builder::tool_chat_job(const json & b, const tool_reque
         require_dense_slots();
         std::vector<std::pair<std::string, size_t>> texts;
         const std::vector<std::vector<llama_token>> docs = read_documents(b["documents"], texts);
-        json marked;
-        try {
-            marked = chat_with_doc_marks(b, docs.size());
-        } catch (const chat_error & e) {
-            bad_request(e.what(), e.code);
-        }
-        plan = tool_plan_of(marked, tr);
+        plan = tool_plan_of(b, tr, docs.size());
         j->fuse = true;
         try {
             j->prompt = rag_prompt_cut_at_marks(v, plan->prompt, docs);
@@ -272,7 +249,7 @@ std::shared_ptr<job> job_builder::tool_chat_job(const json & b, const tool_reque
         j->tokens = j->prompt.all();
         for (const auto & [t, i] : texts) remember(t, docs[i]);
     } else {
-        plan = tool_plan_of(b, tr);
+        plan = tool_plan_of(b, tr, 0);
         std::vector<std::string> contents;
         for (const auto & mm : msgs) contents.push_back(mm.content);
         std::vector<llama_token> toks = v.tokenize(plan->prompt, true, true);
@@ -293,9 +270,9 @@ std::shared_ptr<job> job_builder::tool_chat_job(const json & b, const tool_reque
 }
 
 // the plan of a chat with tools; the chat code's refusals are 400s
-std::shared_ptr<tool_plan> job_builder::tool_plan_of(const json & b, const tool_request & tr) const {
+std::shared_ptr<tool_plan> job_builder::tool_plan_of(const json & b, const tool_request & tr, size_t n_docs) const {
     try {
-        return std::make_shared<tool_plan>(tool_tmpl_->plan(b, tr));
+        return std::make_shared<tool_plan>(chat_plan(m_->tokens(), tool_tmpl_.get(), b, tr, n_docs));
     } catch (const chat_error & e) {
         bad_request(e.what(), e.code);
     }

@@ -60,7 +60,7 @@ class job_builder {
                                                          std::vector<std::pair<std::string, size_t>> & texts) const;
     std::shared_ptr<job> tool_chat_job(const nlohmann::json & b, const tool_request & tr,
                                        const std::vector<chat_message> & msgs) const;
-    std::shared_ptr<tool_plan> tool_plan_of(const nlohmann::json & b, const tool_request & tr) const;
+    std::shared_ptr<tool_plan> tool_plan_of(const nlohmann::json & b, const tool_request & tr, size_t n_docs) const;
     std::vector<llama_token> stored_doc(const std::string & id) const;
 
     std::shared_ptr<const model> m_;

@@ -8,7 +8,9 @@ these tests assert, each call's arguments checked against its schema."""
 
 import json
 import os
+import re
 import subprocess
+import urllib.request
 
 import pytest
 
@@ -118,6 +120,54 @@ def test_documents_fuse_under_tools_and_under_a_conversation(model, tmp_path):
                                                    stream=True))
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in pieces)
         assert text == r["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    """kvblend serve on the same GGUF (port 0: the one it announces)."""
+    p = subprocess.Popen([os.environ["KVBLEND_CLI"], "serve", "-m", model.path, "--port", "0", "-c", "1024", "--quiet"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in p.stderr:
+            found = re.search(r"on (http://[\d.]+:\d+)", line)
+            if found:
+                url = found.group(1)
+                break
+        assert url, "the server did not start"
+        yield url
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+
+
+def served_chat(url, body):
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Tell me of Oslo."}, {"role": "user", "content": "And Lima?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Use the documents."},
+     {"role": "user", "content": "Which city?"}],
+    [{"role": "user", "content": "Tell me of Oslo."}, {"role": "assistant", "content": "A fjord city."},
+     {"role": "user", "content": "And Lima?"}],
+    [{"role": "user", "content": [{"type": "text", "text": "Which "}, {"type": "text", "text": "city?"}]}],
+], ids=["two_user_turns", "two_system_messages", "user_assistant_user", "text_parts"])
+def test_a_conversation_over_documents_is_the_servers_prompt(model, server, messages):
+    # the one conversation builder: every turn kept, the documents opening the
+    # first user message, whether Python or the server builds it (same GGUF)
+    docs = ["Oslo lies at the end of a fjord.", "Lima lies by the Pacific."]
+    ours = model.create_chat_completion(messages, documents=docs, max_tokens=4, temperature=0)
+    theirs = served_chat(server, {"messages": messages, "documents": docs, "max_tokens": 4, "temperature": 0})
+    assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
+    assert ours["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"]
+    plain = model.create_chat_completion(messages, max_tokens=4, temperature=0)
+    served = served_chat(server, {"messages": messages, "max_tokens": 4, "temperature": 0})
+    assert plain["usage"]["prompt_tokens"] == served["usage"]["prompt_tokens"]
+    assert plain["usage"]["prompt_tokens"] < ours["usage"]["prompt_tokens"]
 
 
 def test_bad_tool_requests_raise_with_the_reason(model):
