@@ -69,6 +69,9 @@ blend_params blend_default_params();
 // budget. throws kvblend::error naming the field and its range. blend() asks
 // it; the server (at start), the C API and the CLI ask it before any work
 void blend_params_check(const blend_params & p, const model_hparams & hp);
+// the ranges it applies, which the server's fields and the CLI's flags read
+constexpr setting_range k_recomp_ratio_range{0, 1};
+constexpr setting_range k_dev_mass_range{0, 1};
 
 // the options' names, as the CLI, the server and the bindings spell them:
 // v | k | kv, gradual | dense, global | chunk | mass. *_from_name returns

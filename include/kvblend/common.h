@@ -21,6 +21,13 @@ enum class error_kind {
 // "invalid_argument", …
 const char * error_kind_name(error_kind kind);
 
+// the closed range [lo, hi] a numeric setting is declared with, once, where its
+// rule lives: the core's check applies it and the edges (server fields, CLI
+// flags) read it from there
+struct setting_range {
+    double lo, hi;
+};
+
 // an error the user can cause (bad file, bad flag, bad request); the message is
 // one line that names the problem. asserts are kept for our own invariants.
 class error : public std::runtime_error {

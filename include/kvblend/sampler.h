@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "kvblend/common.h"
 #include "llama.h"
 
 namespace kvblend {
@@ -46,9 +47,6 @@ constexpr int32_t k_max_probs = 20;  // the most candidates n_probs may ask for 
 // the range of each sampling setting, declared once (OpenAI's ranges where it
 // has them): sampler_params_check applies them, and the server's request
 // check and the CLI's flags read them from here
-struct setting_range {
-    double lo, hi;
-};
 constexpr setting_range k_temp_range{0, 100};
 constexpr setting_range k_top_p_range{0, 1};
 constexpr setting_range k_min_p_range{0, 1};

@@ -83,7 +83,8 @@ void blend_params_check(const blend_params & params, const model_hparams & hp) {
         if (l < 0 || l >= hp.n_layer_kv)
             invalid(step + "check_layer " + std::to_string(l) + " is outside [0, " + std::to_string(hp.n_layer_kv - 1) +
                     "]" + (hp.n_layer_kv < hp.n_layer ? " (the layers with K/V of their own)" : ""));
-        if (!(r >= 0.0f && r <= 1.0f)) invalid(step + "recomp_ratio must be in [0, 1], got " + std::to_string(r));
+        if (!(r >= k_recomp_ratio_range.lo && r <= k_recomp_ratio_range.hi))
+            invalid(step + "recomp_ratio must be in [0, 1], got " + std::to_string(r));
         if (i > 0 && (l <= steps[i - 1].first || r > steps[i - 1].second))
             invalid("a blend schedule needs increasing layers and non-increasing ratios");
     }
@@ -91,7 +92,7 @@ void blend_params_check(const blend_params & params, const model_hparams & hp) {
     if (params.budget != BLEND_BUDGET_GLOBAL && params.budget != BLEND_BUDGET_CHUNK &&
         params.budget != BLEND_BUDGET_MASS)
         invalid("unknown blend budget " + std::to_string((int) params.budget));
-    if (!(params.dev_mass >= 0.0f && params.dev_mass <= 1.0f))
+    if (!(params.dev_mass >= k_dev_mass_range.lo && params.dev_mass <= k_dev_mass_range.hi))
         invalid("dev_mass must be in [0, 1] (an adaptive ratio's share of the deviation), got " +
                 std::to_string(params.dev_mass));
 }

@@ -127,7 +127,7 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--query"}))
             query = a.str(), have_query = true;
         else if (a.match({"--recomp-ratio"}))
-            bp.recomp_ratio = (float) a.real(0.0, 1.0);
+            bp.recomp_ratio = (float) a.real(k_recomp_ratio_range.lo, k_recomp_ratio_range.hi);
         else if (a.match({"--check-layer"}))
             bp.check_layer = (int) a.integer(0, 4096);
         else if (a.match({"--score"}))
@@ -141,7 +141,7 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--budget"}))
             bp.budget = parse_blend_budget(a.str());
         else if (a.match({"--dev-mass"}))
-            bp.dev_mass = (float) a.real(0.0, 1.0);
+            bp.dev_mass = (float) a.real(k_dev_mass_range.lo, k_dev_mass_range.hi);
         else if (a.match({"--no-weight-query"}))
             bp.weight_query = false;
         else if (a.match({"--collect-with-prefix"}))

@@ -144,7 +144,7 @@ int cmd_serve(int argc, char ** argv) {
         else if (a.match({"--queue"}))
             sp.max_queue = (int) a.integer(0, 1 << 20);
         else if (a.match({"--recomp-ratio"}))
-            sp.recomp_ratio = (float) a.real(0.0, 1.0);
+            sp.recomp_ratio = (float) a.real(k_recomp_ratio_range.lo, k_recomp_ratio_range.hi);
         else if (a.match({"--check-layer"}))
             sp.check_layer = (int) a.integer(0, 4096);
         else if (a.match({"--chunk-size"}))

@@ -59,7 +59,7 @@ struct server::impl {
         try {
             blend_params_check(bp, mm.hparams());
         } catch (const error & e) {
-            throw error(std::string("--check-layer / --recomp-ratio: ") + e.what());
+            throw error(std::string("--check-layer / --recomp-ratio: ") + e.what(), e.kind());
         }
         return p;
     }

@@ -151,12 +151,12 @@ void check_sampling(const json & b, request_kind kind) {
         }
     }
     request_logprobs(b, kind);
-    optional_number(b, "recomp_ratio", {0, 1});
+    optional_number(b, "recomp_ratio", k_recomp_ratio_range);
     // the token selection of a fused request (blend_params)
     optional_integer(b, "chunk_head", 0, 1 << 20);
     optional_bool(b, "head_in_budget");
     optional_bool(b, "weight_query");
-    optional_number(b, "dev_mass", {0, 1});
+    optional_number(b, "dev_mass", k_dev_mass_range);
     if (const json * s = optional_field(b, "budget", "a string", [](const json & x) { return x.is_string(); }))
         if (blend_budget b; !blend_budget_from_name(s->get<std::string>(), b))
             bad_request(std::string("'budget' must be ") + blend_budget_names());

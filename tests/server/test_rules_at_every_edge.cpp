@@ -117,5 +117,70 @@ TEST_F(rules_at_every_edge, a_text_past_the_context_is_a_context_overflow_at_eve
     EXPECT_NE(cli.err.find(rule), std::string::npos) << cli.err;
 }
 
+// the blend's parameters (blend_params_check): a check layer without K/V of its
+// own and ratios out of [0, 1] are invalid arguments at every edge that takes
+// them: the server at start and per request, the C API, the CLI
+TEST_F(rules_at_every_edge, blend_params_are_the_same_error_at_the_server_the_c_api_and_the_cli) {
+    const int n_layer_kv = (int) model::load(k_stories)->hparams().n_layer_kv;
+    const std::string past = std::to_string(n_layer_kv);  // the first layer past them
+    server_params sp = test::small_params();
+    sp.check_layer = n_layer_kv;
+    try {
+        server srv(model::load(k_stories), sp);
+        ADD_FAILURE() << "a server with --check-layer " << past << " started";
+    } catch (const error & e) {
+        EXPECT_EQ(e.kind(), error_kind::invalid_argument) << e.what();
+        EXPECT_NE(std::string(e.what()).find("check_layer"), std::string::npos) << e.what();
+    }
+    const test::run_result serve = test::run_cli("serve -m " + k_stories + " --port 0 --check-layer " + past);
+    EXPECT_EQ(serve.status, 1) << serve.err;
+    EXPECT_NE(serve.err.find("check_layer " + past), std::string::npos) << serve.err;
+
+    kvb_context * ctx = nullptr;
+    ASSERT_EQ(kvb_context_new(model_, nullptr, &ctx), KVB_OK);
+    const kvb_doc doc{"Lily had a cat.", nullptr};
+    test::temp_dir d("edge-blend");
+    const std::string doc_file = d.file("doc.txt");
+    std::ofstream(doc_file) << doc.text;
+    kvb_generate_params gp = kvb_generate_default_params();
+    gp.n_predict = 1;
+    struct blend_case {
+        std::string rule;
+        void (*set)(kvb_blend_params &, int);
+        std::string cli_flags;  // blend's …
+        std::string cli_names;  // … and what its message names
+        json http_field;        // a fused request's (none: a start flag only)
+    };
+    const blend_case cases[] = {
+        {"check_layer", [](kvb_blend_params & b, int past_kv) { b.check_layer = past_kv; }, "--check-layer " + past,
+         "check_layer " + past, json()},
+        {"recomp_ratio", [](kvb_blend_params & b, int) { b.recomp_ratio = 1.5f; }, "--recomp-ratio 1.5",
+         "--recomp-ratio", json{{"recomp_ratio", 1.5}}},
+        {"dev_mass", [](kvb_blend_params & b, int) { b.dev_mass = 2.0f; }, "--dev-mass 2", "--dev-mass",
+         json{{"dev_mass", 2}}},
+    };
+    test::running_server s(test::small_params(), k_stories);
+    for (const blend_case & c : cases) {
+        kvb_blend_params bp = kvb_blend_default_params();
+        c.set(bp, n_layer_kv);
+        EXPECT_EQ(kvb_blend(ctx, nullptr, "", &doc, 1, "Who?", &bp, &gp, nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT)
+            << c.rule;
+        EXPECT_NE(std::string(kvb_last_error()).find(c.rule), std::string::npos) << kvb_last_error();
+        const test::run_result cli =
+            test::run_cli("blend -m " + k_stories + " --doc " + doc_file + " --query Who -n 1 " + c.cli_flags);
+        EXPECT_EQ(cli.status, 1) << c.rule << ": " << cli.err;
+        EXPECT_NE(cli.err.find(c.cli_names), std::string::npos) << cli.err;
+        if (c.http_field.is_null()) continue;
+        json body = {{"prompt", "Who?"}, {"documents", {"Lily had a cat."}}, {"max_tokens", 1}};
+        body.update(c.http_field);
+        auto cl = s.client();
+        auto r = cl.Post("/v1/completions", body.dump(), "application/json");
+        ASSERT_TRUE(r);
+        EXPECT_EQ(r->status, 400) << c.rule << ": " << r->body;
+        EXPECT_NE(test::openai_error_of(r)["message"].get<std::string>().find(c.rule), std::string::npos) << r->body;
+    }
+    kvb_context_free(ctx);
+}
+
 }  // namespace
 }  // namespace kvblend
