@@ -361,8 +361,9 @@ std::unique_ptr<store> store_open(const std::string & uri, const store_options &
     if (uri.rfind("dir:", 0) == 0) return dir_store_open(uri.substr(4), opts);
     // names the scheme only: the rest of a URI may hold a password
     if (const size_t sep = uri.find("://"); sep != std::string::npos)
-        throw error("unknown store URI scheme '" + uri.substr(0, sep + 3) + "' (use dir:PATH or redis://HOST[:PORT])");
-    if (uri.empty()) throw error("empty store URI");
+        throw error("unknown store URI scheme '" + uri.substr(0, sep + 3) + "' (use dir:PATH or redis://HOST[:PORT])",
+                    error_kind::invalid_argument);
+    if (uri.empty()) throw error("empty store URI", error_kind::invalid_argument);
     // "redis:/…", "REDIS://…": a mistyped URI, never a folder of that name (whose
     // name, password and all, /health and stats would then show)
     std::string head = uri.substr(0, 6);
@@ -370,7 +371,8 @@ std::unique_ptr<store> store_open(const std::string & uri, const store_options &
     if (head.rfind("redis:", 0) == 0 || head.rfind("rediss", 0) == 0)
         throw error(
             "the store URI begins like a Redis one but is not redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S]; "
-            "write dir:PATH for a folder of that name");
+            "write dir:PATH for a folder of that name",
+            error_kind::invalid_argument);
     return dir_store_open(uri, opts);
 }
 

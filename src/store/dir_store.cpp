@@ -593,7 +593,7 @@ class dir_store : public store {
 }  // namespace
 
 std::unique_ptr<store> dir_store_open(const std::string & path, const store_options & opts) {
-    if (path.empty()) throw error("empty store directory");
+    if (path.empty()) throw error("empty store directory", error_kind::invalid_argument);
     return std::make_unique<dir_store>(path, opts);
 }
 

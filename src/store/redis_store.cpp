@@ -155,7 +155,8 @@ bool percent_decode(const std::string & in, std::string & out) {
 redis_address parse_uri(const std::string & uri) {
     auto bad = [&](const std::string & why) {
         return error("malformed redis URI '" + redact_uri(uri) + "': " + why +
-                     " (expected redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=SECONDS])");
+                         " (expected redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=SECONDS])",
+                     error_kind::invalid_argument);
     };
     const std::string scheme = "redis://";
     if (uri.compare(0, scheme.size(), scheme) != 0) throw bad("it does not start with redis://");
@@ -831,7 +832,8 @@ std::unique_ptr<store> redis_store_open(const std::string & uri, const store_opt
     if (addr.timeout_s > 0)
         o.timeout_s = addr.timeout_s;  // the URI's own deadline wins: it travels with the store's name
     if (!(o.timeout_s > 0) || o.timeout_s > 1e6)
-        throw error("store timeout " + std::to_string(o.timeout_s) + " s is not in (0, 1e6]");
+        throw error("store timeout " + std::to_string(o.timeout_s) + " s is not in (0, 1e6]",
+                    error_kind::invalid_argument);
     return std::make_unique<redis_store>(redact_uri(uri), std::move(addr), o);
 }
 

@@ -433,11 +433,16 @@ TEST_F(capi_hostile, an_empty_store_path_is_refused_not_the_working_directory) {
     const kvb_status b = kvb_store_open("dir:", nullptr, &st);
     const bool made = fs::exists(dir.path() / "entries") || fs::exists(dir.path() / "tmp");
     fs::current_path(cwd);
-    EXPECT_EQ(a, KVB_ERR_FAILED);
-    EXPECT_EQ(b, KVB_ERR_FAILED);
+    EXPECT_EQ(a, KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(b, KVB_ERR_INVALID_ARGUMENT);
     EXPECT_NE(last_error().find("empty"), std::string::npos) << last_error();
     EXPECT_EQ(st, reinterpret_cast<kvb_store *>(0x1));
     EXPECT_FALSE(made) << "a store was made in the working directory";
+    // a malformed URI is the caller's mistake too; an unknown scheme, a bad port
+    for (const char * uri : {"ftp://x/y", "redis://h:99999", "REDIS://h", "redis://h?timeout=0"}) {
+        EXPECT_EQ(kvb_store_open(uri, nullptr, &st), KVB_ERR_INVALID_ARGUMENT) << uri << ": " << last_error();
+        EXPECT_EQ(st, reinterpret_cast<kvb_store *>(0x1));
+    }
 }
 
 // --- callbacks that call back into their context ---------------------------------
