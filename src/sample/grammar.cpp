@@ -16,11 +16,19 @@ namespace kvblend {
 
 namespace {
 
-// the largest {m,n} count outside literals, character classes and comments:
-// libllama's parser writes a repeated element out that many times, so a
-// count of 10^9 would take all memory before the first token
-uint64_t largest_repetition(const std::string & g) {
-    uint64_t largest = 0;
+// what libllama's parser would pay for a grammar's text, read outside
+// literals, character classes and comments: its largest {m,n} count (the
+// element is written out that many times, so 10^9 would take all memory before
+// the first token) and its deepest nesting of groups (each level is a level of
+// the parser's recursion: 30,000 overflowed an 8 MiB stack)
+struct grammar_shape {
+    uint64_t largest_repeat = 0;
+    int64_t deepest_group = 0;
+};
+
+grammar_shape shape_of(const std::string & g) {
+    grammar_shape s;
+    int64_t depth = 0;
     for (size_t i = 0; i < g.size(); ++i) {
         const char c = g[i];
         if (c == '"' || c == '[') {  // a literal or a class: skip to its unescaped end
@@ -29,21 +37,29 @@ uint64_t largest_repetition(const std::string & g) {
                 if (g[i] == '\\') ++i;
         } else if (c == '#') {
             while (i < g.size() && g[i] != '\n') ++i;
+        } else if (c == '(') {
+            s.deepest_group = std::max(s.deepest_group, ++depth);
+        } else if (c == ')') {
+            --depth;
         } else if (c >= '0' && c <= '9' && i > 0 && (g[i - 1] == '{' || g[i - 1] == ',')) {
             uint64_t n = 0;
             for (; i < g.size() && g[i] >= '0' && g[i] <= '9'; ++i)
                 n = std::min<uint64_t>(n * 10 + (uint64_t) (g[i] - '0'), 1u << 30);
-            largest = std::max(largest, n);
+            s.largest_repeat = std::max(s.largest_repeat, n);
             --i;
         }
     }
-    return largest;
+    return s;
 }
 
-void check_repetitions(const std::string & grammar) {
-    if (largest_repetition(grammar) > k_max_grammar_repeat)
+void check_shape(const std::string & grammar) {
+    const grammar_shape s = shape_of(grammar);
+    if (s.largest_repeat > k_max_grammar_repeat)
         throw error("the grammar repeats an element more than " + std::to_string(k_max_grammar_repeat) +
                     " times ({m,n}, or a schema's minItems/maxItems/minLength/maxLength)");
+    if (s.deepest_group > k_max_grammar_nesting)
+        throw error("the grammar nests groups " + std::to_string(s.deepest_group) + " deep, more than " +
+                    std::to_string(k_max_grammar_nesting));
 }
 
 constexpr int k_max_schema_depth = 64;  // nesting a schema may have: the converter walks it recursively
@@ -131,7 +147,7 @@ std::string grammar_from_json_schema(const std::string & schema) {
         std::replace(why.begin(), why.end(), '\n', ' ');
         throw error("the JSON schema cannot be turned into a grammar: " + why);
     }
-    check_repetitions(grammar);
+    check_shape(grammar);
     return grammar;
 }
 
@@ -144,6 +160,69 @@ std::string bounded(std::string why) {
     if (why.size() > k_grammar_quote_bytes) why.resize(k_grammar_quote_bytes), why += "…";
     std::replace(why.begin(), why.end(), '\n', ' ');
     return why;
+}
+
+// the longest chain of rules each of which can begin with the next (its first
+// element, or a later one after elements that can match nothing): libllama's
+// sampler walks such a chain recursively at every token, so a chain of 100,000
+// overflowed an 8 MiB stack. throws when a rule can begin with itself (left
+// recursion, which libllama refuses after walking the chain). computed without recursion
+int64_t longest_leading_chain(const llama_grammar_rules & rules) {
+    const size_t n = rules.size();
+    // each rule's alternatives: their elements, without the ALT/END marks
+    std::vector<std::vector<std::vector<llama_grammar_element>>> alts(n);
+    for (size_t r = 0; r < n; ++r) {
+        alts[r].emplace_back();
+        for (const llama_grammar_element & e : rules[r]) {
+            if (e.type == LLAMA_GRETYPE_END) break;
+            if (e.type == LLAMA_GRETYPE_ALT)
+                alts[r].emplace_back();
+            else
+                alts[r].back().push_back(e);
+        }
+    }
+    auto ref = [&](const llama_grammar_element & e) { return e.type == LLAMA_GRETYPE_RULE_REF && e.value < n; };
+    // a rule can match nothing when one of its alternatives is only such rules
+    std::vector<char> empty(n, 0);
+    for (bool changed = true; changed;) {
+        changed = false;
+        for (size_t r = 0; r < n; ++r)
+            if (!empty[r])
+                for (const auto & a : alts[r])
+                    if (std::all_of(a.begin(), a.end(), [&](const auto & e) { return ref(e) && empty[e.value]; })) {
+                        empty[r] = 1, changed = true;
+                        break;
+                    }
+    }
+    std::vector<std::vector<uint32_t>> next(n);
+    std::vector<int64_t> into(n, 0);
+    for (size_t r = 0; r < n; ++r)
+        for (const auto & a : alts[r])
+            for (const auto & e : a) {
+                if (!ref(e)) break;
+                next[r].push_back(e.value);
+                into[e.value]++;
+                if (!empty[e.value]) break;
+            }
+    // the longest path, rules taken in topological order
+    std::vector<uint32_t> ready;
+    for (size_t r = 0; r < n; ++r)
+        if (into[r] == 0) ready.push_back((uint32_t) r);
+    std::vector<int64_t> depth(n, 1);
+    int64_t longest = n > 0 ? 1 : 0;
+    size_t done = 0;
+    while (!ready.empty()) {
+        const uint32_t r = ready.back();
+        ready.pop_back();
+        ++done;
+        for (const uint32_t b : next[r]) {
+            depth[b] = std::max(depth[b], depth[r] + 1);
+            longest = std::max(longest, depth[b]);
+            if (--into[b] == 0) ready.push_back(b);
+        }
+    }
+    if (done < n) throw error("the grammar is left-recursive: a rule can begin with itself");
+    return longest;
 }
 
 // the grammar through libllama's own parser, rule by rule: its parse() prints a
@@ -169,13 +248,17 @@ void parse_quietly(const llama_vocab * vocab, const std::string & grammar) {
         if (id >= parser.rules.size() || parser.rules[id].empty())
             throw error("the grammar is not valid GBNF: rule '" + bounded(name) + "' is used but not defined");
     if (!parser.symbol_ids.count("root")) throw error("the grammar has no 'root' rule");
+    const int64_t chain = longest_leading_chain(parser.rules);
+    if (chain > k_max_grammar_chain)
+        throw error("the grammar has a chain of " + std::to_string(chain) +
+                    " rules each beginning with the next, more than " + std::to_string(k_max_grammar_chain));
 }
 
 }  // namespace
 
 void grammar_check(const llama_vocab * vocab, const std::string & grammar) {
     if (grammar.empty()) throw error("the grammar is empty");
-    check_repetitions(grammar);
+    check_shape(grammar);
     parse_quietly(vocab, grammar);
     std::unique_ptr<llama_sampler, decltype(&llama_sampler_free)> g(
         llama_sampler_init_grammar(vocab, grammar.c_str(), "root"), &llama_sampler_free);

@@ -2,11 +2,14 @@
 // a JSON schema keeps even random logits inside the schema, and the reported
 // probabilities are the log-softmax of what the sampler saw after the grammar.
 #include <gtest/gtest.h>
+#include <pthread.h>
 
 #include <cctype>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <string>
+#include <utility>
 
 #include "kvblend/common.h"
 #include "kvblend/sampler.h"
@@ -145,6 +148,68 @@ TEST(grammar, a_failing_grammar_is_quoted_only_in_part) {
     // the check is libllama's own parse: what it takes, the sampler takes
     EXPECT_NO_THROW(
         grammar_check(v, "# a comment\n\nroot ::= x | y # and another\r\nx ::= \"" + body + "\"\ny ::= [a-z]+\n"));
+}
+
+// libllama's parser recurses once per nested group and its sampler once per rule
+// of a chain each beginning with the next: 30,000 groups and a chain of 100,000
+// rules each killed the process (a stack overflow from one request). Both are
+// refused first; what stays under the bounds runs, on a 2 MiB stack too
+TEST(grammar, deep_groups_and_long_rule_chains_are_refused_before_libllama_walks_them) {
+    const llama_vocab * v = stories_vocab().raw();
+    auto groups = [](int64_t n) {
+        return "root ::= " + std::string((size_t) n, '(') + "\"a\"" + std::string((size_t) n, ')');
+    };
+    auto chain = [](int64_t n, bool through_empty) {
+        std::string g = "root ::= r0\nn ::= \"\"\n";
+        for (int64_t i = 0; i < n; ++i)
+            g += "r" + std::to_string(i) + " ::= " + (through_empty ? "n " : "") + "r" + std::to_string(i + 1) + "\n";
+        return g + "r" + std::to_string(n) + " ::= \"a\"\n";
+    };
+    const std::pair<std::string, const char *> refused[] = {
+        {groups(30000), "nests groups 30000 deep"},
+        {groups(k_max_grammar_nesting + 1), "nests groups"},
+        {chain(100000, false), "a chain of 100002 rules"},
+        {chain(100000, true), "a chain of"},  // each rule begins with the next after one that matches nothing
+        {"root ::= n root \"a\" | \"a\"\nn ::= \"b\"?\n", "left-recursive"},
+    };
+    for (const auto & [g, why] : refused) {
+        try {
+            grammar_check(v, g);
+            ADD_FAILURE() << "accepted " << g.substr(0, 60);
+        } catch (const error & e) {
+            EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+        }
+    }
+    // under the bounds: checked (which builds libllama's sampler) on a thread with a 2 MiB stack
+    const std::string ok[] = {groups(k_max_grammar_nesting), chain(k_max_grammar_chain - 3, true),
+                              "root ::= \"a\" root | \"a\"\n"};
+    for (const std::string & g : ok) {
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setstacksize(&attr, 2u << 20);
+        struct job {
+            const llama_vocab * v;
+            const std::string * g;
+            std::string err;
+        } j{v, &g, {}};
+        pthread_t t;
+        ASSERT_EQ(pthread_create(
+                      &t, &attr,
+                      [](void * p) -> void * {
+                          auto * jj = static_cast<job *>(p);
+                          try {
+                              grammar_check(jj->v, *jj->g);
+                          } catch (const std::exception & e) {
+                              jj->err = e.what();
+                          }
+                          return nullptr;
+                      },
+                      &j),
+                  0);
+        pthread_join(t, nullptr);
+        pthread_attr_destroy(&attr);
+        EXPECT_EQ(j.err, "") << g.substr(0, 60);
+    }
 }
 
 // the log-softmax of a row, by hand
