@@ -1023,8 +1023,9 @@ class Model(_Closing):
         sampled under the grammar of the template's call format and come back as
         ``message.tool_calls`` with ``finish_reason`` "tool_calls"; assistant messages with
         ``tool_calls`` and ``tool`` messages carry the conversation on. ``documents``
-        (kvblend's extra) are fused: after the system messages for a question alone, at the
-        start of the first user message in a longer conversation or with tools."""
+        (kvblend's extra) are fused at the start of the first user message, every turn
+        kept: the prompt ``kvblend serve`` builds for the same messages (a model without
+        a chat template: the system texts, the documents, then the other texts)."""
         sampling = dict(max_tokens=256 if max_tokens is None else max_tokens, temperature=temperature, top_p=top_p,
                         top_k=top_k, min_p=min_p, stop=stop, seed=seed, response_format=response_format,
                         logit_bias=logit_bias)

@@ -163,10 +163,11 @@ std::string bounded(std::string why) {
 }
 
 // the longest chain of rules each of which can begin with the next (its first
-// element, or a later one after elements that can match nothing): libllama's
-// sampler walks such a chain recursively at every token, so a chain of 100,000
-// overflowed an 8 MiB stack. throws when a rule can begin with itself (left
-// recursion, which libllama refuses after walking the chain). computed without recursion
+// element, or a later one after rules with an empty alternative): libllama's
+// left-recursion check walks such chains recursively when it builds the
+// sampler, so a chain of 100,000 overflowed an 8 MiB stack. throws when a rule
+// can so begin with itself (left recursion, which libllama refuses after
+// walking the chain). computed without recursion
 int64_t longest_leading_chain(const llama_grammar_rules & rules) {
     const size_t n = rules.size();
     // each rule's alternatives: their elements, without the ALT/END marks
@@ -182,18 +183,11 @@ int64_t longest_leading_chain(const llama_grammar_rules & rules) {
         }
     }
     auto ref = [&](const llama_grammar_element & e) { return e.type == LLAMA_GRETYPE_RULE_REF && e.value < n; };
-    // a rule can match nothing when one of its alternatives is only such rules
+    // a rule with an empty alternative, as libllama's left-recursion check reads
+    // "can match nothing" (not through other rules: "(x? y?)+" is no left recursion to it)
     std::vector<char> empty(n, 0);
-    for (bool changed = true; changed;) {
-        changed = false;
-        for (size_t r = 0; r < n; ++r)
-            if (!empty[r])
-                for (const auto & a : alts[r])
-                    if (std::all_of(a.begin(), a.end(), [&](const auto & e) { return ref(e) && empty[e.value]; })) {
-                        empty[r] = 1, changed = true;
-                        break;
-                    }
-    }
+    for (size_t r = 0; r < n; ++r)
+        empty[r] = std::any_of(alts[r].begin(), alts[r].end(), [](const auto & a) { return a.empty(); });
     std::vector<std::vector<uint32_t>> next(n);
     std::vector<int64_t> into(n, 0);
     for (size_t r = 0; r < n; ++r)
