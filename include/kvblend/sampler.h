@@ -69,9 +69,10 @@ std::string grammar_from_json_schema(const std::string & schema);
 // vocabulary, or is past one of the bounds below
 void grammar_check(const llama_vocab * vocab, const std::string & grammar);
 constexpr uint64_t k_max_grammar_repeat = 4096;  // libllama writes a repeated element out that many times
-// libllama's parser recurses once per nested group, its sampler once per rule
-// of a chain of rules each beginning with the next; both bounds are a quarter of
-// what was measured to pass on a 2 MiB stack (4,000 groups, 16,000 rules)
+// libllama's parser recurses once per nested group, and its left-recursion
+// check (when a sampler is built) once per rule of a chain of rules each
+// beginning with the next; both bounds are a quarter of what was measured to
+// pass on a 2 MiB stack (4,000 groups, 16,000 rules)
 constexpr int64_t k_max_grammar_nesting = 1024;
 constexpr int64_t k_max_grammar_chain = 4096;
 

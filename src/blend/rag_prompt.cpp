@@ -54,22 +54,29 @@ rag_prompt rag_prompt_build_tokens(const vocab & v, const std::string & system,
     return rag_prompt_build_conversation(v, msgs, docs, true);
 }
 
+namespace {
+
+// the index of the first user message, which documents open
+size_t first_user_message(const std::vector<chat_message> & msgs) {
+    const auto it = std::find_if(msgs.begin(), msgs.end(), [](const chat_message & m) { return m.role == "user"; });
+    if (it == msgs.end()) throw error("a request with documents needs a user message", error_kind::invalid_argument);
+    return (size_t) (it - msgs.begin());
+}
+
+}  // namespace
+
 std::string rag_conversation_render(const vocab & v, std::vector<chat_message> msgs, size_t n_docs) {
     if (n_docs == 0) return v.apply_chat_template(msgs, true);
-    const auto first_user =
-        std::find_if(msgs.begin(), msgs.end(), [](const chat_message & m) { return m.role == "user"; });
-    if (first_user == msgs.end())
-        throw error("a request with documents needs a user message", error_kind::invalid_argument);
+    std::string & first_user = msgs[first_user_message(msgs)].content;
     std::string marks;
     for (size_t i = 0; i < n_docs; ++i) marks += k_rag_doc_mark;
-    first_user->content = marks + first_user->content;
+    first_user = marks + first_user;
     return v.apply_chat_template(msgs, true);
 }
 
 rag_prompt rag_prompt_build_conversation(const vocab & v, const std::vector<chat_message> & msgs,
                                          const std::vector<std::vector<llama_token>> & docs, bool chat) {
-    if (std::none_of(msgs.begin(), msgs.end(), [](const chat_message & m) { return m.role == "user"; }))
-        throw error("a request with documents needs a user message", error_kind::invalid_argument);
+    first_user_message(msgs);  // documents given, even none, need one
     if (chat) return rag_prompt_cut_at_marks(v, rag_conversation_render(v, msgs, docs.size()), docs);
     std::string system, turns;  // each one per line
     for (const auto & m : msgs) {

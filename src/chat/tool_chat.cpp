@@ -224,7 +224,9 @@ std::vector<chat_message> chat_messages_of(const json & messages) {
             fail("each message must be an object with a string 'role'");
         const std::string role = m["role"].get<std::string>();
         std::string text;
-        const json c = m.value("content", json());
+        static const json none;
+        const auto at = m.find("content");
+        const json & c = at == m.end() ? none : *at;  // read in place: a content may be megabytes
         if (c.is_string()) {
             text = c.get<std::string>();
         } else if (c.is_array()) {

@@ -170,34 +170,39 @@ std::string bounded(std::string why) {
 // walking the chain). computed without recursion
 int64_t longest_leading_chain(const llama_grammar_rules & rules) {
     const size_t n = rules.size();
-    // each rule's alternatives: their elements, without the ALT/END marks
-    std::vector<std::vector<std::vector<llama_grammar_element>>> alts(n);
-    for (size_t r = 0; r < n; ++r) {
-        alts[r].emplace_back();
-        for (const llama_grammar_element & e : rules[r]) {
-            if (e.type == LLAMA_GRETYPE_END) break;
-            if (e.type == LLAMA_GRETYPE_ALT)
-                alts[r].emplace_back();
-            else
-                alts[r].back().push_back(e);
-        }
-    }
-    auto ref = [&](const llama_grammar_element & e) { return e.type == LLAMA_GRETYPE_RULE_REF && e.value < n; };
+    // a rule's elements: its alternatives, each ended by ALT, the last by END
+    auto ends_alternative = [](const llama_grammar_element & e) {
+        return e.type == LLAMA_GRETYPE_ALT || e.type == LLAMA_GRETYPE_END;
+    };
     // a rule with an empty alternative, as libllama's left-recursion check reads
     // "can match nothing" (not through other rules: "(x? y?)+" is no left recursion to it)
     std::vector<char> empty(n, 0);
-    for (size_t r = 0; r < n; ++r)
-        empty[r] = std::any_of(alts[r].begin(), alts[r].end(), [](const auto & a) { return a.empty(); });
+    for (size_t r = 0; r < n; ++r) {
+        bool at_start = true;
+        for (const llama_grammar_element & e : rules[r]) {
+            if (ends_alternative(e) && at_start) empty[r] = 1;
+            if (empty[r] || e.type == LLAMA_GRETYPE_END) break;
+            at_start = ends_alternative(e);
+        }
+    }
+    // r -> each rule an alternative of r can begin with
     std::vector<std::vector<uint32_t>> next(n);
     std::vector<int64_t> into(n, 0);
-    for (size_t r = 0; r < n; ++r)
-        for (const auto & a : alts[r])
-            for (const auto & e : a) {
-                if (!ref(e)) break;
+    for (size_t r = 0; r < n; ++r) {
+        bool leading = true;
+        for (const llama_grammar_element & e : rules[r]) {
+            if (e.type == LLAMA_GRETYPE_END) break;
+            if (e.type == LLAMA_GRETYPE_ALT) {
+                leading = true;
+            } else if (leading && e.type == LLAMA_GRETYPE_RULE_REF && e.value < n) {
                 next[r].push_back(e.value);
                 into[e.value]++;
-                if (!empty[e.value]) break;
+                leading = empty[e.value];
+            } else {
+                leading = false;
             }
+        }
+    }
     // the longest path, rules taken in topological order
     std::vector<uint32_t> ready;
     for (size_t r = 0; r < n; ++r)

@@ -121,12 +121,13 @@ TEST_F(rules_at_every_edge, a_text_past_the_context_is_a_context_overflow_at_eve
 // own and ratios out of [0, 1] are invalid arguments at every edge that takes
 // them: the server at start and per request, the C API, the CLI
 TEST_F(rules_at_every_edge, blend_params_are_the_same_error_at_the_server_the_c_api_and_the_cli) {
-    const int n_layer_kv = (int) model::load(k_stories)->hparams().n_layer_kv;
+    const auto stories = model::load(k_stories);
+    const int n_layer_kv = (int) stories->hparams().n_layer_kv;
     const std::string past = std::to_string(n_layer_kv);  // the first layer past them
     server_params sp = test::small_params();
     sp.check_layer = n_layer_kv;
     try {
-        server srv(model::load(k_stories), sp);
+        server srv(stories, sp);
         ADD_FAILURE() << "a server with --check-layer " << past << " started";
     } catch (const error & e) {
         EXPECT_EQ(e.kind(), error_kind::invalid_argument) << e.what();
