@@ -50,8 +50,13 @@ inline model_spec tiny_spec(model_arch arch = MODEL_ARCH_LLAMA) {
     s.n_ctx_train = 256;
     s.tied_output = arch != MODEL_ARCH_OLMO2;  // olmo2 has its own output matrix
     s.qkv_bias = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm =
-        arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2 || arch == MODEL_ARCH_GEMMA3 || arch == MODEL_ARCH_GEMMA4;
+    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_QWEN3MOE || arch == MODEL_ARCH_OLMO2 ||
+                arch == MODEL_ARCH_GEMMA3 || arch == MODEL_ARCH_GEMMA4;
+    if (arch == MODEL_ARCH_QWEN3MOE) {  // the router and the experts, and their three keys
+        s.n_expert = 4;
+        s.n_expert_used = 2;
+        s.n_ff_exp = 32;
+    }
     if (arch == MODEL_ARCH_GEMMA3) {  // every key of its windows written, so each can be mutated
         s.n_layer = 2;
         s.n_swa = 8;

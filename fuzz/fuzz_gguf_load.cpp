@@ -26,6 +26,8 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("h.gguf", MODEL_ARCH_MISTRAL3, GGML_TYPE_F16)));
         // gemma4's per-layer head sizes, shared K/V layers, per-layer embeddings and their keys
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("i.gguf", MODEL_ARCH_GEMMA4, GGML_TYPE_F16)));
+        // qwen3moe's expert counts and width, its router and 3-D expert tensors
+        seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("j.gguf", MODEL_ARCH_QWEN3MOE, GGML_TYPE_Q8_0)));
         return seeds;
     });
     return 0;

@@ -24,6 +24,7 @@ enum model_arch {
     MODEL_ARCH_GEMMA3,    // norms before and after attention and FFN, GeGLU, sliding-window layers, NEOX rope
     MODEL_ARCH_GEMMA4,    // gemma3's block, head sizes per layer kind, K/V shared by the last layers, per-layer
                           // embeddings
+    MODEL_ARCH_QWEN3MOE,  // qwen3's attention, a routed mixture of experts for the FFN
 };
 
 const char * model_arch_name(model_arch arch);
@@ -123,6 +124,13 @@ struct model_hparams {
     bool rope_freqs_global_only = false;
     std::vector<int64_t> n_ff_layers;  // FFN width per layer where the file gives an array; empty: n_ff
 
+    // a mixture of experts (qwen3moe): each token's FFN is the weighted sum of
+    // n_expert_used of n_expert experts, each n_ff_exp wide, chosen by a
+    // softmax router whose top weights are renormalized to sum to 1. 0: dense
+    int64_t n_expert = 0;
+    int64_t n_expert_used = 0;
+    int64_t n_ff_exp = 0;
+
     bool has_rope(int64_t il) const {
         return rope && il >= 0 && (no_rope_layer_step == 0 || (il + 1) % no_rope_layer_step != 0);
     }
@@ -178,6 +186,11 @@ struct model_layer {
     ggml_tensor * ffn_gate_b = nullptr;      // [n_ff]       optional
     ggml_tensor * ffn_up_b = nullptr;        // [n_ff], [2 n_ff] with a fused ffn_up; optional
     ggml_tensor * ffn_down_b = nullptr;      // [n_embd]     optional
+    // a mixture of experts in place of ffn_gate/up/down (qwen3moe)
+    ggml_tensor * ffn_gate_inp = nullptr;   // [n_embd, n_expert]  the router
+    ggml_tensor * ffn_gate_exps = nullptr;  // [n_embd, n_ff_exp, n_expert]
+    ggml_tensor * ffn_up_exps = nullptr;    // [n_embd, n_ff_exp, n_expert]
+    ggml_tensor * ffn_down_exps = nullptr;  // [n_ff_exp, n_embd, n_expert]
     // gemma4's per-layer embedding block and output scale
     ggml_tensor * pe_gate = nullptr;       // [n_embd, n_embd_per_layer]
     ggml_tensor * pe_proj = nullptr;       // [n_embd_per_layer, n_embd]

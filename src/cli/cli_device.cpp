@@ -17,6 +17,9 @@ const char * k_device_help = R"(  -dev, --device DEV    where the weights, KV ca
                         layer count) or 0 (everything on the CPU); one device runs every
                         layer, so a split is refused
   --list-devices        print the devices this build can use and exit
+  --mmap                map the model file instead of reading the weights into memory
+                        (CPU only): a model larger than the RAM pages its weights in
+                        as they are used, a mixture of experts only the experts it runs
 )";
 
 bool match_device_flag(args & a, model_params & mp) {
@@ -37,6 +40,8 @@ bool match_device_flag(args & a, model_params & mp) {
         } else {
             mp.n_gpu_layers = (int32_t) a.integer(0, 1 << 20);
         }
+    } else if (a.match({"--mmap"})) {
+        mp.use_mmap = true;
     } else if (a.match({"--list-devices"})) {
         for (const std::string & d : backend_device_list()) std::printf("%s\n", d.c_str());
         std::fflush(stdout);

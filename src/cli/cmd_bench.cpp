@@ -41,7 +41,7 @@ model, same threads, same KV type, in the same run.
   --batch-invariant     our forward in its batch-invariant mode (the same bits whatever the
                         batch; see kvblend serve --help), to measure what it costs
   --peer none|llama     time libllama too (default llama); 'none' also reports peak RSS
-  --mmap                map the model file instead of reading the weights into memory
+  --mmap, --device, --rpc, -ngl  as in kvblend generate --help
   --profile-ops         after the timed runs, one more prefill each with every
                         ggml node computed and timed on its own: the time per
                         op (ours vs libllama), to find where a gap comes from
@@ -131,8 +131,6 @@ int bench_prefill(args & a) {
             profile = true;
         else if (a.match({"--profile-shapes"}))
             profile = shapes = true;
-        else if (a.match({"--mmap"}))
-            mp.use_mmap = true;
         else if (a.match({"--energy"}))
             energy = true;
         else if (match_device_flag(a, mp))

@@ -48,7 +48,6 @@ const char * k_help = R"(usage: kvblend generate -m MODEL -p PROMPT [options]
                         dequantized on the fly
 %s%s  --chat                wrap the prompt in the model's chat template (user turn)
   --system TEXT         system message for --chat
-  --mmap                map the model file instead of reading the weights into memory
   --json                print one JSON object: text, n_prompt, n_gen, prefill_ms, decode_ms,
                         kv_rows, kv_bytes_held, kv_bytes_alloc, kv_bytes_f16 (and with
                         --energy: prefill_j, decode_j, total_j, each with its _tok_per_j,
@@ -255,7 +254,7 @@ nlohmann::json energy_json(const generate_result & r, const energy_meter & meter
 
 int cmd_generate(int argc, char ** argv) {
     std::string model_path, prompt, system;
-    bool have_prompt = false, chat = false, json = false, mmap = false, energy = false;
+    bool have_prompt = false, chat = false, json = false, energy = false;
     int64_t n_predict = 64, n_ctx = 0;
     sampler_params sp = sampler_default_params();
     engine_params ep = engine_default_params();
@@ -283,8 +282,6 @@ int cmd_generate(int argc, char ** argv) {
             chat = true;
         else if (a.match({"--system"}))
             system = a.str();
-        else if (a.match({"--mmap"}))
-            mmap = true;
         else if (a.match({"--json"}))
             json = true;
         else if (a.match({"--energy"}))
@@ -299,7 +296,6 @@ int cmd_generate(int argc, char ** argv) {
     if (!system.empty() && !chat) throw error("--system applies to --chat (without it the prompt is used as written)");
     check_evict_flags(ep.evict);
 
-    mp.use_mmap = mmap;
     auto m = model::load(model_path, mp);
     const vocab & voc = m->tokens();
 

@@ -200,8 +200,41 @@ ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_t
                         build_attn_heads(ctx, m, q, kv, kq_mask));  // [n_embd, n_tok]
 }
 
+namespace {
+
+// a routed mixture of experts on x ([n_embd, n_tok]), as libllama's qwen3moe
+// runs it: a softmax over the router's logits, the top n_expert_used experts
+// per token, their weights renormalized to sum to 1, each expert a SwiGLU
+// FFN, the weighted outputs summed in the order the experts were ranked
+ggml_tensor * build_moe_ffn(ggml_context * ctx, const model & m, const model_layer & L, ggml_tensor * x) {
+    const model_hparams & hp = m.hparams();
+    const int64_t n_embd = x->ne[0], n_tok = x->ne[1], n_used = hp.n_expert_used;
+    ggml_tensor * probs = ggml_soft_max(ctx, build_mul_mat(ctx, L.ffn_gate_inp, x));  // [n_expert, n_tok]
+    ggml_tensor * chosen = ggml_argsort_top_k(ctx, probs, (int) n_used);              // I32 [n_used, n_tok]
+    ggml_tensor * w = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, hp.n_expert, n_tok), chosen);
+    w = ggml_reshape_2d(ctx, w, n_used, n_tok);  // [n_used, n_tok]
+    // the floor libllama puts under the sum: the smallest normal f16
+    ggml_tensor * sum = ggml_clamp(ctx, ggml_sum_rows(ctx, w), 6.103515625e-5f, INFINITY);
+    w = ggml_reshape_3d(ctx, ggml_div(ctx, w, sum), 1, n_used, n_tok);  // [1, n_used, n_tok]
+
+    ggml_tensor * xe = ggml_reshape_3d(ctx, x, n_embd, 1, n_tok);
+    ggml_tensor * up = ggml_mul_mat_id(ctx, L.ffn_up_exps, xe, chosen);      // [n_ff_exp, n_used, n_tok]
+    ggml_tensor * gate = ggml_mul_mat_id(ctx, L.ffn_gate_exps, xe, chosen);  // [n_ff_exp, n_used, n_tok]
+    ggml_tensor * h = ggml_swiglu_split(ctx, gate, up);
+    ggml_tensor * out = ggml_mul(ctx, ggml_mul_mat_id(ctx, L.ffn_down_exps, h, chosen), w);  // [n_embd, n_used, n_tok]
+    ggml_tensor * sum_out = nullptr;
+    for (int64_t e = 0; e < n_used; ++e) {
+        ggml_tensor * one = ggml_view_2d(ctx, out, n_embd, n_tok, out->nb[2], (size_t) e * out->nb[1]);
+        sum_out = sum_out ? ggml_add(ctx, sum_out, one) : one;
+    }
+    return n_used == 1 ? ggml_cont(ctx, sum_out) : sum_out;  // [n_embd, n_tok]
+}
+
+}  // namespace
+
 ggml_tensor * build_ffn(ggml_context * ctx, const model & m, int il, ggml_tensor * x) {
     const model_layer & L = m.layers[il];
+    if (L.ffn_gate_inp) return build_moe_ffn(ctx, m, L, x);
     ggml_tensor * up = build_linear(ctx, L.ffn_up, L.ffn_up_b, x);  // [n_ff, n_tok]; fused (phi3): [2 n_ff, n_tok]
     ggml_tensor * h = nullptr;  // silu(gate) * up, or gelu(gate) * up (gemma3): [n_ff, n_tok]
     if (L.ffn_gate) {

@@ -36,6 +36,7 @@ const char * model_arch_name(model_arch arch) {
         case MODEL_ARCH_PHI3: return "phi3";
         case MODEL_ARCH_GEMMA3: return "gemma3";
         case MODEL_ARCH_GEMMA4: return "gemma4";
+        case MODEL_ARCH_QWEN3MOE: return "qwen3moe";
     }
     return "?";
 }
@@ -298,9 +299,9 @@ bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op 
     return true;
 }
 
-const model_arch k_archs[] = {MODEL_ARCH_LLAMA,   MODEL_ARCH_QWEN2, MODEL_ARCH_QWEN3,   MODEL_ARCH_MISTRAL3,
-                              MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2, MODEL_ARCH_SMOLLM3, MODEL_ARCH_PHI3,
-                              MODEL_ARCH_GEMMA3,  MODEL_ARCH_GEMMA4};
+const model_arch k_archs[] = {MODEL_ARCH_LLAMA,   MODEL_ARCH_QWEN2,  MODEL_ARCH_QWEN3,   MODEL_ARCH_MISTRAL3,
+                              MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2,  MODEL_ARCH_SMOLLM3, MODEL_ARCH_PHI3,
+                              MODEL_ARCH_GEMMA3,  MODEL_ARCH_GEMMA4, MODEL_ARCH_QWEN3MOE};
 
 // the architecture named name (general.architecture) into arch; false when none is
 bool arch_of(const std::string & name, model_arch & arch) {
@@ -394,7 +395,8 @@ void check_weight_ops(const model & m, ggml_backend_dev_t dev, const kv_reader &
     need(m.tok_embd, GGML_OP_GET_ROWS);
     need(m.output, GGML_OP_MUL_MAT);
     for (const model_layer & L : m.layers)
-        for (const ggml_tensor * t : {L.wq, L.wk, L.wv, L.wqkv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down})
+        for (const ggml_tensor * t : {L.wq, L.wk, L.wv, L.wqkv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down, L.ffn_gate_inp,
+                                      L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps})
             need(t, GGML_OP_MUL_MAT);
 }
 
@@ -478,6 +480,20 @@ void read_mistral3_keys(const kv_reader & kv, const std::string & a, model_hpara
     hp.attn_temp_scale = (float) kv.finite(a + "attention.temperature_scale", 0.0);
 }
 
+// a mixture of experts' counts and width, bounded as libllama asserts them
+// (an abort there, a named error here): at most 1024 experts, 1 to n_expert
+// used per token, one width for every expert; expert groups are not built
+void read_expert_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
+    constexpr int64_t k_max_experts = 1024;  // libllama's LLAMA_MAX_EXPERTS
+    hp.n_expert = kv.dim(a + "expert_count", 0, true, 1, k_max_experts);
+    hp.n_expert_used = kv.dim(a + "expert_used_count", 0, true, 1, hp.n_expert);
+    if (kv.integer(a + "expert_group_count", 0, false) > 1)
+        kv.fail("expert groups (" + a + "expert_group_count) are not supported");
+    // libllama's default: the dense width shared among the experts a token uses
+    const int64_t def = hp.n_ff / hp.n_expert_used;
+    hp.n_ff_exp = kv.dim(a + "expert_feed_forward_length", def, def == 0);
+}
+
 void read_family_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
     if (hp.arch == MODEL_ARCH_GEMMA3) return read_gemma3_keys(kv, a, hp);
     if (hp.arch == MODEL_ARCH_GEMMA4) return read_gemma4_keys(kv, a, hp);
@@ -543,8 +559,12 @@ std::string model::describe() const {
     if (hp_.n_layer_kv < hp_.n_layer) os << " (" << hp_.n_layer - hp_.n_layer_kv << " share K/V)";
     os << ", n_embd " << hp_.n_embd << ", heads " << hp_.n_head << "/" << hp_.n_head_kv << " x " << hp_.head_dim;
     if (hp_.head_dim_swa > 0 && hp_.head_dim_swa != hp_.head_dim) os << " (windowed " << hp_.head_dim_swa << ")";
-    os << ", ff " << hp_.n_ff << ", vocab " << hp_.n_vocab << ", " << ggml_type_name(wt) << ", "
-       << (weights_bytes_ / (1024.0 * 1024.0)) << " MiB";
+    if (hp_.n_expert > 0)
+        os << ", experts " << hp_.n_expert_used << " of " << hp_.n_expert << " x ff " << hp_.n_ff_exp;
+    else
+        os << ", ff " << hp_.n_ff;
+    os << ", vocab " << hp_.n_vocab << ", " << ggml_type_name(wt) << ", " << (weights_bytes_ / (1024.0 * 1024.0))
+       << " MiB";
     return os.str();
 }
 
@@ -592,10 +612,11 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     }
 
     const std::string a = hp.arch_name + ".";
+    const bool moe = hp.arch == MODEL_ARCH_QWEN3MOE;
     const int64_t n_expert = kv.integer(a + "expert_count", 0, false);
-    if (n_expert > 0)
-        kv.fail("mixture-of-experts models are not supported (" + a + "expert_count = " + std::to_string(n_expert) +
-                ")");
+    if (n_expert > 0 && !moe)
+        kv.fail("mixture-of-experts models of architecture '" + hp.arch_name + "' are not supported (" + a +
+                "expert_count = " + std::to_string(n_expert) + "; supported: qwen3moe)");
 
     // bounded before anything is sized by them: each dimension fits an int32 (so
     // products of two fit an int64) and every layer needs tensors the file has
@@ -605,8 +626,9 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.n_layer = kv.dim(a + "block_count", 0, true, 1, std::min<int64_t>(INT32_MAX, n_tensors));
     const bool gemma4 = hp.arch == MODEL_ARCH_GEMMA4;
     // gemma4's FFN widths may vary per layer (read_gemma4_keys): n_ff is the first layer's
+    // a mixture of experts reads its experts' width instead (read_expert_keys)
     hp.n_ff = gemma4 ? kv.per_layer(a + "feed_forward_length", hp.n_layer, true)[0]
-                     : kv.dim(a + "feed_forward_length", 0, true);
+                     : kv.dim(a + "feed_forward_length", 0, !moe, moe ? 0 : 1);
     hp.n_head = kv.dim(a + "attention.head_count", 0, true);
     hp.n_head_kv = kv.dim(a + "attention.head_count_kv", hp.n_head, false);
     const int64_t swa = kv.integer(a + "attention.sliding_window", 0, false);
@@ -619,7 +641,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     auto inconsistent = [&](const std::string & why) { kv.fail("inconsistent hyper-parameters: " + why); };
     if (hp.n_layer <= 0) inconsistent("block_count must be positive, got " + std::to_string(hp.n_layer));
     if (hp.n_embd <= 0) inconsistent("embedding_length must be positive, got " + std::to_string(hp.n_embd));
-    if (hp.n_ff <= 0) inconsistent("feed_forward_length must be positive, got " + std::to_string(hp.n_ff));
+    if (hp.n_ff <= 0 && !moe) inconsistent("feed_forward_length must be positive, got " + std::to_string(hp.n_ff));
+    if (moe) read_expert_keys(kv, a, hp);
     if (hp.n_ctx_train <= 0) inconsistent("context_length must be positive, got " + std::to_string(hp.n_ctx_train));
     if (hp.n_head <= 0 || hp.n_head_kv <= 0) inconsistent("attention head counts must be positive");
     if (hp.n_head % hp.n_head_kv != 0)
@@ -657,11 +680,12 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.rope_attn_factor = (float) kv.finite(a + "rope.scaling.attn_factor", 1.0);
     if (!(hp.rope_attn_factor > 0.0f)) inconsistent("rope.scaling.attn_factor must be positive");
     hp.n_ctx_orig = kv.dim(a + "rope.scaling.original_context_length", hp.n_ctx_train, false);
-    const bool neox = hp.arch == MODEL_ARCH_QWEN2 || hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2 ||
+    const bool qwen3 = hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_QWEN3MOE;  // the same attention
+    const bool neox = hp.arch == MODEL_ARCH_QWEN2 || qwen3 || hp.arch == MODEL_ARCH_OLMO2 ||
                       hp.arch == MODEL_ARCH_PHI3 || hp.arch == MODEL_ARCH_GEMMA3 || gemma4;
     hp.rope_mode = neox ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
     hp.qkv_bias = hp.arch == MODEL_ARCH_QWEN2;
-    hp.qk_norm = hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_OLMO2 || hp.arch == MODEL_ARCH_GEMMA3 || gemma4;
+    hp.qk_norm = qwen3 || hp.arch == MODEL_ARCH_OLMO2 || hp.arch == MODEL_ARCH_GEMMA3 || gemma4;
     hp.qk_norm_whole = hp.arch == MODEL_ARCH_OLMO2;
     hp.pre_norm = hp.arch != MODEL_ARCH_OLMO2;
     hp.post_norm = hp.arch == MODEL_ARCH_OLMO2 || hp.arch == MODEL_ARCH_GEMMA3 || gemma4;
@@ -768,17 +792,25 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         }
         if (hp.pre_norm) L.ffn_norm = norm("ffn_norm.weight");
         if (hp.post_norm) L.ffn_post_norm = norm("post_ffw_norm.weight");
-        if (hp.arch == MODEL_ARCH_PHI3) {  // gate and up fused in one matrix
+        if (moe) {  // a router and the experts' weights, one slice per expert
+            const int64_t n_exp = hp.n_expert, n_ff_exp = hp.n_ff_exp;
+            L.ffn_gate_inp = check(find(name("ffn_gate_inp.weight"), true), {n_embd, n_exp}, true);
+            L.ffn_gate_exps = check(find(name("ffn_gate_exps.weight"), true), {n_embd, n_ff_exp, n_exp}, true);
+            L.ffn_up_exps = check(find(name("ffn_up_exps.weight"), true), {n_embd, n_ff_exp, n_exp}, true);
+            L.ffn_down_exps = check(find(name("ffn_down_exps.weight"), true), {n_ff_exp, n_embd, n_exp}, true);
+        } else if (hp.arch == MODEL_ARCH_PHI3) {  // gate and up fused in one matrix
             L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, 2 * n_ff}, true);
         } else {
             L.ffn_gate = check(find(name("ffn_gate.weight"), true), {n_embd, n_ff}, true);
             L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, n_ff}, true);
         }
-        L.ffn_down = check(find(name("ffn_down.weight"), true), {n_ff, n_embd}, true);
-        // optional biases, read wherever a file has them (libllama's llama, granite and mistral3 loaders do)
-        if (L.ffn_gate) L.ffn_gate_b = check(find(name("ffn_gate.bias"), false), {n_ff}, false);
-        L.ffn_up_b = check(find(name("ffn_up.bias"), false), {L.ffn_up->ne[1]}, false);
-        L.ffn_down_b = check(find(name("ffn_down.bias"), false), {n_embd}, false);
+        if (!moe) {
+            L.ffn_down = check(find(name("ffn_down.weight"), true), {n_ff, n_embd}, true);
+            // optional biases, read wherever a file has them (libllama's llama, granite and mistral3 loaders do)
+            if (L.ffn_gate) L.ffn_gate_b = check(find(name("ffn_gate.bias"), false), {n_ff}, false);
+            L.ffn_up_b = check(find(name("ffn_up.bias"), false), {L.ffn_up->ne[1]}, false);
+            L.ffn_down_b = check(find(name("ffn_down.bias"), false), {n_embd}, false);
+        }
         if (hp.n_embd_per_layer > 0) {
             L.pe_gate = check(find(name("inp_gate.weight"), true), {n_embd, hp.n_embd_per_layer}, true);
             L.pe_proj = check(find(name("proj.weight"), true), {hp.n_embd_per_layer, n_embd}, true);

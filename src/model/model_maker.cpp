@@ -42,8 +42,16 @@ model_spec spec_of(model_arch arch, int64_t n_layer, int64_t n_embd, int64_t n_h
     s.rms_eps = rms_eps;
     s.tied_output = tied;
     s.qkv_bias = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm =
-        arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_OLMO2 || arch == MODEL_ARCH_GEMMA3 || arch == MODEL_ARCH_GEMMA4;
+    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_QWEN3MOE || arch == MODEL_ARCH_OLMO2 ||
+                arch == MODEL_ARCH_GEMMA3 || arch == MODEL_ARCH_GEMMA4;
+    return s;
+}
+
+// a mixture of n_expert experts n_ff_exp wide, n_used per token
+model_spec experts(model_spec s, int64_t n_expert, int64_t n_used, int64_t n_ff_exp) {
+    s.n_expert = n_expert;
+    s.n_expert_used = n_used;
+    s.n_ff_exp = n_ff_exp;
     return s;
 }
 
@@ -154,6 +162,9 @@ const std::vector<preset> & presets() {
          gemma4(windowed(spec_of(MODEL_ARCH_GEMMA4, 6, 128, 4, 1, 64, 256, 32768, 1e6f, 1e-6f, true), 16, 3, 1e4f), 32,
                 32, 0.25f, 3, 32, 30.0f),
          "llama-spm"},
+        // 8 experts of 64, 2 per token: every expert is used by a 72-token prompt
+        {"tiny-qwen3moe",
+         experts(spec_of(MODEL_ARCH_QWEN3MOE, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-6f, true), 8, 2, 64), "qwen2"},
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
         {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true), "qwen2"},
         {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true), "llama-bpe"},
@@ -199,6 +210,11 @@ const std::vector<preset> & presets() {
              windowed(spec_of(MODEL_ARCH_GEMMA4, 35, 1536, 8, 1, 512, 6144, 131072, 1e6f, 1e-6f, true), 512, 5, 1e4f),
              256, 256, 0.25f, 20, 256, 30.0f),
          "gemma-4"},
+        // qwen3 30b-a3b: 128 experts of 768, 8 per token (3.3B of 30.5B weights
+        // active), untied output, the 40960-token context of its first release
+        {"qwen3-30b-a3b",
+         experts(spec_of(MODEL_ARCH_QWEN3MOE, 48, 2048, 32, 4, 128, 6144, 40960, 1e6f, 1e-6f, false), 128, 8, 768),
+         "qwen2"},
     };
     return p;
 }
@@ -242,6 +258,7 @@ struct tensor_plan {
     int n_dims = 1;
     int64_t ne0 = 0;  // row length
     int64_t ne1 = 1;  // rows (1 for vectors)
+    int64_t ne2 = 1;  // matrices (experts); rows of all of them are written in order
     ggml_type type = GGML_TYPE_F32;
     float center = 0.0f;
     float half_width = 0.0f;  // values are center + U(-half_width, half_width)
@@ -252,12 +269,18 @@ struct tensor_plan {
 
 // uniform with this standard deviation around 0
 tensor_plan plan_matrix(const std::string & name, int64_t ne0, int64_t ne1, ggml_type type, float std) {
-    return {name, 2, ne0, ne1, type, 0.0f, std * std::sqrt(3.0f)};
+    return {name, 2, ne0, ne1, 1, type, 0.0f, std * std::sqrt(3.0f)};
+}
+
+// one [ne0, ne1] matrix per expert
+tensor_plan plan_experts(const std::string & name, int64_t ne0, int64_t ne1, int64_t n_expert, ggml_type type,
+                         float std) {
+    return {name, 3, ne0, ne1, n_expert, type, 0.0f, std * std::sqrt(3.0f)};
 }
 
 // norms and biases stay f32
 tensor_plan plan_vector(const std::string & name, int64_t ne0, float center, float half_width) {
-    return {name, 1, ne0, 1, GGML_TYPE_F32, center, half_width};
+    return {name, 1, ne0, 1, 1, GGML_TYPE_F32, center, half_width};
 }
 
 // --- gemma4's layer kinds ---------------------------------------------------
@@ -387,14 +410,22 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
         }
         if (pre_norm) t.push_back(plan_vector(p + "ffn_norm.weight", s.n_embd, 1.0f, 0.1f));        // [n_embd]
         if (post_norm) t.push_back(plan_vector(p + "post_ffw_norm.weight", s.n_embd, 1.0f, 0.1f));  // [n_embd]
-        if (phi3) {  // gate rows, then up rows
+        if (s.n_expert > 0) {  // a router (logits of unit spread) and the experts
+            const int64_t n_exp = s.n_expert, n_ff_exp = s.n_ff_exp;
+            t.push_back(plan_matrix(p + "ffn_gate_inp.weight", s.n_embd, n_exp, wtype, in_embd));  // [n_embd, n_exp]
+            t.push_back(plan_experts(p + "ffn_gate_exps.weight", s.n_embd, n_ff_exp, n_exp, wtype, in_embd));
+            t.push_back(plan_experts(p + "ffn_up_exps.weight", s.n_embd, n_ff_exp, n_exp, wtype, in_embd));
+            t.push_back(plan_experts(p + "ffn_down_exps.weight", n_ff_exp, s.n_embd, n_exp, wtype,
+                                     1.0f / std::sqrt(float(n_ff_exp))));  // [n_ff_exp, n_embd, n_exp]
+        } else if (phi3) {                                                 // gate rows, then up rows
             t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, 2 * s.n_ff, wtype, in_embd));  // [n_embd, 2 n_ff]
         } else {
             t.push_back(plan_matrix(p + "ffn_gate.weight", s.n_embd, n_ff, wtype, in_embd));  // [n_embd, n_ff]
             t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, n_ff, wtype, in_embd));    // [n_embd, n_ff]
         }
-        t.push_back(plan_matrix(p + "ffn_down.weight", n_ff, s.n_embd, wtype,
-                                1.0f / std::sqrt(float(n_ff))));  // [n_ff, n_embd]
+        if (s.n_expert == 0)
+            t.push_back(plan_matrix(p + "ffn_down.weight", n_ff, s.n_embd, wtype,
+                                    1.0f / std::sqrt(float(n_ff))));  // [n_ff, n_embd]
         if (block_biases) {
             t.push_back(plan_vector(p + "ffn_gate.bias", n_ff, 0.0f, 0.35f));      // [n_ff]
             t.push_back(plan_vector(p + "ffn_up.bias", n_ff, 0.0f, 0.35f));        // [n_ff]
@@ -478,6 +509,11 @@ void check_spec(const model_spec & s) {
         bad("windowed head sizes, proportional RoPE, shared K/V layers, per-layer embeddings, double-wide FFNs "
             "and layer output scales are gemma4's");
     if (gemma4) check_gemma4(s, bad);
+    const bool moe = s.arch == MODEL_ARCH_QWEN3MOE;
+    if (moe != (s.n_expert > 0)) bad("experts are qwen3moe's, and qwen3moe needs them (n_expert > 0)");
+    if (moe && (s.n_expert > 1024 || s.n_expert_used < 1 || s.n_expert_used > s.n_expert || s.n_ff_exp < 1))
+        bad("experts: 1 <= n_expert_used <= n_expert <= 1024 and n_ff_exp >= 1");
+    if (moe && s.out_biases) bad("libllama's qwen3moe loader reads no output or FFN biases");
 }
 
 // --- output file --------------------------------------------------------------
@@ -527,13 +563,14 @@ void write_tensor(FILE * f, const tensor_plan & t, uint64_t seed, const std::str
 
     const int64_t max_chunk_elems = int64_t(8) << 20;  // 32 MiB of f32 per chunk
     const int64_t rows_per_chunk = std::max<int64_t>(1, max_chunk_elems / t.ne0);
+    const int64_t n_rows = t.ne1 * t.ne2;
     const int n_threads = int(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1u, 16u));
 
-    std::vector<float> src(size_t(std::min(rows_per_chunk, t.ne1) * t.ne0));
-    std::vector<uint8_t> dst(size_t(std::min(rows_per_chunk, t.ne1)) * row_bytes);
+    std::vector<float> src(size_t(std::min(rows_per_chunk, n_rows) * t.ne0));
+    std::vector<uint8_t> dst(size_t(std::min(rows_per_chunk, n_rows)) * row_bytes);
 
-    for (int64_t r0 = 0; r0 < t.ne1; r0 += rows_per_chunk) {
-        const int64_t nr = std::min(rows_per_chunk, t.ne1 - r0);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += rows_per_chunk) {
+        const int64_t nr = std::min(rows_per_chunk, n_rows - r0);
         auto work = [&](int64_t a, int64_t b) {  // rows [a, b) of this chunk
             for (int64_t r = a; r < b; ++r)
                 fill_row(src.data() + r * t.ne0, t.ne0, tensor_seed, r0 + r, t.center, t.half_width);
@@ -685,6 +722,11 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     // gemma4 always: libllama's default for a missing key is 30, not off
     if (spec.logit_softcap != 0.0f || gemma4)
         gguf_set_val_f32(g, key("final_logit_softcapping").c_str(), spec.logit_softcap);
+    if (spec.n_expert > 0) {
+        gguf_set_val_u32(g, key("expert_count").c_str(), uint32_t(spec.n_expert));
+        gguf_set_val_u32(g, key("expert_used_count").c_str(), uint32_t(spec.n_expert_used));
+        gguf_set_val_u32(g, key("expert_feed_forward_length").c_str(), uint32_t(spec.n_ff_exp));
+    }
     if (gemma4) {  // the keys its converter writes (libllama requires the lengths and the per-layer width)
         const int64_t hd_swa = spec.head_dim_swa > 0 ? spec.head_dim_swa : spec.head_dim;
         gguf_set_val_u32(g, key("attention.key_length_swa").c_str(), uint32_t(hd_swa));
@@ -712,8 +754,9 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     ggml_context_ptr meta_ctx(ggml_init(cparams));
     if (!meta_ctx) throw error("make-model: out of memory");
     for (const auto & t : plan) {
-        ggml_tensor * x = t.n_dims == 1 ? ggml_new_tensor_1d(meta_ctx.get(), t.type, t.ne0)
-                                        : ggml_new_tensor_2d(meta_ctx.get(), t.type, t.ne0, t.ne1);
+        ggml_tensor * x = t.n_dims == 1   ? ggml_new_tensor_1d(meta_ctx.get(), t.type, t.ne0)
+                          : t.n_dims == 2 ? ggml_new_tensor_2d(meta_ctx.get(), t.type, t.ne0, t.ne1)
+                                          : ggml_new_tensor_3d(meta_ctx.get(), t.type, t.ne0, t.ne1, t.ne2);
         ggml_set_name(x, t.name.c_str());
         gguf_add_tensor(g, x);
     }

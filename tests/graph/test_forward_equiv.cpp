@@ -73,6 +73,18 @@ bool quantized_gelu(const model & m, const std::string & name) {
     return m.hparams().ffn_gelu && name.find(':') != std::string::npos;
 }
 
+// a mixture of experts with quantized weights: the ~1e-7 gap between
+// libllama's plain attention and our flash attention, through the q8_0
+// rounding of the router's input, moves a router logit by a step, and where
+// two experts nearly tie for a token's top places the other one is chosen: a
+// different FFN, not a rounding (tiny-qwen3moe:q8_0: 0.16 of the largest
+// logit; position 0, with one key and no gap, is identical). libllama's flash
+// attention rounds an f32 cache's V to f16 (0.28 there), so no f32 reference
+// shares our kernels; the f16-cache test below pins such a model bit for bit
+bool quantized_moe(const model & m, const std::string & name) {
+    return m.hparams().n_expert > 0 && name.find(':') != std::string::npos;
+}
+
 class forward_equiv : public ::testing::TestWithParam<std::string> {
   protected:
     case_spec spec() const {
@@ -88,6 +100,7 @@ class forward_equiv : public ::testing::TestWithParam<std::string> {
 TEST_P(forward_equiv, logits_every_position_and_greedy_match_libllama) {
     const case_spec c = spec();
     auto m = model::load(c.path);
+    if (quantized_moe(*m, c.name)) GTEST_SKIP() << "routing flips at near-ties; pinned by the f16-cache test";
     const std::vector<llama_token> prompt = prompt_for(*m, c.real_text, 72);
     ASSERT_GE(prompt.size(), 64u);
 
@@ -197,7 +210,7 @@ INSTANTIATE_TEST_SUITE_P(models, forward_equiv,
                                            "tiny-qwen3:q4_0", "tiny-mistral3", "tiny-granite", "tiny-olmo2",
                                            "tiny-smollm3", "tiny-phi3", "tiny-phi3:q8_0", "tiny-phi3-longrope",
                                            "tiny-mistral3-yarn", "tiny-gemma3", "tiny-gemma3:q8_0", "tiny-gemma4",
-                                           "tiny-gemma4:q8_0"),
+                                           "tiny-gemma4:q8_0", "tiny-qwen3moe", "tiny-qwen3moe:q8_0"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace_if(

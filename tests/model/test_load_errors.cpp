@@ -561,7 +561,7 @@ TEST_F(load_errors, gemma4_head_sizes_shared_layers_and_per_layer_embeddings) {
         {{{}, {}, {{"per_layer_proj_norm.weight", {16}}}},
          "'per_layer_proj_norm.weight' has shape [16], expected [32]"},
         {{[](gguf_context * g) { gguf_set_val_u32(g, "gemma4.expert_count", 4); }, {}, {}},
-         "mixture-of-experts models are not supported"},
+         "mixture-of-experts models of architecture 'gemma4' are not supported"},
     };
     for (const bad_file & c : cases) {
         rewrite_gguf(gemma4, dir.file("gemma4.gguf"), c.edit);
@@ -632,6 +632,43 @@ TEST_F(load_errors, mixture_of_experts) {
                   {},
                   {}});
     EXPECT_LOAD_ERROR(dir.file("moe.gguf"), "mixture-of-experts");
+}
+
+// qwen3moe's experts, bounded before anything is sized by them (libllama
+// asserts, an abort, on the counts) and every tensor named
+TEST_F(load_errors, qwen3moe_experts_are_checked_before_they_size_anything) {
+    struct bad_file {
+        gguf_edit edit;
+        std::string message;
+    };
+    const std::string moe = make_test_model("tiny-qwen3moe");
+    EXPECT_NO_THROW(model::load(moe));
+    const std::vector<bad_file> cases = {
+        {{[](gguf_context * g) { gguf_set_val_u32(g, "qwen3moe.expert_used_count", 9); }, {}, {}},
+         "qwen3moe.expert_used_count = 9 is outside [1, 8]"},
+        {{[](gguf_context * g) { gguf_set_val_u32(g, "qwen3moe.expert_used_count", 0); }, {}, {}},
+         "qwen3moe.expert_used_count = 0 is outside [1, 8]"},
+        {{[](gguf_context * g) { gguf_set_val_u32(g, "qwen3moe.expert_count", 2000); }, {}, {}},
+         "qwen3moe.expert_count = 2000 is outside [1, 1024]"},
+        {{[](gguf_context * g) { gguf_remove_key(g, "qwen3moe.expert_count"); }, {}, {}},
+         "missing key qwen3moe.expert_count"},
+        {{[](gguf_context * g) { gguf_set_val_u32(g, "qwen3moe.expert_group_count", 4); }, {}, {}},
+         "expert groups (qwen3moe.expert_group_count) are not supported"},
+        // without its width, the dense width over the experts used: 256 / 2, not the file's 64
+        {{[](gguf_context * g) { gguf_remove_key(g, "qwen3moe.expert_feed_forward_length"); }, {}, {}},
+         "'blk.0.ffn_gate_exps.weight' has shape [128, 64, 8], expected [128, 128, 8]"},
+        {{{}, {"blk.2.ffn_up_exps.weight"}, {}}, "missing tensor 'blk.2.ffn_up_exps.weight'"},
+        {{{}, {"blk.0.ffn_gate_inp.weight"}, {}}, "missing tensor 'blk.0.ffn_gate_inp.weight'"},
+        {{{}, {}, {{"blk.1.ffn_down_exps.weight", {64, 128, 4}}}},
+         "'blk.1.ffn_down_exps.weight' has shape [64, 128, 4], expected [64, 128, 8]"},
+        // a dense FFN beside the experts is not silently skipped
+        {{{}, {}, {}, {}, {{"blk.0.ffn_up.weight", {128, 256}}}},
+         "tensor 'blk.0.ffn_up.weight' is not part of the block kvblend runs for this architecture"},
+    };
+    for (const bad_file & c : cases) {
+        rewrite_gguf(moe, dir.file("moe.gguf"), c.edit);
+        EXPECT_LOAD_ERROR(dir.file("moe.gguf"), c.message);
+    }
 }
 
 TEST_F(load_errors, sliding_window) {

@@ -68,7 +68,7 @@ void expect_tensor(const gguf_context * g, const std::string & name, ggml_type t
 
 TEST(model_maker, presets_have_real_shapes) {
     const auto names = model_spec_preset_names();
-    EXPECT_EQ(names.size(), 24u);
+    EXPECT_EQ(names.size(), 26u);
 
     const model_spec q3 = model_spec_preset("qwen3-0.6b");
     EXPECT_EQ(q3.arch, MODEL_ARCH_QWEN3);
@@ -187,6 +187,46 @@ TEST(model_maker, presets_have_real_shapes) {
     EXPECT_EQ(model_spec_preset("tiny").n_layer, 4);
     EXPECT_EQ(model_spec_preset("tiny-qwen2").n_layer, 3);
     EXPECT_EQ(model_spec_preset("tiny-qwen3").arch, MODEL_ARCH_QWEN3);
+
+    // qwen3 30b-a3b as its config.json has it: 128 experts of 768, 8 per token, untied
+    const model_spec a3b = model_spec_preset("qwen3-30b-a3b");
+    EXPECT_EQ(a3b.arch, MODEL_ARCH_QWEN3MOE);
+    EXPECT_EQ(a3b.n_layer, 48);
+    EXPECT_EQ(a3b.n_embd, 2048);
+    EXPECT_EQ(a3b.n_head, 32);
+    EXPECT_EQ(a3b.n_head_kv, 4);
+    EXPECT_EQ(a3b.head_dim, 128);
+    EXPECT_EQ(a3b.n_expert, 128);
+    EXPECT_EQ(a3b.n_expert_used, 8);
+    EXPECT_EQ(a3b.n_ff_exp, 768);
+    EXPECT_TRUE(a3b.qk_norm && !a3b.tied_output);
+    EXPECT_EQ(model_spec_preset_vocab("qwen3-30b-a3b"), "qwen2");
+}
+
+TEST(model_maker_moe, keys_and_expert_tensors) {
+    const model_spec s = model_spec_preset("tiny-qwen3moe");
+    gguf_context_ptr g = open_gguf(make_test_model("tiny-qwen3moe", GGML_TYPE_Q8_0));
+    ASSERT_TRUE(g);
+    const gguf_context * m = g.get();
+    EXPECT_EQ(get_u32(m, "qwen3moe.expert_count"), uint32_t(s.n_expert));
+    EXPECT_EQ(get_u32(m, "qwen3moe.expert_used_count"), uint32_t(s.n_expert_used));
+    EXPECT_EQ(get_u32(m, "qwen3moe.expert_feed_forward_length"), uint32_t(s.n_ff_exp));
+    for (int64_t il = 0; il < s.n_layer; ++il) {
+        const std::string p = "blk." + std::to_string(il) + ".";
+        expect_tensor(m, p + "ffn_gate_inp.weight", GGML_TYPE_Q8_0, {s.n_embd, s.n_expert});
+        expect_tensor(m, p + "ffn_gate_exps.weight", GGML_TYPE_Q8_0, {s.n_embd, s.n_ff_exp, s.n_expert});
+        expect_tensor(m, p + "ffn_up_exps.weight", GGML_TYPE_Q8_0, {s.n_embd, s.n_ff_exp, s.n_expert});
+        expect_tensor(m, p + "ffn_down_exps.weight", GGML_TYPE_Q8_0, {s.n_ff_exp, s.n_embd, s.n_expert});
+        EXPECT_LT(gguf_find_tensor(m, (p + "ffn_up.weight").c_str()), 0);  // no dense FFN beside them
+    }
+    model_spec bad = s;
+    bad.n_expert_used = s.n_expert + 1;
+    const std::string msg = error_of([&] { make_model(bad, {}, "/nonexistent/x.gguf"); });
+    EXPECT_NE(msg.find("n_expert_used <= n_expert"), std::string::npos) << msg;
+    bad = model_spec_preset("tiny-qwen3");
+    bad.n_expert = 4;
+    EXPECT_NE(error_of([&] { make_model(bad, {}, "/nonexistent/x.gguf"); }).find("experts are qwen3moe's"),
+              std::string::npos);
 }
 
 TEST(model_maker, unknown_preset_lists_valid_names) {
