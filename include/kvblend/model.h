@@ -215,6 +215,11 @@ struct model_params {
     // (the CPU runs everything); one device runs every layer, so any other count
     // below the model's layer count is refused at load
     int32_t n_gpu_layers = -1;
+    // on the CPU, matrices of a type the backend has faster kernels for in a
+    // layout of its own (ggml's CPU_REPACK: q4_0, q4_K, iq4_nl, … on x86)
+    // are repacked into it at load, as llama.cpp does by default; false keeps
+    // the file's layout and ggml's plain kernels (--no-repack)
+    bool repack = true;
 };
 
 model_params model_default_params();

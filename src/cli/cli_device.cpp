@@ -18,8 +18,11 @@ const char * k_device_help = R"(  -dev, --device DEV    where the weights, KV ca
                         layer, so a split is refused
   --list-devices        print the devices this build can use and exit
   --mmap                map the model file instead of reading the weights into memory
-                        (CPU only): a model larger than the RAM pages its weights in
-                        as they are used, a mixture of experts only the experts it runs
+                        (CPU only; repacked matrices are still copied, see --no-repack):
+                        a model larger than the RAM pages in the weights it uses
+  --no-repack           keep quantized matrices in the file's layout on the CPU (by default
+                        q4_0, q4_K, iq4_nl, … are repacked at load for ggml's faster kernels,
+                        as llama.cpp does; those round apart by batch size)
 )";
 
 bool match_device_flag(args & a, model_params & mp) {
@@ -42,6 +45,8 @@ bool match_device_flag(args & a, model_params & mp) {
         }
     } else if (a.match({"--mmap"})) {
         mp.use_mmap = true;
+    } else if (a.match({"--no-repack"})) {
+        mp.repack = false;
     } else if (a.match({"--list-devices"})) {
         for (const std::string & d : backend_device_list()) std::printf("%s\n", d.c_str());
         std::fflush(stdout);

@@ -514,19 +514,121 @@ void read_family_keys(const kv_reader & kv, const std::string & a, model_hparams
 
 struct model::impl {
     gguf_context_ptr gguf;
-    ggml_context_ptr meta;     // tensor descriptors; data points into buf
-    ggml_context_ptr weights;  // without mmap: the descriptors buf was allocated for
-    ggml_backend_buffer_ptr buf;
+    ggml_context_ptr meta;                  // tensor descriptors; data points into buf
+    std::vector<ggml_context_ptr> weights;  // the descriptors each read-in buffer was allocated for
+    std::vector<ggml_backend_buffer_ptr> bufs;
     void * map = nullptr;
     size_t map_size = 0;
 
     ~impl() {
-        buf.reset();  // the buffer may point into the mapping: free it first
+        bufs.clear();  // a buffer may point into the mapping: free them first
         if (map) munmap(map, map_size);
     }
 };
 
 model::~model() = default;
+
+namespace {
+
+// the matrices of a model with the op each feeds (the token table is looked
+// up by row, also where the output shares it, so it is not among them)
+std::vector<std::pair<ggml_tensor *, ggml_op>> matrix_weights(const model & m) {
+    std::vector<std::pair<ggml_tensor *, ggml_op>> out;
+    if (!m.hparams().tied_output) out.emplace_back(m.output, GGML_OP_MUL_MAT);
+    for (const model_layer & L : m.layers) {
+        for (ggml_tensor * t : {L.wq, L.wk, L.wv, L.wqkv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down, L.ffn_gate_inp})
+            if (t) out.emplace_back(t, GGML_OP_MUL_MAT);
+        for (ggml_tensor * t : {L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps})
+            if (t) out.emplace_back(t, GGML_OP_MUL_MAT_ID);
+    }
+    return out;
+}
+
+// the first of the CPU's extra buffer types (its repacked layouts) whose
+// kernels run op on weight w, asked as libllama asks: the op on a batch of
+// 512 with w in a buffer of that type; nullptr: none, w stays plain
+ggml_backend_buffer_type_t repack_buft_for(ggml_backend_dev_t dev, ggml_tensor * w, ggml_op op,
+                                           const model_hparams & hp) {
+    using get_extra_fn = ggml_backend_buffer_type_t * (*) (ggml_backend_dev_t);
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+    auto get_extra = (get_extra_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
+    if (!get_extra || w->buffer) return nullptr;
+    for (ggml_backend_buffer_type_t * b = get_extra(dev); b && *b; ++b) {
+        ggml_init_params ip = {ggml_tensor_overhead() * 8, nullptr, /*no_alloc =*/true};
+        ggml_context_ptr ctx(ggml_init(ip));
+        ggml_tensor * x = nullptr;
+        if (op == GGML_OP_MUL_MAT_ID) {
+            const int64_t n_used = hp.n_expert_used;
+            ggml_tensor * in = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, w->ne[0], n_used, 512);
+            ggml_tensor * ids = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, n_used, 512);
+            x = ggml_mul_mat_id(ctx.get(), w, in, ids);
+        } else {
+            x = ggml_mul_mat(ctx.get(), w, ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F32, w->ne[0], 512));
+        }
+        w->buffer = ggml_backend_buft_alloc_buffer(*b, 0);  // only its type is asked about
+        const bool ok = w->buffer && ggml_backend_dev_supports_op(dev, x);
+        if (w->buffer) ggml_backend_buffer_free(w->buffer);
+        w->buffer = nullptr;
+        if (ok) return *b;
+    }
+    return nullptr;
+}
+
+struct weight_source {
+    int fd;
+    const gguf_context * g;
+    size_t data_offset;
+    const std::string & path;
+};
+
+// tensors (descriptors of the meta context) into one new buffer of type
+// buft, their bytes read from the file; a buffer that is not host memory
+// (a GPU's, a repacked layout) converts them as they are set
+struct weight_buffers {
+    std::vector<ggml_context_ptr> & ctxs;
+    std::vector<ggml_backend_buffer_ptr> & bufs;
+};
+
+void place_weights(const weight_buffers & out, ggml_backend_buffer_type_t buft,
+                   const std::vector<ggml_tensor *> & tensors, const weight_source & src) {
+    ggml_init_params ip = {ggml_tensor_overhead() * (tensors.size() + 1), nullptr, /*no_alloc =*/true};
+    ggml_context_ptr wctx(ggml_init(ip));
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> pairs;  // (meta, weight)
+    size_t bytes = 0;
+    for (ggml_tensor * t : tensors) {
+        ggml_tensor * w = ggml_dup_tensor(wctx.get(), t);
+        ggml_set_name(w, t->name);
+        pairs.emplace_back(t, w);
+        bytes += ggml_nbytes(t);
+    }
+    ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors_from_buft(wctx.get(), buft));
+    if (!buf)
+        throw error("cannot allocate " + std::to_string(bytes >> 20) + " MiB (" + ggml_backend_buft_name(buft) +
+                    ") for the weights of '" + src.path + "'");
+    ggml_backend_buffer_set_usage(buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    const bool host = ggml_backend_buffer_is_host(buf.get());
+    std::vector<char> tmp;
+    for (auto & [t, w] : pairs) {
+        const int64_t id = gguf_find_tensor(src.g, t->name);
+        const size_t nb = ggml_nbytes(t);
+        char * dst = host ? (char *) w->data : (tmp.resize(nb), tmp.data());
+        for (size_t done = 0; done < nb;) {
+            const ssize_t r = pread(src.fd, dst + done, nb - done,
+                                    (off_t) (src.data_offset + gguf_get_tensor_offset(src.g, id) + done));
+            if (r <= 0) throw error("'" + src.path + "': read error in tensor '" + t->name + "'");
+            done += (size_t) r;
+        }
+        if (!host) ggml_backend_tensor_set(w, dst, 0, nb);
+        // the model's pointers are the meta descriptors: point them at the data
+        t->buffer = w->buffer;
+        t->data = w->data;
+        t->extra = w->extra;  // a repacked layout's kernel table
+    }
+    out.ctxs.push_back(std::move(wctx));
+    out.bufs.push_back(std::move(buf));
+}
+
+}  // namespace
 
 std::shared_ptr<const model> model::at_context(std::shared_ptr<const model> m, int64_t n_ctx) {
     if (!m->rope_short && !m->rope_long) return m;
@@ -825,61 +927,50 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     ggml_backend_dev_t gpu = m->on_gpu() ? m->device_ : nullptr;
     check_weight_ops(*m, m->device_, kv);
 
+    // matrices the CPU runs faster in a repacked layout get buffers of that
+    // layout; the others are mapped (--mmap) or read into one plain buffer
+    std::vector<std::pair<ggml_backend_buffer_type_t, std::vector<ggml_tensor *>>> packed;
+    std::vector<ggml_tensor *> plain;
+    {
+        const std::vector<std::pair<ggml_tensor *, ggml_op>> mats =
+            !gpu && params.repack ? matrix_weights(*m) : std::vector<std::pair<ggml_tensor *, ggml_op>>{};
+        for (ggml_tensor * t : used) {
+            if (std::find(plain.begin(), plain.end(), t) != plain.end()) continue;
+            ggml_backend_buffer_type_t buft = nullptr;
+            for (const auto & [w, op] : mats)
+                if (w == t) buft = repack_buft_for(m->device_, t, op, hp);
+            if (!buft) {
+                plain.push_back(t);
+                continue;
+            }
+            auto at = std::find_if(packed.begin(), packed.end(), [&](const auto & p) { return p.first == buft; });
+            if (at == packed.end()) at = packed.insert(packed.end(), {buft, {}});
+            if (std::find(at->second.begin(), at->second.end(), t) == at->second.end()) at->second.push_back(t);
+        }
+    }
+    const weight_source src{f.fd, g, data_offset, path};
+    const weight_buffers out{im.weights, im.bufs};
+    for (const auto & [buft, tensors] : packed) place_weights(out, buft, tensors, src);
+
     const bool can_map = !gpu && params.use_mmap && (data_offset % 32) == 0;
-    if (can_map) {
+    bool mapped = false;
+    if (can_map && !plain.empty()) {
         im.map = mmap(nullptr, file_size, PROT_READ, MAP_SHARED, f.fd, 0);
         if (im.map == MAP_FAILED) {
             im.map = nullptr;
         } else {
             im.map_size = file_size;
             char * base = (char *) im.map + data_offset;
-            im.buf.reset(ggml_backend_cpu_buffer_from_ptr(base, file_size - data_offset));
-            for (ggml_tensor * t : used) {
+            im.bufs.emplace_back(ggml_backend_cpu_buffer_from_ptr(base, file_size - data_offset));
+            for (ggml_tensor * t : plain) {
                 const int64_t id = gguf_find_tensor(g, t->name);
-                if (t->data == nullptr)
-                    ggml_backend_tensor_alloc(im.buf.get(), t, base + gguf_get_tensor_offset(g, id));
+                ggml_backend_tensor_alloc(im.bufs.back().get(), t, base + gguf_get_tensor_offset(g, id));
             }
+            mapped = true;
         }
     }
-    if (!im.buf) {
-        ggml_backend_buffer_type_t buft = gpu ? ggml_backend_dev_buffer_type(gpu) : ggml_backend_cpu_buffer_type();
-        // allocate only what we use: move used tensors into their own context
-        ggml_init_params ip = {ggml_tensor_overhead() * (used.size() + 1), nullptr, true};
-        ggml_context_ptr wctx(ggml_init(ip));
-        std::vector<std::pair<ggml_tensor *, ggml_tensor *>> pairs;  // (meta, weight)
-        for (ggml_tensor * t : used) {
-            bool seen = false;
-            for (auto & p : pairs) seen = seen || p.first == t;
-            if (seen) continue;
-            ggml_tensor * w = ggml_dup_tensor(wctx.get(), t);
-            ggml_set_name(w, t->name);
-            pairs.emplace_back(t, w);
-        }
-        im.buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(wctx.get(), buft));
-        if (!im.buf)
-            throw error("cannot allocate " + std::to_string(file_size >> 20) + " MiB for the weights of '" + path +
-                        "'");
-        ggml_backend_buffer_set_usage(im.buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-        std::vector<char> tmp;
-        for (auto & [t, w] : pairs) {
-            const int64_t id = gguf_find_tensor(g, t->name);
-            const size_t nb = ggml_nbytes(t);
-            const bool host = ggml_backend_buffer_is_host(im.buf.get());
-            char * dst = host ? (char *) w->data : (tmp.resize(nb), tmp.data());
-            size_t done = 0;
-            while (done < nb) {
-                const ssize_t r =
-                    pread(f.fd, dst + done, nb - done, (off_t) (data_offset + gguf_get_tensor_offset(g, id) + done));
-                if (r <= 0) throw error("'" + path + "': read error in tensor '" + t->name + "'");
-                done += (size_t) r;
-            }
-            if (!host) ggml_backend_tensor_set(w, dst, 0, nb);
-            // the model's pointers are the meta descriptors: point them at the data
-            t->buffer = w->buffer;
-            t->data = w->data;
-        }
-        im.weights = std::move(wctx);
-    }
+    if (!mapped && !plain.empty())
+        place_weights(out, gpu ? ggml_backend_dev_buffer_type(gpu) : ggml_backend_cpu_buffer_type(), plain, src);
     for (ggml_tensor * t : used) m->weights_bytes_ += ggml_nbytes(t);
 
     // --- fingerprint ----------------------------------------------------------

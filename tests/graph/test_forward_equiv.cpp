@@ -196,8 +196,9 @@ TEST_P(forward_equiv, f16_cache_close_to_libllama_f16_cache) {
     const std::vector<float> ours = eng.eval(prompt, true);
     ref::llama_ref_params rp;
     rp.n_ctx = 128;
-    rp.extra_bufts = false;
-    ref::llama_ref lr(c.path, rp);  // f16 KV, flash attention, as llama.cpp runs by default
+    // f16 KV, flash attention and q4_0 repacked for ggml's faster kernels, as
+    // llama.cpp runs by default and so do we
+    ref::llama_ref lr(c.path, rp);
     const std::vector<float> theirs = lr.eval(prompt, true);
     const logit_diff d = compare(ours, theirs);
     std::printf("[ %s ] f16 KV: relative %.3g\n", c.name.c_str(), d.rel());
@@ -442,9 +443,36 @@ TEST(forward_equiv_gemma4, shared_layers_run_only_the_logit_rows_and_every_part_
     }
 }
 
+// weights mapped from the file or read into memory, repacked or not: a mapped
+// model keeps its repacked matrices in memory of their own and maps the rest,
+// and each layout gives the same bits whichever way its bytes arrived
+TEST(forward_equiv_layouts, mapped_or_read_repacked_or_plain_weights_give_the_layouts_logits) {
+    const std::string path = test::make_test_model("tiny-qwen3", GGML_TYPE_Q4_0);
+    auto logits = [&](bool mmap, bool repack) {
+        model_params mp;
+        mp.use_mmap = mmap;
+        mp.repack = repack;
+        auto m = model::load(path, mp);
+        engine_params ep;
+        ep.n_ctx = 128;
+        engine eng(m, ep);
+        return eng.eval(prompt_for(*m, false, 40), true);
+    };
+    const std::vector<float> packed = logits(false, true), plain = logits(false, false);
+    EXPECT_EQ(logits(true, true), packed);
+    EXPECT_EQ(logits(true, false), plain);
+    // the layouts' kernels sum apart, as q4_0's plain kernels do between batch
+    // shapes (the micro-batch bound above): 1.9e-2 here, no further
+    const logit_diff d = compare(packed, plain);
+    std::printf("[ tiny-qwen3:q4_0 ] repacked vs plain: relative %.3g\n", d.rel());
+    EXPECT_GT(d.max_abs_diff, 0.0);
+    EXPECT_LE(d.rel(), 5e-2);
+}
+
 // more weight types on a shape whose rows fill k-quant blocks (256 wide):
 // same attention kernels as libllama (f16 KV, flash attention), so logits must
-// agree to rounding, and the greedy continuation must be identical
+// agree to rounding, and the greedy continuation must be identical; q4_k in
+// both layouts, repacked at load (the default of both) and as the file has it
 TEST(forward_equiv_types, kquants_and_bf16_match_libllama) {
     model_spec spec;
     spec.arch = MODEL_ARCH_LLAMA;
@@ -454,14 +482,18 @@ TEST(forward_equiv_types, kquants_and_bf16_match_libllama) {
     spec.n_head_kv = 2;
     spec.head_dim = 64;
     spec.n_ff = 512;
-    for (const char * tname : {"bf16", "q4_k", "q6_k"}) {
+    for (const std::string name : {"bf16", "q4_k", "q4_k:plain", "q6_k"}) {
+        const bool repack = name.find(":plain") == std::string::npos;
+        const std::string tname = name.substr(0, name.find(':'));
         make_model_params mp;
         mp.wtype = parse_weight_type(tname);
         mp.vocab_from = test::vocab_path("llama-spm");
-        const std::string path = test::process_dir().file(std::string("wide-") + tname + ".gguf");
+        const std::string path = test::process_dir().file("wide-" + tname + ".gguf");
         make_model(spec, mp, path);
 
-        auto m = model::load(path);
+        model_params lp;
+        lp.repack = repack;
+        auto m = model::load(path, lp);
         const std::vector<llama_token> prompt = prompt_for(*m, false, 64);
         engine_params ep;
         ep.n_ctx = 128;
@@ -469,20 +501,20 @@ TEST(forward_equiv_types, kquants_and_bf16_match_libllama) {
         const std::vector<float> ours = eng.eval(prompt, true);
         ref::llama_ref_params rp;
         rp.n_ctx = 128;
-        rp.extra_bufts = false;
+        rp.extra_bufts = repack;
         ref::llama_ref lr(path, rp);
         const std::vector<float> theirs = lr.eval(prompt, true);
         const logit_diff d = compare(ours, theirs);
-        std::printf("[ wide:%s ] f16 KV: relative %.3g\n", tname, d.rel());
-        EXPECT_LE(d.rel(), 1e-6) << tname;
+        std::printf("[ wide:%s ] f16 KV: relative %.3g\n", name.c_str(), d.rel());
+        EXPECT_LE(d.rel(), 1e-6) << name;
 
         sampler_params greedy;
         greedy.temp = 0;
         const int64_t nv = m->hparams().n_vocab;
         const generate_result gen = eng.generate_from(std::vector<float>(ours.end() - nv, ours.end()), 16, greedy);
         const std::vector<llama_token> ref_toks = lr.greedy(std::vector<float>(theirs.end() - nv, theirs.end()), 16);
-        ASSERT_FALSE(gen.tokens.empty()) << tname;
-        for (size_t i = 0; i < gen.tokens.size(); ++i) EXPECT_EQ(gen.tokens[i], ref_toks[i]) << tname << " token " << i;
+        ASSERT_FALSE(gen.tokens.empty()) << name;
+        for (size_t i = 0; i < gen.tokens.size(); ++i) EXPECT_EQ(gen.tokens[i], ref_toks[i]) << name << " token " << i;
     }
 }
 
