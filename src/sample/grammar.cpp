@@ -2,6 +2,7 @@
 // (common/json-schema-to-grammar.cpp, compiled as kvblend_schema; the helpers
 // of common.cpp it calls are in src/util/llama_common.cpp).
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -224,6 +225,114 @@ int64_t longest_leading_chain(const llama_grammar_rules & rules) {
     return longest;
 }
 
+// the rules that can match nothing, through other rules too (a fixpoint)
+std::vector<char> nullable_rules(const llama_grammar_rules & rules) {
+    const size_t n = rules.size();
+    std::vector<char> empty(n, 0);
+    for (bool grew = true; grew;) {
+        grew = false;
+        for (size_t r = 0; r < n; ++r) {
+            if (empty[r]) continue;
+            bool all_empty = true;  // so far in this alternative
+            for (const llama_grammar_element & e : rules[r]) {
+                if (e.type == LLAMA_GRETYPE_ALT || e.type == LLAMA_GRETYPE_END) {
+                    if (all_empty) {
+                        empty[r] = 1;
+                        grew = true;
+                        break;
+                    }
+                    if (e.type == LLAMA_GRETYPE_END) break;
+                    all_empty = true;
+                } else {
+                    all_empty = all_empty && e.type == LLAMA_GRETYPE_RULE_REF && e.value < n && empty[e.value];
+                }
+            }
+        }
+    }
+    return empty;
+}
+
+// libllama expands the rule at the top of a parse stack into each of its
+// alternatives, and drops a stack it has seen: a rule that can begin with
+// itself (after rules that match nothing) comes back to the same stack when
+// every step of the cycle is the last element of its alternative, and ends;
+// when one step leaves an element behind, each turn of the cycle grows the
+// stack, and sampling never returns (one request held a slot forever). such
+// a cycle is refused; the ones that end ("(x? y)+") are not
+void check_no_growing_left_cycle(const llama_grammar_rules & rules, const std::map<std::string, uint32_t> & ids) {
+    const size_t n = rules.size();
+    const std::vector<char> empty = nullable_rules(rules);
+    struct edge {
+        uint32_t to;
+        bool leaves_rest;  // elements follow the reference in its alternative
+    };
+    std::vector<std::vector<edge>> next(n);  // r -> the rules an alternative of r can begin with
+    for (size_t r = 0; r < n; ++r) {
+        const std::vector<llama_grammar_element> & els = rules[r];
+        bool leading = true;
+        for (size_t i = 0; i < els.size() && els[i].type != LLAMA_GRETYPE_END; ++i) {
+            const llama_grammar_element & e = els[i];
+            if (e.type == LLAMA_GRETYPE_ALT) {
+                leading = true;
+            } else if (leading && e.type == LLAMA_GRETYPE_RULE_REF && e.value < n) {
+                const bool last = els[i + 1].type == LLAMA_GRETYPE_ALT || els[i + 1].type == LLAMA_GRETYPE_END;
+                next[r].push_back({e.value, !last});
+                leading = empty[e.value];
+            } else {
+                leading = false;
+            }
+        }
+    }
+    // strongly connected components (Tarjan's, with an explicit stack)
+    std::vector<int64_t> index(n, -1), low(n, 0), comp(n, -1);
+    std::vector<uint32_t> open;  // visited, not yet in a component
+    std::vector<char> on_open(n, 0);
+    int64_t counter = 0, n_comp = 0;
+    for (size_t root = 0; root < n; ++root) {
+        if (index[root] >= 0) continue;
+        std::vector<std::pair<uint32_t, size_t>> walk = {{(uint32_t) root, 0}};  // (rule, next edge to follow)
+        index[root] = low[root] = counter++;
+        open.push_back((uint32_t) root);
+        on_open[root] = 1;
+        while (!walk.empty()) {
+            auto & [r, at] = walk.back();
+            if (at < next[r].size()) {
+                const uint32_t b = next[r][at++].to;
+                if (index[b] < 0) {
+                    index[b] = low[b] = counter++;
+                    open.push_back(b);
+                    on_open[b] = 1;
+                    walk.push_back({b, 0});
+                } else if (on_open[b]) {
+                    low[r] = std::min(low[r], index[b]);
+                }
+                continue;
+            }
+            const uint32_t done = r;
+            walk.pop_back();
+            if (!walk.empty()) low[walk.back().first] = std::min(low[walk.back().first], low[done]);
+            if (low[done] == index[done]) {
+                for (uint32_t x = UINT32_MAX; x != done;) {
+                    x = open.back();
+                    open.pop_back();
+                    on_open[x] = 0;
+                    comp[x] = n_comp;
+                }
+                ++n_comp;
+            }
+        }
+    }
+    for (size_t r = 0; r < n; ++r)
+        for (const edge & e : next[r]) {
+            if (comp[e.to] != comp[r] || !e.leaves_rest) continue;
+            std::string name = "?";
+            for (const auto & [nm, id] : ids)
+                if (id == r) name = nm;
+            throw error("the grammar is left-recursive: rule '" + bounded(name) +
+                        "' can begin with itself after rules that match nothing");
+        }
+}
+
 // the grammar through libllama's own parser, rule by rule: its parse() prints a
 // failing grammar whole on stderr (megabytes into a server's log), so the
 // sampler only ever sees one that parses. parse() skips space and comments, reads
@@ -247,6 +356,7 @@ void parse_quietly(const llama_vocab * vocab, const std::string & grammar) {
         if (id >= parser.rules.size() || parser.rules[id].empty())
             throw error("the grammar is not valid GBNF: rule '" + bounded(name) + "' is used but not defined");
     if (!parser.symbol_ids.count("root")) throw error("the grammar has no 'root' rule");
+    check_no_growing_left_cycle(parser.rules, parser.symbol_ids);
     const int64_t chain = longest_leading_chain(parser.rules);
     if (chain > k_max_grammar_chain)
         throw error("the grammar has a chain of " + std::to_string(chain) +

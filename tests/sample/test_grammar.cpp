@@ -171,6 +171,10 @@ TEST(grammar, deep_groups_and_long_rule_chains_are_refused_before_libllama_walks
         {chain(100000, false), "a chain of 100002 rules"},
         {chain(100000, true), "a chain of"},  // each rule begins with the next after one that matches nothing
         {"root ::= n root \"a\" | \"a\"\nn ::= \"b\" | \n", "left-recursive"},
+        // the same through a rule that matches nothing only through another one:
+        // libllama's own check misses it, and sampling under it never returned
+        {"root ::= n root \"a\" | \"a\"\nn ::= \"b\"?\n", "rule 'root' can begin with itself"},
+        {"root ::= x \"!\"\nx ::= (\"b\"?) y \"c\" | \"d\"\ny ::= (\"e\"?) x\n", "left-recursive"},
     };
     for (const auto & [g, why] : refused) {
         try {
