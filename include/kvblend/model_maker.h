@@ -82,9 +82,10 @@ struct model_spec {
     int64_t n_embd_per_layer = 0;
     bool double_wide_mlp = false;
     bool layer_out_scale = false;
-    // qwen3moe: n_expert experts n_ff_exp wide, n_expert_used of them per
-    // token (expert_count, expert_used_count, expert_feed_forward_length)
-    // in place of the dense FFN; n_ff is still written as feed_forward_length
+    // qwen3moe, and llama as Mixtral: n_expert experts n_ff_exp wide (llama:
+    // n_ff), n_expert_used of them per token (expert_count, expert_used_count,
+    // qwen3moe's expert_feed_forward_length) in place of the dense FFN; n_ff is
+    // still written as feed_forward_length
     int64_t n_expert = 0;
     int64_t n_expert_used = 0;
     int64_t n_ff_exp = 0;
@@ -92,9 +93,9 @@ struct model_spec {
 
 // named real shapes: tiny (small llama), tiny-qwen2, tiny-qwen3,
 // tiny-mistral3, tiny-granite, tiny-olmo2, tiny-smollm3, tiny-phi3,
-// tiny-phi3-longrope, tiny-gemma3, tiny-mistral3-yarn, tiny-gemma4, tiny-qwen3moe, qwen3-0.6b, qwen2-0.5b, llama-1b,
-// llama-8b, ministral-3-3b, granite-3.3-2b, olmo2-1b, smollm3-3b, phi-4-mini, gemma3-1b, gemma3-4b, gemma4-e2b,
-// qwen3-30b-a3b. throws kvblend::error for an unknown name.
+// tiny-phi3-longrope, tiny-gemma3, tiny-mistral3-yarn, tiny-gemma4, tiny-qwen3moe, tiny-mixtral, qwen3-0.6b,
+// qwen2-0.5b, llama-1b, llama-8b, ministral-3-3b, granite-3.3-2b, olmo2-1b, smollm3-3b, phi-4-mini, gemma3-1b,
+// gemma3-4b, gemma4-e2b, qwen3-30b-a3b. throws kvblend::error for an unknown name.
 model_spec model_spec_preset(const std::string & name);
 std::vector<std::string> model_spec_preset_names();
 // the vocab GGUF of the pinned llama.cpp (models/ggml-vocab-NAME.gguf) that

@@ -489,7 +489,13 @@ void read_expert_keys(const kv_reader & kv, const std::string & a, model_hparams
     hp.n_expert_used = kv.dim(a + "expert_used_count", 0, true, 1, hp.n_expert);
     if (kv.integer(a + "expert_group_count", 0, false) > 1)
         kv.fail("expert groups (" + a + "expert_group_count) are not supported");
-    // libllama's default: the dense width shared among the experts a token uses
+    // llama's experts (Mixtral) are feed_forward_length wide, as libllama reads
+    // them; qwen3moe's have a width of their own, or by default the dense width
+    // shared among the experts a token uses
+    if (hp.arch == MODEL_ARCH_LLAMA) {
+        hp.n_ff_exp = hp.n_ff;
+        return;
+    }
     const int64_t def = hp.n_ff / hp.n_expert_used;
     hp.n_ff_exp = kv.dim(a + "expert_feed_forward_length", def, def == 0);
 }
@@ -714,11 +720,14 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     }
 
     const std::string a = hp.arch_name + ".";
-    const bool moe = hp.arch == MODEL_ARCH_QWEN3MOE;
     const int64_t n_expert = kv.integer(a + "expert_count", 0, false);
+    // qwen3moe always routes its FFN; llama does when the file has experts (Mixtral)
+    const bool moe = hp.arch == MODEL_ARCH_QWEN3MOE || (hp.arch == MODEL_ARCH_LLAMA && n_expert > 0);
     if (n_expert > 0 && !moe)
         kv.fail("mixture-of-experts models of architecture '" + hp.arch_name + "' are not supported (" + a +
-                "expert_count = " + std::to_string(n_expert) + "; supported: qwen3moe)");
+                "expert_count = " + std::to_string(n_expert) +
+                "; supported: qwen3moe, and llama's as Mixtral has them)");
+    const bool own_expert_width = hp.arch == MODEL_ARCH_QWEN3MOE;
 
     // bounded before anything is sized by them: each dimension fits an int32 (so
     // products of two fit an int64) and every layer needs tensors the file has
@@ -730,7 +739,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     // gemma4's FFN widths may vary per layer (read_gemma4_keys): n_ff is the first layer's
     // a mixture of experts reads its experts' width instead (read_expert_keys)
     hp.n_ff = gemma4 ? kv.per_layer(a + "feed_forward_length", hp.n_layer, true)[0]
-                     : kv.dim(a + "feed_forward_length", 0, !moe, moe ? 0 : 1);
+                     : kv.dim(a + "feed_forward_length", 0, !own_expert_width, own_expert_width ? 0 : 1);
     hp.n_head = kv.dim(a + "attention.head_count", 0, true);
     hp.n_head_kv = kv.dim(a + "attention.head_count_kv", hp.n_head, false);
     const int64_t swa = kv.integer(a + "attention.sliding_window", 0, false);
@@ -743,7 +752,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     auto inconsistent = [&](const std::string & why) { kv.fail("inconsistent hyper-parameters: " + why); };
     if (hp.n_layer <= 0) inconsistent("block_count must be positive, got " + std::to_string(hp.n_layer));
     if (hp.n_embd <= 0) inconsistent("embedding_length must be positive, got " + std::to_string(hp.n_embd));
-    if (hp.n_ff <= 0 && !moe) inconsistent("feed_forward_length must be positive, got " + std::to_string(hp.n_ff));
+    if (hp.n_ff <= 0 && !own_expert_width)
+        inconsistent("feed_forward_length must be positive, got " + std::to_string(hp.n_ff));
     if (moe) read_expert_keys(kv, a, hp);
     if (hp.n_ctx_train <= 0) inconsistent("context_length must be positive, got " + std::to_string(hp.n_ctx_train));
     if (hp.n_head <= 0 || hp.n_head_kv <= 0) inconsistent("attention head counts must be positive");

@@ -165,6 +165,9 @@ const std::vector<preset> & presets() {
         // 8 experts of 64, 2 per token: every expert is used by a 72-token prompt
         {"tiny-qwen3moe",
          experts(spec_of(MODEL_ARCH_QWEN3MOE, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-6f, true), 8, 2, 64), "qwen2"},
+        // Mixtral's layout in small: llama's block, 4 experts of 128, 2 per token
+        {"tiny-mixtral", experts(spec_of(MODEL_ARCH_LLAMA, 3, 128, 4, 2, 32, 128, 2048, 1e6f, 1e-5f, false), 4, 2, 128),
+         "llama-spm"},
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
         {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true), "qwen2"},
         {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true), "llama-bpe"},
@@ -210,6 +213,10 @@ const std::vector<preset> & presets() {
              windowed(spec_of(MODEL_ARCH_GEMMA4, 35, 1536, 8, 1, 512, 6144, 131072, 1e6f, 1e-6f, true), 512, 5, 1e4f),
              256, 256, 0.25f, 20, 256, 30.0f),
          "gemma-4"},
+        // mixtral 8x7b: llama's block with 8 experts of 14336, 2 per token
+        {"mixtral-8x7b",
+         experts(spec_of(MODEL_ARCH_LLAMA, 32, 4096, 32, 8, 128, 14336, 32768, 1e6f, 1e-5f, false), 8, 2, 14336),
+         "llama-spm"},
         // qwen3 30b-a3b: 128 experts of 768, 8 per token (3.3B of 30.5B weights
         // active), untied output, the 40960-token context of its first release
         {"qwen3-30b-a3b",
@@ -509,11 +516,14 @@ void check_spec(const model_spec & s) {
         bad("windowed head sizes, proportional RoPE, shared K/V layers, per-layer embeddings, double-wide FFNs "
             "and layer output scales are gemma4's");
     if (gemma4) check_gemma4(s, bad);
-    const bool moe = s.arch == MODEL_ARCH_QWEN3MOE;
-    if (moe != (s.n_expert > 0)) bad("experts are qwen3moe's, and qwen3moe needs them (n_expert > 0)");
+    const bool qwen3moe = s.arch == MODEL_ARCH_QWEN3MOE, moe = s.n_expert > 0;
+    if (qwen3moe != moe && s.arch != MODEL_ARCH_LLAMA)
+        bad("experts are qwen3moe's and llama's (Mixtral), and qwen3moe needs them (n_expert > 0)");
     if (moe && (s.n_expert > 1024 || s.n_expert_used < 1 || s.n_expert_used > s.n_expert || s.n_ff_exp < 1))
         bad("experts: 1 <= n_expert_used <= n_expert <= 1024 and n_ff_exp >= 1");
-    if (moe && s.out_biases) bad("libllama's qwen3moe loader reads no output or FFN biases");
+    if (moe && s.arch == MODEL_ARCH_LLAMA && s.n_ff_exp != s.n_ff)
+        bad("llama's experts are feed_forward_length wide: n_ff_exp must equal n_ff");
+    if (moe && s.out_biases) bad("libllama's loaders read no output or FFN biases beside experts");
 }
 
 // --- output file --------------------------------------------------------------
@@ -725,7 +735,8 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     if (spec.n_expert > 0) {
         gguf_set_val_u32(g, key("expert_count").c_str(), uint32_t(spec.n_expert));
         gguf_set_val_u32(g, key("expert_used_count").c_str(), uint32_t(spec.n_expert_used));
-        gguf_set_val_u32(g, key("expert_feed_forward_length").c_str(), uint32_t(spec.n_ff_exp));
+        if (spec.arch == MODEL_ARCH_QWEN3MOE)  // llama's experts are feed_forward_length wide
+            gguf_set_val_u32(g, key("expert_feed_forward_length").c_str(), uint32_t(spec.n_ff_exp));
     }
     if (gemma4) {  // the keys its converter writes (libllama requires the lengths and the per-layer width)
         const int64_t hd_swa = spec.head_dim_swa > 0 ? spec.head_dim_swa : spec.head_dim;

@@ -938,7 +938,7 @@ TEST_P(blend_family, a_document_collected_where_it_is_placed_needs_no_recomputat
 INSTANTIATE_TEST_SUITE_P(families, blend_family,
                          ::testing::Values("tiny-qwen3", "tiny-mistral3", "tiny-granite", "tiny-olmo2", "tiny-smollm3",
                                            "tiny-phi3", "tiny-phi3-longrope", "tiny-mistral3-yarn", "tiny-gemma3",
-                                           "tiny-gemma4", "tiny-qwen3moe"),
+                                           "tiny-gemma4", "tiny-qwen3moe", "tiny-mixtral"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace(n.begin(), n.end(), '-', '_');

@@ -91,7 +91,7 @@ TEST_P(eval_seqs_test, each_sequence_gets_its_logits_alone_while_others_prefill_
 INSTANTIATE_TEST_SUITE_P(models, eval_seqs_test,
                          ::testing::Values("tiny", "tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-smollm3",
                                            "tiny-phi3", "tiny-phi3-longrope", "tiny-mistral3-yarn", "tiny-gemma3",
-                                           "tiny-gemma4", "tiny-qwen3moe"),
+                                           "tiny-gemma4", "tiny-qwen3moe", "tiny-mixtral"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace(n.begin(), n.end(), '-', '_');

@@ -211,7 +211,7 @@ INSTANTIATE_TEST_SUITE_P(models, forward_equiv,
                                            "tiny-qwen3:q4_0", "tiny-mistral3", "tiny-granite", "tiny-olmo2",
                                            "tiny-smollm3", "tiny-phi3", "tiny-phi3:q8_0", "tiny-phi3-longrope",
                                            "tiny-mistral3-yarn", "tiny-gemma3", "tiny-gemma3:q8_0", "tiny-gemma4",
-                                           "tiny-gemma4:q8_0", "tiny-qwen3moe", "tiny-qwen3moe:q8_0"),
+                                           "tiny-gemma4:q8_0", "tiny-qwen3moe", "tiny-qwen3moe:q8_0", "tiny-mixtral"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace_if(

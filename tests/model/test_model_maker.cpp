@@ -68,7 +68,7 @@ void expect_tensor(const gguf_context * g, const std::string & name, ggml_type t
 
 TEST(model_maker, presets_have_real_shapes) {
     const auto names = model_spec_preset_names();
-    EXPECT_EQ(names.size(), 26u);
+    EXPECT_EQ(names.size(), 28u);
 
     const model_spec q3 = model_spec_preset("qwen3-0.6b");
     EXPECT_EQ(q3.arch, MODEL_ARCH_QWEN3);
@@ -201,6 +201,17 @@ TEST(model_maker, presets_have_real_shapes) {
     EXPECT_EQ(a3b.n_ff_exp, 768);
     EXPECT_TRUE(a3b.qk_norm && !a3b.tied_output);
     EXPECT_EQ(model_spec_preset_vocab("qwen3-30b-a3b"), "qwen2");
+
+    // mixtral 8x7b: llama's block, 8 experts as wide as its feed_forward_length, 2 per token
+    const model_spec mx = model_spec_preset("mixtral-8x7b");
+    EXPECT_EQ(mx.arch, MODEL_ARCH_LLAMA);
+    EXPECT_EQ(mx.n_layer, 32);
+    EXPECT_EQ(mx.n_embd, 4096);
+    EXPECT_EQ(mx.n_head_kv, 8);
+    EXPECT_EQ(mx.n_expert, 8);
+    EXPECT_EQ(mx.n_expert_used, 2);
+    EXPECT_EQ(mx.n_ff_exp, mx.n_ff);
+    EXPECT_EQ(mx.n_ff, 14336);
 }
 
 TEST(model_maker_moe, keys_and_expert_tensors) {
