@@ -124,7 +124,7 @@ struct model_hparams {
     bool rope_freqs_global_only = false;
     std::vector<int64_t> n_ff_layers;  // FFN width per layer where the file gives an array; empty: n_ff
 
-    // a mixture of experts (qwen3moe): each token's FFN is the weighted sum of
+    // a mixture of experts (qwen3moe, llama as Mixtral): each token's FFN is the weighted sum of
     // n_expert_used of n_expert experts, each n_ff_exp wide, chosen by a
     // softmax router whose top weights are renormalized to sum to 1. 0: dense
     int64_t n_expert = 0;
@@ -186,7 +186,7 @@ struct model_layer {
     ggml_tensor * ffn_gate_b = nullptr;      // [n_ff]       optional
     ggml_tensor * ffn_up_b = nullptr;        // [n_ff], [2 n_ff] with a fused ffn_up; optional
     ggml_tensor * ffn_down_b = nullptr;      // [n_embd]     optional
-    // a mixture of experts in place of ffn_gate/up/down (qwen3moe)
+    // a mixture of experts in place of ffn_gate/up/down (qwen3moe, Mixtral)
     ggml_tensor * ffn_gate_inp = nullptr;   // [n_embd, n_expert]  the router
     ggml_tensor * ffn_gate_exps = nullptr;  // [n_embd, n_ff_exp, n_expert]
     ggml_tensor * ffn_up_exps = nullptr;    // [n_embd, n_ff_exp, n_expert]

@@ -95,7 +95,7 @@ struct model_spec {
 // tiny-mistral3, tiny-granite, tiny-olmo2, tiny-smollm3, tiny-phi3,
 // tiny-phi3-longrope, tiny-gemma3, tiny-mistral3-yarn, tiny-gemma4, tiny-qwen3moe, tiny-mixtral, qwen3-0.6b,
 // qwen2-0.5b, llama-1b, llama-8b, ministral-3-3b, granite-3.3-2b, olmo2-1b, smollm3-3b, phi-4-mini, gemma3-1b,
-// gemma3-4b, gemma4-e2b, qwen3-30b-a3b. throws kvblend::error for an unknown name.
+// gemma3-4b, gemma4-e2b, mixtral-8x7b, qwen3-30b-a3b. throws kvblend::error for an unknown name.
 model_spec model_spec_preset(const std::string & name);
 std::vector<std::string> model_spec_preset_names();
 // the vocab GGUF of the pinned llama.cpp (models/ggml-vocab-NAME.gguf) that

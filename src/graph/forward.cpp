@@ -202,8 +202,8 @@ ggml_tensor * build_attn_out(ggml_context * ctx, const model & m, int il, ggml_t
 
 namespace {
 
-// a routed mixture of experts on x ([n_embd, n_tok]), as libllama's qwen3moe
-// runs it: a softmax over the router's logits, the top n_expert_used experts
+// a routed mixture of experts on x ([n_embd, n_tok]), as libllama runs
+// qwen3moe's and llama's (Mixtral): a softmax over the router's logits, the top n_expert_used experts
 // per token, their weights renormalized to sum to 1, each expert a SwiGLU
 // FFN, the weighted outputs summed in the order the experts were ranked
 ggml_tensor * build_moe_ffn(ggml_context * ctx, const model & m, const model_layer & L, ggml_tensor * x) {

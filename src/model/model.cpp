@@ -385,6 +385,20 @@ void check_tokens(const gguf_context * g, const kv_reader & kv) {
     }
 }
 
+// the matrices of a model with the op each feeds (the token table is looked
+// up by row, also where the output shares it, so it is not among them)
+std::vector<std::pair<ggml_tensor *, ggml_op>> matrix_weights(const model & m) {
+    std::vector<std::pair<ggml_tensor *, ggml_op>> out;
+    if (!m.hparams().tied_output) out.emplace_back(m.output, GGML_OP_MUL_MAT);
+    for (const model_layer & L : m.layers) {
+        for (ggml_tensor * t : {L.wq, L.wk, L.wv, L.wqkv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down, L.ffn_gate_inp})
+            if (t) out.emplace_back(t, GGML_OP_MUL_MAT);
+        for (ggml_tensor * t : {L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps})
+            if (t) out.emplace_back(t, GGML_OP_MUL_MAT_ID);
+    }
+    return out;
+}
+
 void check_weight_ops(const model & m, ggml_backend_dev_t dev, const kv_reader & kv) {
     auto need = [&](const ggml_tensor * t, ggml_op op) {
         if (!t || weight_op_supported(dev, t, op)) return;
@@ -393,11 +407,9 @@ void check_weight_ops(const model & m, ggml_backend_dev_t dev, const kv_reader &
                 (op == GGML_OP_MUL_MAT ? "in a matrix product" : "as an embedding table"));
     };
     need(m.tok_embd, GGML_OP_GET_ROWS);
-    need(m.output, GGML_OP_MUL_MAT);
-    for (const model_layer & L : m.layers)
-        for (const ggml_tensor * t : {L.wq, L.wk, L.wv, L.wqkv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down, L.ffn_gate_inp,
-                                      L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps})
-            need(t, GGML_OP_MUL_MAT);
+    need(m.output, GGML_OP_MUL_MAT);  // the token table too, where the output shares it
+    // the experts' products run the same dot-product kernels as a plain one
+    for (const auto & [t, op] : matrix_weights(m)) need(t, GGML_OP_MUL_MAT);
 }
 
 // a tensor the forward would not read is refused, never ignored: an output
@@ -535,20 +547,6 @@ struct model::impl {
 model::~model() = default;
 
 namespace {
-
-// the matrices of a model with the op each feeds (the token table is looked
-// up by row, also where the output shares it, so it is not among them)
-std::vector<std::pair<ggml_tensor *, ggml_op>> matrix_weights(const model & m) {
-    std::vector<std::pair<ggml_tensor *, ggml_op>> out;
-    if (!m.hparams().tied_output) out.emplace_back(m.output, GGML_OP_MUL_MAT);
-    for (const model_layer & L : m.layers) {
-        for (ggml_tensor * t : {L.wq, L.wk, L.wv, L.wqkv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down, L.ffn_gate_inp})
-            if (t) out.emplace_back(t, GGML_OP_MUL_MAT);
-        for (ggml_tensor * t : {L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps})
-            if (t) out.emplace_back(t, GGML_OP_MUL_MAT_ID);
-    }
-    return out;
-}
 
 // the first of the CPU's extra buffer types (its repacked layouts) whose
 // kernels run op on weight w, asked as libllama asks: the op on a batch of
@@ -942,20 +940,22 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     std::vector<std::pair<ggml_backend_buffer_type_t, std::vector<ggml_tensor *>>> packed;
     std::vector<ggml_tensor *> plain;
     {
-        const std::vector<std::pair<ggml_tensor *, ggml_op>> mats =
-            !gpu && params.repack ? matrix_weights(*m) : std::vector<std::pair<ggml_tensor *, ggml_op>>{};
+        std::unordered_map<ggml_tensor *, ggml_op> mat_op;
+        if (!gpu && params.repack)
+            for (const auto & [t, op] : matrix_weights(*m)) mat_op.emplace(t, op);
+        std::unordered_set<ggml_tensor *> placed;
         for (ggml_tensor * t : used) {
-            if (std::find(plain.begin(), plain.end(), t) != plain.end()) continue;
-            ggml_backend_buffer_type_t buft = nullptr;
-            for (const auto & [w, op] : mats)
-                if (w == t) buft = repack_buft_for(m->device_, t, op, hp);
+            if (!placed.insert(t).second) continue;
+            const auto mat = mat_op.find(t);
+            ggml_backend_buffer_type_t buft =
+                mat == mat_op.end() ? nullptr : repack_buft_for(m->device_, t, mat->second, hp);
             if (!buft) {
                 plain.push_back(t);
                 continue;
             }
             auto at = std::find_if(packed.begin(), packed.end(), [&](const auto & p) { return p.first == buft; });
             if (at == packed.end()) at = packed.insert(packed.end(), {buft, {}});
-            if (std::find(at->second.begin(), at->second.end(), t) == at->second.end()) at->second.push_back(t);
+            at->second.push_back(t);
         }
     }
     const weight_source src{f.fd, g, data_offset, path};

@@ -163,6 +163,36 @@ std::string bounded(std::string why) {
     return why;
 }
 
+// a reference an alternative can begin with: its first element, or a later
+// one after rules that can match nothing (as `empty` says which)
+struct leading_ref {
+    uint32_t to;
+    bool leaves_rest;  // elements follow the reference in its alternative
+};
+
+// rule r -> the references its alternatives can begin with
+std::vector<std::vector<leading_ref>> leading_refs(const llama_grammar_rules & rules, const std::vector<char> & empty) {
+    const size_t n = rules.size();
+    std::vector<std::vector<leading_ref>> next(n);
+    for (size_t r = 0; r < n; ++r) {
+        const std::vector<llama_grammar_element> & els = rules[r];
+        bool leading = true;
+        for (size_t i = 0; i < els.size() && els[i].type != LLAMA_GRETYPE_END; ++i) {
+            const llama_grammar_element & e = els[i];
+            if (e.type == LLAMA_GRETYPE_ALT) {
+                leading = true;
+            } else if (leading && e.type == LLAMA_GRETYPE_RULE_REF && e.value < n) {
+                const bool last = els[i + 1].type == LLAMA_GRETYPE_ALT || els[i + 1].type == LLAMA_GRETYPE_END;
+                next[r].push_back({e.value, !last});
+                leading = empty[e.value];
+            } else {
+                leading = false;
+            }
+        }
+    }
+    return next;
+}
+
 // the longest chain of rules each of which can begin with the next (its first
 // element, or a later one after rules with an empty alternative): libllama's
 // left-recursion check walks such chains recursively when it builds the
@@ -186,24 +216,10 @@ int64_t longest_leading_chain(const llama_grammar_rules & rules) {
             at_start = ends_alternative(e);
         }
     }
-    // r -> each rule an alternative of r can begin with
-    std::vector<std::vector<uint32_t>> next(n);
+    const std::vector<std::vector<leading_ref>> next = leading_refs(rules, empty);
     std::vector<int64_t> into(n, 0);
-    for (size_t r = 0; r < n; ++r) {
-        bool leading = true;
-        for (const llama_grammar_element & e : rules[r]) {
-            if (e.type == LLAMA_GRETYPE_END) break;
-            if (e.type == LLAMA_GRETYPE_ALT) {
-                leading = true;
-            } else if (leading && e.type == LLAMA_GRETYPE_RULE_REF && e.value < n) {
-                next[r].push_back(e.value);
-                into[e.value]++;
-                leading = empty[e.value];
-            } else {
-                leading = false;
-            }
-        }
-    }
+    for (const auto & refs : next)
+        for (const leading_ref & e : refs) into[e.to]++;
     // the longest path, rules taken in topological order
     std::vector<uint32_t> ready;
     for (size_t r = 0; r < n; ++r)
@@ -215,7 +231,8 @@ int64_t longest_leading_chain(const llama_grammar_rules & rules) {
         const uint32_t r = ready.back();
         ready.pop_back();
         ++done;
-        for (const uint32_t b : next[r]) {
+        for (const leading_ref & e : next[r]) {
+            const uint32_t b = e.to;
             depth[b] = std::max(depth[b], depth[r] + 1);
             longest = std::max(longest, depth[b]);
             if (--into[b] == 0) ready.push_back(b);
@@ -261,28 +278,7 @@ std::vector<char> nullable_rules(const llama_grammar_rules & rules) {
 // a cycle is refused; the ones that end ("(x? y)+") are not
 void check_no_growing_left_cycle(const llama_grammar_rules & rules, const std::map<std::string, uint32_t> & ids) {
     const size_t n = rules.size();
-    const std::vector<char> empty = nullable_rules(rules);
-    struct edge {
-        uint32_t to;
-        bool leaves_rest;  // elements follow the reference in its alternative
-    };
-    std::vector<std::vector<edge>> next(n);  // r -> the rules an alternative of r can begin with
-    for (size_t r = 0; r < n; ++r) {
-        const std::vector<llama_grammar_element> & els = rules[r];
-        bool leading = true;
-        for (size_t i = 0; i < els.size() && els[i].type != LLAMA_GRETYPE_END; ++i) {
-            const llama_grammar_element & e = els[i];
-            if (e.type == LLAMA_GRETYPE_ALT) {
-                leading = true;
-            } else if (leading && e.type == LLAMA_GRETYPE_RULE_REF && e.value < n) {
-                const bool last = els[i + 1].type == LLAMA_GRETYPE_ALT || els[i + 1].type == LLAMA_GRETYPE_END;
-                next[r].push_back({e.value, !last});
-                leading = empty[e.value];
-            } else {
-                leading = false;
-            }
-        }
-    }
+    const std::vector<std::vector<leading_ref>> next = leading_refs(rules, nullable_rules(rules));
     // strongly connected components (Tarjan's, with an explicit stack)
     std::vector<int64_t> index(n, -1), low(n, 0), comp(n, -1);
     std::vector<uint32_t> open;  // visited, not yet in a component
@@ -323,7 +319,7 @@ void check_no_growing_left_cycle(const llama_grammar_rules & rules, const std::m
         }
     }
     for (size_t r = 0; r < n; ++r)
-        for (const edge & e : next[r]) {
+        for (const leading_ref & e : next[r]) {
             if (comp[e.to] != comp[r] || !e.leaves_rest) continue;
             std::string name = "?";
             for (const auto & [nm, id] : ids)
