@@ -13,7 +13,7 @@ using kvblend::request_kind;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (size == 0) return 0;
-    const request_kind kind = (request_kind) (data[0] % 5);
+    const request_kind kind = (request_kind) (data[0] % 7);
     const std::string body((const char *) data + 1, size - 1);
     try {
         const kvblend::request_spec r = kvblend::request_parse(kind, body);
@@ -38,6 +38,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
             } catch (const kvblend::request_error &) {
                 __builtin_trap();
             }
+        }
+        // an accepted embeddings body's inputs read as strings or token ids
+        if (kind == kvblend::REQUEST_EMBEDDINGS) {
+            for (const auto & in : kvblend::request_embedding_inputs(r.body))
+                if (!in.is_text && in.ids.empty()) __builtin_trap();
+            (void) r.body.value("encoding_format", std::string("float"));
+            (void) r.body.value("dimensions", (int64_t) 0);
         }
         if (kind == kvblend::REQUEST_TOKENIZE) {
             (void) r.body.value("add_special", false);

@@ -47,8 +47,13 @@ struct server_params {
     int64_t learn_max_bytes = 1 << 16;  // most text one request may add
     int64_t learn_min_chars = 256;      // shorter paragraphs are not learned
     int64_t known_docs_max = 250000;    // documents the text index holds (~300 bytes each; oldest forgotten)
-    std::string api_key;                // empty: no authentication
-    std::string alias;                  // the model's id in the API (empty: the file's name)
+    // POST /v1/embeddings: a GGUF libllama embeds with on a context of its own
+    // (an embedding model, or the chat model's file pooled: --embeddings); empty: off (501)
+    std::string embedding_model;
+    std::string pooling;        // embedder_params::pooling: "" the file's own, or mean, cls, last
+    int64_t embedding_ctx = 0;  // the most tokens one input may have (0: the model's, at most 8192)
+    std::string api_key;        // empty: no authentication
+    std::string alias;          // the model's id in the API (empty: the file's name)
     // web pages that may call the server (CORS): a request with an Origin header
     // from elsewhere is refused (403), so a page the user visits cannot drive a
     // local server. loopback origins (http(s)://localhost, 127.0.0.1, [::1], any
@@ -84,6 +89,8 @@ class server {
     bool wait_ready(int timeout_ms) const;  // true once listening
     int port() const;                       // the bound port (after listen() started)
     chunk_tier_stats tier_stats() const;    // the chunk tiers' bounds and use
+    // "; embeddings: FILE (mean pooling, 768 dimensions, inputs up to 8192 tokens)", or "" when off
+    std::string embedding_summary() const;
 
   private:
     struct impl;

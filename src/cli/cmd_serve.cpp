@@ -7,6 +7,7 @@
 #include "cli/args.h"
 #include "cli/cli_util.h"
 #include "cli/commands.h"
+#include "embed/embedder.h"
 #include "kvblend/server.h"
 
 namespace kvblend::cli {
@@ -17,7 +18,8 @@ const char * k_help = R"(usage: kvblend serve -m MODEL [options]
 
 OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
 "documents" field: each document its own chunk, fused with CacheBlend),
-/v1/completions, /v1/models, /health, /tokenize, /detokenize.
+/v1/completions, /v1/embeddings (with an embedding model), /v1/models,
+/health, /tokenize, /detokenize.
 
   -m, --model FILE          GGUF model
   --host H                  address to listen on (default 127.0.0.1)
@@ -71,6 +73,12 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --cache-type-k T          K only (-ctk); --cache-type-v T: V only (-ctv). Documents need K and V alike
   --kv-codec NAME           live compressed slot caches: turboquantB[+qjl] or minicache[:thr=G] (CPU
                             only). prompts are prefilled whole; requests with documents get a 400
+  --embedding-model FILE    serve /v1/embeddings with this GGUF (BERT-style, nomic, Qwen3-Embedding, …),
+                            through libllama on a context of its own
+  --embeddings              the same with the chat model's file, its vectors pooled (llama-server's flag)
+  --pooling P               how token vectors become one: mean, cls, last (default: the file's own;
+                            mean for a model that names none)
+  --embedding-ctx N         the most tokens one input to embed may have (default: the model's, at most 8192)
 
 Token eviction of every slot's cache after its prompt (plain or fused); an
 evicted slot is reused only by a prompt that extends everything it has seen:
@@ -109,6 +117,7 @@ void on_signal(int) {
 
 int cmd_serve(int argc, char ** argv) {
     std::string model_path;
+    bool embed_chat_model = false;
     server_params sp;
     model_params mp = model_default_params();
     args a(argc, argv, 1);
@@ -208,12 +217,24 @@ int cmd_serve(int argc, char ** argv) {
             sp.type_v = parse_cache_type(a.str());
         else if (a.match({"--kv-codec"}))
             sp.kv_codec = parse_kv_codec(a.str());
+        else if (a.match({"--embedding-model"}))
+            sp.embedding_model = a.str();
+        else if (a.match({"--embeddings", "--embedding"}))
+            embed_chat_model = true;
+        else if (a.match({"--pooling"})) {
+            sp.pooling = a.str();
+            pooling_by_name(sp.pooling);  // a wrong name fails before any model is loaded
+        } else if (a.match({"--embedding-ctx"}))
+            sp.embedding_ctx = a.integer(1, 1 << 20);
         else if (match_evict_flag(a, sp.evict) || match_device_flag(a, mp))
             continue;
         else
             a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
+    if (embed_chat_model && !sp.embedding_model.empty())
+        throw error("--embeddings embeds with the chat model, --embedding-model with another: give one");
+    if (embed_chat_model) sp.embedding_model = model_path;
     if (sp.api_key.empty() && sp.host != "127.0.0.1" && sp.host != "localhost" && sp.host != "::1")
         std::fprintf(stderr,
                      "warning: serving on %s without an API key: anyone who can reach it can use it (--api-key)\n",
@@ -227,9 +248,10 @@ int cmd_serve(int argc, char ** argv) {
     std::signal(SIGTERM, on_signal);
     std::thread announce([&] {
         if (srv.wait_ready(10000))
-            std::fprintf(stderr, "kvblend serve: %s on http://%s:%d (%d slot%s, context %lld; chunk tiers: %s)\n",
+            std::fprintf(stderr, "kvblend serve: %s on http://%s:%d (%d slot%s, context %lld; chunk tiers: %s%s)\n",
                          m->describe().c_str(), sp.host.c_str(), srv.port(), sp.parallel, sp.parallel > 1 ? "s" : "",
-                         (long long) sp.n_ctx, chunk_tier_summary(srv.tier_stats()).c_str());
+                         (long long) sp.n_ctx, chunk_tier_summary(srv.tier_stats()).c_str(),
+                         srv.embedding_summary().c_str());
     });
     const bool ok = srv.listen();
     announce.join();

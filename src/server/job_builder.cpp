@@ -323,10 +323,9 @@ std::vector<std::shared_ptr<job>> job_builder::completion_jobs(const json & b) c
     return jobs;
 }
 
-std::shared_ptr<job> job_builder::ingest_job(const std::string & body, std::vector<std::string> & texts) const {
+std::shared_ptr<job> job_builder::ingest_job(const json & b, std::vector<std::string> & texts) const {
     if (!st_) bad_request("POST /v1/documents needs a server started with --store");
     require_dense_slots();
-    const json b = parse_body(body, REQUEST_DOCUMENTS);
     auto j = std::make_shared<job>();
     j->ingest = true;
     j->route = "/v1/documents";

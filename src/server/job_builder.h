@@ -36,8 +36,9 @@ class job_builder {
     std::shared_ptr<job> completion_job(const nlohmann::json & b) const;
     // one job per prompt of a body whose 'prompt' is an array (one for a string)
     std::vector<std::shared_ptr<job>> completion_jobs(const nlohmann::json & b) const;
-    // POST /v1/documents: collect and store each document; texts: theirs, in order
-    std::shared_ptr<job> ingest_job(const std::string & body, std::vector<std::string> & texts) const;
+    // POST /v1/documents (b: its body as parse_body checked it): collect and
+    // store each document; texts: theirs, in order
+    std::shared_ptr<job> ingest_job(const nlohmann::json & b, std::vector<std::string> & texts) const;
 
     // the key a document's chunk is stored under (also its id in the API)
     std::string doc_key(const std::vector<llama_token> & tokens) const;

@@ -12,9 +12,11 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "embed/embedder.h"
 #include "kvblend/codec.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
+#include "server/doc_vectors.h"
 #include "server/job_builder.h"
 #include "server/server_context.h"
 #include "server/server_http.h"
@@ -38,6 +40,10 @@ struct server::impl {
     http_server http{http_limits{p.max_body, p.read_timeout_s, p.write_timeout_s, 5, p.max_connections,
                                  p.max_connections_per_client}};
     std::atomic<int> bound_port{0};
+    std::unique_ptr<embedder> emb;         // /v1/embeddings (none: the route answers 501)
+    std::string emb_id;                    // its model's id in the answers
+    std::atomic<int> emb_requests{0};      // embeddings requests in the route now (past max_queue: 503)
+    std::unique_ptr<doc_vectors> vectors;  // the stored documents' embeddings (with the embedder)
     server_metrics metrics;
     server_context context;  // the last: stopped first, once every queued request is answered
 
@@ -78,9 +84,23 @@ struct server::impl {
           model_id(!p.alias.empty() ? p.alias : m->path().substr(m->path().find_last_of('/') + 1)),
           jobs(m, p, st.get(), &tiers),
           context(m, p, st.get(), &tiers, metrics) {
+        open_embedder();
         // sized once the slots' caches hold their memory: the device's free memory is the tiers'
         tiers.configure(chunk_tier_params_for(*m, p.chunk_cache_host_mb, p.chunk_cache_dev_mb));
         routes();
+    }
+
+    void open_embedder() {
+        if (p.embedding_model.empty()) return;
+        embedder_params ep;
+        ep.pooling = p.pooling;
+        ep.n_ctx = p.embedding_ctx;
+        ep.n_threads = p.n_threads;
+        ep.use_gpu = m->on_gpu();
+        emb = std::make_unique<embedder>(p.embedding_model, ep);
+        vectors = std::make_unique<doc_vectors>((size_t) p.known_docs_max, (size_t) emb->n_embd());
+        emb_id = p.embedding_model == m->path() ? model_id
+                                                : p.embedding_model.substr(p.embedding_model.find_last_of('/') + 1);
     }
 
     // queue a job; false when the queue is full
@@ -286,21 +306,117 @@ struct server::impl {
 
     // POST /v1/documents: each document collected (or found) and stored; its key is its id
     void documents(const http_request & req, http_response & res) {
+        const json body = jobs.parse_body(req.body, REQUEST_DOCUMENTS);
+        if (body.value("return_embeddings", false) && !emb) no_embedder();
         std::vector<std::string> texts;
-        const std::shared_ptr<job> j = jobs.ingest_job(req.body, texts);
+        const std::shared_ptr<job> j = jobs.ingest_job(body, texts);
         if (!submit(j)) throw request_error{503, "the server is overloaded", "server_error", "overloaded"};
         std::unique_lock l(j->mu);
         wait_done(*j, l, req);  // a client that hangs up stops the documents not yet collected
         // known to plain prompts: the documents the store now holds
         for (size_t i = 0; i < j->ingest_keys.size(); ++i) jobs.remember(texts[i], j->ingest_docs[i]);
         job_raise_error(*j);
+        // … and to searches: each document's vector (its head, when longer than the embedder's context)
+        std::vector<std::vector<float>> vecs;
+        if (emb) {
+            std::vector<std::vector<llama_token>> heads;
+            for (const std::string & t : texts) {
+                heads.push_back(emb->tokens().tokenize(t, true, true));
+                if ((int64_t) heads.back().size() > emb->n_ctx()) heads.back().resize((size_t) emb->n_ctx());
+            }
+            vecs = embed(heads, req);
+            for (size_t i = 0; i < vecs.size(); ++i) vectors->add(j->ingest_keys[i], vecs[i]);
+        }
+        const bool with_vectors = body.value("return_embeddings", false);
         json data = json::array();
-        for (size_t i = 0; i < j->ingest_keys.size(); ++i)
+        for (size_t i = 0; i < j->ingest_keys.size(); ++i) {
             data.push_back(
                 {{"id", j->ingest_keys[i]}, {"object", "document"}, {"n_tokens", (int64_t) j->ingest_docs[i].size()}});
+            if (with_vectors) data.back()["embedding"] = vecs[i];
+        }
         res.set_content(
             json{{"object", "list"}, {"data", data}, {"store_hits", j->store_hits}, {"store_misses", j->store_misses}}
                 .dump(),
+            "application/json");
+    }
+
+    [[noreturn]] static void no_embedder() {
+        throw request_error{501,
+                            "this server does not embed: start it with --embeddings (the chat model, pooled) or "
+                            "--embedding-model FILE",
+                            "not_supported_error", "embeddings_not_enabled"};
+    }
+
+    // the inputs' vectors, on the embedder's one context: at most --queue
+    // requests wait for it (beyond them 503); a client that hangs up stops its own
+    std::vector<std::vector<float>> embed(const std::vector<std::vector<llama_token>> & inputs,
+                                          const http_request & req) {
+        struct count_in {
+            std::atomic<int> & n;
+            ~count_in() { n--; }
+        } in_route{emb_requests};
+        if (++emb_requests > p.max_queue + 1)
+            throw request_error{503, "the server is overloaded: too many embeddings requests are waiting",
+                                "server_error", "overloaded"};
+        return emb->embed(inputs, [&req] { return req.closed && req.closed(); });
+    }
+
+    // POST /v1/documents/search: the stored documents nearest the query's embedding
+    void search(const http_request & req, http_response & res) {
+        if (!emb) no_embedder();
+        const request_spec r = request_parse(REQUEST_SEARCH, req.body);
+        emb->tokens().check_text_fits(request_text_bytes(r), emb->n_ctx(), "the query");
+        const std::vector<llama_token> q = emb->tokens().tokenize(r.body["query"].get<std::string>(), true, true);
+        const std::vector<float> v = embed({q}, req)[0];
+        json data = json::array();
+        for (const doc_hit & h : vectors->search(v, (size_t) r.body.value("k", k_default_search_hits)))
+            data.push_back({{"object", "document"}, {"id", h.id}, {"score", h.score}});
+        res.set_content(json_text({{"object", "list"},
+                                   {"data", std::move(data)},
+                                   {"model", emb_id},
+                                   {"usage", {{"prompt_tokens", q.size()}, {"total_tokens", q.size()}}}}),
+                        "application/json");
+    }
+
+    // POST /v1/embeddings: OpenAI's shape, computed on the embedder's own context
+    // (one request at a time; at most --queue more wait, beyond them 503)
+    void embeddings(const http_request & req, http_response & res) {
+        if (!emb) no_embedder();
+        const request_spec r = request_parse(REQUEST_EMBEDDINGS, req.body);
+        emb->tokens().check_text_fits(request_text_bytes(r), emb->n_ctx(), "an input");
+        const json & b = r.body;
+        const int64_t dims = b.value("dimensions", (int64_t) emb->n_embd());
+        if (dims > emb->n_embd())
+            bad_request(
+                "'dimensions' is " + std::to_string(dims) + ", more than the model's " + std::to_string(emb->n_embd()),
+                "unsupported_parameter");
+        std::vector<std::vector<llama_token>> inputs;
+        int64_t n_tokens = 0;
+        for (const embedding_input & in : request_embedding_inputs(b)) {
+            if (in.is_text)
+                inputs.push_back(emb->tokens().tokenize(in.text, true, true));
+            else {  // ids past int32 become -1: the embedder refuses them with the vocabulary's range
+                inputs.emplace_back();
+                for (int64_t id : in.ids) inputs.back().push_back(id >= 0 && id <= INT32_MAX ? (llama_token) id : -1);
+            }
+            n_tokens += (int64_t) inputs.back().size();
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        std::vector<std::vector<float>> vecs = embed(inputs, req);
+        // a shorter vector (Matryoshka-trained models keep their meaning in the
+        // leading dimensions, as OpenAI's text-embedding-3 do): cut, then normalized again
+        if (dims < emb->n_embd())
+            for (auto & v : vecs) {
+                v.resize((size_t) dims);
+                l2_normalize(v);
+            }
+        metrics.record_embeddings((int64_t) inputs.size(), n_tokens);
+        if (p.log_requests)
+            std::fprintf(stderr, "kvblend: /v1/embeddings 200 inputs %zu tokens %lld total %.0f ms\n", inputs.size(),
+                         (long long) n_tokens,
+                         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        res.set_content(
+            json_text(embeddings_answer(vecs, b.value("encoding_format", "float") == "base64", emb_id, n_tokens)),
             "application/json");
     }
 
@@ -367,11 +483,15 @@ struct server::impl {
                       }));
         http.get("/metrics", [this](const http_request &, http_response & res) {
             res.set_content(metrics.text({http.refused_connections(), st ? st->failures() : 0, jobs.known_documents(),
-                                          tiers.stats()}),
+                                          vectors ? vectors->size() : 0, tiers.stats()}),
                             "text/plain; version=0.0.4");
         });
         http.post("/v1/documents",
                   guarded([this](const http_request & req, http_response & res) { documents(req, res); }));
+        http.post("/v1/documents/search",
+                  guarded([this](const http_request & req, http_response & res) { search(req, res); }));
+        for (const char * path : {"/v1/embeddings", "/embeddings"})
+            http.post(path, guarded([this](const http_request & req, http_response & res) { embeddings(req, res); }));
         http.post("/tokenize", guarded([this](const http_request & req, http_response & res) { tokenize(req, res); }));
         http.post("/detokenize",
                   guarded([this](const http_request & req, http_response & res) { detokenize(req, res); }));
@@ -418,6 +538,13 @@ int server::port() const {
 
 chunk_tier_stats server::tier_stats() const {
     return impl_->tiers.stats();
+}
+
+std::string server::embedding_summary() const {
+    const impl & s = *impl_;
+    if (!s.emb) return "";
+    return "; embeddings: " + s.emb_id + " (" + pooling_name(s.emb->pooling()) + " pooling, " +
+           std::to_string(s.emb->n_embd()) + " dimensions, inputs up to " + std::to_string(s.emb->n_ctx()) + " tokens)";
 }
 
 }  // namespace kvblend

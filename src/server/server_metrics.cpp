@@ -36,6 +36,13 @@ void server_metrics::count_response(int status) {
     responses_[std::clamp(status / 100, 1, 5)]++;
 }
 
+void server_metrics::record_embeddings(int64_t inputs, int64_t tokens) {
+    std::lock_guard l(mu_);
+    embedding_requests_++;
+    embedding_inputs_ += inputs;
+    embedding_tokens_ += tokens;
+}
+
 std::string server_metrics::text(const metrics_gauges & g) const {
     std::lock_guard l(mu_);
     std::string out;
@@ -67,6 +74,9 @@ std::string server_metrics::text(const metrics_gauges & g) const {
     counter("kvblend_plain_learn_skipped_total",
             "passages not added: over a request's bound, or their first 48 bytes those of 16 given documents",
             learn_skipped_);
+    counter("kvblend_embedding_requests_total", "embeddings requests answered", embedding_requests_);
+    counter("kvblend_embedding_inputs_total", "inputs embedded", embedding_inputs_);
+    counter("kvblend_embedding_tokens_total", "tokens of the inputs embedded", embedding_tokens_);
     out += "# HELP kvblend_chunk_tier_hits_total chunks a request took from a chunk tier (no store read)\n";
     out += "# TYPE kvblend_chunk_tier_hits_total counter\n";
     out += "kvblend_chunk_tier_hits_total{tier=\"device\"} " + std::to_string(tier_hits_dev_) + "\n";
@@ -87,6 +97,9 @@ std::string server_metrics::text(const metrics_gauges & g) const {
             t.dropped);
     out += "# HELP kvblend_known_documents documents whose text plain prompts are searched for\n";
     out += "# TYPE kvblend_known_documents gauge\nkvblend_known_documents " + std::to_string(g.known_documents) + "\n";
+    out += "# HELP kvblend_document_vectors stored documents' embeddings that searches scan\n";
+    out +=
+        "# TYPE kvblend_document_vectors gauge\nkvblend_document_vectors " + std::to_string(g.document_vectors) + "\n";
     out += "# HELP kvblend_time_to_first_token_seconds time from a request's arrival to its first token\n";
     out += "# TYPE kvblend_time_to_first_token_seconds histogram\n";
     int64_t cum = 0;

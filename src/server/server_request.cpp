@@ -345,6 +345,41 @@ json request_parse_json(const std::string & text, int max_depth) {
     return b;
 }
 
+namespace {
+
+// /v1/embeddings: OpenAI's input shapes, its encoding formats and dimensions
+void check_embeddings(const json & b) {
+    const auto in = b.find("input");
+    const char * shapes =
+        "'input' must be a string, an array of strings, an array of token ids, or an array of "
+        "arrays of token ids";
+    if (in == b.end() || !(in->is_string() || in->is_array())) bad_request(shapes);
+    auto ids_ok = [](const json & a) {
+        return a.is_array() && !a.empty() &&
+               std::all_of(a.begin(), a.end(), [](const json & x) { return x.is_number_integer(); });
+    };
+    if (in->is_array()) {
+        if (in->empty()) bad_request("'input' must not be empty");
+        const bool one_list_of_ids = (*in)[0].is_number_integer();
+        if (one_list_of_ids && !ids_ok(*in)) bad_request(shapes);
+        if (!one_list_of_ids) {
+            if (in->size() > k_max_embedding_inputs)
+                bad_request("'input' holds " + std::to_string(in->size()) + " inputs, more than " +
+                            std::to_string(k_max_embedding_inputs) + " per request");
+            for (const auto & x : *in)
+                if (!x.is_string() && !ids_ok(x)) bad_request(shapes);
+        }
+    }
+    if (const json * f = optional_field(b, "encoding_format", "a string", [](const json & x) { return x.is_string(); }))
+        if (*f != "float" && *f != "base64")
+            bad_request("'encoding_format' must be \"float\" or \"base64\"", "unsupported_parameter");
+    optional_integer(b, "dimensions", 1, 1 << 20);
+    optional_field(b, "model", "a string", [](const json & x) { return x.is_string(); });
+    optional_field(b, "user", "a string", [](const json & x) { return x.is_string(); });
+}
+
+}  // namespace
+
 request_spec request_check(request_kind kind, json body) {
     request_spec r;
     r.kind = kind;
@@ -374,7 +409,10 @@ request_spec request_check(request_kind kind, json body) {
             check_sampling(b, kind);
             break;
         }
-        case REQUEST_DOCUMENTS: r.n_documents = check_documents(b, false, true); break;
+        case REQUEST_DOCUMENTS:
+            r.n_documents = check_documents(b, false, true);
+            optional_bool(b, "return_embeddings");
+            break;
         case REQUEST_TOKENIZE:
             if (!b.contains("content") || !b["content"].is_string()) bad_request("'content' must be a string");
             optional_bool(b, "add_special");
@@ -385,6 +423,12 @@ request_spec request_check(request_kind kind, json body) {
             if (!b.contains("tokens") || !b["tokens"].is_array()) bad_request("'tokens' must be an array");
             for (const auto & x : b["tokens"])
                 if (!x.is_number_integer()) bad_request("token ids must be integers");
+            break;
+        case REQUEST_EMBEDDINGS: check_embeddings(b); break;
+        case REQUEST_SEARCH:
+            if (!b.contains("query") || !b["query"].is_string() || b["query"].get_ref<const std::string &>().empty())
+                bad_request("'query' must be a non-empty string");
+            optional_integer(b, "k", 1, (double) k_max_search_hits);
             break;
     }
     if (kind == REQUEST_CHAT || kind == REQUEST_COMPLETION)
@@ -421,9 +465,33 @@ size_t request_text_bytes(const request_spec & r) {
         case REQUEST_DOCUMENTS:
             for (const auto & d : b["documents"]) n = std::max(n, doc_bytes(d));
             return n;
+        case REQUEST_EMBEDDINGS:
+            for (const embedding_input & in : request_embedding_inputs(b)) n = std::max(n, in.text.size());
+            return n;
+        case REQUEST_SEARCH: return b["query"].get_ref<const std::string &>().size();
         case REQUEST_TOKENIZE: return b.contains("content") ? doc_bytes(b["content"]) : 0;
         default: return 0;
     }
+}
+
+std::vector<embedding_input> request_embedding_inputs(const json & b) {
+    const json & in = b["input"];
+    auto ids_of = [](const json & a) {
+        embedding_input e;
+        e.is_text = false;
+        for (const auto & x : a) e.ids.push_back(x.get<int64_t>());
+        return e;
+    };
+    std::vector<embedding_input> out;
+    if (in.is_string()) {
+        out.push_back({in.get<std::string>(), {}, true});
+    } else if (in[0].is_number_integer()) {  // one input of token ids
+        out.push_back(ids_of(in));
+    } else {
+        for (const auto & x : in)
+            out.push_back(x.is_string() ? embedding_input{x.get<std::string>(), {}, true} : ids_of(x));
+    }
+    return out;
 }
 
 request_spec request_parse(request_kind kind, const std::string & text) {

@@ -38,11 +38,16 @@ enum request_kind {
     REQUEST_DOCUMENTS,   // POST /v1/documents
     REQUEST_TOKENIZE,    // POST /tokenize
     REQUEST_DETOKENIZE,  // POST /detokenize
+    REQUEST_EMBEDDINGS,  // POST /v1/embeddings
+    REQUEST_SEARCH,      // POST /v1/documents/search
 };
 
-constexpr int k_request_max_depth = 64;    // nesting of arrays and objects a body may have
-constexpr size_t k_max_stop_bytes = 1024;  // the longest stop string a request may give
-constexpr size_t k_max_prompts = 16;       // prompts of one /v1/completions request (a choice each)
+constexpr int k_request_max_depth = 64;          // nesting of arrays and objects a body may have
+constexpr size_t k_max_stop_bytes = 1024;        // the longest stop string a request may give
+constexpr size_t k_max_prompts = 16;             // prompts of one /v1/completions request (a choice each)
+constexpr size_t k_max_embedding_inputs = 2048;  // inputs of one /v1/embeddings request (OpenAI's bound)
+constexpr int64_t k_max_search_hits = 1000;      // documents one search may return ("k")
+constexpr int64_t k_default_search_hits = 4;     // … when it does not say
 
 // a body checked against its endpoint; the fields the routes need besides the JSON itself
 struct request_spec {
@@ -75,13 +80,23 @@ log_request request_logprobs(const nlohmann::json & body, request_kind kind);
 nlohmann::json request_parse_json(const std::string & text, int max_depth = k_request_max_depth);
 
 // bytes of text a checked request gives the tokenizer: the prompt, or the
-// messages' and documents' text; for REQUEST_DOCUMENTS the longest document
-// (each is a chunk of its own); 0 for the other endpoints
+// messages' and documents' text; for REQUEST_DOCUMENTS and REQUEST_EMBEDDINGS
+// the longest document or input (each is tokenized alone); a search's query;
+// 0 for the others
 size_t request_text_bytes(const request_spec & r);
 
 // parse and check a body for an endpoint; throws request_error
 request_spec request_parse(request_kind kind, const std::string & text);
 // check an already parsed body
 request_spec request_check(request_kind kind, nlohmann::json body);
+
+// the inputs of a checked /v1/embeddings body, in order: text to tokenize, or
+// token ids as given ("input": a string, strings, token ids, or lists of them)
+struct embedding_input {
+    std::string text;
+    std::vector<int64_t> ids;
+    bool is_text = true;
+};
+std::vector<embedding_input> request_embedding_inputs(const nlohmann::json & body);
 
 }  // namespace kvblend

@@ -1,6 +1,7 @@
 #include "server/server_response.h"
 
 #include <atomic>
+#include <cstring>
 #include <ctime>
 
 #include "server/answer_logprobs.h"
@@ -179,6 +180,46 @@ bool completion_events::take(job & j, std::string & out) {
     }
     out += "data: [DONE]\n\n";
     return true;
+}
+
+std::string base64_encode(const unsigned char * data, size_t n) {
+    static const char k_digits[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    std::string out;
+    out.reserve((n + 2) / 3 * 4);
+    for (size_t i = 0; i < n; i += 3) {
+        const uint32_t v = (uint32_t) data[i] << 16 | (i + 1 < n ? (uint32_t) data[i + 1] << 8 : 0) |
+                           (i + 2 < n ? (uint32_t) data[i + 2] : 0);
+        out += k_digits[v >> 18 & 63];
+        out += k_digits[v >> 12 & 63];
+        out += i + 1 < n ? k_digits[v >> 6 & 63] : '=';
+        out += i + 2 < n ? k_digits[v & 63] : '=';
+    }
+    return out;
+}
+
+json embeddings_answer(const std::vector<std::vector<float>> & vectors, bool base64, const std::string & model_id,
+                       int64_t n_tokens) {
+    json data = json::array();
+    for (size_t i = 0; i < vectors.size(); ++i) {
+        json e;
+        if (base64) {
+            std::vector<unsigned char> bytes;
+            bytes.reserve(vectors[i].size() * 4);
+            for (float x : vectors[i]) {
+                uint32_t u;
+                std::memcpy(&u, &x, 4);
+                for (int b = 0; b < 4; ++b) bytes.push_back((unsigned char) (u >> (8 * b)));
+            }
+            e = base64_encode(bytes.data(), bytes.size());
+        } else {
+            e = vectors[i];
+        }
+        data.push_back({{"object", "embedding"}, {"index", i}, {"embedding", std::move(e)}});
+    }
+    return {{"object", "list"},
+            {"data", std::move(data)},
+            {"model", model_id},
+            {"usage", {{"prompt_tokens", n_tokens}, {"total_tokens", n_tokens}}}};
 }
 
 json tokens_with_pieces(const vocab & v, const std::vector<llama_token> & tokens, bool with_pieces) {

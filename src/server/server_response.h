@@ -86,6 +86,15 @@ class completion_events {
 
 // /tokenize: ids, or llama-server's with_pieces [{"id", "piece"}] (a piece that is
 // not whole UTF-8 is its bytes, as llama-server sends it)
+// the /v1/embeddings answer (OpenAI's list of embeddings): each vector as
+// numbers, or (base64) as the base64 of its little-endian float32 bytes, in
+// the inputs' order; usage counts the inputs' tokens
+nlohmann::json embeddings_answer(const std::vector<std::vector<float>> & vectors, bool base64,
+                                 const std::string & model_id, int64_t n_tokens);
+
+// bytes as base64 (RFC 4648, padded)
+std::string base64_encode(const unsigned char * data, size_t n);
+
 nlohmann::json tokens_with_pieces(const vocab & v, const std::vector<llama_token> & tokens, bool with_pieces);
 
 // a JSON text as responses send it: bytes that are not UTF-8 replaced, never a throw

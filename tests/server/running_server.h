@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -48,8 +49,10 @@ class running_server {
 };
 
 // a node script of tests/server/node (node SCRIPT BASE_URL API_KEY) against a
-// server on the model at model_path, with a store and an API key; its output on failure
-inline void run_node_client(const std::string & script, const std::string & model_path) {
+// server on the model at model_path, with a store and an API key (and what
+// `more` sets besides); its output on failure
+inline void run_node_client(const std::string & script, const std::string & model_path,
+                            const std::function<void(server_params &)> & more = {}) {
     const std::string dir = std::string(KVBLEND_SOURCE_DIR) + "/tests/server/node";
     ASSERT_TRUE(std::ifstream(dir + "/node_modules/zod/package.json").good())
         << "the npm clients are missing: run scripts/setup.sh";
@@ -58,6 +61,7 @@ inline void run_node_client(const std::string & script, const std::string & mode
     p.n_ctx = 512;
     p.store_uri = d.path().string();
     p.api_key = "test-key";
+    if (more) more(p);
     running_server s(p, model_path);
     const std::string cmd =
         "node " + dir + "/" + script + " http://127.0.0.1:" + std::to_string(s.port()) + "/v1 test-key 2>&1";
