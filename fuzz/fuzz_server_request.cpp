@@ -13,7 +13,7 @@ using kvblend::request_kind;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (size == 0) return 0;
-    const request_kind kind = (request_kind) (data[0] % 7);
+    const request_kind kind = (request_kind) (data[0] % 8);
     const std::string body((const char *) data + 1, size - 1);
     try {
         const kvblend::request_spec r = kvblend::request_parse(kind, body);

@@ -108,6 +108,9 @@ struct make_model_params {
     uint64_t seed = 42;
     std::string name = "kvblend-synthetic";
     std::string chat_template;  // jinja text written as tokenizer.chat_template ("": the vocab file's)
+    // non-empty: a reranker as libllama reads one (Qwen3-Reranker's layout): a
+    // classifier head cls.output [n_embd, labels], these labels and pooling rank
+    std::vector<std::string> classifier_labels;
 };
 
 struct make_model_result {

@@ -50,8 +50,9 @@ struct server_params {
     // POST /v1/embeddings: a GGUF libllama embeds with on a context of its own
     // (an embedding model, or the chat model's file pooled: --embeddings); empty: off (501)
     std::string embedding_model;
+    std::string rerank_model;   // POST /v1/rerank: a reranker GGUF (a classifier head, pooling rank); empty: off
     std::string pooling;        // embedder_params::pooling: "" the file's own, or mean, cls, last
-    int64_t embedding_ctx = 0;  // the most tokens one input may have (0: the model's, at most 8192)
+    int64_t embedding_ctx = 0;  // the most tokens one input (or rerank pair) may have (0: the model's, at most 8192)
     std::string api_key;        // empty: no authentication
     std::string alias;          // the model's id in the API (empty: the file's name)
     // web pages that may call the server (CORS): a request with an Origin header
@@ -89,7 +90,8 @@ class server {
     bool wait_ready(int timeout_ms) const;  // true once listening
     int port() const;                       // the bound port (after listen() started)
     chunk_tier_stats tier_stats() const;    // the chunk tiers' bounds and use
-    // "; embeddings: FILE (mean pooling, 768 dimensions, inputs up to 8192 tokens)", or "" when off
+    // "; embeddings: FILE (mean pooling, 768 dimensions, inputs up to 8192 tokens)"
+    // and "; rerank: FILE (…)" for what the server has, or ""
     std::string embedding_summary() const;
 
   private:

@@ -34,6 +34,8 @@ void make_model_usage() {
         "  --name NAME          general.name (default kvblend-synthetic)\n"
         "  --chat-template FILE a jinja chat template written as tokenizer.chat_template\n"
         "                       (e.g. llama.cpp's models/templates/Qwen-Qwen2.5-7B-Instruct.jinja)\n"
+        "  --reranker A,B       a reranker's classifier head with these labels (pooling rank, as\n"
+        "                       Qwen3-Reranker's GGUF: the score is the first label's probability)\n"
         "  -o, --output FILE    where to write the model\n",
         presets.c_str());
 }
@@ -68,6 +70,15 @@ int cmd_make_model(int argc, char ** argv) {
             tied = 0;
         } else if (a.match({"--name"})) {
             params.name = a.str();
+        } else if (a.match({"--reranker"})) {
+            params.classifier_labels.clear();
+            std::string rest = a.str();
+            for (size_t at; !rest.empty(); rest = at == std::string::npos ? "" : rest.substr(at + 1)) {
+                at = rest.find(',');
+                params.classifier_labels.push_back(rest.substr(0, at));
+                if (params.classifier_labels.back().empty()) throw error("--reranker takes labels such as yes,no");
+            }
+            if (params.classifier_labels.empty()) throw error("--reranker takes labels such as yes,no");
         } else if (a.match({"--chat-template"})) {
             params.chat_template = read_text_file(a.str());
         } else if (a.match({"-o", "--output"})) {

@@ -18,8 +18,9 @@ const char * k_help = R"(usage: kvblend serve -m MODEL [options]
 
 OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
 "documents" field: each document its own chunk, fused with CacheBlend),
-/v1/completions, /v1/embeddings (with an embedding model), /v1/models,
-/health, /tokenize, /detokenize.
+/v1/completions, /v1/embeddings and /v1/documents/search (with an embedding
+model), /v1/rerank (with a reranker), /v1/documents, /v1/models, /health,
+/tokenize, /detokenize, /metrics.
 
   -m, --model FILE          GGUF model
   --host H                  address to listen on (default 127.0.0.1)
@@ -76,6 +77,7 @@ OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
   --embedding-model FILE    serve /v1/embeddings with this GGUF (BERT-style, nomic, Qwen3-Embedding, …),
                             through libllama on a context of its own
   --embeddings              the same with the chat model's file, its vectors pooled (llama-server's flag)
+  --rerank-model FILE       serve /v1/rerank with this reranker GGUF (BGE/Jina rerankers, Qwen3-Reranker)
   --pooling P               how token vectors become one: mean, cls, last (default: the file's own;
                             mean for a model that names none)
   --embedding-ctx N         the most tokens one input to embed may have (default: the model's, at most 8192)
@@ -219,6 +221,8 @@ int cmd_serve(int argc, char ** argv) {
             sp.kv_codec = parse_kv_codec(a.str());
         else if (a.match({"--embedding-model"}))
             sp.embedding_model = a.str();
+        else if (a.match({"--rerank-model"}))
+            sp.rerank_model = a.str();
         else if (a.match({"--embeddings", "--embedding"}))
             embed_chat_model = true;
         else if (a.match({"--pooling"})) {

@@ -54,7 +54,7 @@ embedder::embedder(const std::string & path, const embedder_params & p) {
     if (p.max_seqs < 1 || p.max_seqs > 256)
         throw error("inputs per embedding forward must be in [1, 256]", error_kind::invalid_argument);
     const enum llama_pooling_type asked =
-        p.pooling.empty() ? LLAMA_POOLING_TYPE_UNSPECIFIED : pooling_by_name(p.pooling);
+        p.pooling.empty() || p.rerank ? LLAMA_POOLING_TYPE_UNSPECIFIED : pooling_by_name(p.pooling);
     vocab_ = std::make_unique<vocab>(path);
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = p.use_gpu ? 999 : 0;
@@ -66,7 +66,8 @@ embedder::embedder(const std::string & path, const embedder_params & p) {
     max_seqs_ = p.max_seqs;
     ctx_ = new_context(model_, p, n_ctx_, max_seqs_, asked);
     // the file's pooling when none was asked; a generative model names none: mean
-    if (ctx_ && asked == LLAMA_POOLING_TYPE_UNSPECIFIED && llama_pooling_type(ctx_) == LLAMA_POOLING_TYPE_NONE) {
+    if (ctx_ && !p.rerank && asked == LLAMA_POOLING_TYPE_UNSPECIFIED &&
+        llama_pooling_type(ctx_) == LLAMA_POOLING_TYPE_NONE) {
         llama_free(ctx_);
         ctx_ = new_context(model_, p, n_ctx_, max_seqs_, LLAMA_POOLING_TYPE_MEAN);
     }
@@ -76,10 +77,17 @@ embedder::embedder(const std::string & path, const embedder_params & p) {
                     " tokens");
     }
     pooling_ = llama_pooling_type(ctx_);
-    if (pooling_ == LLAMA_POOLING_TYPE_RANK) {
+    n_out_ =
+        pooling_ == LLAMA_POOLING_TYPE_RANK ? (int32_t) std::max<uint32_t>(1, llama_model_n_cls_out(model_)) : n_embd_;
+    const char * refused = nullptr;
+    if (p.rerank && pooling_ != LLAMA_POOLING_TYPE_RANK)
+        refused = "is not a reranker (its pooling is not rank: it has no classifier head)";
+    if (!p.rerank && pooling_ == LLAMA_POOLING_TYPE_RANK)
+        refused = "is a reranker (its pooling is rank): it scores pairs, it does not embed text";
+    if (refused) {
         llama_free(ctx_);
         llama_model_free(model_);
-        throw error("'" + path + "' is a reranker (its pooling is rank): it scores pairs, it does not embed text");
+        throw error("'" + path + "' " + refused);
     }
 }
 
@@ -92,18 +100,62 @@ void embedder::check(const std::vector<llama_token> & input) const {
     if (input.empty()) throw error("an input to embed is empty", error_kind::invalid_argument);
     if ((int64_t) input.size() > n_ctx_)
         throw error("an input has " + std::to_string(input.size()) +
-                        " tokens, more than the embedding model's maximum context length of " +
-                        std::to_string(n_ctx_) + " tokens",
+                        " tokens, more than the embedding model's maximum context length of " + std::to_string(n_ctx_) +
+                        " tokens",
                     error_kind::context_overflow);
     const int32_t nv = vocab_->n_tokens();
     for (llama_token t : input)
         if (t < 0 || t >= nv)
-            throw error("token ids must be integers in [0, " + std::to_string(nv) + ")",
-                        error_kind::invalid_argument);
+            throw error("token ids must be integers in [0, " + std::to_string(nv) + ")", error_kind::invalid_argument);
 }
 
 std::vector<std::vector<float>> embedder::embed(const std::vector<std::vector<llama_token>> & inputs,
                                                 const std::function<bool()> & stop) const {
+    std::vector<std::vector<float>> out = run(inputs, stop);
+    for (auto & v : out) l2_normalize(v);
+    return out;
+}
+
+std::vector<float> embedder::score(const std::vector<std::vector<llama_token>> & inputs,
+                                   const std::function<bool()> & stop) const {
+    std::vector<float> out;
+    for (const auto & v : run(inputs, stop)) out.push_back(v[0]);
+    return out;
+}
+
+std::vector<llama_token> embedder::rerank_input(const std::string & query, const std::string & document) const {
+    if (const char * tmpl = llama_model_chat_template(model_, "rerank")) {
+        // one pass over the template: a query holding "{document}" stays as written
+        const std::string t = tmpl;
+        std::string text;
+        for (size_t at = 0; at < t.size();) {
+            if (t.compare(at, 7, "{query}") == 0) {
+                text += query;
+                at += 7;
+            } else if (t.compare(at, 10, "{document}") == 0) {
+                text += document;
+                at += 10;
+            } else {
+                text += t[at++];
+            }
+        }
+        return vocab_->tokenize(text, false, true);
+    }
+    const llama_vocab * v = vocab_->raw();
+    llama_token eos = llama_vocab_eos(v);
+    if (eos == LLAMA_TOKEN_NULL) eos = llama_vocab_sep(v);
+    std::vector<llama_token> out;
+    if (llama_vocab_get_add_bos(v)) out.push_back(llama_vocab_bos(v));
+    for (llama_token t : vocab_->tokenize(query, false, false)) out.push_back(t);
+    if (llama_vocab_get_add_eos(v)) out.push_back(eos);
+    if (llama_vocab_get_add_sep(v)) out.push_back(llama_vocab_sep(v));
+    for (llama_token t : vocab_->tokenize(document, false, false)) out.push_back(t);
+    if (llama_vocab_get_add_eos(v)) out.push_back(eos);
+    return out;
+}
+
+std::vector<std::vector<float>> embedder::run(const std::vector<std::vector<llama_token>> & inputs,
+                                              const std::function<bool()> & stop) const {
     for (const auto & in : inputs) check(in);
     std::vector<std::vector<float>> out(inputs.size());
     std::lock_guard lock(mu_);
@@ -136,8 +188,7 @@ std::vector<std::vector<float>> embedder::embed(const std::vector<std::vector<ll
         for (size_t i = first; i < last; ++i) {
             const float * e = llama_get_embeddings_seq(ctx_, (llama_seq_id) (i - first));
             if (!e) throw error("libllama returned no embedding for an input");
-            out[i].assign(e, e + n_embd_);
-            l2_normalize(out[i]);
+            out[i].assign(e, e + n_out_);
         }
         first = last;
     }

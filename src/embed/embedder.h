@@ -1,8 +1,10 @@
-// text embeddings through libllama, for the server's /v1/embeddings: the
-// embedding model's own forward and pooling (BERT-style encoders, nomic,
-// Qwen3-Embedding, Gemma embedding, or a chat model pooled), on a context of
-// its own beside the serving loop's slots. Inputs are packed several to a
-// forward; each answer is the pooled vector, L2-normalized as OpenAI's are.
+// text embeddings and rerank scores through libllama, for the server's
+// /v1/embeddings and /v1/rerank: the model's own forward and pooling
+// (BERT-style encoders, nomic, Qwen3-Embedding, Gemma embedding, a chat model
+// pooled; or a reranker's classifier head: BGE/Jina rerankers,
+// Qwen3-Reranker), on a context of its own beside the serving loop's slots.
+// Inputs are packed several to a forward; an embedding is the pooled vector,
+// L2-normalized as OpenAI's are, a score the head's first output.
 #pragma once
 
 #include <cstdint>
@@ -21,10 +23,13 @@ struct embedder_params {
     // how token vectors become one: "" the file's own (mean when it names
     // none, as for a chat model), or "mean", "cls", "last"
     std::string pooling;
-    int64_t n_ctx = 0;       // the most tokens one input may have; 0: the model's training context, at most 8192
+    int64_t n_ctx = 0;  // the most tokens one input may have; 0: the model's training context, at most 8192
     int32_t n_threads = 2;
-    int32_t max_seqs = 8;    // inputs packed into one forward
-    bool use_gpu = false;    // the model's layers on the first GPU libllama finds
+    int32_t max_seqs = 8;  // inputs packed into one forward
+    bool use_gpu = false;  // the model's layers on the first GPU libllama finds
+    // a reranker (its file says pooling rank: a classifier head) for score();
+    // false: an embedding model for embed(). Either refuses the other kind
+    bool rerank = false;
 };
 
 // a pooling name of embedder_params, or invalid_argument naming the choices
@@ -50,14 +55,27 @@ class embedder {
     std::vector<std::vector<float>> embed(const std::vector<std::vector<llama_token>> & inputs,
                                           const std::function<bool()> & stop = {}) const;
 
+    // a reranker's input for one (query, document) pair: the file's "rerank"
+    // chat template with {query} and {document} filled in, else BOS query EOS
+    // SEP document EOS as its tokenizer adds them (llama-server's layout)
+    std::vector<llama_token> rerank_input(const std::string & query, const std::string & document) const;
+    // each rerank input's score (the head's first output: for Qwen3-Reranker
+    // the probability of "yes"), in order; the checks and stop as embed()'s
+    std::vector<float> score(const std::vector<std::vector<llama_token>> & inputs,
+                             const std::function<bool()> & stop = {}) const;
+
   private:
     void check(const std::vector<llama_token> & input) const;
+    // each input's pooled output (n_out_ floats), unnormalized
+    std::vector<std::vector<float>> run(const std::vector<std::vector<llama_token>> & inputs,
+                                        const std::function<bool()> & stop) const;
 
     std::unique_ptr<vocab> vocab_;
     llama_model * model_ = nullptr;
     llama_context * ctx_ = nullptr;
     enum llama_pooling_type pooling_ = LLAMA_POOLING_TYPE_MEAN;
     int32_t n_embd_ = 0;
+    int32_t n_out_ = 0;  // floats one input's output has: n_embd_, or the classifier's labels
     int64_t n_ctx_ = 0;
     int32_t max_seqs_ = 1;
     mutable std::mutex mu_;  // the context computes one batch at a time

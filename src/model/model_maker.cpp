@@ -659,7 +659,11 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
     const int64_t n_vocab = int64_t(gguf_get_arr_n(vocab.get(), tokens_id));
 
     // --- tensors: check every type fits before anything is written ---
-    const std::vector<tensor_plan> plan = plan_tensors(spec, n_vocab, params.wtype);
+    std::vector<tensor_plan> plan = plan_tensors(spec, n_vocab, params.wtype);
+    const int64_t n_labels = (int64_t) params.classifier_labels.size();
+    if (n_labels > 0)  // [n_embd, labels]: a unit-rms hidden state gives scores of std ~3
+        plan.push_back(plan_matrix("cls.output.weight", spec.n_embd, n_labels, params.wtype,
+                                   3.0f / std::sqrt(float(spec.n_embd))));
     for (const auto & t : plan) {
         if (t.ne0 % ggml_blck_size(t.type) != 0)
             throw error("make-model: tensor '" + t.name + "' has rows of " + std::to_string(t.ne0) +
@@ -758,6 +762,12 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
         gguf_set_kv(g, tok.get());
     }
     if (!params.chat_template.empty()) gguf_set_val_str(g, "tokenizer.chat_template", params.chat_template.c_str());
+    if (n_labels > 0) {
+        std::vector<const char *> labels;
+        for (const std::string & l : params.classifier_labels) labels.push_back(l.c_str());
+        gguf_set_arr_str(g, key("classifier.output_labels").c_str(), labels.data(), labels.size());
+        gguf_set_val_u32(g, key("pooling_type").c_str(), 4);  // libllama's LLAMA_POOLING_TYPE_RANK
+    }
     vocab.reset();
 
     ggml_init_params cparams = {/*mem_size =*/ggml_tensor_overhead() * (plan.size() + 1), /*mem_buffer =*/nullptr,

@@ -41,8 +41,7 @@ void doc_vectors::add(const std::string & id, const std::vector<float> & v) {
 
 std::vector<doc_hit> doc_vectors::search(const std::vector<float> & query, size_t k) const {
     if (query.size() != dim_)
-        throw error("a query vector has " + std::to_string(query.size()) + " dimensions, not " +
-                    std::to_string(dim_));
+        throw error("a query vector has " + std::to_string(query.size()) + " dimensions, not " + std::to_string(dim_));
     struct scored {
         float score;
         size_t age;  // 0: the newest

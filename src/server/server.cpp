@@ -44,6 +44,8 @@ struct server::impl {
     std::string emb_id;                    // its model's id in the answers
     std::atomic<int> emb_requests{0};      // embeddings requests in the route now (past max_queue: 503)
     std::unique_ptr<doc_vectors> vectors;  // the stored documents' embeddings (with the embedder)
+    std::unique_ptr<embedder> ranker;      // /v1/rerank (none: 501)
+    std::string ranker_id;
     server_metrics metrics;
     server_context context;  // the last: stopped first, once every queued request is answered
 
@@ -90,17 +92,28 @@ struct server::impl {
         routes();
     }
 
+    // the model's id in the answers: the chat model's, or the file's name
+    std::string id_of(const std::string & path) const {
+        return path == m->path() ? model_id : path.substr(path.find_last_of('/') + 1);
+    }
+
     void open_embedder() {
-        if (p.embedding_model.empty()) return;
         embedder_params ep;
         ep.pooling = p.pooling;
         ep.n_ctx = p.embedding_ctx;
         ep.n_threads = p.n_threads;
         ep.use_gpu = m->on_gpu();
-        emb = std::make_unique<embedder>(p.embedding_model, ep);
-        vectors = std::make_unique<doc_vectors>((size_t) p.known_docs_max, (size_t) emb->n_embd());
-        emb_id = p.embedding_model == m->path() ? model_id
-                                                : p.embedding_model.substr(p.embedding_model.find_last_of('/') + 1);
+        if (!p.embedding_model.empty()) {
+            emb = std::make_unique<embedder>(p.embedding_model, ep);
+            vectors = std::make_unique<doc_vectors>((size_t) p.known_docs_max, (size_t) emb->n_embd());
+            emb_id = id_of(p.embedding_model);
+        }
+        if (!p.rerank_model.empty()) {
+            ep.rerank = true;
+            ep.pooling.clear();
+            ranker = std::make_unique<embedder>(p.rerank_model, ep);
+            ranker_id = id_of(p.rerank_model);
+        }
     }
 
     // queue a job; false when the queue is full
@@ -347,18 +360,60 @@ struct server::impl {
                             "not_supported_error", "embeddings_not_enabled"};
     }
 
-    // the inputs' vectors, on the embedder's one context: at most --queue
-    // requests wait for it (beyond them 503); a client that hangs up stops its own
-    std::vector<std::vector<float>> embed(const std::vector<std::vector<llama_token>> & inputs,
-                                          const http_request & req) {
+    // f on the embedder's or reranker's one context: at most --queue requests
+    // wait for them (beyond them 503); a client that hangs up stops its own
+    template <typename F>
+    auto on_context(const http_request & req, F && f) {
         struct count_in {
             std::atomic<int> & n;
             ~count_in() { n--; }
         } in_route{emb_requests};
         if (++emb_requests > p.max_queue + 1)
-            throw request_error{503, "the server is overloaded: too many embeddings requests are waiting",
+            throw request_error{503, "the server is overloaded: too many embedding and rerank requests are waiting",
                                 "server_error", "overloaded"};
-        return emb->embed(inputs, [&req] { return req.closed && req.closed(); });
+        return f([&req] { return req.closed && req.closed(); });
+    }
+
+    std::vector<std::vector<float>> embed(const std::vector<std::vector<llama_token>> & inputs,
+                                          const http_request & req) {
+        return on_context(req, [&](const std::function<bool()> & stop) { return emb->embed(inputs, stop); });
+    }
+
+    // POST /v1/rerank: each document's relevance to the query by the reranker,
+    // best first (llama-server's, Jina's and Cohere's shape)
+    void rerank(const http_request & req, http_response & res) {
+        if (!ranker)
+            throw request_error{501, "this server does not rerank: start it with --rerank-model FILE",
+                                "not_supported_error", "rerank_not_enabled"};
+        const request_spec r = request_parse(REQUEST_RERANK, req.body);
+        ranker->tokens().check_text_fits(request_text_bytes(r), ranker->n_ctx(), "a query with a document");
+        const json & b = r.body;
+        const std::string query = b["query"].get<std::string>();
+        std::vector<std::string> texts;
+        std::vector<std::vector<llama_token>> inputs;
+        int64_t n_tokens = 0;
+        for (const auto & d : b["documents"]) {
+            texts.push_back(d.is_string() ? d.get<std::string>() : d["text"].get<std::string>());
+            inputs.push_back(ranker->rerank_input(query, texts.back()));
+            n_tokens += (int64_t) inputs.back().size();
+        }
+        const std::vector<float> scores =
+            on_context(req, [&](const std::function<bool()> & stop) { return ranker->score(inputs, stop); });
+        std::vector<size_t> order(scores.size());
+        for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+        std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t c) { return scores[a] > scores[c]; });
+        order.resize(std::min<size_t>(order.size(), (size_t) b.value("top_n", (int64_t) order.size())));
+        const bool with_text = b.value("return_documents", false) || b.value("return_text", false);
+        json results = json::array();
+        for (size_t i : order) {
+            results.push_back({{"index", i}, {"relevance_score", scores[i]}});
+            if (with_text) results.back()["document"] = {{"text", texts[i]}};
+        }
+        res.set_content(json_text({{"object", "list"},
+                                   {"model", ranker_id},
+                                   {"results", std::move(results)},
+                                   {"usage", {{"prompt_tokens", n_tokens}, {"total_tokens", n_tokens}}}}),
+                        "application/json");
     }
 
     // POST /v1/documents/search: the stored documents nearest the query's embedding
@@ -488,6 +543,8 @@ struct server::impl {
         });
         http.post("/v1/documents",
                   guarded([this](const http_request & req, http_response & res) { documents(req, res); }));
+        for (const char * path : {"/v1/rerank", "/rerank", "/v1/reranking", "/reranking"})
+            http.post(path, guarded([this](const http_request & req, http_response & res) { rerank(req, res); }));
         http.post("/v1/documents/search",
                   guarded([this](const http_request & req, http_response & res) { search(req, res); }));
         for (const char * path : {"/v1/embeddings", "/embeddings"})
@@ -542,9 +599,14 @@ chunk_tier_stats server::tier_stats() const {
 
 std::string server::embedding_summary() const {
     const impl & s = *impl_;
-    if (!s.emb) return "";
-    return "; embeddings: " + s.emb_id + " (" + pooling_name(s.emb->pooling()) + " pooling, " +
-           std::to_string(s.emb->n_embd()) + " dimensions, inputs up to " + std::to_string(s.emb->n_ctx()) + " tokens)";
+    std::string out;
+    if (s.emb)
+        out += "; embeddings: " + s.emb_id + " (" + pooling_name(s.emb->pooling()) + " pooling, " +
+               std::to_string(s.emb->n_embd()) + " dimensions, inputs up to " + std::to_string(s.emb->n_ctx()) +
+               " tokens)";
+    if (s.ranker)
+        out += "; rerank: " + s.ranker_id + " (inputs up to " + std::to_string(s.ranker->n_ctx()) + " tokens)";
+    return out;
 }
 
 }  // namespace kvblend

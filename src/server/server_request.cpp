@@ -347,6 +347,12 @@ json request_parse_json(const std::string & text, int max_depth) {
 
 namespace {
 
+// a search's or a rerank's query
+void check_query(const json & b) {
+    if (!b.contains("query") || !b["query"].is_string() || b["query"].get_ref<const std::string &>().empty())
+        bad_request("'query' must be a non-empty string");
+}
+
 // /v1/embeddings: OpenAI's input shapes, its encoding formats and dimensions
 void check_embeddings(const json & b) {
     const auto in = b.find("input");
@@ -426,9 +432,19 @@ request_spec request_check(request_kind kind, json body) {
             break;
         case REQUEST_EMBEDDINGS: check_embeddings(b); break;
         case REQUEST_SEARCH:
-            if (!b.contains("query") || !b["query"].is_string() || b["query"].get_ref<const std::string &>().empty())
-                bad_request("'query' must be a non-empty string");
+            check_query(b);
             optional_integer(b, "k", 1, (double) k_max_search_hits);
+            break;
+        case REQUEST_RERANK:  // llama-server's (Jina's, Cohere's) shape
+            check_query(b);
+            r.n_documents = check_documents(b, false, true);
+            if (r.n_documents > k_max_embedding_inputs)
+                bad_request("'documents' holds " + std::to_string(r.n_documents) + " documents, more than " +
+                            std::to_string(k_max_embedding_inputs) + " per request");
+            optional_integer(b, "top_n", 1, 1e9);
+            optional_bool(b, "return_documents");
+            optional_bool(b, "return_text");
+            optional_field(b, "model", "a string", [](const json & x) { return x.is_string(); });
             break;
     }
     if (kind == REQUEST_CHAT || kind == REQUEST_COMPLETION)
@@ -469,6 +485,9 @@ size_t request_text_bytes(const request_spec & r) {
             for (const embedding_input & in : request_embedding_inputs(b)) n = std::max(n, in.text.size());
             return n;
         case REQUEST_SEARCH: return b["query"].get_ref<const std::string &>().size();
+        case REQUEST_RERANK:
+            for (const auto & d : b["documents"]) n = std::max(n, doc_bytes(d));
+            return n + b["query"].get_ref<const std::string &>().size();
         case REQUEST_TOKENIZE: return b.contains("content") ? doc_bytes(b["content"]) : 0;
         default: return 0;
     }

@@ -40,6 +40,7 @@ enum request_kind {
     REQUEST_DETOKENIZE,  // POST /detokenize
     REQUEST_EMBEDDINGS,  // POST /v1/embeddings
     REQUEST_SEARCH,      // POST /v1/documents/search
+    REQUEST_RERANK,      // POST /v1/rerank
 };
 
 constexpr int k_request_max_depth = 64;          // nesting of arrays and objects a body may have
@@ -82,7 +83,7 @@ nlohmann::json request_parse_json(const std::string & text, int max_depth = k_re
 // bytes of text a checked request gives the tokenizer: the prompt, or the
 // messages' and documents' text; for REQUEST_DOCUMENTS and REQUEST_EMBEDDINGS
 // the longest document or input (each is tokenized alone); a search's query;
-// 0 for the others
+// a rerank's query and longest document; 0 for the others
 size_t request_text_bytes(const request_spec & r);
 
 // parse and check a body for an endpoint; throws request_error

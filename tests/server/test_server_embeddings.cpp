@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "cli_run.h"
+#include "kvblend/model_maker.h"
 #include "running_server.h"
 #include "server/doc_vectors.h"
 #include "server/server_response.h"
@@ -108,7 +109,8 @@ TEST(server_embeddings, equal_libllamas_token_vectors_pooled_in_order_whatever_e
             EXPECT_EQ(d["index"], i);
             const std::vector<float> got = floats_of(d["embedding"]);
             // f32 weights: the packed forward and libllama's lone one differ in summation order only
-            EXPECT_LT(max_abs_diff(got, reference_embedding(k_texts[i], last)), 2e-5f) << k_texts[i] << " last " << last;
+            EXPECT_LT(max_abs_diff(got, reference_embedding(k_texts[i], last)), 2e-5f)
+                << k_texts[i] << " last " << last;
             const json alone = test::post(c, "/v1/embeddings", {{"input", k_texts[i]}});
             EXPECT_LT(max_abs_diff(got, floats_of(alone["data"][0]["embedding"])), 2e-5f);
             tokens += alone["usage"]["prompt_tokens"].get<int64_t>();
@@ -184,8 +186,7 @@ TEST(server_embeddings, stored_documents_are_found_by_their_embedding_then_fused
     p.store_uri = d.path().string();
     test::running_server s(p, qwen3_model());
     auto c = s.client();
-    const json stored =
-        test::post(c, "/v1/documents", {{"documents", k_texts}, {"return_embeddings", true}});
+    const json stored = test::post(c, "/v1/documents", {{"documents", k_texts}, {"return_embeddings", true}});
     ASSERT_EQ(stored["data"].size(), k_texts.size());
     for (size_t i = 0; i < k_texts.size(); ++i) {
         const std::vector<float> v = floats_of(stored["data"][i]["embedding"]);
@@ -257,6 +258,105 @@ TEST(server_embeddings, the_openai_client_and_langchain_embed_through_it) {
         p.embedding_model = qwen3_model();
         p.embedding_ctx = 512;
     });
+}
+
+// a tiny Qwen3-Reranker-shaped model: a classifier head of labels yes, no
+const std::string & reranker_model() {
+    static const std::string path = [] {
+        make_model_params mp;
+        mp.wtype = GGML_TYPE_F32;
+        mp.vocab_from = test::vocab_path("qwen2");
+        mp.classifier_labels = {"yes", "no"};
+        const std::string out = test::process_dir().file("tiny-qwen3-reranker.gguf");
+        make_model(model_spec_preset("tiny-qwen3"), mp, out);
+        return out;
+    }();
+    return path;
+}
+
+// libllama's rank pooling of one pair, laid out as the vocabulary asks (no
+// rerank template in this file): [BOS] query [EOS] [SEP] document [EOS]
+float reference_score(const std::string & query, const std::string & doc) {
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = 0;
+    llama_model * model = llama_model_load_from_file(reranker_model().c_str(), mp);
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = 512;
+    cp.embeddings = true;
+    cp.pooling_type = LLAMA_POOLING_TYPE_RANK;
+    llama_context * ctx = llama_init_from_model(model, cp);
+    const llama_vocab * v = llama_model_get_vocab(model);
+    auto tok = [&](const std::string & t) {
+        std::vector<llama_token> out(t.size() + 8);
+        out.resize(llama_tokenize(v, t.data(), (int32_t) t.size(), out.data(), (int32_t) out.size(), false, false));
+        return out;
+    };
+    std::vector<llama_token> in;
+    if (llama_vocab_get_add_bos(v)) in.push_back(llama_vocab_bos(v));
+    for (llama_token t : tok(query)) in.push_back(t);
+    if (llama_vocab_get_add_eos(v)) in.push_back(llama_vocab_eos(v));
+    if (llama_vocab_get_add_sep(v)) in.push_back(llama_vocab_sep(v));
+    for (llama_token t : tok(doc)) in.push_back(t);
+    if (llama_vocab_get_add_eos(v)) in.push_back(llama_vocab_eos(v));
+    llama_batch batch = llama_batch_get_one(in.data(), (int32_t) in.size());
+    EXPECT_EQ(llama_decode(ctx, batch), 0);
+    const float score = llama_get_embeddings_seq(ctx, 0)[0];
+    llama_free(ctx);
+    llama_model_free(model);
+    return score;
+}
+
+TEST(server_rerank, scores_equal_libllamas_rank_pooling_best_first_with_top_n_and_the_texts) {
+    server_params p = test::small_params();
+    p.rerank_model = reranker_model();
+    p.embedding_ctx = 512;
+    p.log_requests = false;
+    test::running_server s(p, qwen3_model());
+    auto c = s.client();
+    const std::string query = "Which animal jumps?";
+    const json all = test::post(c, "/v1/rerank", {{"query", query}, {"documents", k_texts}});
+    ASSERT_EQ(all["results"].size(), k_texts.size());
+    std::vector<bool> seen(k_texts.size());
+    for (size_t r = 0; r < k_texts.size(); ++r) {
+        const json & x = all["results"][r];
+        const size_t i = x["index"].get<size_t>();
+        ASSERT_LT(i, k_texts.size());
+        seen[i] = true;
+        const float score = x["relevance_score"].get<float>();
+        EXPECT_NEAR(score, reference_score(query, k_texts[i]), 1e-5f) << k_texts[i];
+        EXPECT_GT(score, 0.0f);  // the probability of "yes" (libllama's softmax over the labels)
+        EXPECT_LT(score, 1.0f);
+        if (r > 0) EXPECT_GE(all["results"][r - 1]["relevance_score"].get<float>(), score);
+        EXPECT_FALSE(x.contains("document"));
+    }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), true), (long) k_texts.size());
+    EXPECT_GT(all["usage"]["prompt_tokens"].get<int64_t>(), 0);
+    const json top = test::post(c, "/rerank",
+                                {{"query", query},
+                                 {"documents", {{{"text", k_texts[0]}}, k_texts[1], k_texts[2]}},
+                                 {"top_n", 1},
+                                 {"return_documents", true}});
+    ASSERT_EQ(top["results"].size(), 1u);
+    EXPECT_EQ(top["results"][0]["index"], all["results"][0]["index"]);
+    EXPECT_EQ(top["results"][0]["document"]["text"], k_texts[all["results"][0]["index"].get<size_t>()]);
+    for (const json & body :
+         {json{{"documents", k_texts}}, json{{"query", ""}, {"documents", k_texts}}, json{{"query", "a"}},
+          json{{"query", "a"}, {"documents", json::array()}}, json{{"query", "a"}, {"documents", {1}}},
+          json{{"query", "a"}, {"documents", k_texts}, {"top_n", 0}},
+          json{{"query", "a"}, {"documents", std::vector<std::string>(2049, "a")}},
+          json{{"query", std::string(200000, 'a')}, {"documents", k_texts}}})
+        test::post(c, "/v1/rerank", body, 400);
+    // an embedding model is no reranker, and a reranker no embedding model
+    p.rerank_model = qwen3_model();
+    EXPECT_THROW(server(model::load(qwen3_model()), p), error);
+    p.rerank_model.clear();
+    p.embedding_model = reranker_model();
+    EXPECT_THROW(server(model::load(qwen3_model()), p), error);
+    test::running_server plain(test::small_params());
+    auto pc = plain.client();
+    EXPECT_EQ(test::openai_error_of(
+                  pc.Post("/v1/rerank", R"({"query": "a", "documents": ["b"]})", "application/json"))["type"],
+              "not_supported_error");
 }
 
 TEST(server_embeddings, the_cli_refuses_a_wrong_pooling_and_two_embedding_models) {
