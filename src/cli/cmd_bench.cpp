@@ -18,7 +18,7 @@ namespace kvblend::cli {
 namespace {
 
 const char * k_help =
-    R"(usage: kvblend bench prefill|blend|store|codec|grid|serve|evict|match|accuracy -m MODEL [options]   (kvblend bench blend --help, …)
+    R"(usage: kvblend bench prefill|blend|store|codec|grid|serve|evict|match|search|accuracy -m MODEL [options]   (kvblend bench blend --help, …)
 
 kvblend bench prefill -m MODEL [options]
 
@@ -339,9 +339,10 @@ int cmd_bench(int argc, char ** argv) {
     if (what == "grid") return bench_grid(a);
     if (what == "evict") return bench_evict(a);
     if (what == "match") return bench_match(a);
+    if (what == "search") return bench_search(a);
     if (what == "accuracy") return bench_accuracy(a);
     throw error("unknown benchmark '" + what +
-                "' (available: prefill, blend, store, codec, grid, serve, evict, match, accuracy)");
+                "' (available: prefill, blend, store, codec, grid, serve, evict, match, search, accuracy)");
 }
 
 }  // namespace kvblend::cli

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "embed/embedder.h"
+#include "kvblend.h"
 #include "kvblend/codec.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
@@ -496,6 +497,48 @@ struct server::impl {
         res.set_content(json_text({{"content", m->tokens().detokenize(t)}}), "application/json");
     }
 
+    // GET /props: llama-server's fields a script reads (the slots, the context,
+    // the chat template, the special tokens), and what this server adds
+    json props() const {
+        const vocab & v = m->tokens();
+        const char * tmpl = llama_model_chat_template(v.raw_model(), nullptr);
+        return {{"default_generation_settings", {{"n_ctx", p.n_ctx}, {"id", 0}, {"is_processing", false}}},
+                {"total_slots", p.parallel},
+                {"model_alias", model_id},
+                {"model_path", m->path()},
+                {"chat_template", tmpl ? tmpl : ""},
+                {"bos_token", v.bos() >= 0 ? v.token_to_piece(v.bos(), true) : ""},
+                {"eos_token", v.eos() >= 0 ? v.token_to_piece(v.eos(), true) : ""},
+                {"build_info", std::string("kvblend ") + kvb_version()},
+                {"modalities", {{"vision", false}, {"audio", false}}},
+                {"embeddings", emb != nullptr},
+                {"rerank", ranker != nullptr},
+                {"fusion", p.kv_codec.empty()},
+                {"store", st ? st->uri() : ""}};
+    }
+
+    // GET /slots: each slot's state (read-only: a slot's cache is not saved or restored by id)
+    json slots() const {
+        json out = json::array();
+        for (const server_context::slot_view & s : context.slots())
+            out.push_back({{"id", s.id},
+                           {"n_ctx", p.n_ctx},
+                           {"is_processing", std::string(s.state) != "idle"},
+                           {"state", s.state},
+                           {"route", s.route}});
+        return out;
+    }
+
+    // POST /apply-template: the prompt a chat body becomes, as text (special
+    // tokens written out); with documents, the fused layout's text
+    void apply_template(const http_request & req, http_response & res) const {
+        const json b = jobs.parse_body(req.body, REQUEST_CHAT);
+        std::vector<llama_token> t = jobs.chat_job(b)->tokens;
+        const vocab & v = m->tokens();
+        if (v.add_bos() && !t.empty() && t[0] == v.bos()) t.erase(t.begin());  // the tokenizer's, not the template's
+        res.set_content(json_text({{"prompt", v.detokenize(t, true)}}), "application/json");
+    }
+
     void routes() {
         http.on_headers([this](const http_request & req, http_response & res) { return refuse_early(req, res); });
         http.on_error([this](http_response & res) { error_answer(res); });
@@ -549,6 +592,18 @@ struct server::impl {
                   guarded([this](const http_request & req, http_response & res) { search(req, res); }));
         for (const char * path : {"/v1/embeddings", "/embeddings"})
             http.post(path, guarded([this](const http_request & req, http_response & res) { embeddings(req, res); }));
+        http.get("/props", [this](const http_request &, http_response & res) {
+            res.set_content(json_text(props()), "application/json");
+        });
+        http.post("/props", guarded([](const http_request &, http_response &) {
+                      throw request_error{403, "the server's properties are read-only: set them with serve's flags",
+                                          "invalid_request_error", "read_only"};
+                  }));
+        http.get("/slots", [this](const http_request &, http_response & res) {
+            res.set_content(json_text(slots()), "application/json");
+        });
+        http.post("/apply-template",
+                  guarded([this](const http_request & req, http_response & res) { apply_template(req, res); }));
         http.post("/tokenize", guarded([this](const http_request & req, http_response & res) { tokenize(req, res); }));
         http.post("/detokenize",
                   guarded([this](const http_request & req, http_response & res) { detokenize(req, res); }));

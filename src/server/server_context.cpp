@@ -271,7 +271,6 @@ struct server_context::impl {
         if (!j.ingest) metrics.record(j, !err.empty());
         if (p.log_requests) log_line(j, err, status);
         j.finish(err, status, code);
-        s.j.reset();
         s.answer.reset();
         s.next = -1;
         s.prompt_left.clear();
@@ -279,7 +278,8 @@ struct server_context::impl {
         s.prepared_logits.clear();
         s.prep_err.clear();
         s.t_free = time_ms();
-        std::lock_guard l(qmu);
+        std::lock_guard l(qmu);  // s.j is written under it: slots() reads it from the HTTP threads
+        s.j.reset();
         s.state = slot_state::free;
     }
 
@@ -599,6 +599,26 @@ server_context::~server_context() = default;
 
 bool server_context::submit(const std::shared_ptr<job> & j) {
     return d_->submit(j);
+}
+
+std::vector<server_context::slot_view> server_context::slots() const {
+    std::lock_guard l(d_->qmu);
+    std::vector<slot_view> out;
+    for (size_t i = 0; i < d_->slots.size(); ++i) {
+        const impl::slot & s = d_->slots[i];
+        const impl::slot_state st = s.state;
+        out.push_back({(int) i,
+                       st == impl::slot_state::free        ? "idle"
+                       : st == impl::slot_state::preparing ? "preparing"
+                                                           : "running",
+                       s.j ? s.j->route : ""});
+    }
+    return out;
+}
+
+size_t server_context::queued() const {
+    std::lock_guard l(d_->qmu);
+    return d_->queue.size();
 }
 
 }  // namespace kvblend

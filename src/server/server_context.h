@@ -13,6 +13,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "kvblend/model.h"
 #include "kvblend/server.h"
@@ -36,6 +37,15 @@ class server_context {
 
     // queue a job; false when the queue is full
     bool submit(const std::shared_ptr<job> & j);
+
+    // what each slot is doing now (GET /slots), and the requests waiting
+    struct slot_view {
+        int id;
+        const char * state;  // "idle", "preparing" (a blend, an ingest), "running"
+        const char * route;  // the request's route while it has one, else ""
+    };
+    std::vector<slot_view> slots() const;
+    size_t queued() const;
 
   private:
     struct impl;

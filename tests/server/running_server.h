@@ -21,6 +21,12 @@ namespace kvblend::test {
 
 inline const std::string k_stories_model = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
 
+// tiny-qwen3 with f32 weights and the qwen2 vocabulary (its chat template), made once per process
+inline const std::string & tiny_qwen3_model() {
+    static const std::string path = make_test_model("tiny-qwen3", GGML_TYPE_F32, vocab_path("qwen2"));
+    return path;
+}
+
 class running_server {
   public:
     explicit running_server(server_params p, const std::string & model_path = k_stories_model) {

@@ -18,14 +18,9 @@ namespace {
 
 using json = nlohmann::json;
 
-const std::string & qwen3_model() {
-    static const std::string path = test::make_test_model("tiny-qwen3", GGML_TYPE_F32, test::vocab_path("qwen2"));
-    return path;
-}
-
 server_params embedding_params(const std::string & pooling = "") {
     server_params p = test::small_params();
-    p.embedding_model = qwen3_model();
+    p.embedding_model = test::tiny_qwen3_model();
     p.pooling = pooling;
     p.embedding_ctx = 512;
     p.log_requests = false;
@@ -45,7 +40,7 @@ std::vector<float> unit(const std::vector<float> & v) {
 std::vector<float> reference_embedding(const std::string & text, bool last) {
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
-    llama_model * model = llama_model_load_from_file(qwen3_model().c_str(), mp);
+    llama_model * model = llama_model_load_from_file(test::tiny_qwen3_model().c_str(), mp);
     EXPECT_NE(model, nullptr);
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = cp.n_batch = cp.n_ubatch = 512;
@@ -97,7 +92,7 @@ const std::vector<std::string> k_texts = {"The quick brown fox jumps over the la
 
 TEST(server_embeddings, equal_libllamas_token_vectors_pooled_in_order_whatever_else_is_in_the_batch) {
     for (const bool last : {false, true}) {
-        test::running_server s(embedding_params(last ? "last" : ""), qwen3_model());
+        test::running_server s(embedding_params(last ? "last" : ""), test::tiny_qwen3_model());
         auto c = s.client();
         const json all = test::post(c, "/v1/embeddings", {{"input", k_texts}, {"model", "anything"}});
         ASSERT_EQ(all["data"].size(), k_texts.size());
@@ -122,7 +117,7 @@ TEST(server_embeddings, equal_libllamas_token_vectors_pooled_in_order_whatever_e
 }
 
 TEST(server_embeddings, base64_token_ids_and_fewer_dimensions_say_the_same_vector) {
-    test::running_server s(embedding_params(), qwen3_model());
+    test::running_server s(embedding_params(), test::tiny_qwen3_model());
     auto c = s.client();
     const json as_floats = test::post(c, "/v1/embeddings", {{"input", k_texts[0]}});
     const std::vector<float> v = floats_of(as_floats["data"][0]["embedding"]);
@@ -146,7 +141,7 @@ TEST(server_embeddings, base64_token_ids_and_fewer_dimensions_say_the_same_vecto
 }
 
 TEST(server_embeddings, bad_bodies_get_clear_errors_and_a_server_without_an_embedder_says_501) {
-    test::running_server s(embedding_params(), qwen3_model());
+    test::running_server s(embedding_params(), test::tiny_qwen3_model());
     auto c = s.client();
     const std::string long_text(200000, 'a');
     const std::vector<std::pair<json, std::string>> bad = {
@@ -184,7 +179,7 @@ TEST(server_embeddings, stored_documents_are_found_by_their_embedding_then_fused
     test::temp_dir d("embedsearch");
     server_params p = embedding_params();
     p.store_uri = d.path().string();
-    test::running_server s(p, qwen3_model());
+    test::running_server s(p, test::tiny_qwen3_model());
     auto c = s.client();
     const json stored = test::post(c, "/v1/documents", {{"documents", k_texts}, {"return_embeddings", true}});
     ASSERT_EQ(stored["data"].size(), k_texts.size());
@@ -215,7 +210,7 @@ TEST(server_embeddings, searches_are_checked_and_the_vectors_bounded_by_the_know
     server_params p = embedding_params();
     p.store_uri = d.path().string();
     p.known_docs_max = 2;
-    test::running_server s(p, qwen3_model());
+    test::running_server s(p, test::tiny_qwen3_model());
     auto c = s.client();
     const json stored = test::post(c, "/v1/documents", {{"documents", k_texts}});
     const json found = test::post(c, "/v1/documents/search", {{"query", k_texts[0]}, {"k", 10}});
@@ -254,8 +249,8 @@ TEST(doc_vectors, best_first_newer_first_on_ties_replaced_by_id_bounded_and_one_
 }
 
 TEST(server_embeddings, the_openai_client_and_langchain_embed_through_it) {
-    test::run_node_client("openai_embeddings.mjs", qwen3_model(), [](server_params & p) {
-        p.embedding_model = qwen3_model();
+    test::run_node_client("openai_embeddings.mjs", test::tiny_qwen3_model(), [](server_params & p) {
+        p.embedding_model = test::tiny_qwen3_model();
         p.embedding_ctx = 512;
     });
 }
@@ -311,7 +306,7 @@ TEST(server_rerank, scores_equal_libllamas_rank_pooling_best_first_with_top_n_an
     p.rerank_model = reranker_model();
     p.embedding_ctx = 512;
     p.log_requests = false;
-    test::running_server s(p, qwen3_model());
+    test::running_server s(p, test::tiny_qwen3_model());
     auto c = s.client();
     const std::string query = "Which animal jumps?";
     const json all = test::post(c, "/v1/rerank", {{"query", query}, {"documents", k_texts}});
@@ -347,11 +342,11 @@ TEST(server_rerank, scores_equal_libllamas_rank_pooling_best_first_with_top_n_an
           json{{"query", std::string(200000, 'a')}, {"documents", k_texts}}})
         test::post(c, "/v1/rerank", body, 400);
     // an embedding model is no reranker, and a reranker no embedding model
-    p.rerank_model = qwen3_model();
-    EXPECT_THROW(server(model::load(qwen3_model()), p), error);
+    p.rerank_model = test::tiny_qwen3_model();
+    EXPECT_THROW(server(model::load(test::tiny_qwen3_model()), p), error);
     p.rerank_model.clear();
     p.embedding_model = reranker_model();
-    EXPECT_THROW(server(model::load(qwen3_model()), p), error);
+    EXPECT_THROW(server(model::load(test::tiny_qwen3_model()), p), error);
     test::running_server plain(test::small_params());
     auto pc = plain.client();
     EXPECT_EQ(test::openai_error_of(
@@ -359,11 +354,20 @@ TEST(server_rerank, scores_equal_libllamas_rank_pooling_best_first_with_top_n_an
               "not_supported_error");
 }
 
+TEST(server_embeddings, the_search_benchmark_finds_each_query_s_document_first) {
+    const test::run_result r = test::run_cli("bench search --docs 500 --dims 64 -r 5 --json");
+    ASSERT_EQ(r.status, 0) << r.err;
+    const json out = json::parse(r.out);
+    EXPECT_EQ(out["found_first"], 5);
+    EXPECT_EQ(out["docs"], 500);
+}
+
 TEST(server_embeddings, the_cli_refuses_a_wrong_pooling_and_two_embedding_models) {
     test::run_result r = test::run_cli("serve -m " + test::k_stories_model + " --embeddings --pooling max");
     EXPECT_EQ(r.status, 1);
     EXPECT_NE(r.err.find("pooling 'max' is not one of mean, cls, last"), std::string::npos) << r.err;
-    r = test::run_cli("serve -m " + test::k_stories_model + " --embeddings --embedding-model " + qwen3_model());
+    r = test::run_cli("serve -m " + test::k_stories_model + " --embeddings --embedding-model " +
+                      test::tiny_qwen3_model());
     EXPECT_EQ(r.status, 1);
     EXPECT_NE(r.err.find("give one"), std::string::npos) << r.err;
 }
