@@ -52,7 +52,7 @@ struct server_params {
     std::string embedding_model;
     std::string rerank_model;   // POST /v1/rerank: a reranker GGUF (a classifier head, pooling rank); empty: off
     std::string pooling;        // embedder_params::pooling: "" the file's own, or mean, cls, last
-    int64_t embedding_ctx = 0;  // the most tokens one input (or rerank pair) may have (0: the model's, at most 8192)
+    int64_t embedding_ctx = 0;  // the most tokens one input (or rerank pair) may have (0: the model's, at most 2048)
     std::string api_key;        // empty: no authentication
     std::string alias;          // the model's id in the API (empty: the file's name)
     // web pages that may call the server (CORS): a request with an Origin header
@@ -90,7 +90,7 @@ class server {
     bool wait_ready(int timeout_ms) const;  // true once listening
     int port() const;                       // the bound port (after listen() started)
     chunk_tier_stats tier_stats() const;    // the chunk tiers' bounds and use
-    // "; embeddings: FILE (mean pooling, 768 dimensions, inputs up to 8192 tokens)"
+    // "; embeddings: FILE (mean pooling, 768 dimensions, inputs up to 2048 tokens)"
     // and "; rerank: FILE (…)" for what the server has, or ""
     std::string embedding_summary() const;
 

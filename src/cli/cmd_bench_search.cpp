@@ -92,10 +92,11 @@ int bench_search(args & a) {
                                 .dump()
                                 .c_str());
     else
-        std::printf("%lld documents of %lld dimensions (added in %.0f ms): a search of the %lld nearest takes %.2f ms "
-                    "(median of %lld); %lld of %lld queries found their document first\n",
-                    (long long) n_docs, (long long) dims, add_ms, (long long) k, per_query, (long long) reps,
-                    (long long) found_first, (long long) reps);
+        std::printf(
+            "%lld documents of %lld dimensions (added in %.0f ms): a search of the %lld nearest takes %.2f ms "
+            "(median of %lld); %lld of %lld queries found their document first\n",
+            (long long) n_docs, (long long) dims, add_ms, (long long) k, per_query, (long long) reps,
+            (long long) found_first, (long long) reps);
     if (found_first != reps)
         throw error("a query missed its document: " + std::to_string(found_first) + " of " + std::to_string(reps));
     return 0;

@@ -58,7 +58,8 @@ model), /v1/rerank (with a reranker), /v1/documents, /v1/models, /health,
   --learn-max-docs N        most passages one request adds as documents (default 16)
   --learn-max-bytes N       most passage text one request adds (default 65536)
   --learn-min-chars N       shortest paragraph learned as a passage (default 256)
-  --known-docs N            document texts searched for in plain prompts, oldest forgotten (default 250000)
+  --known-docs N            document texts searched for in plain prompts, and document vectors searched by
+                            /v1/documents/search, each oldest forgotten (default 250000)
   --api-key KEY             require "Authorization: Bearer KEY" or "X-Api-Key: KEY" (an empty key is refused)
   -a, --alias NAME          the model's id in the API (default: the file's name)
   --jinja                   accepted for llama-server's command lines: the model's chat template is always used
@@ -80,7 +81,9 @@ model), /v1/rerank (with a reranker), /v1/documents, /v1/models, /health,
   --rerank-model FILE       serve /v1/rerank with this reranker GGUF (BGE/Jina rerankers, Qwen3-Reranker)
   --pooling P               how token vectors become one: mean, cls, last (default: the file's own;
                             mean for a model that names none)
-  --embedding-ctx N         the most tokens one input to embed may have (default: the model's, at most 8192)
+  --embedding-ctx N         the most tokens one input to embed (or one rerank pair) may have (default: the
+                            model's, at most 2048; a model with a large vocabulary holds vocabulary x N
+                            floats of logits besides, which libllama computes along with the embeddings)
 
 Token eviction of every slot's cache after its prompt (plain or fused); an
 evicted slot is reused only by a prompt that extends everything it has seen:
@@ -239,6 +242,8 @@ int cmd_serve(int argc, char ** argv) {
     if (embed_chat_model && !sp.embedding_model.empty())
         throw error("--embeddings embeds with the chat model, --embedding-model with another: give one");
     if (embed_chat_model) sp.embedding_model = model_path;
+    if (!sp.pooling.empty() && sp.embedding_model.empty())
+        throw error("--pooling applies to embeddings: give --embeddings or --embedding-model too");
     if (sp.api_key.empty() && sp.host != "127.0.0.1" && sp.host != "localhost" && sp.host != "::1")
         std::fprintf(stderr,
                      "warning: serving on %s without an API key: anyone who can reach it can use it (--api-key)\n",

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 
 #include "kvblend/common.h"
 
@@ -9,7 +10,9 @@ namespace kvblend {
 
 namespace {
 
-constexpr int64_t k_default_max_ctx = 8192;  // OpenAI's embedding models take 8191 tokens
+// inputs up to this many tokens by default: libllama computes (and holds) the
+// logits of every token along with the embeddings, vocabulary x tokens floats
+constexpr int64_t k_default_max_ctx = 2048;
 
 struct pooling_entry {
     const char * name;
@@ -55,6 +58,7 @@ embedder::embedder(const std::string & path, const embedder_params & p) {
         throw error("inputs per embedding forward must be in [1, 256]", error_kind::invalid_argument);
     const enum llama_pooling_type asked =
         p.pooling.empty() || p.rerank ? LLAMA_POOLING_TYPE_UNSPECIFIED : pooling_by_name(p.pooling);
+    if (!std::ifstream(path).good()) throw error("'" + path + "': no such file, or it cannot be read");
     vocab_ = std::make_unique<vocab>(path);
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = p.use_gpu ? 999 : 0;
@@ -100,8 +104,8 @@ void embedder::check(const std::vector<llama_token> & input) const {
     if (input.empty()) throw error("an input to embed is empty", error_kind::invalid_argument);
     if ((int64_t) input.size() > n_ctx_)
         throw error("an input has " + std::to_string(input.size()) +
-                        " tokens, more than the embedding model's maximum context length of " + std::to_string(n_ctx_) +
-                        " tokens",
+                        " tokens, more than the maximum context length of " + std::to_string(n_ctx_) +
+                        " tokens (--embedding-ctx)",
                     error_kind::context_overflow);
     const int32_t nv = vocab_->n_tokens();
     for (llama_token t : input)

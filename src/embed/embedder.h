@@ -23,7 +23,7 @@ struct embedder_params {
     // how token vectors become one: "" the file's own (mean when it names
     // none, as for a chat model), or "mean", "cls", "last"
     std::string pooling;
-    int64_t n_ctx = 0;  // the most tokens one input may have; 0: the model's training context, at most 8192
+    int64_t n_ctx = 0;  // the most tokens one input may have; 0: the model's training context, at most 2048
     int32_t n_threads = 2;
     int32_t max_seqs = 8;  // inputs packed into one forward
     bool use_gpu = false;  // the model's layers on the first GPU libllama finds

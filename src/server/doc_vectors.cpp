@@ -58,7 +58,7 @@ std::vector<doc_hit> doc_vectors::search(const std::vector<float> & query, size_
     for (auto it = entries_.rbegin(); it != entries_.rend(); ++it, ++age) {
         float score = 0;
         dot((int) dim_, &score, 0, rows_.data() + it->slot * dim_, 0, q.data(), 0, 1);
-        all.push_back({score, age, &it->id});
+        all.push_back({std::clamp(score, -1.0f, 1.0f), age, &it->id});  // f16 rounding may pass 1
     }
     k = std::min(k, all.size());
     std::partial_sort(all.begin(), all.begin() + (ptrdiff_t) k, all.end(), [](const scored & a, const scored & b) {

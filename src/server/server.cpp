@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "embed/embedder.h"
@@ -324,29 +325,41 @@ struct server::impl {
         if (body.value("return_embeddings", false) && !emb) no_embedder();
         std::vector<std::string> texts;
         const std::shared_ptr<job> j = jobs.ingest_job(body, texts);
+        // with an embedder, a place in its queue first: a document is stored only when it can be indexed too
+        std::optional<context_place> place;
+        if (emb) place.emplace(*this);
         if (!submit(j)) throw request_error{503, "the server is overloaded", "server_error", "overloaded"};
         std::unique_lock l(j->mu);
         wait_done(*j, l, req);  // a client that hangs up stops the documents not yet collected
         // known to plain prompts: the documents the store now holds
         for (size_t i = 0; i < j->ingest_keys.size(); ++i) jobs.remember(texts[i], j->ingest_docs[i]);
         job_raise_error(*j);
-        // … and to searches: each document's vector (its head, when longer than the embedder's context)
-        std::vector<std::vector<float>> vecs;
+        l.unlock();
+        // … and to searches: each document's vector (its head, when longer than
+        // the embedder's context; none for a text with no tokens)
+        std::vector<std::vector<float>> vecs(texts.size());
         if (emb) {
             std::vector<std::vector<llama_token>> heads;
-            for (const std::string & t : texts) {
-                heads.push_back(emb->tokens().tokenize(t, true, true));
-                if ((int64_t) heads.back().size() > emb->n_ctx()) heads.back().resize((size_t) emb->n_ctx());
+            std::vector<size_t> which;
+            for (size_t i = 0; i < texts.size(); ++i) {
+                std::vector<llama_token> t = emb->tokens().tokenize(texts[i], true, true);
+                if (t.empty()) continue;
+                if ((int64_t) t.size() > emb->n_ctx()) t.resize((size_t) emb->n_ctx());
+                heads.push_back(std::move(t));
+                which.push_back(i);
             }
-            vecs = embed(heads, req);
-            for (size_t i = 0; i < vecs.size(); ++i) vectors->add(j->ingest_keys[i], vecs[i]);
+            std::vector<std::vector<float>> got = emb->embed(heads, stop_of(req));
+            for (size_t k = 0; k < which.size(); ++k) {
+                vectors->add(j->ingest_keys[which[k]], got[k]);
+                vecs[which[k]] = std::move(got[k]);
+            }
         }
         const bool with_vectors = body.value("return_embeddings", false);
         json data = json::array();
         for (size_t i = 0; i < j->ingest_keys.size(); ++i) {
             data.push_back(
                 {{"id", j->ingest_keys[i]}, {"object", "document"}, {"n_tokens", (int64_t) j->ingest_docs[i].size()}});
-            if (with_vectors) data.back()["embedding"] = vecs[i];
+            if (with_vectors) data.back()["embedding"] = vecs[i].empty() ? json(nullptr) : json(vecs[i]);
         }
         res.set_content(
             json{{"object", "list"}, {"data", data}, {"store_hits", j->store_hits}, {"store_misses", j->store_misses}}
@@ -361,18 +374,31 @@ struct server::impl {
                             "not_supported_error", "embeddings_not_enabled"};
     }
 
-    // f on the embedder's or reranker's one context: at most --queue requests
-    // wait for them (beyond them 503); a client that hangs up stops its own
+    // a place among the requests using the embedder's or reranker's one context,
+    // held while it lives: at most --queue wait for them, beyond them 503
+    struct context_place {
+        std::atomic<int> & n;
+        explicit context_place(impl & s) : n(s.emb_requests) {
+            if (++n > s.p.max_queue + 1) {
+                n--;
+                throw request_error{503, "the server is overloaded: too many embedding and rerank requests are waiting",
+                                    "server_error", "overloaded"};
+            }
+        }
+        ~context_place() { n--; }
+        context_place(const context_place &) = delete;
+        context_place & operator=(const context_place &) = delete;
+    };
+
+    // stops the embedder's work when the client hangs up
+    static std::function<bool()> stop_of(const http_request & req) {
+        return [&req] { return req.closed && req.closed(); };
+    }
+
     template <typename F>
     auto on_context(const http_request & req, F && f) {
-        struct count_in {
-            std::atomic<int> & n;
-            ~count_in() { n--; }
-        } in_route{emb_requests};
-        if (++emb_requests > p.max_queue + 1)
-            throw request_error{503, "the server is overloaded: too many embedding and rerank requests are waiting",
-                                "server_error", "overloaded"};
-        return f([&req] { return req.closed && req.closed(); });
+        const context_place place(*this);
+        return f(stop_of(req));
     }
 
     std::vector<std::vector<float>> embed(const std::vector<std::vector<llama_token>> & inputs,
@@ -398,6 +424,9 @@ struct server::impl {
             inputs.push_back(ranker->rerank_input(query, texts.back()));
             n_tokens += (int64_t) inputs.back().size();
         }
+        if (n_tokens > k_max_embedding_tokens)
+            bad_request("the query and documents hold " + std::to_string(n_tokens) + " tokens, more than " +
+                        std::to_string(k_max_embedding_tokens) + " per request");
         const std::vector<float> scores =
             on_context(req, [&](const std::function<bool()> & stop) { return ranker->score(inputs, stop); });
         std::vector<size_t> order(scores.size());
@@ -457,6 +486,9 @@ struct server::impl {
             }
             n_tokens += (int64_t) inputs.back().size();
         }
+        if (n_tokens > k_max_embedding_tokens)
+            bad_request("the inputs hold " + std::to_string(n_tokens) + " tokens, more than " +
+                        std::to_string(k_max_embedding_tokens) + " per request");
         const auto t0 = std::chrono::steady_clock::now();
         std::vector<std::vector<float>> vecs = embed(inputs, req);
         // a shorter vector (Matryoshka-trained models keep their meaning in the

@@ -159,6 +159,8 @@ TEST(server_embeddings, bad_bodies_get_clear_errors_and_a_server_without_an_embe
         {{{"input", "a"}, {"dimensions", 100000}}, "more than the model's"},
         {{{"input", long_text}}, "maximum context length"},
         {{{"input", std::vector<llama_token>(600, 1)}}, "maximum context length"},
+        {{{"input", std::vector<std::vector<llama_token>>(2048, std::vector<llama_token>(150, 1))}},
+         "more than 300000 per request"},
     };
     for (const auto & [body, why] : bad) {
         auto r = c.Post("/v1/embeddings", body.dump(), "application/json");
@@ -195,6 +197,9 @@ TEST(server_embeddings, stored_documents_are_found_by_their_embedding_then_fused
         EXPECT_GT(found["data"][0]["score"].get<float>(), found["data"][1]["score"].get<float>());
     }
     EXPECT_EQ(test::post(c, "/v1/documents/search", {{"query", "fox"}})["data"].size(), k_texts.size());
+    // a text with no tokens is stored, and has no vector (it is never found)
+    const json empty = test::post(c, "/v1/documents", {{"documents", {""}}, {"return_embeddings", true}});
+    EXPECT_TRUE(empty["data"][0]["embedding"].is_null()) << empty.dump();
     // the found id goes into a chat request: the document's KV comes from the store
     const json hit = test::post(c, "/v1/documents/search", {{"query", k_texts[0]}, {"k", 1}});
     const json answer = test::post(c, "/v1/chat/completions",
@@ -202,7 +207,7 @@ TEST(server_embeddings, stored_documents_are_found_by_their_embedding_then_fused
                                     {"documents", {{{"id", hit["data"][0]["id"]}}}},
                                     {"max_tokens", 4}});
     EXPECT_GE(answer["kvblend"]["store_hits"].get<int64_t>(), 1) << answer["kvblend"].dump();
-    EXPECT_NE(c.Get("/metrics")->body.find("kvblend_document_vectors 3"), std::string::npos);
+    EXPECT_NE(c.Get("/metrics")->body.find("kvblend_document_vectors 3\n"), std::string::npos);
 }
 
 TEST(server_embeddings, searches_are_checked_and_the_vectors_bounded_by_the_known_documents) {
@@ -370,6 +375,12 @@ TEST(server_embeddings, the_cli_refuses_a_wrong_pooling_and_two_embedding_models
                       test::tiny_qwen3_model());
     EXPECT_EQ(r.status, 1);
     EXPECT_NE(r.err.find("give one"), std::string::npos) << r.err;
+    r = test::run_cli("serve -m " + test::k_stories_model + " --pooling mean");
+    EXPECT_EQ(r.status, 1);
+    EXPECT_NE(r.err.find("--pooling applies to embeddings"), std::string::npos) << r.err;
+    r = test::run_cli("serve -m " + test::k_stories_model + " --embedding-model /nonexistent/e.gguf");
+    EXPECT_EQ(r.status, 1);
+    EXPECT_NE(r.err.find("no such file"), std::string::npos) << r.err;
 }
 
 }  // namespace
