@@ -21,6 +21,7 @@
 #include "kvblend/rag_prompt.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
+#include "util/json_bounded.h"
 
 using namespace kvblend;
 
@@ -505,13 +506,8 @@ namespace {
 
 // a request's JSON, nested at most as deep as the server allows a body
 nlohmann::json parse_chat_request(const char * text) {
-    constexpr int k_max_depth = 64;
     try {
-        return nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json &) {
-            if (depth > k_max_depth)
-                fail(error_kind::invalid_argument, "the request nests deeper than " + std::to_string(k_max_depth));
-            return true;
-        });
+        return json_parse_bounded(text, k_max_json_depth, "the request");
     } catch (const nlohmann::json::exception & e) {
         fail(error_kind::invalid_argument, std::string("the request is not JSON: ") + e.what());
     }

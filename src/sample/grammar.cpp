@@ -12,6 +12,7 @@
 #include "kvblend/common.h"
 #include "kvblend/sampler.h"
 #include "llama-grammar.h"
+#include "util/json_bounded.h"
 
 namespace kvblend {
 
@@ -63,18 +64,12 @@ void check_shape(const std::string & grammar) {
                     std::to_string(k_max_grammar_nesting));
 }
 
-constexpr int k_max_schema_depth = 64;  // nesting a schema may have: the converter walks it recursively
+constexpr int k_max_schema_depth = k_max_json_depth;  // nesting a schema may have: the converter walks it recursively
 
 // the schema as JSON, nested at most k_max_schema_depth deep
 nlohmann::json parse_schema(const std::string & schema) {
-    nlohmann::json::parser_callback_t depth_guard = [](int depth, nlohmann::json::parse_event_t ev, nlohmann::json &) {
-        if ((ev == nlohmann::json::parse_event_t::object_start || ev == nlohmann::json::parse_event_t::array_start) &&
-            depth >= k_max_schema_depth)
-            throw error("the JSON schema is nested deeper than " + std::to_string(k_max_schema_depth) + " levels");
-        return true;
-    };
     try {
-        return nlohmann::json::parse(schema, depth_guard);
+        return json_parse_bounded(schema, k_max_schema_depth, "the JSON schema");
     } catch (const nlohmann::json::exception & e) {
         throw error(std::string("the JSON schema is not JSON: ") + e.what());
     }

@@ -7,6 +7,7 @@
 #include "kvblend/blend.h"
 #include "kvblend/common.h"
 #include "kvblend/sampler.h"
+#include "util/json_bounded.h"
 
 namespace kvblend {
 
@@ -324,42 +325,12 @@ log_request request_logprobs(const json & b, request_kind kind) {
     return out;
 }
 
-namespace {
-
-// the deepest nesting of arrays and objects in text, strings skipped: exact
-// for valid JSON (for anything else the parser refuses it), in one pass
-int nesting_depth(const std::string & text) {
-    int depth = 0, deepest = 0;
-    bool in_string = false;
-    for (size_t i = 0; i < text.size(); ++i) {
-        const char c = text[i];
-        if (in_string) {
-            if (c == '\\')
-                ++i;  // the escaped byte
-            else if (c == '"')
-                in_string = false;
-        } else if (c == '"') {
-            in_string = true;
-        } else if (c == '[' || c == '{') {
-            deepest = std::max(deepest, ++depth);
-        } else if (c == ']' || c == '}') {
-            --depth;
-        }
-    }
-    return deepest;
-}
-
-}  // namespace
-
 json request_parse_json(const std::string & text, int max_depth) {
-    // the depth is bounded before parsing: deeper values would make every later
-    // recursive walk (copy, dump) a stack overflow. a scan, not the parser's
-    // callback: that one rescans an object's parent at its end (quadratic in siblings)
-    if (nesting_depth(text) > max_depth)
-        bad_request("the request body is nested deeper than " + std::to_string(max_depth) + " levels", "invalid_json");
     json b;
     try {
-        b = json::parse(text);
+        b = json_parse_bounded(text, max_depth, "the request body");
+    } catch (const error & e) {
+        bad_request(e.what(), "invalid_json");
     } catch (const json::parse_error & e) {
         bad_request("malformed JSON: " + parse_error_text(e), "invalid_json");
     } catch (const json::exception & e) {

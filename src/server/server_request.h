@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "chat/tool_chat.h"
+#include "util/json_bounded.h"
 
 namespace kvblend {
 
@@ -43,13 +44,13 @@ enum request_kind {
     REQUEST_RERANK,      // POST /v1/rerank
 };
 
-constexpr int k_request_max_depth = 64;             // nesting of arrays and objects a body may have
-constexpr size_t k_max_stop_bytes = 1024;           // the longest stop string a request may give
-constexpr size_t k_max_prompts = 16;                // prompts of one /v1/completions request (a choice each)
-constexpr size_t k_max_embedding_inputs = 2048;     // inputs of one /v1/embeddings request (OpenAI's bound)
-constexpr int64_t k_max_embedding_tokens = 300000;  // their tokens together (OpenAI's bound), and a rerank's
-constexpr int64_t k_max_search_hits = 1000;         // documents one search may return ("k")
-constexpr int64_t k_default_search_hits = 4;        // … when it does not say
+constexpr int k_request_max_depth = k_max_json_depth;  // nesting of arrays and objects a body may have
+constexpr size_t k_max_stop_bytes = 1024;              // the longest stop string a request may give
+constexpr size_t k_max_prompts = 16;                   // prompts of one /v1/completions request (a choice each)
+constexpr size_t k_max_embedding_inputs = 2048;        // inputs of one /v1/embeddings request (OpenAI's bound)
+constexpr int64_t k_max_embedding_tokens = 300000;     // their tokens together (OpenAI's bound), and a rerank's
+constexpr int64_t k_max_search_hits = 1000;            // documents one search may return ("k")
+constexpr int64_t k_default_search_hits = 4;           // … when it does not say
 
 // a body checked against its endpoint; the fields the routes need besides the JSON itself
 struct request_spec {
