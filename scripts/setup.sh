@@ -76,7 +76,7 @@ else
   log "llama.cpp verified at $LLAMA_COMMIT"
 fi
 
-# --- npm clients for the server tests: openai, LangChain.js -----------------
+# --- npm clients for the server tests: openai, Anthropic, LangChain.js -----------------
 client_dir="$root/tests/server/node"
 # every dependency of its package.json installed at its pinned version
 clients_present() {
@@ -91,7 +91,7 @@ clients_present() {
 if clients_present; then
   log "npm clients present"
 else
-  log "installing the npm clients (openai, @langchain/openai, @langchain/core)"
+  log "installing the npm clients (openai, @anthropic-ai/sdk, @langchain/openai, @langchain/core)"
   (cd "$client_dir" && npm install --silent --no-audit --no-fund --no-package-lock >/dev/null)
 fi
 

@@ -5,7 +5,8 @@
 #      llama-server --jinja --api-key probe-key ... --port 18702
 #      bench/client_probes/run.sh http://127.0.0.1:18701 http://127.0.0.1:18702 /tmp/probes
 # prints the markdown table (also OUT_DIR/table.md; the raw results are
-# OUT_DIR/openai.json and OUT_DIR/langchain.json). The packages come from
+# OUT_DIR/openai.json, OUT_DIR/langchain.json and OUT_DIR/apis.json: the
+# Responses, Anthropic Messages and native /completion routes). The packages come from
 # tests/server/node/node_modules (npm ci there first). PROBE_API_KEY: the
 # servers' key (default probe-key); PROBE_ONLY: cases whose name holds it.
 set -euo pipefail
@@ -17,4 +18,5 @@ mkdir -p "$out"
   { echo "no tests/server/node/node_modules: run npm ci in tests/server/node" >&2; exit 2; }
 node "$here/openai_probes.mjs" "$1" "$2" > "$out/openai.json"
 node "$here/langchain_probes.mjs" "$1" "$2" > "$out/langchain.json"
-node "$here/table.mjs" "$out/openai.json" "$out/langchain.json" | tee "$out/table.md"
+node "$here/api_probes.mjs" "$1" "$2" > "$out/apis.json"
+node "$here/table.mjs" "$out/openai.json" "$out/langchain.json" "$out/apis.json" | tee "$out/table.md"

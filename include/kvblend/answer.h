@@ -62,6 +62,8 @@ class answer {
     const std::vector<llama_token> & tokens() const { return tokens_; }
     // what was generated, cut before the stop string that ended it
     std::string text() const { return text_.substr(0, released_); }
+    // the stop string that ended it (end() == stop_string), else ""
+    const std::string & stop_word() const { return stop_word_; }
 
   private:
     bool release(size_t upto);  // false: the sink asked to stop
@@ -75,6 +77,7 @@ class answer {
     std::vector<sampled_token> unsent_;  // logprobs: tokens whose text is not released yet
     std::string text_;                   // every piece so far
     size_t released_ = 0;                // bytes of text_ given to the sink
+    std::string stop_word_;
     bool done_ = false;
 };
 

@@ -49,7 +49,10 @@ llama_token answer::on_logits(const float * logits, int32_t n_vocab, bool room) 
     for (const auto & s : p_.stop) {
         if (s.empty()) continue;
         const size_t at = text_.find(s, before > s.size() ? before - s.size() + 1 : 0);
-        if (at != std::string::npos) cut = std::min(cut, at);
+        if (at != std::string::npos && at < cut) {
+            cut = at;
+            stop_word_ = s;
+        }
     }
     if (cut != std::string::npos) {
         end_ = answer_end::stop_string;

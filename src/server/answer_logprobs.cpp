@@ -49,4 +49,20 @@ json logprobs_completion(const vocab & v, const std::vector<sampled_token> & tok
     return out;
 }
 
+json logprobs_native(const vocab & v, const std::vector<sampled_token> & tokens) {
+    json out = json::array();
+    for (const sampled_token & t : tokens) {
+        json e = token_entry(v, t.token, t.logprob);
+        e["id"] = t.token;
+        json top = json::array();
+        for (const token_logprob & c : t.top) {
+            top.push_back(token_entry(v, c.token, c.logprob));
+            top.back()["id"] = c.token;
+        }
+        e["top_logprobs"] = std::move(top);
+        out.push_back(std::move(e));
+    }
+    return out;
+}
+
 }  // namespace kvblend

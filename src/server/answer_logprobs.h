@@ -19,4 +19,8 @@ nlohmann::json logprobs_chat(const vocab & v, const std::vector<sampled_token> &
 nlohmann::json logprobs_completion(const vocab & v, const std::vector<sampled_token> & tokens, size_t offset,
                                    bool with_top);
 
+// llama-server's /completion: "completion_probabilities", a token's {id, token,
+// bytes, logprob, top_logprobs: [{id, token, bytes, logprob}]} each
+nlohmann::json logprobs_native(const vocab & v, const std::vector<sampled_token> & tokens);
+
 }  // namespace kvblend

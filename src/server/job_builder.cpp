@@ -34,7 +34,11 @@ void job_builder::load_tool_templates() {
 
 // the body, checked for its endpoint without the model (server_request.h)
 json job_builder::parse_body(const std::string & body, request_kind kind, bool * stream) const {
-    request_spec r = request_parse(kind, body);
+    return check_body(request_parse_json(body), kind, stream);
+}
+
+json job_builder::check_body(json body, request_kind kind, bool * stream) const {
+    request_spec r = request_check(kind, std::move(body));
     // a text too long for the context is refused before the tokenizer spends time on it
     const char * what = kind == REQUEST_DOCUMENTS  ? "the document"
                         : kind == REQUEST_TOKENIZE ? "the text"
@@ -159,12 +163,12 @@ bool job_builder::with_known_docs(job & j, const std::string & text, const std::
 }
 
 // b: a body server_request checked for its endpoint, as parse_body returns it
-std::shared_ptr<job> job_builder::chat_job(const json & b) const {
+std::shared_ptr<job> job_builder::chat_job(const json & b, bool count_only) const {
     const std::vector<chat_message> msgs = chat_messages_of(b["messages"]);
     auto j = std::make_shared<job>();
     const vocab & v = m_->tokens();
     const tool_request tr = request_tools(b);
-    if (tr.render) return tool_chat_job(b, tr, msgs);
+    if (tr.render) return tool_chat_job(b, tr, msgs, count_only);
     if (b.contains("documents") && !b["documents"].is_null()) {
         require_dense_slots();
         std::vector<std::pair<std::string, size_t>> texts;
@@ -178,6 +182,7 @@ std::shared_ptr<job> job_builder::chat_job(const json & b) const {
             bad_request(e.what());
         }
         j->tokens = j->prompt.all();
+        if (count_only) return j;
         read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_CHAT);
         for (const auto & [t, i] : texts) remember(t, docs[i]);
         return j;
@@ -194,7 +199,7 @@ std::shared_ptr<job> job_builder::chat_job(const json & b) const {
             plain_or_chunked(*j, std::move(toks));
     }
     if (j->tokens.empty()) bad_request("the prompt is empty");
-    read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_CHAT);
+    if (!count_only) read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_CHAT);
     return j;
 }
 
@@ -230,7 +235,7 @@ std::vector<std::vector<llama_token>> job_builder::read_documents(
 // with documents: they open the first user message, as in rag_prompt_build_conversation
 // (the tools sit in the system part before them), and the prompt is fused
 std::shared_ptr<job> job_builder::tool_chat_job(const json & b, const tool_request & tr,
-                                                const std::vector<chat_message> & msgs) const {
+                                                const std::vector<chat_message> & msgs, bool count_only) const {
     if (!tool_tmpl_) bad_request("tool calls are not available: " + tool_tmpl_error_, "unsupported_parameter");
     auto j = std::make_shared<job>();
     const vocab & v = m_->tokens();
@@ -257,6 +262,7 @@ std::shared_ptr<job> job_builder::tool_chat_job(const json & b, const tool_reque
             plain_or_chunked(*j, std::move(toks));
     }
     if (j->tokens.empty()) bad_request("the prompt is empty");
+    if (count_only) return j;
     read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_CHAT);
     tool_plan_apply(*plan, j->sp);
     if (plan->calls) try {
@@ -303,17 +309,42 @@ std::vector<llama_token> job_builder::stored_doc(const std::string & id) const {
 }
 
 std::shared_ptr<job> job_builder::completion_job(const json & b) const {
-    const std::string prompt = b["prompt"].get<std::string>();  // one (completion_jobs)
+    const json & p = b["prompt"];  // one (completion_jobs)
     auto j = std::make_shared<job>();
-    std::vector<llama_token> toks = m_->tokens().tokenize(prompt, true, false);
-    if (!with_known_docs(*j, prompt, {prompt}, (int64_t) toks.size(), false)) plain_or_chunked(*j, std::move(toks));
+    if (p.is_string()) {
+        const std::string prompt = p.get<std::string>();
+        std::vector<llama_token> toks = m_->tokens().tokenize(prompt, true, false);
+        if (!with_known_docs(*j, prompt, {prompt}, (int64_t) toks.size(), false)) plain_or_chunked(*j, std::move(toks));
+    } else {
+        plain_or_chunked(*j, prompt_tokens(p));
+    }
     if (j->tokens.empty()) bad_request("the prompt is empty");
     read_sampling(b, *j, (int64_t) j->tokens.size(), REQUEST_COMPLETION);
     return j;
 }
 
+// token ids as given, the strings among them tokenized (the special tokens of
+// the first only when it is a string, as llama-server reads a mixed prompt)
+std::vector<llama_token> job_builder::prompt_tokens(const json & p) const {
+    const vocab & v = m_->tokens();
+    std::vector<llama_token> out;
+    for (size_t i = 0; i < p.size(); ++i) {
+        if (p[i].is_string()) {
+            const std::vector<llama_token> t = v.tokenize(p[i].get<std::string>(), i == 0, false);
+            out.insert(out.end(), t.begin(), t.end());
+            continue;
+        }
+        const int64_t id = p[i].get<int64_t>();
+        if (id >= m_->hparams().n_vocab)
+            bad_request("token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                        std::to_string(m_->hparams().n_vocab) + ")");
+        out.push_back((llama_token) id);
+    }
+    return out;
+}
+
 std::vector<std::shared_ptr<job>> job_builder::completion_jobs(const json & b) const {
-    if (!b["prompt"].is_array()) return {completion_job(b)};
+    if (prompt_is_one(b["prompt"])) return {completion_job(b)};
     std::vector<std::shared_ptr<job>> jobs;
     json one = b;
     for (const auto & p : b["prompt"]) {

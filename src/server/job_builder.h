@@ -31,8 +31,11 @@ class job_builder {
 
     // the body, checked for its endpoint and for a text the context cannot hold
     nlohmann::json parse_body(const std::string & body, request_kind kind, bool * stream = nullptr) const;
+    // … an already parsed body (one another API's body was read into)
+    nlohmann::json check_body(nlohmann::json body, request_kind kind, bool * stream = nullptr) const;
     // the jobs of checked bodies: POST /v1/chat/completions and /v1/completions
-    std::shared_ptr<job> chat_job(const nlohmann::json & b) const;
+    // count_only: the prompt's tokens only (no sampling rules, no bound on the answer's room)
+    std::shared_ptr<job> chat_job(const nlohmann::json & b, bool count_only = false) const;
     std::shared_ptr<job> completion_job(const nlohmann::json & b) const;
     // one job per prompt of a body whose 'prompt' is an array (one for a string)
     std::vector<std::shared_ptr<job>> completion_jobs(const nlohmann::json & b) const;
@@ -60,9 +63,10 @@ class job_builder {
     std::vector<std::vector<llama_token>> read_documents(const nlohmann::json & d,
                                                          std::vector<std::pair<std::string, size_t>> & texts) const;
     std::shared_ptr<job> tool_chat_job(const nlohmann::json & b, const tool_request & tr,
-                                       const std::vector<chat_message> & msgs) const;
+                                       const std::vector<chat_message> & msgs, bool count_only) const;
     std::shared_ptr<tool_plan> tool_plan_of(const nlohmann::json & b, const tool_request & tr, size_t n_docs) const;
     std::vector<llama_token> stored_doc(const std::string & id) const;
+    std::vector<llama_token> prompt_tokens(const nlohmann::json & ids_and_texts) const;
 
     std::shared_ptr<const model> m_;
     server_params p_;

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -20,6 +21,9 @@
 #include "kvblend/vocab.h"
 #include "server/doc_vectors.h"
 #include "server/job_builder.h"
+#include "server/messages_api.h"
+#include "server/native_api.h"
+#include "server/responses_api.h"
 #include "server/server_context.h"
 #include "server/server_http.h"
 #include "server/server_metrics.h"
@@ -48,6 +52,7 @@ struct server::impl {
     std::unique_ptr<doc_vectors> vectors;  // the stored documents' embeddings (with the embedder)
     std::unique_ptr<embedder> ranker;      // /v1/rerank (none: 501)
     std::string ranker_id;
+    response_log responses_kept{k_kept_responses, k_kept_response_bytes};  // for previous_response_id
     server_metrics metrics;
     server_context context;  // the last: stopped first, once every queued request is answered
 
@@ -141,18 +146,21 @@ struct server::impl {
                                 "server_error", "overloaded"};
     }
 
+    // how a route answers a job: whole (j.mu held, once done: may throw its error), or as a stream's events
+    using whole_answer = std::function<json(const job &)>;
+    using answer_stream = std::function<std::shared_ptr<answer_events>(const job &)>;
+
     // run a job to the end or stream it
-    void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const http_request & req,
-                 http_response & res) {
-        enqueue(j, chat ? "/v1/chat/completions" : "/v1/completions");
-        const completion_meta meta = completion_meta_new(chat);
+    void respond(const std::shared_ptr<job> & j, const char * route, bool stream, const http_request & req,
+                 http_response & res, const whole_answer & whole, const answer_stream & events_of) {
+        enqueue(j, route);
         if (!stream) {
             std::unique_lock l(j->mu);
             wait_done(*j, l, req);
-            res.set_content(json_text(fmt.completion(*j, meta)), "application/json");
+            res.set_content(json_text(whole(*j)), "application/json");
             return;
         }
-        auto events = std::make_shared<completion_events>(fmt, *j, meta);
+        std::shared_ptr<answer_events> events = events_of(*j);
         auto next = [j, events, closed = req.closed](std::string & out, bool & last) {
             std::unique_lock l(j->mu);
             // nothing to send yet (a tail held back for a stop string, a long
@@ -167,6 +175,16 @@ struct server::impl {
         };
         // the client went away before the end: stop its work
         res.set_stream("text/event-stream", {next, [j] { j->cancelled = true; }});
+    }
+
+    // … in OpenAI's chat or completions shape
+    void respond(const std::shared_ptr<job> & j, bool chat, bool stream, const http_request & req,
+                 http_response & res) {
+        const completion_meta meta = completion_meta_new(chat);
+        respond(
+            j, chat ? "/v1/chat/completions" : "/v1/completions", stream, req, res,
+            [&](const job & jj) { return fmt.completion(jj, meta); },
+            [&](const job & jj) { return std::make_shared<completion_events>(fmt, jj, meta); });
     }
 
     // several prompts of one /v1/completions request: a job each, answered
@@ -207,31 +225,32 @@ struct server::impl {
     }
 
     // --- routes -----------------------------------------------------------------
+    // an error's body in a route's shape: OpenAI's unless the route is Anthropic's
+    using error_shape = std::string (*)(const request_error & e);
+    static std::string openai_error(const request_error & e) { return error_body(e.message, e.type, e.code); }
+    static std::string anthropic_error(const request_error & e) { return anthropic_error_body(e.status, e.message); }
+
     // the request's error answer from an exception, logged when it never became a job
     template <typename F>
-    http_handler guarded(F && f) {
-        return [this, f](const http_request & req, http_response & res) {
+    http_handler guarded(F && f, error_shape shape = openai_error) {
+        return [this, f, shape](const http_request & req, http_response & res) {
             submitted_here = false;
             std::string why;
+            auto answer = [&](const request_error & e) {
+                res.status = e.status;
+                res.set_content(shape(e), "application/json");
+                why = e.message;
+            };
             try {
                 f(req, res);
             } catch (const request_error & e) {
-                res.status = e.status;
-                res.set_content(error_body(e.message, e.type, e.code), "application/json");
-                why = e.message;
+                answer(e);
             } catch (const error & e) {
-                const request_error r = request_error_of(e, false);
-                res.status = r.status;
-                res.set_content(error_body(r.message, r.type, r.code), "application/json");
-                why = r.message;
+                answer(request_error_of(e, false));
             } catch (const json::exception & e) {  // a field read as a type it does not have: the check missed it
-                res.status = 400;
-                why = "a field of the request has the wrong type";
-                res.set_content(error_body(why, "invalid_request_error", "invalid_request"), "application/json");
+                answer({400, "a field of the request has the wrong type", "invalid_request_error", "invalid_request"});
             } catch (const std::exception & e) {
-                res.status = 500;
-                res.set_content(error_body(e.what(), "server_error", "internal_error"), "application/json");
-                why = e.what();
+                answer({500, e.what(), "server_error", "internal_error"});
             }
             // a request refused before it became a job (a job's end is logged by the loop)
             if (!why.empty() && !submitted_here && p.log_requests)
@@ -240,10 +259,17 @@ struct server::impl {
         };
     }
 
+    std::string too_large_message() const {
+        return "the request body is larger than this server's limit of " + std::to_string(p.max_body) +
+               " bytes (--max-body)";
+    }
     std::string too_large() const {
-        return error_body("the request body is larger than this server's limit of " + std::to_string(p.max_body) +
-                              " bytes (--max-body)",
-                          "invalid_request_error", "request_too_large");
+        return error_body(too_large_message(), "invalid_request_error", "request_too_large");
+    }
+
+    // an error answered before a route's handler runs, in that route's shape
+    static std::string early_error(const http_request & req, const request_error & e) {
+        return req.path.rfind("/v1/messages", 0) == 0 ? anthropic_error(e) : openai_error(e);
     }
 
     // before any body is read: the origin, the key, then the declared length
@@ -254,10 +280,12 @@ struct server::impl {
             const std::string origin = req.header("Origin");
             if (!http_origin_allowed(origin, p.allow_origins)) {
                 res.status = 403;
-                res.set_content(error_body("requests from web pages of origin '" + origin +
-                                               "' are refused; start the server with --allow-origin to allow one",
-                                           "invalid_request_error", "forbidden_origin"),
-                                "application/json");
+                res.set_content(
+                    early_error(req, {403,
+                                      "requests from web pages of origin '" + log_quote(origin) +
+                                          "' are refused; start the server with --allow-origin to allow one",
+                                      "invalid_request_error", "forbidden_origin"}),
+                    "application/json");
                 return true;
             }
             res.set_header("Access-Control-Allow-Origin", origin);
@@ -272,30 +300,40 @@ struct server::impl {
         }
         if (!p.api_key.empty() && req.path != "/health" && !http_key_matches(req, p.api_key)) {
             res.status = 401;
-            res.set_content(error_body("invalid or missing API key", "authentication_error", "invalid_api_key"),
-                            "application/json");
+            res.set_content(
+                early_error(req, {401, "invalid or missing API key", "authentication_error", "invalid_api_key"}),
+                "application/json");
             return true;
         }
         if (req.content_length > p.max_body) {
             res.status = 413;
             res.set_header("Connection", "close");  // the body is not read
-            res.set_content(too_large(), "application/json");
+            res.set_content(early_error(req, {413, too_large_message(), "invalid_request_error", "request_too_large"}),
+                            "application/json");
             return true;
         }
         return false;
     }
 
-    // an error status with no body yet (no route, a chunked body past the limit, …)
-    void error_answer(http_response & res) const {
+    // an error status with no body yet (no route, a method the route does not take, a
+    // chunked body past the limit, …), in the shape of the route the path names
+    void error_answer(const std::string & path, http_response & res) const {
+        const bool anthropic = path.rfind("/v1/messages", 0) == 0;
+        auto answer = [&](const request_error & e) {
+            res.set_content(anthropic ? anthropic_error(e) : openai_error(e), "application/json");
+        };
         if (res.status == 404)
-            res.set_content(error_body("unknown route", "invalid_request_error", "not_found"), "application/json");
-        else if (res.status == 413)  // a chunked body past the limit
-            res.set_content(too_large(), "application/json");
+            answer({404, "unknown route", "invalid_request_error", "not_found"});
+        else if (res.status == 405) {
+            for (const auto & [name, value] : res.headers)
+                if (name == "Allow")
+                    answer({405, "this route takes " + value + ", not this method", "invalid_request_error",
+                            "method_not_allowed"});
+        } else if (res.status == 413)  // a chunked body past the limit
+            answer({413, too_large_message(), "invalid_request_error", "request_too_large"});
         else if (res.status >= 400)
-            res.set_content(
-                error_body(http_status_message(res.status), res.status < 500 ? "invalid_request_error" : "server_error",
-                           "http_" + std::to_string(res.status)),
-                "application/json");
+            answer({res.status, http_status_message(res.status),
+                    res.status < 500 ? "invalid_request_error" : "server_error", "http_" + std::to_string(res.status)});
     }
 
     // GET /health: the store answers (a lookup of a key no chunk has), or the server is degraded
@@ -529,6 +567,93 @@ struct server::impl {
         res.set_content(json_text({{"content", m->tokens().detokenize(t)}}), "application/json");
     }
 
+    // another API's body read into a chat or completions body, checked as one; its
+    // errors name the fields the client sent (names: {chat's, the API's})
+    json check_as(json body, request_kind kind, bool * stream,
+                  std::initializer_list<std::pair<const char *, const char *>> names) const {
+        try {
+            return jobs.check_body(std::move(body), kind, stream);
+        } catch (request_error & e) {
+            for (const auto & [ours, theirs] : names)
+                for (size_t at = 0; (at = e.message.find(ours, at)) != std::string::npos; at += std::strlen(theirs))
+                    e.message.replace(at, std::strlen(ours), theirs);
+            throw;
+        }
+    }
+
+    static constexpr std::initializer_list<std::pair<const char *, const char *>> k_messages_names = {
+        {"'stop'", "'stop_sequences'"}, {"'tool_choice' is \"required\"", "'tool_choice' is any"}};
+
+    // POST /v1/responses: the body read into a chat body, answered as a response
+    // (kept for previous_response_id unless "store" is false)
+    void responses(const http_request & req, http_response & res) {
+        const json b = request_parse(REQUEST_RESPONSES, req.body).body;
+        std::optional<stored_response> prev;
+        if (b.contains("previous_response_id")) {
+            const std::string id = b["previous_response_id"].get<std::string>();
+            prev = responses_kept.get(id);
+            if (!prev)
+                throw request_error{404,
+                                    "no response '" + log_quote(id) +
+                                        "' is kept here (responses stored with \"store\": false, or forgotten: the "
+                                        "server keeps the last " +
+                                        std::to_string(k_kept_responses) + ")",
+                                    "invalid_request_error", "previous_response_not_found"};
+        }
+        auto kept = std::make_shared<stored_response>();
+        bool stream = false;
+        const json chat = check_as(
+            responses_chat_body(b, prev ? &*prev : nullptr, *kept), REQUEST_CHAT, &stream,
+            {{"'messages'", "'input'"}, {"'max_tokens'", "'max_output_tokens'"}, {"'response_format", "'text.format"}});
+        const response_meta meta = response_meta_new(model_id, b);
+        auto keep = [this, kept, store = b.value("store", true)](const json & response) {
+            if (!store) return;
+            stored_response s = *kept;
+            s.messages.push_back(assistant_message_of(response));
+            responses_kept.put(response["id"].get<std::string>(), std::move(s));
+        };
+        respond(
+            jobs.chat_job(chat), "/v1/responses", stream, req, res,
+            [&](const job & j) {
+                json out = response_of_chat(fmt.completion(j, completion_meta_new(true)), meta);
+                keep(out);
+                return out;
+            },
+            [&](const job & j) { return std::make_shared<responses_events>(fmt, j, meta, keep); });
+    }
+
+    // POST /completion and /infill: llama.cpp's native routes (llama-server's fields and defaults)
+    void completion(const http_request & req, http_response & res, bool infill) {
+        bool stream = false;
+        const json raw = request_parse_json(req.body);
+        const json b = check_as(infill ? native_infill_body(raw, m->tokens()) : native_completion_body(raw),
+                                REQUEST_COMPLETION, &stream, {{"'max_tokens'", "'n_predict'"}});
+        const native_meta meta{model_id, b.value("return_tokens", false)};
+        respond(
+            jobs.completion_job(b), infill ? "/infill" : "/completion", stream, req, res,
+            [&](const job & j) { return native_answer(j, m->tokens(), meta); },
+            [&](const job &) { return std::make_shared<native_events>(m->tokens(), meta); });
+    }
+
+    // POST /v1/messages: Anthropic's body read into a chat body, answered as a message
+    void messages(const http_request & req, http_response & res) {
+        const json b = request_parse(REQUEST_MESSAGES, req.body).body;
+        bool stream = false;
+        const json chat = check_as(messages_chat_body(b), REQUEST_CHAT, &stream, k_messages_names);
+        respond(
+            jobs.chat_job(chat), "/v1/messages", stream, req, res,
+            [&](const job & j) { return message_of_chat(fmt.completion(j, completion_meta_new(true)), j.stop_word); },
+            [&](const job & j) { return std::make_shared<messages_events>(fmt, j); });
+    }
+
+    // POST /v1/messages/count_tokens: the prompt's tokens as the chat template renders it
+    void count_tokens(const http_request & req, http_response & res) const {
+        const json b = request_parse(REQUEST_COUNT, req.body).body;
+        const std::shared_ptr<job> j =
+            jobs.chat_job(check_as(messages_chat_body(b), REQUEST_CHAT, nullptr, k_messages_names), true);
+        res.set_content(json_text({{"input_tokens", j->tokens.size()}}), "application/json");
+    }
+
     // GET /props: llama-server's fields a script reads (the slots, the context,
     // the chat template, the special tokens), and what this server adds
     json props() const {
@@ -565,7 +690,7 @@ struct server::impl {
     // tokens written out); with documents, the fused layout's text
     void apply_template(const http_request & req, http_response & res) const {
         const json b = jobs.parse_body(req.body, REQUEST_CHAT);
-        std::vector<llama_token> t = jobs.chat_job(b)->tokens;
+        std::vector<llama_token> t = jobs.chat_job(b, true)->tokens;
         const vocab & v = m->tokens();
         if (v.add_bos() && !t.empty() && t[0] == v.bos()) t.erase(t.begin());  // the tokenizer's, not the template's
         res.set_content(json_text({{"prompt", v.detokenize(t, true)}}), "application/json");
@@ -573,7 +698,7 @@ struct server::impl {
 
     void routes() {
         http.on_headers([this](const http_request & req, http_response & res) { return refuse_early(req, res); });
-        http.on_error([this](http_response & res) { error_answer(res); });
+        http.on_error([this](const std::string & path, http_response & res) { error_answer(path, res); });
         http.on_response([this](int status) { metrics.count_response(status); });
         http.get("/health", [this](const http_request &, http_response & res) { health(res); });
         const json model_card = {{"id", model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "kvblend"}};
@@ -624,6 +749,17 @@ struct server::impl {
                   guarded([this](const http_request & req, http_response & res) { search(req, res); }));
         for (const char * path : {"/v1/embeddings", "/embeddings"})
             http.post(path, guarded([this](const http_request & req, http_response & res) { embeddings(req, res); }));
+        http.post("/completion",
+                  guarded([this](const http_request & req, http_response & res) { completion(req, res, false); }));
+        http.post("/infill",
+                  guarded([this](const http_request & req, http_response & res) { completion(req, res, true); }));
+        for (const char * path : {"/v1/responses", "/responses"})
+            http.post(path, guarded([this](const http_request & req, http_response & res) { responses(req, res); }));
+        http.post("/v1/messages", guarded([this](const http_request & req, http_response & res) { messages(req, res); },
+                                          anthropic_error));
+        http.post("/v1/messages/count_tokens",
+                  guarded([this](const http_request & req, http_response & res) { count_tokens(req, res); },
+                          anthropic_error));
         http.get("/props", [this](const http_request &, http_response & res) {
             res.set_content(json_text(props()), "application/json");
         });

@@ -63,6 +63,7 @@ struct answer_stream {
         j.n_gen = a.n_generated();
         if (j.n_gen > 0 && j.ttft_ms < 0) j.ttft_ms = time_ms() - j.t_submit;
         if (a.end() == answer_end::eog || a.end() == answer_end::stop_string) j.finish_reason = "stop";
+        j.stop_word = a.stop_word();
         return tok;
     }
 

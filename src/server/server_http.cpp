@@ -399,10 +399,12 @@ http_server::http_server(const http_limits & limits) : d_(std::make_unique<conne
 http_server::~http_server() = default;
 
 void http_server::get(const std::string & pattern, http_handler h) {
+    routes_.emplace_back("GET", std::regex(pattern));
     d_->Get(pattern, handler_of(std::move(h)));
 }
 
 void http_server::post(const std::string & pattern, http_handler h) {
+    routes_.emplace_back("POST", std::regex(pattern));
     d_->Post(pattern, handler_of(std::move(h)));
 }
 
@@ -417,12 +419,24 @@ void http_server::on_headers(std::function<bool(const http_request &, http_respo
     });
 }
 
-void http_server::on_error(std::function<void(http_response &)> f) {
-    d_->set_error_handler([f](const httplib::Request &, httplib::Response & res) {
+void http_server::on_error(std::function<void(const std::string & path, http_response &)> f) {
+    d_->set_error_handler([this, f](const httplib::Request & req, httplib::Response & res) {
         if (!res.body.empty()) return;
         http_response out;
+        if (res.status == 404) {  // a route of the path, under another method?
+            std::string allow;
+            for (const auto & [method, pattern] : routes_)
+                if (method != req.method && std::regex_match(req.path, pattern) &&
+                    allow.find(method) == std::string::npos)
+                    allow += (allow.empty() ? "" : ", ") + method;
+            if (!allow.empty()) {
+                res.status = 405;
+                res.set_header("Allow", allow);
+                out.set_header("Allow", allow);
+            }
+        }
         out.status = res.status;
-        f(out);
+        f(req.path, out);
         if (!out.body.empty() || !out.content_type.empty()) res.set_content(out.body, out.content_type);
     });
 }

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -85,7 +86,9 @@ class http_server {
     // "100 Continue"): true when res is the answer; headers it sets stay on the response
     void on_headers(std::function<bool(const http_request &, http_response &)> f);
     // an error response (status 400 and up) without a body: f may give it one
-    void on_error(std::function<void(http_response &)> f);
+    // (path: the request's). a path that a route serves with another method is a
+    // 405 with an Allow header, not a 404
+    void on_error(std::function<void(const std::string & path, http_response &)> f);
     // every response, as it is sent
     void on_response(std::function<void(int status)> f);
 
@@ -101,6 +104,7 @@ class http_server {
   private:
     class connections;
     std::unique_ptr<connections> d_;
+    std::vector<std::pair<std::string, std::regex>> routes_;  // method, pattern
 };
 
 // the reason phrase of a status ("Not Found")

@@ -16,6 +16,7 @@
 #include "chat/tool_chat.h"
 #include "kvblend/answer.h"
 #include "kvblend/blend.h"
+#include "kvblend/common.h"
 #include "kvblend/rag_prompt.h"
 #include "server/prompt_layout.h"
 
@@ -46,6 +47,7 @@ struct job {
     int error_status = 500;  // the HTTP status and code error is answered with
     std::string error_code = "internal_error";
     std::string finish_reason = "stop";
+    std::string stop_word;      // the stop string that ended the answer ("": none did)
     bool stream_usage = false;  // stream_options.include_usage: a usage chunk before [DONE]
     bool cache_prompt = true;   // reuse the slot's cached prefix (llama-server's cache_prompt)
     int64_t n_gen = 0, n_fused = 0, n_recomputed = 0, store_hits = 0, store_misses = 0;
@@ -56,6 +58,7 @@ struct job {
     int64_t kv_rows = 0;   // rows the slot's cache held after the prompt (fewer than the tokens when evicted)
     double prefill_ms = 0;
     double t_submit = 0, ttft_ms = -1;  // time to the first generated token, queueing included
+    double t_done = 0;                  // time_ms() when it finished
     std::atomic<bool> cancelled{false};
     const char * route = "";  // for the log line: the endpoint that made it
 
@@ -70,6 +73,7 @@ struct job {
         error = err;
         error_status = status;
         error_code = code;
+        t_done = time_ms();
         done = true;
         cv.notify_all();
     }

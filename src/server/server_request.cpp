@@ -7,6 +7,8 @@
 #include "kvblend/blend.h"
 #include "kvblend/common.h"
 #include "kvblend/sampler.h"
+#include "server/messages_api.h"
+#include "server/responses_api.h"
 #include "util/json_bounded.h"
 
 namespace kvblend {
@@ -38,6 +40,10 @@ std::string parse_error_text(const json::parse_error & e) {
     if (const size_t at = s.find("] "); at != std::string::npos) s = s.substr(at + 2);
     if (const size_t at = s.find("; last read"); at != std::string::npos) s = s.substr(0, at);
     return s;
+}
+
+size_t json_text_bytes(const json & x) {
+    return x.dump(-1, ' ', false, json::error_handler_t::replace).size();
 }
 
 const char * type_name_of(const json & x) {
@@ -179,6 +185,9 @@ void check_sampling(const json & b, request_kind kind) {
 void check_messages(const json & b) {
     auto it = b.find("messages");
     if (it == b.end() || !it->is_array() || it->empty()) bad_request("'messages' must be a non-empty array");
+    if (it->size() > k_max_messages)
+        bad_request("'messages' holds " + std::to_string(it->size()) + " messages, more than " +
+                    std::to_string(k_max_messages) + " per request");
     for (const auto & m : *it) {
         if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
             bad_request("every message needs a string 'role'");
@@ -325,6 +334,17 @@ log_request request_logprobs(const json & b, request_kind kind) {
     return out;
 }
 
+const json * body_field(const json & b, const char * k) {
+    const auto it = b.find(k);
+    return it == b.end() || it->is_null() ? nullptr : &*it;
+}
+
+std::string required_string(const json & b, const char * k, const char * what) {
+    const json * x = body_field(b, k);
+    if (!x || !x->is_string()) bad_request(std::string("every ") + what + " needs a string '" + k + "'");
+    return x->get<std::string>();
+}
+
 json request_parse_json(const std::string & text, int max_depth) {
     json b;
     try {
@@ -381,6 +401,34 @@ void check_embeddings(const json & b) {
 
 }  // namespace
 
+bool prompt_is_one(const json & p) {
+    return p.is_string() ||
+           (p.is_array() && std::any_of(p.begin(), p.end(), [](const json & x) { return x.is_number(); }));
+}
+
+size_t completion_prompt_count(const json & p) {
+    const char * shapes =
+        "'prompt' must be a string, token ids (strings and ids mixed), or an array of up to 16 of "
+        "those";
+    // one prompt: a string, or token ids with strings among them (llama-server's mixed prompt)
+    auto one_ok = [](const json & x) {
+        if (x.is_string()) return true;
+        if (!x.is_array() || x.empty()) return false;
+        for (const json & e : x)
+            if (!e.is_string() && !(e.is_number_integer() && e.get<int64_t>() >= 0 && e.get<int64_t>() <= INT32_MAX))
+                return false;
+        return true;
+    };
+    if (prompt_is_one(p)) {
+        if (!one_ok(p)) bad_request(shapes);
+        return 1;
+    }
+    if (!p.is_array() || p.empty() || p.size() > k_max_prompts) bad_request(shapes);
+    for (const json & x : p)
+        if (!one_ok(x)) bad_request(shapes);
+    return p.size();
+}
+
 request_spec request_check(request_kind kind, json body) {
     request_spec r;
     r.kind = kind;
@@ -391,22 +439,18 @@ request_spec request_check(request_kind kind, json body) {
         case REQUEST_CHAT:
             check_messages(b);
             r.n_documents = check_documents(b, true, false);
+            if (r.n_documents == 0) body.erase("documents");  // [] is none
             check_sampling(b, kind);
             break;
         case REQUEST_COMPLETION: {
-            // a string, or an array of strings: OpenAI's batch, one choice each
-            auto p = b.find("prompt");
-            if (p == b.end() || !(p->is_string() || p->is_array()))
-                bad_request("'prompt' must be a string or an array of strings");
-            if (p->is_array()) {
-                if (p->empty() || p->size() > k_max_prompts)
-                    bad_request("'prompt' must hold 1 to " + std::to_string(k_max_prompts) + " strings");
-                for (const auto & x : *p)
-                    if (!x.is_string()) bad_request("'prompt' must be a string or an array of strings");
-                if (p->size() > 1 && b.contains("stream") && b["stream"] == true)
-                    bad_request("several prompts are answered whole, not streamed: send them one per request",
-                                "unsupported_parameter");
-            }
+            const size_t n = completion_prompt_count(b.contains("prompt") ? b["prompt"] : json());
+            if (b.contains("documents"))
+                bad_request(
+                    "'documents' are fused on the chat routes (/v1/chat/completions, /v1/responses, "
+                    "/v1/messages); a completion's prompt reuses the known documents it holds");
+            if (n > 1 && b.contains("stream") && b["stream"] == true)
+                bad_request("several prompts are answered whole, not streamed: send them one per request",
+                            "unsupported_parameter");
             check_sampling(b, kind);
             break;
         }
@@ -441,6 +485,9 @@ request_spec request_check(request_kind kind, json body) {
             optional_bool(b, "return_text");
             optional_field(b, "model", "a string", [](const json & x) { return x.is_string(); });
             break;
+        case REQUEST_RESPONSES: check_responses_body(b); break;
+        case REQUEST_MESSAGES: check_messages_body(b, false); break;
+        case REQUEST_COUNT: check_messages_body(b, true); break;
     }
     if (kind == REQUEST_CHAT || kind == REQUEST_COMPLETION)
         r.stream = b.contains("stream") && b["stream"].is_boolean() && b["stream"].get<bool>();
@@ -468,11 +515,20 @@ size_t request_text_bytes(const request_spec & r) {
             }
             if (b.contains("documents"))
                 for (const auto & d : b["documents"]) n += doc_bytes(d);
+            if (b.contains("tools")) n += json_text_bytes(b["tools"]);  // rendered into the prompt
             return n;
-        case REQUEST_COMPLETION:  // each prompt is a job of its own
-            for (const auto & x : b["prompt"].is_array() ? b["prompt"] : json::array({b["prompt"]}))
-                n = std::max(n, doc_bytes(x));
+        case REQUEST_COMPLETION: {                   // each prompt is a job of its own
+            auto text_bytes = [&](const json & x) {  // a string, or the strings among ids
+                size_t t = doc_bytes(x);
+                if (x.is_array())
+                    for (const json & e : x) t += doc_bytes(e);
+                return t;
+            };
+            const json & p = b["prompt"];
+            if (prompt_is_one(p)) return text_bytes(p);
+            for (const auto & x : p) n = std::max(n, text_bytes(x));
             return n;
+        }
         case REQUEST_DOCUMENTS:
             for (const auto & d : b["documents"]) n = std::max(n, doc_bytes(d));
             return n;

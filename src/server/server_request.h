@@ -42,11 +42,15 @@ enum request_kind {
     REQUEST_EMBEDDINGS,  // POST /v1/embeddings
     REQUEST_SEARCH,      // POST /v1/documents/search
     REQUEST_RERANK,      // POST /v1/rerank
+    REQUEST_RESPONSES,   // POST /v1/responses (read into a chat body: responses_api.h)
+    REQUEST_MESSAGES,    // POST /v1/messages (Anthropic's; messages_api.h)
+    REQUEST_COUNT,       // POST /v1/messages/count_tokens
 };
 
 constexpr int k_request_max_depth = k_max_json_depth;  // nesting of arrays and objects a body may have
 constexpr size_t k_max_stop_bytes = 1024;              // the longest stop string a request may give
 constexpr size_t k_max_prompts = 16;                   // prompts of one /v1/completions request (a choice each)
+constexpr size_t k_max_messages = 4096;                // messages of one chat (each rendered by the template)
 constexpr size_t k_max_embedding_inputs = 2048;        // inputs of one /v1/embeddings request (OpenAI's bound)
 constexpr int64_t k_max_embedding_tokens = 300000;     // their tokens together (OpenAI's bound), and a rerank's
 constexpr int64_t k_max_search_hits = 1000;            // documents one search may return ("k")
@@ -79,11 +83,23 @@ struct log_request {
 };
 log_request request_logprobs(const nlohmann::json & body, request_kind kind);
 
+// a completions 'prompt' (OpenAI's and llama-server's shapes): a string, token
+// ids (with strings among them: llama-server's mixed prompt), or an array of
+// up to k_max_prompts of those. prompt_is_one: a single prompt;
+// completion_prompt_count: how many, or a request_error
+bool prompt_is_one(const nlohmann::json & p);
+size_t completion_prompt_count(const nlohmann::json & p);
+
+// a field of a body read as absent when missing or null (nullptr), else the value
+const nlohmann::json * body_field(const nlohmann::json & b, const char * k);
+// a field that must be a string; a 400 "every <what> needs a string '<k>'" otherwise
+std::string required_string(const nlohmann::json & b, const char * k, const char * what);
+
 // parse a body: a JSON object nested at most max_depth deep, or a request_error (400)
 nlohmann::json request_parse_json(const std::string & text, int max_depth = k_request_max_depth);
 
 // bytes of text a checked request gives the tokenizer: the prompt, or the
-// messages' and documents' text; for REQUEST_DOCUMENTS and REQUEST_EMBEDDINGS
+// messages' and documents' text and the tools' JSON; for REQUEST_DOCUMENTS and REQUEST_EMBEDDINGS
 // the longest document or input (each is tokenized alone); a search's query;
 // a rerank's query and longest document; 0 for the others
 size_t request_text_bytes(const request_spec & r);

@@ -104,17 +104,21 @@ json openai_format::chunk(const completion_meta & c, const json & delta_or_text,
     return out;
 }
 
-json openai_format::completion(const job & j, const completion_meta & c) const {
-    std::string text;
-    std::vector<sampled_token> tokens;
+finished_answer job_answer(const job & j) {
+    finished_answer a;
     for (const answer_piece & s : j.pieces) {
-        text += s.text;
-        tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
+        a.text += s.text;
+        a.tokens.insert(a.tokens.end(), s.tokens.begin(), s.tokens.end());
     }
     job_raise_error(j);
     // stopped early because the client closed its side: what was made is
     // no answer, and is never sent as a complete one
     if (j.cancelled) throw client_closed_error();
+    return a;
+}
+
+json openai_format::completion(const job & j, const completion_meta & c) const {
+    auto [text, tokens] = job_answer(j);
     json out = {
         {"id", c.id}, {"created", c.created}, {"model", model_id_}, {"usage", usage(j)}, {"kvblend", kvblend(j)}};
     if (c.chat) {
@@ -142,43 +146,50 @@ completion_events::completion_events(const openai_format & f, const job & j, com
 
 completion_events::~completion_events() = default;
 
-void completion_events::add(std::string & out, const json & chunk) const {
-    out += "data: " + json_text(chunk) + "\n\n";
+std::string sse_event(const std::string & name, const json & data) {
+    return "event: " + name + "\ndata: " + json_text(data) + "\n\n";
 }
 
 bool completion_events::take(job & j, std::string & out) {
-    if (!started_ && c_.chat) add(out, f_.chunk(c_, {{"role", "assistant"}, {"content", ""}}, nullptr));
+    std::vector<json> chunks;
+    const bool last = take_chunks(j, chunks);
+    for (const json & c : chunks) out += "data: " + json_text(c) + "\n\n";
+    if (last) out += "data: [DONE]\n\n";
+    return last;
+}
+
+bool completion_events::take_chunks(job & j, std::vector<json> & out) {
+    if (!started_ && c_.chat) out.push_back(f_.chunk(c_, {{"role", "assistant"}, {"content", ""}}, nullptr));
     started_ = true;
     if (reader_) {
         for (const answer_piece & piece : j.pieces) tool_text_ += piece.text;
         j.pieces.clear();
         const bool cut = j.done && j.finish_reason == "length";
-        for (const json & d : reader_->deltas(tool_text_, j.done, cut)) add(out, f_.chunk(c_, d, nullptr));
+        for (const json & d : reader_->deltas(tool_text_, j.done, cut)) out.push_back(f_.chunk(c_, d, nullptr));
     }
     while (!j.pieces.empty()) {
         const answer_piece & piece = j.pieces.front();
         json c = f_.chunk(c_, c_.chat ? json{{"content", piece.text}} : json(piece.text), nullptr);
         if (j.sp.logprobs) c["choices"][0]["logprobs"] = f_.logprobs(j, c_.chat, piece.tokens, streamed_bytes_);
         streamed_bytes_ += piece.text.size();
-        add(out, c);
+        out.push_back(std::move(c));
         j.pieces.pop_front();
     }
     if (!j.done) return false;
     if (!j.error.empty()) {
-        out += "data: " + error_body(j.error, "server_error", "internal_error") + "\n\n";
-    } else {
-        const bool calls = reader_ && reader_->made_calls() && j.finish_reason == "stop";
-        json last = f_.chunk(c_, c_.chat ? json::object() : json(""), calls ? "tool_calls" : j.finish_reason);
-        last["kvblend"] = f_.kvblend(j);
-        add(out, last);
-        if (j.stream_usage) {  // OpenAI's usage chunk: its own, with no choices
-            json usage = f_.chunk(c_, json(""), nullptr);
-            usage["choices"] = json::array();
-            usage["usage"] = f_.usage(j);
-            add(out, usage);
-        }
+        out.push_back({{"error", {{"message", j.error}, {"type", "server_error"}, {"code", "internal_error"}}}});
+        return true;
     }
-    out += "data: [DONE]\n\n";
+    const bool calls = reader_ && reader_->made_calls() && j.finish_reason == "stop";
+    json last = f_.chunk(c_, c_.chat ? json::object() : json(""), calls ? "tool_calls" : j.finish_reason);
+    last["kvblend"] = f_.kvblend(j);
+    out.push_back(std::move(last));
+    if (j.stream_usage) {  // OpenAI's usage chunk: its own, with no choices
+        json usage = f_.chunk(c_, json(""), nullptr);
+        usage["choices"] = json::array();
+        usage["usage"] = f_.usage(j);
+        out.push_back(std::move(usage));
+    }
     return true;
 }
 

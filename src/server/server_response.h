@@ -32,6 +32,14 @@ completion_meta completion_meta_new(bool chat);
 request_error request_error_of(const error & e, bool in_job);
 // a failed job's error, thrown as the request_error its status calls for; nothing when it did not fail
 void job_raise_error(const job & j);
+
+// a finished job's answer (j.mu held): its pieces joined, or its error thrown
+// (a 400 when its client went away: what was made is no answer)
+struct finished_answer {
+    std::string text;
+    std::vector<sampled_token> tokens;
+};
+finished_answer job_answer(const job & j);
 // the error of a request whose client closed its side before the end: a 400
 // (client_closed_request), so that a hang-up is never counted as the server's fault
 request_error client_closed_error();
@@ -62,18 +70,28 @@ class openai_format {
     doc_key_fn doc_key_;
 };
 
-// the events of one streamed completion, made from its job's pieces as they come
-class completion_events {
+// the events of one streamed answer, in its route's shape, made from its job's pieces as they come
+class answer_events {
+  public:
+    virtual ~answer_events() = default;
+    // (j.mu held) appends to out the events of the pieces j holds, which it takes,
+    // and once j is done the last ones; true then: the stream is complete
+    virtual bool take(job & j, std::string & out) = 0;
+};
+
+// a server-sent event with a name ("event: name"), as the Responses and Anthropic streams send them
+std::string sse_event(const std::string & name, const nlohmann::json & data);
+
+// OpenAI's chunks (chat.completion.chunk, text_completion), each "data: {…}", then [DONE]
+class completion_events : public answer_events {
   public:
     completion_events(const openai_format & f, const job & j, completion_meta c);
-    ~completion_events();
-    // (j.mu held) appends to out the events of the pieces j holds, which it takes,
-    // and once j is done the last ones and [DONE]; true then: the stream is complete
-    bool take(job & j, std::string & out);
+    ~completion_events() override;
+    bool take(job & j, std::string & out) override;
+    // the same chunks as objects; a failed job's last is {"error": {message, type, code}}
+    bool take_chunks(job & j, std::vector<nlohmann::json> & out);
 
   private:
-    void add(std::string & out, const nlohmann::json & chunk) const;
-
     const openai_format & f_;
     completion_meta c_;
     bool started_ = false;

@@ -172,10 +172,12 @@ TEST_F(rules_at_every_edge, blend_params_are_the_same_error_at_the_server_the_c_
         EXPECT_EQ(cli.status, 1) << c.rule << ": " << cli.err;
         EXPECT_NE(cli.err.find(c.cli_names), std::string::npos) << cli.err;
         if (c.http_field.is_null()) continue;
-        json body = {{"prompt", "Who?"}, {"documents", {"Lily had a cat."}}, {"max_tokens", 1}};
+        json body = {{"messages", {{{"role", "user"}, {"content", "Who?"}}}},
+                     {"documents", {"Lily had a cat."}},
+                     {"max_tokens", 1}};
         body.update(c.http_field);
         auto cl = s.client();
-        auto r = cl.Post("/v1/completions", body.dump(), "application/json");
+        auto r = cl.Post("/v1/chat/completions", body.dump(), "application/json");
         ASSERT_TRUE(r);
         EXPECT_EQ(r->status, 400) << c.rule << ": " << r->body;
         EXPECT_NE(test::openai_error_of(r)["message"].get<std::string>().find(c.rule), std::string::npos) << r->body;

@@ -326,7 +326,9 @@ TEST(server_rerank, scores_equal_libllamas_rank_pooling_best_first_with_top_n_an
         EXPECT_NEAR(score, reference_score(query, k_texts[i]), 1e-5f) << k_texts[i];
         EXPECT_GT(score, 0.0f);  // the probability of "yes" (libllama's softmax over the labels)
         EXPECT_LT(score, 1.0f);
-        if (r > 0) EXPECT_GE(all["results"][r - 1]["relevance_score"].get<float>(), score);
+        if (r > 0) {
+            EXPECT_GE(all["results"][r - 1]["relevance_score"].get<float>(), score);
+        }
         EXPECT_FALSE(x.contains("document"));
     }
     EXPECT_EQ(std::count(seen.begin(), seen.end(), true), (long) k_texts.size());

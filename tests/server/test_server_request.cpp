@@ -91,7 +91,15 @@ TEST(server_request, fields_are_checked_per_endpoint) {
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one"]})"), "");
     // several prompts (one choice each), answered whole: up to k_max_prompts strings, not streamed
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one","two"]})"), "");
-    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one",2]})"), "invalid_request");
+    // token ids (OpenAI's), strings among them (llama-server's mixed prompt), lists of them
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one",2]})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":[[1,2],"two"]})"), "");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":[["one"],2]})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":[1,-2]})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":[1,2.5]})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":[1,4294967296]})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":[[]]})"), "invalid_request");
+    EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"max_tokens":2})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":[]})"), "invalid_request");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one","two"],"stream":true})"), "unsupported_parameter");
     EXPECT_EQ(error_code_of(REQUEST_COMPLETION, R"({"prompt":["one"],"stream":true})"), "");
