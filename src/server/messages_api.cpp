@@ -36,9 +36,9 @@ std::string document_text(const json & block) {
 
 // a block the server cannot read
 [[noreturn]] void unsupported_block(const std::string & type) {
-    bad_request("content blocks of type '" + log_quote(type) +
-                    "' are not supported (text, document, tool_use, tool_result)",
-                "unsupported_parameter");
+    bad_request(
+        "content blocks of type '" + log_quote(type) + "' are not supported (text, document, tool_use, tool_result)",
+        "unsupported_parameter");
 }
 
 const char * error_type_of(int status) {
@@ -104,7 +104,8 @@ void check_messages_body(const json & b, bool count) {
                     std::to_string(k_max_message_blocks));
     if (!count) {
         const json * n = body_field(b, "max_tokens");
-        if (!n || !n->is_number_integer() || n->get<int64_t>() < 1) bad_request("'max_tokens' must be a positive integer");
+        if (!n || !n->is_number_integer() || n->get<int64_t>() < 1)
+            bad_request("'max_tokens' must be a positive integer");
     }
     if (const json * s = body_field(b, "stop_sequences")) {
         if (!s->is_array()) bad_request("'stop_sequences' must be an array of strings");
@@ -137,7 +138,8 @@ void check_messages_body(const json & b, bool count) {
 
 json messages_chat_body(const json & b) {
     json msgs = json::array();
-    if (const json * s = body_field(b, "system")) msgs.push_back({{"role", "system"}, {"content", joined_text(*s, "system")}});
+    if (const json * s = body_field(b, "system"))
+        msgs.push_back({{"role", "system"}, {"content", joined_text(*s, "system")}});
     json docs = b.contains("documents") ? b["documents"] : json();
     bool first_user = true;
     for (const json & m : b["messages"]) {
@@ -212,8 +214,9 @@ json messages_chat_body(const json & b) {
                                                : json(type);
         if (c->value("disable_parallel_tool_use", json()) == true) chat["parallel_tool_calls"] = false;
     }
-    for (const char * k : {"stream", "temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty", "logit_bias", "cache_prompt",
-                           "recomp_ratio", "budget", "chunk_head", "head_in_budget", "weight_query", "dev_mass"})
+    for (const char * k :
+         {"stream", "temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty", "logit_bias", "cache_prompt",
+          "recomp_ratio", "budget", "chunk_head", "head_in_budget", "weight_query", "dev_mass"})
         if (const json * x = body_field(b, k)) chat[k] = *x;
     return chat;
 }
@@ -253,9 +256,7 @@ json message_of_chat(const json & completion, const std::string & stop_word) {
 }
 
 messages_events::messages_events(const openai_format & f, const job & j)
-    : chunks_(f, j, completion_meta_new(true)),
-      id_(new_message_id()),
-      model_(f.model_id()) {}
+    : chunks_(f, j, completion_meta_new(true)), id_(new_message_id()), model_(f.model_id()) {}
 
 void messages_events::close_block(std::string & out) {
     if (!open_) return;
@@ -272,10 +273,9 @@ void messages_events::on_delta(std::string & out, const json & delta) {
                                                      {"content_block", {{"type", "text"}, {"text", ""}}}});
             open_ = in_text_ = true;
         }
-        out += sse_event("content_block_delta",
-                         {{"type", "content_block_delta"},
-                          {"index", blocks_ - 1},
-                          {"delta", {{"type", "text_delta"}, {"text", delta["content"]}}}});
+        out += sse_event("content_block_delta", {{"type", "content_block_delta"},
+                                                 {"index", blocks_ - 1},
+                                                 {"delta", {{"type", "text_delta"}, {"text", delta["content"]}}}});
     }
     if (!delta.contains("tool_calls")) return;
     for (const json & tc : delta["tool_calls"]) {
@@ -295,10 +295,10 @@ void messages_events::on_delta(std::string & out, const json & delta) {
         }
         const std::string args = fn.value("arguments", "");
         if (!args.empty() && index < call_block_.size())
-            out += sse_event("content_block_delta",
-                             {{"type", "content_block_delta"},
-                              {"index", call_block_[index]},
-                              {"delta", {{"type", "input_json_delta"}, {"partial_json", args}}}});
+            out +=
+                sse_event("content_block_delta", {{"type", "content_block_delta"},
+                                                  {"index", call_block_[index]},
+                                                  {"delta", {{"type", "input_json_delta"}, {"partial_json", args}}}});
     }
 }
 
@@ -325,8 +325,8 @@ bool messages_events::take(job & j, std::string & out) {
     const bool last = chunks_.take_chunks(j, chunks);
     for (const json & c : chunks) {
         if (c.contains("error")) {
-            out += sse_event("error", {{"type", "error"},
-                                       {"error", {{"type", "api_error"}, {"message", c["error"]["message"]}}}});
+            out += sse_event(
+                "error", {{"type", "error"}, {"error", {{"type", "api_error"}, {"message", c["error"]["message"]}}}});
             return true;
         }
         if (c.contains("kvblend")) kvblend_ = c["kvblend"];
@@ -339,17 +339,17 @@ bool messages_events::take(job & j, std::string & out) {
     if (!last) return false;
     close_block(out);
     const std::string stop_reason = stop_reason_of(finish_, j.stop_word);
-    out += sse_event("message_delta",
-                     {{"type", "message_delta"},
-                      {"delta",
-                       {{"stop_reason", stop_reason},
-                        {"stop_sequence", stop_reason == "stop_sequence" ? json(j.stop_word) : json()}}},
-                      {"usage",
-                       {{"input_tokens", (int64_t) j.tokens.size() - j.n_cached},
-                        {"cache_read_input_tokens", j.n_cached},
-                        {"cache_creation_input_tokens", 0},
-                        {"output_tokens", j.n_gen}}},
-                      {"kvblend", kvblend_}});
+    out +=
+        sse_event("message_delta", {{"type", "message_delta"},
+                                    {"delta",
+                                     {{"stop_reason", stop_reason},
+                                      {"stop_sequence", stop_reason == "stop_sequence" ? json(j.stop_word) : json()}}},
+                                    {"usage",
+                                     {{"input_tokens", (int64_t) j.tokens.size() - j.n_cached},
+                                      {"cache_read_input_tokens", j.n_cached},
+                                      {"cache_creation_input_tokens", 0},
+                                      {"output_tokens", j.n_gen}}},
+                                    {"kvblend", kvblend_}});
     out += sse_event("message_stop", {{"type", "message_stop"}});
     return true;
 }

@@ -40,9 +40,9 @@ class messages_events : public answer_events {
     completion_events chunks_;
     std::string id_, model_;
     bool started_ = false;
-    int64_t blocks_ = 0;   // content blocks started
-    bool open_ = false;    // the last one is not stopped yet
-    bool in_text_ = false;  // … and is a text block
+    int64_t blocks_ = 0;               // content blocks started
+    bool open_ = false;                // the last one is not stopped yet
+    bool in_text_ = false;             // … and is a text block
     std::vector<int64_t> call_block_;  // each tool call's block index (by the call's index)
     std::string finish_;
     nlohmann::json kvblend_;

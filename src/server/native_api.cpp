@@ -39,9 +39,10 @@ json native_infill_body(const json & b, const vocab & v) {
     const llama_vocab * raw = v.raw();
     const llama_token pre = llama_vocab_fim_pre(raw), suf = llama_vocab_fim_suf(raw), mid = llama_vocab_fim_mid(raw);
     if (pre < 0 || suf < 0 || mid < 0)
-        bad_request("/infill needs a model with fill-in-the-middle tokens (FIM prefix, suffix and middle); this one has "
-                    "none",
-                    "unsupported_parameter");
+        bad_request(
+            "/infill needs a model with fill-in-the-middle tokens (FIM prefix, suffix and middle); this one has "
+            "none",
+            "unsupported_parameter");
     auto text = [&](const char * k) {
         const auto it = b.find(k);
         if (it == b.end() || it->is_null()) return std::string();

@@ -132,7 +132,8 @@ void check_responses_body(const json & b) {
         bad_request("'input' must be a string or an array of input items");
     if (input->is_array() && input->size() > k_max_response_items)
         bad_request("'input' may hold at most " + std::to_string(k_max_response_items) + " items");
-    if (const json * x = body_field(b, "instructions"); x && !x->is_string()) bad_request("'instructions' must be a string");
+    if (const json * x = body_field(b, "instructions"); x && !x->is_string())
+        bad_request("'instructions' must be a string");
     if (const json * x = body_field(b, "previous_response_id"); x && !x->is_string())
         bad_request("'previous_response_id' must be a string");
     if (const json * x = body_field(b, "tools"); x && !x->is_array()) bad_request("'tools' must be an array");
@@ -144,7 +145,8 @@ void check_responses_body(const json & b) {
                 bad_request("'text.format' must be {\"type\": text, json_object or json_schema}");
             if (type == "json_schema" && !(f->contains("schema") && (*f)["schema"].is_object()))
                 bad_request("'text.format' of type json_schema needs a 'schema' object");
-            if (const json * n = body_field(*f, "name"); n && !n->is_string()) bad_request("'text.format.name' must be a string");
+            if (const json * n = body_field(*f, "name"); n && !n->is_string())
+                bad_request("'text.format.name' must be a string");
             if (const json * st = body_field(*f, "strict"); st && !st->is_boolean())
                 bad_request("'text.format.strict' must be a boolean");
         }
@@ -153,7 +155,8 @@ void check_responses_body(const json & b) {
     if (const json * x = body_field(b, "user"); x && !x->is_string()) bad_request("'user' must be a string");
     if (input->is_array() && input->empty()) bad_request("'input' must not be empty");
     for (const char * k : {"background", "store"})
-        if (const json * x = body_field(b, k); x && !x->is_boolean()) bad_request(std::string("'") + k + "' must be a boolean");
+        if (const json * x = body_field(b, k); x && !x->is_boolean())
+            bad_request(std::string("'") + k + "' must be a boolean");
     if (b.value("background", false))
         bad_request("'background' responses are not supported: ask and wait, or stream", "unsupported_parameter");
     if (body_field(b, "conversation"))
@@ -182,8 +185,8 @@ json responses_chat_body(const json & b, const stored_response * prev, stored_re
         chat["response_format"] = chat_response_format((*x)["format"]);
     // the fields chat reads the same way: sampling, and kvblend's own
     for (const char * k : {"stream", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p", "stop",
-                           "frequency_penalty", "presence_penalty", "repeat_penalty", "logit_bias", "cache_prompt", "recomp_ratio",
-                           "budget", "chunk_head", "head_in_budget", "weight_query", "dev_mass"})
+                           "frequency_penalty", "presence_penalty", "repeat_penalty", "logit_bias", "cache_prompt",
+                           "recomp_ratio", "budget", "chunk_head", "head_in_budget", "weight_query", "dev_mass"})
         if (const json * x = body_field(b, k)) chat[k] = *x;
     return chat;
 }
@@ -296,8 +299,8 @@ json response_of_chat(const json & completion, const response_meta & m) {
     const std::string finish = choice.value("finish_reason", "stop");
     json output = json::array();
     const bool calls = msg.contains("tool_calls") && !msg["tool_calls"].empty();
-    const std::string text = msg.contains("content") && msg["content"].is_string() ? msg["content"].get<std::string>()
-                                                                                      : "";
+    const std::string text =
+        msg.contains("content") && msg["content"].is_string() ? msg["content"].get<std::string>() : "";
     if (!text.empty() || !calls) output.push_back(message_item("msg_" + random_hex(32), text, status_of(finish)));
     if (calls)
         for (const json & c : msg["tool_calls"]) output.push_back(call_item(c, "completed"));
@@ -314,10 +317,9 @@ json assistant_message_of(const json & response) {
         if (item["type"] == "message")
             for (const json & p : item["content"]) text += p.value("text", "");
         else if (item["type"] == "function_call")
-            msg["tool_calls"].push_back(
-                {{"id", item["call_id"]},
-                 {"type", "function"},
-                 {"function", {{"name", item["name"]}, {"arguments", item["arguments"]}}}});
+            msg["tool_calls"].push_back({{"id", item["call_id"]},
+                                         {"type", "function"},
+                                         {"function", {{"name", item["name"]}, {"arguments", item["arguments"]}}}});
     }
     if (!text.empty() || !msg.contains("tool_calls")) msg["content"] = text;
     return msg;
@@ -345,8 +347,9 @@ void responses_events::open_message(std::string & out) {
     output_.push_back(item);
     send(out, "response.output_item.added", {{"output_index", message_at_}, {"item", item}});
     output_[message_at_]["content"].push_back(output_text_part(""));
-    send(out, "response.content_part.added",
-         {{"item_id", item["id"]}, {"output_index", message_at_}, {"content_index", 0}, {"part", output_text_part("")}});
+    send(
+        out, "response.content_part.added",
+        {{"item_id", item["id"]}, {"output_index", message_at_}, {"content_index", 0}, {"part", output_text_part("")}});
 }
 
 void responses_events::close_message(std::string & out) {
@@ -424,7 +427,10 @@ bool responses_events::take(job & j, std::string & out) {
     for (const json & c : chunks) {
         if (c.contains("error")) {
             send(out, "error",
-                 {{"code", c["error"]["code"]}, {"message", c["error"]["message"]}, {"param", nullptr}, {"error", c["error"]}});
+                 {{"code", c["error"]["code"]},
+                  {"message", c["error"]["message"]},
+                  {"param", nullptr},
+                  {"error", c["error"]}});
             return true;
         }
         if (c.contains("usage")) usage_ = response_usage(c["usage"]);

@@ -30,7 +30,7 @@ struct stored_response {
     nlohmann::json documents;  // null: none
 };
 
-constexpr size_t k_kept_responses = 1024;                   // responses kept for previous_response_id …
+constexpr size_t k_kept_responses = 1024;                     // responses kept for previous_response_id …
 constexpr size_t k_kept_response_bytes = (size_t) 256 << 20;  // … and their conversations' bytes together
 
 // the last responses, kept in memory for previous_response_id; the oldest

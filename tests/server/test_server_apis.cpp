@@ -78,13 +78,14 @@ TEST(server_responses, an_answer_is_the_chat_answer_of_the_same_conversation_who
     const json chat = chat_text(c, {{"messages", {{{"role", "system"}, {"content", "Be brief."}}, k_question}},
                                     {"max_tokens", 12},
                                     {"temperature", 0}});
-    const json r = post(c, "/v1/responses",
-                        {{"instructions", "Be brief."},
-                         {"input", json::array({{{"type", "message"},
-                                                 {"role", "user"},
-                                                 {"content", {{{"type", "input_text"}, {"text", "Where is the tower?"}}}}}})},
-                         {"max_output_tokens", 12},
-                         {"temperature", 0}});
+    const json r =
+        post(c, "/v1/responses",
+             {{"instructions", "Be brief."},
+              {"input", json::array({{{"type", "message"},
+                                      {"role", "user"},
+                                      {"content", {{{"type", "input_text"}, {"text", "Where is the tower?"}}}}}})},
+              {"max_output_tokens", 12},
+              {"temperature", 0}});
     EXPECT_EQ(r["object"], "response");
     EXPECT_EQ(r["status"], "incomplete");  // 12 tokens of random weights: cut
     EXPECT_EQ(r["incomplete_details"]["reason"], "max_output_tokens");
@@ -135,11 +136,9 @@ TEST(server_responses, previous_response_id_continues_the_conversation_unless_it
     auto c = s.client();
     const json first = post(c, "/v1/responses", {{"input", "Hello"}, {"max_output_tokens", 6}, {"temperature", 0}});
     const std::string said = first["output"][0]["content"][0]["text"];
-    const json second = post(c, "/v1/responses",
-                             {{"input", "And then?"},
-                              {"previous_response_id", first["id"]},
-                              {"max_output_tokens", 6},
-                              {"temperature", 0}});
+    const json second = post(
+        c, "/v1/responses",
+        {{"input", "And then?"}, {"previous_response_id", first["id"]}, {"max_output_tokens", 6}, {"temperature", 0}});
     EXPECT_EQ(second["previous_response_id"], first["id"]);
     // the reference: the whole conversation given to chat at once
     const json chat = chat_text(c, {{"messages",
@@ -152,10 +151,8 @@ TEST(server_responses, previous_response_id_continues_the_conversation_unless_it
     EXPECT_EQ(second["usage"]["input_tokens"], chat["usage"]["prompt_tokens"]);
     EXPECT_GT(second["usage"]["input_tokens_details"]["cached_tokens"], 0);  // the slot kept the first turn
 
-    const json unstored =
-        post(c, "/v1/responses", {{"input", "Hello"}, {"max_output_tokens", 2}, {"store", false}});
-    const json e =
-        post(c, "/v1/responses", {{"input", "x"}, {"previous_response_id", unstored["id"]}}, 404)["error"];
+    const json unstored = post(c, "/v1/responses", {{"input", "Hello"}, {"max_output_tokens", 2}, {"store", false}});
+    const json e = post(c, "/v1/responses", {{"input", "x"}, {"previous_response_id", unstored["id"]}}, 404)["error"];
     EXPECT_EQ(e["code"], "previous_response_not_found");
 }
 
@@ -163,10 +160,12 @@ TEST(server_responses, documents_fuse_and_text_format_constrains_the_output) {
     test::running_server s(test::small_params(), test::tiny_qwen3_model());
     auto c = s.client();
     const json docs = {"The tower is in Paris.", "The bridge is in London."};
-    const json r = post(c, "/v1/responses",
-                        {{"input", "Where is the tower?"}, {"documents", docs}, {"max_output_tokens", 4}, {"temperature", 0}});
+    const json r =
+        post(c, "/v1/responses",
+             {{"input", "Where is the tower?"}, {"documents", docs}, {"max_output_tokens", 4}, {"temperature", 0}});
     EXPECT_GT(r["kvblend"]["n_fused"], 0) << r;
-    const json chat = chat_text(c, {{"messages", {k_question}}, {"documents", docs}, {"max_tokens", 4}, {"temperature", 0}});
+    const json chat =
+        chat_text(c, {{"messages", {k_question}}, {"documents", docs}, {"max_tokens", 4}, {"temperature", 0}});
     EXPECT_EQ(r["output"][0]["content"][0]["text"], chat["choices"][0]["message"]["content"]);
 
     const json schema = {{"type", "object"},
@@ -241,17 +240,18 @@ TEST(server_responses, function_calls_are_chats_tool_calls_and_their_outputs_con
     ASSERT_FALSE(ev.empty());
     EXPECT_EQ(ev.back()["event"], "response.completed");
     // its output continues the conversation; an output for a call never made is refused
-    const json next = post(c, "/v1/responses",
-                           {{"input", {{{"type", "function_call_output"}, {"call_id", call["call_id"]}, {"output", "sunny"}}}},
-                            {"previous_response_id", r["id"]},
-                            {"tools", flat},
-                            {"max_output_tokens", 4},
-                            {"logit_bias", bias}});
+    const json next =
+        post(c, "/v1/responses",
+             {{"input", {{{"type", "function_call_output"}, {"call_id", call["call_id"]}, {"output", "sunny"}}}},
+              {"previous_response_id", r["id"]},
+              {"tools", flat},
+              {"max_output_tokens", 4},
+              {"logit_bias", bias}});
     EXPECT_EQ(next["status"], "completed") << next;
-    const json e = post(c, "/v1/responses",
-                        {{"input", {{{"type", "function_call_output"}, {"call_id", "call_nobody"}, {"output", "x"}}}},
-                         {"tools", flat}},
-                        400)["error"];
+    const json e = post(
+        c, "/v1/responses",
+        {{"input", {{{"type", "function_call_output"}, {"call_id", "call_nobody"}, {"output", "x"}}}}, {"tools", flat}},
+        400)["error"];
     EXPECT_NE(e["message"].get<std::string>().find("call_nobody"), std::string::npos) << e;
 }
 
@@ -267,7 +267,8 @@ TEST(server_responses, hostile_bodies_get_clear_errors) {
         {{{"input", 3}}, "'input'"},
         {{{"input", many}}, "at most"},
         {{{"input", {{{"type", "mystery"}}}}}, "mystery"},
-        {{{"input", {{{"role", "user"}, {"content", {{{"type", "input_image"}, {"image_url", "x"}}}}}}}}, "input_image"},
+        {{{"input", {{{"role", "user"}, {"content", {{{"type", "input_image"}, {"image_url", "x"}}}}}}}},
+         "input_image"},
         {{{"input", {{{"role", "user"}, {"content", 5}}}}}, "content"},
         {{{"input", {{{"type", "function_call"}, {"name", "f"}}}}}, "call_id"},
         {{{"input", "x"}, {"tools", {{{"type", "web_search"}}}}}, "function tools"},
@@ -303,10 +304,11 @@ TEST(server_messages, an_answer_is_the_chat_answer_with_anthropics_usage_stop_an
                                     {"max_tokens", 12},
                                     {"temperature", 0}});
     const std::string want = chat["choices"][0]["message"]["content"];
-    const json body = {{"system", {{{"type", "text"}, {"text", "Be brief."}}}},
-                       {"messages", {{{"role", "user"}, {"content", {{{"type", "text"}, {"text", "Where is the tower?"}}}}}}},
-                       {"max_tokens", 12},
-                       {"temperature", 0}};
+    const json body = {
+        {"system", {{{"type", "text"}, {"text", "Be brief."}}}},
+        {"messages", {{{"role", "user"}, {"content", {{{"type", "text"}, {"text", "Where is the tower?"}}}}}}},
+        {"max_tokens", 12},
+        {"temperature", 0}};
     const json m = post(c, "/v1/messages", body);
     EXPECT_EQ(m["type"], "message");
     EXPECT_EQ(m["role"], "assistant");
@@ -354,12 +356,15 @@ TEST(server_messages, document_blocks_are_fused_documents) {
     const json docs = {"The tower is in Paris.", "The bridge is in London."};
     json blocks = json::array();
     for (const json & d : docs)
-        blocks.push_back({{"type", "document"}, {"source", {{"type", "text"}, {"media_type", "text/plain"}, {"data", d}}}});
+        blocks.push_back(
+            {{"type", "document"}, {"source", {{"type", "text"}, {"media_type", "text/plain"}, {"data", d}}}});
     blocks.push_back({{"type", "text"}, {"text", "Where is the tower?"}});
-    const json m = post(c, "/v1/messages",
-                        {{"messages", {{{"role", "user"}, {"content", blocks}}}}, {"max_tokens", 4}, {"temperature", 0}});
+    const json m =
+        post(c, "/v1/messages",
+             {{"messages", {{{"role", "user"}, {"content", blocks}}}}, {"max_tokens", 4}, {"temperature", 0}});
     EXPECT_GT(m["kvblend"]["n_fused"], 0) << m;
-    const json chat = chat_text(c, {{"messages", {k_question}}, {"documents", docs}, {"max_tokens", 4}, {"temperature", 0}});
+    const json chat =
+        chat_text(c, {{"messages", {k_question}}, {"documents", docs}, {"max_tokens", 4}, {"temperature", 0}});
     EXPECT_EQ(m["content"][0]["text"], chat["choices"][0]["message"]["content"]);
 }
 
@@ -372,30 +377,33 @@ TEST(server_messages, tool_use_is_chats_tool_call_and_errors_are_anthropic_shape
                          {"description", t["function"]["description"]},
                          {"input_schema", t["function"]["parameters"]}});
     const json bias = test::tool_model_bias(false);
-    const json m = post(c, "/v1/messages",
-                        {{"messages", {{{"role", "user"}, {"content", "What is the weather in Oslo?"}}}},
-                         {"tools", tools},
-                         {"tool_choice", {{"type", "tool"}, {"name", "get_weather"}, {"disable_parallel_tool_use", true}}},
-                         {"max_tokens", 200},
-                         {"logit_bias", bias},
-                         {"seed", 3}});
+    const json m =
+        post(c, "/v1/messages",
+             {{"messages", {{{"role", "user"}, {"content", "What is the weather in Oslo?"}}}},
+              {"tools", tools},
+              {"tool_choice", {{"type", "tool"}, {"name", "get_weather"}, {"disable_parallel_tool_use", true}}},
+              {"max_tokens", 200},
+              {"logit_bias", bias},
+              {"seed", 3}});
     EXPECT_EQ(m["stop_reason"], "tool_use") << m;
     ASSERT_FALSE(m["content"].empty()) << m;
     const json & use = m["content"].back();
     EXPECT_EQ(use["type"], "tool_use");
     EXPECT_EQ(use["name"], "get_weather");
-    test::expect_valid_call(
-        {{"type", "function"}, {"id", use["id"]}, {"function", {{"name", use["name"]}, {"arguments", use["input"].dump()}}}});
+    test::expect_valid_call({{"type", "function"},
+                             {"id", use["id"]},
+                             {"function", {{"name", use["name"]}, {"arguments", use["input"].dump()}}}});
     // the round trip: the call and its result in the history
-    const json next = post(c, "/v1/messages",
-                           {{"messages",
-                             {{{"role", "user"}, {"content", "What is the weather in Oslo?"}},
-                              {{"role", "assistant"}, {"content", {use}}},
-                              {{"role", "user"},
-                               {"content", {{{"type", "tool_result"}, {"tool_use_id", use["id"]}, {"content", "sunny"}}}}}}},
-                            {"tools", tools},
-                            {"max_tokens", 4},
-                            {"logit_bias", bias}});
+    const json next =
+        post(c, "/v1/messages",
+             {{"messages",
+               {{{"role", "user"}, {"content", "What is the weather in Oslo?"}},
+                {{"role", "assistant"}, {"content", {use}}},
+                {{"role", "user"},
+                 {"content", {{{"type", "tool_result"}, {"tool_use_id", use["id"]}, {"content", "sunny"}}}}}}},
+              {"tools", tools},
+              {"max_tokens", 4},
+              {"logit_bias", bias}});
     EXPECT_EQ(next["type"], "message") << next;
     // a result for a call never made, a missing max_tokens, an image: Anthropic's error shape
     const std::vector<json> bad = {
@@ -439,19 +447,23 @@ TEST(server_messages, hostile_and_odd_bodies_are_answered_in_anthropics_shape) {
         EXPECT_NE(e["error"].value("message", "").find(says), std::string::npos) << says << " in " << r->body;
     };
     // before the handler runs (the key) and in it
-    anthropic_error(c.Post("/v1/messages", R"({"max_tokens":2,"messages":[{"role":"user","content":"x"}]})",
-                           "application/json"),
-                    401, "API key");
+    anthropic_error(
+        c.Post("/v1/messages", R"({"max_tokens":2,"messages":[{"role":"user","content":"x"}]})", "application/json"),
+        401, "API key");
+    anthropic_error(
+        post_k("/v1/messages",
+               {{"max_tokens", 2},
+                {"messages", {{{"role", "user"}, {"content", "x"}}, {{"role", "assistant"}, {"content", "Sure"}}}}}),
+        400, "prefill");
+    anthropic_error(
+        post_k("/v1/messages",
+               {{"max_tokens", 2},
+                {"messages",
+                 {{{"role", "user"},
+                   {"content", {{{"type", "tool_use"}, {"id", "a"}, {"name", "f"}, {"input", json::object()}}}}}}}}),
+        400, "belongs in an assistant message");
     anthropic_error(post_k("/v1/messages", {{"max_tokens", 2},
-                                            {"messages", {{{"role", "user"}, {"content", "x"}},
-                                                          {{"role", "assistant"}, {"content", "Sure"}}}}}),
-                    400, "prefill");
-    anthropic_error(post_k("/v1/messages", {{"max_tokens", 2},
-                                            {"messages", {{{"role", "user"},
-                                                           {"content", {{{"type", "tool_use"}, {"id", "a"},
-                                                                         {"name", "f"}, {"input", json::object()}}}}}}}}),
-                    400, "belongs in an assistant message");
-    anthropic_error(post_k("/v1/messages", {{"max_tokens", 2}, {"stop_sequences", std::vector<std::string>(17, "x")},
+                                            {"stop_sequences", std::vector<std::string>(17, "x")},
                                             {"messages", {{{"role", "user"}, {"content", "x"}}}}}),
                     400, "'stop_sequences'");
     // a route under another method: 405 with what it takes, in the route's shape
@@ -463,8 +475,9 @@ TEST(server_messages, hostile_and_odd_bodies_are_answered_in_anthropics_shape) {
     for (size_t i = 0; i <= k_max_messages; ++i) empties.push_back({{"role", "user"}, {"content", json::array()}});
     anthropic_error(post_k("/v1/messages/count_tokens", {{"messages", empties}}), 400, "content blocks");
     // an empty documents array is none; a prompt past the context is still counted
-    auto r = post_k("/v1/messages", {{"max_tokens", 2}, {"documents", json::array()},
-                                     {"messages", {{{"role", "user"}, {"content", "x"}}}}});
+    auto r =
+        post_k("/v1/messages",
+               {{"max_tokens", 2}, {"documents", json::array()}, {"messages", {{{"role", "user"}, {"content", "x"}}}}});
     ASSERT_TRUE(r);
     EXPECT_EQ(r->status, 200) << r->body;
     std::string longer;
@@ -483,9 +496,9 @@ TEST(server_completion_native, answers_as_v1_completions_with_llama_servers_fiel
     const json ref = post(c, "/v1/completions",
                           {{"prompt", "The tower is"}, {"max_tokens", 8}, {"temperature", 0}, {"logprobs", 2}});
     const std::string want = ref["choices"][0]["text"];
-    const json r = post(c, "/completion",
-                        {{"prompt", "The tower is"}, {"n_predict", 8}, {"temperature", 0}, {"n_probs", 2},
-                         {"return_tokens", true}});
+    const json r = post(
+        c, "/completion",
+        {{"prompt", "The tower is"}, {"n_predict", 8}, {"temperature", 0}, {"n_probs", 2}, {"return_tokens", true}});
     EXPECT_EQ(r["content"], want);
     EXPECT_EQ(r["stop"], true);
     EXPECT_EQ(r["stop_type"], "limit");
@@ -508,12 +521,14 @@ TEST(server_completion_native, answers_as_v1_completions_with_llama_servers_fiel
     // a stop word from inside the answer
     ASSERT_GE(want.size(), 4u);
     const std::string stop = middle_character(want);
-    const json st = post(c, "/completion", {{"prompt", "The tower is"}, {"n_predict", 8}, {"temperature", 0}, {"stop", {stop}}});
+    const json st =
+        post(c, "/completion", {{"prompt", "The tower is"}, {"n_predict", 8}, {"temperature", 0}, {"stop", {stop}}});
     EXPECT_EQ(st["stop_type"], "word");
     EXPECT_EQ(st["stopping_word"], stop);
     EXPECT_EQ(st["content"], want.substr(0, want.find(stop)));
     // streamed: pieces that add up, then the whole answer's fields with stop true, and no [DONE]
-    const std::vector<json> ev = post_stream(c, "/completion", {{"prompt", "The tower is"}, {"n_predict", 8}, {"temperature", 0}});
+    const std::vector<json> ev =
+        post_stream(c, "/completion", {{"prompt", "The tower is"}, {"n_predict", 8}, {"temperature", 0}});
     ASSERT_GE(ev.size(), 2u);
     std::string text;
     for (size_t i = 0; i + 1 < ev.size(); ++i) {
@@ -562,8 +577,8 @@ TEST(server_completion_native, infill_is_the_completion_of_its_fill_in_the_middl
     EXPECT_EQ(r["content"], want["content"]);
     EXPECT_EQ(r["tokens_evaluated"], want["tokens_evaluated"]);
     // other files' text needs the file separator this vocabulary lacks
-    const json no_sep = post(c, "/infill",
-                             {{"input_prefix", "a"}, {"input_extra", {{{"filename", "u.py"}, {"text", "x"}}}}}, 400);
+    const json no_sep =
+        post(c, "/infill", {{"input_prefix", "a"}, {"input_extra", {{{"filename", "u.py"}, {"text", "x"}}}}}, 400);
     EXPECT_NE(no_sep["error"]["message"].get<std::string>().find("separator"), std::string::npos) << no_sep;
     test::running_server plain(test::small_params());  // stories260K: no FIM tokens
     auto pc = plain.client();
