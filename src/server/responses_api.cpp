@@ -1,7 +1,6 @@
 // the Responses API on the chat path (see responses_api.h)
 #include "server/responses_api.h"
 
-#include <atomic>
 #include <ctime>
 #include <random>
 

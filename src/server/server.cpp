@@ -225,20 +225,22 @@ struct server::impl {
     }
 
     // --- routes -----------------------------------------------------------------
-    // an error's body in a route's shape: OpenAI's unless the route is Anthropic's
-    using error_shape = std::string (*)(const request_error & e);
-    static std::string openai_error(const request_error & e) { return error_body(e.message, e.type, e.code); }
-    static std::string anthropic_error(const request_error & e) { return anthropic_error_body(e.status, e.message); }
+    // an error's body in the shape of the route a path names: Anthropic's for its
+    // Messages routes, OpenAI's for every other (whether the handler ran or not)
+    static std::string error_for(const std::string & path, const request_error & e) {
+        return path.rfind("/v1/messages", 0) == 0 ? anthropic_error_body(e.status, e.message)
+                                                  : error_body(e.message, e.type, e.code);
+    }
 
     // the request's error answer from an exception, logged when it never became a job
     template <typename F>
-    http_handler guarded(F && f, error_shape shape = openai_error) {
-        return [this, f, shape](const http_request & req, http_response & res) {
+    http_handler guarded(F && f) {
+        return [this, f](const http_request & req, http_response & res) {
             submitted_here = false;
             std::string why;
             auto answer = [&](const request_error & e) {
                 res.status = e.status;
-                res.set_content(shape(e), "application/json");
+                res.set_content(error_for(req.path, e), "application/json");
                 why = e.message;
             };
             try {
@@ -263,14 +265,6 @@ struct server::impl {
         return "the request body is larger than this server's limit of " + std::to_string(p.max_body) +
                " bytes (--max-body)";
     }
-    std::string too_large() const {
-        return error_body(too_large_message(), "invalid_request_error", "request_too_large");
-    }
-
-    // an error answered before a route's handler runs, in that route's shape
-    static std::string early_error(const http_request & req, const request_error & e) {
-        return req.path.rfind("/v1/messages", 0) == 0 ? anthropic_error(e) : openai_error(e);
-    }
 
     // before any body is read: the origin, the key, then the declared length
     bool refuse_early(const http_request & req, http_response & res) const {
@@ -281,10 +275,10 @@ struct server::impl {
             if (!http_origin_allowed(origin, p.allow_origins)) {
                 res.status = 403;
                 res.set_content(
-                    early_error(req, {403,
-                                      "requests from web pages of origin '" + log_quote(origin) +
-                                          "' are refused; start the server with --allow-origin to allow one",
-                                      "invalid_request_error", "forbidden_origin"}),
+                    error_for(req.path, {403,
+                                         "requests from web pages of origin '" + log_quote(origin) +
+                                             "' are refused; start the server with --allow-origin to allow one",
+                                         "invalid_request_error", "forbidden_origin"}),
                     "application/json");
                 return true;
             }
@@ -301,15 +295,16 @@ struct server::impl {
         if (!p.api_key.empty() && req.path != "/health" && !http_key_matches(req, p.api_key)) {
             res.status = 401;
             res.set_content(
-                early_error(req, {401, "invalid or missing API key", "authentication_error", "invalid_api_key"}),
+                error_for(req.path, {401, "invalid or missing API key", "authentication_error", "invalid_api_key"}),
                 "application/json");
             return true;
         }
         if (req.content_length > p.max_body) {
             res.status = 413;
             res.set_header("Connection", "close");  // the body is not read
-            res.set_content(early_error(req, {413, too_large_message(), "invalid_request_error", "request_too_large"}),
-                            "application/json");
+            res.set_content(
+                error_for(req.path, {413, too_large_message(), "invalid_request_error", "request_too_large"}),
+                "application/json");
             return true;
         }
         return false;
@@ -318,10 +313,7 @@ struct server::impl {
     // an error status with no body yet (no route, a method the route does not take, a
     // chunked body past the limit, …), in the shape of the route the path names
     void error_answer(const std::string & path, http_response & res) const {
-        const bool anthropic = path.rfind("/v1/messages", 0) == 0;
-        auto answer = [&](const request_error & e) {
-            res.set_content(anthropic ? anthropic_error(e) : openai_error(e), "application/json");
-        };
+        auto answer = [&](const request_error & e) { res.set_content(error_for(path, e), "application/json"); };
         if (res.status == 404)
             answer({404, "unknown route", "invalid_request_error", "not_found"});
         else if (res.status == 405) {
@@ -755,11 +747,10 @@ struct server::impl {
                   guarded([this](const http_request & req, http_response & res) { completion(req, res, true); }));
         for (const char * path : {"/v1/responses", "/responses"})
             http.post(path, guarded([this](const http_request & req, http_response & res) { responses(req, res); }));
-        http.post("/v1/messages", guarded([this](const http_request & req, http_response & res) { messages(req, res); },
-                                          anthropic_error));
+        http.post("/v1/messages",
+                  guarded([this](const http_request & req, http_response & res) { messages(req, res); }));
         http.post("/v1/messages/count_tokens",
-                  guarded([this](const http_request & req, http_response & res) { count_tokens(req, res); },
-                          anthropic_error));
+                  guarded([this](const http_request & req, http_response & res) { count_tokens(req, res); }));
         http.get("/props", [this](const http_request &, http_response & res) {
             res.set_content(json_text(props()), "application/json");
         });
