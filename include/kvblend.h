@@ -133,6 +133,11 @@ KVB_API kvb_model_params kvb_model_default_params(void);
 KVB_API kvb_status kvb_model_load(const char * path, const kvb_model_params * params, kvb_model ** out);
 KVB_API void kvb_model_free(kvb_model * model);
 KVB_API kvb_status kvb_model_get_info(const kvb_model * model, kvb_model_info * out);
+// the recompute ratio `kvblend calibrate` picked for this model, for
+// kvb_blend_params.recomp_ratio: from the calibration at path (NULL: MODEL.calibration.json
+// beside the model's file). KVB_ERR_NOT_FOUND when there is none; KVB_ERR_INVALID_ARGUMENT
+// when the file is not a calibration or calibrates another model (by fingerprint)
+KVB_API kvb_status kvb_calibrated_ratio(const kvb_model * model, const char * path, float * ratio);
 
 // the devices a model could use (kvb_model_params.device), one line each,
 // "NAME: description" as `kvblend --list-devices` prints them ("CPU: …",

@@ -36,7 +36,8 @@ log() { printf '[setup] %s\n' "$*"; }
 pkgs=(build-essential cmake ninja-build git ca-certificates libgtest-dev nlohmann-json3-dev npm gnuplot-nox
       libxxhash-dev libhiredis-dev redis-server python3-pytest pkgconf
       clang libclang-rt-14-dev    # clang + its sanitizer/libFuzzer runtimes: scripts/fuzz.sh
-      clang-format)               # scripts/check_format.sh (.ci/run)
+      clang-format                # scripts/check_format.sh (.ci/run)
+      ccache)                     # ggml and libllama compiled once for the main and ASan builds
 # the trainer runs on Debian's python3 (/usr/bin/python3); torch without OpenBLAS falls back to the reference BLAS
 [[ "${KVBLEND_TRAIN:-0}" == 1 ]] && pkgs+=(python3-torch python3-numpy libopenblas0-pthread)
 missing=()
@@ -110,6 +111,13 @@ if [[ "${KVBLEND_CUDA:-0}" == 1 ]]; then
   [[ -n "$arch" ]] && cmake_args+=("-DCMAKE_CUDA_ARCHITECTURES=$arch")
 else
   cmake_args+=(-DKVBLEND_CUDA=OFF)
+fi
+# ggml and libllama compile with the same flags in every build folder but the
+# TSan one: through ccache, with paths taken relative to the clone, the ASan
+# build (and any rebuild) gets their objects from the main build's compile
+if command -v ccache >/dev/null 2>&1; then
+  launcher="/usr/bin/env;CCACHE_BASEDIR=$root;ccache"
+  cmake_args+=("-DCMAKE_C_COMPILER_LAUNCHER=$launcher" "-DCMAKE_CXX_COMPILER_LAUNCHER=$launcher")
 fi
 [[ "$SANITIZE" == 1 ]] && cmake_args+=(-DKVBLEND_SANITIZE=ON) || cmake_args+=(-DKVBLEND_SANITIZE=OFF)
 [[ "$SANITIZE" == thread ]] && cmake_args+=(-DKVBLEND_TSAN=ON) || cmake_args+=(-DKVBLEND_TSAN=OFF)

@@ -50,4 +50,8 @@ void backend_init();
 // monotonic wall clock in milliseconds
 double time_ms();
 
+// the byte offset where text stops being well-formed UTF-8 (overlong forms,
+// surrogates and code points past U+10FFFF included), or npos when it is
+size_t utf8_invalid_at(const std::string & text);
+
 }  // namespace kvblend

@@ -89,6 +89,21 @@ struct rag_fuse_result {
 rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
                          const std::vector<const chunk_kv *> & given = {});
 
+// how close a fused prompt's first token is to a full prefill of the same
+// tokens (the request's check, calibration)
+struct full_comparison {
+    double kl = 0;            // KL(full || fused) of the first token's distribution, nats
+    bool top1_agree = false;  // the same most likely first token
+    llama_token top_full = -1, top_fused = -1;
+    double full_ms = 0;              // the full prefill's time
+    std::vector<float> full_logits;  // its last token's logits
+};
+
+// a full prefill of tokens from position 0 on eng (its cache is cleared
+// first), against fused_logits (the last n_vocab are the first token's)
+full_comparison rag_compare_full(engine & eng, const std::vector<llama_token> & tokens,
+                                 const std::vector<float> & fused_logits);
+
 // ingest: the chunks a store keeps for texts. each text is one chunk (cut as
 // a blend cuts a document), or its paragraphs are (split_paragraphs), or it is
 // cut every chunk_size tokens (> 0); empty chunks are dropped

@@ -38,6 +38,10 @@ struct server_params {
     int max_queue = 64;            // waiting requests beyond the slots; more get 503
     float recomp_ratio = 0.08f;    // blend_default_params()'s
     int check_layer = 1;
+    // a request may ask "compare_full": its fused prompt is prefilled in full
+    // too, on a cache of its own (n_ctx more rows), and the first token's KL
+    // and agreement are reported
+    bool compare_full = false;
     int64_t chunk_size = 256;       // plain long prompts: chunk length
     int64_t min_fuse_tokens = 512;  // plain prompts at least this long are chunked and fused
     // plain prompts (no "documents" field): known documents found in the text are

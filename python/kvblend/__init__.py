@@ -869,6 +869,16 @@ class Model(_Closing):
         return out.hex.decode()
 
     # blend -------------------------------------------------------------------
+    def calibrated_ratio(self, path=None):
+        """The recompute ratio ``kvblend calibrate`` picked for this model: from the
+        calibration at ``path`` (default: MODEL.calibration.json beside the model's
+        file). NotFoundError when there is none; InvalidArgumentError when the file is
+        not a calibration or calibrates another model."""
+        ratio = c_float()
+        with self._engine():
+            _check(_c.kvb_calibrated_ratio(self._m, None if path is None else _path(path), byref(ratio)))
+        return ratio.value
+
     def blend(self, system, docs, question, *, store=None, ratio=None, check_layer=None, score=None, method=None,
               chunk_head=None, head_in_budget=None, weight_query=None, budget=None, dev_mass=None, schedule=None,
               chat=False, collect_with_prefix=False, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05,
@@ -886,7 +896,8 @@ class Model(_Closing):
         False; deviations weighted by the question's attention unless
         ``weight_query`` is False; ``budget`` "global", "chunk" or "mass";
         ``dev_mass`` in (0, 1] for an adaptive ratio; ``schedule``
-        [(layer, ratio), …] for multi-step selection). Left as None, each is
+        [(layer, ratio), …] for multi-step selection; ``ratio="auto"``: the
+        model's calibration, see calibrated_ratio()). Left as None, each is
         the library's default (kvb_blend_default_params). The answer is
         generated from the fused cache (greedy
         by default; ``stop`` strings end it; ``on_piece(text)`` streams it and
@@ -917,7 +928,9 @@ class Model(_Closing):
         else:
             system_b = question_b = None
         bp = _c.kvb_blend_default_params()
-        if ratio is not None:
+        if isinstance(ratio, str) and ratio == "auto":
+            bp.recomp_ratio = self.calibrated_ratio()
+        elif ratio is not None:
             bp.recomp_ratio = _real(ratio, "ratio")
         if check_layer is not None:
             bp.check_layer = _int32(check_layer, "check_layer")

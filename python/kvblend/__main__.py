@@ -80,7 +80,20 @@ def _stream(a):
     return None if a.json else _print_piece
 
 
+def _ratio(text):
+    """--recomp-ratio: a number, or auto."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expects a number in [0, 1] or auto, got %r" % text) from None
+
+
 def cmd_blend(a):
+    if a.calibration is not None and a.recomp_ratio != "auto":
+        raise kvblend.InvalidArgumentError("--calibration is read with --recomp-ratio auto: give both",
+                                           "KVB_ERR_INVALID_ARGUMENT")
     docs = [_read(f) for f in a.doc]
     schedule = None
     if a.schedule:
@@ -88,7 +101,10 @@ def cmd_blend(a):
     with _model(a) as model:
         store = _open_store(a)
         try:
-            r = model.blend(a.system, docs, a.query, store=store, ratio=a.recomp_ratio, check_layer=a.check_layer,
+            ratio = a.recomp_ratio
+            if ratio == "auto":
+                ratio = model.calibrated_ratio(a.calibration)
+            r = model.blend(a.system, docs, a.query, store=store, ratio=ratio, check_layer=a.check_layer,
                             score=a.score, method=a.method, chunk_head=a.chunk_head,
                             head_in_budget=False if a.head_beyond_budget else None,
                             weight_query=False if a.no_weight_query else None, budget=a.budget,
@@ -159,8 +175,9 @@ def main(argv=None):
     b.add_argument("--system", default="", help="system text (the prefix chunk)")
     b.add_argument("--doc", action="append", default=[], help="a document file (repeatable, in prompt order)")
     b.add_argument("--query", required=True, help="the question")
-    b.add_argument("--recomp-ratio", type=float, help="share of document tokens recomputed, chunk heads included "
-                   "(default 0.08)")
+    b.add_argument("--recomp-ratio", type=_ratio, help="share of document tokens recomputed, chunk heads included "
+                   "(default 0.08); auto: the model's calibration (kvblend calibrate)")
+    b.add_argument("--calibration", help="the calibration --recomp-ratio auto reads (default MODEL.calibration.json)")
     b.add_argument("--check-layer", type=int, help="layer whose deviation selects tokens (default 1)")
     b.add_argument("--score", choices=["v", "k", "kv"], help="deviation of V (default), K or both")
     b.add_argument("--method", choices=["gradual", "dense"])

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <optional>
 
+#include "blend/fidelity.h"
 #include "kvblend/codec.h"
 #include "kvblend/common.h"
 
@@ -172,6 +173,24 @@ rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_par
     }
     r.blend_energy = eng.energy_since(e_blend);
     return r;
+}
+
+full_comparison rag_compare_full(engine & eng, const std::vector<llama_token> & tokens,
+                                 const std::vector<float> & fused_logits) {
+    const int64_t nv = eng.mdl().hparams().n_vocab;
+    if ((int64_t) fused_logits.size() < nv) throw error("rag_compare_full: no fused logits to compare");
+    const float * fused = fused_logits.data() + fused_logits.size() - nv;
+    full_comparison c;
+    eng.cache().clear();
+    const double t0 = time_ms();
+    c.full_logits = eng.eval(tokens);
+    c.full_ms = time_ms() - t0;
+    const float * full = c.full_logits.data() + c.full_logits.size() - nv;
+    c.kl = kl_divergence(full, fused, nv);
+    c.top_full = (llama_token) (std::max_element(full, full + nv) - full);
+    c.top_fused = (llama_token) (std::max_element(fused, fused + nv) - fused);
+    c.top1_agree = c.top_full == c.top_fused;
+    return c;
 }
 
 std::vector<std::vector<llama_token>> rag_ingest_chunks(const vocab & v, const std::vector<std::string> & texts,

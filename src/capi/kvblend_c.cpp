@@ -14,6 +14,7 @@
 #include "chat/tool_chat.h"
 #include "kvblend.h"
 #include "kvblend/blend.h"
+#include "kvblend/calibration.h"
 #include "kvblend/codec.h"
 #include "kvblend/engine.h"
 #include "kvblend/model.h"
@@ -29,6 +30,7 @@ struct kvb_model {
     std::shared_ptr<const model> m;
     std::string description;  // kept for kvb_model_info
     std::string device;       // the same
+    std::string path;         // the file it was loaded from (its calibration lies beside it)
 };
 
 struct kvb_store {
@@ -403,7 +405,17 @@ kvb_status kvb_model_load(const char * path, const kvb_model_params * params, kv
         h->m = model::load(path, mp);
         h->description = h->m->describe();
         h->device = h->m->device_label();
+        h->path = path;
         *out = h.release();
+    });
+}
+
+kvb_status kvb_calibrated_ratio(const kvb_model * model, const char * path, float * ratio) {
+    return guarded([&] {
+        need(model, "model");
+        need(ratio, "ratio");
+        const std::string file = path ? path : calibration_default_path(model->path);
+        *ratio = (float) calibration_load(file, model->m->fingerprint()).recomp_ratio;
     });
 }
 

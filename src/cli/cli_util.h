@@ -33,9 +33,19 @@ int bench_match(args & a);     // kvblend bench match …
 int bench_search(args & a);    // kvblend bench search …
 int bench_accuracy(args & a);  // kvblend bench accuracy …
 
-// draw a PNG with gnuplot (Debian's gnuplot-nox) from data rows and a plot script
-// that reads them from PNG.dat; nothing when png is empty
-void plot_png(const std::string & png, const std::string & data, const std::string & script);
+// draw a PNG (an SVG when the name ends in .svg) with gnuplot (Debian's gnuplot-nox) from data rows and a plot
+// script that reads them from FILE.dat; nothing when the name is empty
+void plot_file(const std::string & png, const std::string & data, const std::string & script);
+// --recomp-ratio R, or "auto": the ratio of the model's calibration (kvblend
+// calibrate), beside the model or at --calibration FILE, read once the model is loaded
+struct ratio_flag {
+    float value = blend_default_params().recomp_ratio;
+    bool from_calibration = false;
+    std::string calibration;
+    float resolve(const model & m, const std::string & model_path) const;  // throws kvblend::error
+};
+bool match_ratio_flag(args & a, ratio_flag & r);  // --recomp-ratio, --calibration
+
 // a benchmark's results as indented JSON at path; nothing when path is empty,
 // a message when the file cannot be written
 void write_json(const std::string & path, const nlohmann::json & j);

@@ -14,6 +14,7 @@
 #include "blend/fidelity.h"
 #include "cli/args.h"
 #include "cli/cli_util.h"
+#include "cli/qa_prompts.h"
 #include "kvblend/blend.h"
 #include "kvblend/codec.h"
 #include "kvblend/rag_prompt.h"
@@ -72,62 +73,6 @@ the deepest layers ran. Rows: full, naive, then every variant at every ratio.
   --json FILE          write the rows (with every answer) as JSON
   --plot FILE.png      exact match vs recomputed share, one line per variant
 )";
-
-struct qa_prompt {
-    std::string system, query, answer;
-    std::vector<std::string> chunks;
-    std::string kind;  // optional "kind" field, for a breakdown
-    int64_t line = 0;
-};
-
-constexpr uint64_t k_max_prompts_file = 1ull << 30;
-
-// the prompts of a JSONL file; a malformed line is an error naming it
-std::vector<qa_prompt> read_prompts(const std::string & path) {
-    // a regular file of bounded size (a fifo or /dev/zero is refused, not read forever)
-    std::istringstream f(read_text_file(path, k_max_prompts_file));
-    std::vector<qa_prompt> out;
-    std::string line;
-    int64_t ln = 0;
-    auto bad = [&](const std::string & what) { throw error(path + ":" + std::to_string(ln) + ": " + what); };
-    while (std::getline(f, line)) {
-        ++ln;
-        if (!line.empty() && line.back() == '\r') line.pop_back();
-        if (line.find_first_not_of(" \t") == std::string::npos) continue;  // blank lines are allowed
-        nlohmann::json j;
-        try {
-            j = nlohmann::json::parse(line);
-        } catch (const nlohmann::json::exception & e) {  // a syntax error, or a number out of range
-            bad(std::string("not valid JSON (") + e.what() + ")");
-        }
-        if (!j.is_object()) bad("expected a JSON object {\"system\", \"chunks\", \"query\", \"answer\"}");
-        qa_prompt p;
-        p.line = ln;
-        auto text = [&](const char * key, bool required, std::string & to) {
-            if (!j.contains(key)) {
-                if (required) bad(std::string("missing \"") + key + "\"");
-                return;
-            }
-            if (!j[key].is_string()) bad(std::string("\"") + key + "\" must be a string");
-            to = j[key].get<std::string>();
-        };
-        text("system", false, p.system);
-        text("query", true, p.query);
-        text("answer", true, p.answer);
-        if (j.contains("kind") && j["kind"].is_string()) p.kind = j["kind"].get<std::string>();
-        if (!j.contains("chunks")) bad("missing \"chunks\"");
-        if (!j["chunks"].is_array() || j["chunks"].empty()) bad("\"chunks\" must be a non-empty array of strings");
-        for (const auto & c : j["chunks"]) {
-            if (!c.is_string()) bad("\"chunks\" must be a non-empty array of strings");
-            p.chunks.push_back(c.get<std::string>());
-        }
-        if (p.query.empty()) bad("\"query\" is empty");
-        out.push_back(std::move(p));
-    }
-    if (f.bad()) throw error("cannot read '" + path + "'");
-    if (out.empty()) throw error("'" + path + "' holds no prompts");
-    return out;
-}
 
 std::string trim(const std::string & s) {
     const size_t a = s.find_first_not_of(" \t\r\n"), b = s.find_last_not_of(" \t\r\n");
@@ -335,7 +280,7 @@ int bench_accuracy(args & a) {
     for (const auto & c : codecs) specs.push_back("codec=" + c);
     for (const auto & e : evicts) specs.push_back("evict=" + e);
 
-    std::vector<qa_prompt> prompts = read_prompts(prompts_path);
+    std::vector<qa_prompt> prompts = read_prompts(prompts_path, true);
     if (n_max > 0 && (int64_t) prompts.size() > n_max) prompts.resize(n_max);
 
     auto m = model::load(model_path);
@@ -556,15 +501,15 @@ int bench_accuracy(args & a) {
                     " u 1:2 w lp lw 2 pt 7 t '" + vars[vi].name + "'";
         }
         const std::string base = model_path.substr(model_path.find_last_of('/') + 1);
-        plot_png(png, dat,
-                 "set title 'answer accuracy vs recomputed share: " + base + ", " + std::to_string(prompts.size()) +
-                     " prompts' noenhanced\n"
-                     "set xlabel 'share of document tokens recomputed'\nset ylabel 'exact match'\n"
-                     "set yrange [*:*]\nset offsets 0, 0, 0.02, 0.02\nset xrange [0:*]\nset key outside right top "
-                     "noenhanced\n"
-                     "plot " +
-                     std::to_string(tf.em / tf.n) + " w l dt 2 lw 2 t 'full prefill', " + std::to_string(tn.em / tn.n) +
-                     " w l dt 3 lw 2 t 'naive concatenation', " + plot + "\n");
+        plot_file(png, dat,
+                  "set title 'answer accuracy vs recomputed share: " + base + ", " + std::to_string(prompts.size()) +
+                      " prompts' noenhanced\n"
+                      "set xlabel 'share of document tokens recomputed'\nset ylabel 'exact match'\n"
+                      "set yrange [*:*]\nset offsets 0, 0, 0.02, 0.02\nset xrange [0:*]\nset key outside right top "
+                      "noenhanced\n"
+                      "plot " +
+                      std::to_string(tf.em / tf.n) + " w l dt 2 lw 2 t 'full prefill', " +
+                      std::to_string(tn.em / tn.n) + " w l dt 3 lw 2 t 'naive concatenation', " + plot + "\n");
     }
     return 0;
 }

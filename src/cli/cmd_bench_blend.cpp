@@ -285,7 +285,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
     }
     write_json(json_path, out);
     const std::string base = model_path.substr(model_path.find_last_of('/') + 1);
-    plot_png(
+    plot_file(
         png, dat,
         "set title 'CacheBlend speedup over a full prefill: " + base + ", ratio " + std::to_string(ratio).substr(0, 4) +
             ", " + std::to_string(threads) +
@@ -379,13 +379,13 @@ int bench_fidelity(const std::string & model_path, const std::vector<double> & r
                            {"docs", n_docs},
                            {"check_layer", check_layer},
                            {"rows", rows}});
-    plot_png(png, dat,
-             "set title 'KL(full prefill || blend) vs recompute ratio: " +
-                 model_path.substr(model_path.find_last_of('/') + 1) +
-                 "' noenhanced\n"
-                 "set xlabel 'recompute ratio'\nset ylabel 'mean KL (nats)'\nset key off\n"
-                 "plot '" +
-                 png + ".dat' u 1:2 w lp lw 2 pt 7\n");
+    plot_file(png, dat,
+              "set title 'KL(full prefill || blend) vs recompute ratio: " +
+                  model_path.substr(model_path.find_last_of('/') + 1) +
+                  "' noenhanced\n"
+                  "set xlabel 'recompute ratio'\nset ylabel 'mean KL (nats)'\nset key off\n"
+                  "plot '" +
+                  png + ".dat' u 1:2 w lp lw 2 pt 7\n");
     return 0;
 }
 
@@ -399,11 +399,14 @@ void write_json(const std::string & path, const nlohmann::json & j) {
 }
 
 // gnuplot from Debian (gnuplot-nox) draws the PNG; data goes through a temp file
-void plot_png(const std::string & png, const std::string & data, const std::string & script) {
+void plot_file(const std::string & png, const std::string & data, const std::string & script) {
     if (png.empty()) return;
     const std::string dat = png + ".dat", gp = png + ".gp";
+    const bool svg = png.size() > 4 && png.compare(png.size() - 4, 4, ".svg") == 0;
     std::ofstream(dat) << data;
-    std::ofstream(gp) << "set terminal pngcairo size 900,540 font ',11'\nset output '" << png << "'\nset grid\n"
+    std::ofstream(gp) << (svg ? "set terminal svg size 900,540 font ',11'"
+                              : "set terminal pngcairo size 900,540 font ',11'")
+                      << "\nset output '" << png << "'\nset grid\n"
                       << script;
     const int rc = std::system(("gnuplot '" + gp + "' 2>&1").c_str());
     std::remove(gp.c_str());

@@ -148,7 +148,7 @@ int bench_codec(args & a) {
                              {"ratio", o.ratio},
                              {"kl_fused_uncompressed", kl_fused_f16_ref},
                              {"rows", rows}});
-    plot_png(
+    plot_file(
         o.png, dat,
         "set title 'KV codecs: bits per value vs KL to the f16 full prefill' noenhanced\n"
         "set xlabel 'bits per value (real encoded bytes)'\nset ylabel 'mean KL (nats)'\nset logscale y\nset key off\n"

@@ -161,7 +161,7 @@ int bench_fidelity(const bench_opts & o) {
     for (size_t pj = 0; pj < o.policies.size(); ++pj)
         plot += std::string(pj ? ", " : "") + "'" + o.png + ".dat' index " + std::to_string(pj) +
                 " u 1:2 w lp pt 7 t '" + evict_policy_name(o.policies[pj]) + "'";
-    plot_png(o.png, dat, plot + "\n");
+    plot_file(o.png, dat, plot + "\n");
     return 0;
 }
 

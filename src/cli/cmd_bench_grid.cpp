@@ -177,15 +177,15 @@ int bench_grid(args & a) {
                              {"ratio", o.ratio},
                              {"gen", n_gen},
                              {"rows", rows}});
-    plot_png(o.png, dat[0] + "\n\n" + dat[1],
-             "set title 'composition: codec bits per value vs KL (naive concatenation and CacheBlend)' noenhanced\n"
-             "set xlabel 'bits per value (real encoded bytes)'\nset ylabel 'mean KL to the f16 full prefill (nats)'\n"
-             "set logscale y\nset key top right\n"
-             "plot '" +
-                 o.png +
-                 ".dat' index 0 u 2:3 w p pt 7 ps 1.4 t 'naive concatenation', "
-                 "'' index 1 u 2:3 w p pt 5 ps 1.4 t 'CacheBlend', '' index 1 u 2:3:1 w labels offset 0,1 font ',8' "
-                 "noenhanced notitle\n");
+    plot_file(o.png, dat[0] + "\n\n" + dat[1],
+              "set title 'composition: codec bits per value vs KL (naive concatenation and CacheBlend)' noenhanced\n"
+              "set xlabel 'bits per value (real encoded bytes)'\nset ylabel 'mean KL to the f16 full prefill (nats)'\n"
+              "set logscale y\nset key top right\n"
+              "plot '" +
+                  o.png +
+                  ".dat' index 0 u 2:3 w p pt 7 ps 1.4 t 'naive concatenation', "
+                  "'' index 1 u 2:3 w p pt 5 ps 1.4 t 'CacheBlend', '' index 1 u 2:3:1 w labels offset 0,1 font ',8' "
+                  "noenhanced notitle\n");
     return 0;
 }
 

@@ -25,8 +25,10 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
   --system TEXT           system text (the prefix chunk)
   --doc FILE              a document (repeatable, in prompt order)
   --query TEXT            the question
-  --recomp-ratio R        share of document tokens recomputed, chunk heads
-                          included (default 0.08)
+  --recomp-ratio R|auto   share of document tokens recomputed, chunk heads
+                          included (default 0.08); auto: the model's
+                          calibration (kvblend calibrate), MODEL.calibration.json
+                          or --calibration FILE
   --check-layer L         layer whose deviation selects tokens (default 1)
   --score v|k|kv          deviation measured on V (default), K or both
   --method gradual|dense  gradual (default) or the dense reference
@@ -100,6 +102,7 @@ int cmd_blend(int argc, char ** argv) {
     bool chat = false, json = false, compare = false, with_prefix = false, have_query = false, energy = false;
     int64_t n_predict = 64, n_ctx = 0;
     blend_params bp = blend_default_params();
+    ratio_flag ratio;
     sampler_params sp = sampler_default_params();
     engine_params ep = engine_default_params();
     std::string store_uri, codec_name = "raw";
@@ -126,8 +129,8 @@ int cmd_blend(int argc, char ** argv) {
             docs.push_back(read_text_file(a.str()));
         else if (a.match({"--query"}))
             query = a.str(), have_query = true;
-        else if (a.match({"--recomp-ratio"}))
-            bp.recomp_ratio = (float) a.real(k_recomp_ratio_range.lo, k_recomp_ratio_range.hi);
+        else if (match_ratio_flag(a, ratio))
+            continue;
         else if (a.match({"--check-layer"}))
             bp.check_layer = (int) a.integer(0, 4096);
         else if (a.match({"--score"}))
@@ -180,6 +183,7 @@ int cmd_blend(int argc, char ** argv) {
     check_chunk_evict_flags(chunk_ev);
 
     auto m = model::load(model_path, mp);
+    bp.recomp_ratio = ratio.resolve(*m, model_path);
     blend_params_check(bp, m->hparams());
     uint64_t text_bytes = system.size() + query.size();
     for (const auto & d : docs) text_bytes += d.size();
@@ -277,19 +281,15 @@ int cmd_blend(int argc, char ** argv) {
             eng.cache().set_n_past(N);  // back to the fused cache: rows past N get rewritten
         }
         const generate_result g_blend = decoder().generate_from(l, (int32_t) n_greedy, greedy);
-        eng.cache().clear();
         const energy_mark e_full = meter ? meter->mark() : energy_mark{};
-        const double t0 = time_ms();
-        const std::vector<float> full = eng.eval(all);
-        const double full_ms = time_ms() - t0;
+        const full_comparison full = rag_compare_full(eng, all, fused.blend_logits);
         if (meter) put_energy(j, "full", energy_since(e_full), N);
-        const generate_result g_full = eng.generate_from(full, (int32_t) n_greedy, greedy);
-        const int64_t nv = m->hparams().n_vocab;
-        j["kl"] = kl_divergence(full.data(), fused.blend_logits.data(), nv);
-        j["top1_agree"] = top1_agree(full.data(), fused.blend_logits.data(), nv);
+        const generate_result g_full = eng.generate_from(full.full_logits, (int32_t) n_greedy, greedy);
+        j["kl"] = full.kl;
+        j["top1_agree"] = full.top1_agree;
         j["greedy_agree_32"] = greedy_agreement(g_full.tokens, g_blend.tokens);
-        j["full_ms"] = full_ms;
-        j["speedup"] = full_ms / bs.total_ms;
+        j["full_ms"] = full.full_ms;
+        j["speedup"] = full.full_ms / bs.total_ms;
     }
     if (json) {
         std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());

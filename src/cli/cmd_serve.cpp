@@ -49,8 +49,12 @@ model), /v1/rerank (with a reranker), /v1/documents, /v1/models, /health,
                             prefill 0.6-0.9x; docs/RELIABILITY.md)
   --quiet                   no line per request on stderr (route, status, tokens, store hits, times)
   --queue N                 requests waiting beyond the slots; more get 503 (default 64)
-  --recomp-ratio R          default share of document tokens recomputed (default 0.08)
+  --recomp-ratio R|auto     default share of document tokens recomputed (default 0.08); auto: the
+                            model's calibration (kvblend calibrate), MODEL.calibration.json or --calibration F
   --check-layer L           CacheBlend check layer (default 1)
+  --compare-full            a request may ask "compare_full": true: its fused prompt is also prefilled
+                            in full (on one more cache of -c rows) and "kvblend" reports the first
+                            token's KL and agreement with the full prefill
   --chunk-size N            plain long prompts: chunk length (default 256)
   --min-fuse-tokens N       plain prompts at least this long are chunked and fused, and teach the
                             server their passages (default 512)
@@ -124,6 +128,7 @@ int cmd_serve(int argc, char ** argv) {
     std::string model_path;
     bool embed_chat_model = false;
     server_params sp;
+    ratio_flag ratio;
     model_params mp = model_default_params();
     args a(argc, argv, 1);
     while (!a.done()) {
@@ -157,10 +162,12 @@ int cmd_serve(int argc, char ** argv) {
             sp.pace_prompts = false;
         else if (a.match({"--queue"}))
             sp.max_queue = (int) a.integer(0, 1 << 20);
-        else if (a.match({"--recomp-ratio"}))
-            sp.recomp_ratio = (float) a.real(k_recomp_ratio_range.lo, k_recomp_ratio_range.hi);
+        else if (match_ratio_flag(a, ratio))
+            continue;
         else if (a.match({"--check-layer"}))
             sp.check_layer = (int) a.integer(0, 4096);
+        else if (a.match({"--compare-full"}))
+            sp.compare_full = true;
         else if (a.match({"--chunk-size"}))
             sp.chunk_size = a.integer(1, 1 << 20);
         else if (a.match({"--min-fuse-tokens"}))
@@ -250,6 +257,7 @@ int cmd_serve(int argc, char ** argv) {
                      sp.host.c_str());
     check_evict_flags(sp.evict);
     auto m = model::load(model_path, mp);
+    sp.recomp_ratio = ratio.resolve(*m, model_path);
     sp.n_ctx = std::min(sp.n_ctx, m->hparams().n_ctx_train);
     server srv(m, sp);
     g_server = &srv;

@@ -10,5 +10,6 @@ int cmd_blend(int argc, char ** argv);
 int cmd_ingest(int argc, char ** argv);
 int cmd_store(int argc, char ** argv);
 int cmd_serve(int argc, char ** argv);
+int cmd_calibrate(int argc, char ** argv);
 
 }  // namespace kvblend::cli

@@ -17,6 +17,8 @@ struct command {
 const command k_commands[] = {
     {"generate", kvblend::cli::cmd_generate, "prefill a prompt with our forward and print the continuation"},
     {"blend", kvblend::cli::cmd_blend, "answer a question over documents with CacheBlend prefill"},
+    {"calibrate", kvblend::cli::cmd_calibrate,
+     "measure fusion against full prefill on your prompts and pick the ratio"},
     {"serve", kvblend::cli::cmd_serve, "OpenAI-compatible server with CacheBlend prefill over stored chunks"},
     {"ingest", kvblend::cli::cmd_ingest, "collect document chunks and put their KV in a store"},
     {"store", kvblend::cli::cmd_store, "inspect a chunk store: stats, ls, verify, gc"},

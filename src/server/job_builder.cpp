@@ -87,6 +87,10 @@ void job_builder::read_sampling(const json & b, job & j, int64_t n_prompt, reque
     auto flag = [&](const char * k, bool def) { return b.contains(k) && b[k].is_boolean() ? b[k].get<bool>() : def; };
     j.sel.head_in_budget = flag("head_in_budget", j.sel.head_in_budget);
     j.sel.weight_query = flag("weight_query", j.sel.weight_query);
+    j.compare_full = flag("compare_full", false);
+    if (j.compare_full && !p_.compare_full)
+        throw request_error{501, "this server does not compare with a full prefill: start it with --compare-full",
+                            "not_supported_error", "compare_full_not_enabled"};
     if (b.contains("budget") && b["budget"].is_string())
         blend_budget_from_name(b["budget"].get<std::string>(), j.sel.budget);
     if (b.contains("stop") && !b["stop"].is_null()) {

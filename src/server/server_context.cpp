@@ -133,6 +133,7 @@ struct server_context::impl {
     bool stopping = false, stop_preparing = false;
     std::unique_ptr<engine> step_eng;     // batched: the engine every step runs on
     std::unique_ptr<engine> prepare_eng;  // batched: the engine ingest and blends run on
+    std::unique_ptr<engine> compare_eng;  // --compare-full: the full prefills fused prompts are compared with
     step_pace pace;                       // batched: the prompt tokens a step takes while others stream
     std::vector<slot> slots;
     std::thread loop_thread, prepare_thread;
@@ -162,6 +163,12 @@ struct server_context::impl {
             for (slot & s : slots) s.cache = std::make_unique<kv_cache>(*m, n_ctx, p.type_k, p.type_v);
         } else {
             for (slot & s : slots) s.own = std::make_unique<engine>(m, ep);
+        }
+        if (p.compare_full) {
+            engine_params dense = ep;  // the full prefill as a plain dense server computes it
+            dense.kv_codec.clear();
+            dense.evict = {};
+            compare_eng = std::make_unique<engine>(m, dense);
         }
         prepare_thread = std::thread([this] { prepare_loop(); });
         loop_thread = std::thread([this] { serve_loop(); });
@@ -399,7 +406,7 @@ struct server_context::impl {
     void begin_answer(slot & s, const std::vector<float> & logits) {
         job & j = *s.j;
         j.kv_rows = cache_of(s).n_rows_max();
-        j.prefill_ms = time_ms() - s.t_start;
+        j.prefill_ms = time_ms() - s.t_start - (j.compared ? j.compared->full_ms : 0);
         s.answer = std::make_unique<answer_stream>(j, m->tokens());
         take_logits(s, logits.data() + logits.size() - m->hparams().n_vocab);
     }
@@ -577,6 +584,10 @@ struct server_context::impl {
         j.store_misses = fused.fetch.misses;
         j.tier_hits_dev = fused.fetch.hits_dev;
         j.tier_hits_host = fused.fetch.hits_host;
+        if (j.compare_full) {  // the first token the answer samples from, against a full prefill's
+            j.compared = rag_compare_full(*compare_eng, j.tokens, fused.logits);
+            j.compared->full_logits = {};
+        }
         return std::move(fused.logits);
     }
 

@@ -10,6 +10,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "kvblend/answer.h"
 #include "kvblend/blend.h"
 #include "kvblend/common.h"
+#include "kvblend/rag.h"
 #include "kvblend/rag_prompt.h"
 #include "server/prompt_layout.h"
 
@@ -37,6 +39,7 @@ struct job {
     std::vector<layout_span> spans;             // plain prompts: the known documents found in them (chunks of prompt)
     std::shared_ptr<const tool_plan> tools;     // chat with tools: how the answer is rendered, constrained and read
     learn_stats learned;                        // … and the passages they added
+    bool compare_full = false;                  // fused: a full prefill too, compared (server_params::compare_full)
 
     // what comes back (guarded by mu)
     std::mutex mu;
@@ -57,8 +60,9 @@ struct job {
     int64_t n_cached = 0;  // prompt tokens whose KV the slot still held from its previous request
     int64_t kv_rows = 0;   // rows the slot's cache held after the prompt (fewer than the tokens when evicted)
     double prefill_ms = 0;
-    double t_submit = 0, ttft_ms = -1;  // time to the first generated token, queueing included
-    double t_done = 0;                  // time_ms() when it finished
+    std::optional<full_comparison> compared;  // compare_full, once the prompt was fused (its logits dropped)
+    double t_submit = 0, ttft_ms = -1;        // time to the first generated token, queueing included
+    double t_done = 0;                        // time_ms() when it finished
     std::atomic<bool> cancelled{false};
     const char * route = "";  // for the log line: the endpoint that made it
 

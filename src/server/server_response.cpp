@@ -71,19 +71,32 @@ json openai_format::spans(const job & j) const {
     return out;
 }
 
+// compare_full: the fused first token against a full prefill's (null: the prompt was not fused, so it is one)
+json openai_format::compared(const job & j) const {
+    if (!j.compared) return nullptr;
+    const full_comparison & c = *j.compared;
+    return {{"kl", c.kl},
+            {"top1_agree", c.top1_agree},
+            {"top_full", {{"id", c.top_full}, {"text", v_.token_to_piece(c.top_full, true)}}},
+            {"top_fused", {{"id", c.top_fused}, {"text", v_.token_to_piece(c.top_fused, true)}}},
+            {"full_prefill_ms", c.full_ms}};
+}
+
 json openai_format::kvblend(const job & j) const {
-    return {{"n_prompt", (int64_t) j.tokens.size()},
-            {"n_fused", j.n_fused},
-            {"n_recomputed", j.n_recomputed},
-            {"store_hits", j.store_hits},
-            {"store_misses", j.store_misses},
-            {"tier_hits", {{"device", j.tier_hits_dev}, {"host", j.tier_hits_host}}},
-            {"store_errors", j.store_errors},
-            {"spans", spans(j)},
-            {"n_learned", j.learned.added},
-            {"n_cached", j.n_cached},
-            {"kv_rows", j.kv_rows},
-            {"prefill_ms", j.prefill_ms}};
+    json out = {{"n_prompt", (int64_t) j.tokens.size()},
+                {"n_fused", j.n_fused},
+                {"n_recomputed", j.n_recomputed},
+                {"store_hits", j.store_hits},
+                {"store_misses", j.store_misses},
+                {"tier_hits", {{"device", j.tier_hits_dev}, {"host", j.tier_hits_host}}},
+                {"store_errors", j.store_errors},
+                {"spans", spans(j)},
+                {"n_learned", j.learned.added},
+                {"n_cached", j.n_cached},
+                {"kv_rows", j.kv_rows},
+                {"prefill_ms", j.prefill_ms}};
+    if (j.compare_full) out["compare_full"] = compared(j);
+    return out;
 }
 
 json openai_format::logprobs(const job & j, bool chat, const std::vector<sampled_token> & tokens, size_t offset) const {

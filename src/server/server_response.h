@@ -53,6 +53,7 @@ class openai_format {
     const std::string & model_id() const { return model_id_; }
     nlohmann::json usage(const job & j) const;
     nlohmann::json kvblend(const job & j) const;
+    nlohmann::json compared(const job & j) const;
     // a choice's "logprobs": null unless the request asked for them; offset: the
     // answer's bytes before these tokens (completions' text_offset)
     nlohmann::json logprobs(const job & j, bool chat, const std::vector<sampled_token> & tokens, size_t offset) const;

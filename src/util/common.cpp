@@ -59,4 +59,42 @@ double time_ms() {
     return std::chrono::duration<double, std::milli>(clk::now().time_since_epoch()).count();
 }
 
+size_t utf8_invalid_at(const std::string & text) {
+    const auto * s = (const unsigned char *) text.data();
+    const size_t n = text.size();
+    for (size_t i = 0; i < n;) {
+        const unsigned char c = s[i];
+        if (c < 0x80) {
+            ++i;
+            continue;
+        }
+        // the lead byte: the sequence's length and its second byte's range (Unicode's table 3-7)
+        size_t len = 0;
+        unsigned char lo = 0x80, hi = 0xBF;
+        if (c >= 0xC2 && c <= 0xDF)
+            len = 2;
+        else if (c == 0xE0)
+            len = 3, lo = 0xA0;
+        else if (c >= 0xE1 && c <= 0xEC)
+            len = 3;
+        else if (c == 0xED)
+            len = 3, hi = 0x9F;
+        else if (c >= 0xEE && c <= 0xEF)
+            len = 3;
+        else if (c == 0xF0)
+            len = 4, lo = 0x90;
+        else if (c >= 0xF1 && c <= 0xF3)
+            len = 4;
+        else if (c == 0xF4)
+            len = 4, hi = 0x8F;
+        else
+            return i;
+        if (i + len > n || s[i + 1] < lo || s[i + 1] > hi) return i;
+        for (size_t k = 2; k < len; ++k)
+            if (s[i + k] < 0x80 || s[i + k] > 0xBF) return i;
+        i += len;
+    }
+    return std::string::npos;
+}
+
 }  // namespace kvblend

@@ -45,7 +45,8 @@ TEST(cli_blend, compare_full_reports_fidelity_and_speed) {
                            "blend_ms", "speedup", "collect_ms"})
         EXPECT_TRUE(j.contains(k)) << k;
     EXPECT_GT(j["n_tokens"].get<int>(), j["n_selected"].get<int>());
-    EXPECT_GE(j["kl"].get<double>(), 0.0);
+    // 8% recomputed over stories that follow each other: close, but not the full prefill
+    EXPECT_GT(j["kl"].get<double>(), 0.0);
     EXPECT_LE(j["greedy_agree_32"].get<double>(), 1.0);
 
     // ratio 1 recomputes every document token: the fused prefill is the full one

@@ -11,6 +11,7 @@
 
 #include "capi_suite.h"
 #include "kvblend.h"
+#include "kvblend/calibration.h"
 #include "store/redis_server.h"
 #include "test_util.h"
 
@@ -162,6 +163,34 @@ TEST_F(capi, tokens_roundtrip_and_model_info) {
     EXPECT_EQ(info.has_chat_template, false);
     EXPECT_EQ(kvb_chat_apply_template(model, &msg, 1, true, &text), KVB_ERR_FAILED);
     EXPECT_NE(std::string(kvb_last_error()), "");
+}
+
+TEST_F(capi, calibrated_ratio_reads_this_models_calibration_only) {
+    kvblend::test::temp_dir d("capical");
+    kvb_model_info info;
+    ASSERT_EQ(kvb_model_get_info(model, &info), KVB_OK);
+    kvblend::calibration c;
+    c.fingerprint = info.fingerprint;
+    c.rows = {{0.0, 0.5, 0.8, 3, 1}, {0.15, 0.01, 0.97, 14, 2}, {0.3, 0.001, 1.0, 16, 3}};
+    c.min_agree = 0.95;
+    c.max_kl = 0.05;
+    kvblend::calibration_pick(c);
+    ASSERT_TRUE(c.met);
+    const std::string mine = d.file("mine.json"), other = d.file("other.json");
+    kvblend::calibration_save(c, mine);
+    c.fingerprint = std::string(32, '0');
+    kvblend::calibration_save(c, other);
+
+    float ratio = -1;
+    ASSERT_EQ(kvb_calibrated_ratio(model, mine.c_str(), &ratio), KVB_OK) << kvb_last_error();
+    EXPECT_FLOAT_EQ(ratio, 0.15f);  // the smallest ratio meeting both targets
+    ratio = -1;
+    EXPECT_EQ(kvb_calibrated_ratio(model, other.c_str(), &ratio), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(kvb_last_error()).find("calibrates another model"), std::string::npos);
+    EXPECT_EQ(kvb_calibrated_ratio(model, d.file("none.json").c_str(), &ratio), KVB_ERR_NOT_FOUND);
+    EXPECT_EQ(ratio, -1.0f);  // outputs are left alone on failure
+    EXPECT_EQ(kvb_calibrated_ratio(nullptr, mine.c_str(), &ratio), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(kvb_calibrated_ratio(model, mine.c_str(), nullptr), KVB_ERR_INVALID_ARGUMENT);
 }
 
 TEST_F(capi, generate_stops_at_stop_strings_and_when_the_callback_says) {

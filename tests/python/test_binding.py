@@ -76,6 +76,38 @@ def test_blend_equals_the_cli_json(model, extra, tmp_path):
     assert got.text  # the model says something
 
 
+def test_ratio_auto_reads_the_calibration_beside_the_model(tmp_path):
+    import shutil
+    copy = tmp_path / "m.gguf"
+    shutil.copy(MODEL, copy)
+    docs = sum((["--doc", f] for f in DOC_FILES), [])
+    cli("calibrate", "-m", str(copy), *docs, "--ratios", "0,0.3,1", "--tokens", "4", "--min-agree", "1",
+        "--max-kl", "1e-4")
+    cal = tmp_path / "m.gguf.calibration.json"
+    want = json.loads(cal.read_text())["recomp_ratio"]
+    texts = [read(f) for f in DOC_FILES]
+    with kvblend.Model(str(copy)) as m:
+        assert m.calibrated_ratio() == pytest.approx(want)
+        assert m.calibrated_ratio(cal) == pytest.approx(want)
+        auto = m.blend(SYSTEM, texts, QUERY, ratio="auto", n_predict=4)
+        fixed = m.blend(SYSTEM, texts, QUERY, ratio=want, n_predict=4)
+        assert (auto.stats.n_selected, auto.text) == (fixed.stats.n_selected, fixed.text)
+        with pytest.raises(kvblend.NotFoundError, match="no calibration at"):
+            m.calibrated_ratio(tmp_path / "none.json")
+        other = json.loads(cal.read_text())
+        other["fingerprint"] = "0" * 32
+        (tmp_path / "other.json").write_text(json.dumps(other))
+        with pytest.raises(kvblend.InvalidArgumentError, match="calibrates another model"):
+            m.calibrated_ratio(tmp_path / "other.json")
+    # python -m kvblend blend reads it as the CLI does
+    args = ["blend", "-m", str(copy), "--system", SYSTEM, "--query", QUERY, "-n", "4", "--json", *docs]
+    want_json = json.loads(cli(*args, "--recomp-ratio", "auto"))
+    r = subprocess.run([sys.executable, "-m", "kvblend", *args, "--recomp-ratio", "auto", "--calibration", str(cal)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["n_selected"] == want_json["n_selected"]
+
+
 def test_python_m_kvblend_blend_mirrors_the_cli(tmp_path):
     args = ["blend", "-m", MODEL, "--system", SYSTEM, "--query", QUERY, "-n", "16", "--json"]
     for f in DOC_FILES:

@@ -583,6 +583,53 @@ TEST(server, a_fusion_answers_as_a_fresh_slot_whatever_selection_came_before) {
     }
 }
 
+// compare_full: the first token the answer samples from, against a full prefill of the same prompt
+TEST(server, compare_full_reports_the_fusion_against_a_full_prefill) {
+    server_params p = small_params();
+    running_server plain(p);
+    p.compare_full = true;
+    running_server s(p);
+    const json docs = {{{"text", "Tom had a red ball. He threw it high over the fence."}},
+                       {{"text", "Sue found a little cat in the garden. It was hungry."}}};
+    auto ask = [&](const running_server & srv, double ratio, int status = 200) {
+        auto c = srv.client();
+        return post(
+            c, "/v1/chat/completions",
+            {{"messages",
+              {{{"role", "system"}, {"content", "Stories:"}}, {{"role", "user"}, {"content", "Once upon a time"}}}},
+             {"documents", docs},
+             {"max_tokens", 2},
+             {"temperature", 0},
+             {"logprobs", true},
+             {"recomp_ratio", ratio},
+             {"compare_full", true}},
+            status);
+    };
+    EXPECT_EQ(ask(plain, 1.0, 501)["error"]["code"], "compare_full_not_enabled");
+
+    const json exact = ask(s, 1.0)["kvblend"]["compare_full"];
+    const json naive_r = ask(s, 0.0);
+    const json naive = naive_r["kvblend"]["compare_full"];
+    ASSERT_TRUE(exact.is_object() && naive.is_object()) << naive_r.dump();
+    // every document token recomputed is the full prefill, up to rounding
+    EXPECT_LE(exact["kl"].get<double>(), 1e-4);
+    EXPECT_TRUE(exact["top1_agree"].get<bool>());
+    // none recomputed: each document's KV as if it stood alone, measurably off
+    EXPECT_GT(naive["kl"].get<double>(), 10 * exact["kl"].get<double>());
+    EXPECT_EQ(naive["top_full"], exact["top_full"]);  // the full prefill does not depend on the ratio
+    // the answer's first token is the fused prompt's most likely one
+    EXPECT_EQ(naive_r["choices"][0]["logprobs"]["content"][0]["token"], naive["top_fused"]["text"]);
+    EXPECT_EQ(naive["top1_agree"], naive["top_fused"] == naive["top_full"]);
+
+    // a prompt that is not fused is its own full prefill: nothing to compare
+    auto c = s.client();
+    const json none =
+        post(c, "/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 2}, {"compare_full", true}});
+    EXPECT_TRUE(none["kvblend"]["compare_full"].is_null()) << none.dump();
+    EXPECT_EQ(post(c, "/v1/completions", {{"prompt", "x"}, {"compare_full", 1}}, 400)["error"]["message"],
+              "'compare_full' must be a boolean, not number");
+}
+
 TEST(server, live_compressed_slots_say_so_and_refuse_documents) {
     server_params p = small_params();
     p.kv_codec = "turboquant4";

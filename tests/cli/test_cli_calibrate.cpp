@@ -1,0 +1,150 @@
+// kvblend calibrate, and --recomp-ratio auto reading what it wrote.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+
+#include "cli_run.h"
+#include "kvblend/calibration.h"
+#include "kvblend/common.h"
+#include "kvblend/model.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+using json = nlohmann::json;
+
+const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
+const std::string k_testbed = std::string(KVBLEND_SOURCE_DIR) + "/models/testbed.gguf";
+const std::string k_prompts = std::string(KVBLEND_SOURCE_DIR) + "/tests/data/accuracy_prompts.jsonl";
+
+std::string file_text(const std::string & path) {
+    std::ifstream f(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+struct calib_dir {
+    test::temp_dir dir{"calib"};
+    std::string doc(const std::string & name, const std::string & text) {
+        const std::string p = dir.file(name);
+        std::ofstream(p, std::ios::binary) << text;
+        return p;
+    }
+};
+
+TEST(cli_calibrate, picks_the_smallest_ratio_meeting_the_targets_and_blend_reads_it) {
+    calib_dir d;
+    const std::string docs =
+        " --doc " + d.doc("a.txt", "Tom had a red ball and he liked to throw it high in the sky every day.") +
+        " --doc " + d.doc("b.txt", "Sue found a little cat in the garden and gave it some warm milk to drink.");
+    const std::string cal = d.dir.file("cal.json"), png = d.dir.file("cal.svg");
+    const test::run_result r = test::run_cli("calibrate -m " + k_stories + docs +
+                                             " --ratios 1,0,0.3 --tokens 6 --min-agree 0.99 --max-kl 0.001 -o " + cal +
+                                             " --plot " + png + " --json");
+    ASSERT_EQ(r.status, 0) << r.err;
+    const json j = json::parse(r.out);
+    EXPECT_EQ(j["fingerprint"], model::load(k_stories)->fingerprint());
+    EXPECT_EQ(j["n_prompts"], 2);  // one question made from each document's sentence
+    ASSERT_EQ(j["rows"].size(), 3u);
+    const json & naive = j["rows"][0];
+    const json & exact = j["rows"][2];
+    EXPECT_EQ(naive["ratio"], 0.0);  // the grid in order
+    EXPECT_EQ(exact["ratio"], 1.0);
+    // every document token recomputed is the full prefill: the same answer, step by step
+    EXPECT_DOUBLE_EQ(exact["agree"].get<double>(), 1.0);
+    EXPECT_DOUBLE_EQ(exact["first_divergence"].get<double>(), 6.0);
+    EXPECT_LE(exact["kl"].get<double>(), 1e-4);
+    EXPECT_GT(naive["kl"].get<double>(), 10 * exact["kl"].get<double>());
+    // the pick: the first row, in order, that meets both targets
+    double want = -1;
+    for (const json & row : j["rows"])
+        if (row["agree"].get<double>() >= 0.99 && row["kl"].get<double>() <= 0.001) {
+            want = row["ratio"].get<double>();
+            break;
+        }
+    EXPECT_TRUE(j["met"].get<bool>());
+    EXPECT_FLOAT_EQ(j["recomp_ratio"].get<float>(), (float) want);
+    EXPECT_TRUE(std::ifstream(png).good());
+    EXPECT_EQ(json::parse(file_text(cal)), j);
+
+    // --recomp-ratio auto fuses as the picked ratio does
+    const std::string ask = "blend -m " + k_stories + docs + " --query 'Once upon a time' -n 2 --json";
+    const test::run_result by_file = test::run_cli(ask + " --recomp-ratio auto --calibration " + cal);
+    const test::run_result by_value = test::run_cli(ask + " --recomp-ratio " + std::to_string(want));
+    ASSERT_EQ(by_file.status, 0) << by_file.err;
+    ASSERT_EQ(by_value.status, 0) << by_value.err;
+    EXPECT_EQ(json::parse(by_file.out)["n_selected"], json::parse(by_value.out)["n_selected"]);
+    EXPECT_NE(by_file.err.find("from the calibration " + cal), std::string::npos) << by_file.err;
+
+    // another model's calibration, none, a damaged one, or a file without auto
+    const test::run_result other =
+        test::run_cli("blend -m " + k_testbed + docs + " --query q -n 1 --recomp-ratio auto --calibration " + cal);
+    EXPECT_NE(other.status, 0);
+    EXPECT_NE(other.err.find("calibrates another model (stories260K.gguf"), std::string::npos) << other.err;
+    const test::run_result none =
+        test::run_cli(ask + " --recomp-ratio auto --calibration " + d.dir.file("missing.json"));
+    EXPECT_NE(none.err.find("no calibration at"), std::string::npos) << none.err;
+    const std::string broken = d.doc("broken.json", R"({"kvblend_calibration": 1, "fingerprint": "x"})");
+    EXPECT_NE(
+        test::run_cli(ask + " --recomp-ratio auto --calibration " + broken).err.find("is not a kvblend calibration"),
+        std::string::npos);
+    EXPECT_NE(test::run_cli(ask + " --calibration " + cal).err.find("--calibration is read with --recomp-ratio auto"),
+              std::string::npos);
+}
+
+TEST(cli_calibrate, reads_bench_accuracy_prompts) {
+    calib_dir d;
+    const test::run_result r = test::run_cli("calibrate -m " + k_stories + " --prompts " + k_prompts +
+                                             " --n 2 --ratios 0,1 --tokens 3 --json -o " + d.dir.file("c.json"));
+    ASSERT_EQ(r.status, 0) << r.err;
+    const json j = json::parse(r.out);
+    EXPECT_EQ(j["n_prompts"], 2);
+    EXPECT_EQ(j["n_tokens"], 3);
+    EXPECT_GT(j["full_ms"].get<double>(), 0.0);
+    for (const json & row : j["rows"]) EXPECT_GT(row["ttft_ms"].get<double>(), 0.0);
+}
+
+TEST(cli_calibrate, bad_inputs_are_clear_errors) {
+    calib_dir d;
+    const std::string ok = d.doc("ok.txt", "Tom had a red ball and he liked to throw it high in the sky.");
+    const std::string m = "calibrate -m " + k_stories + " -o " + d.dir.file("c.json");
+    std::string long_text;
+    for (int i = 0; i < 400; ++i) long_text += "Tom had a red ball and a blue box. ";
+    const std::vector<std::pair<std::string, std::string>> cases = {
+        {m, "give --prompts FILE.jsonl or --doc FILE"},
+        {m + " --doc " + ok + " --prompts " + k_prompts, "give --prompts FILE.jsonl or --doc FILE"},
+        {m + " --doc " + d.doc("empty.txt", " \n"), "is empty"},
+        {m + " --doc " + d.doc("latin1.txt", "caf\xe9 au lait, a long sentence of words here."), "is not UTF-8 text"},
+        {m + " --doc " + d.doc("short.txt", "Too short."), "no sentence of six words or more"},
+        {m + " --doc " + ok + " --questions " + d.doc("noq.txt", "\n\n"), "holds no questions"},
+        {m + " --doc " + d.doc("long.txt", long_text), "more than the model's context"},
+        {m + " --doc " + ok + " --ratios 0,2", "--ratios expects comma-separated numbers in [0, 1]"},
+        {m + " --doc " + ok + " --tokens 0", "--tokens must be in [1, 256]"},
+        {m + " --doc " + ok + " --check-layer 9", "check_layer 9 is outside"},
+        {m + " --prompts " + d.doc("none.jsonl", "\n"), "holds no prompts"},
+        {"calibrate -m " + k_stories + " --doc " + ok + " -o /nonexistent/dir/c.json", "cannot write the calibration"},
+    };
+    for (const auto & [cmd, want] : cases) {
+        const test::run_result r = test::run_cli(cmd);
+        EXPECT_NE(r.status, 0) << cmd;
+        EXPECT_NE(r.err.find(want), std::string::npos) << cmd << "\n" << r.err;
+    }
+}
+
+TEST(utf8, well_formed_text_and_each_kind_of_malformed_byte) {
+    EXPECT_EQ(utf8_invalid_at(""), std::string::npos);
+    EXPECT_EQ(utf8_invalid_at("plain, caf\xc3\xa9, \xe2\x82\xac, \xf0\x9f\x98\x80"), std::string::npos);
+    EXPECT_EQ(utf8_invalid_at("ab\x80"), 2u);            // a continuation byte alone
+    EXPECT_EQ(utf8_invalid_at("\xc0\xaf"), 0u);          // an overlong '/'
+    EXPECT_EQ(utf8_invalid_at("x\xe0\x80\xaf"), 1u);     // an overlong three-byte form
+    EXPECT_EQ(utf8_invalid_at("\xed\xa0\x80"), 0u);      // a UTF-16 surrogate
+    EXPECT_EQ(utf8_invalid_at("\xf4\x90\x80\x80"), 0u);  // past U+10FFFF
+    EXPECT_EQ(utf8_invalid_at("ok\xe2\x82"), 2u);        // cut short
+    EXPECT_EQ(utf8_invalid_at("\xe2\x28\xa1"), 0u);      // a bad continuation
+    EXPECT_EQ(utf8_invalid_at("\xf5\x80\x80\x80"), 0u);  // no such lead byte
+}
+
+}  // namespace
+}  // namespace kvblend
