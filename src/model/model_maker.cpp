@@ -169,6 +169,7 @@ const std::vector<preset> & presets() {
         {"tiny-mixtral", experts(spec_of(MODEL_ARCH_LLAMA, 3, 128, 4, 2, 32, 128, 2048, 1e6f, 1e-5f, false), 4, 2, 128),
          "llama-spm"},
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
+        {"qwen3-1.7b", spec_of(MODEL_ARCH_QWEN3, 28, 2048, 16, 8, 128, 6144, 40960, 1e6f, 1e-6f, true), "qwen2"},
         {"qwen2-0.5b", spec_of(MODEL_ARCH_QWEN2, 24, 896, 14, 2, 64, 4864, 32768, 1e6f, 1e-6f, true), "qwen2"},
         {"llama-1b", spec_of(MODEL_ARCH_LLAMA, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0f, 1e-5f, true), "llama-bpe"},
         // llama 3.1 8b's shape (its llama3 frequency scaling left out), the GPU benchmarks' large model
