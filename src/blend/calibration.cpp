@@ -208,11 +208,12 @@ calibration calibration_load(const std::string & path, const std::string & finge
     };
     if (text.size() > k_max_file_bytes) throw bad("larger than 1 MiB");
     const json j = json::parse(text, nullptr, false);
-    if (!j.is_object() || j.value("kvblend_calibration", 0) != k_format) throw bad("no \"kvblend_calibration\": 1");
+    const auto format = j.is_object() ? j.find("kvblend_calibration") : j.end();
+    if (!j.is_object() || format == j.end() || *format != k_format) throw bad("no \"kvblend_calibration\": 1");
     calibration c;
     try {
         c.fingerprint = j.at("fingerprint").get<std::string>();
-        c.model_name = j.value("model", "");
+        if (j.contains("model")) c.model_name = j.at("model").get<std::string>();
         c.recomp_ratio = j.at("recomp_ratio").get<double>();
         c.met = j.at("met").get<bool>();
         c.min_agree = j.at("min_agree").get<double>();

@@ -215,8 +215,9 @@ json messages_chat_body(const json & b) {
         if (c->value("disable_parallel_tool_use", json()) == true) chat["parallel_tool_calls"] = false;
     }
     for (const char * k :
-         {"stream", "temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty", "logit_bias", "cache_prompt",
-          "recomp_ratio", "budget", "chunk_head", "head_in_budget", "weight_query", "dev_mass"})
+         {"stream", "temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty", "logit_bias", "cache_prompt"})
+        if (const json * x = body_field(b, k)) chat[k] = *x;
+    for (const char * k : k_kvblend_request_fields)
         if (const json * x = body_field(b, k)) chat[k] = *x;
     return chat;
 }

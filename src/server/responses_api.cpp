@@ -184,8 +184,9 @@ json responses_chat_body(const json & b, const stored_response * prev, stored_re
         chat["response_format"] = chat_response_format((*x)["format"]);
     // the fields chat reads the same way: sampling, and kvblend's own
     for (const char * k : {"stream", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p", "stop",
-                           "frequency_penalty", "presence_penalty", "repeat_penalty", "logit_bias", "cache_prompt",
-                           "recomp_ratio", "budget", "chunk_head", "head_in_budget", "weight_query", "dev_mass"})
+                           "frequency_penalty", "presence_penalty", "repeat_penalty", "logit_bias", "cache_prompt"})
+        if (const json * x = body_field(b, k)) chat[k] = *x;
+    for (const char * k : k_kvblend_request_fields)
         if (const json * x = body_field(b, k)) chat[k] = *x;
     return chat;
 }

@@ -86,10 +86,21 @@ TEST(cli_calibrate, picks_the_smallest_ratio_meeting_the_targets_and_blend_reads
     const test::run_result none =
         test::run_cli(ask + " --recomp-ratio auto --calibration " + d.dir.file("missing.json"));
     EXPECT_NE(none.err.find("no calibration at"), std::string::npos) << none.err;
-    const std::string broken = d.doc("broken.json", R"({"kvblend_calibration": 1, "fingerprint": "x"})");
-    EXPECT_NE(
-        test::run_cli(ask + " --recomp-ratio auto --calibration " + broken).err.find("is not a kvblend calibration"),
-        std::string::npos);
+    // damaged: fields missing, of the wrong type, out of range, or no JSON at all
+    const std::string whole = file_text(cal);
+    const std::string ratio_field = "\"recomp_ratio\": ";
+    std::string out_of_range = whole;
+    out_of_range.replace(out_of_range.find(ratio_field) + ratio_field.size(), 1, "7");
+    for (const std::string & text :
+         {std::string(R"({"kvblend_calibration": 1, "fingerprint": "x"})"),
+          std::string(R"({"kvblend_calibration": "1"})"),
+          std::string(R"({"kvblend_calibration": 1, "fingerprint": 5})"), std::string("[1, 2]"),
+          std::string("\xff\xfe"), whole.substr(0, whole.size() / 2), out_of_range}) {
+        const std::string broken = d.doc("broken.json", text);
+        const test::run_result b = test::run_cli(ask + " --recomp-ratio auto --calibration " + broken);
+        EXPECT_NE(b.status, 0) << text;
+        EXPECT_NE(b.err.find("is not a kvblend calibration"), std::string::npos) << text << "\n" << b.err;
+    }
     EXPECT_NE(test::run_cli(ask + " --calibration " + cal).err.find("--calibration is read with --recomp-ratio auto"),
               std::string::npos);
 }

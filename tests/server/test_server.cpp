@@ -626,6 +626,11 @@ TEST(server, compare_full_reports_the_fusion_against_a_full_prefill) {
     const json none =
         post(c, "/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 2}, {"compare_full", true}});
     EXPECT_TRUE(none["kvblend"]["compare_full"].is_null()) << none.dump();
+    // the translated APIs pass it on as chat reads it
+    const json resp =
+        post(c, "/v1/responses",
+             {{"input", "Once upon a time"}, {"documents", docs}, {"max_output_tokens", 2}, {"compare_full", true}});
+    EXPECT_TRUE(resp["kvblend"]["compare_full"].is_object()) << resp.dump();
     EXPECT_EQ(post(c, "/v1/completions", {{"prompt", "x"}, {"compare_full", 1}}, 400)["error"]["message"],
               "'compare_full' must be a boolean, not number");
 }
