@@ -37,7 +37,8 @@ pkgs=(build-essential cmake ninja-build git ca-certificates libgtest-dev nlohman
       libxxhash-dev libhiredis-dev redis-server python3-pytest pkgconf
       clang libclang-rt-14-dev    # clang + its sanitizer/libFuzzer runtimes: scripts/fuzz.sh
       clang-format                # scripts/check_format.sh (.ci/run)
-      ccache)                     # ggml and libllama compiled once for the main and ASan builds
+      ccache                      # ggml and libllama compiled once for the main and ASan builds
+      chromium)                   # the server's page tested in a real browser (tests/server/node/web_page.mjs)
 # the trainer runs on Debian's python3 (/usr/bin/python3); torch without OpenBLAS falls back to the reference BLAS
 [[ "${KVBLEND_TRAIN:-0}" == 1 ]] && pkgs+=(python3-torch python3-numpy libopenblas0-pthread)
 missing=()
@@ -92,7 +93,7 @@ clients_present() {
 if clients_present; then
   log "npm clients present"
 else
-  log "installing the npm clients (openai, @anthropic-ai/sdk, @langchain/openai, @langchain/core)"
+  log "installing the npm clients (openai, @anthropic-ai/sdk, @langchain/openai, @langchain/core, playwright-core)"
   (cd "$client_dir" && npm install --silent --no-audit --no-fund --no-package-lock >/dev/null)
 fi
 

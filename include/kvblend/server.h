@@ -42,6 +42,7 @@ struct server_params {
     // too, on a cache of its own (n_ctx more rows), and the first token's KL
     // and agreement are reported
     bool compare_full = false;
+    bool web_ui = true;  // GET / serves the page (src/server/web_page.h); its API calls need the key as any client's
     int64_t chunk_size = 256;       // plain long prompts: chunk length
     int64_t min_fuse_tokens = 512;  // plain prompts at least this long are chunked and fused
     // plain prompts (no "documents" field): known documents found in the text are

@@ -52,6 +52,8 @@ model), /v1/rerank (with a reranker), /v1/documents, /v1/models, /health,
   --recomp-ratio R|auto     default share of document tokens recomputed (default 0.08); auto: the
                             model's calibration (kvblend calibrate), MODEL.calibration.json or --calibration F
   --check-layer L           CacheBlend check layer (default 1)
+  --no-webui                no page at / (by default the page adds documents, asks over them and shows
+                            what the fusion did; its API calls need the key like any client's)
   --compare-full            a request may ask "compare_full": true: its fused prompt is also prefilled
                             in full (on one more cache of -c rows) and "kvblend" reports the first
                             token's KL and agreement with the full prefill
@@ -168,6 +170,8 @@ int cmd_serve(int argc, char ** argv) {
             sp.check_layer = (int) a.integer(0, 4096);
         else if (a.match({"--compare-full"}))
             sp.compare_full = true;
+        else if (a.match({"--no-webui"}))
+            sp.web_ui = false;
         else if (a.match({"--chunk-size"}))
             sp.chunk_size = a.integer(1, 1 << 20);
         else if (a.match({"--min-fuse-tokens"}))

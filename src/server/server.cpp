@@ -30,6 +30,7 @@
 #include "server/server_request.h"
 #include "server/server_response.h"
 #include "server/soft_store.h"
+#include "server/web_page.h"
 
 namespace kvblend {
 
@@ -292,7 +293,9 @@ struct server::impl {
                 return true;
             }
         }
-        if (!p.api_key.empty() && req.path != "/health" && !http_key_matches(req, p.api_key)) {
+        // the page's files hold no data: a browser loads them without a key, and the page sends the key it is given
+        const bool page_file = p.web_ui && req.method == "GET" && web_asset_for(req.path);
+        if (!p.api_key.empty() && req.path != "/health" && !page_file && !http_key_matches(req, p.api_key)) {
             res.status = 401;
             res.set_content(
                 error_for(req.path, {401, "invalid or missing API key", "authentication_error", "invalid_api_key"}),
@@ -663,7 +666,8 @@ struct server::impl {
                 {"embeddings", emb != nullptr},
                 {"rerank", ranker != nullptr},
                 {"fusion", p.kv_codec.empty()},
-                {"store", st ? st->uri() : ""}};
+                {"store", st ? st->uri() : ""},
+                {"kvblend", {{"recomp_ratio", p.recomp_ratio}, {"compare_full", p.compare_full}}}};
     }
 
     // GET /slots: each slot's state (read-only: a slot's cache is not saved or restored by id)
@@ -693,6 +697,19 @@ struct server::impl {
         http.on_error([this](const std::string & path, http_response & res) { error_answer(path, res); });
         http.on_response([this](int status) { metrics.count_response(status); });
         http.get("/health", [this](const http_request &, http_response & res) { health(res); });
+        if (p.web_ui) {  // the page (web_page.h): the routes are patterns, the dots escaped
+            const std::pair<const char *, const char *> page_files[] = {
+                {"/", "/"}, {R"(/kvblend-ui\.js)", "/kvblend-ui.js"}, {R"(/kvblend-ui\.css)", "/kvblend-ui.css"}};
+            for (const auto & [pattern, path] : page_files)
+                http.get(pattern, [path = path](const http_request &, http_response & res) {
+                    const web_asset * a = web_asset_for(path);
+                    res.set_header("Content-Security-Policy", web_page_csp());
+                    res.set_header("X-Content-Type-Options", "nosniff");
+                    res.set_header("Referrer-Policy", "no-referrer");
+                    res.set_header("Cache-Control", "no-cache");
+                    res.set_content(std::string(a->body, a->size), a->content_type);
+                });
+        }
         const json model_card = {{"id", model_id}, {"object", "model"}, {"created", 0}, {"owned_by", "kvblend"}};
         // llama-server serves its routes with and without /v1: clients configured either way find them
         for (const char * path : {"/models", "/v1/models"})

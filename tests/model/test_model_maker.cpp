@@ -68,7 +68,7 @@ void expect_tensor(const gguf_context * g, const std::string & name, ggml_type t
 
 TEST(model_maker, presets_have_real_shapes) {
     const auto names = model_spec_preset_names();
-    EXPECT_EQ(names.size(), 28u);
+    EXPECT_EQ(names.size(), 29u);
 
     const model_spec q3 = model_spec_preset("qwen3-0.6b");
     EXPECT_EQ(q3.arch, MODEL_ARCH_QWEN3);
@@ -80,6 +80,16 @@ TEST(model_maker, presets_have_real_shapes) {
     EXPECT_EQ(q3.n_ff, 3072);
     EXPECT_EQ(q3.n_ctx_train, 40960);
     EXPECT_TRUE(q3.tied_output && q3.qk_norm && !q3.qkv_bias);
+
+    // Qwen3-1.7B: the same depth and heads, twice the width
+    const model_spec q17 = model_spec_preset("qwen3-1.7b");
+    EXPECT_EQ(q17.n_layer, 28);
+    EXPECT_EQ(q17.n_embd, 2048);
+    EXPECT_EQ(q17.n_head, 16);
+    EXPECT_EQ(q17.n_head_kv, 8);
+    EXPECT_EQ(q17.head_dim, 128);
+    EXPECT_EQ(q17.n_ff, 6144);
+    EXPECT_TRUE(q17.tied_output && q17.qk_norm);
 
     const model_spec q2 = model_spec_preset("qwen2-0.5b");
     EXPECT_EQ(q2.n_embd, q2.n_head * q2.head_dim);
