@@ -138,6 +138,16 @@ KVB_API kvb_status kvb_model_get_info(const kvb_model * model, kvb_model_info * 
 // beside the model's file). KVB_ERR_NOT_FOUND when there is none; KVB_ERR_INVALID_ARGUMENT
 // when the file is not a calibration or calibrates another model (by fingerprint)
 KVB_API kvb_status kvb_calibrated_ratio(const kvb_model * model, const char * path, float * ratio);
+// the fusion self-check that `kvblend blend` and `kvblend serve` run at load: a
+// short prompt of two documents through our forward and libllama's (reading the
+// model's file), a document placed against one computed at its offset, and the
+// prompt fused at ratio 1 against its full prefill (and at recomp_ratio, whose
+// first-token KL is reported). *json (kvb_free): {"ok", "reason", "n_tokens",
+// "forward_rel", "forward_agree", "rotation_rel", "placement_rel",
+// "ratio_one_rel", "ratio_kl", "ms"}. A model that fails is KVB_OK with "ok":
+// false and the reason: such a model should not be given documents to fuse.
+// a ratio outside [0, 1] or a check layer the model lacks: KVB_ERR_INVALID_ARGUMENT
+KVB_API kvb_status kvb_model_self_check(const kvb_model * model, float recomp_ratio, int32_t check_layer, char ** json);
 
 // the devices a model could use (kvb_model_params.device), one line each,
 // "NAME: description" as `kvblend --list-devices` prints them ("CPU: …",

@@ -53,6 +53,14 @@ inline const temp_dir & process_dir() {
     return dir;
 }
 
+// the trained models of models/: stories260K (real text, tiny) and the testbed
+inline std::string stories_path() {
+    return std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
+}
+inline std::string testbed_path() {
+    return std::string(KVBLEND_TEST_MODELS) + "/testbed.gguf";
+}
+
 // a vocab-only GGUF of the pinned llama.cpp: name is e.g. "qwen2", "llama-spm", "llama-bpe"
 inline std::string vocab_path(const std::string & name) {
     return std::string(KVBLEND_LLAMA_DIR) + "/models/ggml-vocab-" + name + ".gguf";

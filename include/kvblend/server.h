@@ -6,11 +6,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kvblend/blend.h"
 #include "kvblend/chunk_tiers.h"
+#include "kvblend/self_check.h"
 
 namespace kvblend {
 
@@ -42,6 +44,12 @@ struct server_params {
     // too, on a cache of its own (n_ctx more rows), and the first token's KL
     // and agreement are reported
     bool compare_full = false;
+    // the fusion self-check of the model (kvblend/self_check.h), as the CLI
+    // ran it at load (nullopt: not run): /props shows it, and one that failed
+    // turns fusion off, every prompt then prefilled whole with the reason in
+    // its response (kvblend.fusion_refused)
+    std::optional<self_check_result> self_check;
+    bool fusion_refused() const { return self_check && !self_check->ok; }
     bool web_ui = true;  // GET / serves the page (src/server/web_page.h); its API calls need the key as any client's
     int64_t chunk_size = 256;       // plain long prompts: chunk length
     int64_t min_fuse_tokens = 512;  // plain prompts at least this long are chunked and fused

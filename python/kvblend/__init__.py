@@ -879,6 +879,19 @@ class Model(_Closing):
             _check(_c.kvb_calibrated_ratio(self._m, None if path is None else _path(path), byref(ratio)))
         return ratio.value
 
+    def self_check(self, ratio=0.08, check_layer=1):
+        """The fusion self-check ``kvblend serve`` runs at load, as a dict: a
+        short prompt through this model's forward and libllama's, a document
+        placed against one computed at its offset, and the prompt fused at
+        ratio 1 against its full prefill (and at ``ratio``, whose first-token
+        KL is ``ratio_kl``). ``ok`` False with a ``reason``: do not fuse
+        documents on this model. A ratio outside [0, 1] or a check layer the
+        model lacks raises InvalidArgumentError."""
+        out = c_void_p()
+        with self._engine():
+            _check(_c.kvb_model_self_check(self._m, float(ratio), int(check_layer), byref(out)))
+        return json.loads(_take_string(out))
+
     def blend(self, system, docs, question, *, store=None, ratio=None, check_layer=None, score=None, method=None,
               chunk_head=None, head_in_budget=None, weight_query=None, budget=None, dev_mass=None, schedule=None,
               chat=False, collect_with_prefix=False, n_predict=None, temp=None, top_k=40, top_p=0.95, min_p=0.05,

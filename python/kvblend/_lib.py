@@ -133,6 +133,7 @@ _FUNCS = {
     "kvb_model_free": (None, [_P]),
     "kvb_model_get_info": (_status, [_P, POINTER(kvb_model_info)]),
     "kvb_calibrated_ratio": (_status, [_P, c_char_p, POINTER(c_float)]),
+    "kvb_model_self_check": (_status, [_P, c_float, c_int32, POINTER(c_void_p)]),
     "kvb_list_devices": (_status, [POINTER(c_void_p)]),
     "kvb_rpc_add_server": (_status, [c_char_p, POINTER(c_void_p)]),
     "kvb_tokenize": (_status, [_P, c_char_p, c_bool, c_bool, POINTER(POINTER(kvb_token)), POINTER(c_size_t)]),

@@ -18,6 +18,16 @@ double kl_divergence(const float * lp, const float * lq, int64_t n) {
     return std::max(kl, 0.0);  // rounding can dip just below zero
 }
 
+double max_rel_diff(const float * a, const float * b, int64_t n) {
+    double d = 0, mx = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        d = std::max(d, (double) std::fabs(a[i] - b[i]));
+        mx = std::max(mx, (double) std::fabs(b[i]));
+    }
+    if (d == 0) return 0;
+    return mx > 0 ? d / mx : INFINITY;
+}
+
 bool top1_agree(const float * lp, const float * lq, int64_t n) {
     return std::max_element(lp, lp + n) - lp == std::max_element(lq, lq + n) - lq;
 }

@@ -12,6 +12,10 @@ namespace kvblend {
 // KL(p || q) of the softmax distributions of two logit rows, in nats
 double kl_divergence(const float * logits_p, const float * logits_q, int64_t n);
 
+// max |a - b| over max |b| (b the reference): how far two rows of logits (or
+// of K/V) are apart, relative to the reference's scale; 0 for an all-zero b equal to a
+double max_rel_diff(const float * a, const float * b, int64_t n);
+
 // the same argmax
 bool top1_agree(const float * logits_p, const float * logits_q, int64_t n);
 

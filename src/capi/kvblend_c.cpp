@@ -20,6 +20,7 @@
 #include "kvblend/model.h"
 #include "kvblend/rag.h"
 #include "kvblend/rag_prompt.h"
+#include "kvblend/self_check.h"
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
 #include "util/json_bounded.h"
@@ -416,6 +417,17 @@ kvb_status kvb_calibrated_ratio(const kvb_model * model, const char * path, floa
         need(ratio, "ratio");
         const std::string file = path ? path : calibration_default_path(model->path);
         *ratio = (float) calibration_load(file, model->m->fingerprint()).recomp_ratio;
+    });
+}
+
+kvb_status kvb_model_self_check(const kvb_model * model, float recomp_ratio, int32_t check_layer, char ** json) {
+    return guarded([&] {
+        need(model, "model");
+        need(json, "json");
+        self_check_params p;
+        p.recomp_ratio = recomp_ratio;
+        p.check_layer = check_layer;
+        *json = dup_string(self_check_json(fusion_self_check(model->m, p)));
     });
 }
 

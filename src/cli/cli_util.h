@@ -3,7 +3,9 @@
 
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "kvblend/blend.h"
 #include "kvblend/common.h"
 #include "kvblend/engine.h"
+#include "kvblend/self_check.h"
 #include "kvblend/vocab.h"
 
 namespace kvblend::cli {
@@ -45,6 +48,17 @@ struct ratio_flag {
     float resolve(const model & m, const std::string & model_path) const;  // throws kvblend::error
 };
 bool match_ratio_flag(args & a, ratio_flag & r);  // --recomp-ratio, --calibration
+
+// the fusion self-check (kvblend/self_check.h) that blend and serve run once
+// the model is loaded; --no-self-check skips it
+struct self_check_flag {
+    bool skip = false;
+    // the check of m for blends at bp with n_threads (its summary on stderr
+    // unless quiet); nullopt when skipped
+    std::optional<self_check_result> run(const std::shared_ptr<const model> & m, const blend_params & bp,
+                                         int32_t n_threads, bool quiet) const;
+};
+bool match_self_check_flag(args & a, self_check_flag & f);  // --no-self-check
 
 // a benchmark's results as indented JSON at path; nothing when path is empty,
 // a message when the file cannot be written

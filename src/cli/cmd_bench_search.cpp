@@ -31,7 +31,10 @@ std::vector<float> unit_vector(std::mt19937_64 & rng, size_t dims) {
     std::normal_distribution<float> g;
     std::vector<float> v(dims);
     double n = 0;
-    for (float & x : v) n += (double) (x = g(rng)) * x;
+    for (float & x : v) {
+        x = g(rng);
+        n += (double) x * x;
+    }
     for (float & x : v) x = (float) (x / std::sqrt(n));
     return v;
 }

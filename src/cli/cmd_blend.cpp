@@ -74,7 +74,11 @@ offset, and only the tokens whose KV moves most are recomputed (CacheBlend).
                           blend_j, decode_j, total_j (all three), full_j with
                           --compare-full, each with its _tok_per_j (or the reason
                           it is absent: see kvblend generate --help)
-  -v, --verbose           show ggml's and libllama's logs
+  --no-self-check         fuse without the self-check at load (a short prompt through
+                          our forward and libllama's, and fused at ratio 1 against
+                          its full prefill: a model that fails is refused, with the
+                          reason; its summary is printed with -v, in --json's self_check)
+  -v, --verbose           show ggml's and libllama's logs and the self-check's summary
 
 Token eviction of the fused cache (after the blend, before decoding; scoring
 policies re-run the query's last tokens over the fused cache to score):
@@ -99,10 +103,12 @@ std::unique_ptr<store> open_as_cache(const std::string & uri, const store_option
 int cmd_blend(int argc, char ** argv) {
     std::string model_path, system, query;
     std::vector<std::string> docs;
-    bool chat = false, json = false, compare = false, with_prefix = false, have_query = false, energy = false;
+    bool chat = false, json = false, compare = false, with_prefix = false, have_query = false, energy = false,
+         verbose = false;
     int64_t n_predict = 64, n_ctx = 0;
     blend_params bp = blend_default_params();
     ratio_flag ratio;
+    self_check_flag self_check;
     sampler_params sp = sampler_default_params();
     engine_params ep = engine_default_params();
     std::string store_uri, codec_name = "raw";
@@ -172,7 +178,9 @@ int cmd_blend(int argc, char ** argv) {
         else if (a.match({"--energy"}))
             energy = true;
         else if (a.match({"-v", "--verbose"}))
-            log_set_verbose(true);
+            log_set_verbose(true), verbose = true;
+        else if (match_self_check_flag(a, self_check))
+            continue;
         else
             a.unknown();
     }
@@ -182,9 +190,14 @@ int cmd_blend(int argc, char ** argv) {
     check_evict_flags(ep.evict);
     check_chunk_evict_flags(chunk_ev);
 
+    const double t_load = time_ms();
     auto m = model::load(model_path, mp);
+    const double model_load_ms = time_ms() - t_load;
     bp.recomp_ratio = ratio.resolve(*m, model_path);
     blend_params_check(bp, m->hparams());
+    const std::optional<self_check_result> checked = self_check.run(m, bp, ep.n_threads, !verbose);
+    if (checked && !checked->ok)
+        throw error("fusion refused for this model: " + checked->reason + " (--no-self-check fuses it anyway)");
     uint64_t text_bytes = system.size() + query.size();
     for (const auto & d : docs) text_bytes += d.size();
     m->tokens().check_text_fits(text_bytes, m->hparams().n_ctx_train, "the system text, documents and query");
@@ -259,7 +272,9 @@ int cmd_blend(int argc, char ** argv) {
                         {"kv_rows", kv_rows},
                         {"kv_bytes_held", kv_held},
                         {"kv_bytes_f16", kv_f16},
-                        {"kv_codec", ep.kv_codec.empty() ? "none" : ep.kv_codec}};
+                        {"kv_codec", ep.kv_codec.empty() ? "none" : ep.kv_codec},
+                        {"model_load_ms", model_load_ms},
+                        {"self_check", checked ? nlohmann::json::parse(self_check_json(*checked)) : nlohmann::json()}};
     if (meter) {
         int64_t n_chunk_tokens = 0;
         for (const auto & c : rp.chunks) n_chunk_tokens += (int64_t) c.size();

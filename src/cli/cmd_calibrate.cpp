@@ -216,6 +216,24 @@ float ratio_flag::resolve(const model & m, const std::string & model_path) const
     return (float) c.recomp_ratio;
 }
 
+bool match_self_check_flag(args & a, self_check_flag & f) {
+    if (!a.match({"--no-self-check"})) return false;
+    f.skip = true;
+    return true;
+}
+
+std::optional<self_check_result> self_check_flag::run(const std::shared_ptr<const model> & m, const blend_params & bp,
+                                                      int32_t n_threads, bool quiet) const {
+    if (skip) return std::nullopt;
+    self_check_params p;
+    p.recomp_ratio = bp.recomp_ratio;
+    p.check_layer = bp.check_layer;
+    p.n_threads = n_threads;
+    const self_check_result r = fusion_self_check(m, p);
+    if (!quiet || !r.ok) std::fprintf(stderr, "fusion self-check %s\n", self_check_summary(r).c_str());
+    return r;
+}
+
 int cmd_calibrate(int argc, char ** argv) {
     std::string model_path, prompts_path, questions_path, system, out_path, plot_path;
     std::vector<std::string> doc_paths;

@@ -57,6 +57,10 @@ model), /v1/rerank (with a reranker), /v1/documents, /v1/models, /health,
   --compare-full            a request may ask "compare_full": true: its fused prompt is also prefilled
                             in full (on one more cache of -c rows) and "kvblend" reports the first
                             token's KL and agreement with the full prefill
+  --no-self-check           fuse without the self-check at load (a short prompt through our forward
+                            and libllama's, and fused at ratio 1 against its full prefill; a model that
+                            fails serves every prompt whole, the reason in /props and in each response's
+                            kvblend.fusion_refused)
   --chunk-size N            plain long prompts: chunk length (default 256)
   --min-fuse-tokens N       plain prompts at least this long are chunked and fused, and teach the
                             server their passages (default 512)
@@ -131,6 +135,7 @@ int cmd_serve(int argc, char ** argv) {
     bool embed_chat_model = false;
     server_params sp;
     ratio_flag ratio;
+    self_check_flag self_check;
     model_params mp = model_default_params();
     args a(argc, argv, 1);
     while (!a.done()) {
@@ -172,6 +177,8 @@ int cmd_serve(int argc, char ** argv) {
             sp.compare_full = true;
         else if (a.match({"--no-webui"}))
             sp.web_ui = false;
+        else if (match_self_check_flag(a, self_check))
+            continue;
         else if (a.match({"--chunk-size"}))
             sp.chunk_size = a.integer(1, 1 << 20);
         else if (a.match({"--min-fuse-tokens"}))
@@ -262,6 +269,14 @@ int cmd_serve(int argc, char ** argv) {
     check_evict_flags(sp.evict);
     auto m = model::load(model_path, mp);
     sp.recomp_ratio = ratio.resolve(*m, model_path);
+    if (sp.kv_codec.empty()) {  // live compressed slots cannot fuse: nothing to check
+        blend_params bp = blend_default_params();
+        bp.recomp_ratio = sp.recomp_ratio;
+        bp.check_layer = sp.check_layer;
+        sp.self_check = self_check.run(m, bp, sp.n_threads, false);
+        if (sp.fusion_refused())
+            std::fprintf(stderr, "warning: fusion is off, every prompt is prefilled whole (--no-self-check fuses)\n");
+    }
     sp.n_ctx = std::min(sp.n_ctx, m->hparams().n_ctx_train);
     server srv(m, sp);
     g_server = &srv;

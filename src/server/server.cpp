@@ -128,6 +128,10 @@ struct server::impl {
     static thread_local bool submitted_here;  // the HTTP thread's request became a job (logged when it ends)
     bool submit(const std::shared_ptr<job> & j) {
         submitted_here = true;
+        if (j->fuse && p.fusion_refused()) {  // the whole prompt instead, which the fused one stands for
+            j->fuse = false;
+            j->fusion_refused = p.self_check->reason;
+        }
         return context.submit(j);
     }
 
@@ -665,9 +669,12 @@ struct server::impl {
                 {"modalities", {{"vision", false}, {"audio", false}}},
                 {"embeddings", emb != nullptr},
                 {"rerank", ranker != nullptr},
-                {"fusion", p.kv_codec.empty()},
+                {"fusion", p.kv_codec.empty() && !p.fusion_refused()},
                 {"store", st ? st->uri() : ""},
-                {"kvblend", {{"recomp_ratio", p.recomp_ratio}, {"compare_full", p.compare_full}}}};
+                {"kvblend",
+                 {{"recomp_ratio", p.recomp_ratio},
+                  {"compare_full", p.compare_full},
+                  {"self_check", p.self_check ? json::parse(self_check_json(*p.self_check)) : json()}}}};
     }
 
     // GET /slots: each slot's state (read-only: a slot's cache is not saved or restored by id)

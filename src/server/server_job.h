@@ -40,6 +40,7 @@ struct job {
     std::shared_ptr<const tool_plan> tools;     // chat with tools: how the answer is rendered, constrained and read
     learn_stats learned;                        // … and the passages they added
     bool compare_full = false;                  // fused: a full prefill too, compared (server_params::compare_full)
+    std::string fusion_refused;                 // it would have fused, but the self-check failed: why
 
     // what comes back (guarded by mu)
     std::mutex mu;

@@ -96,6 +96,7 @@ json openai_format::kvblend(const job & j) const {
                 {"kv_rows", j.kv_rows},
                 {"prefill_ms", j.prefill_ms}};
     if (j.compare_full) out["compare_full"] = compared(j);
+    if (!j.fusion_refused.empty()) out["fusion_refused"] = j.fusion_refused;
     return out;
 }
 

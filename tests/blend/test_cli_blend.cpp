@@ -60,6 +60,25 @@ TEST(cli_blend, compare_full_reports_fidelity_and_speed) {
     EXPECT_DOUBLE_EQ(j1["greedy_agree_32"].get<double>(), 1.0);
 }
 
+// the self-check ran at load (its measures in --json, its line with -v), or
+// was skipped with --no-self-check
+TEST(cli_blend, the_self_check_runs_at_load_unless_skipped) {
+    doc_files docs;
+    const std::string base = "blend -m " + k_stories + docs.args() + " --query 'Once upon a time' -n 2 --json";
+    const test::run_result r = test::run_cli(base);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const auto sc = nlohmann::json::parse(r.out)["self_check"];
+    EXPECT_EQ(sc["ok"], true) << sc.dump();
+    EXPECT_EQ(sc["forward_agree"], 1.0);
+    EXPECT_GT(sc["ms"].get<double>(), 0.0);
+    EXPECT_GT(nlohmann::json::parse(r.out)["model_load_ms"].get<double>(), 0.0);
+    const test::run_result skipped = test::run_cli(base + " --no-self-check");
+    ASSERT_EQ(skipped.status, 0) << skipped.err;
+    EXPECT_TRUE(nlohmann::json::parse(skipped.out)["self_check"].is_null());
+    const test::run_result verbose = test::run_cli(base + " -v");
+    EXPECT_NE(verbose.err.find("fusion self-check passed in"), std::string::npos) << verbose.err;
+}
+
 TEST(cli_blend, bad_flags_are_errors) {
     doc_files docs;
     const std::vector<std::pair<std::string, std::string>> cases = {

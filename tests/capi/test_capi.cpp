@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "capi_suite.h"
 #include "kvblend.h"
 #include "kvblend/calibration.h"
+#include "kvblend/self_check.h"
 #include "store/redis_server.h"
 #include "test_util.h"
 
@@ -191,6 +193,26 @@ TEST_F(capi, calibrated_ratio_reads_this_models_calibration_only) {
     EXPECT_EQ(ratio, -1.0f);  // outputs are left alone on failure
     EXPECT_EQ(kvb_calibrated_ratio(nullptr, mine.c_str(), &ratio), KVB_ERR_INVALID_ARGUMENT);
     EXPECT_EQ(kvb_calibrated_ratio(model, mine.c_str(), nullptr), KVB_ERR_INVALID_ARGUMENT);
+}
+
+TEST_F(capi, self_check_reports_the_checks_the_cli_runs_at_load) {
+    char * out = nullptr;
+    ASSERT_EQ(kvb_model_self_check(model, 0.08f, 1, &out), KVB_OK) << kvb_last_error();
+    const nlohmann::json j = nlohmann::json::parse(out);
+    kvb_free(out);
+    EXPECT_EQ(j["ok"], true) << j.dump();
+    EXPECT_EQ(j["reason"], "");
+    EXPECT_EQ(j["forward_agree"], 1.0);
+    EXPECT_LE(j["ratio_one_rel"].get<double>(), kvblend::k_self_check_bounds.ratio_one_rel);
+    EXPECT_GE(j["ratio_kl"].get<double>(), 0.0);
+    out = nullptr;
+    EXPECT_EQ(kvb_model_self_check(model, 1.5f, 1, &out), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(kvb_model_self_check(model, NAN, 1, &out), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(kvb_model_self_check(model, 0.08f, 4096, &out), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(kvb_model_self_check(model, 0.08f, -1, &out), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(out, nullptr);
+    EXPECT_EQ(kvb_model_self_check(nullptr, 0.08f, 1, &out), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(kvb_model_self_check(model, 0.08f, 1, nullptr), KVB_ERR_INVALID_ARGUMENT);
 }
 
 TEST_F(capi, generate_stops_at_stop_strings_and_when_the_callback_says) {

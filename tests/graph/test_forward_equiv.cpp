@@ -19,10 +19,6 @@ const std::string k_story =
     "One day, she saw a big red ball under a tree. She ran to the ball and picked it up. Her friend Tom came over and "
     "said, \"Can I play with the ball too?\" Lily smiled and said yes. They played all day until the sun went down.";
 
-std::string stories_path() {
-    return std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
-}
-
 // the tolerance the issue sets: 1e-3 of the largest logit; we report what we reach
 constexpr double k_tol = 1e-3;
 
@@ -89,7 +85,7 @@ class forward_equiv : public ::testing::TestWithParam<std::string> {
   protected:
     case_spec spec() const {
         const std::string p = GetParam();
-        if (p == "stories260K") return {p, stories_path(), true};
+        if (p == "stories260K") return {p, test::stories_path(), true};
         const auto sep = p.find(':');
         const std::string preset = p.substr(0, sep);
         const ggml_type wt = sep == std::string::npos ? GGML_TYPE_F32 : parse_weight_type(p.substr(sep + 1));

@@ -76,6 +76,20 @@ def test_blend_equals_the_cli_json(model, extra, tmp_path):
     assert got.text  # the model says something
 
 
+def test_self_check_reports_the_checks_the_cli_runs_at_load():
+    with kvblend.Model(MODEL) as m:
+        r = m.self_check()
+        assert r["ok"] is True and r["reason"] == ""
+        assert r["forward_agree"] == 1.0 and r["ratio_one_rel"] <= 0.02 and r["ratio_kl"] >= 0
+        # the same measures as the CLI's --json (one deterministic prompt)
+        out = json.loads(cli("blend", "-m", MODEL, "--query", QUERY, "--doc", DOC_FILES[0], "-n", "1", "--json"))
+        assert out["self_check"]["ratio_kl"] == pytest.approx(r["ratio_kl"])
+        with pytest.raises(kvblend.InvalidArgumentError, match="ratio"):
+            m.self_check(ratio=2)
+        with pytest.raises(kvblend.InvalidArgumentError, match="layer"):
+            m.self_check(check_layer=9999)
+
+
 def test_ratio_auto_reads_the_calibration_beside_the_model(tmp_path):
     import shutil
     copy = tmp_path / "m.gguf"

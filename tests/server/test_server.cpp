@@ -635,6 +635,50 @@ TEST(server, compare_full_reports_the_fusion_against_a_full_prefill) {
               "'compare_full' must be a boolean, not number");
 }
 
+// a model that failed the self-check at load serves every prompt whole: the
+// answer a fusion at ratio 1 (the full prefill) gives, with the reason in each
+// response that would have fused and in /props
+TEST(server, a_failed_self_check_turns_fusion_off_with_the_reason) {
+    server_params p = small_params();
+    p.self_check = fusion_self_check(model::load(test::k_stories_model), {});
+    ASSERT_TRUE(p.self_check->ok) << p.self_check->reason;
+    running_server passed(p);
+    p.self_check->ok = false;
+    p.self_check->reason = "a reason the test gives";
+    running_server refused(p);
+    const json docs = {{{"text", "Tom had a red ball. He threw it high over the fence."}},
+                       {{"text", "Sue found a little cat in the garden. It was hungry."}}};
+    auto ask = [&](const running_server & srv, double ratio) {
+        auto c = srv.client();
+        return post(c, "/v1/chat/completions",
+                    {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}},
+                     {"documents", docs},
+                     {"max_tokens", 8},
+                     {"temperature", 0},
+                     {"recomp_ratio", ratio}});
+    };
+    const json whole = ask(refused, 0.08), full = ask(passed, 1.0), fused = ask(passed, 0.08);
+    EXPECT_EQ(whole["kvblend"]["n_fused"], 0) << whole.dump();
+    EXPECT_EQ(whole["kvblend"]["fusion_refused"], "a reason the test gives");
+    EXPECT_EQ(whole["kvblend"]["n_prompt"], full["kvblend"]["n_prompt"]);
+    EXPECT_EQ(whole["choices"][0]["message"]["content"], full["choices"][0]["message"]["content"]);
+    EXPECT_GT(fused["kvblend"]["n_fused"].get<int64_t>(), 0);
+    EXPECT_FALSE(fused["kvblend"].contains("fusion_refused"));
+
+    auto c = refused.client();
+    const json props = json::parse(c.Get("/props")->body);
+    EXPECT_EQ(props["fusion"], false);
+    EXPECT_EQ(props["kvblend"]["self_check"]["ok"], false);
+    EXPECT_EQ(props["kvblend"]["self_check"]["reason"], "a reason the test gives");
+    auto c2 = passed.client();
+    const json ok = json::parse(c2.Get("/props")->body)["kvblend"]["self_check"];
+    EXPECT_EQ(ok["ok"], true);
+    EXPECT_LE(ok["ratio_one_rel"].get<double>(), k_self_check_bounds.ratio_one_rel);
+    // a prompt that would not fuse says nothing of it
+    const json plain = post(c, "/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 2}});
+    EXPECT_FALSE(plain["kvblend"].contains("fusion_refused")) << plain.dump();
+}
+
 TEST(server, live_compressed_slots_say_so_and_refuse_documents) {
     server_params p = small_params();
     p.kv_codec = "turboquant4";
