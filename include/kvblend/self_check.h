@@ -57,6 +57,7 @@ struct self_check_result {
     double ratio_one_rel = -1;  // step 3
     double ratio_kl = -1;       // step 4, nats
     double ms = 0;              // the whole check
+    bool cached = false;        // read from fusion_self_check_cached's folder, not run now
 };
 
 // runs the check on m (whose path() libllama reads for step 1). it returns a
@@ -64,8 +65,19 @@ struct self_check_result {
 // when the check itself cannot run (libllama cannot load the file, say)
 self_check_result fusion_self_check(const std::shared_ptr<const model> & m, const self_check_params & p);
 
+// the check once per model file, device, params and kvblend build: its result
+// is kept in dir (one small file per model) and read back while none of them
+// changed, so a model is checked on its first load only (on 2 cores the check
+// of a 1.7B model takes about as long as its load). dir "": self_check_cache_dir().
+// a file that is damaged or of another build is checked again and replaced; a
+// folder that cannot be written only costs the next load another check
+self_check_result fusion_self_check_cached(const std::shared_ptr<const model> & m, const self_check_params & p,
+                                           const std::string & dir = "");
+// $KVBLEND_CACHE_DIR, else $XDG_CACHE_HOME/kvblend, else $HOME/.cache/kvblend; then /self-check
+std::string self_check_cache_dir();
+
 // the result as one JSON object: {"ok", "reason", "n_tokens", "forward_rel",
-// "forward_agree", "rotation_rel", "placement_rel", "ratio_one_rel", "ratio_kl", "ms"}, the
+// "forward_agree", "rotation_rel", "placement_rel", "ratio_one_rel", "ratio_kl", "ms", "cached"}, the
 // measures of steps that did not run null (the server's /props, the CLI's
 // --json, the C API and Python)
 std::string self_check_json(const self_check_result & r);

@@ -1,10 +1,18 @@
 // the fusion self-check at load (see kvblend/self_check.h)
 #include "kvblend/self_check.h"
 
+#include <dlfcn.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "blend/fidelity.h"
 #include "kvblend/blend.h"
@@ -170,6 +178,115 @@ self_check_result fusion_self_check(const std::shared_ptr<const model> & m, cons
     return r;
 }
 
+namespace {
+
+constexpr size_t k_max_verdict_bytes = 64 << 10;  // a verdict is a few hundred bytes
+
+// the kvblend build running: the file this code was loaded from (the CLI, a
+// program linking kvblend statically, or libkvblend.so), its size and time;
+// "" when it cannot be told, and nothing is cached then
+std::string build_identity() {
+    Dl_info info{};
+    std::string file;
+    if (dladdr((const void *) &fusion_self_check, &info) && info.dli_fname) file = info.dli_fname;
+    std::error_code ec;
+    const std::filesystem::path real = std::filesystem::canonical(file.empty() ? "/proc/self/exe" : file, ec);
+    struct stat st {};
+    if (ec || stat(real.c_str(), &st) != 0) return "";
+    return real.string() + ":" + std::to_string(st.st_size) + ":" + std::to_string(st.st_mtim.tv_sec) + "." +
+           std::to_string(st.st_mtim.tv_nsec);
+}
+
+// everything a verdict depends on besides the weights' file name
+std::string verdict_key(const model & m, const self_check_params & p, const std::string & build) {
+    return m.fingerprint() + "|" + m.device_label() + "|" + build + "|" + fmt("%.9g", p.recomp_ratio) + "|" +
+           std::to_string(p.check_layer) + "|" + (p.reference ? "ref:" + p.reference_path : "noref");
+}
+
+double measure_of(const nlohmann::json & j, const char * k) {
+    return j.contains(k) && j[k].is_number() ? j[k].get<double>() : -1;
+}
+
+// a verdict file's result when it holds one for key; nullopt for anything else
+std::optional<self_check_result> read_verdict(const std::string & path, const std::string & key) {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) return std::nullopt;
+    std::string text(k_max_verdict_bytes + 1, '\0');
+    f.read(text.data(), (std::streamsize) text.size());
+    if (f.gcount() > (std::streamsize) k_max_verdict_bytes) return std::nullopt;
+    text.resize((size_t) f.gcount());
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (!j.is_object() || !j.contains("key") || j["key"] != key || !j.contains("result") || !j["result"].is_object())
+        return std::nullopt;
+    const nlohmann::json & r = j["result"];
+    if (!r.contains("ok") || !r["ok"].is_boolean() || !r.contains("reason") || !r["reason"].is_string() ||
+        !r.contains("n_tokens") || !r["n_tokens"].is_number_integer() || !r.contains("ms") || !r["ms"].is_number())
+        return std::nullopt;
+    self_check_result out;
+    out.ok = r["ok"].get<bool>();
+    out.reason = r["reason"].get<std::string>();
+    if (out.ok != out.reason.empty()) return std::nullopt;
+    out.n_tokens = r["n_tokens"].get<int64_t>();
+    out.forward_rel = measure_of(r, "forward_rel");
+    out.forward_agree = measure_of(r, "forward_agree");
+    out.rotation_rel = measure_of(r, "rotation_rel");
+    out.placement_rel = measure_of(r, "placement_rel");
+    out.ratio_one_rel = measure_of(r, "ratio_one_rel");
+    out.ratio_kl = measure_of(r, "ratio_kl");
+    out.ms = r["ms"].get<double>();
+    out.cached = true;
+    return out;
+}
+
+// written whole or not at all (a temporary file renamed over it); false when it could not be
+bool write_verdict(const std::string & dir, const std::string & path, const std::string & key,
+                   const self_check_result & r) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+    {
+        std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+        f << nlohmann::json{{"key", key}, {"result", nlohmann::json::parse(self_check_json(r))}}.dump() << "\n";
+        f.flush();
+        if (!f) {
+            std::remove(tmp.c_str());
+            return false;
+        }
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+        std::remove(tmp.c_str());
+        return false;
+    }
+    return true;
+}
+
+}  // namespace
+
+std::string self_check_cache_dir() {
+    const auto env = [](const char * k) -> std::string {
+        const char * v = std::getenv(k);
+        return v && *v ? v : "";
+    };
+    std::string base = env("KVBLEND_CACHE_DIR");
+    if (base.empty() && !env("XDG_CACHE_HOME").empty()) base = env("XDG_CACHE_HOME") + "/kvblend";
+    if (base.empty() && !env("HOME").empty()) base = env("HOME") + "/.cache/kvblend";
+    return base.empty() ? "" : base + "/self-check";
+}
+
+self_check_result fusion_self_check_cached(const std::shared_ptr<const model> & m, const self_check_params & p,
+                                           const std::string & dir_in) {
+    const std::string dir = dir_in.empty() ? self_check_cache_dir() : dir_in;
+    const std::string build = build_identity();
+    const std::string & fp = m->fingerprint();
+    const bool hex = !fp.empty() && fp.find_first_not_of("0123456789abcdef") == std::string::npos;
+    if (dir.empty() || build.empty() || !hex) return fusion_self_check(m, p);
+    const std::string key = verdict_key(*m, p, build), path = dir + "/" + fp + ".json";
+    if (std::optional<self_check_result> kept = read_verdict(path, key)) return *kept;
+    const self_check_result r = fusion_self_check(m, p);
+    write_verdict(dir, path, key, r);
+    return r;
+}
+
 std::string self_check_json(const self_check_result & r) {
     const auto measure = [](double x) { return x < 0 ? nlohmann::json() : nlohmann::json(x); };
     const nlohmann::json j = {{"ok", r.ok},
@@ -181,13 +298,15 @@ std::string self_check_json(const self_check_result & r) {
                               {"placement_rel", measure(r.placement_rel)},
                               {"ratio_one_rel", measure(r.ratio_one_rel)},
                               {"ratio_kl", measure(r.ratio_kl)},
-                              {"ms", r.ms}};
+                              {"ms", r.ms},
+                              {"cached", r.cached}};
     return j.dump();
 }
 
 std::string self_check_summary(const self_check_result & r) {
     std::string s = r.ok ? "passed" : "failed";
-    s += " in " + fmt("%.0f", r.ms) + " ms (" + std::to_string(r.n_tokens) + " tokens";
+    s += (r.cached ? ", kept from an earlier check of " : " in ") + fmt("%.0f", r.ms) + " ms (" +
+         std::to_string(r.n_tokens) + " tokens";
     if (r.forward_rel >= 0)
         s += "; vs libllama " + fmt("%.2g", r.forward_rel) + ", top token " + fmt("%.0f%%", 100 * r.forward_agree);
     if (r.placement_rel >= 0)

@@ -50,7 +50,8 @@ struct ratio_flag {
 bool match_ratio_flag(args & a, ratio_flag & r);  // --recomp-ratio, --calibration
 
 // the fusion self-check (kvblend/self_check.h) that blend and serve run once
-// the model is loaded; --no-self-check skips it
+// the model is loaded, its verdict kept per model and build
+// (fusion_self_check_cached); --no-self-check skips it
 struct self_check_flag {
     bool skip = false;
     // the check of m for blends at bp with n_threads (its summary on stderr

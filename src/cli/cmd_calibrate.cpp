@@ -229,7 +229,7 @@ std::optional<self_check_result> self_check_flag::run(const std::shared_ptr<cons
     p.recomp_ratio = bp.recomp_ratio;
     p.check_layer = bp.check_layer;
     p.n_threads = n_threads;
-    const self_check_result r = fusion_self_check(m, p);
+    const self_check_result r = fusion_self_check_cached(m, p);
     if (!quiet || !r.ok) std::fprintf(stderr, "fusion self-check %s\n", self_check_summary(r).c_str());
     return r;
 }

@@ -75,8 +75,13 @@ TEST(cli_blend, the_self_check_runs_at_load_unless_skipped) {
     const test::run_result skipped = test::run_cli(base + " --no-self-check");
     ASSERT_EQ(skipped.status, 0) << skipped.err;
     EXPECT_TRUE(nlohmann::json::parse(skipped.out)["self_check"].is_null());
-    const test::run_result verbose = test::run_cli(base + " -v");
+    // the verdict is kept: the second load of the model reads it
+    const test::temp_dir cache("verdicts");
+    const std::string env = "KVBLEND_CACHE_DIR=" + cache.path().string() + " ";
+    const test::run_result verbose = test::run_cli(base + " -v", env);
     EXPECT_NE(verbose.err.find("fusion self-check passed in"), std::string::npos) << verbose.err;
+    const test::run_result kept = test::run_cli(base + " -v", env);
+    EXPECT_NE(kept.err.find("fusion self-check passed, kept from an earlier check"), std::string::npos) << kept.err;
 }
 
 TEST(cli_blend, bad_flags_are_errors) {

@@ -3,6 +3,7 @@
 // forward reads differently from libllama is refused with the reason
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -84,6 +85,65 @@ TEST(self_check, a_reference_libllama_cannot_read_is_a_failed_check_not_a_crash)
     const self_check_result r = fusion_self_check(model::load(test::stories_path()), p);
     EXPECT_FALSE(r.ok);
     EXPECT_NE(r.reason.find("libllama cannot run this file"), std::string::npos) << r.reason;
+}
+
+// the verdict is kept per model, build and params: read back, not run again,
+// until one of them changes; whatever else the folder holds is checked again
+TEST(self_check, a_verdict_is_kept_per_model_and_params_and_damaged_ones_are_checked_again) {
+    const test::temp_dir dir("verdicts");
+    auto m = model::load(test::stories_path());
+    const std::string file = dir.file(m->fingerprint() + ".json");
+    const self_check_result first = fusion_self_check_cached(m, {}, dir.path().string());
+    EXPECT_TRUE(first.ok && !first.cached);
+    ASSERT_TRUE(std::filesystem::exists(file));
+    const self_check_result again = fusion_self_check_cached(m, {}, dir.path().string());
+    EXPECT_TRUE(again.ok && again.cached);
+    EXPECT_EQ(self_check_json(again), self_check_json([&] {
+                  self_check_result r = first;
+                  r.cached = true;
+                  return r;
+              }()));
+    EXPECT_NE(self_check_summary(again).find("kept from an earlier check"), std::string::npos);
+
+    // other params are another verdict: checked, and kept in the model's one file
+    self_check_params other;
+    other.recomp_ratio = 0.3f;
+    EXPECT_FALSE(fusion_self_check_cached(m, other, dir.path().string()).cached);
+    EXPECT_TRUE(fusion_self_check_cached(m, other, dir.path().string()).cached);
+    EXPECT_FALSE(fusion_self_check_cached(m, {}, dir.path().string()).cached);
+
+    // a failed check is kept too, with its reason
+    self_check_params misread;
+    misread.reference_path = dir.file("missing.gguf");
+    const self_check_result failed = fusion_self_check_cached(m, misread, dir.path().string());
+    const self_check_result failed_again = fusion_self_check_cached(m, misread, dir.path().string());
+    EXPECT_FALSE(failed.ok || failed.cached);
+    EXPECT_TRUE(!failed_again.ok && failed_again.cached);
+    EXPECT_EQ(failed_again.reason, failed.reason);
+
+    // damaged, forged or foreign files: checked again and replaced
+    const std::string key = nlohmann::json::parse(std::ifstream(file))["key"];
+    const std::string good =
+        nlohmann::json{{"key", key}, {"result", nlohmann::json::parse(self_check_json(failed))}}.dump();
+    for (const std::string & bad :
+         {std::string("not json"), good.substr(0, good.size() / 2), std::string(100000, '{'),
+          nlohmann::json{{"key", key}, {"result", {{"ok", "yes"}, {"reason", ""}, {"n_tokens", 3}, {"ms", 1}}}}.dump(),
+          nlohmann::json{{"key", key}, {"result", {{"ok", true}, {"reason", "why"}, {"n_tokens", 3}, {"ms", 1}}}}
+              .dump(),
+          nlohmann::json{{"key", "another build"}, {"result", nlohmann::json::parse(self_check_json(first))}}.dump(),
+          nlohmann::json::array().dump()}) {
+        std::ofstream(file, std::ios::trunc) << bad;
+        const self_check_result r = fusion_self_check_cached(m, misread, dir.path().string());
+        EXPECT_FALSE(r.cached) << bad.substr(0, 80);
+        EXPECT_FALSE(r.ok);
+        EXPECT_TRUE(fusion_self_check_cached(m, misread, dir.path().string()).cached) << bad.substr(0, 80);
+    }
+
+    // a folder that cannot be made: every load checks, nothing fails
+    std::ofstream(dir.file("a-file")) << "x";
+    const std::string nowhere = dir.file("a-file") + "/verdicts";
+    EXPECT_TRUE(fusion_self_check_cached(m, {}, nowhere).ok);
+    EXPECT_FALSE(fusion_self_check_cached(m, {}, nowhere).cached);
 }
 
 TEST(self_check, params_outside_a_blends_ranges_are_refused_before_any_work) {
