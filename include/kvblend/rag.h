@@ -79,6 +79,7 @@ struct rag_fuse_result {
     blend_stats stats;                        // of the blend
     chunk_fetch_stats fetch;                  // of the chunks not given
     std::vector<bool> chunk_hit;              // per non-empty chunk: given, or found in a tier or the store
+    std::vector<int64_t> selected;            // prompt positions the blend recomputed (blend_result::selected)
     double evict_ms = 0;                      // evicting the fused cache to the engine's budget
     energy_span chunks_energy, blend_energy;  // from the engine's meter (absent without one)
 };

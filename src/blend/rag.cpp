@@ -165,6 +165,7 @@ rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_par
     r.blend_logits = std::move(br.logits);
     r.logits = r.blend_logits;
     r.stats = br.stats;
+    r.selected = std::move(br.selected);
     if (eng.params().evict.policy != EVICT_POLICY_NONE) {
         const double t0 = time_ms();
         std::vector<float> l = eng.evict(rp.query);  // scoring policies re-run the query's tail

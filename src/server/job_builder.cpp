@@ -88,6 +88,7 @@ void job_builder::read_sampling(const json & b, job & j, int64_t n_prompt, reque
     j.sel.head_in_budget = flag("head_in_budget", j.sel.head_in_budget);
     j.sel.weight_query = flag("weight_query", j.sel.weight_query);
     j.compare_full = flag("compare_full", false);
+    j.show_recomputed = flag("show_recomputed", false);
     if (j.compare_full && !p_.compare_full)
         throw request_error{501, "this server does not compare with a full prefill: start it with --compare-full",
                             "not_supported_error", "compare_full_not_enabled"};

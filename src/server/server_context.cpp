@@ -584,6 +584,7 @@ struct server_context::impl {
         j.store_misses = fused.fetch.misses;
         j.tier_hits_dev = fused.fetch.hits_dev;
         j.tier_hits_host = fused.fetch.hits_host;
+        if (j.show_recomputed) j.recomputed_at = std::move(fused.selected);
         if (j.compare_full) {  // the first token the answer samples from, against a full prefill's
             j.compared = rag_compare_full(*compare_eng, j.tokens, fused.logits);
             j.compared->full_logits = {};

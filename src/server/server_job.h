@@ -41,6 +41,7 @@ struct job {
     learn_stats learned;                        // … and the passages they added
     bool compare_full = false;                  // fused: a full prefill too, compared (server_params::compare_full)
     std::string fusion_refused;                 // it would have fused, but the self-check failed: why
+    bool show_recomputed = false;               // fused: each chunk's text, the recomputed tokens apart
 
     // what comes back (guarded by mu)
     std::mutex mu;
@@ -62,6 +63,7 @@ struct job {
     int64_t kv_rows = 0;   // rows the slot's cache held after the prompt (fewer than the tokens when evicted)
     double prefill_ms = 0;
     std::optional<full_comparison> compared;  // compare_full, once the prompt was fused (its logits dropped)
+    std::vector<int64_t> recomputed_at;       // show_recomputed: the prompt positions the blend recomputed
     double t_submit = 0, ttft_ms = -1;        // time to the first generated token, queueing included
     double t_done = 0;                        // time_ms() when it finished
     std::atomic<bool> cancelled{false};

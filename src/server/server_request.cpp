@@ -164,6 +164,7 @@ void check_sampling(const json & b, request_kind kind) {
     optional_bool(b, "head_in_budget");
     optional_bool(b, "weight_query");
     optional_bool(b, "compare_full");
+    optional_bool(b, "show_recomputed");
     optional_number(b, "dev_mass", k_dev_mass_range);
     if (const json * s = optional_field(b, "budget", "a string", [](const json & x) { return x.is_string(); }))
         if (blend_budget b; !blend_budget_from_name(s->get<std::string>(), b))

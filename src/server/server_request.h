@@ -56,10 +56,10 @@ constexpr int64_t k_max_embedding_tokens = 300000;     // their tokens together 
 constexpr int64_t k_max_search_hits = 1000;            // documents one search may return ("k")
 constexpr int64_t k_default_search_hits = 4;           // … when it does not say
 
-// kvblend's own fields of a fused request (the token selection, compare_full),
+// kvblend's own fields of a fused request (the token selection, compare_full, show_recomputed),
 // which the translated APIs (Responses, Anthropic Messages) pass on to chat as they are
-constexpr const char * k_kvblend_request_fields[] = {"recomp_ratio", "budget",   "chunk_head",  "head_in_budget",
-                                                     "weight_query", "dev_mass", "compare_full"};
+constexpr const char * k_kvblend_request_fields[] = {"recomp_ratio", "budget",   "chunk_head",   "head_in_budget",
+                                                     "weight_query", "dev_mass", "compare_full", "show_recomputed"};
 
 // a body checked against its endpoint; the fields the routes need besides the JSON itself
 struct request_spec {

@@ -82,6 +82,43 @@ json openai_format::compared(const job & j) const {
             {"full_prefill_ms", c.full_ms}};
 }
 
+// show_recomputed: each chunk of the fused prompt by its id, its text cut into
+// segments of tokens recomputed or not ({text, recomputed, n_tokens}), each
+// segment whole UTF-8 characters
+json openai_format::recomputed(const job & j) const {
+    if (!j.show_recomputed || !j.fuse) return nullptr;
+    json out = json::array();
+    size_t next = 0;  // the first recomputed position not yet passed
+    int64_t pos = 0;
+    for (const std::vector<llama_token> & chunk : j.prompt.chunks) {
+        json segments = json::array();
+        std::string text;
+        bool recomputed = false;
+        int64_t n = 0;  // the segment's tokens
+        const auto flush = [&](bool all) {
+            const size_t whole = all ? text.size() : utf8_whole(text, text.size());
+            if (n > 0)
+                segments.push_back({{"text", text.substr(0, whole)}, {"recomputed", recomputed}, {"n_tokens", n}});
+            text.erase(0, whole);  // a character cut by the boundary goes with the next segment
+            n = 0;
+        };
+        for (const llama_token t : chunk) {
+            while (next < j.recomputed_at.size() && j.recomputed_at[next] < pos) ++next;
+            const bool r = next < j.recomputed_at.size() && j.recomputed_at[next] == pos;
+            if (r != recomputed) {
+                flush(false);
+                recomputed = r;
+            }
+            text += v_.token_to_piece(t, false);
+            ++pos;
+            ++n;
+        }
+        flush(true);
+        if (!chunk.empty()) out.push_back({{"id", doc_key_(chunk)}, {"segments", std::move(segments)}});
+    }
+    return out;
+}
+
 json openai_format::kvblend(const job & j) const {
     json out = {{"n_prompt", (int64_t) j.tokens.size()},
                 {"n_fused", j.n_fused},
@@ -97,6 +134,7 @@ json openai_format::kvblend(const job & j) const {
                 {"prefill_ms", j.prefill_ms}};
     if (j.compare_full) out["compare_full"] = compared(j);
     if (!j.fusion_refused.empty()) out["fusion_refused"] = j.fusion_refused;
+    if (j.show_recomputed) out["recomputed"] = recomputed(j);
     return out;
 }
 

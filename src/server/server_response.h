@@ -65,6 +65,7 @@ class openai_format {
 
   private:
     nlohmann::json spans(const job & j) const;
+    nlohmann::json recomputed(const job & j) const;
 
     const vocab & v_;
     std::string model_id_;

@@ -56,7 +56,7 @@ const char * k_html = R"KVB(<!doctype html>
         <table id="full-stats" class="stats"></table>
       </div>
     </div>
-    <h3>The prompt's documents</h3>
+    <h3>The prompt's documents <span class="muted">(recomputed tokens <mark>marked</mark>)</span></h3>
     <ul id="spans" class="spans"></ul>
   </section>
 </main>
@@ -87,6 +87,8 @@ button { font: inherit; padding: .3em .9em; }
 .stats td { padding: .1em .8em .1em 0; font-size: .9em; }
 .stats td:first-child { color: #5b6770; }
 .spans li { margin: .2em 0; }
+.doc-text { white-space: pre-wrap; background: #f4f6f8; padding: .4em .6em; margin: .2em 0 .6em; font-size: .9em; max-height: 14em; overflow: auto; }
+mark { background: #ffe08a; }
 .hit { color: #1a7f37; }
 .miss { color: #b35900; }
 .error { margin: .8em 1.2em 0; padding: .6em 1em; background: #fdecec; border: 1px solid #e5a0a0; border-radius: 6px; color: #8a1c1c; }
@@ -244,6 +246,18 @@ function showStats(table, r) {
   }
 }
 
+// a document's text as the server cut it, its recomputed tokens marked (text nodes only)
+function docText(segments) {
+  const box = document.createElement("div");
+  box.className = "doc-text";
+  for (const s of segments) {
+    const part = s.recomputed ? document.createElement("mark") : document.createElement("span");
+    part.textContent = s.text;
+    box.append(part);
+  }
+  return box;
+}
+
 // the documents of the prompt: each fused one, or (a plain prompt) those found in its text
 function showSpans(k, docs) {
   const list = $("spans");
@@ -253,6 +267,8 @@ function showSpans(k, docs) {
     for (const d of docs) {
       const li = document.createElement("li");
       li.textContent = d.title + " (" + d.n_tokens + " tokens, fused)";
+      const cut = (k.recomputed || []).find((x) => x.id === d.id);
+      if (cut) li.append(docText(cut.segments));
       list.append(li);
     }
     return;
@@ -279,7 +295,8 @@ async function ask() {
   const compare = $("compare").checked;
   const body = (r, withCompare) => {
     const b = { messages: [{ role: "user", content: question }], stream: true,
-                stream_options: { include_usage: true }, temperature: 0, max_tokens: 256, recomp_ratio: r };
+                stream_options: { include_usage: true }, temperature: 0, max_tokens: 256, recomp_ratio: r,
+                show_recomputed: true };
     if (docs.length) b.documents = docs.map((d) => ({ id: d.id }));
     if (withCompare) b.compare_full = true;
     return b;

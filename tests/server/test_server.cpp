@@ -679,6 +679,64 @@ TEST(server, a_failed_self_check_turns_fusion_off_with_the_reason) {
     EXPECT_FALSE(plain["kvblend"].contains("fusion_refused")) << plain.dump();
 }
 
+// show_recomputed: each fused document's text cut where the recomputed tokens
+// begin and end, as many of its tokens marked as the blend recomputed
+TEST(server, show_recomputed_marks_the_tokens_the_blend_recomputed_in_each_document) {
+    test::temp_dir d("srvstore");
+    running_server s(small_params(d.path().string()));
+    auto c = s.client();
+    const std::vector<std::string> texts = {"Tom had a red ball. He threw it high over the fence and ran after it.",
+                                            "Sue found a little cat in the garden. It was hungry, so she fed it."};
+    const json added = post(c, "/v1/documents", {{"documents", texts}});
+    const std::vector<std::string> ids = {added["data"][0]["id"], added["data"][1]["id"]};
+    auto ask = [&](double ratio, bool show) {
+        json b = {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}},
+                  {"documents", {{{"id", ids[0]}}, {{"id", ids[1]}}}},
+                  {"max_tokens", 1},
+                  {"recomp_ratio", ratio}};
+        if (show) b["show_recomputed"] = true;
+        return post(c, "/v1/chat/completions", b)["kvblend"];
+    };
+    // the segments of one document: its text whole, and how many are recomputed
+    auto cut = [&](const json & k, const std::string & id, std::string & text) {
+        int marked = 0;
+        text.clear();
+        for (const json & x : k["recomputed"])
+            if (x["id"] == id)
+                for (const json & seg : x["segments"]) {
+                    text += seg["text"].get<std::string>();
+                    if (seg["recomputed"].get<bool>()) marked += seg["n_tokens"].get<int>();
+                }
+        return marked;
+    };
+    for (const double ratio : {0.0, 0.3, 1.0}) {
+        const json k = ask(ratio, true);
+        ASSERT_TRUE(k["recomputed"].is_array()) << k.dump();
+        int marked = 0;
+        for (size_t i = 0; i < ids.size(); ++i) {
+            std::string text;
+            marked += cut(k, ids[i], text);
+            EXPECT_NE(text.find(texts[i]), std::string::npos) << text;
+        }
+        // the blend's count: the chunks' marked tokens and every query token (after the chunks)
+        int in_chunks = 0, chunk_tokens = 0;
+        for (const json & x : k["recomputed"])
+            for (const json & seg : x["segments"]) {
+                chunk_tokens += seg["n_tokens"].get<int>();
+                if (seg["recomputed"].get<bool>()) in_chunks += seg["n_tokens"].get<int>();
+            }
+        EXPECT_EQ(in_chunks + (k["n_prompt"].get<int>() - chunk_tokens), k["n_recomputed"].get<int>()) << k.dump();
+        if (ratio == 0.0) EXPECT_EQ(marked, 0) << k.dump();
+        if (ratio == 0.3) EXPECT_GT(marked, 0) << k.dump();
+    }
+    // not asked: not sent
+    EXPECT_FALSE(ask(0.3, false).contains("recomputed"));
+    EXPECT_EQ(
+        post(c, "/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"show_recomputed", 1}},
+             400)["error"]["message"],
+        "'show_recomputed' must be a boolean, not number");
+}
+
 TEST(server, live_compressed_slots_say_so_and_refuse_documents) {
     server_params p = small_params();
     p.kv_codec = "turboquant4";

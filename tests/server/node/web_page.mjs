@@ -48,6 +48,12 @@ try {
   assert.match(stats, /KL to the full prefill/);
   assert.match(stats, /time to first token/);
   assert.match(await page.textContent("#spans"), /Tom had a red ball/);
+  // the document as the server cut it, its recomputed tokens marked, its markup still text
+  assert.match(await page.textContent("#spans .doc-text"), /Tom had a red ball/);
+  assert.match(await page.textContent("#spans .doc-text"), /<b id="bold">/);
+  assert.ok(await page.$("#spans .doc-text mark"), "recomputed tokens are marked");
+  assert.equal(await page.$("#spans .doc-text b"), null);
+  assert.equal(await page.evaluate(() => window.__ran), undefined);
   if (shot) await page.screenshot({ path: shot, fullPage: true });
 
   // a document id the store does not hold: the server's 404 is shown
