@@ -50,6 +50,9 @@ struct server_params {
     // its response (kvblend.fusion_refused)
     std::optional<self_check_result> self_check;
     bool fusion_refused() const { return self_check && !self_check->ok; }
+    // the model's calibration (kvblend/calibration.h) as calibration_json()
+    // writes it, "" for none: /props shows it and the page plots it
+    std::string calibration;
     bool web_ui = true;  // GET / serves the page (src/server/web_page.h); its API calls need the key as any client's
     int64_t chunk_size = 256;       // plain long prompts: chunk length
     int64_t min_fuse_tokens = 512;  // plain prompts at least this long are chunked and fused

@@ -12,6 +12,7 @@
 #include "cli/args.h"
 #include "ggml.h"
 #include "kvblend/blend.h"
+#include "kvblend/calibration.h"
 #include "kvblend/common.h"
 #include "kvblend/engine.h"
 #include "kvblend/self_check.h"
@@ -46,6 +47,9 @@ struct ratio_flag {
     bool from_calibration = false;
     std::string calibration;
     float resolve(const model & m, const std::string & model_path) const;  // throws kvblend::error
+    // the calibration resolve reads, or else the one beside the model when it
+    // is of this model; nullopt when there is none (nothing thrown)
+    std::optional<kvblend::calibration> shown(const model & m, const std::string & model_path) const;
 };
 bool match_ratio_flag(args & a, ratio_flag & r);  // --recomp-ratio, --calibration
 

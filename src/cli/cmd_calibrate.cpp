@@ -234,6 +234,15 @@ std::optional<self_check_result> self_check_flag::run(const std::shared_ptr<cons
     return r;
 }
 
+std::optional<kvblend::calibration> ratio_flag::shown(const model & m, const std::string & model_path) const {
+    const std::string path = calibration.empty() ? calibration_default_path(model_path) : calibration;
+    try {
+        return calibration_load(path, m.fingerprint());
+    } catch (const error &) {
+        return std::nullopt;
+    }
+}
+
 int cmd_calibrate(int argc, char ** argv) {
     std::string model_path, prompts_path, questions_path, system, out_path, plot_path;
     std::vector<std::string> doc_paths;

@@ -269,6 +269,7 @@ int cmd_serve(int argc, char ** argv) {
     check_evict_flags(sp.evict);
     auto m = model::load(model_path, mp);
     sp.recomp_ratio = ratio.resolve(*m, model_path);
+    if (const std::optional<calibration> c = ratio.shown(*m, model_path)) sp.calibration = calibration_json(*c);
     if (sp.kv_codec.empty()) {  // live compressed slots cannot fuse: nothing to check
         blend_params bp = blend_default_params();
         bp.recomp_ratio = sp.recomp_ratio;

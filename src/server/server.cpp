@@ -674,7 +674,8 @@ struct server::impl {
                 {"kvblend",
                  {{"recomp_ratio", p.recomp_ratio},
                   {"compare_full", p.compare_full},
-                  {"self_check", p.self_check ? json::parse(self_check_json(*p.self_check)) : json()}}}};
+                  {"self_check", p.self_check ? json::parse(self_check_json(*p.self_check)) : json()},
+                  {"calibration", p.calibration.empty() ? json() : json::parse(p.calibration, nullptr, false)}}}};
     }
 
     // GET /slots: each slot's state (read-only: a slot's cache is not saved or restored by id)

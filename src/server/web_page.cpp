@@ -44,6 +44,11 @@ const char * k_html = R"KVB(<!doctype html>
       <label><input id="compare" type="checkbox"> compare with a full prefill</label>
       <button id="ask">Ask</button>
     </div>
+    <div id="calibration" hidden>
+      <h3>Calibration <span id="cal-note" class="muted"></span></h3>
+      <svg id="cal-plot" viewBox="0 0 460 190" width="460" height="190" role="img"
+           aria-label="top-1 agreement and KL against the recomputed share"></svg>
+    </div>
     <div class="answers">
       <div class="answer-box">
         <h3>Fused</h3>
@@ -89,6 +94,8 @@ button { font: inherit; padding: .3em .9em; }
 .spans li { margin: .2em 0; }
 .doc-text { white-space: pre-wrap; background: #f4f6f8; padding: .4em .6em; margin: .2em 0 .6em; font-size: .9em; max-height: 14em; overflow: auto; }
 mark { background: #ffe08a; }
+#cal-plot text { font-size: 11px; }
+#cal-plot .axis { fill: #5b6770; }
 .hit { color: #1a7f37; }
 .miss { color: #b35900; }
 .error { margin: .8em 1.2em 0; padding: .6em 1em; background: #fdecec; border: 1px solid #e5a0a0; border-radius: 6px; color: #8a1c1c; }
@@ -325,6 +332,63 @@ async function ask() {
   }
 }
 
+// the model's calibration (kvblend calibrate): top-1 agreement and KL against the
+// ratio, the pick and the slider's ratio as vertical lines. SVG built from nodes
+const SVG = "http://www.w3.org/2000/svg";
+function svg(parent, tag, attrs, text) {
+  const el = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  if (text !== undefined) el.textContent = text;
+  parent.append(el);
+  return el;
+}
+
+function drawCalibration(c) {
+  const plot = $("cal-plot");
+  plot.replaceChildren();
+  const rows = (c.rows || []).slice().sort((a, b) => a.ratio - b.ratio);
+  if (!rows.length) return;
+  const left = 40, right = 410, top = 12, bottom = 160;
+  const xMax = Math.max(rows[rows.length - 1].ratio, 1e-6);
+  const klMax = Math.max(...rows.map((r) => r.kl), 1e-9);
+  const x = (r) => left + (right - left) * r / xMax;
+  const yAgree = (a) => bottom - (bottom - top) * a;
+  const yKl = (k) => bottom - (bottom - top) * k / klMax;
+  svg(plot, "line", { x1: left, y1: bottom, x2: right, y2: bottom, stroke: "#99a3ad" });
+  svg(plot, "line", { x1: left, y1: top, x2: left, y2: bottom, stroke: "#99a3ad" });
+  const axis = (attrs, text) => svg(plot, "text", Object.assign({ class: "axis" }, attrs), text);
+  axis({ x: left - 6, y: top + 4, "text-anchor": "end" }, "1");
+  axis({ x: left - 6, y: bottom, "text-anchor": "end" }, "0");
+  axis({ x: right + 4, y: top + 4 }, klMax.toPrecision(2));
+  axis({ x: (left + right) / 2, y: bottom + 28, "text-anchor": "middle" }, "share of document tokens recomputed");
+  for (const r of rows) axis({ x: x(r.ratio), y: bottom + 14, "text-anchor": "middle" }, String(r.ratio));
+  const series = [["top-1 agreement", "#1f6fb2", (r) => yAgree(r.agree)], ["KL (right scale)", "#c2410c", (r) => yKl(r.kl)]];
+  series.forEach(([name, color, y], i) => {
+    svg(plot, "polyline", { points: rows.map((r) => x(r.ratio) + "," + y(r)).join(" "), fill: "none", stroke: color, "stroke-width": 2 });
+    for (const r of rows) {
+      const dot = svg(plot, "circle", { cx: x(r.ratio), cy: y(r), r: 3, fill: color, class: "cal-point" });
+      svg(dot, "title", {}, "ratio " + r.ratio + ": agreement " + r.agree.toFixed(3) + ", KL " + r.kl.toPrecision(3) +
+          ", TTFT " + r.ttft_ms.toFixed(1) + " ms");
+    }
+    svg(plot, "text", { x: right - 8, y: top + 50 + 14 * i, fill: color, "text-anchor": "end" }, name);
+  });
+  svg(plot, "line", { x1: x(c.recomp_ratio), y1: top, x2: x(c.recomp_ratio), y2: bottom, stroke: "#1a7f37", "stroke-dasharray": "4 3" });
+  state.slider = svg(plot, "line", { x1: 0, y1: top, x2: 0, y2: bottom, stroke: "#20303f", "stroke-width": 1 });
+  state.calX = x;
+  state.calMax = xMax;
+  moveCalibrationMark();
+  $("cal-note").textContent = "(" + c.n_prompts + " prompts; the pick " + c.recomp_ratio + " in green" +
+                              (c.met ? "" : ", no ratio met the targets") + "; the slider in black)";
+  $("calibration").hidden = false;
+}
+
+function moveCalibrationMark() {
+  if (!state.slider) return;
+  const r = Math.min(parseFloat($("ratio").value), state.calMax);
+  state.slider.setAttribute("x1", state.calX(r));
+  state.slider.setAttribute("x2", state.calX(r));
+}
+
 async function connect() {
   try {
     const props = await (await call("/props")).json();
@@ -336,6 +400,7 @@ async function connect() {
       $("ratio-value").textContent = k.recomp_ratio.toFixed(2);
     }
     state.compareAllowed = !!k.compare_full;
+    if (k.calibration) drawCalibration(k.calibration);
     $("compare").title = state.compareAllowed ? "" : "the first-token KL needs serve --compare-full; the full answer is shown anyway";
     showError("");
   } catch (e) {
@@ -347,7 +412,10 @@ async function connect() {
 document.addEventListener("DOMContentLoaded", () => {
   $("api-key").value = sessionStorage.getItem("kvblend.key") || "";
   $("api-key").addEventListener("change", () => { sessionStorage.setItem("kvblend.key", $("api-key").value); connect(); });
-  $("ratio").addEventListener("input", () => { $("ratio-value").textContent = parseFloat($("ratio").value).toFixed(2); });
+  $("ratio").addEventListener("input", () => {
+    $("ratio-value").textContent = parseFloat($("ratio").value).toFixed(2);
+    moveCalibrationMark();
+  });
   $("add-doc").addEventListener("click", addDocuments);
   $("ask").addEventListener("click", ask);
   renderDocs();

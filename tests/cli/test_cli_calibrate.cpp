@@ -1,6 +1,7 @@
 // kvblend calibrate, and --recomp-ratio auto reading what it wrote.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -9,6 +10,7 @@
 #include "kvblend/calibration.h"
 #include "kvblend/common.h"
 #include "kvblend/model.h"
+#include "server/running_server.h"
 #include "test_util.h"
 
 namespace kvblend {
@@ -155,6 +157,47 @@ TEST(utf8, well_formed_text_and_each_kind_of_malformed_byte) {
     EXPECT_EQ(utf8_invalid_at("ok\xe2\x82"), 2u);        // cut short
     EXPECT_EQ(utf8_invalid_at("\xe2\x28\xa1"), 0u);      // a bad continuation
     EXPECT_EQ(utf8_invalid_at("\xf5\x80\x80\x80"), 0u);  // no such lead byte
+}
+
+// kvblend serve shows the model's calibration in /props (the page plots it) when
+// one of this model lies beside it, whatever ratio it serves; it ran the
+// self-check at load and says so
+TEST(cli_calibrate, serve_shows_the_calibration_beside_the_model_and_its_self_check) {
+    calib_dir d;
+    const std::string copy = d.dir.file("m.gguf");
+    std::filesystem::copy_file(k_stories, copy);
+    calibration c;
+    c.fingerprint = model::load(copy)->fingerprint();
+    c.rows = {{0.0, 0.5, 0.8, 3, 1}, {0.15, 0.01, 0.97, 14, 2}, {0.3, 0.001, 1.0, 16, 3}};
+    c.min_agree = 0.95;
+    c.max_kl = 0.05;
+    c.n_prompts = 3;
+    calibration_pick(c);
+    calibration_save(c, calibration_default_path(copy));
+    {
+        test::serve_process s(copy, {"-c", "256"});
+        auto cl = s.client();
+        const json k = json::parse(cl.Get("/props")->body)["kvblend"];
+        ASSERT_TRUE(k["calibration"].is_object()) << k.dump();
+        EXPECT_EQ(k["calibration"]["rows"].size(), 3u);
+        EXPECT_DOUBLE_EQ(k["calibration"]["recomp_ratio"].get<double>(), 0.15);
+        EXPECT_FLOAT_EQ(k["recomp_ratio"].get<float>(), 0.08f);  // shown, not used: no --recomp-ratio auto
+        EXPECT_EQ(k["self_check"]["ok"], true) << k.dump();
+        EXPECT_NE(s.log().find("fusion self-check passed"), std::string::npos) << s.log();
+    }
+    {
+        test::serve_process s(copy, {"-c", "256", "--recomp-ratio", "auto", "--no-self-check"});
+        auto cl = s.client();
+        const json k = json::parse(cl.Get("/props")->body)["kvblend"];
+        EXPECT_FLOAT_EQ(k["recomp_ratio"].get<float>(), 0.15f);
+        EXPECT_TRUE(k["self_check"].is_null());
+    }
+    // another model's calibration beside it is not shown
+    c.fingerprint = std::string(32, '0');
+    calibration_save(c, calibration_default_path(copy));
+    test::serve_process s(copy, {"-c", "256"});
+    auto cl = s.client();
+    EXPECT_TRUE(json::parse(cl.Get("/props")->body)["kvblend"]["calibration"].is_null());
 }
 
 }  // namespace

@@ -2,16 +2,23 @@
 // the server tests share
 #pragma once
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "httplib.h"
 #include "kvblend/server.h"
@@ -80,6 +87,71 @@ inline void run_node_client(const std::string & script, const std::string & mode
     EXPECT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 0) << out;
     EXPECT_NE(out.find("all checks passed"), std::string::npos) << out;
 }
+
+// `kvblend serve -m MODEL --port 0 ARGS…` as a child process (it dies with the
+// test, even a crashed one), its stdout and stderr in a file; ready once its
+// announce line names the port
+class serve_process {
+  public:
+    serve_process(const std::string & model_path, const std::vector<std::string> & more) : dir_("serve") {
+        const std::string logfile = dir_.file("serve.log");
+        std::vector<std::string> args = {KVBLEND_CLI, "serve", "-m", model_path, "--port", "0"};
+        args.insert(args.end(), more.begin(), more.end());
+        std::vector<char *> argv;
+        for (auto & a : args) argv.push_back(a.data());
+        argv.push_back(nullptr);
+        const pid_t parent = ::getpid();
+        pid_ = ::fork();
+        if (pid_ == 0) {
+            ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+            if (::getppid() != parent) ::_exit(127);
+            const int in = ::open("/dev/null", O_RDONLY),
+                      out = ::open(logfile.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            if (in < 0 || out < 0) ::_exit(127);
+            ::dup2(in, 0);
+            ::dup2(out, 1);
+            ::dup2(out, 2);
+            ::execv(argv[0], argv.data());
+            ::_exit(127);
+        }
+        const std::regex on(R"(on http://127\.0\.0\.1:(\d+))");
+        for (int i = 0; i < 600 && port_ == 0; ++i) {
+            std::smatch m;
+            const std::string l = log();
+            if (std::regex_search(l, m, on))
+                port_ = std::stoi(m[1]);
+            else
+                std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        EXPECT_GT(port_, 0) << log();
+    }
+    ~serve_process() {
+        ::kill(pid_, SIGTERM);
+        for (int i = 0; i < 100; ++i) {
+            if (::waitpid(pid_, nullptr, WNOHANG) == pid_) return;
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, nullptr, 0);
+    }
+    serve_process(const serve_process &) = delete;
+    serve_process & operator=(const serve_process &) = delete;
+
+    std::string log() const {
+        std::ifstream f(dir_.file("serve.log"));
+        return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    }
+    httplib::Client client() const {
+        httplib::Client c("127.0.0.1", port_);
+        c.set_read_timeout(60, 0);
+        return c;
+    }
+
+  private:
+    temp_dir dir_;
+    pid_t pid_ = -1;
+    int port_ = 0;
+};
 
 // the testbed model and the prompts kept in the tree (system, chunks, query, answer)
 inline const std::string k_testbed_model = std::string(KVBLEND_SOURCE_DIR) + "/models/testbed.gguf";

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "httplib.h"
+#include "server/running_server.h"
 #include "store/redis_server.h"
 #include "test_util.h"
 
@@ -23,69 +24,6 @@ namespace {
 
 using json = nlohmann::json;
 const std::string k_stories = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
-
-// `kvblend serve` as a child process on a port the kernel picks, its stderr in a file
-class serve_process {
-  public:
-    explicit serve_process(const std::string & store_uri) : dir_("serve") {
-        const std::string logfile = dir_.file("serve.log");
-        // the store's own behaviour: no chunk tier in front of it
-        std::vector<std::string> args = {
-            KVBLEND_CLI,          "serve", "-m", k_stories, "--port", "0", "-c", "512", "--store", store_uri,
-            "--chunk-cache-host", "0"};
-        std::vector<char *> argv;
-        for (auto & a : args) argv.push_back(a.data());
-        argv.push_back(nullptr);
-        const pid_t parent = ::getpid();
-        pid_ = ::fork();
-        if (pid_ == 0) {
-            ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // it dies with the test, even a crashed one
-            if (::getppid() != parent) ::_exit(127);
-            const int in = ::open("/dev/null", O_RDONLY),
-                      out = ::open(logfile.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-            if (in < 0 || out < 0) ::_exit(127);
-            ::dup2(in, 0);
-            ::dup2(out, 1);
-            ::dup2(out, 2);
-            ::execv(argv[0], argv.data());
-            ::_exit(127);
-        }
-        // the announce line names the port
-        const std::regex on(R"(on http://127\.0\.0\.1:(\d+))");
-        for (int i = 0; i < 600 && port_ == 0; ++i) {
-            std::smatch m;
-            const std::string l = log();
-            if (std::regex_search(l, m, on))
-                port_ = std::stoi(m[1]);
-            else
-                std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
-        EXPECT_GT(port_, 0) << log();
-    }
-    ~serve_process() {
-        ::kill(pid_, SIGTERM);
-        for (int i = 0; i < 100; ++i) {
-            if (::waitpid(pid_, nullptr, WNOHANG) == pid_) return;
-            std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
-        ::kill(pid_, SIGKILL);
-        ::waitpid(pid_, nullptr, 0);
-    }
-    std::string log() const {
-        std::ifstream f(dir_.file("serve.log"));
-        return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    }
-    httplib::Client client() const {
-        httplib::Client c("127.0.0.1", port_);
-        c.set_read_timeout(60, 0);
-        return c;
-    }
-
-  private:
-    test::temp_dir dir_;
-    pid_t pid_ = -1;
-    int port_ = 0;
-};
 
 std::pair<int, json> post(httplib::Client & c, const std::string & path, const json & body) {
     auto r = c.Post(path, body.dump(), "application/json");
@@ -110,7 +48,9 @@ json ask(httplib::Client & c, const json & documents) {
 TEST(two_servers_redis, share_documents_and_survive_redis_going_away) {
     auto redis = std::make_unique<test::redis_server>();
     const int redis_port = redis->port();
-    serve_process a(redis->uri()), b(redis->uri());
+    // the store's own behaviour: no chunk tier in front of it
+    const std::vector<std::string> args = {"-c", "512", "--store", redis->uri(), "--chunk-cache-host", "0"};
+    test::serve_process a(k_stories, args), b(k_stories, args);
     auto ca = a.client(), cb = b.client();
 
     // stored through A
@@ -133,7 +73,7 @@ TEST(two_servers_redis, share_documents_and_survive_redis_going_away) {
         EXPECT_GT(r["kvblend"]["store_errors"].get<int>(), 0);
     }
     EXPECT_EQ(ask(cb, {{{"text", k_docs[0]}}, {{"text", k_docs[1]}}})["choices"][0]["message"]["content"], answer);
-    for (const serve_process * s : {&a, &b})
+    for (const test::serve_process * s : {&a, &b})
         EXPECT_NE(s->log().find("warning: store redis://127.0.0.1:" + std::to_string(redis_port)), std::string::npos)
             << s->log();
     // what cannot be answered without the store says so

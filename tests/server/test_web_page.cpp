@@ -6,6 +6,7 @@
 #include <regex>
 #include <set>
 
+#include "kvblend/calibration.h"
 #include "running_server.h"
 #include "server/web_page.h"
 
@@ -82,7 +83,15 @@ TEST(web_page, the_script_never_turns_text_into_markup_and_finds_its_elements) {
 // with markup shown as text, an answer with its stats and the full prefill, errors
 TEST(web_page, works_in_chromium) {
     ASSERT_TRUE(std::ifstream("/usr/bin/chromium").good()) << "Debian's chromium is missing: run scripts/setup.sh";
-    test::run_node_client("web_page.mjs", test::k_stories_model, [](server_params & p) { p.compare_full = true; });
+    calibration c;
+    c.rows = {{0.0, 0.5, 0.8, 3, 1}, {0.08, 0.02, 0.93, 12, 2}, {0.3, 0.001, 1.0, 16, 3}};
+    c.recomp_ratio = 0.08;
+    c.met = true;
+    c.n_prompts = 3;
+    test::run_node_client("web_page.mjs", test::k_stories_model, [&](server_params & p) {
+        p.compare_full = true;
+        p.calibration = calibration_json(c);
+    });
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // kvblend's page (GET /) in Debian's Chromium, headless, driven by playwright-core:
 // it connects with the API key, adds a document holding markup (shown as text, never
 // run), answers a question with its stats and the full prefill beside it, and shows
-// the errors of a wrong key, an unknown document and a server that cannot be reached.
+// the errors of a wrong key, an unknown document and a server that cannot be reached;
+// the model's calibration plotted when the server has one.
 // usage: node web_page.mjs BASE_URL API_KEY [SCREENSHOT.png]
 import assert from "node:assert/strict";
 import { chromium } from "playwright-core";
@@ -26,6 +27,26 @@ try {
   await page.waitForFunction(() => document.getElementById("error").hidden);
   assert.match(await page.textContent("#model"), /slot/);
 
+  // the server's calibration, when it has one: two series of one point per ratio, the slider's mark follows it
+  const props = await (await fetch(root + "/props", { headers: { Authorization: "Bearer " + key } })).json();
+  const cal = props.kvblend.calibration;
+  assert.equal(await page.isHidden("#calibration"), !cal);
+  const slide = (v) => page.$eval("#ratio", (el, v) => {
+    el.value = v;
+    el.dispatchEvent(new Event("input"));
+  }, v);
+  if (cal) {
+    assert.equal((await page.$$("#cal-plot circle")).length, 2 * cal.rows.length);
+    const mark = async () => page.evaluate(() => [...document.querySelectorAll("#cal-plot line")].pop().getAttribute("x1"));
+    const before = await mark();
+    await slide("0");
+    const atZero = await mark();
+    await slide("1");
+    assert.notEqual(await mark(), atZero);
+    await slide(String(props.kvblend.recomp_ratio));
+    assert.equal(await mark(), before);
+  }
+
   // a document with markup: stored, listed as text, never run
   const doc = "Tom had a red ball. <script>window.__ran = 1</script><b id=\"bold\">He threw it</b> over the fence.";
   await page.fill("#doc-text", doc);
@@ -36,7 +57,8 @@ try {
   assert.equal(await page.$("#doc-list b"), null);
   assert.equal(await page.$("#bold"), null);
 
-  // a question over it: the answer streams in, the stats and the full prefill beside it
+  // a question over it at 0.3 recomputed: the answer streams in, the stats and the full prefill beside it
+  await slide("0.3");
   await page.fill("#question", "Once upon a time");
   await page.check("#compare");
   await page.click("#ask");
