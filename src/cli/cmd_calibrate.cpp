@@ -11,13 +11,14 @@
 #include "cli/qa_prompts.h"
 #include "kvblend/calibration.h"
 #include "kvblend/rag_prompt.h"
+#include "kvblend/store.h"
 
 namespace kvblend::cli {
 
 namespace {
 
 const char * k_help =
-    R"(usage: kvblend calibrate -m MODEL (--prompts FILE.jsonl | --doc FILE … [--questions FILE]) [options]
+    R"(usage: kvblend calibrate -m MODEL (--prompts FILE.jsonl | --doc FILE … | --store URI) [--questions FILE] [options]
 
 Prefill each prompt in full once, fuse it from the same chunk KVs at every
 ratio of a grid, and compare the fused answer with the full one: the first
@@ -32,6 +33,10 @@ keyed by the model's fingerprint; `serve` and `blend` read it with
                         "query"} a line ("answer" is not needed)
   --doc FILE            a document (repeatable): every question is asked over all
                         of them, each its own chunk
+  --store URI           the documents a server stored for this model (its store:
+                        dir:PATH, a path, or redis://…), each its own chunk, with
+                        any --doc files; the most recently used first
+  --docs N              at most N documents from the store (default 4)
   --questions FILE      one question a line; without it, questions are made from
                         the documents' own sentences (the first half of one, to
                         be completed from the documents)
@@ -133,6 +138,29 @@ std::string checked_text(std::string text, const std::string & path) {
         throw error("'" + path + "' is not UTF-8 text (byte " + std::to_string(bad) + ")",
                     error_kind::invalid_argument);
     return text;
+}
+
+// the texts of the documents stored for m at uri: entries of this model (others
+// are skipped, as are entries that fail their checks), the most recently used
+// first, at most n of them
+std::vector<std::string> stored_documents(const model & m, const std::string & uri, size_t n) {
+    std::unique_ptr<store> st = store_open(uri);
+    std::vector<store_entry_info> entries = st->list();
+    std::sort(entries.begin(), entries.end(), [](const auto & a, const auto & b) {
+        return a.last_used != b.last_used ? a.last_used > b.last_used : a.key < b.key;
+    });
+    std::vector<std::string> docs;
+    for (const store_entry_info & e : entries) {
+        if (docs.size() == n) break;
+        std::optional<std::vector<uint8_t>> bytes = st->peek(e.key);
+        if (!bytes || !chunk_entry_check(*bytes, &m).empty()) continue;
+        const std::string text = m.tokens().detokenize(chunk_decode(m, std::move(*bytes)).tokens);
+        if (text.find_first_not_of(" \t\r\n") != std::string::npos && utf8_invalid_at(text) == std::string::npos)
+            docs.push_back(text);
+    }
+    if (docs.empty())
+        throw error("the store " + st->uri() + " holds no document of this model", error_kind::invalid_argument);
+    return docs;
 }
 
 // a progress bar on a terminal, nothing otherwise
@@ -244,7 +272,9 @@ std::optional<kvblend::calibration> ratio_flag::shown(const model & m, const std
 }
 
 int cmd_calibrate(int argc, char ** argv) {
-    std::string model_path, prompts_path, questions_path, system, out_path, plot_path;
+    std::string model_path, prompts_path, questions_path, system, out_path, plot_path, store_uri;
+    int64_t n_stored = 4;
+    bool n_stored_given = false;
     std::vector<std::string> doc_paths;
     int64_t n_max = 16;
     bool chat = false, json = false;
@@ -262,6 +292,10 @@ int cmd_calibrate(int argc, char ** argv) {
             doc_paths.push_back(a.str());
         else if (a.match({"--questions"}))
             questions_path = a.str();
+        else if (a.match({"--store"}))
+            store_uri = a.str();
+        else if (a.match({"--docs"}))
+            n_stored = a.integer(1, 256), n_stored_given = true;
         else if (a.match({"--system"}))
             system = a.str();
         else if (a.match({"--chat"}))
@@ -288,32 +322,39 @@ int cmd_calibrate(int argc, char ** argv) {
             a.unknown();
     }
     if (model_path.empty()) throw error("missing -m MODEL (see --help)");
-    if (prompts_path.empty() == doc_paths.empty())
-        throw error("give --prompts FILE.jsonl or --doc FILE … (see --help)", error_kind::invalid_argument);
+    const bool with_docs = !doc_paths.empty() || !store_uri.empty();
+    if (prompts_path.empty() == !with_docs)
+        throw error("give --prompts FILE.jsonl, or --doc FILE … and/or --store URI (see --help)",
+                    error_kind::invalid_argument);
     if (!prompts_path.empty() && (!questions_path.empty() || !system.empty()))
         throw error("--questions and --system go with --doc; --prompts holds its own", error_kind::invalid_argument);
     if (!ep.kv_codec.empty()) throw error("--kv-codec is not a calibrate option", error_kind::invalid_argument);
+    if (store_uri.empty() && n_stored_given)
+        throw error("--docs counts a store's documents: give --store URI too", error_kind::invalid_argument);
     std::sort(cp.ratios.begin(), cp.ratios.end());
     cp.ratios.erase(std::unique(cp.ratios.begin(), cp.ratios.end()), cp.ratios.end());
     if (out_path.empty()) out_path = calibration_default_path(model_path);
 
-    // the prompts' texts, checked before the model is loaded
+    // the prompts' texts, checked before the model is loaded (a store's documents need it)
+    std::vector<std::string> docs;
+    for (const auto & p : doc_paths) docs.push_back(checked_text(read_text_file(p), p));
+    std::vector<std::string> questions;
+    if (!questions_path.empty()) questions = read_lines(questions_path);
     std::vector<qa_prompt> texts;
-    if (!prompts_path.empty()) {
-        texts = read_prompts(prompts_path, false);
-    } else {
-        std::vector<std::string> docs;
-        for (const auto & p : doc_paths) docs.push_back(checked_text(read_text_file(p), p));
-        std::vector<std::string> questions;
-        if (questions_path.empty())
-            questions = made_questions(docs, (size_t) n_max);
-        else
-            questions = read_lines(questions_path);
+    if (!prompts_path.empty()) texts = read_prompts(prompts_path, false);
+
+    auto m = model::load(model_path);
+    if (!store_uri.empty()) {
+        const std::vector<std::string> stored = stored_documents(*m, store_uri, (size_t) n_stored);
+        std::fprintf(stderr, "%zu document%s from the store\n", stored.size(), stored.size() == 1 ? "" : "s");
+        docs.insert(docs.end(), stored.begin(), stored.end());
+    }
+    if (with_docs) {
+        if (questions.empty()) questions = made_questions(docs, (size_t) n_max);
         for (const auto & q : questions) texts.push_back({system, checked_text(q, questions_path), "", docs, "", 0});
     }
     if ((int64_t) texts.size() > n_max) texts.resize((size_t) n_max);
 
-    auto m = model::load(model_path);
     std::vector<rag_prompt> prompts;
     int64_t need = 1;
     for (const qa_prompt & q : texts) {

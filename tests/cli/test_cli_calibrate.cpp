@@ -126,8 +126,8 @@ TEST(cli_calibrate, bad_inputs_are_clear_errors) {
     std::string long_text;
     for (int i = 0; i < 400; ++i) long_text += "Tom had a red ball and a blue box. ";
     const std::vector<std::pair<std::string, std::string>> cases = {
-        {m, "give --prompts FILE.jsonl or --doc FILE"},
-        {m + " --doc " + ok + " --prompts " + k_prompts, "give --prompts FILE.jsonl or --doc FILE"},
+        {m, "give --prompts FILE.jsonl, or --doc FILE"},
+        {m + " --doc " + ok + " --prompts " + k_prompts, "give --prompts FILE.jsonl, or --doc FILE"},
         {m + " --doc " + d.doc("empty.txt", " \n"), "is empty"},
         {m + " --doc " + d.doc("latin1.txt", "caf\xe9 au lait, a long sentence of words here."), "is not UTF-8 text"},
         {m + " --doc " + d.doc("short.txt", "Too short."), "no sentence of six words or more"},
@@ -198,6 +198,44 @@ TEST(cli_calibrate, serve_shows_the_calibration_beside_the_model_and_its_self_ch
     test::serve_process s(copy, {"-c", "256"});
     auto cl = s.client();
     EXPECT_TRUE(json::parse(cl.Get("/props")->body)["kvblend"]["calibration"].is_null());
+}
+
+// the documents a server stored for this model: questions made from their
+// sentences, as from --doc files; other models' entries are not taken
+TEST(cli_calibrate, takes_the_documents_a_server_stored_for_this_model) {
+    calib_dir d;
+    const std::string stories_store = d.dir.file("stories-store"), testbed_store = d.dir.file("testbed-store");
+    const json texts = {"Tom had a red ball and he threw it high over the big fence.",
+                        "Sue found a little cat in the garden and gave it some warm milk."};
+    for (const auto & [uri, path] : {std::pair{stories_store, k_stories}, std::pair{testbed_store, k_testbed}}) {
+        server_params p;
+        p.n_ctx = 256;
+        p.store_uri = uri;
+        test::running_server s(p, path);
+        auto c = s.client();
+        test::post(c, "/v1/documents", {{"documents", texts}});
+    }
+    const std::string out = d.dir.file("cal.json");
+    const std::string base = "calibrate -m " + k_stories + " --ratios 0,1 --tokens 4 -o " + out;
+    const test::run_result r = test::run_cli(base + " --store " + stories_store + " --n 3 --json");
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_NE(r.err.find("2 documents from the store"), std::string::npos) << r.err;
+    const json c = json::parse(r.out);
+    EXPECT_EQ(c["n_prompts"], 2);                                // one sentence of six words or more in each
+    EXPECT_DOUBLE_EQ(c["rows"][1]["agree"].get<double>(), 1.0);  // ratio 1 is the full prefill
+    const test::run_result one = test::run_cli(base + " --store " + stories_store + " --docs 1");
+    ASSERT_EQ(one.status, 0) << one.err;
+    EXPECT_NE(one.err.find("1 document from the store"), std::string::npos) << one.err;
+
+    const test::run_result foreign = test::run_cli(base + " --store " + testbed_store);
+    EXPECT_EQ(foreign.status, 1);
+    EXPECT_NE(foreign.err.find("holds no document of this model"), std::string::npos) << foreign.err;
+    const test::run_result no_store = test::run_cli(base + " --docs 2 --doc " + d.doc("a.txt", "Some text here."));
+    EXPECT_EQ(no_store.status, 1);
+    EXPECT_NE(no_store.err.find("give --store URI too"), std::string::npos) << no_store.err;
+    const test::run_result both = test::run_cli(base + " --store " + stories_store + " --prompts " + k_prompts);
+    EXPECT_EQ(both.status, 1);
+    EXPECT_NE(both.err.find("give --prompts FILE.jsonl, or --doc"), std::string::npos) << both.err;
 }
 
 }  // namespace
