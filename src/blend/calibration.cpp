@@ -33,10 +33,6 @@ void check_params(const calibrate_params & p, const model_hparams & hp) {
     blend_params_check(p.blend, hp);
 }
 
-llama_token top_token(const float * logits, int64_t nv) {
-    return (llama_token) (std::max_element(logits, logits + nv) - logits);
-}
-
 // the full prefill's greedy answer: its first n tokens (fewer when it ends), from its last logits
 std::vector<llama_token> greedy_answer(engine & eng, std::vector<float> logits, int64_t n) {
     const int64_t nv = eng.mdl().hparams().n_vocab;

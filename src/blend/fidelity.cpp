@@ -28,8 +28,12 @@ double max_rel_diff(const float * a, const float * b, int64_t n) {
     return mx > 0 ? d / mx : INFINITY;
 }
 
+llama_token top_token(const float * logits, int64_t n) {
+    return (llama_token) (std::max_element(logits, logits + n) - logits);
+}
+
 bool top1_agree(const float * lp, const float * lq, int64_t n) {
-    return std::max_element(lp, lp + n) - lp == std::max_element(lq, lq + n) - lq;
+    return top_token(lp, n) == top_token(lq, n);
 }
 
 double greedy_agreement(const std::vector<llama_token> & a, const std::vector<llama_token> & b) {

@@ -16,6 +16,9 @@ double kl_divergence(const float * logits_p, const float * logits_q, int64_t n);
 // of K/V) are apart, relative to the reference's scale; 0 for an all-zero b equal to a
 double max_rel_diff(const float * a, const float * b, int64_t n);
 
+// the most likely token of a row of logits (the first of equal ones)
+llama_token top_token(const float * logits, int64_t n);
+
 // the same argmax
 bool top1_agree(const float * logits_p, const float * logits_q, int64_t n);
 

@@ -188,8 +188,8 @@ full_comparison rag_compare_full(engine & eng, const std::vector<llama_token> & 
     c.full_ms = time_ms() - t0;
     const float * full = c.full_logits.data() + c.full_logits.size() - nv;
     c.kl = kl_divergence(full, fused, nv);
-    c.top_full = (llama_token) (std::max_element(full, full + nv) - full);
-    c.top_fused = (llama_token) (std::max_element(fused, fused + nv) - fused);
+    c.top_full = top_token(full, nv);
+    c.top_fused = top_token(fused, nv);
     c.top1_agree = c.top_full == c.top_fused;
     return c;
 }

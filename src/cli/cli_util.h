@@ -65,6 +65,20 @@ struct self_check_flag {
 };
 bool match_self_check_flag(args & a, self_check_flag & f);  // --no-self-check
 
+// a progress bar on a terminal ("ingest [=====     ] 3/10 chunks  120 tok/s  ETA 0:12");
+// without one, a plain line per update when lines_otherwise (for a log), else nothing
+class progress_bar {
+  public:
+    progress_bar(size_t total, std::string unit, std::string name, bool lines_otherwise);
+    void update(size_t done, int64_t tokens = -1);  // tokens so far, for a rate (-1: none)
+
+  private:
+    size_t total_;
+    std::string unit_, name_;
+    bool tty_, lines_;
+    double t0_;
+};
+
 // a benchmark's results as indented JSON at path; nothing when path is empty,
 // a message when the file cannot be written
 void write_json(const std::string & path, const nlohmann::json & j);

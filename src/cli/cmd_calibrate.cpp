@@ -1,7 +1,5 @@
 // kvblend calibrate: the fusion ratio for the user's own model and prompts
 // (kvblend/calibration.h), and --recomp-ratio auto, which reads it back.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 
@@ -161,18 +159,6 @@ std::vector<std::string> stored_documents(const model & m, const std::string & u
     if (docs.empty())
         throw error("the store " + st->uri() + " holds no document of this model", error_kind::invalid_argument);
     return docs;
-}
-
-// a progress bar on a terminal, nothing otherwise
-void show_progress(size_t done, size_t total, double t0) {
-    if (!isatty(STDERR_FILENO)) return;
-    const int width = 30, fill = (int) (width * done / total);
-    const double s = (time_ms() - t0) / 1000.0, eta = s / (double) done * (double) (total - done);
-    std::fprintf(stderr, "\rcalibrating [%.*s%.*s] %zu/%zu prompts  ETA %d:%02d ", fill,
-                 "==============================", width - fill, "                              ", done, total,
-                 (int) eta / 60, (int) eta % 60);
-    if (done == total) std::fputc('\n', stderr);
-    std::fflush(stderr);
 }
 
 void plot(const std::string & file, const calibration & c) {
@@ -367,8 +353,8 @@ int cmd_calibrate(int argc, char ** argv) {
                     error_kind::context_overflow);
     ep.n_ctx = need;
     engine eng(m, ep);
-    const double t0 = time_ms();
-    cp.progress = [&](size_t done, size_t total) { show_progress(done, total, t0); };
+    progress_bar bar(prompts.size(), "prompts", "calibrating", false);
+    cp.progress = [&](size_t done, size_t) { bar.update(done); };
     calibration c = calibrate(eng, prompts, cp);
     c.model_name = model_path.substr(model_path.find_last_of('/') + 1);
     calibration_save(c, out_path);

@@ -72,33 +72,34 @@ const char * k_store_help = R"(usage: kvblend store stats|ls|verify|gc --store U
   --json             machine-readable output
 )";
 
-// a progress bar on a terminal, plain lines otherwise
-class progress {
-  public:
-    explicit progress(size_t total) : total_(total), tty_(isatty(STDERR_FILENO)), t0_(time_ms()) {}
-    void update(size_t done, int64_t tokens) {
-        const double s = (time_ms() - t0_) / 1000.0;
-        const double tps = s > 0 ? tokens / s : 0.0;
-        const double eta = done > 0 ? s / done * (total_ - done) : 0.0;
-        if (tty_) {
-            const int width = 30, fill = total_ ? (int) (width * done / total_) : width;
-            std::fprintf(stderr, "\r[%.*s%.*s] %zu/%zu chunks  %.0f tok/s  ETA %d:%02d ", fill,
-                         "==============================", width - fill, "                              ", done, total_,
-                         tps, (int) eta / 60, (int) eta % 60);
-            if (done == total_) std::fputc('\n', stderr);
-        } else {
-            std::fprintf(stderr, "ingest: %zu/%zu chunks, %.0f tok/s, ETA %.0f s\n", done, total_, tps, eta);
-        }
-        std::fflush(stderr);
-    }
-
-  private:
-    size_t total_;
-    bool tty_;
-    double t0_;
-};
-
 }  // namespace
+
+progress_bar::progress_bar(size_t total, std::string unit, std::string name, bool lines_otherwise)
+    : total_(total),
+      unit_(std::move(unit)),
+      name_(std::move(name)),
+      tty_(isatty(STDERR_FILENO)),
+      lines_(lines_otherwise),
+      t0_(time_ms()) {}
+
+void progress_bar::update(size_t done, int64_t tokens) {
+    if (!tty_ && !lines_) return;
+    const double s = (time_ms() - t0_) / 1000.0;
+    const double eta = done > 0 ? s / (double) done * (double) (total_ - done) : 0.0;
+    char rate[48] = "";
+    if (tokens >= 0) std::snprintf(rate, sizeof rate, "%.0f tok/s", s > 0 ? (double) tokens / s : 0.0);
+    if (tty_) {
+        const int width = 30, fill = total_ ? (int) (width * done / total_) : width;
+        std::fprintf(stderr, "\r%s [%.*s%.*s] %zu/%zu %s  %s%sETA %d:%02d ", name_.c_str(), fill,
+                     "==============================", width - fill, "                              ", done, total_,
+                     unit_.c_str(), rate, *rate ? "  " : "", (int) eta / 60, (int) eta % 60);
+        if (done == total_) std::fputc('\n', stderr);
+    } else {
+        std::fprintf(stderr, "%s: %zu/%zu %s, %s%sETA %.0f s\n", name_.c_str(), done, total_, unit_.c_str(), rate,
+                     *rate ? ", " : "", eta);
+    }
+    std::fflush(stderr);
+}
 
 int cmd_ingest(int argc, char ** argv) {
     std::string model_path, uri, system, split, codec_name = "raw";
@@ -189,7 +190,7 @@ int cmd_ingest(int argc, char ** argv) {
     ip.codec = codec_name;
     ip.prefix = prefix;
     ip.chunk_evict = chunk_ev;
-    progress bar(chunks.size());
+    progress_bar bar(chunks.size(), "chunks", "ingest", true);
     ip.progress = [&](size_t done, size_t, int64_t tokens) { bar.update(done, tokens); };
     const rag_ingest_result r = rag_ingest(*st, eng, chunks, ip);
     const chunk_fetch_stats & fs = r.fetch;
