@@ -197,7 +197,7 @@ std::string build_identity() {
            std::to_string(st.st_mtim.tv_nsec);
 }
 
-// everything a verdict depends on besides the weights' file name
+// what a verdict depends on: the model (its fingerprint), its device, this build, the params
 std::string verdict_key(const model & m, const self_check_params & p, const std::string & build) {
     return m.fingerprint() + "|" + m.device_label() + "|" + build + "|" + fmt("%.9g", p.recomp_ratio) + "|" +
            std::to_string(p.check_layer) + "|" + (p.reference ? "ref:" + p.reference_path : "noref");
