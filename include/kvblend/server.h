@@ -50,6 +50,8 @@ struct server_params {
     // its response (kvblend.fusion_refused)
     std::optional<self_check_result> self_check;
     bool fusion_refused() const { return self_check && !self_check->ok; }
+    // documents are fused: dense slots (no --kv-codec) and no failed self-check
+    bool fuses() const { return kv_codec.empty() && !fusion_refused(); }
     // the model's calibration (kvblend/calibration.h) as calibration_json()
     // writes it, "" for none: /props shows it and the page plots it
     std::string calibration;

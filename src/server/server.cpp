@@ -341,7 +341,7 @@ struct server::impl {
                                : p.type_k == p.type_v
                                    ? ggml_type_name(p.type_k)
                                    : std::string(ggml_type_name(p.type_k)) + "/" + ggml_type_name(p.type_v);
-        json h = {{"status", "ok"}, {"kv_cache", kv}, {"fusion", p.kv_codec.empty()}};
+        json h = {{"status", "ok"}, {"kv_cache", kv}, {"fusion", p.fuses()}};
         if (st) {
             try {
                 // past the soft store's misses; at once while its breaker holds calls back
@@ -669,7 +669,7 @@ struct server::impl {
                 {"modalities", {{"vision", false}, {"audio", false}}},
                 {"embeddings", emb != nullptr},
                 {"rerank", ranker != nullptr},
-                {"fusion", p.kv_codec.empty() && !p.fusion_refused()},
+                {"fusion", p.fuses()},
                 {"store", st ? st->uri() : ""},
                 {"kvblend",
                  {{"recomp_ratio", p.recomp_ratio},

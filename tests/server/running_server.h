@@ -26,7 +26,7 @@
 
 namespace kvblend::test {
 
-inline const std::string k_stories_model = std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf";
+inline const std::string k_stories_model = stories_path();
 
 // tiny-qwen3 with f32 weights and the qwen2 vocabulary (its chat template), made once per process
 inline const std::string & tiny_qwen3_model() {

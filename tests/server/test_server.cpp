@@ -668,6 +668,7 @@ TEST(server, a_failed_self_check_turns_fusion_off_with_the_reason) {
     auto c = refused.client();
     const json props = json::parse(c.Get("/props")->body);
     EXPECT_EQ(props["fusion"], false);
+    EXPECT_EQ(json::parse(c.Get("/health")->body)["fusion"], false);
     EXPECT_EQ(props["kvblend"]["self_check"]["ok"], false);
     EXPECT_EQ(props["kvblend"]["self_check"]["reason"], "a reason the test gives");
     auto c2 = passed.client();
