@@ -234,7 +234,8 @@ typedef struct kvb_store_stats {
 } kvb_store_stats;
 
 KVB_API kvb_store_params kvb_store_default_params(void);
-// "dir:PATH" or a bare path (created when missing), or "redis://HOST:PORT[/DB][?timeout=S]".
+// "dir:PATH" or a bare path (created when missing), "redis://HOST:PORT[/DB][?timeout=S]" or
+// "redis-cluster://HOST:PORT[,HOST:PORT...][?timeout=S]".
 // KVB_ERR_INVALID_ARGUMENT: an empty or malformed URI; KVB_ERR_STORE: a Redis that does not answer
 KVB_API kvb_status kvb_store_open(const char * uri, const kvb_store_params * params, kvb_store ** out);
 KVB_API void kvb_store_free(kvb_store * store);

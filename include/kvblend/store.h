@@ -2,7 +2,8 @@
 // hashes everything that changes its KV (model fingerprint, KV layout and
 // codec, token ids, the prefix it was collected behind). Entries are
 // self-describing and checksummed (docs/STORE_FORMAT.md). Backends by URI:
-// "dir:PATH" or a bare path (the embedded default), "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S]"
+// "dir:PATH" or a bare path (the embedded default), "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S]",
+// "redis-cluster://[[USER]:PASSWORD@]HOST[:PORT][,HOST[:PORT]…][?timeout=S]"
 // (uri() and stats show the password as ***).
 #pragma once
 

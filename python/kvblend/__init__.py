@@ -430,7 +430,7 @@ class _Closing:
 # --- store --------------------------------------------------------------------
 
 class Store(_Closing):
-    """A persistent chunk-KV store: ``"dir:PATH"`` (or a bare path) or ``"redis://HOST:PORT[/DB][?timeout=S]"``.
+    """A persistent chunk-KV store: ``"dir:PATH"`` (or a bare path) or ``"redis://HOST:PORT[/DB][?timeout=S]"`` or ``"redis-cluster://HOST:PORT[,HOST:PORT…][?timeout=S]"``.
 
     ``codec`` is how entries hold the KV ("raw", "f16", "q8_0", "q4_0", "kivi2",
     "kivi4", "cachegen", …; part of every key); ``max_bytes`` a size budget for

@@ -122,7 +122,7 @@ int bench_store(args & a) {
             keys.push_back(chunk_key(eng.mdl(), ep.type_k, "raw", {}, toks[i]));
             st->put(keys.back(), entries[i]);
         }
-        const bool is_dir = uri.rfind("redis://", 0) != 0;
+        const bool is_dir = uri.rfind("redis://", 0) != 0 && uri.rfind("redis-cluster://", 0) != 0;
         const std::string shown = is_dir ? uri : st->uri();  // a redis URI's password as ***
         for (const char * cache : {"warm", "cold"}) {
             const bool cold = std::string(cache) == "cold";

@@ -12,7 +12,12 @@ namespace kvblend {
 std::unique_ptr<store> dir_store_open(const std::string & path, const store_options & opts);
 
 // redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S] (HOST may be [IPv6]), through
-// hiredis; entries live under "kvblend:chunk:<key>". uri() hides the password
+// hiredis; entries live under "kvblend:chunk:<key>". uri() hides the password.
+// redis-cluster://[[USER]:PASSWORD@]HOST[:PORT][,HOST[:PORT]…][?timeout=S] (or a
+// redis:// URI naming a cluster's node): entries under "kvblend:chunk:{<key>}"
 std::unique_ptr<store> redis_store_open(const std::string & uri, const store_options & opts);
+
+// the cluster slot of a chunk key's entry (CRC16 of the key, its hash tag)
+int redis_cluster_slot(const std::string & key);
 
 }  // namespace kvblend

@@ -357,11 +357,12 @@ chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const s
 }
 
 std::unique_ptr<store> store_open(const std::string & uri, const store_options & opts) {
-    if (uri.rfind("redis://", 0) == 0) return redis_store_open(uri, opts);
+    if (uri.rfind("redis://", 0) == 0 || uri.rfind("redis-cluster://", 0) == 0) return redis_store_open(uri, opts);
     if (uri.rfind("dir:", 0) == 0) return dir_store_open(uri.substr(4), opts);
     // names the scheme only: the rest of a URI may hold a password
     if (const size_t sep = uri.find("://"); sep != std::string::npos)
-        throw error("unknown store URI scheme '" + uri.substr(0, sep + 3) + "' (use dir:PATH or redis://HOST[:PORT])",
+        throw error("unknown store URI scheme '" + uri.substr(0, sep + 3) +
+                        "' (use dir:PATH, redis://HOST[:PORT] or redis-cluster://HOST[:PORT][,…])",
                     error_kind::invalid_argument);
     if (uri.empty()) throw error("empty store URI", error_kind::invalid_argument);
     // "redis:/…", "REDIS://…": a mistyped URI, never a folder of that name (whose

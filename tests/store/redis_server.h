@@ -124,9 +124,11 @@ class redis_server {
   public:
     // on a free port (0) or on the given one (a restart, for tests);
     // password: --requirepass (command() then sends AUTH first); bind: the
-    // addresses it listens on, 127.0.0.1 among them
-    explicit redis_server(int port = 0, std::string password = "", std::vector<std::string> bind = {"127.0.0.1"})
-        : dir_("redis"), password_(std::move(password)), bind_(std::move(bind)) {
+    // addresses it listens on, 127.0.0.1 among them; extra: more options
+    // ({"--cluster-enabled", "yes"})
+    explicit redis_server(int port = 0, std::string password = "", std::vector<std::string> bind = {"127.0.0.1"},
+                          std::vector<std::pair<std::string, std::string>> extra = {})
+        : dir_("redis"), password_(std::move(password)), bind_(std::move(bind)), extra_(std::move(extra)) {
         binary_ = redis_server_binary();
         if (binary_.empty()) {
             throw std::runtime_error(
@@ -163,6 +165,7 @@ class redis_server {
     // stop the server without closing anything (SIGSTOP): it accepts connections
     // and answers nothing, as a stalled redis does, until resume()
     void pause() { ::kill(pid_, SIGSTOP); }
+    bool running() const { return pid_ > 0; }
     void resume() { ::kill(pid_, SIGCONT); }
 
     // the first line of the server's reply to a raw command (see redis_raw_command)
@@ -174,6 +177,7 @@ class redis_server {
     temp_dir dir_;  // redis' working dir and its log
     std::string password_;
     std::vector<std::string> bind_;
+    std::vector<std::pair<std::string, std::string>> extra_;
     std::string binary_;
     int port_ = 0;
     pid_t pid_ = -1;
@@ -191,6 +195,7 @@ class redis_server {
             {"--daemonize", "no"}, {"--dir", dir}, {"--logfile", ""},
         };
         if (!password_.empty()) opts.push_back({"--requirepass", password_});
+        opts.insert(opts.end(), extra_.begin(), extra_.end());
         std::vector<std::string> args = {binary_};
         for (const auto & [k, v] : opts) {
             args.push_back(k);
