@@ -239,6 +239,8 @@ KVB_API kvb_store_params kvb_store_default_params(void);
 // KVB_ERR_INVALID_ARGUMENT: an empty or malformed URI; KVB_ERR_STORE: a Redis that does not answer
 KVB_API kvb_status kvb_store_open(const char * uri, const kvb_store_params * params, kvb_store ** out);
 KVB_API void kvb_store_free(kvb_store * store);
+// the store's URI as it may be shown: a Redis password as *** (valid while the store is open)
+KVB_API const char * kvb_store_uri(const kvb_store * store);
 KVB_API kvb_status kvb_store_get_stats(kvb_store * store, kvb_store_stats * out);
 // whether the store holds an entry of this id
 KVB_API kvb_status kvb_store_contains(kvb_store * store, const char * id, bool * out);

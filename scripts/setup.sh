@@ -35,6 +35,7 @@ log() { printf '[setup] %s\n' "$*"; }
 # --- debian packages -------------------------------------------------------
 pkgs=(build-essential cmake ninja-build git ca-certificates libgtest-dev nlohmann-json3-dev npm gnuplot-nox
       libxxhash-dev libhiredis-dev redis-server python3-pytest pkgconf
+      haproxy                     # the balanced deployment and its test (scripts/deploy_local.sh)
       clang libclang-rt-14-dev    # clang + its sanitizer/libFuzzer runtimes: scripts/fuzz.sh
       clang-format                # scripts/check_format.sh (.ci/run)
       ccache                      # ggml and libllama compiled once for the main and ASan builds

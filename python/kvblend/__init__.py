@@ -455,7 +455,7 @@ class Store(_Closing):
         _check(_c.kvb_store_open(uri_b, byref(p), byref(h)))
         self._h = h
         self._init_use()
-        self.uri = uri
+        self.uri = _c.kvb_store_uri(h).decode("utf-8", "replace")  # as it may be shown: a password as ***
         self.codec = codec
 
     def _alive(self):

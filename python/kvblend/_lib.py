@@ -150,6 +150,7 @@ _FUNCS = {
     "kvb_store_default_params": (kvb_store_params, []),
     "kvb_store_open": (_status, [c_char_p, POINTER(kvb_store_params), POINTER(_P)]),
     "kvb_store_free": (None, [_P]),
+    "kvb_store_uri": (c_char_p, [_P]),
     "kvb_store_get_stats": (_status, [_P, POINTER(kvb_store_stats)]),
     "kvb_store_contains": (_status, [_P, c_char_p, POINTER(c_bool)]),
     "kvb_ingest_default_params": (kvb_ingest_params, []),

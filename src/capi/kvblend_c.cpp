@@ -38,6 +38,7 @@ struct kvb_store {
     std::unique_ptr<store> st;
     std::string codec;                   // canonical codec name, part of every key
     std::unique_ptr<chunk_tiers> tiers;  // the host tier in front of st (a model-free store: no device tier)
+    std::string uri;                     // st->uri(), kept for kvb_store_uri
 };
 
 struct kvb_context {
@@ -665,6 +666,7 @@ kvb_status kvb_store_open(const char * uri, const kvb_store_params * params, kvb
         store_options so;
         so.max_bytes = p.max_bytes;
         s->st = store_open(uri, so);
+        s->uri = s->st->uri();
         chunk_tier_params tp;
         tp.host_bytes = p.cache_bytes == KVB_CACHE_DEFAULT ? chunk_tier_host_default_bytes() : p.cache_bytes;
         s->tiers = std::make_unique<chunk_tiers>(tp);
@@ -674,6 +676,10 @@ kvb_status kvb_store_open(const char * uri, const kvb_store_params * params, kvb
 
 void kvb_store_free(kvb_store * store) {
     delete store;
+}
+
+const char * kvb_store_uri(const kvb_store * store) {
+    return store ? store->uri.c_str() : "";
 }
 
 kvb_status kvb_store_get_stats(kvb_store * store, kvb_store_stats * out) {

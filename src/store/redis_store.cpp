@@ -366,6 +366,7 @@ class redis_node {
     size_t pending() const { return pending_; }
     // the last reply since it was cleared that sent a command elsewhere (a cluster's)
     redirect last_redirect;
+    bool failed = false;  // its last call failed (unreachable, dropped, late)
 
     std::string where() const {
         const bool v6 = host_.host.find(':') != std::string::npos;
@@ -529,7 +530,7 @@ class redis_node {
         auto late = [&] {
             char s[32];
             std::snprintf(s, sizeof(s), "%.1f", allowed_ms / 1000);
-            return error("redis at " + where() + " did not answer within " + s + " s");
+            return error("redis at " + where() + " did not answer within " + s + " s", error_kind::store_unavailable);
         };
         // wait until the socket is ready for `events`, or throw at the deadline
         auto ready = [&](short events) {
@@ -709,28 +710,27 @@ class redis_store : public store {
     auto at_node(redis_node & n, F && op) -> decltype(op()) {
         for (int attempt = 0;; ++attempt) {
             try {
-                if (!n.connected()) connect(n);
-                return op();
+                if (!n.connected()) n.connect();
+                auto out = op();
+                n.failed = false;
+                return out;
             } catch (const io_error &) {
                 n.disconnect();
+                n.failed = true;
                 map_stale_ = cluster_;  // the node may have failed over
                 if (attempt > 0) throw;
-            } catch (...) {
+            } catch (const error & e) {
                 // an error midway through a pipeline leaves replies unread: start afresh
+                if (n.pending() > 0) n.disconnect();
+                if (e.kind() == error_kind::store_unavailable) {
+                    n.failed = true;
+                    map_stale_ = cluster_;
+                }
+                throw;
+            } catch (...) {
                 if (n.pending() > 0) n.disconnect();
                 throw;
             }
-        }
-    }
-
-    // a node that cannot be reached may have failed over: a cluster's map is
-    // read again before the next command
-    void connect(redis_node & n) {
-        try {
-            n.connect();
-        } catch (const error &) {
-            map_stale_ = cluster_;
-            throw;
         }
     }
 
@@ -763,7 +763,8 @@ class redis_store : public store {
             if (rd.kind == redirect::TRYAGAIN) {
                 std::this_thread::sleep_for(std::chrono::milliseconds(20 << hop));
             } else {
-                redis_node & to = node(rd.to.host.empty() ? n->host() : rd.to);
+                // no host (a cluster announcing no endpoint): the node asked, at the port given
+                redis_node & to = node(rd.to.host.empty() ? redis_host{n->host().host, rd.to.port} : rd.to);
                 if (rd.kind == redirect::MOVED) {
                     slot_node_[rd.slot] = &to;
                     map_stale_ = true;  // others moved too, likely: the whole map before the next command
@@ -795,11 +796,15 @@ class redis_store : public store {
     }
 
     // the slot map from the first node that gives one: the primaries we know,
-    // then the URI's seeds
+    // then the URI's seeds, those whose last call failed last (a stalled
+    // primary would cost every reload a deadline)
     void load_slots() {
         std::vector<redis_node *> ask = primaries_;
-        for (const redis_host & h : addr_.hosts) ask.push_back(&node(h));
+        for (const redis_host & h : addr_.hosts)
+            if (redis_node * s = &node(h); std::find(ask.begin(), ask.end(), s) == ask.end()) ask.push_back(s);
+        std::stable_partition(ask.begin(), ask.end(), [](const redis_node * n) { return !n->failed; });
         std::string why;
+        error_kind kind = error_kind::store_unavailable;
         for (redis_node * n : ask) {
             try {
                 at_node(*n, [&] {
@@ -810,29 +815,33 @@ class redis_store : public store {
                 return;
             } catch (const error & e) {
                 why = e.what();
+                kind = e.kind();  // a refused password stays one
             }
         }
-        throw error("cannot read the slot map of the redis cluster at " + uri_ + ": " + why,
-                    error_kind::store_unavailable);
+        throw error("cannot read the slot map of the redis cluster at " + uri_ + ": " + why, kind);
     }
 
     // CLUSTER SLOTS: [[start, end, [host, port, id…], replicas…], …]; an
-    // empty host is the node asked
+    // empty, nil or "?" host is the node asked
     void read_slot_map(redis_node & asked) {
         reply_ptr r = asked.run(command().arg("CLUSTER").arg("SLOTS"));
         if (r->type != REDIS_REPLY_ARRAY) throw asked.unexpected("CLUSTER SLOTS", r.get());
         std::vector<redis_node *> map(cluster_slots, nullptr), primaries;
         for (size_t i = 0; i < r->elements; ++i) {
             const redisReply * e = r->element[i];
-            const bool shaped =
-                e->type == REDIS_REPLY_ARRAY && e->elements >= 3 && e->element[0]->type == REDIS_REPLY_INTEGER &&
-                e->element[1]->type == REDIS_REPLY_INTEGER && e->element[2]->type == REDIS_REPLY_ARRAY &&
-                e->element[2]->elements >= 2 && e->element[2]->element[0]->type == REDIS_REPLY_STRING &&
-                e->element[2]->element[1]->type == REDIS_REPLY_INTEGER;
+            const bool shaped = e->type == REDIS_REPLY_ARRAY && e->elements >= 3 &&
+                                e->element[0]->type == REDIS_REPLY_INTEGER &&
+                                e->element[1]->type == REDIS_REPLY_INTEGER &&
+                                e->element[2]->type == REDIS_REPLY_ARRAY && e->element[2]->elements >= 2 &&
+                                (e->element[2]->element[0]->type == REDIS_REPLY_STRING ||
+                                 e->element[2]->element[0]->type == REDIS_REPLY_NIL) &&
+                                e->element[2]->element[1]->type == REDIS_REPLY_INTEGER;
             if (!shaped) throw error("redis at " + asked.where() + ": CLUSTER SLOTS answered a malformed range");
             const long long lo = e->element[0]->integer, hi = e->element[1]->integer;
             const redisReply * who = e->element[2];
-            redis_host h{std::string(who->element[0]->str, who->element[0]->len), (int) who->element[1]->integer};
+            const redisReply * name = who->element[0];  // nil or "?": no endpoint announced
+            redis_host h{name->type == REDIS_REPLY_STRING ? std::string(name->str, name->len) : "",
+                         (int) who->element[1]->integer};
             if (lo < 0 || hi < lo || hi >= cluster_slots || who->element[1]->integer < 1 ||
                 who->element[1]->integer > 65535 || h.host.size() > 255)
                 throw error("redis at " + asked.where() + ": CLUSTER SLOTS answered a range out of bounds");
@@ -977,8 +986,10 @@ class redis_store : public store {
             const redisReply * k = batch->element[i];
             if (k->type != REDIS_REPLY_STRING || k->len < from) continue;
             std::string key(k->str + from, k->len - from);
-            if (cluster_) {  // "{key}"
-                if (key.size() < 2 || key.front() != '{' || key.back() != '}') continue;
+            if (cluster_) {  // "{key}": a key Redis hashes by key alone (no "{}", no brace inside)
+                if (key.size() < 3 || key.front() != '{' || key.back() != '}' ||
+                    key.find_first_of("{}", 1) != key.size() - 1)
+                    continue;
                 key = key.substr(1, key.size() - 2);
             }
             keys.push_back(std::move(key));

@@ -189,6 +189,30 @@ def test_errors_are_exceptions_with_the_c_message(model, tmp_path):
         model.blend(SYSTEM, ["a doc"], QUERY, on_piece=boom)
 
 
+def test_a_redis_password_shows_nowhere(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp_path), "--requirepass", "s3cr%t"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        uri = "redis://:s3cr%%25t@127.0.0.1:%d" % port  # the password percent-encoded
+        for _ in range(100):
+            try:
+                store = kvblend.Store(uri)
+                break
+            except kvblend.StoreUnavailableError:
+                time.sleep(0.05)
+        with store:
+            assert "s3cr" not in store.uri and "s3cr" not in repr(store), repr(store)
+            assert store.uri == "redis://:***@127.0.0.1:%d" % port
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_a_store_opened_from_python_sees_what_the_cli_ingested(model, tmp_path):
     uri = "dir:" + str(tmp_path / "kv")
     cli("ingest", "-m", MODEL, "--store", uri, *DOC_FILES)

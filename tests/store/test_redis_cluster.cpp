@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -145,6 +146,11 @@ TEST_F(RedisCluster, EntriesSpreadOverEveryPrimaryAndEveryCallWorks) {
     }
     EXPECT_EQ(owners.size(), 3u);  // every shard holds some
     EXPECT_FALSE(st->get(keys(1, 99)[0]).has_value());
+    // keys under our prefix that are no entry of ours: an empty hash tag (whose
+    // size record would hash to another slot), braces inside, none; listed by
+    // no call, and no call fails on them
+    for (const char * foreign : {"kvblend:chunk:{}", "kvblend:chunk:{a{b}", "kvblend:chunk:{a}b}", "kvblend:chunk:c"})
+        redis_cli(cluster_->node(0).port(), {"-c", "SET", foreign, "x"});
 
     std::map<std::string, uint64_t> listed;
     for (const auto & e : st->list()) listed[e.key] = e.bytes;
@@ -166,6 +172,9 @@ TEST_F(RedisCluster, EntriesSpreadOverEveryPrimaryAndEveryCallWorks) {
     EXPECT_FALSE(other->erase(ks[0]));
     EXPECT_EQ(st->list().size(), ks.size() / 2);
     EXPECT_EQ(st->gc(), 0u);  // no budget: nothing goes
+    auto budgeted = open(1ull << 30);
+    budgeted->put(ks[0], want[ks[0]]);  // lists every shard after the write
+    EXPECT_EQ(budgeted->stats().n_entries, ks.size() / 2 + 1);
     // gc drops the size records of entries removed behind the store's back
     const int port = owner(ks[1]);
     EXPECT_EQ(redis_cli(port, {"DEL", entry_name(ks[1])}), "1");
@@ -196,6 +205,12 @@ TEST_F(RedisCluster, TheBudgetHoldsAcrossShards) {
 // a slot moved by hand as redis-cli --cluster reshard moves it: while it is
 // migrating the source answers ASK for the keys already moved, then MOVED
 TEST_F(RedisCluster, AMovingSlotIsFollowed) {
+    // the nodes announce no endpoint: the slot map's hosts are nil ("?") and
+    // a MOVED names a port alone (":PORT"): the node asked, at that port
+    for (size_t i = 0; i < cluster_->size(); ++i)
+        ASSERT_EQ(redis_cli(cluster_->node(i).port(),
+                            {"CONFIG", "SET", "cluster-preferred-endpoint-type", "unknown-endpoint"}),
+                  "OK");
     auto st = open();
     const std::string k = keys(1, 4)[0];
     const auto v = random_bytes(5000, 4);
@@ -291,6 +306,45 @@ TEST_F(RedisCluster, AKilledPrimaryIsAnOutageThenItsReplicaServes) {
     for (size_t i = 0; i < ks.size(); ++i) EXPECT_EQ(st->get(ks[i]), random_bytes(600, i)) << i;
     st->put(ks[0], random_bytes(10, 1));
     EXPECT_EQ(st->get(ks[0]), random_bytes(10, 1));
+}
+
+// a primary that stalls (SIGSTOP, not failed over: a long node timeout)
+// costs a call on its own shard one deadline, and the calls on the other
+// shards none: the map is read again from the nodes that answer
+TEST(RedisClusterStall, AStalledPrimaryCostsOnlyItsOwnShardADeadline) {
+    std::unique_ptr<redis_cluster> c;
+    try {
+        c = std::make_unique<redis_cluster>(60000);
+    } catch (const std::exception & e) {
+        FAIL() << e.what();
+    }
+    store_options opts;
+    opts.timeout_s = 1;
+    auto st = redis_store_open(c->uri(), opts);
+    const auto ks = keys(30, 10);
+    for (const auto & k : ks) st->put(k, random_bytes(100, 1));
+    const int stalled = c->primary_of_slot(redis_cluster_slot(ks[0]));
+    c->node(c->index_of(stalled)).pause();
+    auto seconds = [](const std::function<void()> & f) {
+        const auto t0 = std::chrono::steady_clock::now();
+        f();
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
+    std::string err;
+    const double own = seconds([&] { err = error_of([&] { st->get(ks[0]); }); });
+    EXPECT_NE(err.find("did not answer"), std::string::npos) << err;
+    EXPECT_GE(own, 0.9);
+    EXPECT_LT(own, 1.9);  // one deadline, not one more for reading the map from the stalled node
+    const double again = seconds([&] { error_of([&] { st->contains(ks[0]); }); });
+    EXPECT_LT(again, 1.9);
+    for (const auto & k : ks) {
+        if (c->primary_of_slot(redis_cluster_slot(k), c->index_of(stalled) == 0 ? 1 : 0) == stalled) continue;
+        double s = seconds([&] { EXPECT_EQ(st->get(k), random_bytes(100, 1)); });
+        EXPECT_LT(s, 0.5) << "a healthy shard waited on the stalled one";
+        s = seconds([&] { st->put(k, random_bytes(100, 2)); });
+        EXPECT_LT(s, 0.5) << "a healthy shard waited on the stalled one";
+    }
+    c->node(c->index_of(stalled)).resume();
 }
 
 TEST_F(RedisCluster, ANodesRedisUriIsReadAsTheCluster) {
