@@ -74,7 +74,22 @@ class store {
     // returns the number of entries removed
     virtual uint64_t gc() = 0;
     virtual std::string uri() const = 0;
+
+    // logs: small records appended beside the entries and read in order from
+    // a cursor, by every process on the store (the servers' shared document
+    // index). A log keeps its newest max_records (at least; the oldest go);
+    // a reader whose cursor fell behind what is kept goes on from the oldest
+    // kept. name: [a-z0-9_-], at most 64; a record at most k_max_log_record
+    // bytes. A backend without logs throws on append and reads nothing.
+    static constexpr size_t k_max_log_record = 1 << 20;
+    virtual void log_append(const std::string & name, const std::string & record, uint64_t max_records);
+    // the records after cursor ("": from the oldest kept), at most max of
+    // them; cursor moves past the last one returned
+    virtual std::vector<std::string> log_read(const std::string & name, std::string & cursor, size_t max);
 };
+
+// throws kvblend::error (invalid_argument) for a log name or record a log cannot take
+void log_check(const std::string & name, const std::string & record);
 
 // open a store by URI; throws kvblend::error for a malformed URI or an unreachable backend
 std::unique_ptr<store> store_open(const std::string & uri, const store_options & opts = {});

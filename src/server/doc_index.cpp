@@ -57,7 +57,8 @@ static std::string text_key(uint64_t lo, uint64_t hi, size_t len) {
     return k;
 }
 
-bool doc_index::add(std::string_view text, const std::string & id, bool learned) {
+bool doc_index::add(std::string_view text, const std::string & id, bool learned, bool * given_now) {
+    if (given_now) *given_now = false;
     if (text.size() < window || text.size() > UINT32_MAX) return false;
     uint64_t hi = 0;
     const uint64_t lo = full_lo(text, &hi);
@@ -67,6 +68,7 @@ bool doc_index::add(std::string_view text, const std::string & id, bool learned)
     if (auto it = by_text_.find(tk); it != by_text_.end()) {
         entry & e = entries_[it->second];
         e.id = id;
+        if (given_now) *given_now = e.learned && !learned;
         e.learned = e.learned && learned;  // given by a client now: no longer only learned
         return true;
     }
@@ -105,6 +107,7 @@ bool doc_index::add(std::string_view text, const std::string & id, bool learned)
         entries_[newest_].newer = slot;
     else
         oldest_ = slot;
+    if (given_now) *given_now = !learned;
     newest_ = slot;
     ++n_docs_;
     const uint64_t f = mix(head) >> (64 - filter_bits_log2);

@@ -42,10 +42,13 @@ class doc_index {
     // beyond max_docs the oldest documents are forgotten; beyond max_per_head,
     // of those that begin with the same `window` bytes, the oldest learned one,
     // else the oldest. a learned passage (one the server found in a prompt, not
-    // one a client gave) never pushes out a given document: false then
-    bool add(std::string_view text, const std::string & id, bool learned = false);
+    // one a client gave) never pushes out a given document: false then.
+    // *given_now (when given): true when the text is a given document now and
+    // was none before (new, or only learned until now)
+    bool add(std::string_view text, const std::string & id, bool learned = false, bool * given_now = nullptr);
     bool contains(std::string_view text) const;
     size_t size() const;
+    size_t max_docs() const { return max_docs_; }
 
     // every known document inside text, left to right and non-overlapping: the
     // leftmost match wins, and of those starting at one byte the longest.

@@ -15,6 +15,7 @@ job_builder::job_builder(std::shared_ptr<const model> m, const server_params & p
     : m_(std::move(m)), p_(p), st_(st), tiers_(tiers), known_((size_t) std::max<int64_t>(1, p.known_docs_max)) {
     m_->tokens().max_piece_bytes();  // measured once at start, not on a request
     load_tool_templates();
+    if (st_ && dense_slots()) docs_log_ = std::make_unique<log_writer>(st_, k_docs_log, known_.max_docs());
 }
 
 job_builder::~job_builder() = default;
@@ -141,7 +142,22 @@ std::string job_builder::doc_key(const std::vector<llama_token> & tokens) const 
 }
 // a document the server was given: plain prompts that contain its text reuse it
 void job_builder::remember(const std::string & text, const std::vector<llama_token> & tokens) const {
-    if (st_ && dense_slots()) known_.add(text, doc_key(tokens));
+    if (!st_ || !dense_slots()) return;
+    bool given_now = false;
+    known_.add(text, doc_key(tokens), false, &given_now);
+    if (given_now && text.size() <= store::k_max_log_record) docs_log_->append(text);
+}
+
+void job_builder::sync_known(bool all) const {
+    if (!st_ || !dense_slots()) return;
+    std::unique_lock l(sync_mu_, std::try_to_lock);
+    if (!l.owns_lock() || (!all && time_ms() - last_sync_ms_ < k_sync_ms)) return;  // another reads it now, or lately
+    last_sync_ms_ = time_ms();
+    for (;;) {
+        const std::vector<std::string> texts = st_->log_read(k_docs_log, docs_cursor_, 1000);
+        for (const std::string & t : texts) known_.add(t, doc_key(rag_doc_tokens(m_->tokens(), t)));
+        if (!all || texts.empty()) return;
+    }
 }
 
 // a plain prompt with known_ documents inside (after learning its passages when it is
@@ -149,6 +165,7 @@ void job_builder::remember(const std::string & text, const std::vector<llama_tok
 bool job_builder::with_known_docs(job & j, const std::string & text, const std::vector<std::string> & contents,
                                   int64_t n_tokens, bool parse_special) const {
     if (!st_ || !dense_slots()) return false;
+    sync_known();
     if (p_.learn && n_tokens >= p_.min_fuse_tokens) {
         learn_params lp;
         lp.max_docs = (size_t) p_.learn_max_docs;

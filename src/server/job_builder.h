@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -45,9 +46,17 @@ class job_builder {
 
     // the key a document's chunk is stored under (also its id in the API)
     std::string doc_key(const std::vector<llama_token> & tokens) const;
-    // a document the server was given: plain prompts that contain its text reuse it
+    // a document the server was given: plain prompts that contain its text
+    // reuse it, on every server of the store (a record in its documents log
+    // when the text is new here)
     void remember(const std::string & text, const std::vector<llama_token> & tokens) const;
+    // the documents other servers of the store were given since the last
+    // read (at most every k_sync_ms; all: until the log is read to its end)
+    void sync_known(bool all = false) const;
     size_t known_documents() const { return known_.size(); }
+
+    static constexpr const char * k_docs_log = "documents";  // the store log of given documents' texts
+    static constexpr double k_sync_ms = 200;
 
   private:
     // a template the jinja engine cannot read fails tool requests only, not the server
@@ -72,7 +81,11 @@ class job_builder {
     server_params p_;
     soft_store * st_;
     chunk_tiers * tiers_;
-    mutable doc_index known_;                    // texts of the documents plain prompts are searched for
+    mutable doc_index known_;               // texts of the documents plain prompts are searched for
+    std::unique_ptr<log_writer> docs_log_;  // given documents' texts into the store's log (null: no store)
+    mutable std::mutex sync_mu_;            // one reader of the documents log at a time
+    mutable std::string docs_cursor_;       // … and where it is
+    mutable double last_sync_ms_ = -1e300;
     std::unique_ptr<tool_templates> tool_tmpl_;  // the chat template as the tool-call code reads it (null: none)
     std::string tool_tmpl_error_;                // … or why it cannot be read
 };

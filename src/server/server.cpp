@@ -97,6 +97,7 @@ struct server::impl {
         open_embedder();
         // sized once the slots' caches hold their memory: the device's free memory is the tiers'
         tiers.configure(chunk_tier_params_for(*m, p.chunk_cache_host_mb, p.chunk_cache_dev_mb));
+        jobs.sync_known(true);  // the documents the store's other servers were given (a restart: ours too)
         routes();
     }
 

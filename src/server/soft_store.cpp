@@ -32,7 +32,10 @@ void soft_store::failed(const char * what, const std::exception & e, bool trips)
     }
     failing_ = true;
     last_error_ = std::string(what) + " failed: " + e.what();
-    if (!trips) return;
+    // a write that found the store unreachable trips it too: the next writes
+    // would each wait a deadline holding every other call back
+    const auto * ke = dynamic_cast<const error *>(&e);
+    if (!trips && !(ke && ke->kind() == error_kind::store_unavailable)) return;
     backoff_ms_ = open_ ? std::min(k_backoff_max_ms, 2 * backoff_ms_) : k_backoff_min_ms;
     retry_at_ms_ = now + backoff_ms_;
     open_ = true;
@@ -98,6 +101,17 @@ bool soft_store::contains(const std::string & k) {
     return guarded("contains", true, false, [&] { return s_->contains(k); });
 }
 
+void soft_store::log_append(const std::string & name, const std::string & record, uint64_t max_records) {
+    guarded("log append", false, false, [&] {
+        s_->log_append(name, record, max_records);
+        return true;
+    });
+}
+
+std::vector<std::string> soft_store::log_read(const std::string & name, std::string & cursor, size_t max) {
+    return guarded("log read", true, std::vector<std::string>(), [&] { return s_->log_read(name, cursor, max); });
+}
+
 bool soft_store::erase(const std::string & k) {
     return guarded("erase", false, false, [&] { return s_->erase(k); });
 }
@@ -118,6 +132,59 @@ uint64_t soft_store::gc() {
     uint64_t out = 0;
     must([&](store & s) { out = s.gc(); });
     return out;
+}
+
+log_writer::log_writer(store * st, std::string name, uint64_t max_records)
+    : st_(st), name_(std::move(name)), max_records_(max_records) {
+    thread_ = std::thread([this] { run(); });
+}
+
+log_writer::~log_writer() {
+    {
+        std::lock_guard l(mu_);
+        stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+}
+
+void log_writer::append(std::string record) {
+    {
+        std::lock_guard l(mu_);
+        if (queued_bytes_ + record.size() > k_max_queued_bytes) {
+            dropped_ += 1;
+            return;
+        }
+        queued_bytes_ += record.size();
+        queue_.push_back(std::move(record));
+    }
+    cv_.notify_one();
+}
+
+void log_writer::flush() {
+    std::unique_lock l(mu_);
+    idle_cv_.wait(l, [&] { return queue_.empty() && !busy_; });
+}
+
+void log_writer::run() {
+    std::unique_lock l(mu_);
+    for (;;) {
+        cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, with nothing left
+        std::string record = std::move(queue_.front());
+        queue_.pop_front();
+        queued_bytes_ -= record.size();
+        busy_ = true;
+        l.unlock();
+        try {
+            st_->log_append(name_, record, max_records_);  // a soft store warns when it fails
+        } catch (const std::exception &) {
+            dropped_ += 1;  // a record the log cannot take
+        }
+        l.lock();
+        busy_ = false;
+        if (queue_.empty()) idle_cv_.notify_all();
+    }
 }
 
 }  // namespace kvblend

@@ -8,15 +8,19 @@
 // backoff has passed (1 s, doubling to 30 s while it keeps failing); calls
 // meanwhile fail at once. The first call after the backoff tries the store
 // again. So a stalled Redis costs one deadline per backoff, not one per chunk.
-// A failed write alone does not trip it (a full disk or a budget still serves
-// reads).
+// A failed write trips it only when the store is unreachable (a full disk or
+// a budget still serves reads).
 // Calls are serialised: backends keep per-object state (a connection).
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <thread>
 
 #include "kvblend/store.h"
 
@@ -36,6 +40,9 @@ class soft_store : public store {
     store_stats stats() override;
     uint64_t gc() override;
     std::string uri() const override { return s_->uri(); }
+    // a failed append is skipped, a failed read reads nothing (the cursor stays)
+    void log_append(const std::string & name, const std::string & record, uint64_t max_records) override;
+    std::vector<std::string> log_read(const std::string & name, std::string & cursor, size_t max) override;
 
     // runs call on the backend (serialised, through the breaker) and throws its
     // error, or the breaker's while the store is down: for a caller that must
@@ -66,6 +73,38 @@ class soft_store : public store {
     std::string last_error_;
     double last_warning_ms_ = 0;
     std::atomic<int64_t> failures_{0};
+};
+
+// appends records to a store log on a thread of its own, so that no request
+// waits on the store for them (a stalled store costs each append a
+// deadline). Records wait in a queue of at most k_max_queued_bytes; past it
+// they are dropped (a log is an index of what the store holds, not the data)
+class log_writer {
+  public:
+    log_writer(store * st, std::string name, uint64_t max_records);
+    ~log_writer();  // appends what is queued, then stops
+    log_writer(const log_writer &) = delete;
+    log_writer & operator=(const log_writer &) = delete;
+
+    void append(std::string record);
+    // blocks until every record queued so far was appended or failed (tests)
+    void flush();
+    int64_t dropped() const { return dropped_; }
+
+    static constexpr size_t k_max_queued_bytes = 64 << 20;
+
+  private:
+    void run();
+    store * st_;
+    std::string name_;
+    uint64_t max_records_;
+    std::mutex mu_;
+    std::condition_variable cv_, idle_cv_;
+    std::deque<std::string> queue_;
+    size_t queued_bytes_ = 0;
+    bool busy_ = false, stop_ = false;
+    std::atomic<int64_t> dropped_{0};
+    std::thread thread_;
 };
 
 }  // namespace kvblend

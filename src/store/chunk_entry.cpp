@@ -356,6 +356,26 @@ chunk_kv chunk_decode_id(const model & m, std::vector<uint8_t> && bytes, const s
     return c;
 }
 
+void log_check(const std::string & name, const std::string & record) {
+    const bool ok = !name.empty() && name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
+    });
+    if (!ok) throw error("log name '" + name.substr(0, 64) + "' is not [a-z0-9_-]{1,64}", error_kind::invalid_argument);
+    if (record.size() > store::k_max_log_record)
+        throw error("a log record of " + std::to_string(record.size()) + " bytes is over the " +
+                        std::to_string(store::k_max_log_record) + " a log keeps",
+                    error_kind::invalid_argument);
+}
+
+void store::log_append(const std::string & name, const std::string & record, uint64_t) {
+    log_check(name, record);
+    throw error("the store at " + uri() + " keeps no logs");
+}
+
+std::vector<std::string> store::log_read(const std::string &, std::string &, size_t) {
+    return {};
+}
+
 std::unique_ptr<store> store_open(const std::string & uri, const store_options & opts) {
     if (uri.rfind("redis://", 0) == 0 || uri.rfind("redis-cluster://", 0) == 0) return redis_store_open(uri, opts);
     if (uri.rfind("dir:", 0) == 0) return dir_store_open(uri.substr(4), opts);

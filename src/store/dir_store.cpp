@@ -5,6 +5,7 @@
 //   DIR/lock                   flock(2): serialises index updates and eviction
 //   DIR/tmp/                   entries and the index being written: KEY.PID.N,
 //                              index.PID.N (N random); gc removes only these
+//   DIR/logs/<name>.log        logs (store::log_append): a header, then records
 //
 // writes go to tmp/, are fsynced and renamed into place, so a reader sees a
 // whole entry or none; the index counts an entry before its rename (a crash
@@ -32,6 +33,9 @@
 #include <sstream>
 
 #include "store/backends.h"
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 namespace kvblend {
 
@@ -139,6 +143,64 @@ class dir_store : public store {
     }
 
     std::string uri() const override { return "dir:" + root_.string(); }
+
+    // a log file: a header ("KVBLOG1\n", a generation, the records written
+    // since it was made), then records, each its length, its XXH32 and its
+    // bytes. appends hold the store's lock; past twice max_records the file
+    // is rewritten with its newest max_records under the next generation
+    // (readers whose cursor, "GENERATION:OFFSET", names an older one start
+    // over at its first record). a record cut short or damaged ends a read
+    void log_append(const std::string & name, const std::string & record, uint64_t max_records) override {
+        log_check(name, record);
+        check_not_gone();
+        if (!opts_.create && !fs::is_directory(root_ / "logs"))
+            throw error("store '" + root_.string() + "' has no logs");
+        make_dir(root_ / "logs");
+        dir_lock lock(root_ / "lock");
+        const fs::path path = log_path(name);
+        fd_guard fd(open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
+        if (fd.get() < 0) throw error(sys_error("cannot open", path));
+        log_header h;
+        struct stat st {};
+        if (fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) throw error(sys_error("cannot read", path));
+        uint64_t end = (uint64_t) st.st_size;
+        if (!read_log_header(fd.get(), h)) {  // new, or not ours: begun again
+            h = log_header{};
+            h.generation = std::random_device{}() | 1;
+            if (ftruncate(fd.get(), 0) != 0) throw error(sys_error("cannot write", path));
+            end = sizeof(log_header);
+        }
+        std::string frame(8, '\0');
+        const uint32_t len = (uint32_t) record.size(), sum = XXH32(record.data(), record.size(), 0);
+        std::memcpy(frame.data(), &len, 4);
+        std::memcpy(frame.data() + 4, &sum, 4);
+        frame += record;
+        h.count += 1;
+        if (pwrite_all(fd.get(), frame.data(), frame.size(), end) && pwrite_all(fd.get(), &h, sizeof(h), 0)) {
+            if (h.count > 2 * std::max<uint64_t>(1, max_records)) compact_log(fd.get(), path, h, max_records);
+            return;
+        }
+        throw error(sys_error("cannot write", path));
+    }
+
+    std::vector<std::string> log_read(const std::string & name, std::string & cursor, size_t max) override {
+        log_check(name, "");
+        std::vector<std::string> out;
+        const fs::path path = log_path(name);
+        fd_guard fd(open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+        if (fd.get() < 0) {
+            if (errno == ENOENT) return out;  // nothing written yet
+            throw error(sys_error("cannot open", path));
+        }
+        log_header h;
+        if (!read_log_header(fd.get(), h)) return out;
+        uint64_t at = sizeof(log_header);
+        unsigned long long gen = 0, off = 0;
+        if (std::sscanf(cursor.c_str(), "%llu:%llu", &gen, &off) == 2 && gen == h.generation && off >= at) at = off;
+        for (std::string rec; out.size() < max && read_log_record(fd.get(), at, rec);) out.push_back(std::move(rec));
+        cursor = std::to_string(h.generation) + ":" + std::to_string(at);
+        return out;
+    }
 
     void put(const std::string & key, const std::vector<uint8_t> & bytes) override {
         check_key(key);
@@ -350,6 +412,74 @@ class dir_store : public store {
 
   private:
     fs::path entry_path(const std::string & key) const { return root_ / "entries" / key.substr(0, 2) / (key + ".kvb"); }
+    fs::path log_path(const std::string & name) const { return root_ / "logs" / (name + ".log"); }
+
+    struct log_header {
+        char magic[8] = {'K', 'V', 'B', 'L', 'O', 'G', '1', '\n'};
+        uint64_t generation = 0;
+        uint64_t count = 0;  // records written under this generation
+    };
+
+    static bool read_log_header(int fd, log_header & h) {
+        log_header want;
+        return pread(fd, &h, sizeof(h), 0) == (ssize_t) sizeof(h) &&
+               std::memcmp(h.magic, want.magic, sizeof(want.magic)) == 0;
+    }
+
+    static bool pwrite_all(int fd, const void * p, size_t n, uint64_t at) {
+        const char * c = static_cast<const char *>(p);
+        while (n > 0) {
+            const ssize_t w = pwrite(fd, c, n, (off_t) at);
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) return false;
+            c += w, n -= (size_t) w, at += (uint64_t) w;
+        }
+        return true;
+    }
+
+    // the record at `at` (moved past it); false at the end, or at a record cut short or damaged
+    static bool read_log_record(int fd, uint64_t & at, std::string & rec) {
+        uint32_t head[2];
+        if (pread(fd, head, sizeof(head), (off_t) at) != (ssize_t) sizeof(head) || head[0] > k_max_log_record)
+            return false;
+        rec.resize(head[0]);
+        if (head[0] > 0 && pread(fd, rec.data(), head[0], (off_t) (at + sizeof(head))) != (ssize_t) head[0])
+            return false;
+        if (XXH32(rec.data(), rec.size(), 0) != head[1]) return false;
+        at += sizeof(head) + head[0];
+        return true;
+    }
+
+    // under the lock: the newest max_records, rewritten under the next generation
+    void compact_log(int fd, const fs::path & path, const log_header & h, uint64_t max_records) {
+        std::vector<std::string> all;
+        uint64_t at = sizeof(log_header);
+        for (std::string rec; read_log_record(fd, at, rec);) all.push_back(std::move(rec));
+        const size_t from = all.size() > max_records ? all.size() - (size_t) max_records : 0;
+        log_header n;
+        n.generation = h.generation + 1;
+        n.count = all.size() - from;
+        make_dir(root_ / "tmp");
+        const fs::path tmp = root_ / "tmp" / temp_name(path.filename().string());
+        fd_guard out(open(tmp.c_str(), k_temp_flags, 0644));
+        if (out.get() < 0) throw error(sys_error("cannot create", tmp));
+        std::string bytes(reinterpret_cast<const char *>(&n), sizeof(n));
+        for (size_t i = from; i < all.size(); ++i) {
+            const uint32_t head[2] = {(uint32_t) all[i].size(), (uint32_t) XXH32(all[i].data(), all[i].size(), 0)};
+            bytes.append(reinterpret_cast<const char *>(head), sizeof(head));
+            bytes += all[i];
+        }
+        try {
+            write_all(out.get(), reinterpret_cast<const uint8_t *>(bytes.data()), bytes.size(), tmp);
+        } catch (...) {
+            unlink(tmp.c_str());
+            throw;
+        }
+        if (rename(tmp.c_str(), path.c_str()) != 0) {
+            unlink(tmp.c_str());
+            throw error(sys_error("cannot replace", path));
+        }
+    }
 
     static void make_dir(const fs::path & p) {
         std::error_code ec;

@@ -668,6 +668,63 @@ class redis_store : public store {
 
     std::string uri() const override { return uri_; }
 
+    // a log is a stream, "kvblend:log:{<name>}" (one slot on a cluster),
+    // trimmed to its newest max_records as each record is added
+    void log_append(const std::string & name, const std::string & record, uint64_t max_records) override {
+        log_check(name, record);
+        locked([&] {
+            return at_key(name, [&](redis_node & n) {
+                n.run(command()
+                          .arg("XADD")
+                          .arg(log_key(name))
+                          .arg("MAXLEN")
+                          .arg(std::to_string(std::max<uint64_t>(1, max_records)))
+                          .arg("*")
+                          .arg("r")
+                          .arg(record));
+                return 0;
+            });
+        });
+    }
+
+    // XREAD after the cursor (a stream id; "" is "0-0", before the first)
+    std::vector<std::string> log_read(const std::string & name, std::string & cursor, size_t max) override {
+        log_check(name, "");
+        return locked([&] {
+            return at_key(name, [&](redis_node & n) {
+                std::vector<std::string> out;
+                reply_ptr r = n.run(command()
+                                        .arg("XREAD")
+                                        .arg("COUNT")
+                                        .arg(std::to_string(std::max<size_t>(1, max)))
+                                        .arg("STREAMS")
+                                        .arg(log_key(name))
+                                        .arg(cursor.empty() ? std::string("0-0") : cursor));
+                if (r->type == REDIS_REPLY_NIL) return out;  // nothing after the cursor
+                // [[key, [[id, [field, value, …]], …]]]
+                auto bad = [&] { return n.unexpected("XREAD", r.get()); };
+                if (r->type != REDIS_REPLY_ARRAY || r->elements != 1) throw bad();
+                const redisReply * s = r->element[0];
+                if (s->type != REDIS_REPLY_ARRAY || s->elements != 2 || s->element[1]->type != REDIS_REPLY_ARRAY)
+                    throw bad();
+                const redisReply * items = s->element[1];
+                for (size_t i = 0; i < items->elements; ++i) {
+                    const redisReply * it = items->element[i];
+                    if (it->type != REDIS_REPLY_ARRAY || it->elements != 2 ||
+                        it->element[0]->type != REDIS_REPLY_STRING)
+                        throw bad();
+                    cursor.assign(it->element[0]->str, it->element[0]->len);
+                    const redisReply * f = it->element[1];
+                    // a record of another writer's shape (no "r" field) is passed over
+                    if (f->type == REDIS_REPLY_ARRAY && f->elements >= 2 && f->element[1]->type == REDIS_REPLY_STRING &&
+                        f->element[1]->len <= k_max_log_record)
+                        out.emplace_back(f->element[1]->str, f->element[1]->len);
+                }
+                return out;
+            });
+        });
+    }
+
   private:
     std::string uri_;
     redis_address addr_;
@@ -685,6 +742,7 @@ class redis_store : public store {
         return cluster_ ? key_prefix + ("{" + key + "}") : key_prefix + key;
     }
     std::string size_key(const std::string & key) const { return size_prefix + ("{" + key + "}"); }
+    static std::string log_key(const std::string & name) { return "kvblend:log:{" + name + "}"; }
 
     // the node at host (one connection per node, made when first used)
     redis_node & node(const redis_host & host) {

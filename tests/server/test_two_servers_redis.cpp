@@ -16,6 +16,7 @@
 
 #include "httplib.h"
 #include "server/running_server.h"
+#include "store/redis_cluster.h"
 #include "store/redis_server.h"
 #include "test_util.h"
 
@@ -106,6 +107,57 @@ TEST(two_servers_redis, share_documents_and_survive_redis_going_away) {
     EXPECT_EQ(r["kvblend"]["store_errors"], 0);
     EXPECT_EQ(r["kvblend"]["store_hits"], 3) << r["kvblend"].dump();  // A's prefix chunk too
     EXPECT_NE(a.log().find("answering again"), std::string::npos) << a.log();
+}
+
+// the document index every server on a store shares: a document given to
+// one server (stored, or sent as text) is found inside plain prompts on the
+// others, and on a server that starts later
+void documents_are_found_on_every_server(const std::string & store_uri) {
+    const std::vector<std::string> args = {"-c", "512", "--store", store_uri};
+    test::serve_process a(k_stories, args), b(k_stories, args);
+    auto ca = a.client(), cb = b.client();
+    const std::string stored = "Tom had a red ball. He threw it high and it landed in the tree by the pond.";
+    const std::string sent = "Sue found a little cat under the bench. The cat was cold, so she took it home.";
+    auto [st, added] = post(ca, "/v1/documents", {{"documents", {stored}}});
+    ASSERT_EQ(st, 200) << added.dump();
+    json r = ask(ca, {{{"text", sent}}});  // a document given with a request: learnt too
+    auto spans_on = [&](httplib::Client & c) {
+        auto [s, out] = post(c, "/v1/completions",
+                             {{"prompt", "Stories:\n\n" + sent + "\n\n" + stored + "\n\nOnce upon a time"},
+                              {"max_tokens", 4},
+                              {"temperature", 0}});
+        EXPECT_EQ(s, 200) << out.dump();
+        std::vector<std::string> ids;
+        for (const auto & sp : out["kvblend"]["spans"]) ids.push_back(sp["id"]);
+        return ids;
+    };
+    // B reads the other servers' documents before it searches a plain prompt
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const std::vector<std::string> on_b = spans_on(cb);
+    ASSERT_EQ(on_b.size(), 2u) << store_uri;
+    EXPECT_EQ(on_b[1], added["data"][0]["id"]);
+    EXPECT_EQ(on_b, spans_on(ca));
+    // a server started now knows them from its first request
+    test::serve_process c(k_stories, args);
+    auto cc = c.client();
+    EXPECT_EQ(spans_on(cc), on_b);
+    const std::string metrics = cc.Get("/metrics")->body;
+    EXPECT_NE(metrics.find("kvblend_known_documents 2"), std::string::npos) << metrics;
+}
+
+TEST(two_servers, documents_are_found_in_plain_prompts_on_every_server_of_a_dir_store) {
+    test::temp_dir d("shared-docs");
+    documents_are_found_on_every_server("dir:" + d.file("kv"));
+}
+
+TEST(two_servers, documents_are_found_in_plain_prompts_on_every_server_of_a_redis_cluster) {
+    std::unique_ptr<test::redis_cluster> cluster;
+    try {
+        cluster = std::make_unique<test::redis_cluster>();
+    } catch (const std::exception & e) {
+        FAIL() << e.what();
+    }
+    documents_are_found_on_every_server(cluster->uri());
 }
 
 }  // namespace

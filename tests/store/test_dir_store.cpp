@@ -18,6 +18,7 @@
 
 #include "cli_run.h"
 #include "kvblend/store.h"
+#include "store/log_contract.h"
 #include "test_util.h"
 
 namespace kvblend {
@@ -195,6 +196,37 @@ TEST(dir_store, a_directory_that_is_no_store_is_refused) {
     std::ofstream(e.path() / "notes" / "todo.txt") << "buy milk";
     const std::string err = test::error_of([&] { store_open(e.file("notes")); });
     EXPECT_NE(err.find("'todo.txt'"), std::string::npos) << err;
+}
+
+TEST(dir_store, logs_keep_their_newest_records_in_order) {
+    test::temp_dir d("store");
+    auto st = store_open(d.path().string());
+    test::check_log_contract(*st);
+    // a reader of another process sees what this one appends; a damaged
+    // record ends a read at the records before it; a log file of someone
+    // else's is begun again by the next append
+    auto other = store_open(d.path().string());
+    std::string cur;
+    for (int i = 0; i < 3; ++i) st->log_append("d", "rec" + std::to_string(i), 100);
+    EXPECT_EQ(other->log_read("d", cur, 10).size(), 3u);
+    const std::string log = d.file("logs/d.log");
+    {
+        std::fstream f(log, std::ios::in | std::ios::out | std::ios::binary);
+        f.seekp(-2, std::ios::end);
+        f.put('#');
+    }
+    std::string fresh;
+    EXPECT_EQ(other->log_read("d", fresh, 10), (std::vector<std::string>{"rec0", "rec1"}));
+    std::ofstream(log, std::ios::trunc) << "not a log";
+    std::string none;
+    EXPECT_TRUE(other->log_read("d", none, 10).empty());
+    st->log_append("d", "again", 100);
+    EXPECT_EQ(other->log_read("d", none, 10), (std::vector<std::string>{"again"}));
+    // logs are no entries: listing, verify and gc leave them
+    EXPECT_TRUE(st->list().empty());
+    st->gc();
+    fresh.clear();
+    EXPECT_EQ(other->log_read("d", fresh, 10).size(), 1u);
 }
 
 // verify reads every entry: that is no use of it, or the next put under a

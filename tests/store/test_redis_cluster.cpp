@@ -27,6 +27,7 @@
 #include "kvblend/rag.h"
 #include "kvblend/store.h"
 #include "store/backends.h"
+#include "store/log_contract.h"
 #include "store/redis_cluster.h"
 #include "test_util.h"
 
@@ -181,6 +182,12 @@ TEST_F(RedisCluster, EntriesSpreadOverEveryPrimaryAndEveryCallWorks) {
     st->gc();
     EXPECT_EQ(redis_cli(port, {"EXISTS", "kvblend:bytes:{" + ks[1] + "}"}), "0");
     EXPECT_EQ(redis_cli(owner(ks[3]), {"EXISTS", "kvblend:bytes:{" + ks[3] + "}"}), "1");
+}
+
+TEST_F(RedisCluster, LogsKeepTheirNewestRecordsInOrder) {
+    auto st = open();
+    kvblend::test::check_log_contract(*st);
+    EXPECT_TRUE(st->list().empty());
 }
 
 TEST_F(RedisCluster, TheBudgetHoldsAcrossShards) {

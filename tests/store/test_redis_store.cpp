@@ -22,6 +22,7 @@
 #include "kvblend/store.h"
 #include "kvblend/vocab.h"
 #include "store/backends.h"
+#include "store/log_contract.h"
 #include "store/redis_server.h"
 #include "test_util.h"
 
@@ -331,6 +332,13 @@ TEST_F(RedisStore, ASizesHashOfAnotherTypeIsRebuilt) {
     ASSERT_EQ(server_->command({"SET", "kvblend:bytes", "1"}), "+OK");
     EXPECT_EQ(st->gc(), 1u);
     EXPECT_EQ(st->stats().n_entries, 2u);
+}
+
+TEST_F(RedisStore, LogsKeepTheirNewestRecordsInOrder) {
+    auto st = open();
+    test::check_log_contract(*st);
+    EXPECT_TRUE(st->list().empty());  // a log is no entry
+    EXPECT_EQ(server_->command({"TYPE", "kvblend:log:{t1}"}), "+stream");
 }
 
 TEST_F(RedisStore, GcWithoutBudgetKeepsEverything) {
