@@ -34,6 +34,15 @@ struct store_stats {
     std::string backend;     // "dir:PATH" or "redis://…"
 };
 
+// what a store counts as it works, read without waiting on its calls (a
+// server's /metrics): a Redis Cluster's redirects and slot-map reads, and
+// the calls that failed at each node (by "host:port")
+struct store_counters {
+    int64_t redirects = 0;  // MOVED, ASK and TRYAGAIN answers followed
+    int64_t map_reads = 0;  // slot maps read (the first, and after a redirect or a node gone)
+    std::vector<std::pair<std::string, int64_t>> node_errors;
+};
+
 struct store_options {
     uint64_t max_bytes = 0;  // size budget (LRU eviction after each put, and by gc); 0 = none
     // dir: create the directory when it is missing. false (the read-only
@@ -74,6 +83,7 @@ class store {
     // returns the number of entries removed
     virtual uint64_t gc() = 0;
     virtual std::string uri() const = 0;
+    virtual store_counters counters() const { return {}; }
 
     // logs: small records appended beside the entries and read in order from
     // a cursor, by every process on the store (the servers' shared document

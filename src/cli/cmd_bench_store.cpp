@@ -3,10 +3,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
 #include "cli/args.h"
 #include "cli/cli_util.h"
@@ -33,8 +35,45 @@ or on the model's device in the cache's layout (tier:device), and placed.
   -r, --reps N          loads per chunk, the median is kept (default 3)
   -t, --threads N       CPU threads (default 2)
   --cache-type f16|f32  KV element type (default f16)
+  --clients N           then, per store, N clients (each its own connection, as N
+                        servers) get the entries in random order for --seconds:
+                        gets/s and GB/s in all (default 0: not measured)
+  --seconds S           how long the clients run (default 5)
   --json FILE           write the results as JSON
 )";
+
+// n clients, each with its own store connection, getting keys at random for
+// `seconds`: entries read per second, and bytes, in all
+struct throughput {
+    double gets_per_s = 0, gb_per_s = 0;
+};
+throughput store_throughput(const std::string & uri, const std::vector<std::string> & keys, int64_t n_clients,
+                            double seconds) {
+    std::vector<std::unique_ptr<store>> conns;
+    for (int64_t i = 0; i < n_clients; ++i) conns.push_back(store_open(uri));
+    std::atomic<int64_t> gets{0}, bytes{0};
+    std::atomic<bool> failed{false};
+    const double t0 = time_ms(), end = t0 + seconds * 1000;
+    std::vector<std::thread> threads;
+    for (int64_t i = 0; i < n_clients; ++i)
+        threads.emplace_back([&, i] {
+            std::mt19937 rng((unsigned) i + 1);
+            try {
+                while (time_ms() < end) {
+                    const auto v = conns[i]->get(keys[rng() % keys.size()]);
+                    if (!v) throw error("an entry vanished");
+                    gets += 1;
+                    bytes += (int64_t) v->size();
+                }
+            } catch (const std::exception &) {
+                failed = true;
+            }
+        });
+    for (auto & t : threads) t.join();
+    if (failed) throw error("a client's get failed on " + conns[0]->uri());
+    const double s = (time_ms() - t0) / 1000;
+    return {gets / s, bytes / s / 1e9};
+}
 
 // the dir backend's entry path (docs/STORE_FORMAT.md), for dropping its cached pages
 std::string dir_entry_path(const std::string & uri, const std::string & key) {
@@ -56,7 +95,8 @@ bool drop_page_cache(const std::string & path) {
 int bench_store(args & a) {
     std::string model_path, json_path;
     std::vector<std::string> uris;
-    int64_t chunk = 512, n = 4, reps = 3;
+    int64_t chunk = 512, n = 4, reps = 3, n_clients = 0;
+    double seconds = 5;
     engine_params ep = engine_default_params();
     while (!a.done()) {
         if (match_help(a, k_help))
@@ -73,6 +113,10 @@ int bench_store(args & a) {
             reps = a.integer(1, 100);
         else if (a.match({"--json"}))
             json_path = a.str();
+        else if (a.match({"--clients"}))
+            n_clients = a.integer(0, 256);
+        else if (a.match({"--seconds"}))
+            seconds = a.real(0.1, 3600);
         else if (match_engine_flag(a, ep))
             continue;
         else
@@ -162,6 +206,17 @@ int bench_store(args & a) {
                             {"entry_bytes", entries[0].size()}});
             std::printf("| %s | %s | %.2f | %.2f | %.2f | %.0fx | %.2f | %.0fx |\n", shown.c_str(), cache, load_ms,
                         median(t_get), gbps, collect_ms / load_ms, place_ms, collect_ms / (load_ms + place_ms));
+        }
+        if (n_clients > 0) {
+            const throughput tp = store_throughput(uri, keys, n_clients, seconds);
+            rows.push_back({{"store", shown},
+                            {"cache", "clients"},
+                            {"clients", n_clients},
+                            {"gets_per_s", tp.gets_per_s},
+                            {"gb_per_s", tp.gb_per_s},
+                            {"entry_bytes", entries[0].size()}});
+            std::printf("| %s | %lld clients | %.0f gets/s | | %.2f | | | |\n", shown.c_str(), (long long) n_clients,
+                        tp.gets_per_s, tp.gb_per_s);
         }
         for (const auto & k : keys) st->erase(k);
     }

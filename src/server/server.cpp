@@ -756,7 +756,8 @@ struct server::impl {
                       }));
         http.get("/metrics", [this](const http_request &, http_response & res) {
             res.set_content(metrics.text({http.refused_connections(), st ? st->failures() : 0, jobs.known_documents(),
-                                          vectors ? vectors->size() : 0, tiers.stats()}),
+                                          vectors ? vectors->size() : 0, tiers.stats(), st != nullptr,
+                                          st ? st->counters() : store_counters{}}),
                             "text/plain; version=0.0.4");
         });
         http.post("/v1/documents",

@@ -68,6 +68,16 @@ std::string server_metrics::text(const metrics_gauges & g) const {
     counter("kvblend_store_hits_total", "chunks reused (from a chunk tier or the store), not collected", store_hits_);
     counter("kvblend_store_misses_total", "chunks collected (not in the store)", store_misses_);
     counter("kvblend_store_errors_total", "store calls that failed (served as misses)", g.store_errors);
+    if (g.has_store) {
+        counter("kvblend_store_redirects_total", "Redis Cluster redirects followed (MOVED, ASK, TRYAGAIN)",
+                g.store.redirects);
+        counter("kvblend_store_slot_map_reads_total",
+                "Redis Cluster slot maps read (at start, after a redirect or a lost node)", g.store.map_reads);
+        out += "# HELP kvblend_store_node_errors_total store calls that failed, by Redis node\n";
+        out += "# TYPE kvblend_store_node_errors_total counter\n";
+        for (const auto & [node, n] : g.store.node_errors)
+            out += "kvblend_store_node_errors_total{node=\"" + node + "\"} " + std::to_string(n) + "\n";
+    }
     counter("kvblend_plain_docs_matched_total", "known documents found inside plain prompts", docs_matched_);
     counter("kvblend_plain_docs_learned_total", "passages of plain prompts added as documents", docs_learned_);
     counter("kvblend_plain_learned_bytes_total", "text bytes of the passages added", learned_bytes_);

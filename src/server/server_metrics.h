@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kvblend/chunk_tiers.h"
+#include "kvblend/store.h"
 #include "server/server_job.h"
 
 namespace kvblend {
@@ -20,6 +21,8 @@ struct metrics_gauges {
     size_t known_documents = 0;       // the texts plain prompts are searched for
     size_t document_vectors = 0;      // the documents' embeddings searches scan
     chunk_tier_stats tiers;           // the chunk tiers' use and bounds
+    bool has_store = false;
+    store_counters store;  // the store's own: a cluster's redirects, map reads, each node's failed calls
 };
 
 class server_metrics {

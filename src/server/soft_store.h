@@ -40,6 +40,7 @@ class soft_store : public store {
     store_stats stats() override;
     uint64_t gc() override;
     std::string uri() const override { return s_->uri(); }
+    store_counters counters() const override { return s_->counters(); }  // not through the call lock
     // a failed append is skipped, a failed read reads nothing (the cursor stays)
     void log_append(const std::string & name, const std::string & record, uint64_t max_records) override;
     std::vector<std::string> log_read(const std::string & name, std::string & cursor, size_t max) override;

@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_set>
@@ -317,6 +318,15 @@ uint16_t crc16(const char * p, size_t n) {
     return crc;
 }
 
+// a host a cluster names (its map, a redirect): a name, an IPv4 or an IPv6
+// address; nothing else (it is shown in messages and /metrics labels)
+bool host_chars_ok(const std::string & h) {
+    return h.size() <= 255 && std::all_of(h.begin(), h.end(), [](char c) {
+               return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                      c == '-' || c == '_' || c == ':';
+           });
+}
+
 // where a cluster sends a command instead: "MOVED 3999 127.0.0.1:6381" (the
 // slot has a new owner), "ASK 3999 …" (this key is being moved there: ask it
 // once, after ASKING), "TRYAGAIN …" (a key of the command is mid-move)
@@ -346,7 +356,7 @@ redirect redirect_of(const redisReply * r) {
     if (rd.to.host.size() >= 2 && rd.to.host.front() == '[' && rd.to.host.back() == ']')
         rd.to.host = rd.to.host.substr(1, rd.to.host.size() - 2);
     rd.to.port = std::atoi(port.c_str());
-    if (rd.slot >= cluster_slots || rd.to.port < 1 || rd.to.port > 65535) return rd;
+    if (rd.slot >= cluster_slots || rd.to.port < 1 || rd.to.port > 65535 || !host_chars_ok(rd.to.host)) return rd;
     rd.kind = moved ? redirect::MOVED : redirect::ASK;
     return rd;
 }
@@ -668,6 +678,15 @@ class redis_store : public store {
 
     std::string uri() const override { return uri_; }
 
+    store_counters counters() const override {
+        std::lock_guard l(counters_mu_);
+        store_counters c;
+        c.redirects = redirects_;
+        c.map_reads = map_reads_;
+        c.node_errors.assign(node_errors_.begin(), node_errors_.end());
+        return c;
+    }
+
     // a log is a stream, "kvblend:log:{<name>}" (one slot on a cluster),
     // trimmed to its newest max_records as each record is added
     void log_append(const std::string & name, const std::string & record, uint64_t max_records) override {
@@ -737,6 +756,14 @@ class redis_store : public store {
     std::vector<redis_node *> slot_node_;  // [cluster_slots] the primary serving each slot (nullptr: none)
     std::vector<redis_node *> primaries_;  // the distinct primaries of the map
     bool map_stale_ = false;               // read the slot map again before the next command
+    mutable std::mutex counters_mu_;       // counters(), which must not wait on mtx_
+    int64_t redirects_ = 0, map_reads_ = 0;
+    std::map<std::string, int64_t> node_errors_;
+
+    void count_node_error(const redis_node & n) {
+        std::lock_guard l(counters_mu_);
+        node_errors_[n.where()] += 1;
+    }
 
     std::string entry_key(const std::string & key) const {
         return cluster_ ? key_prefix + ("{" + key + "}") : key_prefix + key;
@@ -776,6 +803,7 @@ class redis_store : public store {
                 n.disconnect();
                 n.failed = true;
                 map_stale_ = cluster_;  // the node may have failed over
+                count_node_error(n);
                 if (attempt > 0) throw;
             } catch (const error & e) {
                 // an error midway through a pipeline leaves replies unread: start afresh
@@ -783,6 +811,7 @@ class redis_store : public store {
                 if (e.kind() == error_kind::store_unavailable) {
                     n.failed = true;
                     map_stale_ = cluster_;
+                    count_node_error(n);
                 }
                 throw;
             } catch (...) {
@@ -813,6 +842,10 @@ class redis_store : public store {
                 if (n->last_redirect.kind == redirect::NONE) throw;
             }
             const redirect rd = n->last_redirect;
+            {
+                std::lock_guard l(counters_mu_);
+                redirects_ += 1;
+            }
             if (hop >= max_redirects)
                 throw error("redis cluster at " + uri_ + ": slot " + std::to_string(slot) + " still moving after " +
                                 std::to_string(max_redirects) + " tries",
@@ -883,6 +916,10 @@ class redis_store : public store {
     // empty, nil or "?" host is the node asked
     void read_slot_map(redis_node & asked) {
         reply_ptr r = asked.run(command().arg("CLUSTER").arg("SLOTS"));
+        {
+            std::lock_guard l(counters_mu_);
+            map_reads_ += 1;
+        }
         if (r->type != REDIS_REPLY_ARRAY) throw asked.unexpected("CLUSTER SLOTS", r.get());
         std::vector<redis_node *> map(cluster_slots, nullptr), primaries;
         for (size_t i = 0; i < r->elements; ++i) {
@@ -901,7 +938,7 @@ class redis_store : public store {
             redis_host h{name->type == REDIS_REPLY_STRING ? std::string(name->str, name->len) : "",
                          (int) who->element[1]->integer};
             if (lo < 0 || hi < lo || hi >= cluster_slots || who->element[1]->integer < 1 ||
-                who->element[1]->integer > 65535 || h.host.size() > 255)
+                who->element[1]->integer > 65535 || !host_chars_ok(h.host))
                 throw error("redis at " + asked.where() + ": CLUSTER SLOTS answered a range out of bounds");
             if (h.host.empty() || h.host == "?") h.host = asked.host().host;
             redis_node * p = &node(h);

@@ -143,6 +143,8 @@ void documents_are_found_on_every_server(const std::string & store_uri) {
     EXPECT_EQ(spans_on(cc), on_b);
     const std::string metrics = cc.Get("/metrics")->body;
     EXPECT_NE(metrics.find("kvblend_known_documents 2"), std::string::npos) << metrics;
+    if (store_uri.rfind("redis-cluster://", 0) == 0)
+        EXPECT_NE(metrics.find("kvblend_store_slot_map_reads_total 1"), std::string::npos) << metrics;
 }
 
 TEST(two_servers, documents_are_found_in_plain_prompts_on_every_server_of_a_dir_store) {

@@ -262,6 +262,9 @@ TEST_F(RedisCluster, AMovingSlotIsFollowed) {
     EXPECT_TRUE(st->erase(k));
     EXPECT_FALSE(st->contains(k));
     EXPECT_EQ(st->list().size(), 1u);
+    const store_counters n = st->counters();
+    EXPECT_GE(n.redirects, 3);  // ASK for the get and the contains, MOVED after the move
+    EXPECT_GE(n.map_reads, 2);  // at open, after the MOVED
 }
 
 TEST_F(RedisCluster, AFailoverLosesNoEntry) {
@@ -304,6 +307,9 @@ TEST_F(RedisCluster, AKilledPrimaryIsAnOutageThenItsReplicaServes) {
         EXPECT_EQ(got, random_bytes(600, 0));
     else
         EXPECT_NE(err.find("redis"), std::string::npos) << err;
+    const store_counters n = st->counters();
+    ASSERT_EQ(n.node_errors.size(), 1u);
+    EXPECT_EQ(n.node_errors[0].first, "127.0.0.1:" + std::to_string(primary));
     // the replica takes over; the store finds it by the new map
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     while (redis_cluster::role(cluster_->node(replica).port()) != "master" &&
@@ -417,6 +423,7 @@ TEST(RedisClusterUri, AGarbageSlotMapIsAnError) {
         "*1\r\n:7\r\n",                                                 // not a range
         "$3\r\nabc\r\n",                                                // not an array
         "*0\r\n",                                                       // no slot served: a store that can only miss
+        "*1\r\n*3\r\n:0\r\n:10\r\n*2\r\n$6\r\nh\"}x\ny\r\n:7000\r\n",   // a host no name or address has
     };
     for (const std::string & map : maps) {
         // a fake node: +OK to SELECT, a cluster to INFO, the map to CLUSTER SLOTS
