@@ -29,6 +29,7 @@
 #include "store/backends.h"
 #include "store/log_contract.h"
 #include "store/redis_cluster.h"
+#include "store/stories_blend.h"
 #include "test_util.h"
 
 namespace {
@@ -376,22 +377,10 @@ TEST_F(RedisCluster, ANodesRedisUriIsReadAsTheCluster) {
 // chunk entries through store_open's redis-cluster:// routing: a blend from
 // cluster hits equals one from fresh collects
 TEST_F(RedisCluster, ChunkEntriesThroughStoreOpen) {
-    auto m = model::load(std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf");
-    engine eng(m, engine_default_params());
+    kvblend::test::stories_blend sb;
     auto st = store_open(cluster_->uri());
-    const std::vector<std::vector<llama_token>> chunks = {m->tokens().tokenize("Stories:", true),
-                                                          m->tokens().tokenize(" Tom had a red ball.", false),
-                                                          m->tokens().tokenize(" Sue found a little cat.", false)};
-    const std::vector<llama_token> query = m->tokens().tokenize(" Once upon a time", false);
-    auto run = [&](store * s, chunk_fetch_stats & fs) {
-        std::vector<chunk_kv> kv;
-        for (const auto & c : chunks) kv.push_back(chunk_get_or_collect(s, eng, {}, c, fs));
-        std::vector<const chunk_kv *> ptrs;
-        for (const auto & c : kv) ptrs.push_back(&c);
-        return blend(eng, ptrs, query, blend_default_params()).logits;
-    };
     chunk_fetch_stats fresh, first, second;
-    const std::vector<float> a = run(nullptr, fresh), b = run(st.get(), first), c = run(st.get(), second);
+    const std::vector<float> a = sb.run(nullptr, fresh), b = sb.run(st.get(), first), c = sb.run(st.get(), second);
     EXPECT_EQ(first.misses, 3);
     EXPECT_EQ(second.hits, 3);
     EXPECT_EQ(a, b);

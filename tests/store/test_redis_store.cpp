@@ -24,6 +24,7 @@
 #include "store/backends.h"
 #include "store/log_contract.h"
 #include "store/redis_server.h"
+#include "store/stories_blend.h"
 #include "test_util.h"
 
 namespace {
@@ -620,33 +621,21 @@ TEST(RedisStoreUri, DefaultPortIs6379) {
 // chunk entries through store_open's redis:// routing: a blend from redis hits
 // equals one from fresh collects, and a corrupt value is a miss
 TEST_F(RedisStore, ChunkEntriesThroughStoreOpen) {
-    auto m = model::load(std::string(KVBLEND_TEST_MODELS) + "/stories260K.gguf");
-    engine eng(m, engine_default_params());
+    kvblend::test::stories_blend sb;
     auto st = store_open(server_->uri(0));
-    const std::vector<std::vector<llama_token>> chunks = {m->tokens().tokenize("Stories:", true),
-                                                          m->tokens().tokenize(" Tom had a red ball.", false),
-                                                          m->tokens().tokenize(" Sue found a little cat.", false)};
-    const std::vector<llama_token> query = m->tokens().tokenize(" Once upon a time", false);
-    auto run = [&](store * s, chunk_fetch_stats & fs) {
-        std::vector<chunk_kv> kv;
-        for (const auto & c : chunks) kv.push_back(chunk_get_or_collect(s, eng, {}, c, fs));
-        std::vector<const chunk_kv *> ptrs;
-        for (const auto & c : kv) ptrs.push_back(&c);
-        return blend(eng, ptrs, query, blend_default_params()).logits;
-    };
     chunk_fetch_stats fresh, first, second;
-    const std::vector<float> a = run(nullptr, fresh), b = run(st.get(), first), c = run(st.get(), second);
+    const std::vector<float> a = sb.run(nullptr, fresh), b = sb.run(st.get(), first), c = sb.run(st.get(), second);
     EXPECT_EQ(first.misses, 3);
     EXPECT_EQ(second.hits, 3);
     EXPECT_EQ(a, b);
     EXPECT_EQ(a, c);
 
-    const std::string key = chunk_key(*m, GGML_TYPE_F16, "raw", {}, chunks[1]);
+    const std::string key = chunk_key(*sb.m, GGML_TYPE_F16, "raw", {}, sb.chunks[1]);
     std::vector<uint8_t> bytes = *st->get(key);
     bytes[bytes.size() / 3] ^= 1;
     st->put(key, bytes);
     chunk_fetch_stats third;
-    EXPECT_EQ(run(st.get(), third), a);
+    EXPECT_EQ(sb.run(st.get(), third), a);
     EXPECT_EQ(third.misses, 1);
-    EXPECT_EQ(chunk_entry_check(*st->get(key), m.get()), "");  // replaced by a good entry
+    EXPECT_EQ(chunk_entry_check(*st->get(key), sb.m.get()), "");  // replaced by a good entry
 }
