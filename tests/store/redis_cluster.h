@@ -89,6 +89,16 @@ class redis_cluster {
         throw std::runtime_error("no replica of " + std::to_string(primary_port));
     }
 
+    // node i is a primary (after a failover), within timeout
+    bool wait_primary(size_t i, std::chrono::seconds timeout = std::chrono::seconds(20)) const {
+        const auto deadline = std::chrono::steady_clock::now() + timeout;
+        while (role(nodes_[i]->port()) != "master") {
+            if (std::chrono::steady_clock::now() > deadline) return false;
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        return true;
+    }
+
     // every running node says cluster_state:ok and agrees on who serves each
     // slot, within timeout
     bool wait_ok(std::chrono::seconds timeout = std::chrono::seconds(30)) const {

@@ -276,15 +276,10 @@ TEST_F(RedisCluster, AFailoverLosesNoEntry) {
     const int primary = owner(ks[0]);
     const size_t replica = cluster_->replica_of(primary);
     EXPECT_EQ(redis_cli(cluster_->node(replica).port(), {"CLUSTER", "FAILOVER"}), "OK");
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (redis_cluster::role(cluster_->node(replica).port()) != "master" &&
-           std::chrono::steady_clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    ASSERT_EQ(redis_cluster::role(cluster_->node(replica).port()), "master");
+    ASSERT_TRUE(cluster_->wait_primary(replica));
     ASSERT_TRUE(cluster_->wait_ok());
     // the old primary now answers MOVED: every entry is still read, and written
     for (size_t i = 0; i < ks.size(); ++i) EXPECT_EQ(st->get(ks[i]), random_bytes(700, i)) << i;
-    const std::string k = keys(1, 7)[0];
     st->put(ks[0], random_bytes(800, 77));
     EXPECT_EQ(st->get(ks[0]), random_bytes(800, 77));
     EXPECT_EQ(st->list().size(), ks.size());
@@ -312,10 +307,7 @@ TEST_F(RedisCluster, AKilledPrimaryIsAnOutageThenItsReplicaServes) {
     ASSERT_EQ(n.node_errors.size(), 1u);
     EXPECT_EQ(n.node_errors[0].first, "127.0.0.1:" + std::to_string(primary));
     // the replica takes over; the store finds it by the new map
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (redis_cluster::role(cluster_->node(replica).port()) != "master" &&
-           std::chrono::steady_clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_TRUE(cluster_->wait_primary(replica));
     ASSERT_TRUE(cluster_->wait_ok());
     for (size_t i = 0; i < ks.size(); ++i) EXPECT_EQ(st->get(ks[i]), random_bytes(600, i)) << i;
     st->put(ks[0], random_bytes(10, 1));
