@@ -46,7 +46,9 @@ done
 serve_args=("$@")
 [[ -n "$model" ]] || die "-m MODEL is required"
 [[ "$servers" =~ ^[1-9][0-9]?$ ]] || die "--servers must be 1..99"
-for p in "$port" "$base"; do [[ "$p" =~ ^[0-9]+$ ]] && ((p > 0 && p + 110 < 65536)) || die "bad port $p"; done
+# Redis' cluster bus listens on each node's port + 10000
+[[ "$base" =~ ^[0-9]+$ ]] && ((base > 0 && base + 10005 < 65536 && base + 10 + servers < 65536)) || die "bad --base-port $base"
+[[ "$port" =~ ^[0-9]+$ ]] && ((port > 0 && port + 1 < 65536)) || die "bad --port $port"
 [[ -x "$bin" ]] || die "no kvblend binary at $bin (build first, or --kvblend BIN)"
 for tool in redis-server redis-cli haproxy curl; do
   command -v "$tool" >/dev/null || die "$tool not found: run scripts/setup.sh"
@@ -54,6 +56,8 @@ done
 dir="${dir:-$(mktemp -d /tmp/kvblend-deploy.XXXXXX)}"
 mkdir -p "$dir"
 : >"$dir/pids"; : >"$dir/redis"; : >"$dir/servers"
+# a start that fails stops what it started
+trap 'bash "$0" stop "$dir" >/dev/null 2>&1 || true' EXIT
 
 # wait up to $2 seconds for command $1 to succeed
 wait_for() {
@@ -108,7 +112,10 @@ done
 # connection to it fails is sent to another one (redispatch)
 cat >"$dir/haproxy.cfg" <<EOF
 global
-    maxconn 4096
+    maxconn 2048
+    # a request body is read whole (routing, retries) when it fits a buffer:
+    # larger ones are served too, by the least busy server and never retried
+    tune.bufsize 131072
 defaults
     mode http
     timeout connect 2s
@@ -144,5 +151,6 @@ haproxy -db -f "$dir/haproxy.cfg" >"$dir/haproxy.log" 2>&1 </dev/null &
 echo $! >>"$dir/pids"
 wait_for "curl -sf http://127.0.0.1:$port/health" 20 || die "HAProxy on $port did not answer: $dir/haproxy.log"
 
+trap - EXIT
 echo "deploy_local: http://127.0.0.1:$port/v1 ($servers servers on $store); state in $dir"
 echo "deploy_local: stop with: $0 stop $dir"

@@ -26,10 +26,10 @@ SCRIPT = os.path.join(SOURCE, "scripts", "deploy_local.sh")
 
 
 def free_base():
-    """A base port whose next 12 ports and a balancer pair are free (checked by binding)."""
+    """A base port whose next 12 ports, Redis' bus ports (+10000) and a balancer pair are free (checked by binding)."""
     for _ in range(50):
-        base = random.randrange(20000, 60000, 200)
-        ports = list(range(base, base + 12)) + [base + 100, base + 101]
+        base = random.randrange(20000, 55000, 200)
+        ports = list(range(base, base + 12)) + list(range(base + 10000, base + 10006)) + [base + 100, base + 101]
         socks = []
         try:
             for p in ports:
@@ -45,9 +45,11 @@ def free_base():
     raise RuntimeError("no free port range")
 
 
-def post(url, body, timeout=60):
-    """(status, parsed body or text) of a JSON POST; a refused connection is status 0."""
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def post(url, body, timeout=60, pad=0):
+    """(status, parsed body or text) of a JSON POST (pad: that many spaces before the JSON);
+    a refused connection is status 0."""
+    data = (" " * pad + json.dumps(body)).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -112,6 +114,16 @@ def test_requests_spread_and_a_document_set_sticks(deployment):
         assert status == 200, r
     took = sorted(requests_total(p) - b for p, b in zip(ports, before))
     assert took == [0, 4], took
+
+
+def test_a_body_larger_than_the_balancers_buffer_reaches_a_server(deployment):
+    body = chat([doc(1), doc(2)])
+    _, want = post(deployment["lb"] + "/v1/chat/completions", body)
+    # 200 KB of JSON whitespace first: the balancer's buffer (128 KB) sees no
+    # document and sends it to the least busy server, which answers it alike
+    status, r = post(deployment["lb"] + "/v1/chat/completions", body, pad=200000)
+    assert status == 200, r
+    assert r["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
 
 
 def test_answers_through_the_balancer_equal_each_servers_own(deployment):
