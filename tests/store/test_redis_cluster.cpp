@@ -268,6 +268,62 @@ TEST_F(RedisCluster, AMovingSlotIsFollowed) {
     EXPECT_GE(n.map_reads, 2);  // at open, after the MOVED
 }
 
+// slots moved by redis-cli --cluster reshard (keys and all) while two
+// clients read and write: no wrong value, no lost write, errors at most while
+// a slot is mid-move
+TEST_F(RedisCluster, AReshardUnderLoadLosesNothing) {
+    auto setup = open();
+    const auto ks = keys(300, 11);
+    for (size_t i = 0; i < ks.size(); ++i) setup->put(ks[i], random_bytes(200 + i, i));
+    std::atomic<bool> stop{false};
+    std::atomic<int64_t> reads{0}, errors{0}, wrong{0};
+    std::vector<std::string> written[2];
+    auto client = [&](int c) {
+        auto st = open();
+        std::mt19937 rng(c);
+        const auto mine = keys(10000, 100 + c);
+        for (size_t n = 0; !stop; ++n) {
+            const size_t i = rng() % ks.size();
+            try {
+                const auto v = st->get(ks[i]);
+                reads += 1;
+                if (v != random_bytes(200 + i, i)) wrong += 1;
+                if (n < mine.size()) {
+                    st->put(mine[n], random_bytes(64, n));
+                    written[c].push_back(mine[n]);
+                }
+            } catch (const error &) {
+                errors += 1;  // a key mid-move (TRYAGAIN past the tries): a store error, the caller's miss
+            }
+        }
+    };
+    std::thread a(client, 0), b(client, 1);
+    int from = 0, to = 0;
+    for (size_t i = 0; i < cluster_->size(); ++i) {
+        const int p = cluster_->node(i).port();
+        if (redis_cluster::role(p) != "master") continue;
+        (from ? to : from) = p;
+    }
+    const std::string out = redis_cli(
+        from, {"--cluster", "reshard", "127.0.0.1:" + std::to_string(from), "--cluster-from", cluster_->id(from),
+               "--cluster-to", cluster_->id(to), "--cluster-slots", "400", "--cluster-yes"});
+    stop = true;
+    a.join();
+    b.join();
+    EXPECT_NE(out.find("Moving slot"), std::string::npos) << out;
+    std::printf("reshard of 400 slots under load: %lld reads, %lld errors, %zu + %zu writes\n", (long long) reads,
+                (long long) errors, written[0].size(), written[1].size());
+    EXPECT_EQ(wrong, 0);
+    EXPECT_GT(reads, 100);
+    EXPECT_LT(errors, reads / 10) << errors << " errors in " << reads << " reads";
+    auto after = open();
+    for (size_t i = 0; i < ks.size(); ++i) EXPECT_EQ(after->get(ks[i]), random_bytes(200 + i, i)) << i;
+    for (int c = 0; c < 2; ++c)
+        for (size_t n = 0; n < written[c].size(); ++n)
+            EXPECT_EQ(after->get(written[c][n]), random_bytes(64, n)) << "a write reported done is missing";
+    EXPECT_GT(after->counters().map_reads, 0);
+}
+
 TEST_F(RedisCluster, AFailoverLosesNoEntry) {
     auto st = open();
     const auto ks = keys(30, 6);
