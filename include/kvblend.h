@@ -285,6 +285,35 @@ KVB_API kvb_status kvb_ingest(kvb_context * ctx, kvb_store * store, const char *
 // model, KV type and the store's codec; no prefix). computes no KV.
 KVB_API kvb_status kvb_doc_id(kvb_context * ctx, const kvb_store * store, const char * text, kvb_id * out);
 
+// --- embeddings and rerank: libllama's forward and pooling (the server's /v1/embeddings, /v1/rerank) ---
+
+typedef struct kvb_embedder kvb_embedder;
+
+typedef struct kvb_embedder_params {
+    // how token vectors become one: NULL or "" the file's own (mean when it
+    // names none, as for a chat model), or "mean", "cls", "last"
+    const char * pooling;
+    int64_t n_ctx;      // the most tokens one input may have; 0: the model's training context, at most 2048
+    int32_t n_threads;  // CPU threads (default 2)
+    bool rerank;        // a reranker (its file's pooling is rank) for kvb_rerank; false: kvb_embed
+} kvb_embedder_params;
+
+KVB_API kvb_embedder_params kvb_embedder_default_params(void);
+// an embedding model or a reranker (BERT-style, nomic, Qwen3-Embedding and
+// -Reranker, BGE/Jina rerankers, a chat model pooled) on the host; one call at a time
+KVB_API kvb_status kvb_embedder_load(const char * path, const kvb_embedder_params * params, kvb_embedder ** out);
+KVB_API void kvb_embedder_free(kvb_embedder * embedder);
+// the length of an embedding (0 for NULL)
+KVB_API int32_t kvb_embedder_dim(const kvb_embedder * embedder);
+// each text's L2-normalized vector, as the server's /v1/embeddings gives it:
+// *out holds n_texts × dim floats, text by text (kvb_free). an empty text or
+// one longer than n_ctx is KVB_ERR_INVALID_ARGUMENT / KVB_ERR_CONTEXT_OVERFLOW
+KVB_API kvb_status kvb_embed(kvb_embedder * embedder, const char * const * texts, size_t n_texts, float ** out);
+// a reranker's score of each document for the query (higher: more relevant),
+// in the documents' order: *out holds n_docs floats (kvb_free)
+KVB_API kvb_status kvb_rerank(kvb_embedder * embedder, const char * query, const char * const * docs, size_t n_docs,
+                              float ** out);
+
 // --- chat with tools: OpenAI's messages and tools, through the model's chat template ---
 
 // a conversation rendered by the model's chat template, as the server renders

@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 import time
-from ctypes import byref, c_bool, c_char_p, c_float, c_int32, c_size_t, c_void_p
+from ctypes import POINTER, byref, c_bool, c_char_p, c_float, c_int32, c_size_t, c_void_p
 from dataclasses import dataclass, fields
 
 from . import _lib
@@ -61,7 +61,7 @@ def _check_not_forked():
 __version__ = _c.kvb_version().decode()
 library_path = _c.path
 
-__all__ = ["Model", "Store", "BlendResult", "BlendStats", "GenerateResult", "GenerateStats", "StoreStats",
+__all__ = ["Model", "Store", "Embedder", "BlendResult", "BlendStats", "GenerateResult", "GenerateStats", "StoreStats",
            "IngestStats", "Generation", "Error", "InvalidArgumentError", "NotFoundError", "CancelledError",
            "StoreUnavailableError", "ContextOverflowError",
            "DEFAULT_SEED", "set_verbose", "list_devices", "add_rpc_server", "library_path"]
@@ -489,6 +489,78 @@ class Store(_Closing):
 
     def __repr__(self):
         return "kvblend.Store(%r, codec=%r)" % (self.uri, self.codec)
+
+
+# --- embeddings and rerank ----------------------------------------------------------
+
+class Embedder(_Closing):
+    """An embedding model or a reranker through libllama, as the server's
+    ``/v1/embeddings`` and ``/v1/rerank`` run it (BERT-style encoders, nomic,
+    Qwen3-Embedding and -Reranker, BGE/Jina rerankers, a chat model pooled).
+
+    ``pooling`` (None: the file's own; "mean", "cls", "last"), ``n_ctx`` the
+    most tokens one input may have (0: the model's, at most 2048). With
+    ``rerank=True`` the file must be a reranker and ``rerank()`` scores
+    documents; else ``embed()`` gives vectors. One call at a time.
+    """
+
+    _what = "embedder"
+
+    def __init__(self, path, *, pooling=None, n_ctx=0, n_threads=2, rerank=False):
+        p = _c.kvb_embedder_default_params()
+        pooling_b = _b(pooling, "pooling") if pooling else None  # kept alive for the call
+        p.pooling = pooling_b
+        p.n_ctx = _int(n_ctx, "n_ctx", 0, 2**63 - 1, "a non-negative integer")
+        p.n_threads = _int32(n_threads, "n_threads")
+        p.rerank = bool(rerank)
+        h = c_void_p()
+        _check(_c.kvb_embedder_load(_path(path), byref(p), byref(h)))
+        self._h = h
+        self._init_use()
+        self.path = path
+        self.rerank_model = bool(rerank)
+        self.dim = _c.kvb_embedder_dim(h)
+
+    def _alive(self):
+        return bool(getattr(self, "_h", None))
+
+    def _free(self):
+        if self._alive():
+            _c.kvb_embedder_free(self._h)
+            self._h = None
+
+    @staticmethod
+    def _texts(texts, what):
+        if isinstance(texts, (str, bytes)):
+            raise InvalidArgumentError("%s must be a list of strings, not one string" % what, "KVB_ERR_INVALID_ARGUMENT")
+        encoded = [_b(t, "a text of " + what) for t in texts]
+        return encoded, (c_char_p * max(1, len(encoded)))(*encoded)
+
+    def embed(self, texts):
+        """Each text's L2-normalized vector (a list of ``dim`` floats), in order."""
+        encoded, arr = self._texts(texts, "texts")
+        out = POINTER(c_float)()
+        with self._using():
+            _check(_c.kvb_embed(self._h, arr, len(encoded), byref(out)))
+        try:
+            return [out[i * self.dim:(i + 1) * self.dim] for i in range(len(encoded))]
+        finally:
+            _c.kvb_free(out)
+
+    def rerank(self, query, documents):
+        """Each document's relevance score for ``query`` (higher: more relevant), in the documents' order."""
+        q = _b(query, "query")
+        encoded, arr = self._texts(documents, "documents")
+        out = POINTER(c_float)()
+        with self._using():
+            _check(_c.kvb_rerank(self._h, q, arr, len(encoded), byref(out)))
+        try:
+            return out[:len(encoded)]
+        finally:
+            _c.kvb_free(out)
+
+    def __repr__(self):
+        return "kvblend.Embedder(%r, rerank=%r)" % (self.path, self.rerank_model)
 
 
 # --- model --------------------------------------------------------------------

@@ -79,6 +79,10 @@ class kvb_ingest_stats(Structure):
                 ("collect_ms", c_double)]
 
 
+class kvb_embedder_params(Structure):
+    _fields_ = [("pooling", c_char_p), ("n_ctx", c_int64), ("n_threads", c_int32), ("rerank", c_bool)]
+
+
 class kvb_logit_bias(Structure):
     _fields_ = [("token", kvb_token), ("bias", c_float)]
 
@@ -116,7 +120,7 @@ class kvb_blend_stats(Structure):
 
 STRUCTS = [kvb_logit_bias, kvb_token_prob, kvb_token_info, kvb_id, kvb_model_params, kvb_model_info, kvb_chat_message,
            kvb_context_params, kvb_store_params, kvb_store_stats, kvb_ingest_params, kvb_ingest_stats,
-           kvb_generate_params, kvb_generate_stats, kvb_blend_params, kvb_doc, kvb_blend_stats]
+           kvb_generate_params, kvb_generate_stats, kvb_blend_params, kvb_doc, kvb_blend_stats, kvb_embedder_params]
 
 _P = c_void_p  # opaque handles
 _status = c_int
@@ -147,6 +151,12 @@ _FUNCS = {
     "kvb_context_default_params": (kvb_context_params, []),
     "kvb_context_new": (_status, [_P, POINTER(kvb_context_params), POINTER(_P)]),
     "kvb_context_free": (None, [_P]),
+    "kvb_embedder_default_params": (kvb_embedder_params, []),
+    "kvb_embedder_load": (_status, [c_char_p, POINTER(kvb_embedder_params), POINTER(_P)]),
+    "kvb_embedder_free": (None, [_P]),
+    "kvb_embedder_dim": (c_int32, [_P]),
+    "kvb_embed": (_status, [_P, POINTER(c_char_p), c_size_t, POINTER(POINTER(c_float))]),
+    "kvb_rerank": (_status, [_P, c_char_p, POINTER(c_char_p), c_size_t, POINTER(POINTER(c_float))]),
     "kvb_store_default_params": (kvb_store_params, []),
     "kvb_store_open": (_status, [c_char_p, POINTER(kvb_store_params), POINTER(_P)]),
     "kvb_store_free": (None, [_P]),

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "chat/tool_chat.h"
+#include "embed/embedder.h"
 #include "kvblend.h"
 #include "kvblend/blend.h"
 #include "kvblend/calibration.h"
@@ -39,6 +40,11 @@ struct kvb_store {
     std::string codec;                   // canonical codec name, part of every key
     std::unique_ptr<chunk_tiers> tiers;  // the host tier in front of st (a model-free store: no device tier)
     std::string uri;                     // st->uri(), kept for kvb_store_uri
+};
+
+struct kvb_embedder {
+    std::unique_ptr<embedder> e;
+    bool rerank = false;  // loaded as a reranker: kvb_rerank only; else kvb_embed only
 };
 
 struct kvb_context {
@@ -700,6 +706,103 @@ kvb_status kvb_store_contains(kvb_store * store, const char * id, bool * out) {
         need(out, "out");
         *out = is_id(id) &&
                store_call("cannot look up '" + std::string(id) + "'", [&] { return store->st->contains(id); });
+    });
+}
+
+// --- embeddings and rerank -----------------------------------------------------
+
+// the server's bound on one request's tokens, on one call's
+constexpr int64_t k_max_embed_call_tokens = 300000;
+
+kvb_embedder_params kvb_embedder_default_params(void) {
+    kvb_embedder_params p;
+    std::memset(&p, 0, sizeof(p));
+    p.n_threads = embedder_params{}.n_threads;
+    return p;
+}
+
+kvb_status kvb_embedder_load(const char * path, const kvb_embedder_params * params, kvb_embedder ** out) {
+    return guarded([&] {
+        need(path, "path");
+        need(out, "out");
+        const kvb_embedder_params p = params ? *params : kvb_embedder_default_params();
+        if (p.n_ctx < 0 || p.n_ctx > (1 << 24)) fail(error_kind::invalid_argument, "n_ctx must be in [0, 16777216]");
+        if (p.n_threads < 1 || p.n_threads > 1024) fail(error_kind::invalid_argument, "n_threads must be in [1, 1024]");
+        embedder_params ep;
+        ep.pooling = p.pooling ? p.pooling : "";
+        if (!ep.pooling.empty()) pooling_by_name(ep.pooling);  // invalid_argument naming the choices
+        ep.n_ctx = p.n_ctx;
+        ep.n_threads = p.n_threads;
+        ep.rerank = p.rerank;
+        auto h = std::make_unique<kvb_embedder>();
+        h->e = std::make_unique<embedder>(path, ep);
+        h->rerank = p.rerank;
+        *out = h.release();
+    });
+}
+
+void kvb_embedder_free(kvb_embedder * embedder) {
+    delete embedder;
+}
+
+int32_t kvb_embedder_dim(const kvb_embedder * embedder) {
+    return embedder ? embedder->e->n_embd() : 0;
+}
+
+namespace {
+// texts[0…n) checked: none NULL, each within the embedder's context before it is tokenized
+std::vector<std::string> embed_texts(const kvb_embedder & e, const char * const * texts, size_t n, const char * what) {
+    if (n > 0) need(texts, what);
+    std::vector<std::string> out;
+    for (size_t i = 0; i < n; ++i) {
+        if (!texts[i]) fail(error_kind::invalid_argument, std::string(what) + "[" + std::to_string(i) + "] is NULL");
+        e.e->tokens().check_text_fits(std::strlen(texts[i]), e.e->n_ctx(), std::string(what) + " " + std::to_string(i));
+        out.emplace_back(texts[i]);
+    }
+    return out;
+}
+
+void check_call_tokens(const std::vector<std::vector<llama_token>> & inputs) {
+    int64_t n = 0;
+    for (const auto & in : inputs) n += (int64_t) in.size();
+    if (n > k_max_embed_call_tokens)
+        fail(error_kind::invalid_argument, "the inputs hold " + std::to_string(n) + " tokens, more than " +
+                                               std::to_string(k_max_embed_call_tokens) + " per call");
+}
+}  // namespace
+
+kvb_status kvb_embed(kvb_embedder * embedder, const char * const * texts, size_t n_texts, float ** out) {
+    return guarded([&] {
+        need(embedder, "embedder");
+        need(out, "out");
+        if (embedder->rerank)
+            fail(error_kind::invalid_argument, "this embedder was loaded as a reranker (rerank): use kvb_rerank");
+        std::vector<std::vector<llama_token>> inputs;
+        for (const std::string & t : embed_texts(*embedder, texts, n_texts, "texts"))
+            inputs.push_back(embedder->e->tokens().tokenize(t, true, true));
+        check_call_tokens(inputs);
+        std::vector<float> flat;
+        for (const auto & v : embedder->e->embed(inputs)) flat.insert(flat.end(), v.begin(), v.end());
+        *out = dup_array(flat);
+    });
+}
+
+kvb_status kvb_rerank(kvb_embedder * embedder, const char * query, const char * const * docs, size_t n_docs,
+                      float ** out) {
+    return guarded([&] {
+        need(embedder, "embedder");
+        need(query, "query");
+        need(out, "out");
+        if (!embedder->rerank)
+            fail(error_kind::invalid_argument, "this embedder is not a reranker: load one with rerank set");
+        std::vector<std::vector<llama_token>> inputs;
+        for (const std::string & d : embed_texts(*embedder, docs, n_docs, "docs")) {
+            embedder->e->tokens().check_text_fits(std::strlen(query) + d.size(), embedder->e->n_ctx(),
+                                                  "the query with a document");
+            inputs.push_back(embedder->e->rerank_input(query, d));
+        }
+        check_call_tokens(inputs);
+        *out = dup_array(embedder->e->score(inputs));
     });
 }
 

@@ -117,6 +117,41 @@ TEST_F(capi_hostile, every_required_null_pointer_is_an_invalid_argument_naming_i
     kvb_store_free(st);
 }
 
+// the embedder's calls: NULL pointers named, NULL texts inside an array, the
+// other kind's call refused (an embedding model does not rerank, nor a
+// reranker embed), and nothing allocated for a failed call
+TEST_F(capi_hostile, embedder_calls_refuse_null_pointers_and_the_other_kinds_call) {
+    kvb_embedder * e = nullptr;
+    float * out = nullptr;
+    EXPECT_EQ(kvb_embedder_load(nullptr, nullptr, &e), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(last_error(), "path must not be NULL");
+    EXPECT_EQ(kvb_embedder_load(k_stories.c_str(), nullptr, nullptr), KVB_ERR_INVALID_ARGUMENT);
+    kvb_embedder_params p = kvb_embedder_default_params();
+    p.pooling = "max";
+    EXPECT_EQ(kvb_embedder_load(k_stories.c_str(), &p, &e), KVB_ERR_INVALID_ARGUMENT);
+    p = kvb_embedder_default_params();
+    p.n_ctx = -1;
+    EXPECT_EQ(kvb_embedder_load(k_stories.c_str(), &p, &e), KVB_ERR_INVALID_ARGUMENT);
+    ASSERT_EQ(kvb_embedder_load(k_stories.c_str(), nullptr, &e), KVB_OK) << kvb_last_error();
+    EXPECT_EQ(kvb_embedder_dim(e), 64);
+    EXPECT_EQ(kvb_embedder_dim(nullptr), 0);
+    const char * texts[] = {"Tom had a red ball.", nullptr};
+    EXPECT_EQ(kvb_embed(nullptr, texts, 1, &out), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(kvb_embed(e, nullptr, 1, &out), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(kvb_embed(e, texts, 1, nullptr), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(kvb_embed(e, texts, 2, &out), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(last_error(), "texts[1] is NULL");
+    EXPECT_EQ(kvb_rerank(e, "q", texts, 1, &out), KVB_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(out, nullptr);
+    ASSERT_EQ(kvb_embed(e, texts, 1, &out), KVB_OK) << kvb_last_error();
+    double norm = 0;
+    for (int i = 0; i < 64; ++i) norm += (double) out[i] * out[i];
+    EXPECT_NEAR(norm, 1.0, 1e-5);
+    kvb_free(out);
+    kvb_embedder_free(e);
+    kvb_embedder_free(nullptr);
+}
+
 // --- out-of-range values ------------------------------------------------------
 
 TEST_F(capi_hostile, status_names_of_values_outside_the_enum_are_unknown_not_undefined) {

@@ -27,6 +27,12 @@ int main(void) {
     FIELD(kvb_token_info, top);
     FIELD(kvb_token_info, n_top);
     END();
+    BEGIN(kvb_embedder_params);
+    FIELD(kvb_embedder_params, pooling);
+    FIELD(kvb_embedder_params, n_ctx);
+    FIELD(kvb_embedder_params, n_threads);
+    FIELD(kvb_embedder_params, rerank);
+    END();
     BEGIN(kvb_id);
     FIELD(kvb_id, hex);
     END();
