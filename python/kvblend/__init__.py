@@ -531,8 +531,9 @@ class Embedder(_Closing):
 
     @staticmethod
     def _texts(texts, what):
-        if isinstance(texts, (str, bytes)):
-            raise InvalidArgumentError("%s must be a list of strings, not one string" % what, "KVB_ERR_INVALID_ARGUMENT")
+        if not isinstance(texts, (list, tuple)):
+            raise InvalidArgumentError("%s must be a list of strings, not %s" % (what, type(texts).__name__),
+                                       "KVB_ERR_INVALID_ARGUMENT")
         encoded = [_b(t, "a text of " + what) for t in texts]
         return encoded, (c_char_p * max(1, len(encoded)))(*encoded)
 

@@ -27,8 +27,12 @@ constexpr pooling_entry k_poolings[] = {
 llama_context * new_context(llama_model * model, const embedder_params & p, int64_t n_ctx, int32_t n_seqs,
                             enum llama_pooling_type pooling) {
     llama_context_params cp = llama_context_default_params();
-    // an encoder sees a whole input in one micro-batch, so the batch is the context
-    cp.n_ctx = cp.n_batch = cp.n_ubatch = (uint32_t) n_ctx;
+    // an encoder sees a whole input in one micro-batch, so the batch is the
+    // context: whole blocks of 8 cells and at least 16 (libllama asserts in
+    // its graph on other sizes: 31 cells, or fewer than its sequences);
+    // inputs stay bounded by the n_ctx asked
+    const int64_t cells = std::max<int64_t>({16, (n_ctx + 7) / 8 * 8, (n_seqs + 7) / 8 * 8});
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = (uint32_t) cells;
     cp.n_seq_max = (uint32_t) n_seqs;
     cp.kv_unified = true;  // the packed inputs share one cache of n_ctx cells
     cp.n_threads = cp.n_threads_batch = p.n_threads;

@@ -101,15 +101,38 @@ bool soft_store::contains(const std::string & k) {
     return guarded("contains", true, false, [&] { return s_->contains(k); });
 }
 
+// a log call that fails for its own reasons (a damaged or foreign log) is
+// no failure of the chunk store: a warning, not counted and no trip; a store
+// that cannot be reached is one, as for any call
+template <typename T, typename F>
+T soft_store::guarded_log(const char * what, T miss, F && call) {
+    std::lock_guard l(call_mu_);
+    if (held_back()) return miss;
+    try {
+        T r = call();
+        answered();
+        return r;
+    } catch (const std::exception & e) {
+        const auto * ke = dynamic_cast<const error *>(&e);
+        if (ke && ke->kind() == error_kind::store_unavailable) {
+            failed(what, e, true);
+        } else if (time_ms() - last_log_warning_ms_ >= warning_every_ms) {
+            std::fprintf(stderr, "warning: store %s: %s failed (%s)\n", s_->uri().c_str(), what, e.what());
+            last_log_warning_ms_ = time_ms();
+        }
+        return miss;
+    }
+}
+
 void soft_store::log_append(const std::string & name, const std::string & record, uint64_t max_records) {
-    guarded("log append", false, false, [&] {
+    guarded_log("log append", false, [&] {
         s_->log_append(name, record, max_records);
         return true;
     });
 }
 
 std::vector<std::string> soft_store::log_read(const std::string & name, std::string & cursor, size_t max) {
-    return guarded("log read", true, std::vector<std::string>(), [&] { return s_->log_read(name, cursor, max); });
+    return guarded_log("log read", std::vector<std::string>(), [&] { return s_->log_read(name, cursor, max); });
 }
 
 bool soft_store::erase(const std::string & k) {

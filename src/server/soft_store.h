@@ -41,7 +41,8 @@ class soft_store : public store {
     uint64_t gc() override;
     std::string uri() const override { return s_->uri(); }
     store_counters counters() const override { return s_->counters(); }  // not through the call lock
-    // a failed append is skipped, a failed read reads nothing (the cursor stays)
+    // a failed append is skipped, a failed read reads nothing (the cursor
+    // stays); only an unreachable store counts as the store's failure
     void log_append(const std::string & name, const std::string & record, uint64_t max_records) override;
     std::vector<std::string> log_read(const std::string & name, std::string & cursor, size_t max) override;
 
@@ -64,6 +65,9 @@ class soft_store : public store {
     // call's answer, or `miss` when the backend fails or is held back (a warning, not an error)
     template <typename T, typename F>
     T guarded(const char * what, bool trips, T miss, F && call);
+    // … for a log call: its own failures are warnings only (log_append)
+    template <typename T, typename F>
+    T guarded_log(const char * what, T miss, F && call);
 
     std::unique_ptr<store> s_;
     std::mutex call_mu_;      // one backend call at a time; guards the breaker below
@@ -73,6 +77,7 @@ class soft_store : public store {
     double backoff_ms_ = 0;   // open: the wait after the last failure
     std::string last_error_;
     double last_warning_ms_ = 0;
+    double last_log_warning_ms_ = -1e300;
     std::atomic<int64_t> failures_{0};
 };
 

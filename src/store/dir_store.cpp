@@ -28,6 +28,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <random>
 #include <sstream>
@@ -79,10 +80,14 @@ bool is_temp_name(const std::string & name) {
 class fd_guard {
   public:
     explicit fd_guard(int fd) : fd_(fd) {}
-    ~fd_guard() {
-        if (fd_ >= 0) close(fd_);
-    }
+    ~fd_guard() { reset(-1); }
+    fd_guard(const fd_guard &) = delete;
+    fd_guard & operator=(const fd_guard &) = delete;
     int get() const { return fd_; }
+    void reset(int fd) {
+        if (fd_ >= 0) close(fd_);
+        fd_ = fd;
+    }
 
   private:
     int fd_;
@@ -145,11 +150,14 @@ class dir_store : public store {
     std::string uri() const override { return "dir:" + root_.string(); }
 
     // a log file: a header ("KVBLOG1\n", a generation, the records written
-    // since it was made), then records, each its length, its XXH32 and its
-    // bytes. appends hold the store's lock; past twice max_records the file
-    // is rewritten with its newest max_records under the next generation
-    // (readers whose cursor, "GENERATION:OFFSET", names an older one start
-    // over at its first record). a record cut short or damaged ends a read
+    // under it, where the good records end and where the last begins), then
+    // records, each its length, its XXH32 and its bytes. appends hold the
+    // store's lock and go where the good records end: a record an append cut
+    // short (a crash) is written over, one damaged since is dropped with what
+    // follows it by a rewrite. past twice max_records the file is rewritten
+    // with its newest max_records; a rewrite is a new generation (readers
+    // whose cursor, "GENERATION:OFFSET", names an older one start over at its
+    // first record). a read ends at a record cut short or damaged
     void log_append(const std::string & name, const std::string & record, uint64_t max_records) override {
         log_check(name, record);
         check_not_gone();
@@ -160,27 +168,32 @@ class dir_store : public store {
         const fs::path path = log_path(name);
         fd_guard fd(open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
         if (fd.get() < 0) throw error(sys_error("cannot open", path));
-        log_header h;
         struct stat st {};
         if (fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) throw error(sys_error("cannot read", path));
-        uint64_t end = (uint64_t) st.st_size;
+        log_header h;
         if (!read_log_header(fd.get(), h)) {  // new, or not ours: begun again
             h = log_header{};
             h.generation = std::random_device{}() | 1;
-            if (ftruncate(fd.get(), 0) != 0) throw error(sys_error("cannot write", path));
-            end = sizeof(log_header);
+            if (ftruncate(fd.get(), 0) != 0 || !pwrite_all(fd.get(), &h, sizeof(h), 0))
+                throw error(sys_error("cannot write", path));
+        } else if (!log_tail_intact(fd.get(), h, (uint64_t) st.st_size)) {
+            // damaged since written: the records before the damage, rewritten
+            rewrite_log(path, read_log_records(fd.get(), h), h.generation + 1, std::numeric_limits<uint64_t>::max());
+            fd.reset(open(path.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+            if (fd.get() < 0 || !read_log_header(fd.get(), h)) throw error(sys_error("cannot reopen", path));
         }
         std::string frame(8, '\0');
         const uint32_t len = (uint32_t) record.size(), sum = XXH32(record.data(), record.size(), 0);
         std::memcpy(frame.data(), &len, 4);
         std::memcpy(frame.data() + 4, &sum, 4);
         frame += record;
+        if (!pwrite_all(fd.get(), frame.data(), frame.size(), h.end)) throw error(sys_error("cannot write", path));
+        h.last = h.end;
+        h.end += frame.size();
         h.count += 1;
-        if (pwrite_all(fd.get(), frame.data(), frame.size(), end) && pwrite_all(fd.get(), &h, sizeof(h), 0)) {
-            if (h.count > 2 * std::max<uint64_t>(1, max_records)) compact_log(fd.get(), path, h, max_records);
-            return;
-        }
-        throw error(sys_error("cannot write", path));
+        if (!pwrite_all(fd.get(), &h, sizeof(h), 0)) throw error(sys_error("cannot write", path));
+        if (h.count > 2 * std::max<uint64_t>(1, max_records))
+            rewrite_log(path, read_log_records(fd.get(), h), h.generation + 1, max_records);
     }
 
     std::vector<std::string> log_read(const std::string & name, std::string & cursor, size_t max) override {
@@ -196,8 +209,10 @@ class dir_store : public store {
         if (!read_log_header(fd.get(), h)) return out;
         uint64_t at = sizeof(log_header);
         unsigned long long gen = 0, off = 0;
-        if (std::sscanf(cursor.c_str(), "%llu:%llu", &gen, &off) == 2 && gen == h.generation && off >= at) at = off;
-        for (std::string rec; out.size() < max && read_log_record(fd.get(), at, rec);) out.push_back(std::move(rec));
+        if (std::sscanf(cursor.c_str(), "%llu:%llu", &gen, &off) == 2 && gen == h.generation && off >= at)
+            at = std::min<uint64_t>(off, h.end);
+        for (std::string rec; out.size() < max && at < h.end && read_log_record(fd.get(), at, rec);)
+            out.push_back(std::move(rec));
         cursor = std::to_string(h.generation) + ":" + std::to_string(at);
         return out;
     }
@@ -417,13 +432,32 @@ class dir_store : public store {
     struct log_header {
         char magic[8] = {'K', 'V', 'B', 'L', 'O', 'G', '1', '\n'};
         uint64_t generation = 0;
-        uint64_t count = 0;  // records written under this generation
+        uint64_t count = 0;                 // records written under this generation
+        uint64_t end = sizeof(log_header);  // where the good records end: the next one goes here
+        uint64_t last = 0;                  // where the last one begins (0: none)
     };
 
     static bool read_log_header(int fd, log_header & h) {
         log_header want;
         return pread(fd, &h, sizeof(h), 0) == (ssize_t) sizeof(h) &&
-               std::memcmp(h.magic, want.magic, sizeof(want.magic)) == 0;
+               std::memcmp(h.magic, want.magic, sizeof(want.magic)) == 0 && h.end >= sizeof(h);
+    }
+
+    // the header's last record is whole and ends where the header says
+    static bool log_tail_intact(int fd, const log_header & h, uint64_t size) {
+        if (h.end > size) return false;
+        if (h.last == 0) return h.end == sizeof(log_header);
+        uint64_t at = h.last;
+        std::string rec;
+        return read_log_record(fd, at, rec) && at == h.end;
+    }
+
+    // the records from the first on, up to the header's end or a damaged one
+    static std::vector<std::string> read_log_records(int fd, const log_header & h) {
+        std::vector<std::string> all;
+        uint64_t at = sizeof(log_header);
+        for (std::string rec; at < h.end && read_log_record(fd, at, rec);) all.push_back(std::move(rec));
+        return all;
     }
 
     static bool pwrite_all(int fd, const void * p, size_t n, uint64_t at) {
@@ -450,25 +484,25 @@ class dir_store : public store {
         return true;
     }
 
-    // under the lock: the newest max_records, rewritten under the next generation
-    void compact_log(int fd, const fs::path & path, const log_header & h, uint64_t max_records) {
-        std::vector<std::string> all;
-        uint64_t at = sizeof(log_header);
-        for (std::string rec; read_log_record(fd, at, rec);) all.push_back(std::move(rec));
+    // under the lock: the newest max_records of all, a new file of generation gen
+    void rewrite_log(const fs::path & path, const std::vector<std::string> & all, uint64_t gen, uint64_t max_records) {
         const size_t from = all.size() > max_records ? all.size() - (size_t) max_records : 0;
         log_header n;
-        n.generation = h.generation + 1;
-        n.count = all.size() - from;
+        n.generation = gen;
+        std::string body;
+        for (size_t i = from; i < all.size(); ++i) {
+            const uint32_t head[2] = {(uint32_t) all[i].size(), (uint32_t) XXH32(all[i].data(), all[i].size(), 0)};
+            n.last = sizeof(n) + body.size();
+            body.append(reinterpret_cast<const char *>(head), sizeof(head));
+            body += all[i];
+            n.count += 1;
+        }
+        n.end = sizeof(n) + body.size();
+        const std::string bytes = std::string(reinterpret_cast<const char *>(&n), sizeof(n)) + body;
         make_dir(root_ / "tmp");
         const fs::path tmp = root_ / "tmp" / temp_name(path.filename().string());
         fd_guard out(open(tmp.c_str(), k_temp_flags, 0644));
         if (out.get() < 0) throw error(sys_error("cannot create", tmp));
-        std::string bytes(reinterpret_cast<const char *>(&n), sizeof(n));
-        for (size_t i = from; i < all.size(); ++i) {
-            const uint32_t head[2] = {(uint32_t) all[i].size(), (uint32_t) XXH32(all[i].data(), all[i].size(), 0)};
-            bytes.append(reinterpret_cast<const char *>(head), sizeof(head));
-            bytes += all[i];
-        }
         try {
             write_all(out.get(), reinterpret_cast<const uint8_t *>(bytes.data()), bytes.size(), tmp);
         } catch (...) {

@@ -733,11 +733,16 @@ class redis_store : public store {
                         it->element[0]->type != REDIS_REPLY_STRING)
                         throw bad();
                     cursor.assign(it->element[0]->str, it->element[0]->len);
+                    // the value of field "r"; an entry of another writer's shape (no "r") is passed over
                     const redisReply * f = it->element[1];
-                    // a record of another writer's shape (no "r" field) is passed over
-                    if (f->type == REDIS_REPLY_ARRAY && f->elements >= 2 && f->element[1]->type == REDIS_REPLY_STRING &&
-                        f->element[1]->len <= k_max_log_record)
-                        out.emplace_back(f->element[1]->str, f->element[1]->len);
+                    for (size_t j = 0; f->type == REDIS_REPLY_ARRAY && j + 1 < f->elements; j += 2) {
+                        const redisReply *name = f->element[j], *value = f->element[j + 1];
+                        if (name->type == REDIS_REPLY_STRING && name->len == 1 && name->str[0] == 'r' &&
+                            value->type == REDIS_REPLY_STRING && value->len <= k_max_log_record) {
+                            out.emplace_back(value->str, value->len);
+                            break;
+                        }
+                    }
                 }
                 return out;
             });

@@ -93,8 +93,9 @@ def test_bad_input_is_an_exception_with_the_c_message(reranker):
     with kvblend.Embedder(MODEL, pooling="cls", n_ctx=16) as e:
         with pytest.raises((kvblend.ContextOverflowError, kvblend.InvalidArgumentError)):
             e.embed(["Tom had a red ball. " * 50])
-        with pytest.raises(kvblend.InvalidArgumentError, match="list of strings"):
-            e.embed("Tom")
+        for not_a_list in ("Tom", {"Tom": 1}):
+            with pytest.raises(kvblend.InvalidArgumentError, match="list of strings"):
+                e.embed(not_a_list)
         with pytest.raises(ValueError, match="NUL"):
             e.embed(["a\0b"])
         with pytest.raises(kvblend.InvalidArgumentError, match="not a reranker"):
@@ -102,3 +103,10 @@ def test_bad_input_is_an_exception_with_the_c_message(reranker):
         assert e.embed([]) == []
     with pytest.raises(kvblend.Error, match="closed"):
         e.embed(["Tom"])
+    # any context size: libllama's context is made in whole blocks (it aborted on 31 cells)
+    for n in (1, 5, 31, 33):
+        with kvblend.Embedder(MODEL, n_ctx=n) as e:
+            try:
+                assert len(e.embed(["Tom had a red ball."])[0]) == 64
+            except kvblend.ContextOverflowError:
+                assert n < 8

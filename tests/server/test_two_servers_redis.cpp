@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -145,6 +146,30 @@ void documents_are_found_on_every_server(const std::string & store_uri) {
     EXPECT_NE(metrics.find("kvblend_known_documents 2"), std::string::npos) << metrics;
     if (store_uri.rfind("redis-cluster://", 0) == 0)
         EXPECT_NE(metrics.find("kvblend_store_slot_map_reads_total 1"), std::string::npos) << metrics;
+}
+
+// a documents log the store cannot read (here a link, which it does not
+// follow) is a warning: no store error, and the chunk reads go on
+TEST(two_servers, a_broken_documents_log_costs_no_chunk_reads) {
+    test::temp_dir d("broken-log");
+    const std::string kv = d.file("kv");
+    test::serve_process a(k_stories, {"-c", "512", "--store", "dir:" + kv, "--chunk-cache-host", "0"});
+    auto ca = a.client();
+    const std::string doc = "Tom had a red ball. He threw it high and it landed in the tree by the pond.";
+    auto [st, added] = post(ca, "/v1/documents", {{"documents", {doc}}});
+    ASSERT_EQ(st, 200) << added.dump();
+    std::filesystem::create_directories(kv + "/logs");
+    std::filesystem::remove(kv + "/logs/documents.log");
+    std::filesystem::create_symlink("/etc/hostname", kv + "/logs/documents.log");
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the next plain prompt reads the log
+    auto [s1, plain] =
+        post(ca, "/v1/completions",
+             {{"prompt", "Stories:\n\n" + doc + "\n\nOnce upon a time"}, {"max_tokens", 2}, {"temperature", 0}});
+    ASSERT_EQ(s1, 200) << plain.dump();
+    EXPECT_EQ(plain["kvblend"]["spans"].size(), 1u) << plain["kvblend"].dump();
+    json r = ask(ca, {{{"id", added["data"][0]["id"]}}, {{"text", doc + " Again."}}});
+    EXPECT_EQ(r["kvblend"]["store_errors"], 0) << r["kvblend"].dump();
+    EXPECT_GE(r["kvblend"]["store_hits"].get<int>(), 1) << r["kvblend"].dump();
 }
 
 TEST(two_servers, documents_are_found_in_plain_prompts_on_every_server_of_a_dir_store) {

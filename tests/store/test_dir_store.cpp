@@ -217,6 +217,15 @@ TEST(dir_store, logs_keep_their_newest_records_in_order) {
     }
     std::string fresh;
     EXPECT_EQ(other->log_read("d", fresh, 10), (std::vector<std::string>{"rec0", "rec1"}));
+    // the next append drops the damaged record and is read after the others
+    st->log_append("d", "after", 100);
+    fresh.clear();
+    EXPECT_EQ(other->log_read("d", fresh, 10), (std::vector<std::string>{"rec0", "rec1", "after"}));
+    // a record cut short (a crash mid-append) is written over by the next one
+    fs::resize_file(log, fs::file_size(log) - 1);
+    st->log_append("d", "again", 100);
+    fresh.clear();
+    EXPECT_EQ(other->log_read("d", fresh, 10), (std::vector<std::string>{"rec0", "rec1", "again"}));
     std::ofstream(log, std::ios::trunc) << "not a log";
     std::string none;
     EXPECT_TRUE(other->log_read("d", none, 10).empty());

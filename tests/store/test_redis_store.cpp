@@ -340,6 +340,11 @@ TEST_F(RedisStore, LogsKeepTheirNewestRecordsInOrder) {
     test::check_log_contract(*st);
     EXPECT_TRUE(st->list().empty());  // a log is no entry
     EXPECT_EQ(server_->command({"TYPE", "kvblend:log:{t1}"}), "+stream");
+    // entries another writer added: only a field named r is a record
+    server_->command({"XADD", "kvblend:log:{t5}", "*", "foo", "x"});
+    server_->command({"XADD", "kvblend:log:{t5}", "*", "a", "b", "r", "y"});
+    std::string cur;
+    EXPECT_EQ(st->log_read("t5", cur, 10), (std::vector<std::string>{"y"}));
 }
 
 TEST_F(RedisStore, GcWithoutBudgetKeepsEverything) {
