@@ -409,6 +409,38 @@ TEST(RedisClusterStall, AStalledPrimaryCostsOnlyItsOwnShardADeadline) {
     c->node(c->index_of(stalled)).resume();
 }
 
+// a shard lost with its replica: the cluster says CLUSTERDOWN for every key
+// (full coverage is Redis' default): each call is an outage error, at once,
+// never a hang, a crash or another entry
+TEST_F(RedisCluster, AClusterDownIsAnOutageForEveryCall) {
+    auto st = open();
+    const auto ks = keys(20, 12);
+    for (size_t i = 0; i < ks.size(); ++i) st->put(ks[i], random_bytes(100, i));
+    const int primary = owner(ks[0]);
+    const size_t replica = cluster_->replica_of(primary);
+    cluster_->node(replica).stop();
+    cluster_->node(cluster_->index_of(primary)).stop();
+    size_t alive = 0;
+    while (!cluster_->node(alive).running()) ++alive;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (redis_cluster::info_cluster_state(cluster_->node(alive).port()) != "fail" &&
+           std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_EQ(redis_cluster::info_cluster_state(cluster_->node(alive).port()), "fail");
+    for (const auto & k : ks) {
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+            const auto v = st->get(k);
+            ADD_FAILURE() << "a get answered " << (v ? "a value" : "a miss") << " from a cluster that is down";
+        } catch (const error & e) {
+            EXPECT_EQ(e.kind(), error_kind::store_unavailable) << e.what();
+        }
+        EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(6));
+    }
+    EXPECT_NE(error_of([&] { st->put(keys(1, 13)[0], {1}); }), "");
+    EXPECT_NE(error_of([&] { st->list(); }), "");
+}
+
 TEST_F(RedisCluster, ANodesRedisUriIsReadAsTheCluster) {
     const int port = cluster_->node(4).port();
     auto st = redis_store_open("redis://127.0.0.1:" + std::to_string(port), {});
