@@ -827,14 +827,17 @@ class redis_store : public store {
     }
 
     // op on the node that serves key: a cluster's redirects followed (the
-    // slot map learns each MOVED; an ASK is asked once, after ASKING)
+    // slot map learns each MOVED; an ASK is asked once, after ASKING). A node
+    // that fails as an outage (gone, LOADING, CLUSTERDOWN) is asked no more
+    // for this call once a fresh map names another primary for the slot: a
+    // failed-over primary that resyncs as a replica answers LOADING, not MOVED
     template <typename F>
     auto at_key(const std::string & key, F && op) -> decltype(op(*nodes_[0])) {
         if (!cluster_) return at_node(*nodes_[0], [&] { return op(*nodes_[0]); });
         if (map_stale_) load_slots();
         const int slot = redis_cluster_slot(key);
         redis_node * n = primary_of(slot);
-        bool asking = false;
+        bool asking = false, remapped = false;
         for (int hop = 1;; ++hop) {
             n->last_redirect = {};
             try {
@@ -843,7 +846,14 @@ class redis_store : public store {
                     return op(*n);
                 });
                 if (n->last_redirect.kind == redirect::NONE) return out;
-            } catch (const error &) {
+            } catch (const error & e) {
+                const bool outage =
+                    n->last_redirect.kind == redirect::NONE && e.kind() == error_kind::store_unavailable;
+                if (outage && !remapped && next_primary(slot, n)) {
+                    remapped = true;  // the slot has another primary now: ask it
+                    asking = false;
+                    continue;
+                }
                 if (n->last_redirect.kind == redirect::NONE) throw;
             }
             const redirect rd = n->last_redirect;
@@ -870,6 +880,20 @@ class redis_store : public store {
             }
             n = primary_of(slot);
         }
+    }
+
+    // after n failed as an outage: the map read again (from the nodes that
+    // answer); true, with n the slot's primary, when that is another node
+    bool next_primary(int slot, redis_node *& n) {
+        try {
+            load_slots();
+        } catch (const error &) {
+            return false;
+        }
+        redis_node * p = slot_node_[slot];
+        if (!p || p == n) return false;
+        n = p;
+        return true;
     }
 
     redis_node * primary_of(int slot) {
