@@ -898,9 +898,11 @@ class redis_store : public store {
 
     redis_node * primary_of(int slot) {
         redis_node * n = slot_node_[slot];
-        if (!n)
+        if (!n) {
+            map_stale_ = true;  // a map read mid-failover: the next command reads it again
             throw error("redis cluster at " + uri_ + ": no primary serves slot " + std::to_string(slot),
                         error_kind::store_unavailable);
+        }
         return n;
     }
 
@@ -925,20 +927,24 @@ class redis_store : public store {
         std::stable_partition(ask.begin(), ask.end(), [](const redis_node * n) { return !n->failed; });
         std::string why;
         error_kind kind = error_kind::store_unavailable;
+        bool read = false;
         for (redis_node * n : ask) {
             try {
                 at_node(*n, [&] {
                     read_slot_map(*n);
                     return 0;
                 });
-                map_stale_ = false;
-                return;
+                read = true;
+                // a node's view mid-failover may lack a shard's slots: another node's then
+                if (std::find(slot_node_.begin(), slot_node_.end(), nullptr) == slot_node_.end()) break;
             } catch (const error & e) {
                 why = e.what();
                 kind = e.kind();  // a refused password stays one
             }
         }
-        throw error("cannot read the slot map of the redis cluster at " + uri_ + ": " + why, kind);
+        if (!read) throw error("cannot read the slot map of the redis cluster at " + uri_ + ": " + why, kind);
+        // a map with slots no primary serves is read again before the next command
+        map_stale_ = std::find(slot_node_.begin(), slot_node_.end(), nullptr) != slot_node_.end();
     }
 
     // CLUSTER SLOTS: [[start, end, [host, port, id…], replicas…], …]; an
