@@ -155,7 +155,9 @@ void job_builder::sync_known(bool all) const {
     last_sync_ms_ = time_ms();
     for (;;) {
         const std::vector<std::string> texts = st_->log_read(k_docs_log, docs_cursor_, 1000);
-        for (const std::string & t : texts) known_.add(t, doc_key(rag_doc_tokens(m_->tokens(), t)));
+        // a text known already (this server's own records among them) is not tokenized again
+        for (const std::string & t : texts)
+            if (!known_.contains(t)) known_.add(t, doc_key(rag_doc_tokens(m_->tokens(), t)));
         if (!all || texts.empty()) return;
     }
 }

@@ -10,6 +10,12 @@ namespace kvblend {
 namespace {
 thread_local int64_t t_failures = 0;
 constexpr double warning_every_ms = 60000;
+
+// the store could not be reached (down, stalled, a cluster that is down): not a bad entry or call
+bool is_outage(const std::exception & e) {
+    const auto * ke = dynamic_cast<const error *>(&e);
+    return ke && ke->kind() == error_kind::store_unavailable;
+}
 }  // namespace
 
 int64_t soft_store::thread_failures() {
@@ -34,8 +40,7 @@ void soft_store::failed(const char * what, const std::exception & e, bool trips)
     last_error_ = std::string(what) + " failed: " + e.what();
     // a write that found the store unreachable trips it too: the next writes
     // would each wait a deadline holding every other call back
-    const auto * ke = dynamic_cast<const error *>(&e);
-    if (!trips && !(ke && ke->kind() == error_kind::store_unavailable)) return;
+    if (!trips && !is_outage(e)) return;
     backoff_ms_ = open_ ? std::min(k_backoff_max_ms, 2 * backoff_ms_) : k_backoff_min_ms;
     retry_at_ms_ = now + backoff_ms_;
     open_ = true;
@@ -113,8 +118,7 @@ T soft_store::guarded_log(const char * what, T miss, F && call) {
         answered();
         return r;
     } catch (const std::exception & e) {
-        const auto * ke = dynamic_cast<const error *>(&e);
-        if (ke && ke->kind() == error_kind::store_unavailable) {
+        if (is_outage(e)) {
             failed(what, e, true);
         } else if (time_ms() - last_log_warning_ms_ >= warning_every_ms) {
             std::fprintf(stderr, "warning: store %s: %s failed (%s)\n", s_->uri().c_str(), what, e.what());
