@@ -48,17 +48,22 @@ struct chunk_fetch_stats {
 // kvblend::error (CHUNK_PUT_REQUIRED). removing an unusable entry is best
 // effort in both (a read-only store still serves its other entries).
 enum chunk_put_mode { CHUNK_PUT_BEST_EFFORT, CHUNK_PUT_REQUIRED };
+// collects a chunk alone at position 0 as collect() does, somewhere else than
+// on the engine (the server: in its serving loop's steps, beside the other
+// slots); it throws kvblend::error as collect() does
+using chunk_collector = std::function<chunk_kv(const std::vector<llama_token> & tokens)>;
 // tiers may be null (none). the chunk may be a device copy (no host bytes)
-// when the tiers have a device tier
+// when the tiers have a device tier. collector: collects a miss without a
+// prefix or an eviction policy (null: on eng)
 chunk_ptr chunk_fetch(store * st, chunk_tiers * tiers, engine & eng, const std::vector<llama_token> & prefix,
                       const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
                       const std::string & codec = "raw", const evict_params & ev = {},
-                      chunk_put_mode put = CHUNK_PUT_BEST_EFFORT);
+                      chunk_put_mode put = CHUNK_PUT_BEST_EFFORT, const chunk_collector & collector = {});
 // the same without tiers, the chunk in hand
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
                               const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
                               const std::string & codec = "raw", const evict_params & ev = {},
-                              chunk_put_mode put = CHUNK_PUT_BEST_EFFORT);
+                              chunk_put_mode put = CHUNK_PUT_BEST_EFFORT, const chunk_collector & collector = {});
 
 struct rag_fuse_params {
     store * st = nullptr;  // null: every chunk is collected and nothing is kept
@@ -71,6 +76,7 @@ struct rag_fuse_params {
     // asked before each chunk's store call: once false, the request's other
     // chunks are collected without the store (a server whose store just failed)
     std::function<bool()> store_usable;
+    chunk_collector collector;  // null: misses are collected on the engine
 };
 
 struct rag_fuse_result {

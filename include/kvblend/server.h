@@ -36,6 +36,14 @@ struct server_params {
     int64_t n_batch = 2048;
     int64_t n_ubatch = 512;
     bool pace_prompts = true;
+    // where a batched server collects a fused request's missing chunks and
+    // runs its blend: in the serving loop's steps, batched with the other
+    // slots and paced as long prompts are (every forward reads the weights
+    // once for all: a GPU's way), or whole on the preparing thread beside the
+    // steps (two CPU thread teams sharing the cores: on 2 cores the streams'
+    // gaps stay shortest, docs/BENCHMARKS.md). auto: steps on a GPU model
+    enum class blend_place { auto_, steps, thread };
+    blend_place blend_in = blend_place::auto_;
     bool batch_invariant = false;  // engine_params::batch_invariant for every slot
     int max_queue = 64;            // waiting requests beyond the slots; more get 503
     float recomp_ratio = 0.08f;    // blend_default_params()'s

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "blend/blend_steps.h"
 #include "engine/driver.h"
 #include "kvblend/chunk_tiers.h"
 
@@ -97,10 +98,10 @@ void blend_params_check(const blend_params & params, const model_hparams & hp) {
                 std::to_string(params.dev_mass));
 }
 
-namespace {
+namespace {}  // namespace
 
-chunk_kv read_chunk(engine & eng, const std::vector<llama_token> & tokens, int64_t row0, int64_t pos0) {
-    kv_cache & cache = eng.cache();
+chunk_kv read_chunk(engine & eng, const kv_cache & cache, const std::vector<llama_token> & tokens, int64_t row0,
+                    int64_t pos0) {
     chunk_kv c;
     c.tokens = tokens;
     c.pos0 = pos0;
@@ -114,6 +115,8 @@ chunk_kv read_chunk(engine & eng, const std::vector<llama_token> & tokens, int64
     }
     return c;
 }
+
+namespace {
 
 // split k over groups in proportion to weight[g], no group above cap[g]
 // (water-filling: groups that would pass their cap get it, the rest share
@@ -206,7 +209,7 @@ chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t 
     if (eng.cache().type_k() != eng.cache().type_v()) throw error("chunk collection needs the same K and V cache type");
     eng.cache().clear();
     eng.eval(tokens, false, pos0);
-    return read_chunk(eng, tokens, 0, pos0);
+    return read_chunk(eng, eng.cache(), tokens, 0, pos0);
 }
 
 chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens) {
@@ -217,7 +220,7 @@ chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, co
     if (!prefix.empty()) eng.eval(prefix, false);
     eng.eval(tokens, false);
     const int64_t np = (int64_t) prefix.size();
-    return read_chunk(eng, tokens, np, np);
+    return read_chunk(eng, eng.cache(), tokens, np, np);
 }
 
 chunk_kv collect_evicted(engine & eng, const std::vector<llama_token> & tokens, const evict_params & ev) {
@@ -247,7 +250,7 @@ chunk_kv collect_evicted(engine & eng, const std::vector<llama_token> & tokens, 
     one.per_head = false;
     const std::vector<int64_t> rows =
         evict_select_rows(one, n, evict_budgets(ev, n, 1)[0], scored ? sum.data() : nullptr, nh)[0];
-    chunk_kv c = read_chunk(eng, tokens, 0, 0);
+    chunk_kv c = read_chunk(eng, eng.cache(), tokens, 0, 0);
     if ((int64_t) rows.size() == n) return c;
     size_t kept_bytes = 0;
     for (int64_t il = 0; il < c.n_layer(); ++il) kept_bytes += 2 * c.row_bytes(il) * rows.size();
@@ -349,171 +352,223 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
     return n;
 }
 
-blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks_in,
-                   const std::vector<llama_token> & query, const blend_params & params) {
+blend_steps::blend_steps(engine & eng, const std::vector<const chunk_kv *> & chunks_in,
+                         const std::vector<llama_token> & query, const blend_params & params,
+                         const std::function<ggml_tensor *(int64_t)> & hidden_for)
+    : m_(eng.mdl()), cache_(&eng.cache()), ub_size_(eng.params().n_ubatch), params_(params) {
     eng.require_dense_cache("a blend");
+    t_start_ = time_ms();
     // an empty prefix leaves the first document at position 0, where its
     // chunk KV is exact: it takes the prefix's role
-    std::vector<const chunk_kv *> chunks;
     for (const chunk_kv * c : chunks_in) {
         if (!c) throw error("null chunk");
-        if (c->n_tokens() > 0) chunks.push_back(c);
+        if (c->n_tokens() > 0) chunks_.push_back(c);
     }
-    const model & m = eng.mdl();
-    const model_hparams & hp = m.hparams();
-    const double t_start = time_ms();
-    if (chunks.empty()) throw error("blend needs at least one non-empty chunk");
+    const model_hparams & hp = m_.hparams();
+    if (chunks_.empty()) throw error("blend needs at least one non-empty chunk");
     if (query.empty()) throw error("blend needs a non-empty query");
-
     blend_params_check(params, hp);
-    std::vector<std::pair<int, float>> steps = params.schedule;
-    if (steps.empty()) steps.push_back({params.check_layer, params.recomp_ratio});
+    steps_ = params.schedule;
+    if (steps_.empty()) steps_.push_back({params.check_layer, params.recomp_ratio});
 
-    // layout: [c_0 | c_1 … c_k | query], one row per held token (evicted
-    // chunks hold fewer rows than tokens; positions count every token)
-    std::vector<llama_token> tokens;
-    std::vector<int32_t> pos;
     std::vector<int64_t> chunk_start;
     int64_t s = 0;
-    for (const chunk_kv * c : chunks) {
-        chunk_start.push_back((int64_t) tokens.size());
+    for (const chunk_kv * c : chunks_) {
+        chunk_start.push_back((int64_t) tokens_.size());
         for (int64_t j = 0; j < c->n_rows(); ++j) {
             const int64_t t = c->kept.empty() ? j : c->kept[j];
-            tokens.push_back(c->tokens[t]);
-            pos.push_back((int32_t) (s + t));
+            tokens_.push_back(c->tokens[t]);
+            pos_.push_back((int32_t) (s + t));
         }
         s += c->n_tokens();
     }
-    const int64_t n_chunk_tok = (int64_t) tokens.size();
+    n_chunk_tok_ = (int64_t) tokens_.size();
     for (size_t i = 0; i < query.size(); ++i) {
-        tokens.push_back(query[i]);
-        pos.push_back((int32_t) (s + (int64_t) i));
+        tokens_.push_back(query[i]);
+        pos_.push_back((int32_t) (s + (int64_t) i));
     }
     // a chunk is data (a store entry, a caller's struct): its ids are checked
     // as eval checks a prompt's, before the embedding sees them
-    for (const llama_token t : tokens)
+    for (const llama_token t : tokens_)
         if (t < 0 || t >= hp.n_vocab) throw error("token id " + std::to_string(t) + " is outside the vocabulary");
-    const int64_t N = (int64_t) tokens.size();         // rows
-    const int64_t N_pos = s + (int64_t) query.size();  // positions
-    if (N_pos > eng.cache().n_ctx())
-        throw error("blend of " + std::to_string(N_pos) + " tokens exceeds the context of " +
-                        std::to_string(eng.cache().n_ctx()),
-                    error_kind::context_overflow);
+    const int64_t N = (int64_t) tokens_.size();
+    n_pos_ = s + (int64_t) query.size();
+    if (n_pos_ > cache_->n_ctx())
+        throw error(
+            "blend of " + std::to_string(n_pos_) + " tokens exceeds the context of " + std::to_string(cache_->n_ctx()),
+            error_kind::context_overflow);
 
-    blend_result res;
-    blend_stats & st = res.stats;
-    st.n_tokens = N_pos;
-    st.n_doc_tokens = n_chunk_tok - chunks[0]->n_rows();
-
-    // kinds of rows: 0 prefix, 1 document, 2 query; forced rows always
-    // refresh; head rows (chunk heads inside the budget) are taken first
-    std::vector<char> is_doc(N, 0), forced(N, 0), head(N, 0);
-    for (size_t i = 1; i < chunks.size(); ++i) {
-        for (int64_t j = 0; j < chunks[i]->n_rows(); ++j) {
-            is_doc[chunk_start[i] + j] = 1;
+    blend_stats & st = res_.stats;
+    st.n_tokens = n_pos_;
+    st.n_doc_tokens = n_chunk_tok_ - chunks_[0]->n_rows();
+    is_doc_.assign(N, 0), forced_.assign(N, 0), head_.assign(N, 0), query_.assign(N, 0);
+    for (size_t i = 1; i < chunks_.size(); ++i) {
+        for (int64_t j = 0; j < chunks_[i]->n_rows(); ++j) {
+            is_doc_[chunk_start[i] + j] = 1;
             // the head is the document's first tokens (an evicted chunk may have dropped them)
-            const int64_t t = chunks[i]->kept.empty() ? j : chunks[i]->kept[j];
-            if (t < params.recompute_chunk_head) (params.head_in_budget ? head : forced)[chunk_start[i] + j] = 1;
+            const int64_t t = chunks_[i]->kept.empty() ? j : chunks_[i]->kept[j];
+            if (t < params.recompute_chunk_head) (params.head_in_budget ? head_ : forced_)[chunk_start[i] + j] = 1;
         }
     }
-    for (int64_t p = n_chunk_tok; p < N; ++p) forced[p] = 1;
-    std::vector<int32_t> chunk_of(N, -1);  // the chunk of each row
-    for (size_t i = 0; i < chunks.size(); ++i)
-        for (int64_t j = 0; j < chunks[i]->n_rows(); ++j) chunk_of[chunk_start[i] + j] = (int32_t) i;
+    for (int64_t p = n_chunk_tok_; p < N; ++p) forced_[p] = query_[p] = 1;
+    chunk_of_.assign(N, -1);
+    for (size_t i = 0; i < chunks_.size(); ++i)
+        for (int64_t j = 0; j < chunks_[i]->n_rows(); ++j) chunk_of_[chunk_start[i] + j] = (int32_t) i;
 
     // the layers below the first check are recomputed for every token: place the rest
-    double t0 = time_ms();
-    eng.cache().clear();
-    place(eng, chunks, steps[0].first);
+    const double t0 = time_ms();
+    cache_->clear();
+    place(eng, chunks_, steps_[0].first);
     st.place_ms = time_ms() - t0;
+    // the hidden states of the rows stay on the backend between the phases
+    hidden_ = hidden_for(N);
+    run_.resize(N);
+    std::iota(run_.begin(), run_.end(), 0);
+    write_.assign(N, 1);  // before the first check every token writes
+    dev_.assign(N, 0.0f);
+}
 
-    // the hidden states of the rows stay on the backend between the runs
-    forward_driver drv(eng);
-    std::vector<int64_t> run(N);
-    std::iota(run.begin(), run.end(), 0);
-    std::vector<char> write(N, 1);  // before the first check every token writes
-    std::vector<float> dev(N, 0.0f);
-    const bool dense = params.method == BLEND_METHOD_DENSE;
-    std::vector<char> forced_query(N, 0);  // the query's rows: their attention weighs the deviations
-    for (int64_t p = n_chunk_tok; p < N; ++p) forced_query[p] = 1;
-    forward_driver::rows_run rr;
-    rr.tokens = &tokens;
-    rr.pos = &pos;
-    rr.rows = &run;
-    rr.write = &write;
-    rr.from_tokens = true;
+double blend_steps::row_weight() const {
+    const int l0 = phase_ == 0 ? 0 : steps_[phase_ - 1].first;
+    const int l1 = phase_ == steps_.size() ? (int) m_.hparams().n_layer : steps_[phase_].first;
+    return (double) (l1 - l0) / (double) m_.hparams().n_layer;
+}
 
-    for (size_t si = 0; si < steps.size(); ++si) {
-        const auto [lc, ratio] = steps[si];
-        // the layers up to the check layer, and in the same graphs the check
-        // layer's deviation of every run row (its fresh V/K, not written)
-        t0 = time_ms();
-        rr.l1 = lc;
-        rr.logits = false;
-        rr.dev_v = params.score != BLEND_SCORE_K;
-        rr.dev_k = params.score != BLEND_SCORE_V;
-        std::vector<float> attn;
-        const bool weigh = params.weight_query && lc >= 1;
-        if (weigh) {
-            attn.assign(N, 0.0f);
-            rr.score = &forced_query;
+step_piece & blend_steps::next(int64_t max_rows) {
+    const model_hparams & hp = m_.hparams();
+    const bool last_phase = phase_ == steps_.size();
+    const int64_t nt = std::min<int64_t>(
+        {ub_size_, (int64_t) (run_.size() - b0_), last_phase ? std::max<int64_t>(max_rows, 1) : INT64_MAX});
+    const bool weigh = !last_phase && params_.weight_query && steps_[phase_].first >= 1;
+    piece_ = {};
+    piece_.cache = cache_;
+    piece_.hidden = hidden_;
+    graph::ubatch & ub = piece_.ub;
+    ub.l0 = phase_ == 0 ? 0 : steps_[phase_ - 1].first;
+    ub.l1 = last_phase ? (int) hp.n_layer : steps_[phase_].first;
+    graph::ubatch_attn a;
+    const int64_t n_held = run_[b0_ + nt - 1] + 1;  // causal: later rows are hidden anyway
+    // whole blocks of rows, as a step attends, unless attention sums are read per row
+    a.n_kv = weigh ? n_held : padded_n_kv(n_held, nt, *cache_, m_.on_gpu());
+    a.kpos.assign(a.n_kv, -1);
+    std::copy(pos_.begin(), pos_.begin() + n_held, a.kpos.begin());
+    for (int64_t i = 0; i < nt; ++i) {
+        const int64_t row = run_[b0_ + i];
+        if (phase_ == 0) {
+            ub.tokens.push_back(tokens_[row]);
+        } else {
+            ub.x_rows.push_back((int32_t) row);
+            if (m_.pe_tok_embd) ub.pe_tokens.push_back(tokens_[row]);
         }
-        drv.run_rows(rr, &dev, weigh ? &attn : nullptr);
-        rr.score = nullptr;
-        const double t1 = time_ms();
-        if (si == 0)
-            st.early_ms += t1 - t0;
-        else
-            st.deep_ms += t1 - t0;
-
-        if (weigh)
-            for (int64_t p = 0; p < N; ++p) dev[p] *= attn[p];
-        res.scores.assign(N, 0.0f);
-        for (int64_t p : run) res.scores[p] = dev[p];
-
-        // candidates: document tokens still being refreshed
-        // (chunk heads inside the budget first, by deviation when the budget
-        // cannot hold them all)
-        std::vector<int64_t> cand, heads;
-        for (int64_t p : run)
-            if (is_doc[p] && write[p] && !forced[p]) (head[p] ? heads : cand).push_back(p);
-        int64_t k = (int64_t) std::llround((double) ratio * st.n_doc_tokens);
-        std::stable_sort(heads.begin(), heads.end(), [&](int64_t a, int64_t b) { return dev[a] > dev[b]; });
-        std::vector<char> sel(N, 0);
-        for (size_t i = 0; i < heads.size() && k > 0; ++i, --k) sel[heads[i]] = 1;
-        k = std::clamp<int64_t>(k, 0, (int64_t) cand.size());
-        for (int64_t p : select_tokens(cand, dev, chunk_of, (int64_t) chunks.size(), k, params)) sel[p] = 1;
-        for (int64_t p = 0; p < N; ++p)
-            if (forced[p]) sel[p] = 1;
-        write = sel;
-        if (!dense) {
-            run.clear();
-            for (int64_t p = 0; p < N; ++p)
-                if (sel[p]) run.push_back(p);
+        ub.pos.push_back(pos_[row]);
+        if (weigh && query_[row]) ub.score_rows.push_back((int32_t) i);
+        if (write_[row]) {
+            ub.write_rows.push_back((int32_t) i);
+            a.kv_idx.push_back(row);
         }
-        rr.l0 = lc;
-        rr.from_tokens = false;
-        st.check_ms += time_ms() - t1;
     }
+    if ((int64_t) ub.write_rows.size() == nt) ub.write_rows.clear();  // every token writes
+    ub.groups.push_back(std::move(a));
+    if (last_phase) {
+        if (b0_ + nt == run_.size()) ub.logit_rows = {(int32_t) (nt - 1)};
+    } else {
+        for (int64_t i = 0; i < nt; ++i) ub.out_x_rows.push_back((int32_t) run_[b0_ + i]);
+        ub.dev = params_.score == BLEND_SCORE_KV  ? graph::UBATCH_DEV_KV
+                 : params_.score == BLEND_SCORE_K ? graph::UBATCH_DEV_K
+                                                  : graph::UBATCH_DEV_V;
+        ub.dev_layer = ub.l1;
+        for (int64_t i = 0; i < nt; ++i) ub.dev_cache_rows.push_back((int32_t) run_[b0_ + i]);
+    }
+    return piece_;
+}
 
-    t0 = time_ms();
-    rr.l1 = (int) hp.n_layer;
-    rr.logits = true;
-    rr.dev_v = rr.dev_k = false;
-    res.logits = drv.run_rows(rr);
-    st.deep_ms += time_ms() - t0;
-    if (N == N_pos)
-        eng.cache().set_n_past(N);
-    else
-        eng.cache().set_positions(pos, N_pos);  // evicted chunks: a sparse cache
+void blend_steps::ran(double ms) {
+    const graph::ubatch_out & out = piece_.out;
+    const int64_t nt = piece_.ub.n_tokens();
+    (phase_ == 0 ? res_.stats.early_ms : res_.stats.deep_ms) += ms;
+    if (!out.logits.empty()) res_.logits = out.logits;
+    for (int64_t i = 0; i < (int64_t) out.dev.size(); ++i) dev_[run_[b0_ + i]] = out.dev[i];
+    if (!out.scores.empty() && !out.scores.back().empty()) {
+        // the last layer's sums, F32 [n_kv, n_head]: key row j of the cache is row j
+        if (attn_.empty()) attn_.assign(dev_.size(), 0.0f);
+        const std::vector<float> & sc = out.scores.back();
+        const int64_t n_kv = piece_.ub.groups[0].n_kv, n_head = (int64_t) sc.size() / n_kv;
+        for (int64_t h = 0; h < n_head; ++h)
+            for (int64_t j = 0; j < n_kv; ++j) attn_[j] += sc[h * n_kv + j];
+    }
+    b0_ += (size_t) nt;
+    if (b0_ < run_.size()) return;
+    if (phase_ < steps_.size()) select();
+    b0_ = 0;
+    ++phase_;
+}
 
+void blend_steps::select() {
+    const double t1 = time_ms();
+    const int64_t N = (int64_t) tokens_.size();
+    const auto [lc, ratio] = steps_[phase_];
+    const bool weigh = params_.weight_query && lc >= 1;
+    if (weigh)
+        for (int64_t p = 0; p < N; ++p) dev_[p] *= attn_.empty() ? 0.0f : attn_[p];
+    attn_.clear();
+    res_.scores.assign(N, 0.0f);
+    for (int64_t p : run_) res_.scores[p] = dev_[p];
+
+    // candidates: document tokens still being refreshed
+    // (chunk heads inside the budget first, by deviation when the budget
+    // cannot hold them all)
+    std::vector<int64_t> cand, heads;
+    for (int64_t p : run_)
+        if (is_doc_[p] && write_[p] && !forced_[p]) (head_[p] ? heads : cand).push_back(p);
+    int64_t k = (int64_t) std::llround((double) ratio * res_.stats.n_doc_tokens);
+    std::stable_sort(heads.begin(), heads.end(), [&](int64_t a, int64_t b) { return dev_[a] > dev_[b]; });
+    std::vector<char> sel(N, 0);
+    for (size_t i = 0; i < heads.size() && k > 0; ++i, --k) sel[heads[i]] = 1;
+    k = std::clamp<int64_t>(k, 0, (int64_t) cand.size());
+    for (int64_t p : select_tokens(cand, dev_, chunk_of_, (int64_t) chunks_.size(), k, params_)) sel[p] = 1;
     for (int64_t p = 0; p < N; ++p)
-        if (write[p]) res.selected.push_back(pos[p]);
-    st.n_selected = (int64_t) res.selected.size();
-    st.deep_frac = (double) run.size() / (double) N;
-    st.total_ms = time_ms() - t_start;
+        if (forced_[p]) sel[p] = 1;
+    write_ = sel;
+    if (params_.method != BLEND_METHOD_DENSE) {
+        run_.clear();
+        for (int64_t p = 0; p < N; ++p)
+            if (sel[p]) run_.push_back(p);
+    }
+    res_.stats.check_ms += time_ms() - t1;
+}
+
+void blend_steps::run_alone(forward_driver & drv) {
+    while (!done()) {
+        std::vector<step_piece *> one{&next()};
+        const double t0 = time_ms();
+        drv.run_step(one);
+        ran(time_ms() - t0);
+    }
+}
+
+blend_result blend_steps::finish() {
+    if (!done()) throw error("internal: a blend finished before its last phase");
+    const int64_t N = (int64_t) tokens_.size();
+    if (N == n_pos_)
+        cache_->set_n_past(N);
+    else
+        cache_->set_positions(pos_, n_pos_);  // evicted chunks: a sparse cache
+    for (int64_t p = 0; p < N; ++p)
+        if (write_[p]) res_.selected.push_back(pos_[p]);
+    blend_stats & st = res_.stats;
+    st.n_selected = (int64_t) res_.selected.size();
+    st.deep_frac = (double) run_.size() / (double) N;
+    st.total_ms = time_ms() - t_start_;
     st.outside_ms = st.total_ms - st.early_ms - st.deep_ms;
-    return res;
+    return std::move(res_);
+}
+
+blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks, const std::vector<llama_token> & query,
+                   const blend_params & params) {
+    forward_driver drv(eng);
+    blend_steps b(eng, chunks, query, params, [&](int64_t n) { return drv.hidden(n); });
+    b.run_alone(drv);
+    return b.finish();
 }
 
 generate_result blend_generate(engine & eng, const std::vector<const chunk_kv *> & chunks,

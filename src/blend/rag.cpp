@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "blend/fidelity.h"
+#include "blend/rag_steps.h"
 #include "kvblend/codec.h"
 #include "kvblend/common.h"
 
@@ -60,7 +61,8 @@ std::optional<chunk_kv> chunk_from_store(store & st, engine & eng, const std::st
 
 chunk_ptr chunk_fetch(store * st, chunk_tiers * tiers, engine & eng, const std::vector<llama_token> & prefix,
                       const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
-                      const std::string & codec_name, const evict_params & ev, chunk_put_mode put) {
+                      const std::string & codec_name, const evict_params & ev, chunk_put_mode put,
+                      const chunk_collector & collector) {
     const model & m = eng.mdl();
     const std::unique_ptr<codec> cd = codec_by_name(codec_name);
     if (ev.policy != EVICT_POLICY_NONE) {
@@ -104,7 +106,9 @@ chunk_ptr chunk_fetch(store * st, chunk_tiers * tiers, engine & eng, const std::
         }
     }
     const double t1 = time_ms();
-    chunk_kv c = !prefix.empty() ? collect_after(eng, prefix, tokens) : collect_evicted(eng, tokens, ev);
+    chunk_kv c = !prefix.empty()                               ? collect_after(eng, prefix, tokens)
+                 : collector && ev.policy == EVICT_POLICY_NONE ? collector(tokens)
+                                                               : collect_evicted(eng, tokens, ev);
     stats.misses++;
     stats.collect_ms += time_ms() - t1;
     std::vector<uint8_t> entry = chunk_encode(m, c, prefix, cd.get());
@@ -127,52 +131,66 @@ chunk_ptr chunk_fetch(store * st, chunk_tiers * tiers, engine & eng, const std::
 
 chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_token> & prefix,
                               const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
-                              const std::string & codec_name, const evict_params & ev, chunk_put_mode put) {
-    chunk_ptr c = chunk_fetch(st, nullptr, eng, prefix, tokens, stats, codec_name, ev, put);
+                              const std::string & codec_name, const evict_params & ev, chunk_put_mode put,
+                              const chunk_collector & collector) {
+    chunk_ptr c = chunk_fetch(st, nullptr, eng, prefix, tokens, stats, codec_name, ev, put, collector);
     // without tiers the chunk is this call's alone: moved out, not copied
     return std::move(const_cast<chunk_kv &>(*c));
 }
 
-rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
-                         const std::vector<const chunk_kv *> & given) {
-    rag_fuse_result r;
+rag_fuse_steps::rag_fuse_steps(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
+                               const std::function<ggml_tensor *(int64_t)> & hidden_for,
+                               const std::vector<const chunk_kv *> & given) {
     const energy_mark e_chunks = eng.energy_now();
-    std::vector<chunk_ptr> fetched;  // held until the blend is done, whatever the tiers drop meanwhile
     std::vector<const chunk_kv *> ptrs;
     bool use_store = p.st != nullptr;
     for (size_t i = 0; i < rp.chunks.size(); ++i) {
         if (rp.chunks[i].empty()) continue;
         if (i < given.size() && given[i]) {
             ptrs.push_back(given[i]);
-            r.chunk_hit.push_back(true);
+            r_.chunk_hit.push_back(true);
             continue;
         }
         // once a store call of this request failed, its other chunks go without the store
-        if (use_store && r.fetch.store_unreadable) use_store = false;
+        if (use_store && r_.fetch.store_unreadable) use_store = false;
         if (use_store && p.store_usable) use_store = p.store_usable();
         const bool behind = p.collect_with_prefix && i > 0 && !rp.chunks[0].empty();
-        const int64_t hits = r.fetch.hits;
+        const int64_t hits = r_.fetch.hits;
         // the prefix chunk (system text, sinks) is kept whole; documents may be evicted
-        fetched.push_back(chunk_fetch(use_store ? p.st : nullptr, p.tiers, eng,
-                                      behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i], r.fetch,
-                                      p.codec, i > 0 ? p.chunk_evict : evict_params{}));
-        ptrs.push_back(fetched.back().get());
-        r.chunk_hit.push_back(r.fetch.hits > hits);
+        fetched_.push_back(chunk_fetch(
+            use_store ? p.st : nullptr, p.tiers, eng, behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i],
+            r_.fetch, p.codec, i > 0 ? p.chunk_evict : evict_params{}, CHUNK_PUT_BEST_EFFORT, p.collector));
+        ptrs.push_back(fetched_.back().get());
+        r_.chunk_hit.push_back(r_.fetch.hits > hits);
     }
-    r.chunks_energy = eng.energy_since(e_chunks);
-    const energy_mark e_blend = eng.energy_now();
-    blend_result br = blend(eng, ptrs, rp.query, p.blend);
-    r.blend_logits = std::move(br.logits);
-    r.logits = r.blend_logits;
-    r.stats = br.stats;
-    r.selected = std::move(br.selected);
+    r_.chunks_energy = eng.energy_since(e_chunks);
+    blend_mark_ = eng.energy_now();
+    steps_ = std::make_unique<blend_steps>(eng, ptrs, rp.query, p.blend, hidden_for);
+}
+
+rag_fuse_result rag_fuse_steps::finish() {
+    blend_result br = steps_->finish();
+    r_.blend_logits = std::move(br.logits);
+    r_.logits = r_.blend_logits;
+    r_.stats = br.stats;
+    r_.selected = std::move(br.selected);
+    return std::move(r_);
+}
+
+rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
+                         const std::vector<const chunk_kv *> & given) {
+    forward_driver drv(eng);
+    rag_fuse_steps fs(
+        eng, rp, p, [&](int64_t n) { return drv.hidden(n); }, given);
+    fs.blend().run_alone(drv);
+    rag_fuse_result r = fs.finish();
     if (eng.params().evict.policy != EVICT_POLICY_NONE) {
         const double t0 = time_ms();
         std::vector<float> l = eng.evict(rp.query);  // scoring policies re-run the query's tail
         if (!l.empty()) r.logits = std::move(l);
         r.evict_ms = time_ms() - t0;
     }
-    r.blend_energy = eng.energy_since(e_blend);
+    r.blend_energy = eng.energy_since(fs.blend_mark());
     return r;
 }
 

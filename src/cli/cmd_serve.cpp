@@ -14,6 +14,14 @@ namespace kvblend::cli {
 
 namespace {
 
+server_params::blend_place blend_place_of(const std::string & w) {
+    using bp = server_params::blend_place;
+    if (w == "auto") return bp::auto_;
+    if (w == "steps") return bp::steps;
+    if (w == "thread") return bp::thread;
+    throw error("--blend-in expects auto, steps or thread, got '" + w + "'");
+}
+
 const char * k_help = R"(usage: kvblend serve -m MODEL [options]
 
 OpenAI-compatible HTTP server: /v1/chat/completions (with an optional
@@ -44,6 +52,10 @@ model), /v1/rerank (with a reranker), /v1/documents, /v1/models, /health,
   --no-prompt-pacing        long prompts take whole -b chunks, streams or not
                             (llama-server's way: their first token comes sooner,
                             the streams stall while they are prefilled)
+  --blend-in W              where documents are collected and blended: steps (in the serving
+                            loop's steps, batched with the other slots, paced as long prompts),
+                            thread (whole on a second thread beside the steps), or auto
+                            (default: steps on a GPU, thread on a CPU)
   --batch-invariant         a request's logits are the same bits whatever else is in the step and
                             however its prompt was cut or cached (CPU; slower: decode 0.5-0.6x,
                             prefill 0.6-0.9x; docs/RELIABILITY.md)
@@ -167,6 +179,8 @@ int cmd_serve(int argc, char ** argv) {
             sp.n_ubatch = a.integer(1, 1 << 16);
         else if (a.match({"--no-prompt-pacing"}))
             sp.pace_prompts = false;
+        else if (a.match({"--blend-in"}))
+            sp.blend_in = blend_place_of(a.str());
         else if (a.match({"--queue"}))
             sp.max_queue = (int) a.integer(0, 1 << 20);
         else if (match_ratio_flag(a, ratio))

@@ -15,30 +15,31 @@ namespace kvblend {
 struct ubatch_graph {
     ggml_context_ptr ctx;
     ggml_cgraph * gf = nullptr;
-    ggml_tensor *tok = nullptr, *x_rows = nullptr, *pos = nullptr, *write_rows = nullptr, *pe_tok = nullptr;
-    ggml_tensor *out_x = nullptr, *logit_rows = nullptr, *sel = nullptr, *dev_rows = nullptr;
+    ggml_tensor *tok = nullptr, *pos = nullptr, *write_rows = nullptr;
+    ggml_tensor *logit_rows = nullptr, *sel = nullptr;
     std::vector<graph::attn_inputs> in;         // per group
     std::vector<ggml_tensor *> score_mask;      // per group, F32 [n_kv, n_sel]
     std::vector<ggml_tensor *> score_mask_swa;  // per group, F32 [n_kv, n_sel] within the window (windowed layers)
     std::vector<ggml_tensor *> score_out;       // per layer l0…l1-1, F32 [n_kv, n_head]
-    ggml_tensor *logits = nullptr, *dev = nullptr;
+    ggml_tensor * logits = nullptr;
     // the layers past the last that owns K/V (gemma4's shared ones) run only
     // the logit rows: their positions, rows of the per-layer inputs and masks
     ggml_tensor *pos_out = nullptr, *pe_rows = nullptr;
     std::vector<graph::attn_inputs> in_out;  // per group
 };
 
-namespace {
-
-// the keys a step of n tokens attends: whole blocks of cache rows
-// (kv_cache::k_row_block; the rows past what the cache holds are masked). a
-// decode step, so that its graph repeats from step to step; on a GPU every
-// step, for ggml-cuda's fast attention kernels
 int64_t padded_n_kv(int64_t n_kv, int64_t n, const kv_cache & cache, bool on_gpu) {
     if (n > 1 && !on_gpu) return n_kv;
     const int64_t b = kv_cache::k_row_block;
     return std::min(cache.rows_allocated(), (n_kv + b - 1) / b * b);
 }
+
+namespace {
+
+// graph nodes of a layer run, and what each sequence of a batched step adds
+// to it (its views, K/V writes and attention): bounds a step's sequences
+constexpr int64_t k_nodes_per_layer = 40;
+constexpr int64_t k_nodes_per_seq_layer = 20;
 
 // what n tokens at positions pos0… attend over at a windowed cache's rings:
 // every ring row (those holding no position masked), the tokens written at
@@ -102,11 +103,10 @@ struct score_taps : graph::layer_taps {
     }
 };
 
-ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggml_tensor * hidden,
-                          std::vector<uint8_t> & meta, const graph::ubatch & ub) {
+ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, std::vector<uint8_t> & meta,
+                          const graph::ubatch & ub) {
     const int64_t n_tok = ub.n_tokens();
     const int64_t n_sel = (int64_t) ub.score_rows.size(), n_logit = (int64_t) ub.logit_rows.size();
-    const bool keep_x = !ub.out_x_rows.empty(), with_dev = ub.dev != graph::UBATCH_DEV_NONE;
     ubatch_graph g;
     ggml_init_params ip = {meta.size(), meta.data(), true};
     g.ctx.reset(ggml_init(ip));
@@ -114,21 +114,9 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
     g.gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
 
     g.pos = new_input(c, GGML_TYPE_I32, n_tok);
-    ggml_tensor * x = nullptr;
-    if (!ub.tokens.empty()) {
-        g.tok = new_input(c, GGML_TYPE_I32, n_tok);
-        x = graph::build_embd(c, m, g.tok);  // F32 [n_embd, n_tok]
-    } else {
-        g.x_rows = new_input(c, GGML_TYPE_I32, n_tok);
-        x = ggml_get_rows(c, hidden, g.x_rows);  // F32 [n_embd, n_tok]
-    }
-    // gemma4's per-layer inputs: a function of the token ids, which a run from
-    // hidden states names apart (pe_tokens)
-    ggml_tensor * pe = nullptr;
-    if (m.pe_tok_embd) {
-        if (!g.tok) g.pe_tok = new_input(c, GGML_TYPE_I32, n_tok);
-        pe = g.tok ? graph::build_pe_inputs(c, m, g.tok, x) : graph::build_pe_inputs(c, m, g.pe_tok, nullptr);
-    }
+    g.tok = new_input(c, GGML_TYPE_I32, n_tok);
+    ggml_tensor * x = graph::build_embd(c, m, g.tok);           // F32 [n_embd, n_tok]
+    ggml_tensor * pe = graph::build_pe_inputs(c, m, g.tok, x);  // gemma4's per-layer inputs
     const int64_t n_write = ub.write_rows.empty() ? n_tok : (int64_t) ub.write_rows.size();
     if (n_write < n_tok) g.write_rows = new_input(c, GGML_TYPE_I32, n_write);
     if (n_sel > 0) g.sel = new_input(c, GGML_TYPE_I32, n_sel);
@@ -161,9 +149,9 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
     }
     // the last layer computes its FFN only for the rows whose logits are wanted,
     // and only its K/V when nothing reads its output
-    const bool reduce = !keep_x && !with_dev && n_logit > 0 && n_logit < n_tok;
+    const bool reduce = n_logit > 0 && n_logit < n_tok;
     if (n_logit > 0 && n_logit < n_tok) g.logit_rows = new_input(c, GGML_TYPE_I32, n_logit);
-    const bool kv_only = !keep_x && !with_dev && n_logit == 0;
+    const bool kv_only = n_logit == 0;
     // layers that write no K/V (gemma4's shared ones) need only the rows whose logits are wanted
     const int n_owners = (int) m.hparams().n_layer_kv;
     const bool reduce_early =
@@ -196,18 +184,6 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, ggm
             last && reduce && !early ? g.logit_rows : nullptr, n_sel > 0 ? &taps : nullptr, last && kv_only);
     }
     if (!x) return g;  // only K/V writes (and scores)
-    if (keep_x) {
-        g.out_x = new_input(c, GGML_TYPE_I32, n_tok);
-        ggml_build_forward_expand(g.gf, ggml_set_rows(c, hidden, x, g.out_x));
-    }
-    if (with_dev) {
-        g.dev_rows = new_input(c, GGML_TYPE_I32, n_tok);
-        const int il = ub.dev_layer;
-        g.dev = graph::build_deviation(c, m, il, x, g.pos, cache.k(il), cache.v(il), g.dev_rows,
-                                       ub.dev != graph::UBATCH_DEV_V, ub.dev != graph::UBATCH_DEV_K);  // [1, n_tok]
-        ggml_set_output(g.dev);
-        ggml_build_forward_expand(g.gf, g.dev);
-    }
     if (n_logit > 0) {
         ggml_tensor * xl = !reduce && g.logit_rows ? ggml_get_rows(c, x, g.logit_rows) : x;  // [n_embd, n_logit]
         g.logits = graph::build_logits(c, m, xl);                                            // [n_vocab, n_logit]
@@ -370,8 +346,8 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
     const model & m = eng_.mdl();
     kv_cache & cache = eng_.cache();
     const int64_t n_tok = ub.n_tokens();
-    if ((ub.tokens.empty() || !ub.out_x_rows.empty()) && !im_.hidden)
-        throw error("internal: a ubatch uses hidden states that were not reserved");
+    if (ub.tokens.empty() || !ub.x_rows.empty() || !ub.out_x_rows.empty() || ub.dev != graph::UBATCH_DEV_NONE)
+        throw error("internal: hidden states and deviations are run_step's (a step piece)");
 
     // a decode step whose shapes repeat runs the previous step's graph again:
     // no build, no scheduler pass, only the inputs are filled (as libllama does)
@@ -392,7 +368,7 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
     } else {
         im_.decode_graph.reset();  // its descriptors live in meta_buf, which the new graph takes over
         const graph::batch_invariant_scope invariant(eng_.params().batch_invariant);
-        gp = std::make_shared<ubatch_graph>(build_ubatch(m, cache, eng_.live_.get(), im_.hidden, im_.meta_buf, ub));
+        gp = std::make_shared<ubatch_graph>(build_ubatch(m, cache, eng_.live_.get(), im_.meta_buf, ub));
         ggml_backend_sched_reset(sched);
         if (!ggml_backend_sched_alloc_graph(sched, gp->gf)) throw error("cannot allocate the compute graph");
         if (!key.empty()) im_.decode_graph = gp, im_.decode_key = key;
@@ -403,14 +379,10 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
         if (t) upload(t, data, 0, ggml_nbytes(t));
     };
     up(g.tok, ub.tokens.data());
-    up(g.pe_tok, ub.pe_tokens.data());
-    up(g.x_rows, ub.x_rows.data());
     up(g.pos, ub.pos.data());
     up(g.write_rows, ub.write_rows.data());
-    up(g.out_x, ub.out_x_rows.data());
     up(g.logit_rows, ub.logit_rows.data());
     up(g.sel, ub.score_rows.data());
-    up(g.dev_rows, ub.dev_cache_rows.data());
     for (size_t gi = 0; gi < ub.groups.size(); ++gi) {
         const graph::ubatch_attn & a = ub.groups[gi];
         up(g.in[gi].kv_idx, a.kv_idx.data());
@@ -426,10 +398,6 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
         ggml_backend_tensor_get(g.logits, out.logits.data(), 0, ggml_nbytes(g.logits));
         count(g.logits, ggml_nbytes(g.logits), false, false);  // n_vocab wide, even where n_vocab == n_embd
     }
-    if (g.dev) {
-        out.dev.resize(n_tok);
-        download(g.dev, out.dev.data(), 0, ggml_nbytes(g.dev));
-    }
     if (!ub.score_rows.empty()) {
         out.scores.resize(g.score_out.size());
         for (size_t i = 0; i < g.score_out.size(); ++i) {
@@ -441,170 +409,469 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
     return out;
 }
 
-std::vector<float> forward_driver::run_seqs(const std::vector<seq_append> & seqs) {
+namespace {
+
+// what run_step keeps of one piece while it builds the graph
+struct piece_graph {
+    step_piece * p = nullptr;
+    int end = 0;        // the layer it stops before (ub.l1, or the last owner of K/V)
+    int64_t n = 0;      // the rows it runs now (past the owners, 1 for a piece with logits)
+    bool tail = false;  // past the owners: its last row alone
+    bool logits = false, outputs = false;
+    ggml_tensor *pos = nullptr, *x_rows = nullptr, *pe_tok = nullptr;
+    ggml_tensor * x = nullptr;  // its rows' hidden states, a view of x_src's columns from x_col
+    ggml_tensor * x_src = nullptr;
+    int64_t x_col = 0;
+    ggml_tensor * pe = nullptr;  // gemma4's per-layer inputs, likewise a view of pe_src
+    ggml_tensor * pe_src = nullptr;
+    int64_t pe_col = 0;
+    graph::attn_inputs in, ring;            // its attention inputs (the rings': a windowed cache)
+    graph::attn_inputs in_tail, ring_tail;  // past the owners: the last row's
+    ggml_tensor *last_row = nullptr, *pe_rows = nullptr, *pe_tail = nullptr;
+    ggml_tensor *out_x = nullptr, *dev_rows = nullptr, *dev = nullptr;
+    // the attention sums of its score rows at its last layer
+    ggml_tensor *sel = nullptr, *score_mask = nullptr, *score_mask_swa = nullptr, *score = nullptr;
+    int64_t t0 = 0;  // its first column in the segment it runs in
+};
+
+// a piece's score rows, read in its last layer
+struct piece_taps : graph::layer_taps {
+    const model & m;
+    piece_graph & q;
+    int layer;
+    piece_taps(const model & m, piece_graph & q, int layer) : m(m), q(q), layer(layer) {}
+    void attn(ggml_context * ctx, ggml_cgraph * gf, int il, const graph::qkv & cur,
+              const graph::kv_views & kv) override {
+        if (il != layer) return;
+        ggml_tensor * mask = m.hparams().is_swa(il) ? q.score_mask_swa : q.score_mask;
+        q.score = graph::build_attn_weight_sums(ctx, m, cur.q, kv.k, q.sel, mask);
+        ggml_set_output(q.score);
+        ggml_build_forward_expand(gf, q.score);
+    }
+};
+
+// the columns [col, col + n) of a per-token tensor ([a, n_tok] or [a, n_tok, b])
+ggml_tensor * cols(ggml_context * c, ggml_tensor * t, int64_t col, int64_t n) {
+    return ggml_view_3d(c, t, t->ne[0], n, t->ne[2], t->nb[1], t->nb[2], (size_t) col * t->nb[1]);
+}
+
+// the pieces' tensors side by side (dim 1): their common source when they
+// are its columns in order, else a concatenation
+ggml_tensor * side_by_side(ggml_context * c, const std::vector<piece_graph *> & ps, ggml_tensor * piece_graph::*t,
+                           ggml_tensor * piece_graph::*src, int64_t piece_graph::*col) {
+    int64_t at = 0;
+    bool whole = true;
+    for (const piece_graph * q : ps) {
+        whole = whole && q->*src == ps[0]->*src && q->*col == at;
+        at += q->n;
+    }
+    if (whole && ps[0]->*src && at == (ps[0]->*src)->ne[1]) return ps[0]->*src;
+    ggml_tensor * out = nullptr;
+    for (const piece_graph * q : ps) out = out ? ggml_concat(c, out, q->*t, 1) : q->*t;
+    return out;
+}
+
+}  // namespace
+
+int64_t step_nodes_left(const model_hparams & hp, size_t n_appends) {
+    return graph::k_max_nodes - 64 - hp.n_layer * k_nodes_per_layer -
+           (int64_t) n_appends * hp.n_layer * k_nodes_per_seq_layer;
+}
+
+int64_t step_piece_nodes(const model_hparams & hp, const graph::ubatch & ub) {
+    return 32 + std::max<int64_t>(ub.l1 - ub.l0, 1) * k_nodes_per_seq_layer + (ub.l1 < hp.n_layer ? 8 : 0);
+}
+
+hidden_rows alloc_hidden_rows(const model & m, int64_t n) {
+    hidden_rows h;
+    ggml_init_params ip = {ggml_tensor_overhead(), nullptr, true};
+    h.ctx.reset(ggml_init(ip));
+    h.t = ggml_new_tensor_2d(h.ctx.get(), GGML_TYPE_F32, m.hparams().n_embd, std::max<int64_t>(n, 1));
+    h.buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(h.ctx.get(), ggml_backend_dev_buffer_type(m.device())));
+    if (!h.buf) throw error("cannot allocate the hidden states of " + std::to_string(n) + " tokens");
+    return h;
+}
+
+void forward_driver::run_step(std::vector<step_piece *> & pieces) {
     const model & m = eng_.mdl();
     const model_hparams & hp = m.hparams();
-    int64_t n_tok = 0;
-    std::vector<int32_t> tokens, pos, logit_rows;
-    for (const seq_append & s : seqs) {
-        for (int64_t i = 0; i < s.n; ++i) {
-            tokens.push_back(s.tokens[i]);
-            pos.push_back((int32_t) (s.cache->n_past() + i));
-        }
-        n_tok += s.n;
-        if (s.logits) logit_rows.push_back((int32_t) (n_tok - 1));
-    }
+    const int n_owners = (int) hp.n_layer_kv;
+    const bool windows = hp.has_swa();
     im_.decode_graph.reset();  // its descriptors live in meta_buf, which this graph takes over
     ggml_init_params ip = {im_.meta_buf.size(), im_.meta_buf.data(), true};
     ggml_context_ptr ctx(ggml_init(ip));
     ggml_context * c = ctx.get();
     ggml_cgraph * gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
     const graph::batch_invariant_scope invariant(eng_.params().batch_invariant);
-    ggml_tensor * tok = new_input(c, GGML_TYPE_I32, n_tok);
-    ggml_tensor * tpos = new_input(c, GGML_TYPE_I32, n_tok);
-    ggml_tensor * out_rows = logit_rows.empty() ? nullptr : new_input(c, GGML_TYPE_I32, (int64_t) logit_rows.size());
 
-    // each sequence attends over its rows, padded as a lone decode step pads
-    // them, so that its attention sees what it would see served alone
-    std::vector<graph::seq_kv> kv(seqs.size());
-    std::vector<std::vector<int64_t>> kv_idx(seqs.size());
-    std::vector<std::vector<ggml_fp16_t>> masks(seqs.size()), masks_swa(seqs.size());
-    // a windowed cache's rings: their own rows, written modulo the ring
-    std::vector<graph::attn_inputs> in_ring(seqs.size());
-    std::vector<graph::ubatch_attn> ring(seqs.size());
-    std::vector<std::vector<ggml_fp16_t>> masks_ring(seqs.size());
-    int64_t t0 = 0;
-    for (size_t si = 0; si < seqs.size(); ++si) {
-        const seq_append & s = seqs[si];
-        const int64_t n_past = s.cache->n_past();
-        const int64_t n_kv = padded_n_kv(n_past + s.n, s.n, *s.cache, m.on_gpu());
-        std::vector<int32_t> kpos(n_kv, -1);
-        for (int64_t j = 0; j < n_past + s.n; ++j) kpos[j] = (int32_t) j;
-        masks[si].resize(n_kv * s.n);
-        graph::fill_causal_mask(masks[si].data(), kpos.data(), n_kv, pos.data() + t0, s.n, 0);
-        if (hp.has_swa()) {
-            masks_swa[si].resize(n_kv * s.n);
-            graph::fill_causal_mask(masks_swa[si].data(), kpos.data(), n_kv, pos.data() + t0, s.n, hp.n_swa);
+    // the inputs of every piece; the pieces that start from token ids are embedded together
+    std::vector<piece_graph> pg(pieces.size());
+    std::vector<std::unique_ptr<piece_taps>> taps;
+    std::vector<int32_t> all_tokens;
+    std::vector<piece_graph *> from_tokens;
+    int l_min = (int) hp.n_layer, l_max = 0;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+        piece_graph & q = pg[i];
+        step_piece & sp = *pieces[i];
+        const graph::ubatch & ub = sp.ub;
+        q.p = &sp;
+        q.n = ub.n_tokens();
+        q.logits = !ub.logit_rows.empty();
+        q.outputs = !ub.out_x_rows.empty() || ub.dev != graph::UBATCH_DEV_NONE || !ub.score_rows.empty();
+        const bool ok =
+            q.n > 0 && ub.groups.size() == (sp.cache->windowed() ? 2u : 1u) &&
+            (!q.logits || (ub.logit_rows.size() == 1 && ub.logit_rows[0] == q.n - 1 && ub.l1 == hp.n_layer)) &&
+            (ub.score_rows.empty() || ub.l1 >= 1) && (ub.dev == graph::UBATCH_DEV_NONE || ub.dev_layer == ub.l1) &&
+            (ub.tokens.empty() == !ub.x_rows.empty()) && (ub.x_rows.empty() || sp.hidden) &&
+            (ub.out_x_rows.empty() || sp.hidden) && (!q.outputs || ub.l1 <= n_owners);
+        if (!ok) throw error("internal: a step piece outside run_step's limits");
+        // past the owners of K/V only a row whose logits are wanted goes on
+        q.end = !q.logits && ub.l1 > n_owners ? std::max(ub.l0, n_owners) : ub.l1;
+        l_min = std::min(l_min, ub.l0);
+        l_max = std::max(l_max, q.end);
+        q.pos = new_input(c, GGML_TYPE_I32, q.n);
+        if (!ub.tokens.empty()) {
+            all_tokens.insert(all_tokens.end(), ub.tokens.begin(), ub.tokens.end());
+            from_tokens.push_back(&q);
+        } else {
+            q.x_rows = new_input(c, GGML_TYPE_I32, q.n);
+            q.x = q.x_src = ggml_get_rows(c, sp.hidden, q.x_rows);  // F32 [n_embd, n]
+            if (m.pe_tok_embd) {
+                q.pe_tok = new_input(c, GGML_TYPE_I32, q.n);
+                q.pe = q.pe_src = graph::build_pe_inputs(c, m, q.pe_tok, nullptr);
+            }
         }
-        for (int64_t i = 0; i < s.n; ++i) kv_idx[si].push_back(n_past + i);
-        graph::seq_kv & q = kv[si];
-        q.t0 = t0, q.n = s.n;
-        q.in.n_kv = n_kv;
-        q.in.kv_idx = new_input(c, GGML_TYPE_I64, s.n);
-        q.in.kq_mask = ggml_new_tensor_3d(c, GGML_TYPE_F16, n_kv, s.n, 1);  // [n_kv, n, 1]
-        ggml_set_input(q.in.kq_mask);
-        if (hp.has_swa()) {
-            q.in.kq_mask_swa = ggml_new_tensor_3d(c, GGML_TYPE_F16, n_kv, s.n, 1);  // [n_kv, n, 1]
-            ggml_set_input(q.in.kq_mask_swa);
+        const graph::ubatch_attn & a = ub.groups[0];
+        q.in.n_kv = a.n_kv;
+        if (!a.kv_idx.empty()) q.in.kv_idx = new_input(c, GGML_TYPE_I64, (int64_t) a.kv_idx.size());
+        if (!ub.write_rows.empty()) q.in.write_rows = new_input(c, GGML_TYPE_I32, (int64_t) ub.write_rows.size());
+        auto new_mask = [&](int64_t n_kv, int64_t n) {
+            ggml_tensor * t = ggml_new_tensor_3d(c, GGML_TYPE_F16, n_kv, n, 1);  // [n_kv, n, 1]
+            ggml_set_input(t);
+            return t;
+        };
+        q.in.kq_mask = new_mask(a.n_kv, q.n);
+        if (windows) q.in.kq_mask_swa = new_mask(a.n_kv, q.n);
+        if (sp.cache->windowed()) {
+            const graph::ubatch_attn & r = ub.groups[1];
+            q.ring.n_kv = r.n_kv;
+            q.ring.kv_idx = new_input(c, GGML_TYPE_I64, (int64_t) r.kv_idx.size());
+            q.ring.kq_mask_swa = new_mask(r.n_kv, q.n);
         }
-        if (s.cache->windowed()) {
-            ring[si] = ring_attn(*s.cache, n_past, s.n);
-            masks_ring[si].resize(ring[si].n_kv * s.n);
-            graph::fill_causal_mask(masks_ring[si].data(), ring[si].kpos.data(), ring[si].n_kv, pos.data() + t0, s.n,
-                                    hp.n_swa);
-            graph::attn_inputs & r = in_ring[si];
-            r.n_kv = ring[si].n_kv;
-            r.kv_idx = new_input(c, GGML_TYPE_I64, s.n);
-            r.kq_mask_swa = ggml_new_tensor_3d(c, GGML_TYPE_F16, r.n_kv, s.n, 1);  // [n_kv, n, 1]
-            ggml_set_input(r.kq_mask_swa);
+        if (q.end > n_owners && q.n > 1) {
+            q.last_row = new_input(c, GGML_TYPE_I32, 1);
+            q.in_tail.n_kv = q.in.n_kv;  // no write past the owners
+            q.in_tail.kq_mask = new_mask_like(c, q.in.kq_mask, 1);
+            q.in_tail.kq_mask_swa = new_mask_like(c, q.in.kq_mask_swa, 1);
+            q.ring_tail.n_kv = q.ring.n_kv;
+            q.ring_tail.kq_mask_swa = new_mask_like(c, q.ring.kq_mask_swa, 1);
         }
-        t0 += s.n;
+        if (!ub.score_rows.empty()) {
+            const int64_t n_sel = (int64_t) ub.score_rows.size();
+            q.sel = new_input(c, GGML_TYPE_I32, n_sel);
+            auto score_mask = [&] {
+                ggml_tensor * t = ggml_new_tensor_2d(c, GGML_TYPE_F32, a.n_kv, n_sel);  // [n_kv, n_sel]
+                ggml_set_input(t);
+                return t;
+            };
+            q.score_mask = score_mask();
+            if (windows) q.score_mask_swa = score_mask();
+            taps.push_back(std::make_unique<piece_taps>(m, q, ub.l1 - 1));
+        }
+        if (!ub.out_x_rows.empty()) q.out_x = new_input(c, GGML_TYPE_I32, q.n);
+        if (ub.dev != graph::UBATCH_DEV_NONE) q.dev_rows = new_input(c, GGML_TYPE_I32, q.n);
     }
-    ggml_tensor * x = graph::build_embd(c, m, tok);  // F32 [n_embd, n_tok]
-    ggml_tensor * pe = graph::build_pe_inputs(c, m, tok, x);
-    const bool reduce = out_rows && (int64_t) logit_rows.size() < n_tok;
+    ggml_tensor * tok = nullptr;
+    if (!from_tokens.empty()) {
+        tok = new_input(c, GGML_TYPE_I32, (int64_t) all_tokens.size());
+        ggml_tensor * x = graph::build_embd(c, m, tok);  // F32 [n_embd, n_tok]
+        ggml_tensor * pe = graph::build_pe_inputs(c, m, tok, x);
+        int64_t col = 0;
+        for (piece_graph * q : from_tokens) {
+            q->x = cols(c, x, col, q->n), q->x_src = x, q->x_col = col;
+            if (pe) q->pe = cols(c, pe, col, q->n), q->pe_src = pe, q->pe_col = col;
+            col += q->n;
+        }
+    }
+    for (piece_graph & q : pg)
+        if (q.last_row && q.pe) q.pe_tail = gather_pe_rows(c, q.pe, 1, &q.pe_rows);
 
-    // past the last layer that owns K/V (gemma4's shared ones) nothing is
-    // written: only the rows whose logits are wanted run on, one per sequence
-    // that asks, with inputs of their own (no write, their masks' last rows)
-    const int n_owners = (int) hp.n_layer_kv;
-    const bool cut = n_owners < hp.n_layer && (int64_t) logit_rows.size() < n_tok;
-    std::vector<size_t> tail;  // the sequences that run past the owners
-    for (size_t si = 0; cut && si < seqs.size(); ++si)
-        if (seqs[si].logits) tail.push_back(si);
-    std::vector<graph::seq_kv> kv_tail(tail.size());
-    std::vector<graph::attn_inputs> ring_tail(tail.size());
-    ggml_tensor *pos_tail = nullptr, *pe_tail = nullptr, *pe_rows = nullptr;
-    if (!tail.empty()) {
-        const int64_t n_tail = (int64_t) tail.size();
-        pos_tail = new_input(c, GGML_TYPE_I32, n_tail);
-        for (int64_t j = 0; j < n_tail; ++j) {
-            graph::seq_kv & q = kv_tail[j];
-            q = kv[tail[j]];
-            q.t0 = j, q.n = 1;
-            q.in.kv_idx = nullptr;
-            q.in.kq_mask = new_mask_like(c, kv[tail[j]].in.kq_mask, 1);
-            q.in.kq_mask_swa = new_mask_like(c, kv[tail[j]].in.kq_mask_swa, 1);
-            ring_tail[j] = in_ring[tail[j]];
-            ring_tail[j].kv_idx = nullptr;
-            ring_tail[j].kq_mask_swa = new_mask_like(c, in_ring[tail[j]].kq_mask_swa, 1);
+    // what a piece returns once its last layer ran (x: its rows' hidden states then)
+    auto finish = [&](piece_graph & q, ggml_tensor * pos) {
+        const graph::ubatch & ub = q.p->ub;
+        if (q.out_x) ggml_build_forward_expand(gf, ggml_set_rows(c, q.p->hidden, q.x, q.out_x));
+        if (q.dev_rows) {
+            const int il = ub.dev_layer;
+            q.dev = graph::build_deviation(c, m, il, q.x, pos, q.p->cache->k(il), q.p->cache->v(il), q.dev_rows,
+                                           ub.dev != graph::UBATCH_DEV_V, ub.dev != graph::UBATCH_DEV_K);  // [1, n]
+            ggml_set_output(q.dev);
+            ggml_build_forward_expand(gf, q.dev);
         }
-        if (pe) pe_tail = gather_pe_rows(c, pe, n_tail, &pe_rows);
-    }
-    const int l1 = cut && tail.empty() ? n_owners : (int) hp.n_layer;  // no logits: the owners are all
-    for (int il = 0; il < l1; ++il) {
+    };
+    for (piece_graph & q : pg)
+        if (q.end == q.p->ub.l0) finish(q, q.pos);  // no layer to run: its input is its output
+
+    // layer by layer over the pieces that run it; where that set changes (a
+    // segment begins) their rows are laid side by side again
+    std::vector<std::pair<ggml_tensor *, std::vector<int32_t>>> seg_pos;  // segments' positions
+    std::vector<piece_graph *> active, before;
+    ggml_tensor *x = nullptr, *pos = nullptr, *pe = nullptr;
+    std::vector<piece_graph *> with_logits;  // in the order of x's rows after the last layer
+    ggml_tensor * out_rows = nullptr;
+    std::vector<int32_t> out_rows_host;
+    for (int il = l_min; il < l_max; ++il) {
+        active.clear();
+        bool changed = false;
+        for (piece_graph & q : pg) {
+            if (il < q.p->ub.l0 || il >= q.end) continue;
+            if (!q.tail && il >= n_owners && q.logits && q.n > 1) {  // its last row goes on alone
+                q.x = q.x_src = ggml_get_rows(c, q.x, q.last_row), q.x_col = 0;
+                if (q.pe) q.pe = q.pe_src = q.pe_tail, q.pe_col = 0;
+                q.n = 1, q.tail = true, changed = true;
+            }
+            active.push_back(&q);
+        }
+        if (active.empty()) continue;
+        if (changed || active != before) {
+            x = side_by_side(c, active, &piece_graph::x, &piece_graph::x_src, &piece_graph::x_col);
+            pe = m.pe_tok_embd ? side_by_side(c, active, &piece_graph::pe, &piece_graph::pe_src, &piece_graph::pe_col)
+                               : nullptr;
+            if (active.size() == 1 && !active[0]->tail) {
+                pos = active[0]->pos;
+            } else {
+                std::vector<int32_t> host;
+                for (const piece_graph * q : active) {
+                    const std::vector<int32_t> & p = q->p->ub.pos;
+                    if (q->tail)
+                        host.push_back(p.back());
+                    else
+                        host.insert(host.end(), p.begin(), p.end());
+                }
+                pos = new_input(c, GGML_TYPE_I32, (int64_t) host.size());
+                seg_pos.push_back({pos, std::move(host)});
+            }
+            int64_t t0 = 0;
+            for (piece_graph * q : active) q->t0 = t0, t0 += q->n;
+            before = active;
+        }
+        // the last layer: when nothing but logits is read, only their rows go on after attention
+        const bool last = il == (int) hp.n_layer - 1;
+        std::vector<int32_t> keep;
+        bool reduce = last;
+        for (const piece_graph * q : active) {
+            reduce = reduce && !q->outputs;
+            if (q->logits) keep.push_back((int32_t) (q->t0 + q->n - 1));
+        }
+        reduce = reduce && !keep.empty() && (int64_t) keep.size() < x->ne[1];
+        if (reduce) {
+            out_rows = new_input(c, GGML_TYPE_I32, (int64_t) keep.size());
+            out_rows_host = keep;
+        }
         const int kl = (int) hp.kv_layer(il);
-        const bool past = cut && il >= n_owners;
-        if (past && il == n_owners) x = ggml_get_rows(c, x, out_rows);  // [n_embd, n_logit]
-        std::vector<graph::seq_kv> & sk = past ? kv_tail : kv;
-        std::vector<graph::attn_inputs> & rings = past ? ring_tail : in_ring;
-        for (size_t j = 0; j < sk.size(); ++j) {
-            const kv_cache & cache = *seqs[past ? tail[j] : j].cache;
-            sk[j].k_store = cache.k(kl), sk[j].v_store = cache.v(kl);
-            if (cache.ring(il)) std::swap(sk[j].in, rings[j]);  // back after the layer
+        std::vector<graph::seq_kv> sk;
+        for (piece_graph * q : active) {
+            graph::seq_kv s;
+            s.k_store = q->p->cache->k(kl), s.v_store = q->p->cache->v(kl);
+            const bool ring = q->p->cache->ring(il);
+            s.in = q->tail ? (ring ? q->ring_tail : q->in_tail) : (ring ? q->ring : q->in);
+            s.t0 = q->t0, s.n = q->n;
+            for (const auto & t : taps)
+                if (&t->q == q) s.taps = t.get();
+            sk.push_back(s);
         }
-        const bool last = il == hp.n_layer - 1;
-        x = graph::build_layer_seqs(c, gf, m, il, x, past ? pos_tail : tpos, past ? pe_tail : pe, sk.data(), sk.size(),
-                                    last && reduce && !past ? out_rows : nullptr);
-        for (size_t j = 0; j < sk.size(); ++j)
-            if (seqs[past ? tail[j] : j].cache->ring(il)) std::swap(sk[j].in, rings[j]);
+        x = graph::build_layer_seqs(c, gf, m, il, x, pos, pe, sk.data(), sk.size(), reduce ? out_rows : nullptr);
+        for (piece_graph * q : active) {
+            if (!reduce) q->x = cols(c, x, q->t0, q->n), q->x_src = x, q->x_col = q->t0;
+            if (q->end == il + 1)
+                finish(*q, q->tail || active.size() > 1 ? ggml_view_1d(c, pos, q->n, (size_t) q->t0 * sizeof(int32_t))
+                                                        : q->pos);
+        }
+        if (last)
+            for (piece_graph * q : active)
+                if (q->logits) with_logits.push_back(q);
+        if (reduce) break;  // the last layer
     }
     ggml_tensor * logits = nullptr;
-    if (out_rows) {
-        logits = graph::build_logits(c, m, x);  // [n_vocab, n_logit]
+    ggml_tensor * logit_idx = nullptr;
+    std::vector<int32_t> logit_idx_host;
+    if (!with_logits.empty()) {
+        ggml_tensor * xl = x;
+        if (!out_rows && (int64_t) with_logits.size() < x->ne[1]) {
+            for (const piece_graph * q : with_logits) logit_idx_host.push_back((int32_t) (q->t0 + q->n - 1));
+            logit_idx = new_input(c, GGML_TYPE_I32, (int64_t) logit_idx_host.size());
+            xl = ggml_get_rows(c, x, logit_idx);
+        }
+        logits = graph::build_logits(c, m, xl);  // [n_vocab, n_logit]
         ggml_set_output(logits);
         ggml_build_forward_expand(gf, logits);
-    } else {
-        ggml_build_forward_expand(gf, x);
     }
+
     ggml_backend_sched_t sched = im_.sched.get();
     ggml_backend_sched_reset(sched);
     if (!ggml_backend_sched_alloc_graph(sched, gf)) throw error("cannot allocate the compute graph");
-    upload(tok, tokens.data(), 0, ggml_nbytes(tok));
-    upload(tpos, pos.data(), 0, ggml_nbytes(tpos));
-    if (out_rows) upload(out_rows, logit_rows.data(), 0, ggml_nbytes(out_rows));
-    for (size_t si = 0; si < seqs.size(); ++si) {
-        upload(kv[si].in.kv_idx, kv_idx[si].data(), 0, ggml_nbytes(kv[si].in.kv_idx));
-        upload(kv[si].in.kq_mask, masks[si].data(), 0, ggml_nbytes(kv[si].in.kq_mask));
-        if (kv[si].in.kq_mask_swa)
-            upload(kv[si].in.kq_mask_swa, masks_swa[si].data(), 0, ggml_nbytes(kv[si].in.kq_mask_swa));
-        if (!seqs[si].cache->windowed()) continue;
-        upload(in_ring[si].kv_idx, ring[si].kv_idx.data(), 0, ggml_nbytes(in_ring[si].kv_idx));
-        upload(in_ring[si].kq_mask_swa, masks_ring[si].data(), 0, ggml_nbytes(in_ring[si].kq_mask_swa));
-    }
-    for (size_t j = 0; j < tail.size(); ++j) {  // each sequence's last row: its position and mask rows
-        const size_t si = tail[j];
-        const int64_t last = seqs[si].n - 1;
-        upload(pos_tail, &pos[logit_rows[j]], j * sizeof(int32_t), sizeof(int32_t));
-        auto up_row = [&](ggml_tensor * t, const std::vector<ggml_fp16_t> & mask) {
-            if (t) upload(t, mask.data() + last * t->ne[0], 0, ggml_nbytes(t));
-        };
-        up_row(kv_tail[j].in.kq_mask, masks[si]);
-        up_row(kv_tail[j].in.kq_mask_swa, masks_swa[si]);
-        up_row(ring_tail[j].kq_mask_swa, masks_ring[si]);
-    }
-    if (pe_rows) {
-        const std::vector<int32_t> rows = pe_row_index(logit_rows, hp.n_layer);
-        upload(pe_rows, rows.data(), 0, ggml_nbytes(pe_rows));
+    auto up = [&](ggml_tensor * t, const void * data) {
+        if (t) upload(t, data, 0, ggml_nbytes(t));
+    };
+    up(tok, all_tokens.data());
+    for (const auto & [t, host] : seg_pos) up(t, host.data());
+    up(out_rows, out_rows_host.data());
+    up(logit_idx, logit_idx_host.data());
+    std::vector<ggml_fp16_t> mask;
+    auto fill = [&](ggml_tensor * t, const graph::ubatch_attn & a, const int32_t * qpos, int64_t n_q, int64_t window) {
+        if (!t) return;
+        mask.resize(a.n_kv * n_q);
+        graph::fill_causal_mask(mask.data(), a.kpos.data(), a.n_kv, qpos, n_q, window);
+        up(t, mask.data());
+    };
+    for (piece_graph & q : pg) {
+        const graph::ubatch & ub = q.p->ub;
+        const graph::ubatch_attn & a = ub.groups[0];
+        up(q.pos, ub.pos.data());
+        up(q.x_rows, ub.x_rows.data());
+        up(q.pe_tok, ub.pe_tokens.data());
+        up(q.in.kv_idx, a.kv_idx.data());
+        up(q.in.write_rows, ub.write_rows.data());
+        fill(q.in.kq_mask, a, ub.pos.data(), (int64_t) ub.pos.size(), 0);
+        fill(q.in.kq_mask_swa, a, ub.pos.data(), (int64_t) ub.pos.size(), hp.n_swa);
+        if (q.p->cache->windowed()) {
+            up(q.ring.kv_idx, ub.groups[1].kv_idx.data());
+            fill(q.ring.kq_mask_swa, ub.groups[1], ub.pos.data(), (int64_t) ub.pos.size(), hp.n_swa);
+        }
+        if (q.last_row) {
+            const int32_t last = (int32_t) (ub.pos.size() - 1);
+            up(q.last_row, &last);
+            fill(q.in_tail.kq_mask, a, &ub.pos.back(), 1, 0);
+            fill(q.in_tail.kq_mask_swa, a, &ub.pos.back(), 1, hp.n_swa);
+            if (q.p->cache->windowed()) fill(q.ring_tail.kq_mask_swa, ub.groups[1], &ub.pos.back(), 1, hp.n_swa);
+            if (q.pe_rows) {
+                const std::vector<int32_t> rows = pe_row_index({last}, hp.n_layer);
+                up(q.pe_rows, rows.data());
+            }
+        }
+        if (q.sel) {
+            up(q.sel, ub.score_rows.data());
+            for (ggml_tensor * t : {q.score_mask, q.score_mask_swa}) {
+                if (!t) continue;
+                mask.resize(a.n_kv * ub.pos.size());
+                graph::fill_causal_mask(mask.data(), a.kpos.data(), a.n_kv, ub.pos.data(), (int64_t) ub.pos.size(),
+                                        t == q.score_mask_swa ? hp.n_swa : 0);
+                std::vector<float> sm(a.n_kv * ub.score_rows.size());
+                for (size_t s = 0; s < ub.score_rows.size(); ++s)
+                    for (int64_t j = 0; j < a.n_kv; ++j)
+                        sm[s * a.n_kv + j] = ggml_fp16_to_fp32(mask[ub.score_rows[s] * a.n_kv + j]);
+                up(t, sm.data());
+            }
+        }
+        up(q.out_x, ub.out_x_rows.data());
+        up(q.dev_rows, ub.dev_cache_rows.data());
     }
     if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
-    std::vector<float> out;
+
+    for (piece_graph & q : pg) q.p->out = {};
     if (logits) {
-        out.resize(ggml_nelements(logits));
-        ggml_backend_tensor_get(logits, out.data(), 0, ggml_nbytes(logits));
+        const int64_t nv = hp.n_vocab;
+        std::vector<float> all(ggml_nelements(logits));
+        ggml_backend_tensor_get(logits, all.data(), 0, ggml_nbytes(logits));
         count(logits, ggml_nbytes(logits), false, false);
+        for (size_t i = 0; i < with_logits.size(); ++i)
+            with_logits[i]->p->out.logits.assign(all.begin() + (ptrdiff_t) (i * nv),
+                                                 all.begin() + (ptrdiff_t) ((i + 1) * nv));
+    }
+    for (piece_graph & q : pg) {
+        graph::ubatch_out & out = q.p->out;
+        if (q.dev) {
+            out.dev.resize(q.p->ub.n_tokens());
+            download(q.dev, out.dev.data(), 0, ggml_nbytes(q.dev));
+        }
+        if (q.score) {
+            out.scores.assign(q.p->ub.l1 - q.p->ub.l0, {});
+            out.scores.back().resize(ggml_nelements(q.score));
+            download(q.score, out.scores.back().data(), 0, ggml_nbytes(q.score));
+        }
+    }
+}
+
+std::vector<std::vector<float>> forward_driver::eval_step(const std::vector<engine::seq_tokens> & seqs,
+                                                          const std::vector<step_piece *> & pieces) {
+    const model_hparams & hp = eng_.mdl().hparams();
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        const engine::seq_tokens & s = seqs[i];
+        if (!s.cache || s.tokens.empty()) throw error("a batched sequence needs a cache and at least one token");
+        if (s.cache->sparse() || !s.cache->holds_rows() || !s.cache->shaped_for(hp))
+            throw error("a batched sequence needs a dense KV cache of this model");
+        for (size_t j = 0; j < i; ++j)
+            if (seqs[j].cache == s.cache) throw error("a cache appears twice in one batch");
+        for (const step_piece * p : pieces)
+            if (p->cache == s.cache) throw error("a cache appears twice in one batch");
+        eng_.check_append(*s.cache, s.tokens);
+    }
+    for (const engine::seq_tokens & s : seqs) s.cache->reserve_rows((int64_t) s.tokens.size());
+    // a graph holds a bounded number of nodes, and each sequence adds its own
+    // attention to every layer: past that many, another micro-batch
+    int64_t first_room = step_nodes_left(hp, 0);
+    for (const step_piece * p : pieces) first_room -= step_piece_nodes(hp, p->ub);
+    if (first_room < 0) throw error("internal: a step's pieces exceed a graph's nodes");
+    const int64_t per_append = step_nodes_left(hp, 0) - step_nodes_left(hp, 1);
+    std::vector<std::vector<float>> out(seqs.size());
+    size_t next = 0;                           // the first sequence not wholly run
+    std::vector<int64_t> fed(seqs.size(), 0);  // tokens of each sequence run so far
+    bool first = true;
+    while (next < seqs.size() || first) {
+        // the pieces in the first forward; then the sequences in order,
+        // n_ubatch tokens a micro-batch: one that does not fit (or that its
+        // rings cut) goes on in the next one
+        std::vector<step_piece> appends;
+        std::vector<size_t> owner;
+        int64_t room = eng_.params().n_ubatch;
+        const size_t per_graph =
+            (size_t) std::max<int64_t>(1, (first ? first_room : step_nodes_left(hp, 0)) / per_append);
+        while (next < seqs.size() && room > 0 && appends.size() < per_graph) {
+            const engine::seq_tokens & s = seqs[next];
+            const int64_t left = (int64_t) s.tokens.size() - fed[next];
+            const int64_t n = std::min({left, room, s.cache->max_append()});
+            const bool ends = n == left;
+            appends.push_back(append_piece(*s.cache, s.tokens.data() + fed[next], n, ends && s.logits));
+            owner.push_back(next);
+            fed[next] += n;
+            room -= n;
+            if (!ends) break;
+            ++next;
+        }
+        std::vector<step_piece *> run;
+        if (first) run = pieces;
+        for (step_piece & a : appends) run.push_back(&a);
+        first = false;
+        if (run.empty()) break;
+        run_step(run);
+        for (size_t i = 0; i < appends.size(); ++i) {
+            appends[i].cache->advance(appends[i].ub.n_tokens());
+            if (!appends[i].out.logits.empty()) out[owner[i]] = std::move(appends[i].out.logits);
+        }
     }
     return out;
+}
+
+step_piece forward_driver::append_piece(kv_cache & cache, const llama_token * tokens, int64_t n, bool logits) const {
+    step_piece p;
+    p.cache = &cache;
+    graph::ubatch & ub = p.ub;
+    const int64_t n_past = cache.n_past();
+    ub.l1 = (int) eng_.mdl().hparams().n_layer;
+    ub.tokens.assign(tokens, tokens + n);
+    // each sequence attends over its rows, padded as a lone decode step pads
+    // them, so that its attention sees what it would see served alone
+    graph::ubatch_attn a;
+    a.n_kv = padded_n_kv(n_past + n, n, cache, eng_.mdl().on_gpu());
+    a.kpos.assign(a.n_kv, -1);
+    for (int64_t j = 0; j < n_past + n; ++j) a.kpos[j] = (int32_t) j;
+    for (int64_t i = 0; i < n; ++i) {
+        ub.pos.push_back((int32_t) (n_past + i));
+        a.kv_idx.push_back(n_past + i);
+    }
+    ub.groups.push_back(std::move(a));
+    if (cache.windowed()) ub.groups.push_back(ring_attn(cache, n_past, n));  // its own rows, written modulo the ring
+    if (logits) ub.logit_rows = {(int32_t) (n - 1)};
+    return p;
 }
 
 graph::ubatch forward_driver::append_ubatch(const llama_token * tokens, int64_t n, int64_t pos_shift, int64_t n_logits,
@@ -681,84 +948,15 @@ void forward_driver::reserve() {
         for (int il = 0; il < hp.n_layer; ++il) ub.group_of[il] = cache.ring(il) ? 1 : 0;
     }
     im_.decode_graph.reset();
-    ubatch_graph g = build_ubatch(eng_.mdl(), eng_.cache(), nullptr, im_.hidden, im_.meta_buf, ub);
+    ubatch_graph g = build_ubatch(eng_.mdl(), eng_.cache(), nullptr, im_.meta_buf, ub);
     if (!ggml_backend_sched_reserve(im_.sched.get(), g.gf)) throw error("cannot reserve the compute buffers");
 }
 
-void forward_driver::reserve_hidden(int64_t n) {
-    if (im_.hidden && im_.n_hidden >= n) return;
-    const model & m = eng_.mdl();
-    ggml_init_params ip = {ggml_tensor_overhead(), nullptr, true};
-    ggml_context_ptr ctx(ggml_init(ip));
-    ggml_tensor * h = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F32, m.hparams().n_embd, n);  // [n_embd, n]
-    ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors(ctx.get(), im_.backends.front().get()));
-    if (!buf) throw error("cannot allocate the hidden states of " + std::to_string(n) + " tokens");
-    im_.hidden_buf = std::move(buf);
-    im_.hidden_ctx = std::move(ctx);
-    im_.hidden = h;
-    im_.n_hidden = n;
-}
-
-std::vector<float> forward_driver::run_rows(const rows_run & r, std::vector<float> * dev, std::vector<float> * attn) {
-    const std::vector<int64_t> & rows = *r.rows;
-    const int64_t ub_size = eng_.params().n_ubatch;
-    const bool with_dev = r.dev_k || r.dev_v;
-    std::vector<float> logits;
-    reserve_hidden((int64_t) r.pos->size());
-    for (size_t b0 = 0; b0 < rows.size(); b0 += ub_size) {
-        const int64_t nt = std::min<int64_t>(ub_size, (int64_t) rows.size() - (int64_t) b0);
-        const bool last_ub = b0 + nt == rows.size();
-        graph::ubatch ub;
-        ub.l0 = r.l0;
-        ub.l1 = r.l1;
-        ub.score_layer = r.l1 - 1;  // a sequence run scores its last layer only
-        graph::ubatch_attn a;
-        const int64_t n_held = rows[b0 + nt - 1] + 1;  // causal: later rows are hidden anyway
-        // whole blocks of rows, as a step attends, unless attention sums are read per row
-        a.n_kv = attn || eng_.live_ ? n_held : padded_n_kv(n_held, nt, eng_.cache(), eng_.mdl().on_gpu());
-        a.kpos.assign(a.n_kv, -1);
-        std::copy(r.pos->begin(), r.pos->begin() + n_held, a.kpos.begin());
-        for (int64_t i = 0; i < nt; ++i) {
-            const int64_t row = rows[b0 + i];
-            if (r.from_tokens) {
-                ub.tokens.push_back((*r.tokens)[row]);
-            } else {
-                ub.x_rows.push_back((int32_t) row);
-                if (eng_.mdl().pe_tok_embd) ub.pe_tokens.push_back((*r.tokens)[row]);
-            }
-            ub.pos.push_back((*r.pos)[row]);
-            if (r.score && (*r.score)[row]) ub.score_rows.push_back((int32_t) i);
-            if ((*r.write)[row]) {
-                ub.write_rows.push_back((int32_t) i);
-                a.kv_idx.push_back(row);
-            }
-        }
-        if ((int64_t) ub.write_rows.size() == nt) ub.write_rows.clear();  // every token writes
-        ub.groups.push_back(std::move(a));
-        ub.group_of.assign(eng_.mdl().hparams().n_layer, 0);
-        if (r.logits) {
-            if (last_ub) ub.logit_rows = {(int32_t) (nt - 1)};
-        } else {
-            for (int64_t i = 0; i < nt; ++i) ub.out_x_rows.push_back((int32_t) rows[b0 + i]);
-        }
-        if (with_dev) {
-            ub.dev = r.dev_k && r.dev_v ? graph::UBATCH_DEV_KV : r.dev_k ? graph::UBATCH_DEV_K : graph::UBATCH_DEV_V;
-            ub.dev_layer = r.l1;
-            for (int64_t i = 0; i < nt; ++i) ub.dev_cache_rows.push_back((int32_t) rows[b0 + i]);
-        }
-        graph::ubatch_out out = run(ub);
-        if (!out.logits.empty()) logits = std::move(out.logits);
-        if (dev)
-            for (int64_t i = 0; i < (int64_t) out.dev.size(); ++i) (*dev)[rows[b0 + i]] = out.dev[i];
-        if (attn && !out.scores.empty()) {
-            // the last layer's sums, F32 [n_kv, n_head]: key row j of the cache is row j
-            const std::vector<float> & sc = out.scores.back();
-            const int64_t n_kv = ub.groups[0].n_kv, n_head = (int64_t) sc.size() / n_kv;
-            for (int64_t h = 0; h < n_head; ++h)
-                for (int64_t j = 0; j < n_kv; ++j) (*attn)[j] += sc[h * n_kv + j];
-        }
-    }
-    return logits;
+ggml_tensor * forward_driver::hidden(int64_t n) {
+    if (im_.hidden.t && im_.hidden.t->ne[1] >= n) return im_.hidden.t;
+    im_.hidden = {};  // the old rows go before the new ones are taken
+    im_.hidden = alloc_hidden_rows(eng_.mdl(), n);
+    return im_.hidden.t;
 }
 
 void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1) {

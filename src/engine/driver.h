@@ -11,8 +11,11 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
+#include "ggml-cpp.h"
+#include "graph/ubatch.h"
 #include "kvblend/chunk_tiers.h"
 #include "kvblend/engine.h"
 
@@ -20,11 +23,47 @@ namespace kvblend {
 
 struct ubatch_graph;
 
-namespace graph {
-struct ubatch;
-struct ubatch_attn;
-struct ubatch_out;
-}  // namespace graph
+// one sequence's part of a step (forward_driver::run_step): rows of its own
+// dense cache run through layers [ub.l0, ub.l1), beside other sequences whose
+// layers may differ (a decode token through every layer, a blend's early
+// layers over its rows, another blend's recomputed rows). ub describes it
+// with these limits: one attention group (and the rings' group of a windowed
+// cache), logits of its last row only, scores at layer l1 - 1 only,
+// deviations at layer l1. what it returns lands in out.
+struct step_piece {
+    kv_cache * cache = nullptr;
+    ggml_tensor * hidden = nullptr;  // F32 [n_embd, rows]: what ub.x_rows read and ub.out_x_rows write
+    graph::ubatch ub;
+    graph::ubatch_out out;
+};
+
+// the graph nodes a piece adds to a step (its attention and inputs in each of
+// its layers, its outputs): a step's pieces stay within graph::k_max_nodes
+int64_t step_piece_nodes(const model_hparams & hp, const graph::ubatch & ub);
+// the nodes a step of n_appends appends (decode tokens, prompts' chunks) leaves to its pieces
+int64_t step_nodes_left(const model_hparams & hp, size_t n_appends);
+
+// the keys a step of n tokens attends: whole blocks of cache rows
+// (kv_cache::k_row_block; the rows past what the cache holds are masked). a
+// decode step, so that its graph repeats from step to step; on a GPU every
+// step, for ggml-cuda's fast attention kernels
+int64_t padded_n_kv(int64_t n_kv, int64_t n, const kv_cache & cache, bool on_gpu);
+
+// a backend tensor of n hidden-state rows, F32 [n_embd, n], on the model's
+// device (where its caches are). throws kvblend::error when it does not fit
+struct hidden_rows {
+    ggml_context_ptr ctx;
+    ggml_backend_buffer_ptr buf;
+    ggml_tensor * t = nullptr;  // null once moved from: one owner at a time
+    hidden_rows() = default;
+    hidden_rows(hidden_rows && o) noexcept
+        : ctx(std::move(o.ctx)), buf(std::move(o.buf)), t(std::exchange(o.t, nullptr)) {}
+    hidden_rows & operator=(hidden_rows && o) noexcept {
+        ctx = std::move(o.ctx), buf = std::move(o.buf), t = std::exchange(o.t, nullptr);
+        return *this;
+    }
+};
+hidden_rows alloc_hidden_rows(const model & m, int64_t n);
 
 class forward_driver {
   public:
@@ -38,42 +77,25 @@ class forward_driver {
     // score_rows: tokens whose attention is scored
     graph::ubatch append_ubatch(const llama_token * tokens, int64_t n, int64_t pos_shift, int64_t n_logits,
                                 std::vector<int32_t> score_rows) const;
-    // one forward over several dense caches at once (continuous batching):
-    // each sequence appends its tokens to its own cache; the logits of the
-    // last token of each sequence that asks come back in order ([n][n_vocab]).
-    // the caller checks the caches (engine::eval_seqs)
-    struct seq_append {
-        kv_cache * cache = nullptr;
-        const llama_token * tokens = nullptr;
-        int64_t n = 0;
-        bool logits = false;
-    };
-    std::vector<float> run_seqs(const std::vector<seq_append> & seqs);
+    // one forward over several pieces, each on its own cache: the layers'
+    // products run once over the rows of every piece in that layer; each
+    // piece's outputs land in its out. the caller checks the pieces and keeps
+    // them within the graph's nodes (step_piece_nodes)
+    void run_step(std::vector<step_piece *> & pieces);
+    // the serving loop's step: eval_seqs' appends, packed into micro-batches
+    // as engine::eval_seqs packs them (its checks included), and the pieces,
+    // each whole in the first forward with room for it
+    std::vector<std::vector<float>> eval_step(const std::vector<engine::seq_tokens> & seqs,
+                                              const std::vector<step_piece *> & pieces);
+    // the piece that appends n tokens to a dense cache (positions n_past…, all
+    // layers), padded as a lone step of them pads; logits of its last token
+    step_piece append_piece(kv_cache & cache, const llama_token * tokens, int64_t n, bool logits) const;
     // reserve the scheduler's buffers for the largest ubatch this engine runs
     // (n_ubatch tokens over n_ctx keys), as libllama does once
     void reserve();
 
-    // --- a sequence laid out in the cache: row r holds tokens[r] at pos[r] ---
-
-    struct rows_run {
-        const std::vector<llama_token> * tokens = nullptr;  // by row
-        const std::vector<int32_t> * pos = nullptr;         // position of each row
-        const std::vector<int64_t> * rows = nullptr;        // the rows that run, ascending
-        const std::vector<char> * write = nullptr;  // write[r]: row r writes its fresh K/V (else keeps the cache's)
-        bool from_tokens = false;                   // input: the rows' token embeddings, else their held hidden states
-        int l0 = 0, l1 = 0;                         // layers [l0, l1)
-        bool logits = false;  // return the last run row's logits (else the rows' outputs are held)
-        // deviation of each run row's fresh V and/or K at layer l1 from the cache rows (CacheBlend scoring)
-        bool dev_v = false, dev_k = false;
-        // score[r]: run row r's attention at layer l1 - 1 is summed (heads, score rows) per key row
-        const std::vector<char> * score = nullptr;
-    };
-    // run in micro-batches of n_ubatch rows; dev (n rows) takes the deviations
-    // of the run rows; attn (n rows) adds the score rows' attention to each row
-    std::vector<float> run_rows(const rows_run & r, std::vector<float> * dev = nullptr,
-                                std::vector<float> * attn = nullptr);
-    // hidden-state rows [0, n) on the backend (grown as needed, kept by the engine)
-    void reserve_hidden(int64_t n);
+    // the engine's hidden-state rows, at least n of them (grown as needed, kept by the engine)
+    ggml_tensor * hidden(int64_t n);
     // rotate the cache's K rows [0, delta.size()) of layers [l0, l1) by
     // delta[r] positions (RoPE rotations compose): in place, one RoPE block
     // per run of equal offsets (a chunk), for f16/f32 caches

@@ -116,11 +116,6 @@ const engine::transfer_stats & engine::transfers() const {
 
 namespace {
 
-// graph nodes of a layer run, and what each sequence of a batched step adds
-// to it (its views, K/V writes and attention): bounds a step's sequences
-constexpr int64_t k_nodes_per_layer = 40;
-constexpr int64_t k_nodes_per_seq_layer = 20;
-
 // add a ubatch's attention sums (per query head) to the scores per KV head:
 // the sum over the query heads that share it. a layer that shares another's
 // K/V adds its attention to that layer's: both read those rows
@@ -187,54 +182,7 @@ std::vector<float> engine::eval(const std::vector<llama_token> & tokens, bool al
 }
 
 std::vector<std::vector<float>> engine::eval_seqs(const std::vector<seq_tokens> & seqs) {
-    const model_hparams & hp = model_->hparams();
-    for (size_t i = 0; i < seqs.size(); ++i) {
-        const seq_tokens & s = seqs[i];
-        if (!s.cache || s.tokens.empty()) throw error("a batched sequence needs a cache and at least one token");
-        if (s.cache->sparse() || !s.cache->holds_rows() || !s.cache->shaped_for(hp))
-            throw error("a batched sequence needs a dense KV cache of this model");
-        for (size_t j = 0; j < i; ++j)
-            if (seqs[j].cache == s.cache) throw error("a cache appears twice in one batch");
-        check_append(*s.cache, s.tokens);
-    }
-    for (const seq_tokens & s : seqs) s.cache->reserve_rows((int64_t) s.tokens.size());
-    // a graph holds a bounded number of nodes, and each sequence adds its own
-    // attention to every layer: past that many sequences, another micro-batch
-    const size_t per_graph = (size_t) std::max<int64_t>(
-        1, (graph::k_max_nodes - 64 - hp.n_layer * k_nodes_per_layer) / (hp.n_layer * k_nodes_per_seq_layer));
-    std::vector<std::vector<float>> out(seqs.size());
-    forward_driver drv(*this);
-    size_t next = 0;                           // the first sequence not wholly run
-    std::vector<int64_t> fed(seqs.size(), 0);  // tokens of each sequence run so far
-    while (next < seqs.size()) {
-        // the sequences in order, n_ubatch tokens a micro-batch: one that does
-        // not fit (or that its rings cut) goes on in the next one
-        std::vector<forward_driver::seq_append> ub;
-        std::vector<size_t> owner;
-        int64_t room = params_.n_ubatch;
-        while (next < seqs.size() && room > 0 && ub.size() < per_graph) {
-            const seq_tokens & s = seqs[next];
-            const int64_t left = (int64_t) s.tokens.size() - fed[next];
-            const int64_t n = std::min({left, room, s.cache->max_append()});
-            const bool ends = n == left;
-            ub.push_back({s.cache, s.tokens.data() + fed[next], n, ends && s.logits});
-            owner.push_back(next);
-            fed[next] += n;
-            room -= n;
-            if (!ends) break;
-            ++next;
-        }
-        const std::vector<float> logits = drv.run_seqs(ub);
-        size_t li = 0;
-        for (size_t i = 0; i < ub.size(); ++i) {
-            ub[i].cache->advance(ub[i].n);
-            if (!ub[i].logits) continue;
-            out[owner[i]].assign(logits.begin() + (ptrdiff_t) (li * hp.n_vocab),
-                                 logits.begin() + (ptrdiff_t) ((li + 1) * hp.n_vocab));
-            ++li;
-        }
-    }
-    return out;
+    return forward_driver(*this).eval_step(seqs, {});
 }
 
 void engine::check_append(const kv_cache & cache, const std::vector<llama_token> & tokens) const {

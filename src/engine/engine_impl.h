@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "engine/driver.h"
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
 #include "kvblend/engine.h"
@@ -20,11 +21,8 @@ struct engine::impl {
     ggml_backend_t cpu = nullptr;
     ggml_backend_sched_ptr sched;
     std::vector<uint8_t> meta_buf;  // memory for graph/tensor descriptors
-    // the hidden states of a blend's rows, on the first backend: F32 [n_embd, n_hidden]
-    ggml_context_ptr hidden_ctx;
-    ggml_backend_buffer_ptr hidden_buf;
-    ggml_tensor * hidden = nullptr;
-    int64_t n_hidden = 0;
+    // the hidden states of a blend's rows, on the model's device (forward_driver::hidden)
+    hidden_rows hidden;
     engine::transfer_stats transfers;
     // a micro-batch's causal mask, filled on the host: kept between micro-batches,
     // so that its n_kv x n_tokens values are not allocated and zeroed for each

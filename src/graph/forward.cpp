@@ -304,8 +304,8 @@ ggml_tensor * layer_mask(const model_hparams & hp, int il, const attn_inputs & i
 ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
                           ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in, ggml_tensor * out_rows,
                           layer_taps * taps, bool kv_only) {
-    const seq_kv one{k_store, v_store, in, 0, x->ne[1]};
-    return build_layer_seqs(ctx, gf, m, il, x, in.pos, in.pe, &one, 1, out_rows, taps, kv_only);
+    const seq_kv one{k_store, v_store, in, 0, x->ne[1], taps};
+    return build_layer_seqs(ctx, gf, m, il, x, in.pos, in.pe, &one, 1, out_rows, kv_only);
 }
 
 namespace {
@@ -319,10 +319,10 @@ ggml_tensor * token_cols(ggml_context * ctx, ggml_tensor * t, int64_t t0, int64_
 
 ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
                                ggml_tensor * pos, ggml_tensor * pe, const seq_kv * seqs, size_t n_seq,
-                               ggml_tensor * out_rows, layer_taps * taps, bool kv_only) {
+                               ggml_tensor * out_rows, bool kv_only) {
     const model_hparams & hp = m.hparams();
     const model_layer & L = m.layers[il];
-    GGML_ASSERT(n_seq >= 1 && (n_seq == 1 || (!taps && !kv_only)));
+    GGML_ASSERT(n_seq >= 1 && (n_seq == 1 || !kv_only));
 
     ggml_tensor * cur = build_block_in(ctx, m, x, L.attn_norm);
     const qkv t = build_qkv(ctx, m, il, cur, pos);  // every token's projections at once
@@ -336,7 +336,7 @@ ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model
                                       token_cols(ctx, t.v, sq.t0, sq.n)};
         const kv_views kv = shared ? build_kv_write(ctx, ts, sq.k_store, sq.v_store, sq.in)
                                    : build_kv(ctx, gf, m, il, ts, sq.k_store, sq.v_store, sq.in);
-        if (taps) taps->attn(ctx, gf, il, ts, kv);
+        if (sq.taps) sq.taps->attn(ctx, gf, il, ts, kv);
         if (kv_only) return nullptr;
         ggml_tensor * h = build_attn_heads(ctx, m, ts.q, kv, layer_mask(hp, il, sq.in));  // [n_embd_q, n]
         heads = heads ? ggml_concat(ctx, heads, h, 1) : h;

@@ -150,15 +150,16 @@ struct seq_kv {
     ggml_tensor * v_store = nullptr;
     attn_inputs in;  // its kv_idx, mask and n_kv (in.pos is unused: the batch's positions rope every token)
     int64_t t0 = 0, n = 0;
+    layer_taps * taps = nullptr;  // reads this sequence's attention (nullptr: none)
 };
 
 // build_layer over several sequences, each with its own K/V store: the
 // projections and the FFN run once over every token (the weights are read
 // once), the attention per sequence. pe: the batch's per-layer inputs
-// (gemma4) or nullptr. taps and kv_only take one sequence only
+// (gemma4) or nullptr. kv_only takes one sequence only
 ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
                                ggml_tensor * pos, ggml_tensor * pe, const seq_kv * seqs, size_t n_seq,
-                               ggml_tensor * out_rows = nullptr, layer_taps * taps = nullptr, bool kv_only = false);
+                               ggml_tensor * out_rows = nullptr, bool kv_only = false);
 
 // attention weights of the queries at sel (I32 [n_sel], rows of q) over the
 // K rows k ([head_dim, n_head_kv, n_kv]), summed over those queries:

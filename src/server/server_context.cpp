@@ -1,12 +1,16 @@
 #include "server/server_context.h"
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <future>
 #include <mutex>
 #include <thread>
 
+#include "blend/rag_steps.h"
+#include "engine/driver.h"
 #include "kvblend/answer.h"
 #include "kvblend/codec.h"
 #include "kvblend/engine.h"
@@ -123,6 +127,11 @@ struct server_context::impl {
         std::vector<float> prepared_logits;
         std::string prep_err, prep_code;
         int prep_status = 500;
+        // batched: a fused request's blend, placed while preparing, whose rows
+        // the steps then run beside the other slots'; its hidden-state rows
+        std::unique_ptr<rag_fuse_steps> fusing;
+        hidden_rows hidden;
+        double blend_credit = 0;  // paced: the prompt-token budget it saved up while others stream
     };
 
     std::mutex qmu;
@@ -130,12 +139,25 @@ struct server_context::impl {
     std::condition_variable pcv;  // the preparing thread waits here
     std::deque<std::shared_ptr<job>> queue;
     std::deque<slot *> to_prepare;
+    // a chunk the preparing thread asked the steps to collect: its tokens
+    // prefilled alone into a cache (a slot's, lent to the preparing engine
+    // meanwhile), n_ubatch at a time as collect() runs them, while it waits
+    struct collect_job {
+        kv_cache * cache = nullptr;
+        std::vector<llama_token> tokens;
+        size_t fed = 0;
+        step_piece piece;
+        std::promise<chunk_kv> done;
+    };
+    std::deque<collect_job *> collects;  // guarded by qmu
     bool stopping = false, stop_preparing = false;
     std::unique_ptr<engine> step_eng;     // batched: the engine every step runs on
     std::unique_ptr<engine> prepare_eng;  // batched: the engine ingest and blends run on
     std::unique_ptr<engine> compare_eng;  // --compare-full: the full prefills fused prompts are compared with
     step_pace pace;                       // batched: the prompt tokens a step takes while others stream
     std::vector<slot> slots;
+    std::mutex hmu;                         // guards spare_hidden (taken while preparing, given back by the loop)
+    std::vector<hidden_rows> spare_hidden;  // blends' hidden-state rows, kept for the next ones
     std::thread loop_thread, prepare_thread;
 
     impl(std::shared_ptr<const model> mm, const server_params & pp, soft_store * store, chunk_tiers * hot,
@@ -191,6 +213,11 @@ struct server_context::impl {
     }
 
     bool batched() const { return p.kv_codec.empty() && p.evict.policy == EVICT_POLICY_NONE; }
+    // a fused request's collections and blend run in the steps (server_params::blend_in)
+    bool blends_in_steps() const {
+        using bp = server_params::blend_place;
+        return batched() && (p.blend_in == bp::steps || (p.blend_in == bp::auto_ && m->on_gpu()));
+    }
 
     kv_cache & cache_of(slot & s) { return s.own ? s.own->cache() : *s.cache; }
 
@@ -212,7 +239,7 @@ struct server_context::impl {
                                    [](const slot & s) { return s.state == slot_state::free; });
             };
             qcv.wait(l, [&] {
-                return any(slot_state::running) || any(slot_state::prepared) ||
+                return any(slot_state::running) || any(slot_state::prepared) || !collects.empty() ||
                        (!queue.empty() && any(slot_state::free)) || (stopping && queue.empty() && all_free());
             });
             if (stopping && queue.empty() && all_free()) return false;
@@ -246,8 +273,9 @@ struct server_context::impl {
                 end(*s);
             else if (s->j->ingest)
                 end(*s);
-            else
+            else if (!s->fusing)
                 begin_answer(*s, s->prepared_logits);
+            // else: the steps run its blend
         }
         return true;
     }
@@ -285,6 +313,9 @@ struct server_context::impl {
         s.prompt_at = 0;
         s.prepared_logits.clear();
         s.prep_err.clear();
+        s.fusing.reset();
+        give_hidden(std::move(s.hidden));
+        s.blend_credit = 0;
         s.t_free = time_ms();
         std::lock_guard l(qmu);  // s.j is written under it: slots() reads it from the HTTP threads
         s.j.reset();
@@ -371,6 +402,14 @@ struct server_context::impl {
         if (j.ingest) {
             s.held = {};
             with_engine(s, [&](engine & eng) { run_ingest(eng, j); });
+        } else if (j.fuse && blends_in_steps() && !j.compare_full) {
+            s.held = {};  // the blend's rows are the steps' until it is done
+            with_engine(s, [&](engine & eng) {
+                s.fusing = std::make_unique<rag_fuse_steps>(eng, j.prompt, fuse_params(j), [&](int64_t n) {
+                    s.hidden = take_hidden(n);
+                    return s.hidden.t;
+                });
+            });
         } else if (j.fuse) {
             with_engine(s, [&](engine & eng) { s.prepared_logits = run_fused(eng, j); });
             s.held = {j.tokens, 0};
@@ -461,6 +500,10 @@ struct server_context::impl {
         const size_t n_decode = seqs.size();
         int64_t room = p.n_batch;
         int64_t paced_room = n_decode > 0 && p.pace_prompts ? pace.prompt_budget(p.n_batch) : p.n_batch;
+        std::vector<slot *> blending;
+        std::vector<collect_job *> collecting;
+        std::vector<step_piece *> pieces;
+        const double piece_tokens = take_pieces(n_decode, room, paced_room, blending, collecting, pieces);
         for (slot & s : slots) {
             if (!running(s) || s.prompt_left.empty()) continue;
             const size_t left = s.prompt_left.size() - s.prompt_at;
@@ -475,18 +518,23 @@ struct server_context::impl {
             seqs.push_back({&cache_of(s), {at, at + (ptrdiff_t) n}, last});
             who.push_back(&s);
         }
-        if (seqs.empty()) return;
+        if (seqs.empty() && pieces.empty()) return;
         std::vector<std::vector<float>> logits;
         const double t0 = time_ms();
         try {
-            logits = step_eng->eval_seqs(seqs);
+            logits = forward_driver(*step_eng).eval_step(seqs, pieces);
         } catch (const std::exception & e) {
             for (slot * s : who) end(*s, e.what());
+            for (slot * s : blending) end(*s, e.what());
+            for (collect_job * c : collecting) collect_ended(*c, std::current_exception());
             return;
         }
+        const double ms = time_ms() - t0;
         size_t n_prompt = 0;
         for (size_t i = n_decode; i < seqs.size(); ++i) n_prompt += seqs[i].tokens.size();
-        pace.ran(time_ms() - t0, n_decode, n_prompt);
+        pace.ran(ms, n_decode, n_prompt + (size_t) std::llround(piece_tokens));
+        for (slot * s : blending) blend_ran(*s, ms);
+        for (collect_job * c : collecting) collect_ran(*c);
         for (size_t i = 0; i < who.size(); ++i) {
             slot & s = *who[i];
             if (s.prompt_left.empty()) {
@@ -503,6 +551,136 @@ struct server_context::impl {
         }
     }
 
+    // each collection's and each blending slot's next rows, where the step
+    // has room and nodes for them. While others stream, a collection and a
+    // blend's last phase take their part of the paced prompt budget as a long
+    // prompt does (a blend's rows weigh by the share of the layers they run);
+    // a phase that checks runs whole micro-batches (its deviations choose the
+    // rows), as often as the budget it saves up step by step allows. returns
+    // what they weigh in prompt tokens
+    double take_pieces(size_t n_decode, int64_t & room, int64_t & paced_room, std::vector<slot *> & blending,
+                       std::vector<collect_job *> & collecting, std::vector<step_piece *> & pieces) {
+        const model_hparams & hp = m->hparams();
+        // the decode tokens that a graph cannot hold beside the pieces go in a
+        // second forward (eval_step): that may cost the first piece, never more
+        int64_t nodes_left = step_nodes_left(hp, n_decode), first_nodes = step_nodes_left(hp, 0);
+        const bool paced = n_decode > 0 && p.pace_prompts;
+        const int64_t budget = paced ? pace.prompt_budget(p.n_batch) : 0;
+        double tokens = 0;
+        // whether piece goes into this step (credit: what its owner saved up; null: cut to the paced budget)
+        auto take = [&](step_piece & piece, double * credit) {
+            const int64_t n = piece.ub.n_tokens(), nodes = step_piece_nodes(hp, piece.ub);
+            const double weight = (double) n * (piece.ub.l1 - piece.ub.l0) / (double) hp.n_layer;
+            if (n > room || nodes > (pieces.empty() ? std::max(nodes_left, first_nodes) : nodes_left)) return false;
+            if (paced && credit) {
+                *credit += (double) budget;
+                if (*credit < weight) return false;
+                *credit -= weight;
+            }
+            if (paced && !credit) paced_room -= (int64_t) std::ceil(weight);
+            room -= n;
+            nodes_left -= nodes;
+            tokens += weight;
+            pieces.push_back(&piece);
+            return true;
+        };
+        std::vector<collect_job *> asked;
+        {
+            std::lock_guard l(qmu);
+            asked.assign(collects.begin(), collects.end());
+        }
+        for (collect_job * c : asked) {
+            if (c->fed == 0) c->cache->clear();  // collect() starts from an empty cache
+            const int64_t n =
+                std::min<int64_t>({p.n_ubatch, (int64_t) (c->tokens.size() - c->fed), paced ? paced_room : INT64_MAX});
+            if (n <= 0) continue;
+            c->cache->reserve_rows(n);
+            c->piece = forward_driver(*step_eng).append_piece(*c->cache, c->tokens.data() + c->fed, n, false);
+            if (take(c->piece, nullptr)) collecting.push_back(c);
+        }
+        for (slot & s : slots) {
+            if (!running(s) || !s.fusing) continue;
+            blend_steps & b = s.fusing->blend();
+            const double w = b.row_weight();
+            const int64_t rows = paced ? (int64_t) ((double) paced_room / std::max(w, 1e-3)) : INT64_MAX;
+            step_piece & piece = b.next(rows);
+            const bool whole = piece.ub.l1 < (int) hp.n_layer;  // a phase that checks
+            if ((whole || rows > 0) && take(piece, whole ? &s.blend_credit : nullptr)) blending.push_back(&s);
+        }
+        return tokens;
+    }
+
+    // the preparing thread's collection on the steps' engine: it waits meanwhile
+    chunk_kv collect_in_steps(kv_cache & cache, const std::vector<llama_token> & tokens) {
+        if (tokens.empty()) throw error("cannot collect an empty chunk");
+        if (cache.type_k() != cache.type_v()) throw error("chunk collection needs the same K and V cache type");
+        if ((int64_t) tokens.size() > cache.n_ctx())
+            throw error("a chunk of " + std::to_string(tokens.size()) + " tokens exceeds the context of " +
+                            std::to_string(cache.n_ctx()),
+                        error_kind::context_overflow);
+        for (const llama_token t : tokens)
+            if (t < 0 || t >= m->hparams().n_vocab)
+                throw error("token id " + std::to_string(t) + " is outside the vocabulary");
+        collect_job c;
+        c.cache = &cache;
+        c.tokens = tokens;
+        std::future<chunk_kv> f = c.done.get_future();
+        {
+            std::lock_guard l(qmu);
+            collects.push_back(&c);
+        }
+        qcv.notify_all();
+        return f.get();
+    }
+
+    // the collector of a batched server's preparing engine (null otherwise)
+    chunk_collector collector() {
+        if (!blends_in_steps()) return {};
+        return [this](const std::vector<llama_token> & t) { return collect_in_steps(prepare_eng->cache(), t); };
+    }
+
+    // a collection's piece ran: once its last did, the chunk goes to the preparing thread
+    void collect_ran(collect_job & c) {
+        c.cache->advance(c.piece.ub.n_tokens());
+        c.fed += (size_t) c.piece.ub.n_tokens();
+        if (c.fed < c.tokens.size()) return;
+        try {
+            chunk_kv chunk = read_chunk(*step_eng, *c.cache, c.tokens, 0, 0);
+            collect_ended(c, nullptr, &chunk);
+        } catch (...) {
+            collect_ended(c, std::current_exception());
+        }
+    }
+
+    // a collection is done (its chunk) or failed (err): its waiter wakes
+    void collect_ended(collect_job & c, std::exception_ptr err, chunk_kv * chunk = nullptr) {
+        {
+            std::lock_guard l(qmu);
+            collects.erase(std::find(collects.begin(), collects.end(), &c));
+        }
+        if (err)
+            c.done.set_exception(err);
+        else
+            c.done.set_value(std::move(*chunk));
+    }
+
+    // a blend's piece ran in a step of ms: once its last did, its answer begins
+    void blend_ran(slot & s, double ms) {
+        bool done = false;
+        rag_fuse_result fused;
+        guarded_slot(s, [&] {
+            s.fusing->blend().ran(ms);
+            if (!s.fusing->blend().done()) return;
+            fused = s.fusing->finish();
+            took_fused(*s.j, fused);
+            s.fusing.reset();
+            give_hidden(std::move(s.hidden));
+            s.held = {s.j->tokens, 0};
+            done = true;
+        });
+        if (done) begin_answer(s, fused.logits);
+    }
+
     // POST /v1/documents: collect (or find) every document's chunk; its key is its id
     void run_ingest(engine & eng, job & j) {
         chunk_fetch_stats fs;
@@ -513,7 +691,7 @@ struct server_context::impl {
                 bad_request("a document of " + std::to_string(d.size()) + " tokens exceeds the context of " +
                             std::to_string(eng.cache().n_ctx()));
             const std::string key = chunk_key(*m, eng.cache().type_k(), cd->name(), {}, d);
-            chunk_kv c = chunk_get_or_collect(st, eng, {}, d, fs, p.codec);
+            chunk_kv c = chunk_get_or_collect(st, eng, {}, d, fs, p.codec, {}, CHUNK_PUT_BEST_EFFORT, collector());
             // an id is answered only for a document the store holds: a put the soft
             // store skipped is tried once more on the backend itself to learn its reason
             try {
@@ -565,7 +743,7 @@ struct server_context::impl {
 
     // a fused prompt: each document's chunk from the store (or collected), then
     // the blend (and the slot's eviction); the last token's logits
-    std::vector<float> run_fused(engine & eng, job & j) {
+    rag_fuse_params fuse_params(const job & j) {
         rag_fuse_params fp;
         fp.st = st;
         fp.tiers = tiers;
@@ -576,7 +754,24 @@ struct server_context::impl {
         // other chunks are collected without reading or writing the store
         const int64_t store_failures = soft_store::thread_failures();
         fp.store_usable = [store_failures] { return soft_store::thread_failures() == store_failures; };
-        rag_fuse_result fused = rag_fuse(eng, j.prompt, fp);  // the slot's eviction included
+        fp.collector = collector();
+        return fp;
+    }
+
+    // a whole fused prompt on the preparing thread: a slot with its own
+    // engine (its eviction included), or one compared with a full prefill
+    std::vector<float> run_fused(engine & eng, job & j) {
+        rag_fuse_result fused = rag_fuse(eng, j.prompt, fuse_params(j));
+        took_fused(j, fused);
+        if (j.compare_full) {  // the first token the answer samples from, against a full prefill's
+            j.compared = rag_compare_full(*compare_eng, j.tokens, fused.logits);
+            j.compared->full_logits = {};
+        }
+        return std::move(fused.logits);
+    }
+
+    // what a fused prompt tells its request
+    void took_fused(job & j, rag_fuse_result & fused) {
         j.chunk_hit = std::move(fused.chunk_hit);
         j.n_fused = fused.stats.n_tokens;
         j.n_recomputed = fused.stats.n_selected;
@@ -585,11 +780,30 @@ struct server_context::impl {
         j.tier_hits_dev = fused.fetch.hits_dev;
         j.tier_hits_host = fused.fetch.hits_host;
         if (j.show_recomputed) j.recomputed_at = std::move(fused.selected);
-        if (j.compare_full) {  // the first token the answer samples from, against a full prefill's
-            j.compared = rag_compare_full(*compare_eng, j.tokens, fused.logits);
-            j.compared->full_logits = {};
+    }
+
+    // hidden-state rows for a blend of n rows: a spare one that holds them, or new ones
+    hidden_rows take_hidden(int64_t n) {
+        {
+            std::lock_guard l(hmu);
+            for (size_t i = 0; i < spare_hidden.size(); ++i)
+                if (spare_hidden[i].t->ne[1] >= n) {
+                    hidden_rows h = std::move(spare_hidden[i]);
+                    spare_hidden.erase(spare_hidden.begin() + (ptrdiff_t) i);
+                    return h;
+                }
+            spare_hidden.clear();  // too small: their memory goes before the new rows are taken
         }
-        return std::move(fused.logits);
+        return alloc_hidden_rows(*m, n);
+    }
+    // a blend is done with its rows: kept for the next, the two largest at most
+    void give_hidden(hidden_rows h) {
+        if (!h.t) return;
+        std::lock_guard l(hmu);
+        spare_hidden.push_back(std::move(h));
+        std::sort(spare_hidden.begin(), spare_hidden.end(),  // smallest first: a blend takes the least that holds it
+                  [](const hidden_rows & a, const hidden_rows & b) { return a.t->ne[1] < b.t->ne[1]; });
+        if (spare_hidden.size() > 2) spare_hidden.erase(spare_hidden.begin());
     }
 
     bool submit(const std::shared_ptr<job> & j) {

@@ -681,25 +681,32 @@ TEST(blend, chunk_heads_inside_the_budget_keep_the_selected_count) {
 // the query rows' attention at the run's last layer, summed over heads and rows
 std::vector<float> query_attention(engine & e, const prompt & p, int l1) {
     const std::vector<llama_token> tokens = p.all();
-    const int64_t N = (int64_t) tokens.size(), nq = (int64_t) p.query.size();
-    std::vector<int32_t> pos(N);
-    std::iota(pos.begin(), pos.end(), 0);
-    std::vector<int64_t> rows(N);
-    std::iota(rows.begin(), rows.end(), 0);
-    std::vector<char> write(N, 1), score(N, 0);
-    for (int64_t i = N - nq; i < N; ++i) score[i] = 1;
+    const int64_t N = (int64_t) tokens.size(), nq = (int64_t) p.query.size(), ub = e.params().n_ubatch;
     e.cache().clear();
     forward_driver drv(e);
-    forward_driver::rows_run rr;
-    rr.tokens = &tokens;
-    rr.pos = &pos;
-    rr.rows = &rows;
-    rr.write = &write;
-    rr.from_tokens = true;
-    rr.l1 = l1;
-    rr.score = &score;
     std::vector<float> attn(N, 0.0f);
-    drv.run_rows(rr, nullptr, &attn);
+    for (int64_t b0 = 0; b0 < N; b0 += ub) {  // micro-batches of the engine's size, layers [0, l1)
+        const int64_t nt = std::min(ub, N - b0);
+        step_piece piece;
+        piece.cache = &e.cache();
+        piece.ub.l1 = l1;
+        graph::ubatch_attn a;
+        a.n_kv = b0 + nt;
+        for (int64_t j = 0; j < a.n_kv; ++j) a.kpos.push_back((int32_t) j);
+        for (int64_t i = 0; i < nt; ++i) {
+            piece.ub.tokens.push_back(tokens[b0 + i]);
+            piece.ub.pos.push_back((int32_t) (b0 + i));
+            a.kv_idx.push_back(b0 + i);
+            if (b0 + i >= N - nq) piece.ub.score_rows.push_back((int32_t) i);
+        }
+        piece.ub.groups.push_back(a);
+        std::vector<step_piece *> one{&piece};
+        drv.run_step(one);
+        if (piece.out.scores.empty()) continue;
+        const std::vector<float> & sc = piece.out.scores.back();  // F32 [n_kv, n_head]
+        for (size_t h = 0; h < sc.size() / (size_t) a.n_kv; ++h)
+            for (int64_t j = 0; j < a.n_kv; ++j) attn[j] += sc[h * a.n_kv + j];
+    }
     return attn;
 }
 

@@ -101,15 +101,41 @@ TEST(server_batching, plain_prompts_served_together_answer_as_served_alone) {
     EXPECT_EQ(metric(s, "kvblend_request_errors_total"), 0);
 }
 
-// --batch-invariant: with f16 weights and an f16 cache (where a one-row forward
-// and a batched one sum in other orders), every token's logprobs are the same
-// bits alone, among others, and with its head cached from the same prompt before
-TEST(server_batching, batch_invariant_logprobs_are_the_same_bits_alone_and_together) {
+// four slots, f16 weights and an f16 cache, --batch-invariant
+server_params invariant_params() {
     server_params p = batching_params();
     p.parallel = 4;
     p.type_k = p.type_v = GGML_TYPE_F16;
     p.batch_invariant = true;
-    running_server s(p, test::make_test_model("tiny-qwen3", GGML_TYPE_F16));
+    return p;
+}
+
+// the first choice's logprobs ("<error …>" for an error answer)
+std::string logprobs_of(running_server & s, const std::string & path, const json & body) {
+    auto c = s.client();
+    const json r = post(c, path, body);
+    return r.contains("choices") ? r["choices"][0]["logprobs"].dump() : "<error " + r.dump() + ">";
+}
+
+// every body sent at once, twice: each answer's logprobs are the bits it got alone
+void expect_same_bits_together(running_server & s, const std::string & path, const std::vector<json> & bodies,
+                               const std::vector<std::string> & alone) {
+    for (int round = 0; round < 2; ++round) {
+        std::vector<std::future<std::string>> f;
+        for (const json & b : bodies)
+            f.push_back(std::async(std::launch::async, [&s, &path, b] { return logprobs_of(s, path, b); }));
+        for (size_t i = 0; i < bodies.size(); ++i) {
+            EXPECT_NE(alone[i].rfind("<error", 0), 0u) << alone[i];
+            EXPECT_EQ(f[i].get(), alone[i]) << "request " << i << " in round " << round;
+        }
+    }
+}
+
+// --batch-invariant: with f16 weights and an f16 cache (where a one-row forward
+// and a batched one sum in other orders), every token's logprobs are the same
+// bits alone, among others, and with its head cached from the same prompt before
+TEST(server_batching, batch_invariant_logprobs_are_the_same_bits_alone_and_together) {
+    running_server s(invariant_params(), test::make_test_model("tiny-qwen3", GGML_TYPE_F16));
     std::vector<json> bodies;
     for (int i = 0; i < 6; ++i) {
         std::string prompt = "Once upon a time";
@@ -119,21 +145,42 @@ TEST(server_batching, batch_invariant_logprobs_are_the_same_bits_alone_and_toget
         b["cache_prompt"] = i % 2 == 0;
         bodies.push_back(b);
     }
-    auto logprobs_of = [&](const json & b) {
-        auto c = s.client();
-        const json r = post(c, "/v1/completions", b);
-        return r.contains("choices") ? r["choices"][0]["logprobs"].dump() : "<error " + r.dump() + ">";
-    };
+    const std::string path = "/v1/completions";
     std::vector<std::string> alone;
-    for (const json & b : bodies) alone.push_back(logprobs_of(b));
+    for (const json & b : bodies) alone.push_back(logprobs_of(s, path, b));
     for (size_t i = 0; i < bodies.size(); ++i)  // again at once: a cached head, then one token
-        EXPECT_EQ(logprobs_of(bodies[i]), alone[i]) << "request " << i << " after itself";
-    for (int round = 0; round < 2; ++round) {
-        std::vector<std::future<std::string>> f;
-        for (const json & b : bodies) f.push_back(std::async(std::launch::async, logprobs_of, b));
-        for (size_t i = 0; i < bodies.size(); ++i)
-            EXPECT_EQ(f[i].get(), alone[i]) << "request " << i << " in round " << round;
+        EXPECT_EQ(logprobs_of(s, path, bodies[i]), alone[i]) << "request " << i << " after itself";
+    expect_same_bits_together(s, path, bodies, alone);
+}
+
+// the same with documents: each fused request's collections and blend run
+// in the steps beside the other blends, prompts and streams (or on the
+// preparing thread), and its logprobs are the bits it gets alone
+void expect_fused_bits_alone_and_together(server_params::blend_place where);
+
+TEST(server_batching, batch_invariant_fused_requests_are_the_same_bits_alone_and_together) {
+    for (const auto where : {server_params::blend_place::steps, server_params::blend_place::thread})
+        expect_fused_bits_alone_and_together(where);
+}
+
+void expect_fused_bits_alone_and_together(server_params::blend_place where) {
+    server_params p = invariant_params();
+    p.blend_in = where;
+    running_server s(p, test::make_test_model("tiny-qwen3", GGML_TYPE_F16));
+    const std::vector<std::string> docs = {"The red fox lives in the old barn by the river.",
+                                           "Lily keeps a blue kite in her room, and it flies high.",
+                                           "Tom found a small key under the green stone in the park."};
+    std::vector<json> bodies;
+    for (int i = 0; i < 5; ++i) {
+        json b = {{"max_tokens", 8}, {"temperature", 0}, {"logprobs", true}, {"top_logprobs", 2}};
+        b["messages"] = {{{"role", "user"}, {"content", "Where is it? Say it " + std::to_string(i) + " times."}}};
+        if (i < 4) b["documents"] = {docs[i % 3], docs[(i + 1) % 3], docs[(i + 2) % 3]};  // the last: a plain chat
+        bodies.push_back(b);
     }
+    const std::string path = "/v1/chat/completions";
+    std::vector<std::string> alone;
+    for (const json & b : bodies) alone.push_back(logprobs_of(s, path, b));
+    expect_same_bits_together(s, path, bodies, alone);
 }
 
 json rag_chat(const json & rec, const json & docs, int max_tokens = 12) {
@@ -146,7 +193,9 @@ json rag_chat(const json & rec, const json & docs, int max_tokens = 12) {
 
 TEST(server_batching, documents_by_text_and_by_id_beside_a_cancelled_and_a_refused_request) {
     test::temp_dir d("batching");
-    running_server s(batching_params(d.path().string()), k_testbed);
+    server_params p = batching_params(d.path().string());
+    p.blend_in = server_params::blend_place::steps;  // the other way is every other server test's
+    running_server s(p, k_testbed);
     const std::vector<json> recs = testbed_prompts();
     ASSERT_GE(recs.size(), 4u);
     std::vector<json> bodies;
