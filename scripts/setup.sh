@@ -94,7 +94,7 @@ clients_present() {
 if clients_present; then
   log "npm clients present"
 else
-  log "installing the npm clients (openai, @anthropic-ai/sdk, @langchain/openai, @langchain/core, playwright-core)"
+  log "installing the npm clients (openai, @anthropic-ai/sdk, @langchain/openai, @langchain/core, @langchain/classic, playwright-core)"
   (cd "$client_dir" && npm install --silent --no-audit --no-fund --no-package-lock >/dev/null)
 fi
 

@@ -4,7 +4,9 @@
 //   node openai_probes.mjs URL_KVBLEND URL_LLAMA   (URLs with or without /v1)
 // environment: PROBE_API_KEY (the servers' --api-key, default probe-key),
 // PROBE_ONLY (a substring: only the cases whose name holds it),
-// PROBE_TIMEOUT_S (per case and server, default 180).
+// PROBE_TIMEOUT_S (per case and server, default 180), PROBE_LLAMA_EMBED_URL
+// (llama-server answers completions or embeddings, not both: a second one
+// started with --embeddings, for the embeddings cases; kvblend serves both).
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import { pathToFileURL } from 'node:url';
@@ -70,8 +72,9 @@ export function serversFromArgs() {
     process.exit(2);
   }
   return [
-    { label: 'kvblend', root: rootOf(kvblend), isKvblend: true },
-    { label: 'llama-server', root: rootOf(llama), isKvblend: false },
+    { label: 'kvblend', root: rootOf(kvblend), embedRoot: rootOf(kvblend), isKvblend: true },
+    { label: 'llama-server', root: rootOf(llama), embedRoot: rootOf(process.env.PROBE_LLAMA_EMBED_URL ?? llama),
+      isKvblend: false },
   ];
 }
 

@@ -5,7 +5,8 @@
 // parse and validate (structured output, tool calls).
 import { API_KEY, assert, pkg, runSuite, stopFrom } from './common.mjs';
 
-const { ChatOpenAI, OpenAI } = await pkg('@langchain/openai');
+const { ChatOpenAI, OpenAI, OpenAIEmbeddings } = await pkg('@langchain/openai');
+const { MemoryVectorStore } = await pkg('@langchain/classic/vectorstores/memory');
 const { HumanMessage, SystemMessage, ToolMessage } = await pkg('@langchain/core/messages');
 const { tool } = await pkg('@langchain/core/tools');
 const { ChatPromptTemplate } = await pkg('@langchain/core/prompts');
@@ -62,6 +63,12 @@ function ragChain(llm) {
     prompt, llm, new StringOutputParser(),
   ]);
 }
+
+function embedder(s) {
+  return new OpenAIEmbeddings({ model: s.model, apiKey: API_KEY, maxRetries: 0, timeout: 120000,
+    configuration: { baseURL: s.embedRoot + '/v1' } });
+}
+const cosine = (a, b) => a.reduce((t, x, i) => t + x * b[i], 0) / (Math.hypot(...a) * Math.hypot(...b));
 
 const greedyCache = new Map();
 async function greedy(s) {
@@ -252,6 +259,30 @@ const cases = [
     assert.ok(input > bare.usage_metadata.input_tokens + 20, `the passages are in the prompt (${input} tokens)`);
     // the same chain twice: the same greedy answer
     assert.equal(await ragChain(llm).invoke('What did Tom throw over the fence?'), answer);
+  } },
+
+  // ---- retrieval by embeddings (PROBE_LLAMA_EMBED_URL: llama-server's --embeddings server)
+  { group: 'embeddings', name: 'OpenAIEmbeddings: embedQuery = embedDocuments row, unit-length floats', run: async (s) => {
+    const e = embedder(s);
+    const texts = passages.map((d) => d.pageContent);
+    const rows = await e.embedDocuments(texts);
+    assert.equal(rows.length, texts.length);
+    for (const r of rows) assert.ok(Math.abs(Math.hypot(...r) - 1) < 1e-3, `norm ${Math.hypot(...r)}`);
+    const q = await e.embedQuery(texts[2]);
+    assert.equal(q.length, rows[2].length);
+    assert.ok(cosine(q, rows[2]) > 0.999, `a text alone and in a batch: cosine ${cosine(q, rows[2])}`);
+  } },
+  { group: 'embeddings', name: 'MemoryVectorStore retriever → RAG chain: nearest passage first, an answer', run: async (s) => {
+    const store = await MemoryVectorStore.fromDocuments(passages, embedder(s));
+    const hits = await store.similaritySearch(passages[1].pageContent, 2);
+    assert.equal(hits[0].pageContent, passages[1].pageContent, 'a passage is nearest to itself');
+    const prompt = ChatPromptTemplate.fromMessages([['system', 'Answer from the passages.'], ['human', '{context}\n\nQuestion: {question}']]);
+    const chain = RunnableSequence.from([
+      { context: store.asRetriever(2).pipe((ds) => ds.map((d) => d.pageContent).join('\n\n')), question: new RunnablePassthrough() },
+      prompt, chat(s, { maxTokens: 8 }), new StringOutputParser(),
+    ]);
+    const answer = await chain.invoke('What did Sue give the cat?');
+    assert.ok(typeof answer === 'string' && answer.length > 0, 'an answer');
   } },
 
   // ---- kvblend's own fields

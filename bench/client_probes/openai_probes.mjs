@@ -18,6 +18,11 @@ function client(s, opts = {}) {
   return clients.get(key);
 }
 
+// the server that answers embeddings (llama-server: its --embeddings one, PROBE_LLAMA_EMBED_URL)
+function embedClient(s) {
+  return client({ ...s, label: s.label + ' embeddings', root: s.embedRoot });
+}
+
 const hello = [{ role: 'user', content: 'Once upon a time' }];
 
 // greedy chat answer of a prompt (cached per server)
@@ -109,6 +114,22 @@ const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 const cases = [
   // ---- basics
+  { group: 'embeddings', name: 'embeddings.create: base64 (the default) = floats, order, usage', run: async (s) => {
+    const c = embedClient(s);
+    const input = ['The quick brown fox.', 'A chunk store keeps KV caches.', 'hi'];
+    const b64 = await c.embeddings.create({ model: s.model, input });
+    const floats = await c.embeddings.create({ model: s.model, input, encoding_format: 'float' });
+    assert.equal(b64.object, 'list');
+    assert.equal(b64.data.length, 3);
+    for (let i = 0; i < 3; i++) {
+      assert.equal(b64.data[i].index, i);
+      assert.deepEqual(Array.from(b64.data[i].embedding), floats.data[i].embedding, `row ${i}: base64 = floats`);
+    }
+    assert.ok(b64.usage.prompt_tokens > 0 && b64.usage.total_tokens === b64.usage.prompt_tokens, JSON.stringify(b64.usage));
+  } },
+  { group: 'embeddings', name: 'embeddings.create: empty input is a 400 the client throws', run: async (s) => {
+    await assert.rejects(embedClient(s).embeddings.create({ model: s.model, input: [] }), (e) => e.status === 400);
+  } },
   { group: 'basics', name: 'models.list', run: async (s) => {
     const page = await client(s).models.list();
     assert.ok(page.data.length >= 1, 'a model is listed');

@@ -480,6 +480,13 @@ TEST(server_hardening, api_keys_bearer_in_any_case_and_never_empty) {
         EXPECT_EQ(bad.status, 1) << size;
         EXPECT_NE(bad.err.find("--max-body"), std::string::npos) << size << ": " << bad.err;
     }
+    for (const char * where : {"gpu", "Steps", "''"}) {
+        const auto bad =
+            test::run_cli("serve -m " + test::k_stories_model + " --port 0 --blend-in " + where, "timeout 60 ");
+        EXPECT_EQ(bad.status, 1) << where;
+        EXPECT_NE(bad.err.find("--blend-in expects auto, steps or thread"), std::string::npos)
+            << where << ": " << bad.err;
+    }
 }
 
 TEST(server_hardening, metrics_count_error_responses) {
