@@ -5,8 +5,9 @@
 // environment: PROBE_API_KEY (the servers' --api-key, default probe-key),
 // PROBE_ONLY (a substring: only the cases whose name holds it),
 // PROBE_TIMEOUT_S (per case and server, default 180), PROBE_LLAMA_EMBED_URL
-// (llama-server answers completions or embeddings, not both: a second one
-// started with --embeddings, for the embeddings cases; kvblend serves both).
+// (llama-server answers /v1/embeddings only when started with --embeddings,
+// and the other cases were measured on one started without it: the
+// embeddings cases may go to a second one; kvblend serves them all).
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import { pathToFileURL } from 'node:url';
