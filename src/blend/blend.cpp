@@ -202,20 +202,30 @@ std::vector<int64_t> select_tokens(std::vector<int64_t> cand, const std::vector<
 
 }  // namespace
 
-chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t pos0) {
+void collect_check(const model & m, const kv_cache & cache, const std::vector<llama_token> & tokens) {
     if (tokens.empty()) throw error("cannot collect an empty chunk");
+    if (cache.type_k() != cache.type_v()) throw error("chunk collection needs the same K and V cache type");
+    if ((int64_t) tokens.size() > cache.n_ctx())
+        throw error("a chunk of " + std::to_string(tokens.size()) + " tokens exceeds the context of " +
+                        std::to_string(cache.n_ctx()),
+                    error_kind::context_overflow);
+    for (const llama_token t : tokens)
+        if (t < 0 || t >= m.hparams().n_vocab)
+            throw error("token id " + std::to_string(t) + " is outside the vocabulary");
+}
+
+chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t pos0) {
     if (pos0 < 0) throw error("chunk position must not be negative");
     eng.require_dense_cache("collecting a chunk");
-    if (eng.cache().type_k() != eng.cache().type_v()) throw error("chunk collection needs the same K and V cache type");
+    collect_check(eng.mdl(), eng.cache(), tokens);
     eng.cache().clear();
     eng.eval(tokens, false, pos0);
     return read_chunk(eng, eng.cache(), tokens, 0, pos0);
 }
 
 chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens) {
-    if (tokens.empty()) throw error("cannot collect an empty chunk");
     eng.require_dense_cache("collecting a chunk");
-    if (eng.cache().type_k() != eng.cache().type_v()) throw error("chunk collection needs the same K and V cache type");
+    collect_check(eng.mdl(), eng.cache(), tokens);
     eng.cache().clear();
     if (!prefix.empty()) eng.eval(prefix, false);
     eng.eval(tokens, false);
@@ -228,8 +238,7 @@ chunk_kv collect_evicted(engine & eng, const std::vector<llama_token> & tokens, 
     if (ev.policy == EVICT_POLICY_PYRAMIDKV)
         throw error("pyramidkv keeps other positions per layer: a stored chunk keeps one set (use snapkv)");
     evict_check(ev);
-    if (tokens.empty()) throw error("cannot collect an empty chunk");
-    if (eng.cache().type_k() != eng.cache().type_v()) throw error("chunk collection needs the same K and V cache type");
+    collect_check(eng.mdl(), eng.cache(), tokens);
     const model_hparams & hp = eng.mdl().hparams();
     const int64_t n = (int64_t) tokens.size(), nh = hp.n_head_kv;
     eng.cache().clear();

@@ -15,6 +15,10 @@
 
 namespace kvblend {
 
+// what collecting tokens into cache needs (collect(), and the server's
+// collections in its steps): tokens, of the vocabulary, that fit the cache,
+// whose K and V have one type. throws kvblend::error
+void collect_check(const model & m, const kv_cache & cache, const std::vector<llama_token> & tokens);
 // the K/V of cache rows [row0, row0 + n) as a chunk of tokens (n of them) at positions pos0…
 chunk_kv read_chunk(engine & eng, const kv_cache & cache, const std::vector<llama_token> & tokens, int64_t row0,
                     int64_t pos0);

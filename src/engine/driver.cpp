@@ -716,10 +716,11 @@ void forward_driver::run_step(std::vector<step_piece *> & pieces) {
     for (const auto & [t, host] : seg_pos) up(t, host.data());
     up(out_rows, out_rows_host.data());
     up(logit_idx, logit_idx_host.data());
-    std::vector<ggml_fp16_t> mask;
+    // the rings' and the last rows' masks (a piece's own: set_masks)
+    std::vector<ggml_fp16_t> & mask = im_.mask_buf;
     auto fill = [&](ggml_tensor * t, const graph::ubatch_attn & a, const int32_t * qpos, int64_t n_q, int64_t window) {
         if (!t) return;
-        mask.resize(a.n_kv * n_q);
+        if (mask.size() < (size_t) (a.n_kv * n_q)) mask.resize(a.n_kv * n_q);
         graph::fill_causal_mask(mask.data(), a.kpos.data(), a.n_kv, qpos, n_q, window);
         up(t, mask.data());
     };
@@ -731,8 +732,9 @@ void forward_driver::run_step(std::vector<step_piece *> & pieces) {
         up(q.pe_tok, ub.pe_tokens.data());
         up(q.in.kv_idx, a.kv_idx.data());
         up(q.in.write_rows, ub.write_rows.data());
-        fill(q.in.kq_mask, a, ub.pos.data(), (int64_t) ub.pos.size(), 0);
-        fill(q.in.kq_mask_swa, a, ub.pos.data(), (int64_t) ub.pos.size(), hp.n_swa);
+        up(q.sel, ub.score_rows.data());
+        set_masks(q.in.kq_mask, q.score_mask, ub, a, 0);
+        if (q.in.kq_mask_swa) set_masks(q.in.kq_mask_swa, q.score_mask_swa, ub, a, hp.n_swa);
         if (q.p->cache->windowed()) {
             up(q.ring.kv_idx, ub.groups[1].kv_idx.data());
             fill(q.ring.kq_mask_swa, ub.groups[1], ub.pos.data(), (int64_t) ub.pos.size(), hp.n_swa);
@@ -746,20 +748,6 @@ void forward_driver::run_step(std::vector<step_piece *> & pieces) {
             if (q.pe_rows) {
                 const std::vector<int32_t> rows = pe_row_index({last}, hp.n_layer);
                 up(q.pe_rows, rows.data());
-            }
-        }
-        if (q.sel) {
-            up(q.sel, ub.score_rows.data());
-            for (ggml_tensor * t : {q.score_mask, q.score_mask_swa}) {
-                if (!t) continue;
-                mask.resize(a.n_kv * ub.pos.size());
-                graph::fill_causal_mask(mask.data(), a.kpos.data(), a.n_kv, ub.pos.data(), (int64_t) ub.pos.size(),
-                                        t == q.score_mask_swa ? hp.n_swa : 0);
-                std::vector<float> sm(a.n_kv * ub.score_rows.size());
-                for (size_t s = 0; s < ub.score_rows.size(); ++s)
-                    for (int64_t j = 0; j < a.n_kv; ++j)
-                        sm[s * a.n_kv + j] = ggml_fp16_to_fp32(mask[ub.score_rows[s] * a.n_kv + j]);
-                up(t, sm.data());
             }
         }
         up(q.out_x, ub.out_x_rows.data());

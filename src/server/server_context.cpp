@@ -612,15 +612,7 @@ struct server_context::impl {
 
     // the preparing thread's collection on the steps' engine: it waits meanwhile
     chunk_kv collect_in_steps(kv_cache & cache, const std::vector<llama_token> & tokens) {
-        if (tokens.empty()) throw error("cannot collect an empty chunk");
-        if (cache.type_k() != cache.type_v()) throw error("chunk collection needs the same K and V cache type");
-        if ((int64_t) tokens.size() > cache.n_ctx())
-            throw error("a chunk of " + std::to_string(tokens.size()) + " tokens exceeds the context of " +
-                            std::to_string(cache.n_ctx()),
-                        error_kind::context_overflow);
-        for (const llama_token t : tokens)
-            if (t < 0 || t >= m->hparams().n_vocab)
-                throw error("token id " + std::to_string(t) + " is outside the vocabulary");
+        collect_check(*m, cache, tokens);
         collect_job c;
         c.cache = &cache;
         c.tokens = tokens;
