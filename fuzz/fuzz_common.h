@@ -50,8 +50,17 @@ inline model_spec tiny_spec(model_arch arch = MODEL_ARCH_LLAMA) {
     s.n_ctx_train = 256;
     s.tied_output = arch != MODEL_ARCH_OLMO2;  // olmo2 has its own output matrix
     s.qkv_bias = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_QWEN3MOE || arch == MODEL_ARCH_OLMO2 ||
-                arch == MODEL_ARCH_GEMMA3 || arch == MODEL_ARCH_GEMMA4;
+    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_QWEN3MOE || arch == MODEL_ARCH_QWEN35 ||
+                arch == MODEL_ARCH_OLMO2 || arch == MODEL_ARCH_GEMMA3 || arch == MODEL_ARCH_GEMMA4;
+    if (arch == MODEL_ARCH_QWEN35) {  // a gated delta-net layer (0) and a gated attention one (1), every key
+        s.n_layer = 2;
+        s.full_attention_interval = 2;
+        s.n_rot = 4;
+        s.ssm_d_state = 8;
+        s.ssm_n_k_heads = 2;
+        s.ssm_n_v_heads = 4;
+        s.ssm_d_conv = 4;
+    }
     if (arch == MODEL_ARCH_QWEN3MOE) {  // the router and the experts, and their three keys
         s.n_expert = 4;
         s.n_expert_used = 2;

@@ -28,6 +28,8 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("i.gguf", MODEL_ARCH_GEMMA4, GGML_TYPE_F16)));
         // qwen3moe's expert counts and width, its router and 3-D expert tensors
         seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("j.gguf", MODEL_ARCH_QWEN3MOE, GGML_TYPE_Q8_0)));
+        // qwen35's delta-net sizes, attention period, rotation sections and ssm tensors
+        seeds.push_back(fuzz::read_file(fuzz::make_tiny_model("k.gguf", MODEL_ARCH_QWEN35, GGML_TYPE_F16)));
         return seeds;
     });
     return 0;

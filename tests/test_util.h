@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "ggml-backend.h"
 #include "ggml.h"
 #include "kvblend/chunk_kv.h"
 #include "kvblend/model.h"
@@ -111,6 +112,13 @@ inline std::vector<llama_token> random_tokens(const model & m, int64_t n, int se
     std::vector<llama_token> t(n);
     for (auto & x : t) x = dist(rng);
     return t;
+}
+
+// an F32 backend tensor's values (a recurrent layer's state)
+inline std::vector<float> tensor_floats(const ggml_tensor * t) {
+    std::vector<float> v(ggml_nelements(t));
+    ggml_backend_tensor_get(t, v.data(), 0, ggml_nbytes(t));
+    return v;
 }
 
 // the id of the largest logit (greedy)

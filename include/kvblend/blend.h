@@ -69,6 +69,14 @@ blend_params blend_default_params();
 // budget. throws kvblend::error naming the field and its range. blend() asks
 // it; the server (at start), the C API and the CLI ask it before any work
 void blend_params_check(const blend_params & p, const model_hparams & hp);
+// why documents cannot be fused on this model, "" when they can: not on a
+// hybrid (gated delta-net layers, whose state after a document depends on
+// every token before it) yet; such a model runs prompts whole, with exact
+// prefix reuse. check_fusable throws it as an invalid_argument kvblend::error;
+// every fusion path asks it (collecting a chunk, a blend, rag_fuse) before any
+// work, the self-check and the server (which then run fused prompts whole) read it
+std::string fusion_unsupported_reason(const model & m);
+void check_fusable(const model & m);
 // the ranges it applies, which the server's fields and the CLI's flags read
 constexpr setting_range k_recomp_ratio_range{0, 1};
 constexpr setting_range k_dev_mass_range{0, 1};

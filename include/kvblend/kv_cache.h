@@ -109,14 +109,39 @@ class kv_cache {
     // (kv_rows_to_host / kv_rows_from_host below)
     ggml_tensor * k(int il) const { return k_[il]; }
     ggml_tensor * v(int il) const { return v_[il]; }
-    ggml_type type_k() const { return k_[0]->type; }
-    ggml_type type_v() const { return v_[0]->type; }
-    int64_t n_embd_kv(int il) const { return k_[il]->ne[0] * k_[il]->ne[2]; }  // values per K (or V) row
-    std::vector<int64_t> kv_widths() const;                                    // of every layer
+    ggml_type type_k() const { return type_k_; }
+    ggml_type type_v() const { return type_v_; }
+    // values per K (or V) row; 0 on a recurrent layer, whose k() and v() are nullptr
+    int64_t n_embd_kv(int il) const { return k_[il] ? k_[il]->ne[0] * k_[il]->ne[2] : 0; }
+    // the first layer that holds K/V rows (a hybrid's first layers may be recurrent)
+    int first_kv_layer() const;
+
+    // --- recurrent state (a hybrid's gated delta-net layers) -------------------
+    // per recurrent layer, what its tokens so far leave for the next: the
+    // convolution's last inputs and the delta rule's state (F32, on the
+    // model's device, zero when empty). It cannot be cut back, but to 0 or to
+    // a position a checkpoint holds: can_cut_to says where
+    bool recurrent() const { return state_buf_ != nullptr; }
+    ggml_tensor * conv_state(int il) const { return conv_.empty() ? nullptr : conv_[il]; }
+    ggml_tensor * delta_state(int il) const { return delta_.empty() ? nullptr : delta_[il]; }
+    // keep a copy of the recurrent state at n_past: a later set_n_past back to
+    // that position restores it (and drops the checkpoints after it), so a
+    // prompt that repeats the first n_past tokens resumes there exactly. Past
+    // max_checkpoints the oldest is dropped; clear() drops them all. No effect
+    // on a cache without recurrent layers, or where one is kept at n_past
+    void checkpoint();
+    void set_max_checkpoints(int n);  // 0: none kept; 1 by default
+    int max_checkpoints() const { return max_ckpts_; }
+    // positions held by checkpoints, ascending
+    std::vector<int64_t> checkpoint_positions() const;
+    // the furthest position at most n that the cache can be cut back to and
+    // resume from: n itself when it can (can_cut_to), else a checkpoint's, else 0
+    int64_t resumable_at(int64_t n) const;
+    std::vector<int64_t> kv_widths() const;  // of every layer
     // one layer per layer of hp that owns K/V, each as wide as hp's (no allocation: every step checks it)
     bool shaped_for(const model_hparams & hp) const;
 
-    size_t bytes() const;  // allocated bytes of all layers
+    size_t bytes() const;  // allocated bytes of all layers (and of the recurrent states and their checkpoints)
 
     // --- sparse state (token eviction) ---------------------------------------
     bool sparse() const { return !rows_.empty(); }
@@ -227,6 +252,26 @@ class kv_cache {
     ggml_backend_buffer_t buf_ = nullptr;
     std::vector<ggml_tensor *> k_, v_;
     std::vector<layer_rows> rows_;  // empty: dense
+    // the recurrent layers' states (nullptr on the others), in a buffer of their own
+    ggml_context * state_ctx_ = nullptr;
+    ggml_backend_buffer_t state_buf_ = nullptr;
+    std::vector<ggml_tensor *> conv_, delta_;
+    // a copy of every recurrent layer's state, in a buffer of its own
+    struct state_copy {
+        int64_t pos = 0;  // the position the copy was taken at (n_past then)
+        ggml_context * ctx = nullptr;
+        ggml_backend_buffer_t buf = nullptr;
+        std::vector<ggml_tensor *> conv, delta;
+        ~state_copy();
+    };
+    std::vector<std::unique_ptr<state_copy>> ckpts_;  // ascending positions
+    int max_ckpts_ = 1;
+    ggml_context * state_tensors(std::vector<ggml_tensor *> & conv, std::vector<ggml_tensor *> & delta) const;
+    void allocate_states();
+    std::unique_ptr<state_copy> new_state_copy(int64_t pos) const;
+    void copy_states(const std::vector<ggml_tensor *> & conv, const std::vector<ggml_tensor *> & delta,
+                     const std::vector<ggml_tensor *> & conv_to, const std::vector<ggml_tensor *> & delta_to) const;
+    void clear_states();
 };
 
 }  // namespace kvblend

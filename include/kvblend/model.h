@@ -25,6 +25,7 @@ enum model_arch {
     MODEL_ARCH_GEMMA4,    // gemma3's block, head sizes per layer kind, K/V shared by the last layers, per-layer
                           // embeddings
     MODEL_ARCH_QWEN3MOE,  // qwen3's attention, a routed mixture of experts for the FFN
+    MODEL_ARCH_QWEN35,    // hybrid: gated delta-net layers and, every few layers, gated attention (Qwen3.5)
 };
 
 const char * model_arch_name(model_arch arch);
@@ -131,6 +132,28 @@ struct model_hparams {
     int64_t n_expert_used = 0;
     int64_t n_ff_exp = 0;
 
+    // a hybrid (qwen35): the layers flagged here are gated delta-net layers
+    // (linear attention with a recurrent state per sequence: the last d_conv - 1
+    // inputs of a short causal convolution and a d_state x d_state matrix per
+    // value head); the others attend, with a sigmoid gate per head on their output
+    // (attn_out_gate). empty: no recurrent layer
+    std::vector<uint8_t> recurrent_layers;
+    int64_t ssm_d_conv = 0;      // the convolution's kernel width (ssm.conv_kernel)
+    int64_t ssm_d_state = 0;     // a head's key and value size (ssm.state_size)
+    int64_t ssm_n_k_heads = 0;   // key (and query) heads (ssm.group_count)
+    int64_t ssm_n_v_heads = 0;   // value heads, a multiple of the key heads (ssm.time_step_rank)
+    bool attn_out_gate = false;  // the q projection carries a gate per head: attention output times sigmoid(gate)
+
+    bool is_recurrent(int64_t il) const { return !recurrent_layers.empty() && recurrent_layers[il] != 0; }
+    bool has_recurrent() const;                                            // any recurrent layer
+    int64_t ssm_value_dim() const { return ssm_d_state * ssm_n_v_heads; }  // the values' width (ssm.inner_size)
+    // the convolution's channels: the queries, keys and values of a token
+    int64_t ssm_conv_channels() const { return 2 * ssm_d_state * ssm_n_k_heads + ssm_value_dim(); }
+    // floats of a recurrent layer's state per sequence
+    int64_t conv_state_floats() const { return (ssm_d_conv - 1) * ssm_conv_channels(); }
+    int64_t delta_state_floats() const { return ssm_d_state * ssm_d_state * ssm_n_v_heads; }
+    size_t recurrent_state_bytes() const;  // of every recurrent layer's state (F32) of one sequence
+
     bool has_rope(int64_t il) const {
         return rope && il >= 0 && (no_rope_layer_step == 0 || (il + 1) % no_rope_layer_step != 0);
     }
@@ -156,7 +179,8 @@ struct model_hparams {
     int64_t n_embd_kv(int64_t il) const { return head_dim_of(il) * n_head_kv; }  // K or V row per token
     // the K/V widths of the cache layers [0, n_layer_kv): what a chunk of this model holds
     std::vector<int64_t> kv_widths() const;
-    bool has_kv(int64_t il) const { return il < n_layer_kv; }
+    // a recurrent layer owns no K/V: its cache layer holds its state instead (kv_cache::conv_state)
+    bool has_kv(int64_t il) const { return il < n_layer_kv && !is_recurrent(il); }
     // the cache layer il attends over: its own, or for a shared layer the last
     // owner of its kind (libllama's rule: n_layer_kv - 1 global, - 2 windowed)
     int64_t kv_layer(int64_t il) const { return has_kv(il) ? il : n_layer_kv - (is_swa(il) ? 2 : 1); }
@@ -196,6 +220,15 @@ struct model_layer {
     ggml_tensor * pe_proj = nullptr;       // [n_embd_per_layer, n_embd]
     ggml_tensor * pe_post_norm = nullptr;  // [n_embd]
     ggml_tensor * out_scale = nullptr;     // [1] optional
+    // a gated delta-net layer (qwen35) in place of attention; wqkv holds its q, k, v rows
+    ggml_tensor * ssm_gate = nullptr;    // [n_embd, value_dim] z, the output norm's gate (attn_gate)
+    ggml_tensor * ssm_conv1d = nullptr;  // [d_conv, conv_channels]
+    ggml_tensor * ssm_dt = nullptr;      // [n_v_heads] the decay's bias
+    ggml_tensor * ssm_a = nullptr;       // [n_v_heads] -exp(A_log)
+    ggml_tensor * ssm_beta = nullptr;    // [n_embd, n_v_heads]
+    ggml_tensor * ssm_alpha = nullptr;   // [n_embd, n_v_heads]
+    ggml_tensor * ssm_norm = nullptr;    // [d_state]
+    ggml_tensor * ssm_out = nullptr;     // [value_dim, n_embd]
 };
 
 struct model_params {

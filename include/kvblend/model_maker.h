@@ -89,13 +89,25 @@ struct model_spec {
     int64_t n_expert = 0;
     int64_t n_expert_used = 0;
     int64_t n_ff_exp = 0;
+    // qwen35 (a hybrid): every full_attention_interval-th layer attends (its q
+    // projection carries a gate per head), the others are gated delta-net layers
+    // with heads of ssm_d_state, ssm_n_k_heads key and ssm_n_v_heads value heads
+    // and a convolution ssm_d_conv wide (full_attention_interval, ssm.state_size,
+    // ssm.group_count, ssm.time_step_rank, ssm.conv_kernel, ssm.inner_size);
+    // the rotated pairs split over the three text sections of rope.dimension_sections
+    int64_t full_attention_interval = 0;
+    int64_t ssm_d_conv = 0;
+    int64_t ssm_d_state = 0;
+    int64_t ssm_n_k_heads = 0;
+    int64_t ssm_n_v_heads = 0;
 };
 
 // named real shapes: tiny (small llama), tiny-qwen2, tiny-qwen3,
 // tiny-mistral3, tiny-granite, tiny-olmo2, tiny-smollm3, tiny-phi3,
 // tiny-phi3-longrope, tiny-gemma3, tiny-mistral3-yarn, tiny-gemma4, tiny-qwen3moe, tiny-mixtral, qwen3-0.6b,
 // qwen2-0.5b, llama-1b, llama-8b, ministral-3-3b, granite-3.3-2b, olmo2-1b, smollm3-3b, phi-4-mini, gemma3-1b,
-// gemma3-4b, gemma4-e2b, mixtral-8x7b, qwen3-30b-a3b. throws kvblend::error for an unknown name.
+// gemma3-4b, gemma4-e2b, mixtral-8x7b, qwen3-30b-a3b, tiny-qwen35, qwen3.5-0.8b. throws kvblend::error for an unknown
+// name.
 model_spec model_spec_preset(const std::string & name);
 std::vector<std::string> model_spec_preset_names();
 // the vocab GGUF of the pinned llama.cpp (models/ggml-vocab-NAME.gguf) that

@@ -45,8 +45,11 @@ struct server_params {
     enum class blend_place { auto_, steps, thread };
     blend_place blend_in = blend_place::auto_;
     bool batch_invariant = false;  // engine_params::batch_invariant for every slot
-    int max_queue = 64;            // waiting requests beyond the slots; more get 503
-    float recomp_ratio = 0.08f;    // blend_default_params()'s
+    // a hybrid model's slot keeps its recurrent state at most this many places
+    // of its prompt (each document's end, the last token: kv_cache::checkpoint)
+    int ctx_checkpoints = 8;
+    int max_queue = 64;          // waiting requests beyond the slots; more get 503
+    float recomp_ratio = 0.08f;  // blend_default_params()'s
     int check_layer = 1;
     // a request may ask "compare_full": its fused prompt is prefilled in full
     // too, on a cache of its own (n_ctx more rows), and the first token's KL

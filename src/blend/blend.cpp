@@ -202,7 +202,21 @@ std::vector<int64_t> select_tokens(std::vector<int64_t> cand, const std::vector<
 
 }  // namespace
 
+std::string fusion_unsupported_reason(const model & m) {
+    const model_hparams & hp = m.hparams();
+    if (!hp.has_recurrent()) return "";
+    return "document fusion is not built for hybrid models yet ('" + hp.arch_name +
+           "' has gated delta-net layers, whose state after a document depends on every token before it): the "
+           "prompt runs whole, reusing an exact cached prefix (docs/ARCHITECTURE.md, \"Hybrid and recurrent models\")";
+}
+
+void check_fusable(const model & m) {
+    const std::string why = fusion_unsupported_reason(m);
+    if (!why.empty()) throw error(why, error_kind::invalid_argument);
+}
+
 void collect_check(const model & m, const kv_cache & cache, const std::vector<llama_token> & tokens) {
+    check_fusable(m);
     if (tokens.empty()) throw error("cannot collect an empty chunk");
     if (cache.type_k() != cache.type_v()) throw error("chunk collection needs the same K and V cache type");
     if ((int64_t) tokens.size() > cache.n_ctx())
@@ -365,6 +379,7 @@ blend_steps::blend_steps(engine & eng, const std::vector<const chunk_kv *> & chu
                          const std::vector<llama_token> & query, const blend_params & params,
                          const std::function<ggml_tensor *(int64_t)> & hidden_for)
     : m_(eng.mdl()), cache_(&eng.cache()), ub_size_(eng.params().n_ubatch), params_(params) {
+    check_fusable(m_);
     eng.require_dense_cache("a blend");
     t_start_ = time_ms();
     // an empty prefix leaves the first document at position 0, where its

@@ -141,6 +141,7 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
 rag_fuse_steps::rag_fuse_steps(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
                                const std::function<ggml_tensor *(int64_t)> & hidden_for,
                                const std::vector<const chunk_kv *> & given) {
+    check_fusable(eng.mdl());
     const energy_mark e_chunks = eng.energy_now();
     std::vector<const chunk_kv *> ptrs;
     bool use_store = p.st != nullptr;

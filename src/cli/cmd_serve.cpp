@@ -59,6 +59,10 @@ model), /v1/rerank (with a reranker), /v1/documents, /v1/models, /health,
   --batch-invariant         a request's logits are the same bits whatever else is in the step and
                             however its prompt was cut or cached (CPU; slower: decode 0.5-0.6x,
                             prefill 0.6-0.9x; docs/RELIABILITY.md)
+  --ctx-checkpoints N       a hybrid model (gated delta-net layers) keeps its slot's recurrent state at
+                            most N places of a prompt: the end of its prefix and of each document, and
+                            before its last token; a later prompt resumes at the furthest one it shares
+                            (default 8; 0: only a prompt that continues all the slot holds reuses it)
   --quiet                   no line per request on stderr (route, status, tokens, store hits, times)
   --queue N                 requests waiting beyond the slots; more get 503 (default 64)
   --recomp-ratio R|auto     default share of document tokens recomputed (default 0.08); auto: the
@@ -201,6 +205,8 @@ int cmd_serve(int argc, char ** argv) {
             sp.learn = false;
         else if (a.match({"--batch-invariant"}))
             sp.batch_invariant = true;
+        else if (a.match({"--ctx-checkpoints"}))
+            sp.ctx_checkpoints = (int) a.integer(0, 256);
         else if (a.match({"--learn-max-docs"}))
             sp.learn_max_docs = a.integer(0, 1 << 20);
         else if (a.match({"--learn-max-bytes"}))
@@ -289,7 +295,13 @@ int cmd_serve(int argc, char ** argv) {
         bp.recomp_ratio = sp.recomp_ratio;
         bp.check_layer = sp.check_layer;
         sp.self_check = self_check.run(m, bp, sp.n_threads, false);
-        if (sp.fusion_refused())
+        const std::string no_fusion = fusion_unsupported_reason(*m);
+        if (!no_fusion.empty())
+            std::fprintf(stderr, "warning: fusion is off, every prompt is prefilled whole: %s\n", no_fusion.c_str());
+        if (m->hparams().has_recurrent())
+            std::fprintf(stderr, "recurrent state: %.1f MiB per slot, and as much per checkpoint (up to %d per slot)\n",
+                         m->hparams().recurrent_state_bytes() / 1048576.0, sp.ctx_checkpoints);
+        else if (sp.fusion_refused())
             std::fprintf(stderr, "warning: fusion is off, every prompt is prefilled whole (--no-self-check fuses)\n");
     }
     sp.n_ctx = std::min(sp.n_ctx, m->hparams().n_ctx_train);

@@ -37,9 +37,19 @@ int64_t padded_n_kv(int64_t n_kv, int64_t n, const kv_cache & cache, bool on_gpu
 namespace {
 
 // graph nodes of a layer run, and what each sequence of a batched step adds
-// to it (its views, K/V writes and attention): bounds a step's sequences
+// to it (its views, K/V writes and attention; on a recurrent layer its
+// convolution, delta rule and state writes): bounds a step's sequences
 constexpr int64_t k_nodes_per_layer = 40;
 constexpr int64_t k_nodes_per_seq_layer = 20;
+constexpr int64_t k_nodes_per_seq_recurrent_layer = 28;
+
+// what each sequence adds to layers [l0, l1) (at least one layer's worth)
+int64_t seq_nodes(const model_hparams & hp, int64_t l0, int64_t l1) {
+    int64_t n = 0;
+    for (int64_t il = l0; il < l1; ++il)
+        n += hp.is_recurrent(il) ? k_nodes_per_seq_recurrent_layer : k_nodes_per_seq_layer;
+    return std::max(n, k_nodes_per_seq_layer);
+}
 
 // what n tokens at positions pos0… attend over at a windowed cache's rings:
 // every ring row (those holding no position masked), the tokens written at
@@ -102,6 +112,19 @@ struct score_taps : graph::layer_taps {
         g.score_out[il - l0] = s;
     }
 };
+
+// what layer il of a sequence reads and writes in its cache: its K/V stores
+// (a shared layer: its source's), or on a recurrent layer its states
+graph::seq_kv layer_stores(const kv_cache & cache, const model_hparams & hp, int il) {
+    graph::seq_kv s;
+    if (hp.is_recurrent(il)) {
+        s.conv_state = cache.conv_state(il), s.delta_state = cache.delta_state(il);
+        return s;
+    }
+    const int kl = (int) hp.kv_layer(il);
+    s.k_store = cache.k(kl), s.v_store = cache.v(kl);
+    return s;
+}
 
 ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, std::vector<uint8_t> & meta,
                           const graph::ubatch & ub) {
@@ -178,10 +201,12 @@ ubatch_graph build_ubatch(const model & m, kv_cache & cache, live_kv * live, std
     for (int il = ub.l0; il < l1; ++il) {
         const bool last = il == l1 - 1, early = reduce_early && il >= n_owners;
         if (reduce_early && il == n_owners) x = ggml_get_rows(c, x, g.logit_rows);  // [n_embd, n_logit]
-        const int kl = (int) m.hparams().kv_layer(il);                              // the cache layer it attends over
-        x = graph::build_layer(
-            c, g.gf, m, il, x, cache.k(kl), cache.v(kl), early ? g.in_out[ub.group_of[il]] : g.in[ub.group_of[il]],
-            last && reduce && !early ? g.logit_rows : nullptr, n_sel > 0 ? &taps : nullptr, last && kv_only);
+        graph::seq_kv one = layer_stores(cache, m.hparams(), il);
+        one.in = early ? g.in_out[ub.group_of[il]] : g.in[ub.group_of[il]];
+        one.n = x->ne[1];
+        one.taps = n_sel > 0 ? &taps : nullptr;
+        x = graph::build_layer_seqs(c, g.gf, m, il, x, one.in.pos, one.in.pe, &one, 1,
+                                    last && reduce && !early ? g.logit_rows : nullptr, last && kv_only);
     }
     if (!x) return g;  // only K/V writes (and scores)
     if (n_logit > 0) {
@@ -355,7 +380,8 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
     if (n_tok == 1 && !ub.tokens.empty() && ub.score_rows.empty() && ub.dev == graph::UBATCH_DEV_NONE &&
         ub.out_x_rows.empty() && !eng_.live_ && ub.l0 == 0 && ub.logit_rows.size() == 1) {
         key = {ub.l1, cache.capacity()};
-        for (const ggml_tensor * t : {cache.k(0), cache.v(0)})
+        const int l_kv = cache.first_kv_layer();
+        for (const ggml_tensor * t : {cache.k(l_kv), cache.v(l_kv)})
             key.insert(key.end(), {(int64_t) (uintptr_t) t, (int64_t) (uintptr_t) t->data});
         for (const graph::ubatch_attn & a : ub.groups)
             key.insert(key.end(), {a.n_kv, a.mask_heads, (int64_t) a.kv_idx.size()});
@@ -475,11 +501,11 @@ ggml_tensor * side_by_side(ggml_context * c, const std::vector<piece_graph *> & 
 
 int64_t step_nodes_left(const model_hparams & hp, size_t n_appends) {
     return graph::k_max_nodes - 64 - hp.n_layer * k_nodes_per_layer -
-           (int64_t) n_appends * hp.n_layer * k_nodes_per_seq_layer;
+           (int64_t) n_appends * seq_nodes(hp, 0, hp.n_layer);
 }
 
 int64_t step_piece_nodes(const model_hparams & hp, const graph::ubatch & ub) {
-    return 32 + std::max<int64_t>(ub.l1 - ub.l0, 1) * k_nodes_per_seq_layer + (ub.l1 < hp.n_layer ? 8 : 0);
+    return 32 + seq_nodes(hp, ub.l0, ub.l1) + (ub.l1 < hp.n_layer ? 8 : 0);
 }
 
 hidden_rows alloc_hidden_rows(const model & m, int64_t n) {
@@ -667,11 +693,9 @@ void forward_driver::run_step(std::vector<step_piece *> & pieces) {
             out_rows = new_input(c, GGML_TYPE_I32, (int64_t) keep.size());
             out_rows_host = keep;
         }
-        const int kl = (int) hp.kv_layer(il);
         std::vector<graph::seq_kv> sk;
         for (piece_graph * q : active) {
-            graph::seq_kv s;
-            s.k_store = q->p->cache->k(kl), s.v_store = q->p->cache->v(kl);
+            graph::seq_kv s = layer_stores(*q->p->cache, hp, il);
             const bool ring = q->p->cache->ring(il);
             s.in = q->tail ? (ring ? q->ring_tail : q->in_tail) : (ring ? q->ring : q->in);
             s.t0 = q->t0, s.n = q->n;

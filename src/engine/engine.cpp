@@ -30,6 +30,11 @@ engine::engine(std::shared_ptr<const model> m, const engine_params & params)
     if (params_.n_ctx <= 0) throw error("context size must be positive");
     params_.n_ctx = std::min(params_.n_ctx, hp.n_ctx_train);
     evict_check(params_.evict);
+    if (hp.has_recurrent() && (!params_.kv_codec.empty() || params_.evict.policy != EVICT_POLICY_NONE))
+        throw error("'" + hp.arch_name +
+                        "' is a hybrid model: its gated delta-net layers keep a recurrent state, which a live "
+                        "compressed cache (--kv-codec) or token eviction (--evict) cannot hold",
+                    error_kind::invalid_argument);
     if (!params_.kv_codec.empty()) {
         if (params_.evict.policy != EVICT_POLICY_NONE)
             throw error("token eviction (--evict) and a live compressed cache (--kv-codec) do not combine");

@@ -133,8 +133,32 @@ ggml_tensor * build_v(ggml_context * ctx, const model & m, int il, ggml_tensor *
     return hp.v_norm ? ggml_rms_norm(ctx, v, hp.rms_eps) : v;                 // gemma4: normed per head, no weight
 }
 
+namespace {
+
+// qwen35's q projection: each head's q rows, then its gate rows. q: normed per
+// head and rotated, as build_rotated; gate: F32 [n_embd_q, n_tok]
+std::pair<ggml_tensor *, ggml_tensor *> build_gated_q(ggml_context * ctx, const model & m, int il, ggml_tensor * x,
+                                                      ggml_tensor * pos) {
+    const model_hparams & hp = m.hparams();
+    const int64_t hd = hp.head_dim_of(il), n_tok = x->ne[1];
+    ggml_tensor * full = build_linear(ctx, m.layers[il].wq, nullptr, x);  // [2 n_embd_q, n_tok]
+    const size_t es = ggml_element_size(full);
+    auto half = [&](size_t offset) {  // [head_dim, n_head, n_tok]
+        return ggml_view_3d(ctx, full, hd, hp.n_head, n_tok, es * 2 * hd, es * 2 * hd * hp.n_head, offset);
+    };
+    ggml_tensor * q = build_norm(ctx, half(0), m.layers[il].q_norm, hp.rms_eps);
+    ggml_tensor * gate = ggml_cont_2d(ctx, half(es * hd), hd * hp.n_head, n_tok);
+    return {build_rope(ctx, m, il, q, pos), gate};
+}
+
+}  // namespace
+
 qkv build_qkv(ggml_context * ctx, const model & m, int il, ggml_tensor * x, ggml_tensor * pos) {
     const model_hparams & hp = m.hparams();
+    if (hp.attn_out_gate) {
+        const auto [q, gate] = build_gated_q(ctx, m, il, x, pos);
+        return {q, build_k(ctx, m, il, x, pos), build_v(ctx, m, il, x), gate};
+    }
     const projection p = build_projection(ctx, m, il, QKV_PART_Q);
     ggml_tensor * q = build_rotated(ctx, m, il, p.w, p.b, m.layers[il].q_norm, hp.n_head, x, pos);
     if (hp.q_scale != 0.0f) q = ggml_scale(ctx, q, hp.q_scale);  // phi3, gemma3; kq_scale() is 1
@@ -301,13 +325,6 @@ ggml_tensor * layer_mask(const model_hparams & hp, int il, const attn_inputs & i
     return in.kq_mask_swa;
 }
 
-ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
-                          ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in, ggml_tensor * out_rows,
-                          layer_taps * taps, bool kv_only) {
-    const seq_kv one{k_store, v_store, in, 0, x->ne[1], taps};
-    return build_layer_seqs(ctx, gf, m, il, x, in.pos, in.pe, &one, 1, out_rows, kv_only);
-}
-
 namespace {
 
 // columns [t0, t0 + n) of a per-token tensor [a, b, n_tok]
@@ -315,16 +332,17 @@ ggml_tensor * token_cols(ggml_context * ctx, ggml_tensor * t, int64_t t0, int64_
     return ggml_view_3d(ctx, t, t->ne[0], t->ne[1], n, t->nb[1], t->nb[2], (size_t) t0 * t->nb[2]);
 }
 
-}  // namespace
+// columns [t0, t0 + n) of a 2-D per-token tensor [a, n_tok]
+ggml_tensor * cols_2d(ggml_context * ctx, ggml_tensor * t, int64_t t0, int64_t n) {
+    return ggml_view_2d(ctx, t, t->ne[0], n, t->nb[1], (size_t) t0 * t->nb[1]);
+}
 
-ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
-                               ggml_tensor * pos, ggml_tensor * pe, const seq_kv * seqs, size_t n_seq,
-                               ggml_tensor * out_rows, bool kv_only) {
+// the attention of layer il over each sequence's store, the heads gated
+// (qwen35) and projected: F32 [n_embd, n_tok]; nullptr with kv_only
+ggml_tensor * build_attn_seqs(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * cur,
+                              ggml_tensor * pos, const seq_kv * seqs, size_t n_seq, bool kv_only) {
     const model_hparams & hp = m.hparams();
     const model_layer & L = m.layers[il];
-    GGML_ASSERT(n_seq >= 1 && (n_seq == 1 || !kv_only));
-
-    ggml_tensor * cur = build_block_in(ctx, m, x, L.attn_norm);
     const qkv t = build_qkv(ctx, m, il, cur, pos);  // every token's projections at once
     const bool shared = !hp.has_kv(il);             // reads the stores, writes nothing
     ggml_tensor * heads = nullptr;                  // [n_embd_q, n_tok]
@@ -341,7 +359,92 @@ ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model
         ggml_tensor * h = build_attn_heads(ctx, m, ts.q, kv, layer_mask(hp, il, sq.in));  // [n_embd_q, n]
         heads = heads ? ggml_concat(ctx, heads, h, 1) : h;
     }
-    cur = build_linear(ctx, L.wo, L.bo, heads);  // [n_embd, n_tok]
+    if (t.gate) heads = ggml_mul(ctx, heads, ggml_sigmoid(ctx, t.gate));
+    return build_linear(ctx, L.wo, L.bo, heads);  // [n_embd, n_tok]
+}
+
+// the delta rule of one sequence at a gated delta-net layer, from its state:
+// qkv ([conv_channels, n]: its tokens' q, k, v rows before the convolution), g
+// and beta ([n_v_heads, n]: the decay's log and the write strength). the
+// convolution's and the delta rule's new states are written over the old ones
+// (expanded into gf). returns F32 [d_state, n_v_heads, n]
+ggml_tensor * build_delta_rule(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * qkv_rows,
+                               ggml_tensor * g, ggml_tensor * beta, const seq_kv & sq) {
+    const model_hparams & hp = m.hparams();
+    const int64_t S = hp.ssm_d_state, n_k = hp.ssm_n_k_heads, n_v = hp.ssm_n_v_heads;
+    const int64_t C = hp.ssm_conv_channels(), K = hp.ssm_d_conv, n = qkv_rows->ne[1];
+    GGML_ASSERT(sq.conv_state && sq.delta_state && "a recurrent layer needs its sequence's states");
+    // the convolution over the state's last K - 1 inputs and the new ones; its
+    // last K - 1 inputs become the state
+    ggml_tensor * conv_state = ggml_reshape_3d(ctx, sq.conv_state, K - 1, C, 1);
+    ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, qkv_rows), 0);  // [K - 1 + n, C, 1]
+    ggml_tensor * last =
+        ggml_view_3d(ctx, conv_in, K - 1, C, 1, conv_in->nb[1], conv_in->nb[2], ggml_row_size(conv_in->type, n));
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, last, conv_state));
+    ggml_tensor * mixed = ggml_silu(ctx, ggml_ssm_conv(ctx, conv_in, m.layers[il].ssm_conv1d));  // [C, n, 1]
+    const size_t es = ggml_element_size(mixed), row = es * (size_t) C;
+    auto heads = [&](int64_t n_head, size_t offset) {  // [S, n_head, n, 1]
+        return ggml_view_4d(ctx, mixed, S, n_head, n, 1, es * S, row, row * n, offset);
+    };
+    ggml_tensor * q = ggml_l2_norm(ctx, heads(n_k, 0), hp.rms_eps);
+    ggml_tensor * k = ggml_l2_norm(ctx, heads(n_k, es * S * n_k), hp.rms_eps);
+    ggml_tensor * v = heads(n_v, es * S * n_k * 2);
+    ggml_tensor * state = ggml_reshape_4d(ctx, sq.delta_state, S, S, n_v, 1);
+    ggml_tensor * r = ggml_gated_delta_net(ctx, q, k, v, ggml_reshape_4d(ctx, g, 1, n_v, n, 1),
+                                           ggml_reshape_4d(ctx, beta, 1, n_v, n, 1), state, 1);
+    // the outputs, then the final state
+    const size_t rs = ggml_element_size(r);
+    ggml_tensor * out = ggml_view_3d(ctx, r, S, n_v, n, rs * S, rs * S * n_v, 0);
+    ggml_tensor * fresh = ggml_view_1d(ctx, r, S * S * n_v, rs * S * n_v * n);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, fresh, sq.delta_state));
+    return out;
+}
+
+// a gated delta-net layer's mixer over the normed tokens cur ([n_embd, n_tok]),
+// each sequence from its own state: the projections at once, the delta rule
+// per sequence, the gated output norm and projection: F32 [n_embd, n_tok]
+ggml_tensor * build_delta_net_seqs(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * cur,
+                                   const seq_kv * seqs, size_t n_seq) {
+    const model_hparams & hp = m.hparams();
+    const model_layer & L = m.layers[il];
+    const int64_t n_tok = cur->ne[1];
+    ggml_tensor * qkv_rows = build_mul_mat(ctx, L.wqkv, cur);                     // [conv_channels, n_tok]
+    ggml_tensor * z = build_mul_mat(ctx, L.ssm_gate, cur);                        // [value_dim, n_tok]
+    ggml_tensor * beta = ggml_sigmoid(ctx, build_mul_mat(ctx, L.ssm_beta, cur));  // [n_v_heads, n_tok]
+    ggml_tensor * alpha = ggml_add(ctx, build_mul_mat(ctx, L.ssm_alpha, cur), L.ssm_dt);
+    ggml_tensor * g = ggml_mul(ctx, ggml_softplus(ctx, alpha), L.ssm_a);  // [n_v_heads, n_tok], <= 0
+    ggml_tensor * out = nullptr;                                          // [d_state, n_v_heads, n_tok]
+    for (size_t s = 0; s < n_seq; ++s) {
+        const seq_kv & sq = seqs[s];
+        ggml_tensor * o = n_seq == 1
+                              ? build_delta_rule(ctx, gf, m, il, qkv_rows, g, beta, sq)
+                              : build_delta_rule(ctx, gf, m, il, cols_2d(ctx, qkv_rows, sq.t0, sq.n),
+                                                 cols_2d(ctx, g, sq.t0, sq.n), cols_2d(ctx, beta, sq.t0, sq.n), sq);
+        out = out ? ggml_concat(ctx, out, o, 2) : o;
+    }
+    const int64_t S = hp.ssm_d_state, n_v = hp.ssm_n_v_heads;
+    ggml_tensor * normed = build_norm(ctx, out, L.ssm_norm, hp.rms_eps);
+    normed = ggml_mul(ctx, normed, ggml_silu(ctx, ggml_reshape_3d(ctx, z, S, n_v, n_tok)));
+    return build_mul_mat(ctx, L.ssm_out, ggml_reshape_2d(ctx, normed, S * n_v, n_tok));  // [n_embd, n_tok]
+}
+
+}  // namespace
+
+ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
+                               ggml_tensor * pos, ggml_tensor * pe, const seq_kv * seqs, size_t n_seq,
+                               ggml_tensor * out_rows, bool kv_only) {
+    const model_hparams & hp = m.hparams();
+    const model_layer & L = m.layers[il];
+    GGML_ASSERT(n_seq >= 1 && (n_seq == 1 || !kv_only));
+
+    ggml_tensor * cur = build_block_in(ctx, m, x, L.attn_norm);
+    if (hp.is_recurrent(il)) {
+        cur = build_delta_net_seqs(ctx, gf, m, il, cur, seqs, n_seq);
+        if (kv_only) return nullptr;  // the states are written
+    } else {
+        cur = build_attn_seqs(ctx, gf, m, il, cur, pos, seqs, n_seq, kv_only);
+        if (!cur) return nullptr;
+    }
     ggml_tensor * resid = x;
     if (out_rows) {
         cur = ggml_get_rows(ctx, cur, out_rows);      // [n_embd, n_out]

@@ -18,6 +18,9 @@ struct qkv {
     ggml_tensor * q;  // F32 [head_dim, n_head,    n_tok] post-RoPE
     ggml_tensor * k;  // F32 [head_dim, n_head_kv, n_tok] post-RoPE
     ggml_tensor * v;  // F32 [head_dim, n_head_kv, n_tok]
+    // F32 [n_embd_q, n_tok]: the heads' output is multiplied by its sigmoid
+    // (model_hparams::attn_out_gate); nullptr: not gated
+    ggml_tensor * gate = nullptr;
 };
 
 struct kv_store_hook;
@@ -135,28 +138,30 @@ struct layer_taps {
     virtual void attn(ggml_context * ctx, ggml_cgraph * gf, int il, const qkv & cur, const kv_views & kv) = 0;
 };
 
-// one whole layer (k_store, v_store: model_hparams::kv_layer(il)'s). out_rows (I32 [n_out], optional) keeps only those
-// rows after attention (the last layer computes FFN only for rows whose logits are wanted). the K/V writes are expanded
-// into gf so they run even when the returned hidden states are unused. kv_only: stop after the K/V write (and the taps)
-// and return nullptr: nothing reads this layer's output.
-ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
-                          ggml_tensor * k_store, ggml_tensor * v_store, const attn_inputs & in,
-                          ggml_tensor * out_rows = nullptr, layer_taps * taps = nullptr, bool kv_only = false);
-
-// one sequence of a multi-sequence layer run (the serving loop's batch):
-// tokens [t0, t0 + n) of the batch attend over, and write into, their own store
+// one sequence of a layer run (several: the serving loop's batch): tokens
+// [t0, t0 + n) of the batch attend over, and write into, their own store
+// (model_hparams::kv_layer's). On a recurrent layer (model_hparams::is_recurrent)
+// they continue their own state instead, which the run updates in place: the
+// tokens must follow, in order, the ones that state has seen
 struct seq_kv {
     ggml_tensor * k_store = nullptr;
     ggml_tensor * v_store = nullptr;
+    ggml_tensor * conv_state = nullptr;   // F32 [(d_conv - 1) * conv_channels]: the convolution's last inputs
+    ggml_tensor * delta_state = nullptr;  // F32 [d_state * d_state * n_v_heads]: the delta rule's state
     attn_inputs in;  // its kv_idx, mask and n_kv (in.pos is unused: the batch's positions rope every token)
     int64_t t0 = 0, n = 0;
     layer_taps * taps = nullptr;  // reads this sequence's attention (nullptr: none)
 };
 
-// build_layer over several sequences, each with its own K/V store: the
-// projections and the FFN run once over every token (the weights are read
-// once), the attention per sequence. pe: the batch's per-layer inputs
-// (gemma4) or nullptr. kv_only takes one sequence only
+// one whole layer over several sequences, each with its own K/V store (or
+// state): the projections and the FFN run once over every token (the weights
+// are read once), the attention (the delta rule) per sequence. x: F32 [n_embd,
+// n_tok], pos: I32 [n_tok]; pe: the batch's per-layer inputs (gemma4) or
+// nullptr. the K/V and state writes are expanded into gf, so they run even when
+// the returned hidden states are unused. out_rows (I32 [n_out], optional) keeps
+// only those rows after attention (the last layer computes FFN only for rows
+// whose logits are wanted). kv_only (one sequence only): stop after the writes
+// (and the taps) and return nullptr: nothing reads this layer's output
 ggml_tensor * build_layer_seqs(ggml_context * ctx, ggml_cgraph * gf, const model & m, int il, ggml_tensor * x,
                                ggml_tensor * pos, ggml_tensor * pe, const seq_kv * seqs, size_t n_seq,
                                ggml_tensor * out_rows = nullptr, bool kv_only = false);

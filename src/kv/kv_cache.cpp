@@ -28,6 +28,121 @@ kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type t
     }
     cap = std::max<int64_t>(1, std::min(cap, n_ctx));
     adopt(allocate(cap, ring_rows), cap);
+    allocate_states();
+}
+
+// one F32 tensor per recurrent layer for its convolution inputs and one for its
+// delta-rule state (nullptr on the others), in a context of their own
+ggml_context * kv_cache::state_tensors(std::vector<ggml_tensor *> & conv, std::vector<ggml_tensor *> & delta) const {
+    const model_hparams & hp = m_->hparams();
+    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer_kv + 1), nullptr, true};
+    ggml_context * ctx = ggml_init(ip);
+    conv.assign(hp.n_layer_kv, nullptr);
+    delta.assign(hp.n_layer_kv, nullptr);
+    for (int64_t il = 0; il < hp.n_layer_kv; ++il) {
+        if (!hp.is_recurrent(il)) continue;
+        conv[il] = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, hp.conv_state_floats());
+        delta[il] = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, hp.delta_state_floats());
+    }
+    return ctx;
+}
+
+static ggml_backend_buffer_t alloc_state_buffer(ggml_context * ctx, ggml_backend_dev_t dev) {
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_dev_buffer_type(dev));
+    if (!buf) {
+        ggml_free(ctx);
+        throw error("cannot allocate the recurrent layers' state");
+    }
+    return buf;
+}
+
+void kv_cache::allocate_states() {
+    const model_hparams & hp = m_->hparams();
+    if (!hp.has_recurrent()) return;
+    ggml_context * ctx = state_tensors(conv_, delta_);
+    for (int64_t il = 0; il < hp.n_layer_kv; ++il) {
+        if (!conv_[il]) continue;
+        ggml_format_name(conv_[il], "cache_conv_l%d", (int) il);
+        ggml_format_name(delta_[il], "cache_delta_l%d", (int) il);
+    }
+    state_buf_ = alloc_state_buffer(ctx, m_->device());
+    state_ctx_ = ctx;
+    clear_states();
+}
+
+kv_cache::state_copy::~state_copy() {
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
+std::unique_ptr<kv_cache::state_copy> kv_cache::new_state_copy(int64_t pos) const {
+    auto c = std::make_unique<state_copy>();
+    c->pos = pos;
+    ggml_context * ctx = state_tensors(c->conv, c->delta);
+    c->buf = alloc_state_buffer(ctx, m_->device());
+    c->ctx = ctx;
+    return c;
+}
+
+void kv_cache::clear_states() {
+    if (state_buf_) ggml_backend_buffer_clear(state_buf_, 0);
+    ckpts_.clear();
+}
+
+void kv_cache::copy_states(const std::vector<ggml_tensor *> & conv, const std::vector<ggml_tensor *> & delta,
+                           const std::vector<ggml_tensor *> & conv_to,
+                           const std::vector<ggml_tensor *> & delta_to) const {
+    for (size_t il = 0; il < conv.size(); ++il) {
+        if (!conv[il]) continue;
+        ggml_backend_tensor_copy(conv[il], conv_to[il]);
+        ggml_backend_tensor_copy(delta[il], delta_to[il]);
+    }
+}
+
+static std::string join_positions(const std::vector<int64_t> & pos) {
+    std::string s;
+    for (int64_t p : pos) s += (s.empty() ? "" : ", ") + std::to_string(p);
+    return s;
+}
+
+void kv_cache::checkpoint() {
+    if (!recurrent() || max_ckpts_ == 0 || (!ckpts_.empty() && ckpts_.back()->pos == n_past_)) return;
+    std::unique_ptr<state_copy> c;
+    if ((int) ckpts_.size() >= max_ckpts_) {  // the oldest's buffer takes the new copy
+        c = std::move(ckpts_.front());
+        ckpts_.erase(ckpts_.begin());
+        c->pos = n_past_;
+    } else {
+        c = new_state_copy(n_past_);
+    }
+    copy_states(conv_, delta_, c->conv, c->delta);
+    ckpts_.push_back(std::move(c));  // set_n_past drops those past n_past: the list stays ascending
+}
+
+void kv_cache::set_max_checkpoints(int n) {
+    if (n < 0) throw error("a count of checkpoints cannot be negative: " + std::to_string(n));
+    max_ckpts_ = n;
+    if ((int) ckpts_.size() > n) ckpts_.erase(ckpts_.begin(), ckpts_.end() - n);
+}
+
+std::vector<int64_t> kv_cache::checkpoint_positions() const {
+    std::vector<int64_t> pos;
+    for (const auto & c : ckpts_) pos.push_back(c->pos);
+    return pos;
+}
+
+int64_t kv_cache::resumable_at(int64_t n) const {
+    if (can_cut_to(n)) return n;
+    int64_t best = 0;
+    for (const auto & c : ckpts_)
+        if (c->pos <= n && can_cut_to(c->pos)) best = std::max(best, c->pos);
+    return best;
+}
+
+int kv_cache::first_kv_layer() const {
+    for (int il = 0; il < (int) k_.size(); ++il)
+        if (k_[il]) return il;
+    return 0;
 }
 
 std::unique_ptr<kv_cache> kv_cache::positions_only(const model & m, int64_t n_ctx) {
@@ -44,6 +159,11 @@ kv_cache::storage kv_cache::allocate(int64_t cap, int64_t ring_rows) const {
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer_kv + 1), nullptr, true};
     s.ctx = ggml_init(ip);
     for (int64_t il = 0; il < hp.n_layer_kv; ++il) {  // the layers that own K/V
+        if (!hp.has_kv(il)) {                         // a recurrent layer: its state instead
+            s.k.push_back(nullptr);
+            s.v.push_back(nullptr);
+            continue;
+        }
         const int64_t rows = s.ring_rows > 0 && hp.is_swa(il) ? s.ring_rows : s.rows, hd = hp.head_dim_of(il);
         ggml_tensor * k = ggml_new_tensor_3d(s.ctx, type_k_, hd, rows, hp.n_head_kv);  // [head_dim, rows, n_head_kv]
         ggml_tensor * v = ggml_new_tensor_3d(s.ctx, type_v_, hd, rows, hp.n_head_kv);  // [head_dim, rows, n_head_kv]
@@ -82,10 +202,7 @@ std::vector<int64_t> kv_cache::kv_widths() const {
 }
 
 bool kv_cache::shaped_for(const model_hparams & hp) const {
-    if (n_layer() != hp.n_layer_kv) return false;
-    for (int il = 0; il < (int) n_layer(); ++il)
-        if (n_embd_kv(il) != hp.n_embd_kv(il)) return false;
-    return true;
+    return kv_widths() == hp.kv_widths() && recurrent() == hp.has_recurrent();
 }
 
 int64_t kv_cache::alloc_rows(int64_t n) const {
@@ -95,6 +212,8 @@ int64_t kv_cache::alloc_rows(int64_t n) const {
 kv_cache::~kv_cache() {
     ggml_backend_buffer_free(buf_);
     ggml_free(ctx_);
+    ggml_backend_buffer_free(state_buf_);
+    ggml_free(state_ctx_);
 }
 
 bool kv_cache_type_supported(ggml_type t) {
@@ -107,6 +226,7 @@ void kv_cache::clear() {
     rows_.clear();
     if (holds_rows_ && (cap_ != n_ctx_ || windowed())) adopt(allocate(n_ctx_), n_ctx_);
     ring_first_ = 0;
+    clear_states();
 }
 
 void kv_cache::set_n_past(int64_t n) {
@@ -137,6 +257,16 @@ void kv_cache::set_n_past(int64_t n) {
     }
     if (n < 0 || n > n_ctx_)
         throw error("KV cache position " + std::to_string(n) + " is outside [0, " + std::to_string(n_ctx_) + "]");
+    if (recurrent() && n != n_past_) {
+        if (!can_cut_to(n))
+            throw error("a recurrent state cannot be cut back to position " + std::to_string(n) + ": it has seen " +
+                        std::to_string(n_past_) + " positions and holds checkpoints at [" +
+                        join_positions(checkpoint_positions()) +
+                        "] (a hybrid model's cache resumes at one of them or starts over)");
+        if (n == 0) clear_states();
+        while (!ckpts_.empty() && ckpts_.back()->pos > n) ckpts_.pop_back();
+        if (n > 0) copy_states(ckpts_.back()->conv, ckpts_.back()->delta, conv_, delta_);
+    }
     if (windowed()) {
         if (n > n_past_) throw error("KV cache position " + std::to_string(n) + " is past what the cache has seen");
         if (!can_cut_to(n))
@@ -148,7 +278,9 @@ void kv_cache::set_n_past(int64_t n) {
 }
 
 size_t kv_cache::bytes() const {
-    return ggml_backend_buffer_get_size(buf_);
+    size_t n = ggml_backend_buffer_get_size(buf_) + (state_buf_ ? ggml_backend_buffer_get_size(state_buf_) : 0);
+    for (const auto & c : ckpts_) n += ggml_backend_buffer_get_size(c->buf);
+    return n;
 }
 
 int64_t kv_cache::n_rows(int il) const {
@@ -174,7 +306,11 @@ int64_t kv_cache::max_append() const {
 }
 
 bool kv_cache::can_cut_to(int64_t n) const {
-    if (!windowed() || n == 0) return true;
+    if (n == 0) return true;
+    if (recurrent())
+        return n == n_past_ ||
+               (n < n_past_ && std::any_of(ckpts_.begin(), ckpts_.end(), [&](const auto & c) { return c->pos == n; }));
+    if (!windowed()) return true;
     return n <= n_past_ && std::max<int64_t>(0, n - m_->hparams().n_swa + 1) >= ring_first_;
 }
 
@@ -212,8 +348,9 @@ void kv_cache::mask_pos(int il, int32_t * dst) const {
 }
 
 size_t kv_cache::bytes_held() const {
-    size_t b = 0;
+    size_t b = state_buf_ ? ggml_backend_buffer_get_size(state_buf_) : 0;
     for (int il = 0; il < (int) n_layer(); ++il) {
+        if (!k_[il]) continue;
         const int64_t n = n_rows(il);
         b += (kv_token_row_bytes(k_[il]) + kv_token_row_bytes(v_[il])) * n;
         if (sparse()) b += rows_[il].pos.size() * sizeof(int32_t);
@@ -272,6 +409,7 @@ void fill_ring(const ggml_tensor * src, ggml_tensor * dst, int64_t first, int64_
 }  // namespace
 
 void kv_cache::copy_layer(int il, const storage & dst) const {
+    if (!k_[il]) return;  // a recurrent layer: its state stays where it is
     const int64_t n = ring(il) ? ring_rows_ : n_rows(il);
     copy_rows(k_[il], dst.k[il], n);
     copy_rows(v_[il], dst.v[il], n);
@@ -301,6 +439,7 @@ void kv_cache::compact(const std::vector<std::vector<std::vector<int64_t>>> & ke
     const model_hparams & hp = m_->hparams();
     const int64_t nl = n_layer(), nh = hp.n_head_kv;
     if (windowed()) throw error("eviction: a windowed KV cache keeps its windowed layers as rings; evict before");
+    if (recurrent()) throw error("eviction: a hybrid model's recurrent layers hold a state, not rows to evict");
     if ((int64_t) keep.size() != nl) throw error("eviction: one keep list per layer is needed");
     if (reserve < 0) throw error("eviction: negative reserve");
     int64_t n_keep_max = 0;
@@ -356,6 +495,8 @@ void kv_cache::compact(const std::vector<std::vector<std::vector<int64_t>>> & ke
 
 void kv_cache::set_positions(const std::vector<int32_t> & pos, int64_t n_past) {
     if (windowed()) throw error("KV cache positions: a windowed cache keeps its windowed layers as rings");
+    if (recurrent())
+        throw error("KV cache positions: a hybrid model's recurrent state follows every position in order");
     if ((int64_t) pos.size() > cap_ || n_past > n_ctx_ || (!pos.empty() && pos.back() >= n_past))
         throw error("KV cache positions do not fit the cache");
     for (size_t i = 1; i < pos.size(); ++i)
@@ -397,6 +538,12 @@ std::unique_ptr<kv_cache> kv_cache::branch(int64_t reserve) const {
     storage dst;
     dst.k = c->k_, dst.v = c->v_;
     for (int il = 0; il < (int) n_layer(); ++il) copy_layer(il, dst);
+    copy_states(conv_, delta_, c->conv_, c->delta_);
+    c->max_ckpts_ = max_ckpts_;
+    for (const auto & k : ckpts_) {
+        c->ckpts_.push_back(c->new_state_copy(k->pos));
+        copy_states(k->conv, k->delta, c->ckpts_.back()->conv, c->ckpts_.back()->delta);
+    }
     c->n_past_ = n_past_;
     c->ring_first_ = ring_first_;
     c->rows_ = rows_;
@@ -415,6 +562,7 @@ static std::vector<float> to_f32(const ggml_tensor * t, const std::vector<uint8_
 }
 
 std::vector<float> kv_cache::read_rows(const ggml_tensor * t, int il, int64_t p0, int64_t n) const {
+    if (!t) throw error("layer " + std::to_string(il) + " is recurrent: it holds a state, no K/V rows");
     if (!ring(il)) return to_f32(t, get_raw(t, n, p0), n);
     if (p0 < ring_first_ || p0 + n > n_past_)
         throw error("a windowed KV cache holds positions [" + std::to_string(ring_first_) + ", " +

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 #include <unordered_map>
@@ -37,6 +38,7 @@ const char * model_arch_name(model_arch arch) {
         case MODEL_ARCH_GEMMA3: return "gemma3";
         case MODEL_ARCH_GEMMA4: return "gemma4";
         case MODEL_ARCH_QWEN3MOE: return "qwen3moe";
+        case MODEL_ARCH_QWEN35: return "qwen35";
     }
     return "?";
 }
@@ -72,8 +74,18 @@ float model_hparams::rope_attn_shift(int64_t il) const {
 
 std::vector<int64_t> model_hparams::kv_widths() const {
     std::vector<int64_t> w(n_layer_kv);
-    for (int64_t il = 0; il < n_layer_kv; ++il) w[il] = n_embd_kv(il);
+    for (int64_t il = 0; il < n_layer_kv; ++il) w[il] = has_kv(il) ? n_embd_kv(il) : 0;
     return w;
+}
+
+bool model_hparams::has_recurrent() const {
+    return std::any_of(recurrent_layers.begin(), recurrent_layers.end(), [](uint8_t f) { return f != 0; });
+}
+
+size_t model_hparams::recurrent_state_bytes() const {
+    const size_t layers =
+        (size_t) std::count_if(recurrent_layers.begin(), recurrent_layers.end(), [](uint8_t f) { return f != 0; });
+    return layers * (size_t) (conv_state_floats() + delta_state_floats()) * sizeof(float);
 }
 
 bool model_hparams::has_swa() const {
@@ -299,9 +311,9 @@ bool weight_op_supported(ggml_backend_dev_t dev, const ggml_tensor * t, ggml_op 
     return true;
 }
 
-const model_arch k_archs[] = {MODEL_ARCH_LLAMA,   MODEL_ARCH_QWEN2,  MODEL_ARCH_QWEN3,   MODEL_ARCH_MISTRAL3,
-                              MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2,  MODEL_ARCH_SMOLLM3, MODEL_ARCH_PHI3,
-                              MODEL_ARCH_GEMMA3,  MODEL_ARCH_GEMMA4, MODEL_ARCH_QWEN3MOE};
+const model_arch k_archs[] = {MODEL_ARCH_LLAMA,   MODEL_ARCH_QWEN2,  MODEL_ARCH_QWEN3,    MODEL_ARCH_MISTRAL3,
+                              MODEL_ARCH_GRANITE, MODEL_ARCH_OLMO2,  MODEL_ARCH_SMOLLM3,  MODEL_ARCH_PHI3,
+                              MODEL_ARCH_GEMMA3,  MODEL_ARCH_GEMMA4, MODEL_ARCH_QWEN3MOE, MODEL_ARCH_QWEN35};
 
 // the architecture named name (general.architecture) into arch; false when none is
 bool arch_of(const std::string & name, model_arch & arch) {
@@ -317,8 +329,8 @@ std::string supported_archs() {
 }
 
 // the layers that carry a recurrent state in the architectures libllama runs
-// as recurrent or hybrid (llm_arch_is_recurrent / llm_arch_is_hybrid), or
-// nullptr. fusion does not apply to them: docs/ARCHITECTURE.md, "Hybrid and
+// as recurrent or hybrid (llm_arch_is_recurrent / llm_arch_is_hybrid) and
+// kvblend does not (qwen35 runs), or nullptr: docs/ARCHITECTURE.md, "Hybrid and
 // recurrent models"
 const char * recurrent_layers_of(const std::string & arch) {
     static const std::pair<const char *, const char *> k_recurrent[] = {
@@ -337,7 +349,6 @@ const char * recurrent_layers_of(const std::string & arch) {
         {"lfm2", "short-convolution"},
         {"lfm2moe", "short-convolution"},
         {"qwen3next", "gated delta-net"},
-        {"qwen35", "gated delta-net"},
         {"qwen35moe", "gated delta-net"},
         {"qwen4exp", "linear-attention"},
         {"kimi-linear", "delta-attention"},
@@ -391,7 +402,8 @@ std::vector<std::pair<ggml_tensor *, ggml_op>> matrix_weights(const model & m) {
     std::vector<std::pair<ggml_tensor *, ggml_op>> out;
     if (!m.hparams().tied_output) out.emplace_back(m.output, GGML_OP_MUL_MAT);
     for (const model_layer & L : m.layers) {
-        for (ggml_tensor * t : {L.wq, L.wk, L.wv, L.wqkv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down, L.ffn_gate_inp})
+        for (ggml_tensor * t : {L.wq, L.wk, L.wv, L.wqkv, L.wo, L.ffn_gate, L.ffn_up, L.ffn_down, L.ffn_gate_inp,
+                                L.ssm_gate, L.ssm_beta, L.ssm_alpha, L.ssm_out})
             if (t) out.emplace_back(t, GGML_OP_MUL_MAT);
         for (ggml_tensor * t : {L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps})
             if (t) out.emplace_back(t, GGML_OP_MUL_MAT_ID);
@@ -414,16 +426,21 @@ void check_weight_ops(const model & m, ggml_backend_dev_t dev, const kv_reader &
 
 // a tensor the forward would not read is refused, never ignored: an output
 // or FFN bias of a shape we do not know, a mixture-of-experts router, another
-// family's block. libllama refuses such a file too (its loader counts them)
-void check_all_read(const gguf_context * g, const std::vector<ggml_tensor *> & used, const kv_reader & kv) {
+// family's block. libllama refuses such a file too (its loader counts them).
+// the blocks [n_layer, n_blocks) (qwen35's multi-token-prediction draft head, which
+// libllama loads only for drafting) are left unread
+void check_all_read(const gguf_context * g, const std::vector<ggml_tensor *> & used, const kv_reader & kv,
+                    int64_t n_layer, int64_t n_blocks) {
     std::unordered_set<std::string> read;
     for (const ggml_tensor * t : used) read.insert(t->name);
     for (int64_t i = 0; i < gguf_get_n_tensors(g); ++i) {
         const std::string name = gguf_get_tensor_name(g, i);
-        if (!read.count(name))
-            kv.fail("tensor '" + name +
-                    "' is not part of the block kvblend runs for this architecture: refused rather "
-                    "than ignored");
+        if (read.count(name)) continue;
+        long long block = -1;
+        if (std::sscanf(name.c_str(), "blk.%lld.", &block) == 1 && block >= n_layer && block < n_blocks) continue;
+        kv.fail("tensor '" + name +
+                "' is not part of the block kvblend runs for this architecture: refused rather "
+                "than ignored");
     }
 }
 
@@ -512,7 +529,83 @@ void read_expert_keys(const kv_reader & kv, const std::string & a, model_hparams
     hp.n_ff_exp = kv.dim(a + "expert_feed_forward_length", def, def == 0);
 }
 
+// qwen35: which layers are gated delta-net layers and their sizes, the
+// rotation's sections, read as libllama's qwen35 loader reads them. a file's
+// multi-token-prediction blocks (nextn_predict_layers, after the others) are
+// not run: n_layer counts the trunk's. ggml's interleaved M-RoPE with the
+// three text positions equal is NEOX on the sections' dims, so every rotated
+// pair must lie in one of the three (none at the fourth, the vision position 0)
+void read_qwen35_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
+    auto inconsistent = [&](const std::string & why) { kv.fail("inconsistent hyper-parameters: " + why); };
+    const int64_t n_all = hp.n_layer;
+    const int64_t nextn = kv.dim(a + "nextn_predict_layers", 0, false, 0, n_all - 1);
+    hp.n_layer = n_all - nextn;
+    hp.attn_out_gate = true;
+    hp.ssm_d_conv = kv.dim(a + "ssm.conv_kernel", 0, true, 2, 64);
+    hp.ssm_d_state = kv.dim(a + "ssm.state_size", 0, true, 1, 4096);
+    hp.ssm_n_k_heads = kv.dim(a + "ssm.group_count", 0, true);
+    hp.ssm_n_v_heads = kv.dim(a + "ssm.time_step_rank", 0, true);
+    if (hp.ssm_n_v_heads % hp.ssm_n_k_heads != 0)
+        inconsistent(a + "ssm.time_step_rank (value heads, " + std::to_string(hp.ssm_n_v_heads) +
+                     ") is not a multiple of " + a + "ssm.group_count (key heads, " + std::to_string(hp.ssm_n_k_heads) +
+                     ")");
+    const int64_t inner = kv.dim(a + "ssm.inner_size", 0, true);
+    if (inner != hp.ssm_value_dim())
+        inconsistent(a + "ssm.inner_size (" + std::to_string(inner) + ") is not ssm.state_size x ssm.time_step_rank (" +
+                     std::to_string(hp.ssm_value_dim()) + ")");
+    std::vector<int64_t> flags;
+    const std::string layers_key = a + "attention.recurrent_layers";
+    if (kv.has(layers_key)) {
+        flags = kv.per_layer(layers_key, n_all, true);
+    } else {
+        const int64_t interval = kv.dim(a + "full_attention_interval", 4, false);
+        for (int64_t il = 0; il < n_all; ++il) flags.push_back((il + 1) % interval != 0);
+    }
+    flags.resize(hp.n_layer);
+    hp.n_layer_kv = hp.n_layer;
+    hp.recurrent_layers.assign(flags.begin(), flags.end());
+    for (uint8_t & f : hp.recurrent_layers) f = f != 0;
+    if (std::all_of(flags.begin(), flags.end(), [](int64_t f) { return f != 0; }))
+        inconsistent("no attention layer: every layer of the trunk is recurrent");
+    const std::vector<int64_t> sections = kv.per_layer(a + "rope.dimension_sections", 4, true);
+    int64_t n_sect = 0;
+    for (int64_t v : sections) {
+        if (v < 0 || v > 4096) inconsistent(a + "rope.dimension_sections has a value outside [0, 4096]");
+        n_sect += v;
+    }
+    if (n_sect == 0) inconsistent(a + "rope.dimension_sections is all zero");
+    for (int64_t pair = 0; pair < hp.n_rot / 2; ++pair) {
+        const int64_t sector = pair % n_sect;  // ggml's interleaved rule
+        const bool text = (sector % 3 == 0 && sector < 3 * sections[0]) ||
+                          (sector % 3 == 1 && sector < 3 * sections[1]) ||
+                          (sector % 3 == 2 && sector < 3 * sections[2]);
+        if (!text)
+            kv.fail(a + "rope.dimension_sections leaves rotated pair " + std::to_string(pair) +
+                    " to the fourth (vision) position, which text never moves: not supported");
+    }
+}
+
+// a gated delta-net layer's tensors (libllama's qwen35 loader): its q, k, v
+// rows in one projection (attn_qkv), the output gate z (attn_gate), the
+// convolution, the decay (ssm_a, ssm_dt), the write strength (ssm_beta), the
+// decay's input (ssm_alpha), the output norm and projection
+template <typename Check, typename Find>
+void read_delta_net_layer(model_layer & L, int64_t il, Check & check, Find & find, const model_hparams & hp) {
+    auto name = [&](const char * what) { return "blk." + std::to_string(il) + "." + what; };
+    const int64_t n_embd = hp.n_embd, n_v = hp.ssm_n_v_heads, value_dim = hp.ssm_value_dim();
+    L.wqkv = check(find(name("attn_qkv.weight"), true), {n_embd, hp.ssm_conv_channels()}, true);
+    L.ssm_gate = check(find(name("attn_gate.weight"), true), {n_embd, value_dim}, true);
+    L.ssm_conv1d = check(find(name("ssm_conv1d.weight"), true), {hp.ssm_d_conv, hp.ssm_conv_channels()}, false);
+    L.ssm_dt = check(find(name("ssm_dt.bias"), true), {n_v}, false);
+    L.ssm_a = check(find(name("ssm_a"), true), {n_v}, false);
+    L.ssm_beta = check(find(name("ssm_beta.weight"), true), {n_embd, n_v}, true);
+    L.ssm_alpha = check(find(name("ssm_alpha.weight"), true), {n_embd, n_v}, true);
+    L.ssm_norm = check(find(name("ssm_norm.weight"), true), {hp.ssm_d_state}, false);
+    L.ssm_out = check(find(name("ssm_out.weight"), true), {value_dim, n_embd}, true);
+}
+
 void read_family_keys(const kv_reader & kv, const std::string & a, model_hparams & hp) {
+    if (hp.arch == MODEL_ARCH_QWEN35) return read_qwen35_keys(kv, a, hp);
     if (hp.arch == MODEL_ARCH_GEMMA3) return read_gemma3_keys(kv, a, hp);
     if (hp.arch == MODEL_ARCH_GEMMA4) return read_gemma4_keys(kv, a, hp);
     if (hp.arch == MODEL_ARCH_MISTRAL3) return read_mistral3_keys(kv, a, hp);
@@ -660,8 +753,11 @@ bool model::on_gpu() const {
 
 std::string model::describe() const {
     std::ostringstream os;
-    const ggml_type wt = layers.empty() ? tok_embd->type : layers[0].wo->type;
+    const ggml_tensor * w0 = layers.empty() ? tok_embd : layers[0].wo ? layers[0].wo : layers[0].ssm_out;
+    const ggml_type wt = w0->type;
     os << hp_.arch_name << ", " << hp_.n_layer << " layers";
+    if (hp_.has_recurrent())
+        os << " (" << std::count(hp_.recurrent_layers.begin(), hp_.recurrent_layers.end(), 1) << " gated delta-net)";
     if (hp_.n_layer_kv < hp_.n_layer) os << " (" << hp_.n_layer - hp_.n_layer_kv << " share K/V)";
     os << ", n_embd " << hp_.n_embd << ", heads " << hp_.n_head << "/" << hp_.n_head_kv << " x " << hp_.head_dim;
     if (hp_.head_dim_swa > 0 && hp_.head_dim_swa != hp_.head_dim) os << " (windowed " << hp_.head_dim_swa << ")";
@@ -708,9 +804,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     if (!arch_of(hp.arch_name, hp.arch)) {
         if (const char * layers = recurrent_layers_of(hp.arch_name))
             kv.fail("architecture '" + hp.arch_name + "' has " + layers +
-                    " layers, which carry a recurrent state: fusion cannot reuse a document's state computed alone, "
-                    "and such a layer needs every token's hidden state, so no layer below it could skip tokens "
-                    "(see docs/ARCHITECTURE.md, \"Hybrid and recurrent models\")");
+                    " layers, which carry a recurrent state: kvblend runs such layers in qwen35 (Qwen 3.5 dense) "
+                    "only, so far (see docs/ARCHITECTURE.md, \"Hybrid and recurrent models\")");
         if (const char * what = unbuilt_gemma_of(hp.arch_name))
             kv.fail("architecture '" + hp.arch_name + "' is not built: it has " + what +
                     ", which kvblend does not run (supported: " + supported_archs() + ")");
@@ -790,7 +885,8 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.rope_attn_factor = (float) kv.finite(a + "rope.scaling.attn_factor", 1.0);
     if (!(hp.rope_attn_factor > 0.0f)) inconsistent("rope.scaling.attn_factor must be positive");
     hp.n_ctx_orig = kv.dim(a + "rope.scaling.original_context_length", hp.n_ctx_train, false);
-    const bool qwen3 = hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_QWEN3MOE;  // the same attention
+    const bool qwen35 = hp.arch == MODEL_ARCH_QWEN35;
+    const bool qwen3 = hp.arch == MODEL_ARCH_QWEN3 || hp.arch == MODEL_ARCH_QWEN3MOE || qwen35;  // q/k norms, NEOX
     const bool neox = hp.arch == MODEL_ARCH_QWEN2 || qwen3 || hp.arch == MODEL_ARCH_OLMO2 ||
                       hp.arch == MODEL_ARCH_PHI3 || hp.arch == MODEL_ARCH_GEMMA3 || gemma4;
     hp.rope_mode = neox ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
@@ -803,6 +899,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
     hp.no_rope_layer_step = hp.arch == MODEL_ARCH_SMOLLM3 ? 4 : 0;
     if (hp.arch == MODEL_ARCH_PHI3) hp.q_scale = 1.0f / std::sqrt((float) hp.head_dim);
     hp.n_layer_kv = hp.n_layer;
+    const int64_t n_blocks = hp.n_layer;  // block_count: qwen35's may count draft blocks past the trunk
     read_family_keys(kv, a, hp);
 
     // --- tensors ------------------------------------------------------------
@@ -879,6 +976,24 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         auto norm = [&](const char * what) { return check(find(name(what), true), {n_embd}, false); };
         if (hp.pre_norm) L.attn_norm = norm("attn_norm.weight");
         if (hp.post_norm) L.attn_post_norm = norm("post_attention_norm.weight");
+        if (qwen35) {
+            // its post_attention_norm is the FFN's input norm (ffn_norm in our block)
+            L.ffn_norm = norm("post_attention_norm.weight");
+            if (hp.is_recurrent(il)) {
+                read_delta_net_layer(L, il, check, find, hp);
+            } else {  // q rows and gate rows interleaved per head, then k, v
+                L.wq = check(find(name("attn_q.weight"), true), {n_embd, 2 * n_q}, true);
+                L.wk = check(find(name("attn_k.weight"), true), {n_embd, n_kv}, true);
+                L.wv = check(find(name("attn_v.weight"), true), {n_embd, n_kv}, true);
+                L.wo = check(find(name("attn_output.weight"), true), {n_q, n_embd}, true);
+                L.q_norm = check(find(name("attn_q_norm.weight"), true), {head_dim}, false);
+                L.k_norm = check(find(name("attn_k_norm.weight"), true), {head_dim}, false);
+            }
+            L.ffn_gate = check(find(name("ffn_gate.weight"), true), {n_embd, n_ff}, true);
+            L.ffn_up = check(find(name("ffn_up.weight"), true), {n_embd, n_ff}, true);
+            L.ffn_down = check(find(name("ffn_down.weight"), true), {n_ff, n_embd}, true);
+            continue;
+        }
         // one fused q/k/v projection or three, in any family, as libllama reads them
         L.wqkv = check(find(name("attn_qkv.weight"), false), {n_embd, n_q + 2 * n_kv}, true);
         if (L.wqkv) {
@@ -928,7 +1043,7 @@ std::shared_ptr<model> model::load(const std::string & path, const model_params 
         }
         if (gemma4) L.out_scale = check(find(name("layer_output_scale.weight"), false), {1}, false);
     }
-    check_all_read(g, used, kv);
+    check_all_read(g, used, kv, hp.n_layer, n_blocks);
 
     // --- weights into a backend buffer ---------------------------------------
     m->device_ = device_resolve(params, hp.n_layer);

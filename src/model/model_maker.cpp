@@ -42,8 +42,8 @@ model_spec spec_of(model_arch arch, int64_t n_layer, int64_t n_embd, int64_t n_h
     s.rms_eps = rms_eps;
     s.tied_output = tied;
     s.qkv_bias = arch == MODEL_ARCH_QWEN2;
-    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_QWEN3MOE || arch == MODEL_ARCH_OLMO2 ||
-                arch == MODEL_ARCH_GEMMA3 || arch == MODEL_ARCH_GEMMA4;
+    s.qk_norm = arch == MODEL_ARCH_QWEN3 || arch == MODEL_ARCH_QWEN3MOE || arch == MODEL_ARCH_QWEN35 ||
+                arch == MODEL_ARCH_OLMO2 || arch == MODEL_ARCH_GEMMA3 || arch == MODEL_ARCH_GEMMA4;
     return s;
 }
 
@@ -124,6 +124,18 @@ model_spec gemma4(model_spec s, int64_t head_dim_swa, int64_t n_rot_swa, float p
     return s;
 }
 
+// qwen35's hybrid layout: every interval-th layer attends, the others are
+// gated delta-net layers (heads of d_state, n_k key and n_v value heads,
+// a convolution d_conv wide)
+model_spec hybrid(model_spec s, int64_t interval, int64_t d_state, int64_t n_k, int64_t n_v, int64_t d_conv) {
+    s.full_attention_interval = interval;
+    s.ssm_d_state = d_state;
+    s.ssm_n_k_heads = n_k;
+    s.ssm_n_v_heads = n_v;
+    s.ssm_d_conv = d_conv;
+    return s;
+}
+
 const std::vector<preset> & presets() {
     static const std::vector<preset> p = {
         {"tiny", spec_of(MODEL_ARCH_LLAMA, 4, 128, 4, 2, 32, 256, 2048, 10000.0f, 1e-5f, false), "llama-spm"},
@@ -166,6 +178,12 @@ const std::vector<preset> & presets() {
         {"tiny-qwen3moe",
          experts(spec_of(MODEL_ARCH_QWEN3MOE, 3, 128, 4, 2, 32, 256, 2048, 1e6f, 1e-6f, true), 8, 2, 64), "qwen2"},
         // Mixtral's layout in small: llama's block, 4 experts of 128, 2 per token
+        // layers 0-2 gated delta-net (heads of 16: 2 key heads, 4 value heads,
+        // a convolution 4 wide), layer 3 gated attention rotating a quarter of its heads
+        {"tiny-qwen35",
+         hybrid(rotating(spec_of(MODEL_ARCH_QWEN35, 4, 128, 4, 2, 32, 256, 262144, 1e7f, 1e-6f, true), 8), 4, 16, 2, 4,
+                4),
+         "qwen2"},
         {"tiny-mixtral", experts(spec_of(MODEL_ARCH_LLAMA, 3, 128, 4, 2, 32, 128, 2048, 1e6f, 1e-5f, false), 4, 2, 128),
          "llama-spm"},
         {"qwen3-0.6b", spec_of(MODEL_ARCH_QWEN3, 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, true), "qwen2"},
@@ -218,6 +236,13 @@ const std::vector<preset> & presets() {
         {"mixtral-8x7b",
          experts(spec_of(MODEL_ARCH_LLAMA, 32, 4096, 32, 8, 128, 14336, 32768, 1e6f, 1e-5f, false), 8, 2, 14336),
          "llama-spm"},
+        // qwen 3.5 0.8b as libllama's loader tells it (24 layers of 1024), every
+        // 4th attending with heads of 256 (a quarter rotating); the delta-net
+        // head counts and widths follow qwen3-next's layout, not a released config
+        {"qwen3.5-0.8b",
+         hybrid(rotating(spec_of(MODEL_ARCH_QWEN35, 24, 1024, 8, 2, 256, 3584, 262144, 1e7f, 1e-6f, true), 64), 4, 128,
+                16, 16, 4),
+         "qwen2"},
         // qwen3 30b-a3b: 128 experts of 768, 8 per token (3.3B of 30.5B weights
         // active), untied output, the 40960-token context of its first release
         {"qwen3-30b-a3b",
@@ -339,6 +364,48 @@ int64_t n_rot_pairs_global(const model_spec & s) {
     return int64_t(double(s.head_dim) * double(s.rope_partial_global) / 2.0 + 1e-6);
 }
 
+bool qwen35_recurrent(const model_spec & s, int64_t il) {
+    return (il + 1) % s.full_attention_interval != 0;
+}
+
+// a qwen35 layer: a gated delta-net or a gated attention block, the FFN
+// (its input norm is post_attention_norm, as the family names it)
+void plan_qwen35_layer(std::vector<tensor_plan> & t, const model_spec & s, int64_t il, ggml_type wtype) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    const float in_embd = 1.0f / std::sqrt(float(s.n_embd));
+    t.push_back(plan_vector(p + "attn_norm.weight", s.n_embd, 1.0f, 0.1f));            // [n_embd]
+    t.push_back(plan_vector(p + "post_attention_norm.weight", s.n_embd, 1.0f, 0.1f));  // [n_embd]
+    if (qwen35_recurrent(s, il)) {
+        const int64_t value_dim = s.ssm_d_state * s.ssm_n_v_heads;
+        const int64_t channels = 2 * s.ssm_d_state * s.ssm_n_k_heads + value_dim;
+        t.push_back(plan_matrix(p + "attn_qkv.weight", s.n_embd, channels, wtype, in_embd));    // [n_embd, channels]
+        t.push_back(plan_matrix(p + "attn_gate.weight", s.n_embd, value_dim, wtype, in_embd));  // [n_embd, value_dim]
+        // the convolution's taps (f32, as converters keep them) of unit gain
+        t.push_back({p + "ssm_conv1d.weight", 2, s.ssm_d_conv, channels, 1, GGML_TYPE_F32, 0.0f,
+                     std::sqrt(3.0f / float(s.ssm_d_conv))});                      // [d_conv, channels]
+        t.push_back(plan_vector(p + "ssm_dt.bias", s.ssm_n_v_heads, 0.0f, 1.0f));  // [n_v]
+        t.push_back(plan_vector(p + "ssm_a", s.ssm_n_v_heads, -1.0f, 0.5f));       // [n_v] -exp(A_log) < 0: a decay
+        t.push_back(plan_matrix(p + "ssm_beta.weight", s.n_embd, s.ssm_n_v_heads, wtype, in_embd));   // [n_embd, n_v]
+        t.push_back(plan_matrix(p + "ssm_alpha.weight", s.n_embd, s.ssm_n_v_heads, wtype, in_embd));  // [n_embd, n_v]
+        t.push_back(plan_vector(p + "ssm_norm.weight", s.ssm_d_state, 1.0f, 0.1f));                   // [d_state]
+        t.push_back(plan_matrix(p + "ssm_out.weight", value_dim, s.n_embd, wtype,
+                                1.0f / std::sqrt(float(value_dim))));  // [value_dim, n_embd]
+    } else {
+        const int64_t n_q = s.head_dim * s.n_head, n_kv = s.head_dim * s.n_head_kv;
+        t.push_back(plan_matrix(p + "attn_q.weight", s.n_embd, 2 * n_q, wtype, in_embd));  // [n_embd, 2 n_q]: q, gate
+        t.push_back(plan_matrix(p + "attn_k.weight", s.n_embd, n_kv, wtype, in_embd));     // [n_embd, n_kv]
+        t.push_back(plan_matrix(p + "attn_v.weight", s.n_embd, n_kv, wtype, in_embd));     // [n_embd, n_kv]
+        t.push_back(plan_matrix(p + "attn_output.weight", n_q, s.n_embd, wtype,
+                                1.0f / std::sqrt(float(n_q))));                      // [n_q, n_embd]
+        t.push_back(plan_vector(p + "attn_q_norm.weight", s.head_dim, 1.0f, 0.1f));  // [head_dim]
+        t.push_back(plan_vector(p + "attn_k_norm.weight", s.head_dim, 1.0f, 0.1f));  // [head_dim]
+    }
+    t.push_back(plan_matrix(p + "ffn_gate.weight", s.n_embd, s.n_ff, wtype, in_embd));  // [n_embd, n_ff]
+    t.push_back(plan_matrix(p + "ffn_up.weight", s.n_embd, s.n_ff, wtype, in_embd));    // [n_embd, n_ff]
+    t.push_back(plan_matrix(p + "ffn_down.weight", s.n_ff, s.n_embd, wtype,
+                            1.0f / std::sqrt(float(s.n_ff))));  // [n_ff, n_embd]
+}
+
 std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggml_type wtype) {
     const bool gemma4 = s.arch == MODEL_ARCH_GEMMA4;
     const float in_embd = 1.0f / std::sqrt(float(s.n_embd));
@@ -376,6 +443,10 @@ std::vector<tensor_plan> plan_tensors(const model_spec & s, int64_t n_vocab, ggm
 
     for (int64_t il = 0; il < s.n_layer; ++il) {
         const std::string p = "blk." + std::to_string(il) + ".";
+        if (s.arch == MODEL_ARCH_QWEN35) {
+            plan_qwen35_layer(t, s, il, wtype);
+            continue;
+        }
         const bool olmo2 = s.arch == MODEL_ARCH_OLMO2;  // norms on block outputs, none on inputs
         const bool pre_norm = !olmo2, post_norm = olmo2 || s.arch == MODEL_ARCH_GEMMA3 || gemma4;
         // gemma4: head size and FFN width per layer; its shared layers have no K/V projections
@@ -525,6 +596,19 @@ void check_spec(const model_spec & s) {
     if (moe && s.arch == MODEL_ARCH_LLAMA && s.n_ff_exp != s.n_ff)
         bad("llama's experts are feed_forward_length wide: n_ff_exp must equal n_ff");
     if (moe && s.out_biases) bad("libllama's loaders read no output or FFN biases beside experts");
+    const bool qwen35 = s.arch == MODEL_ARCH_QWEN35;
+    if (qwen35 != (s.full_attention_interval > 0))
+        bad("gated delta-net layers (full_attention_interval > 0) are qwen35's, and qwen35 needs them");
+    if (qwen35) {
+        if (s.full_attention_interval < 1 || s.full_attention_interval > s.n_layer)
+            bad("full_attention_interval must be in [1, n_layer]: the trunk needs an attention layer");
+        if (s.ssm_d_state < 1 || s.ssm_n_k_heads < 1 || s.ssm_n_v_heads < 1 || s.ssm_d_conv < 2)
+            bad("a gated delta-net needs d_state, key and value heads >= 1 and a convolution >= 2 wide");
+        if (s.ssm_n_v_heads % s.ssm_n_k_heads != 0) bad("ssm_n_v_heads must be a multiple of ssm_n_k_heads");
+        if (s.qkv_bias || s.out_biases || moe || !s.qk_norm) bad("qwen35 has q/k norms and no biases or experts here");
+    } else if (s.ssm_d_state != 0 || s.ssm_n_k_heads != 0 || s.ssm_n_v_heads != 0 || s.ssm_d_conv != 0) {
+        bad("delta-net sizes are qwen35's");
+    }
 }
 
 // --- output file --------------------------------------------------------------
@@ -742,6 +826,17 @@ make_model_result make_model(const model_spec & spec, const make_model_params & 
         gguf_set_val_u32(g, key("expert_used_count").c_str(), uint32_t(spec.n_expert_used));
         if (spec.arch == MODEL_ARCH_QWEN3MOE)  // llama's experts are feed_forward_length wide
             gguf_set_val_u32(g, key("expert_feed_forward_length").c_str(), uint32_t(spec.n_ff_exp));
+    }
+    if (spec.arch == MODEL_ARCH_QWEN35) {  // the delta-net sizes, the attention period, the rotation's sections
+        gguf_set_val_u32(g, key("ssm.conv_kernel").c_str(), uint32_t(spec.ssm_d_conv));
+        gguf_set_val_u32(g, key("ssm.state_size").c_str(), uint32_t(spec.ssm_d_state));
+        gguf_set_val_u32(g, key("ssm.group_count").c_str(), uint32_t(spec.ssm_n_k_heads));
+        gguf_set_val_u32(g, key("ssm.time_step_rank").c_str(), uint32_t(spec.ssm_n_v_heads));
+        gguf_set_val_u32(g, key("ssm.inner_size").c_str(), uint32_t(spec.ssm_d_state * spec.ssm_n_v_heads));
+        gguf_set_val_u32(g, key("full_attention_interval").c_str(), uint32_t(spec.full_attention_interval));
+        const int32_t pairs = int32_t((spec.n_rot > 0 ? spec.n_rot : spec.head_dim) / 2);
+        const int32_t sections[4] = {(pairs + 2) / 3, (pairs + 1) / 3, pairs / 3, 0};
+        gguf_set_arr_data(g, key("rope.dimension_sections").c_str(), GGUF_TYPE_INT32, sections, 4);
     }
     if (gemma4) {  // the keys its converter writes (libllama requires the lengths and the per-layer width)
         const int64_t hd_swa = spec.head_dim_swa > 0 ? spec.head_dim_swa : spec.head_dim;

@@ -119,6 +119,7 @@ struct server_context::impl {
         std::shared_ptr<job> j;                           // the request it serves (null: free)
         std::vector<llama_token> prompt_left;             // plain prompt tokens still to prefill
         size_t prompt_at = 0;
+        std::vector<size_t> stops;              // a hybrid's prompt: where in prompt_left its state is kept (ascending)
         std::unique_ptr<answer_stream> answer;  // once the prompt ran: sampling and emitting
         llama_token next = -1;                  // the token the next step runs (-1: none)
         double t_start = 0;
@@ -182,7 +183,10 @@ struct server_context::impl {
             step_eng = std::make_unique<engine>(m, small);
             prepare_eng = std::make_unique<engine>(m, small);
             const int64_t n_ctx = std::min<int64_t>(p.n_ctx, m->hparams().n_ctx_train);
-            for (slot & s : slots) s.cache = std::make_unique<kv_cache>(*m, n_ctx, p.type_k, p.type_v);
+            for (slot & s : slots) {
+                s.cache = std::make_unique<kv_cache>(*m, n_ctx, p.type_k, p.type_v);
+                s.cache->set_max_checkpoints(p.ctx_checkpoints);
+            }
         } else {
             for (slot & s : slots) s.own = std::make_unique<engine>(m, ep);
         }
@@ -220,6 +224,7 @@ struct server_context::impl {
     }
 
     kv_cache & cache_of(slot & s) { return s.own ? s.own->cache() : *s.cache; }
+    const kv_cache & cache_of(const slot & s) const { return s.own ? s.own->cache() : *s.cache; }
 
     void serve_loop() {
         while (admit()) step();
@@ -433,12 +438,45 @@ struct server_context::impl {
         s.held.exact = std::min(s.held.exact, keep);
     }
 
+    // a hybrid model's recurrent state cannot be cut back (kv_cache::checkpoint):
+    // the slot keeps it where a later prompt may part from this one (the end
+    // of the prefix and of each document) and before the last token (a prompt
+    // that repeats this one, or goes on from it as a conversation's next turn),
+    // so such a prompt resumes there exactly. positions in prompt_left, past keep
+    static std::vector<size_t> checkpoint_stops(const job & j, size_t keep) {
+        std::vector<size_t> at;
+        size_t end = 0;
+        if (j.prompt.all().size() == j.tokens.size())
+            for (const auto & c : j.prompt.chunks) at.push_back(end += c.size());
+        for (const layout_span & sp : j.spans) at.insert(at.end(), {(size_t) sp.begin, (size_t) sp.end});
+        at.push_back(j.tokens.size() - 1);
+        std::vector<size_t> stops;
+        for (size_t a : at)
+            if (a >= keep && a < j.tokens.size()) stops.push_back(a - keep);
+        std::sort(stops.begin(), stops.end());
+        stops.erase(std::unique(stops.begin(), stops.end()), stops.end());
+        return stops;
+    }
+
+    // the prompt has run up to prompt_at: keep the state if a stop is there
+    void checkpoint_at_stop(slot & s) {
+        if (std::binary_search(s.stops.begin(), s.stops.end(), s.prompt_at)) cache_of(s).checkpoint();
+    }
+
+    // how many of n prompt tokens from prompt_at a step may run: up to the next stop
+    static size_t up_to_stop(const slot & s, size_t n) {
+        const auto next = std::upper_bound(s.stops.begin(), s.stops.end(), s.prompt_at);
+        return next == s.stops.end() ? n : std::min(n, *next - s.prompt_at);
+    }
+
     // a plain prompt on a batched server: keep the slot's exact cached head; the steps prefill the rest
     void start_plain(slot & s) {
         job & j = *s.j;
         const size_t keep = j.cache_prompt ? reusable_prefix(s, j) : 0;
         keep_head(s, keep);
         s.prompt_left.assign(j.tokens.begin() + (ptrdiff_t) keep, j.tokens.end());
+        s.stops = cache_of(s).recurrent() ? checkpoint_stops(j, keep) : std::vector<size_t>{};
+        checkpoint_at_stop(s);  // the kept head may end at one
     }
 
     // the prompt has run: sample the first token from its logits
@@ -509,7 +547,8 @@ struct server_context::impl {
             const size_t left = s.prompt_left.size() - s.prompt_at;
             const bool long_prompt = s.prompt_left.size() > (size_t) std::min(p.n_batch, p.n_ubatch);
             if (!long_prompt && (int64_t) left > room) continue;  // whole, in a later step
-            const size_t n = std::min(left, (size_t) std::min(room, long_prompt ? paced_room : room));
+            size_t n = std::min(left, (size_t) std::min(room, long_prompt ? paced_room : room));
+            n = up_to_stop(s, n);  // a recurrent state is kept there (checkpoint_stops)
             if (n == 0) continue;
             room -= (int64_t) n;
             if (long_prompt) paced_room -= (int64_t) n;
@@ -543,6 +582,7 @@ struct server_context::impl {
                 continue;
             }
             s.prompt_at += seqs[i].tokens.size();
+            checkpoint_at_stop(s);
             if (s.prompt_at < s.prompt_left.size()) continue;
             s.prompt_left.clear();
             s.prompt_at = 0;
@@ -730,7 +770,8 @@ struct server_context::impl {
         // fresh prefill's later batches see the earlier ones encoded, its own
         // rows dense; so only whole micro-batches of a prefill are the same
         if (s.own && s.own->live()) keep -= keep % (size_t) s.own->params().n_ubatch;
-        return keep;
+        // a hybrid model's recurrent state cannot be cut back: all it holds, a checkpoint, or nothing
+        return (size_t) cache_of(s).resumable_at((int64_t) keep);
     }
 
     // a fused prompt: each document's chunk from the store (or collected), then

@@ -91,7 +91,7 @@ TEST_P(eval_seqs_test, each_sequence_gets_its_logits_alone_while_others_prefill_
 INSTANTIATE_TEST_SUITE_P(models, eval_seqs_test,
                          ::testing::Values("tiny", "tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-smollm3",
                                            "tiny-phi3", "tiny-phi3-longrope", "tiny-mistral3-yarn", "tiny-gemma3",
-                                           "tiny-gemma4", "tiny-qwen3moe", "tiny-mixtral"),
+                                           "tiny-gemma4", "tiny-qwen3moe", "tiny-mixtral", "tiny-qwen35"),
                          [](const ::testing::TestParamInfo<std::string> & info) {
                              std::string n = info.param;
                              std::replace(n.begin(), n.end(), '-', '_');
@@ -129,6 +129,28 @@ TEST(eval_seqs, a_step_larger_than_a_micro_batch_runs_in_several) {
             EXPECT_EQ(test::argmax(got[i][s]), test::argmax(ref[s])) << "sequence " << i << " step " << s;
         }
         EXPECT_EQ(caches[i]->n_past(), (int64_t) prompts[i].size() + steps);
+    }
+}
+
+// a step of many sequences on a deep hybrid: each delta-net layer adds more
+// graph nodes per sequence than an attention layer, and the step splits into
+// forwards that each fit a graph (past its nodes ggml would abort)
+TEST(eval_seqs, many_hybrid_sequences_in_one_step_split_into_graphs_that_fit) {
+    auto m = std::shared_ptr<const model>(
+        model::load(test::make_test_model("tiny-qwen35", GGML_TYPE_F32, test::vocab_path("llama-spm"), 42, 24)));
+    engine eng(m, f32_params());
+    const int n_seq = 40;
+    std::vector<std::unique_ptr<kv_cache>> caches;
+    std::vector<engine::seq_tokens> step;
+    for (int i = 0; i < n_seq; ++i) {
+        caches.push_back(eng.branch_cache(64));
+        step.push_back({caches.back().get(), test::random_tokens(*m, 3, 100 + i), true});
+    }
+    const auto logits = eng.eval_seqs(step);
+    ASSERT_EQ(logits.size(), (size_t) n_seq);
+    for (int i : {0, n_seq / 2, n_seq - 1}) {  // as each runs alone
+        engine one(m, f32_params());
+        EXPECT_LT(test::max_rel_diff(logits[i], one.eval(step[i].tokens)), k_tol) << "sequence " << i;
     }
 }
 
@@ -170,8 +192,10 @@ std::string bit_difference(const std::vector<std::vector<float>> & a, const std:
     return "";
 }
 
-TEST_P(batch_invariance_test, logits_are_the_same_bits_alone_among_others_and_however_the_prompt_is_cut) {
-    auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny-qwen3", GetParam())));
+// a sequence's logits, alone and cut into chunks, and in steps beside two
+// others that prefill and decode: the same bits
+void expect_batch_invariant(const std::string & preset, ggml_type wtype) {
+    auto m = std::shared_ptr<const model>(model::load(test::make_test_model(preset, wtype)));
     engine_params ep = engine_default_params();
     ep.n_ctx = 1024;
     ep.batch_invariant = true;
@@ -208,6 +232,15 @@ TEST_P(batch_invariance_test, logits_are_the_same_bits_alone_among_others_and_ho
         for (size_t i = 0; i < others.size(); ++i) next_of_theirs[i] = test::argmax(logits[i + 1]);
     }
     EXPECT_EQ(bit_difference(got, whole), "") << "among others";
+}
+
+TEST_P(batch_invariance_test, logits_are_the_same_bits_alone_among_others_and_however_the_prompt_is_cut) {
+    expect_batch_invariant("tiny-qwen3", GetParam());
+}
+
+// a hybrid: each sequence's recurrent state runs its own delta rule, whatever runs beside it
+TEST(batch_invariance_hybrid, a_delta_net_sequence_is_the_same_bits_alone_among_others_and_however_cut) {
+    expect_batch_invariant("tiny-qwen35", GGML_TYPE_Q8_0);
 }
 
 INSTANTIATE_TEST_SUITE_P(weights, batch_invariance_test,

@@ -199,11 +199,16 @@ TEST_F(load_errors, unsupported_architecture) {
 // apply (a recurrent state, not per-token K/V), not as an unknown architecture
 TEST_F(load_errors, hybrid_and_recurrent_architectures_say_why_fusion_does_not_apply) {
     const std::vector<std::pair<std::string, std::string>> cases = {
-        {"qwen35", "gated delta-net"}, {"qwen3next", "gated delta-net"},
-        {"granitehybrid", "Mamba-2"},  {"lfm2", "short-convolution"},
-        {"nemotron_h", "Mamba-2"},     {"mamba", "Mamba"},
-        {"rwkv7", "RWKV-7"},           {"jamba", "Mamba"},
-        {"falcon-h1", "Mamba-2"},      {"kimi-linear", "delta-attention"},
+        {"qwen35moe", "gated delta-net"},
+        {"qwen3next", "gated delta-net"},
+        {"granitehybrid", "Mamba-2"},
+        {"lfm2", "short-convolution"},
+        {"nemotron_h", "Mamba-2"},
+        {"mamba", "Mamba"},
+        {"rwkv7", "RWKV-7"},
+        {"jamba", "Mamba"},
+        {"falcon-h1", "Mamba-2"},
+        {"kimi-linear", "delta-attention"},
     };
     for (const auto & [arch, layers] : cases) {
         rewrite_gguf(tiny_llama(), dir.file("hybrid.gguf"),
@@ -212,6 +217,46 @@ TEST_F(load_errors, hybrid_and_recurrent_architectures_say_why_fusion_does_not_a
         EXPECT_NE(msg.find("architecture '" + arch + "' has " + layers + " layers"), std::string::npos) << msg;
         EXPECT_NE(msg.find("recurrent state"), std::string::npos) << msg;
         EXPECT_EQ(msg.find("unsupported architecture"), std::string::npos) << msg;
+    }
+}
+
+// qwen35's gated delta-net layers: their keys and tensors required as
+// libllama's loader requires them, sizes that must agree, the attention
+// period, the rotation's sections, the draft blocks past the trunk
+TEST_F(load_errors, qwen35_delta_net_keys_tensors_and_layout) {
+    const std::string q35 = make_test_model("tiny-qwen35", GGML_TYPE_F32, vocab_path("llama-spm"));
+    EXPECT_NO_THROW(model::load(q35));
+    auto set_u32 = [](const char * key, uint32_t v) { return [=](gguf_context * g) { gguf_set_val_u32(g, key, v); }; };
+    auto sections = [](std::vector<int32_t> v) {
+        return [=](gguf_context * g) {
+            gguf_set_arr_data(g, "qwen35.rope.dimension_sections", GGUF_TYPE_INT32, v.data(), v.size());
+        };
+    };
+    struct bad_file {
+        gguf_edit edit;
+        std::string message;
+    };
+    const std::vector<bad_file> cases = {
+        {{{}, {"blk.0.ssm_a"}, {}}, "missing tensor 'blk.0.ssm_a'"},
+        {{{}, {"blk.2.ssm_conv1d.weight"}, {}}, "missing tensor 'blk.2.ssm_conv1d.weight'"},
+        {{{}, {}, {{"blk.1.ssm_conv1d.weight", {3, 128}}}}, "'blk.1.ssm_conv1d.weight' has shape [3, 128]"},
+        {{{}, {}, {{"blk.0.attn_qkv.weight", {128, 64}}}}, "'blk.0.attn_qkv.weight' has shape [128, 64]"},
+        {{{}, {}, {{"blk.3.attn_q.weight", {128, 128}}}}, "'blk.3.attn_q.weight' has shape [128, 128]"},
+        {{[](gguf_context * g) { gguf_remove_key(g, "qwen35.ssm.state_size"); }, {}, {}},
+         "missing key qwen35.ssm.state_size"},
+        {{set_u32("qwen35.ssm.inner_size", 48), {}, {}}, "ssm.inner_size (48) is not ssm.state_size x"},
+        {{set_u32("qwen35.ssm.time_step_rank", 3), {}, {}}, "is not a multiple of qwen35.ssm.group_count"},
+        {{set_u32("qwen35.full_attention_interval", 9), {}, {}}, "no attention layer"},
+        {{set_u32("qwen35.ssm.conv_kernel", 1), {}, {}}, "qwen35.ssm.conv_kernel = 1 is outside"},
+        {{sections({1, 0, 0, 3}), {}, {}}, "leaves rotated pair 1 to the fourth (vision) position"},
+        {{sections({0, 0, 0, 0}), {}, {}}, "rope.dimension_sections is all zero"},
+        // a draft block past the trunk is left unread, and the trunk must still attend somewhere
+        {{set_u32("qwen35.nextn_predict_layers", 1), {}, {}}, "no attention layer"},
+        {{{}, {}, {}, {}, {{"blk.4.ssm_a", {4}}}}, "tensor 'blk.4.ssm_a' is not part of the block"},
+    };
+    for (const bad_file & c : cases) {
+        rewrite_gguf(q35, dir.file("q35.gguf"), c.edit);
+        EXPECT_LOAD_ERROR(dir.file("q35.gguf"), c.message);
     }
 }
 

@@ -68,7 +68,16 @@ void expect_tensor(const gguf_context * g, const std::string & name, ggml_type t
 
 TEST(model_maker, presets_have_real_shapes) {
     const auto names = model_spec_preset_names();
-    EXPECT_EQ(names.size(), 29u);
+    EXPECT_EQ(names.size(), 31u);
+
+    // qwen 3.5 0.8b as libllama's loader tells it: 24 layers of 1024, every 4th attending
+    const model_spec q35 = model_spec_preset("qwen3.5-0.8b");
+    EXPECT_EQ(q35.arch, MODEL_ARCH_QWEN35);
+    EXPECT_EQ(q35.n_layer, 24);
+    EXPECT_EQ(q35.n_embd, 1024);
+    EXPECT_EQ(q35.full_attention_interval, 4);
+    EXPECT_EQ(q35.n_rot * 4, q35.head_dim);  // a quarter of each head rotates
+    EXPECT_EQ(q35.ssm_n_v_heads % q35.ssm_n_k_heads, 0);
 
     const model_spec q3 = model_spec_preset("qwen3-0.6b");
     EXPECT_EQ(q3.arch, MODEL_ARCH_QWEN3);

@@ -153,6 +153,73 @@ TEST(server_batching, batch_invariant_logprobs_are_the_same_bits_alone_and_toget
     expect_same_bits_together(s, path, bodies, alone);
 }
 
+// a hybrid (gated delta-net layers): each stream's recurrent state runs its
+// own delta rule in the batched steps, so its logprobs are the bits it gets
+// alone; a repeated prompt resumes from the state kept at its last token
+// (the cache cannot be cut back otherwise); documents run whole, with the
+// reason, and a later prompt resumes after the documents it shares
+TEST(server_batching, a_hybrid_model_batches_resumes_its_kept_state_and_runs_documents_whole) {
+    running_server s(invariant_params(), test::make_test_model("tiny-qwen35", GGML_TYPE_F16));
+    std::vector<json> bodies;
+    for (int i = 0; i < 4; ++i) {
+        std::string prompt = "Once upon a time";
+        for (int k = 0; k < 4 * i + 4; ++k)
+            prompt += " there was a bird";  // longer than the answer: its slot is picked again
+        json b = completion(prompt, 10);
+        b["logprobs"] = 2;
+        bodies.push_back(b);
+    }
+    const std::string path = "/v1/completions";
+    std::vector<std::string> alone;
+    for (const json & b : bodies) {
+        alone.push_back(logprobs_of(s, path, b));
+        auto c = s.client();
+        const json again = post(c, path, b);  // the same slot: all but the last prompt token kept
+        ASSERT_TRUE(again.contains("usage")) << again.dump();
+        EXPECT_EQ(again["kvblend"]["n_cached"].get<int64_t>(), again["usage"]["prompt_tokens"].get<int64_t>() - 1);
+        EXPECT_EQ(again["choices"][0]["logprobs"].dump(), alone.back()) << "resumed from the kept state";
+    }
+    expect_same_bits_together(s, path, bodies, alone);
+
+    auto c = s.client();
+    const json fused = post(c, "/v1/chat/completions",
+                            {{"messages", {{{"role", "user"}, {"content", "Who sat on the tree?"}}}},
+                             {"documents", {"A bird sat on a tree.", "The dog ran home."}},
+                             {"max_tokens", 4}});
+    ASSERT_TRUE(fused.contains("kvblend")) << fused.dump();
+    EXPECT_NE(fused["kvblend"].value("fusion_refused", "").find("hybrid"), std::string::npos) << fused.dump();
+    EXPECT_EQ(fused["kvblend"]["n_fused"].get<int64_t>(), 0);
+
+    // the slot keeps the state at each document's end: a prompt that shares
+    // the first document with the last one resumes after it, with the bits
+    // of a fresh prefill
+    const std::string d0 = "A bird sat on a tree in the garden and sang every morning to the sun.",
+                      d2 = "The cat slept on the warm roof all day long.";
+    const json second = {{"messages", {{{"role", "user"}, {"content", "Where did the bird sing?"}}}},
+                         {"documents", {d0, d2}},
+                         {"max_tokens", 4},
+                         {"temperature", 0},
+                         {"logprobs", true},
+                         {"top_logprobs", 2}};
+    post(c, "/v1/chat/completions",
+         {{"messages", {{{"role", "user"}, {"content", "Who sat on the tree?"}}}},
+          {"documents", {d0, "The dog ran home."}},
+          {"max_tokens", 4}});
+    const json resumed = post(c, "/v1/chat/completions", second);
+    ASSERT_TRUE(resumed.contains("kvblend")) << resumed.dump();
+    const int64_t cached = resumed["kvblend"]["n_cached"].get<int64_t>();
+    const auto n_tokens = [&](const std::string & text) {
+        return (int64_t) post(c, "/tokenize", {{"content", text}})["tokens"].size();
+    };
+    EXPECT_GE(cached, n_tokens(d0)) << "the first document's end is kept";
+    EXPECT_LE(cached, resumed["usage"]["prompt_tokens"].get<int64_t>() - n_tokens(d2));
+    json fresh = second;
+    fresh["cache_prompt"] = false;
+    EXPECT_EQ(resumed["choices"][0]["logprobs"].dump(), logprobs_of(s, "/v1/chat/completions", fresh))
+        << "resumed at the document's end";
+    EXPECT_EQ(metric(s, "kvblend_request_errors_total"), 0);
+}
+
 // the same with documents: each fused request's collections and blend run
 // in the steps beside the other blends, prompts and streams (or on the
 // preparing thread), and its logprobs are the bits it gets alone

@@ -1,0 +1,123 @@
+// a hybrid model's cache: its gated delta-net layers keep a state, not rows.
+// It cannot be cut back but to 0 or to the positions its checkpoints hold, and
+// resuming there gives the bits a fresh prefill gives; a branch carries both.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "kvblend/blend.h"
+#include "kvblend/engine.h"
+#include "test_util.h"
+
+namespace kvblend {
+namespace {
+
+engine_params f32_params() {
+    engine_params ep = engine_default_params();
+    ep.n_ctx = 256;
+    ep.type_k = ep.type_v = GGML_TYPE_F32;
+    return ep;
+}
+
+bool same_bits(const std::vector<float> & a, const std::vector<float> & b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// what a fresh engine gives for prompt[cuts.back()] once it has run the
+// pieces of prompt[0, cuts.back()) between the cuts (as the cache under test
+// ran them), the next token on its own, as a resumed prompt runs it
+std::vector<float> logits_after(const std::shared_ptr<const model> & m, const std::vector<llama_token> & prompt,
+                                const std::vector<size_t> & cuts) {
+    engine fresh(m, f32_params());
+    size_t from = 0;
+    for (size_t to : cuts) {
+        fresh.eval(std::vector<llama_token>(prompt.begin() + (ptrdiff_t) from, prompt.begin() + (ptrdiff_t) to));
+        from = to;
+    }
+    return fresh.eval({prompt[from]});
+}
+
+TEST(recurrent_state, cut_back_only_to_its_checkpoints_which_resume_bit_for_bit) {
+    auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny-qwen35")));
+    const std::vector<llama_token> prompt = test::random_tokens(*m, 40, 11);
+    const size_t doc_end = 17, last = prompt.size() - 1;  // two checkpoints: a chunk's end, the prompt's last token
+    const std::vector<float> at_doc_end = logits_after(m, prompt, {doc_end}),
+                             at_last = logits_after(m, prompt, {doc_end, last});
+    engine whole_run(m, f32_params());
+    const std::vector<float> whole = whole_run.eval(prompt);
+
+    engine eng(m, f32_params());
+    kv_cache & c = eng.cache();
+    ASSERT_TRUE(c.recurrent());
+    c.set_max_checkpoints(4);
+    EXPECT_TRUE(c.checkpoint_positions().empty());
+    eng.eval(std::vector<llama_token>(prompt.begin(), prompt.begin() + doc_end));
+    c.checkpoint();
+    eng.eval(std::vector<llama_token>(prompt.begin() + doc_end, prompt.end() - 1));
+    c.checkpoint();
+    c.checkpoint();  // again at the same position: kept once
+    EXPECT_EQ(c.checkpoint_positions(), (std::vector<int64_t>{(int64_t) doc_end, (int64_t) last}));
+    eng.eval({prompt.back(), 5, 6, 7});  // past the checkpoints: the state moves on
+    const size_t bytes_with_two = c.bytes();
+
+    // nothing between 0, the checkpoints and n_past
+    for (int64_t n : {(int64_t) 1, (int64_t) doc_end + 1, (int64_t) last - 1, (int64_t) last + 2}) {
+        EXPECT_FALSE(c.can_cut_to(n)) << n;
+        EXPECT_THROW(c.set_n_past(n), error) << n;
+    }
+    EXPECT_EQ(c.resumable_at((int64_t) last - 1), (int64_t) doc_end);
+    EXPECT_EQ(c.resumable_at((int64_t) last + 2), (int64_t) last);
+    EXPECT_EQ(c.resumable_at((int64_t) doc_end - 1), 0);
+    EXPECT_EQ(c.n_past(), (int64_t) prompt.size() + 3);  // a refused cut changes nothing
+    const auto branch = c.branch();
+    c.set_n_past((int64_t) last);
+    EXPECT_TRUE(same_bits(eng.eval({prompt.back()}), at_last)) << "resumed at the last checkpoint";
+    c.set_n_past((int64_t) doc_end);  // the later checkpoint goes
+    EXPECT_EQ(c.checkpoint_positions(), (std::vector<int64_t>{(int64_t) doc_end}));
+    EXPECT_TRUE(same_bits(eng.eval({prompt[doc_end]}), at_doc_end)) << "resumed at the chunk's end";
+    EXPECT_LT(c.bytes(), bytes_with_two);  // the dropped copy's memory goes with it
+
+    // the branch holds the later state and the same checkpoints
+    std::unique_ptr<kv_cache> old = eng.swap_cache(branch->branch());
+    EXPECT_EQ(eng.cache().checkpoint_positions(), (std::vector<int64_t>{(int64_t) doc_end, (int64_t) last}));
+    eng.cache().set_n_past((int64_t) doc_end);
+    EXPECT_TRUE(same_bits(eng.eval({prompt[doc_end]}), at_doc_end)) << "a branch's checkpoint";
+
+    // back to 0: empty again, and the checkpoints gone
+    eng.cache().set_n_past(0);
+    EXPECT_TRUE(eng.cache().checkpoint_positions().empty());
+    EXPECT_TRUE(same_bits(eng.eval(prompt), whole)) << "from an emptied state";
+}
+
+TEST(recurrent_state, keeps_at_most_its_bound_of_checkpoints_dropping_the_oldest) {
+    auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny-qwen35")));
+    engine eng(m, f32_params());
+    kv_cache & c = eng.cache();
+    EXPECT_EQ(c.max_checkpoints(), 1);
+    EXPECT_THROW(c.set_max_checkpoints(-1), error);
+    c.set_max_checkpoints(3);
+    for (int i = 0; i < 5; ++i) {
+        eng.eval(test::random_tokens(*m, 4, 20 + i));
+        c.checkpoint();
+    }
+    EXPECT_EQ(c.checkpoint_positions(), (std::vector<int64_t>{12, 16, 20}));
+    c.set_max_checkpoints(1);
+    EXPECT_EQ(c.checkpoint_positions(), (std::vector<int64_t>{20}));
+}
+
+TEST(recurrent_state, fusion_eviction_and_live_codecs_are_refused_by_name) {
+    auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny-qwen35")));
+    engine eng(m, f32_params());
+    const std::string why = test::error_of([&] { collect(eng, test::random_tokens(*m, 8, 1)); });
+    EXPECT_NE(why.find("not built for hybrid models"), std::string::npos) << why;
+    engine_params ev = f32_params();
+    ev.evict.policy = EVICT_POLICY_SNAPKV;
+    ev.evict.budget_tokens = 16;
+    EXPECT_NE(test::error_of([&] { engine e(m, ev); }).find("recurrent state"), std::string::npos);
+    engine_params live = f32_params();
+    live.kv_codec = "q8_0";
+    EXPECT_NE(test::error_of([&] { engine e(m, live); }).find("recurrent state"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvblend
