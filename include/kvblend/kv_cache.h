@@ -137,6 +137,17 @@ class kv_cache {
     // the furthest position at most n that the cache can be cut back to and
     // resume from: n itself when it can (can_cut_to), else a checkpoint's, else 0
     int64_t resumable_at(int64_t n) const;
+    // while tracking maps, each recurrent layer also keeps the A of the map of
+    // the tokens run since begin_map (or clear): the state goes S -> A S + B over
+    // them, B being the delta rule's state when begin_map emptied it
+    // (graph/delta_map.h; what fusing a hybrid's chunks composes). off by
+    // default; a tracked map ends where the cache is cut back
+    void track_maps(bool on);
+    bool tracks_maps() const { return map_buf_ != nullptr; }
+    ggml_tensor * map_a(int il) const { return map_a_.empty() ? nullptr : map_a_[il]; }
+    // start a new map at n_past: A the identity and the delta rule's state
+    // empty; the convolution keeps its last inputs (the next tokens follow them)
+    void begin_map();
     std::vector<int64_t> kv_widths() const;  // of every layer
     // one layer per layer of hp that owns K/V, each as wide as hp's (no allocation: every step checks it)
     bool shaped_for(const model_hparams & hp) const;
@@ -266,6 +277,11 @@ class kv_cache {
     };
     std::vector<std::unique_ptr<state_copy>> ckpts_;  // ascending positions
     int max_ckpts_ = 1;
+    // tracked maps: each recurrent layer's A (nullptr on the others), in a buffer of their own
+    ggml_context * map_ctx_ = nullptr;
+    ggml_backend_buffer_t map_buf_ = nullptr;
+    std::vector<ggml_tensor *> map_a_;
+    void reset_maps();  // A the identity
     ggml_context * state_tensors(std::vector<ggml_tensor *> & conv, std::vector<ggml_tensor *> & delta) const;
     void allocate_states();
     std::unique_ptr<state_copy> new_state_copy(int64_t pos) const;

@@ -40,6 +40,9 @@ model, same threads, same KV type, in the same run.
                         row, on both sides, as libllama's library does)
   --batch-invariant     our forward in its batch-invariant mode (the same bits whatever the
                         batch; see kvblend serve --help), to measure what it costs
+  --track-maps          a hybrid's delta-net layers also track their map (the A of S -> A S + B,
+                        as collecting a chunk for fusion does: kv_cache::track_maps), to measure
+                        what it costs
   --peer none|llama     time libllama too (default llama); 'none' also reports peak RSS
   --mmap, --device, --rpc, -ngl  as in kvblend generate --help
   --profile-ops         after the timed runs, one more prefill each with every
@@ -97,7 +100,7 @@ int bench_prefill(args & a) {
     std::string model_path;
     std::vector<int64_t> lens = {512, 2048};
     int64_t n_gen = 32, reps = 3;
-    bool json = false, peer = true, profile = false, shapes = false, energy = false;
+    bool json = false, peer = true, profile = false, shapes = false, energy = false, track_maps = false;
     model_params mp = model_default_params();
     engine_params ep = engine_default_params();
     while (!a.done()) {
@@ -121,6 +124,8 @@ int bench_prefill(args & a) {
             ep.swa_full = false;
         else if (a.match({"--batch-invariant"}))
             ep.batch_invariant = true;
+        else if (a.match({"--track-maps"}))
+            track_maps = true;
         else if (a.match({"--peer"})) {
             const std::string p = a.str();
             if (p != "none" && p != "llama") throw error("--peer must be none or llama, got '" + p + "'");
@@ -150,6 +155,10 @@ int bench_prefill(args & a) {
     ours_ops.shapes = llama_ops.shapes = shapes;
     if (profile) ep.cb_eval = op_timer::callback, ep.cb_eval_user_data = &ours_ops;
     engine eng(m, ep);
+    if (track_maps) {
+        if (!m->hparams().has_recurrent()) throw error("--track-maps: this model has no gated delta-net layer");
+        eng.cache().track_maps(true);
+    }
 
     std::unique_ptr<ref::llama_ref> lr;
     if (peer) {

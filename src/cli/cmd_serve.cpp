@@ -298,11 +298,13 @@ int cmd_serve(int argc, char ** argv) {
         const std::string no_fusion = fusion_unsupported_reason(*m);
         if (!no_fusion.empty())
             std::fprintf(stderr, "warning: fusion is off, every prompt is prefilled whole: %s\n", no_fusion.c_str());
-        if (m->hparams().has_recurrent())
-            std::fprintf(stderr, "recurrent state: %.1f MiB per slot, and as much per checkpoint (up to %d per slot)\n",
-                         m->hparams().recurrent_state_bytes() / 1048576.0, sp.ctx_checkpoints);
         else if (sp.fusion_refused())
             std::fprintf(stderr, "warning: fusion is off, every prompt is prefilled whole (--no-self-check fuses)\n");
+    }
+    if (const double state = (double) m->hparams().recurrent_state_bytes(); state > 0) {
+        const bool mib = state >= 1048576.0;
+        std::fprintf(stderr, "recurrent state: %.1f %s per slot, and as much per checkpoint (up to %d per slot)\n",
+                     state / (mib ? 1048576.0 : 1024.0), mib ? "MiB" : "KiB", sp.ctx_checkpoints);
     }
     sp.n_ctx = std::min(sp.n_ctx, m->hparams().n_ctx_train);
     server srv(m, sp);

@@ -118,7 +118,7 @@ struct score_taps : graph::layer_taps {
 graph::seq_kv layer_stores(const kv_cache & cache, const model_hparams & hp, int il) {
     graph::seq_kv s;
     if (hp.is_recurrent(il)) {
-        s.conv_state = cache.conv_state(il), s.delta_state = cache.delta_state(il);
+        s.conv_state = cache.conv_state(il), s.delta_state = cache.delta_state(il), s.map_a = cache.map_a(il);
         return s;
     }
     const int kl = (int) hp.kv_layer(il);

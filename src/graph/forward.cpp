@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "ggml-backend.h"
+#include "graph/delta_map.h"
 
 namespace kvblend::graph {
 
@@ -389,15 +390,14 @@ ggml_tensor * build_delta_rule(ggml_context * ctx, ggml_cgraph * gf, const model
     ggml_tensor * q = ggml_l2_norm(ctx, heads(n_k, 0), hp.rms_eps);
     ggml_tensor * k = ggml_l2_norm(ctx, heads(n_k, es * S * n_k), hp.rms_eps);
     ggml_tensor * v = heads(n_v, es * S * n_k * 2);
-    ggml_tensor * state = ggml_reshape_4d(ctx, sq.delta_state, S, S, n_v, 1);
-    ggml_tensor * r = ggml_gated_delta_net(ctx, q, k, v, ggml_reshape_4d(ctx, g, 1, n_v, n, 1),
-                                           ggml_reshape_4d(ctx, beta, 1, n_v, n, 1), state, 1);
-    // the outputs, then the final state
-    const size_t rs = ggml_element_size(r);
-    ggml_tensor * out = ggml_view_3d(ctx, r, S, n_v, n, rs * S, rs * S * n_v, 0);
-    ggml_tensor * fresh = ggml_view_1d(ctx, r, S * S * n_v, rs * S * n_v * n);
-    ggml_build_forward_expand(gf, ggml_cpy(ctx, fresh, sq.delta_state));
-    return out;
+    // with a map tracked (kv_cache::track_maps), the run's A beside it
+    ggml_tensor * a_in = sq.map_a ? ggml_reshape_3d(ctx, sq.map_a, S, S, n_v) : nullptr;
+    const delta_run run =
+        build_delta_run(ctx, q, k, v, ggml_reshape_3d(ctx, g, 1, n_v, n), ggml_reshape_3d(ctx, beta, 1, n_v, n),
+                        ggml_reshape_3d(ctx, sq.delta_state, S, S, n_v), a_in);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, run.state, sq.delta_state));
+    if (a_in) ggml_build_forward_expand(gf, ggml_cpy(ctx, run.a, sq.map_a));
+    return run.out;
 }
 
 // a gated delta-net layer's mixer over the normed tokens cur ([n_embd, n_tok]),

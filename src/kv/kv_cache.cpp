@@ -87,6 +87,46 @@ std::unique_ptr<kv_cache::state_copy> kv_cache::new_state_copy(int64_t pos) cons
 void kv_cache::clear_states() {
     if (state_buf_) ggml_backend_buffer_clear(state_buf_, 0);
     ckpts_.clear();
+    reset_maps();
+}
+
+void kv_cache::track_maps(bool on) {
+    if (on == tracks_maps() || !recurrent()) return;
+    if (!on) {
+        ggml_backend_buffer_free(map_buf_);
+        ggml_free(map_ctx_);
+        map_buf_ = nullptr, map_ctx_ = nullptr;
+        map_a_.clear();
+        return;
+    }
+    const model_hparams & hp = m_->hparams();
+    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (hp.n_layer_kv + 1), nullptr, true};
+    map_ctx_ = ggml_init(ip);
+    map_a_.assign(hp.n_layer_kv, nullptr);
+    for (int64_t il = 0; il < hp.n_layer_kv; ++il)
+        if (hp.is_recurrent(il)) map_a_[il] = ggml_dup_tensor(map_ctx_, delta_[il]);
+    ggml_context * ctx = map_ctx_;
+    map_ctx_ = nullptr;  // alloc_state_buffer frees ctx when it fails
+    map_buf_ = alloc_state_buffer(ctx, m_->device());
+    map_ctx_ = ctx;
+    reset_maps();
+}
+
+void kv_cache::reset_maps() {
+    if (!tracks_maps()) return;
+    const model_hparams & hp = m_->hparams();
+    const int64_t S = hp.ssm_d_state;
+    std::vector<float> identity((size_t) hp.delta_state_floats(), 0.0f);
+    for (int64_t h = 0; h < hp.ssm_n_v_heads; ++h)
+        for (int64_t i = 0; i < S; ++i) identity[(size_t) ((h * S + i) * S + i)] = 1.0f;
+    for (ggml_tensor * a : map_a_)
+        if (a) ggml_backend_tensor_set(a, identity.data(), 0, ggml_nbytes(a));
+}
+
+void kv_cache::begin_map() {
+    for (ggml_tensor * d : delta_)
+        if (d) ggml_backend_tensor_memset(d, 0, 0, ggml_nbytes(d));
+    reset_maps();
 }
 
 void kv_cache::copy_states(const std::vector<ggml_tensor *> & conv, const std::vector<ggml_tensor *> & delta,
@@ -214,6 +254,7 @@ kv_cache::~kv_cache() {
     ggml_free(ctx_);
     ggml_backend_buffer_free(state_buf_);
     ggml_free(state_ctx_);
+    track_maps(false);
 }
 
 bool kv_cache_type_supported(ggml_type t) {
@@ -263,6 +304,8 @@ void kv_cache::set_n_past(int64_t n) {
                         std::to_string(n_past_) + " positions and holds checkpoints at [" +
                         join_positions(checkpoint_positions()) +
                         "] (a hybrid model's cache resumes at one of them or starts over)");
+        if (n > 0 && tracks_maps())
+            throw error("a cache that tracks maps cannot resume at a checkpoint: the map would miss its tokens");
         if (n == 0) clear_states();
         while (!ckpts_.empty() && ckpts_.back()->pos > n) ckpts_.pop_back();
         if (n > 0) copy_states(ckpts_.back()->conv, ckpts_.back()->delta, conv_, delta_);

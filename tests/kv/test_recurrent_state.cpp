@@ -3,6 +3,7 @@
 // resuming there gives the bits a fresh prefill gives; a branch carries both.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "kvblend/blend.h"
@@ -103,6 +104,82 @@ TEST(recurrent_state, keeps_at_most_its_bound_of_checkpoints_dropping_the_oldest
     EXPECT_EQ(c.checkpoint_positions(), (std::vector<int64_t>{12, 16, 20}));
     c.set_max_checkpoints(1);
     EXPECT_EQ(c.checkpoint_positions(), (std::vector<int64_t>{20}));
+    c.set_max_checkpoints(0);  // none: only all the cache holds can be kept
+    EXPECT_TRUE(c.checkpoint_positions().empty());
+    eng.eval(test::random_tokens(*m, 4, 30));
+    c.checkpoint();
+    EXPECT_TRUE(c.checkpoint_positions().empty());
+    EXPECT_EQ(c.resumable_at(23), 0);
+    EXPECT_EQ(c.resumable_at(24), 24);
+}
+
+// A s + B per head, the matrices held as a delta-net state holds one: M[i][j] at [(h S + j) S + i]
+std::vector<float> apply_map(const std::vector<float> & a, const std::vector<float> & b, const std::vector<float> & s,
+                             int64_t S) {
+    std::vector<float> out(b);
+    for (size_t h = 0; h < b.size() / (size_t) (S * S); ++h)
+        for (int64_t i = 0; i < S; ++i)
+            for (int64_t j = 0; j < S; ++j) {
+                double sum = 0;
+                for (int64_t l = 0; l < S; ++l) sum += (double) a[h * S * S + l * S + i] * s[h * S * S + j * S + l];
+                out[h * S * S + j * S + i] += (float) sum;
+            }
+    return out;
+}
+
+double rel_diff(const std::vector<float> & got, const std::vector<float> & want) {
+    double d = 0, scale = 1e-30;
+    for (size_t i = 0; i < want.size(); ++i) {
+        d = std::max(d, (double) std::fabs(got[i] - want[i]));
+        scale = std::max(scale, (double) std::fabs(want[i]));
+    }
+    return d / scale;
+}
+
+// the maps a cache tracks while its tokens run (in micro-batches) chain to the
+// state the whole prompt leaves: exactly at the first delta-net layer, whose
+// inputs do not depend on the tokens before (the convolution's last inputs
+// carry over from one map to the next), and not at the later ones, whose
+// inputs do (the approximation fusing makes, as for attention's K/V)
+TEST(recurrent_state, tracked_maps_chain_to_the_whole_prompts_state) {
+    auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny-qwen35")));
+    const model_hparams & hp = m->hparams();
+    ASSERT_TRUE(hp.is_recurrent(0) && hp.is_recurrent(1));
+    const std::vector<llama_token> first = test::random_tokens(*m, 9, 31), second = test::random_tokens(*m, 6, 32);
+    std::vector<llama_token> both = first;
+    both.insert(both.end(), second.begin(), second.end());
+    engine_params ep = f32_params();
+    ep.n_ubatch = 4;  // the maps run on across micro-batches
+    engine whole(m, ep);
+    whole.eval(both);
+
+    engine eng(m, ep);
+    kv_cache & c = eng.cache();
+    c.track_maps(true);
+    ASSERT_TRUE(c.tracks_maps());
+    eng.eval(first);
+    std::vector<std::vector<float>> a1, b1;
+    for (int il : {0, 1})
+        a1.push_back(test::tensor_floats(c.map_a(il))), b1.push_back(test::tensor_floats(c.delta_state(il)));
+    c.begin_map();
+    EXPECT_EQ(test::tensor_floats(c.delta_state(0)), std::vector<float>(b1[0].size(), 0.0f));
+    eng.eval(second);
+    for (int il : {0, 1}) {
+        const std::vector<float> want = test::tensor_floats(whole.cache().delta_state(il));
+        const std::vector<float> b2 = test::tensor_floats(c.delta_state(il)), a2 = test::tensor_floats(c.map_a(il));
+        const std::vector<float> composed = apply_map(a2, b2, b1[il], hp.ssm_d_state);
+        if (il == 0) {
+            EXPECT_LT(rel_diff(composed, want), 1e-5) << "layer 0: exact";
+        } else {
+            EXPECT_GT(rel_diff(composed, want), 1e-4) << "layer 1 sees what the first chunk did to layer 0's outputs";
+        }
+        EXPECT_GT(rel_diff(b2, want), 1e-3) << "the second chunk alone is not the whole: the map carries the first";
+    }
+    EXPECT_THROW(c.set_n_past((int64_t) first.size()), error);
+    c.set_n_past(0);  // cleared: A the identity again
+    const std::vector<float> id = test::tensor_floats(c.map_a(0));
+    EXPECT_EQ(id[0], 1.0f);
+    EXPECT_EQ(id[1], 0.0f);
 }
 
 TEST(recurrent_state, fusion_eviction_and_live_codecs_are_refused_by_name) {
