@@ -10,7 +10,7 @@ ggml_tensor * slice3(ggml_context * ctx, ggml_tensor * t, int64_t i) {
 }
 
 ggml_tensor * as_seq(ggml_context * ctx, ggml_tensor * t) {  // one sequence of the op: 4 dims
-    return ggml_reshape_4d(ctx, ggml_cont(ctx, t), t->ne[0], t->ne[1], t->ne[2], 1);
+    return ggml_reshape_4d(ctx, ggml_is_contiguous(t) ? t : ggml_cont(ctx, t), t->ne[0], t->ne[1], t->ne[2], 1);
 }
 
 }  // namespace

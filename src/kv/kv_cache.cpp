@@ -28,7 +28,13 @@ kv_cache::kv_cache(const model & m, int64_t n_ctx, ggml_type type_k, ggml_type t
     }
     cap = std::max<int64_t>(1, std::min(cap, n_ctx));
     adopt(allocate(cap, ring_rows), cap);
-    allocate_states();
+    try {
+        allocate_states();
+    } catch (...) {  // no destructor runs for a constructor that throws
+        ggml_backend_buffer_free(buf_);
+        ggml_free(ctx_);
+        throw;
+    }
 }
 
 // one F32 tensor per recurrent layer for its convolution inputs and one for its
@@ -107,7 +113,12 @@ void kv_cache::track_maps(bool on) {
         if (hp.is_recurrent(il)) map_a_[il] = ggml_dup_tensor(map_ctx_, delta_[il]);
     ggml_context * ctx = map_ctx_;
     map_ctx_ = nullptr;  // alloc_state_buffer frees ctx when it fails
-    map_buf_ = alloc_state_buffer(ctx, m_->device());
+    try {
+        map_buf_ = alloc_state_buffer(ctx, m_->device());
+    } catch (...) {
+        map_a_.clear();
+        throw;
+    }
     map_ctx_ = ctx;
     reset_maps();
 }
@@ -146,7 +157,8 @@ static std::string join_positions(const std::vector<int64_t> & pos) {
 }
 
 void kv_cache::checkpoint() {
-    if (!recurrent() || max_ckpts_ == 0 || (!ckpts_.empty() && ckpts_.back()->pos == n_past_)) return;
+    // while tracking maps the state is the map's B, not what the tokens leave
+    if (!recurrent() || max_ckpts_ == 0 || tracks_maps() || (!ckpts_.empty() && ckpts_.back()->pos == n_past_)) return;
     std::unique_ptr<state_copy> c;
     if ((int) ckpts_.size() >= max_ckpts_) {  // the oldest's buffer takes the new copy
         c = std::move(ckpts_.front());
@@ -298,7 +310,8 @@ void kv_cache::set_n_past(int64_t n) {
     }
     if (n < 0 || n > n_ctx_)
         throw error("KV cache position " + std::to_string(n) + " is outside [0, " + std::to_string(n_ctx_) + "]");
-    if (recurrent() && n != n_past_) {
+    // back to 0 always empties the state: a graph that failed may have written it
+    if (recurrent() && (n != n_past_ || n == 0)) {
         if (!can_cut_to(n))
             throw error("a recurrent state cannot be cut back to position " + std::to_string(n) + ": it has seen " +
                         std::to_string(n_past_) + " positions and holds checkpoints at [" +

@@ -130,6 +130,7 @@ void job_builder::plain_or_chunked(job & j, std::vector<llama_token> tokens) con
     // a live compressed cache only appends: its slots prefill every prompt whole
     if (!dense_slots() || n < p_.min_fuse_tokens || n <= p_.chunk_size) return;
     j.fuse = true;
+    j.sliced = true;
     int64_t at = 0;
     for (; at + p_.chunk_size < n; at += p_.chunk_size)
         j.prompt.chunks.emplace_back(j.tokens.begin() + at, j.tokens.begin() + at + p_.chunk_size);

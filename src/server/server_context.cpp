@@ -446,21 +446,27 @@ struct server_context::impl {
     static std::vector<size_t> checkpoint_stops(const job & j, size_t keep) {
         std::vector<size_t> at;
         size_t end = 0;
-        if (j.prompt.all().size() == j.tokens.size())
+        if (!j.sliced && j.prompt.all().size() == j.tokens.size())  // slices of a plain prompt part nowhere
             for (const auto & c : j.prompt.chunks) at.push_back(end += c.size());
         for (const layout_span & sp : j.spans) at.insert(at.end(), {(size_t) sp.begin, (size_t) sp.end});
         at.push_back(j.tokens.size() - 1);
         std::vector<size_t> stops;
         for (size_t a : at)
-            if (a >= keep && a < j.tokens.size()) stops.push_back(a - keep);
+            if (a > 0 && a >= keep && a < j.tokens.size()) stops.push_back(a - keep);
         std::sort(stops.begin(), stops.end());
         stops.erase(std::unique(stops.begin(), stops.end()), stops.end());
         return stops;
     }
 
-    // the prompt has run up to prompt_at: keep the state if a stop is there
+    // the prompt has run up to prompt_at: keep the state if a stop is there. a
+    // checkpoint only saves work: one that cannot be allocated is skipped
     void checkpoint_at_stop(slot & s) {
-        if (std::binary_search(s.stops.begin(), s.stops.end(), s.prompt_at)) cache_of(s).checkpoint();
+        if (!std::binary_search(s.stops.begin(), s.stops.end(), s.prompt_at)) return;
+        try {
+            cache_of(s).checkpoint();
+        } catch (const std::exception & e) {
+            std::fprintf(stderr, "warning: no checkpoint of a slot's state: %s\n", e.what());
+        }
     }
 
     // how many of n prompt tokens from prompt_at a step may run: up to the next stop

@@ -31,6 +31,7 @@ struct job {
     std::vector<std::string> ingest_keys;  // out: the documents' ids
     bool fuse = false;
     rag_prompt prompt;                // fuse: chunks + query
+    bool sliced = false;              // prompt's chunks are slices of a long plain prompt, not documents
     std::vector<llama_token> tokens;  // every prompt token in order
     int32_t max_tokens = 0;
     sampler_params sp;

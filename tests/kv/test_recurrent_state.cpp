@@ -90,6 +90,19 @@ TEST(recurrent_state, cut_back_only_to_its_checkpoints_which_resume_bit_for_bit)
     EXPECT_TRUE(same_bits(eng.eval(prompt), whole)) << "from an emptied state";
 }
 
+// a graph that failed may have written the state without moving n_past: back
+// to 0 empties it even from 0
+TEST(recurrent_state, back_to_zero_empties_a_state_written_at_zero) {
+    auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny-qwen35")));
+    engine eng(m, f32_params());
+    kv_cache & c = eng.cache();
+    const std::vector<float> junk(c.delta_state(0)->ne[0], 0.5f);
+    ggml_backend_tensor_set(c.delta_state(0), junk.data(), 0, ggml_nbytes(c.delta_state(0)));
+    ASSERT_EQ(c.n_past(), 0);
+    c.set_n_past(0);
+    EXPECT_EQ(test::tensor_floats(c.delta_state(0)), std::vector<float>(junk.size(), 0.0f));
+}
+
 TEST(recurrent_state, keeps_at_most_its_bound_of_checkpoints_dropping_the_oldest) {
     auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny-qwen35")));
     engine eng(m, f32_params());
@@ -176,6 +189,8 @@ TEST(recurrent_state, tracked_maps_chain_to_the_whole_prompts_state) {
         EXPECT_GT(rel_diff(b2, want), 1e-3) << "the second chunk alone is not the whole: the map carries the first";
     }
     EXPECT_THROW(c.set_n_past((int64_t) first.size()), error);
+    c.checkpoint();  // the state is the map's B now: no checkpoint of it
+    EXPECT_TRUE(c.checkpoint_positions().empty());
     c.set_n_past(0);  // cleared: A the identity again
     const std::vector<float> id = test::tensor_floats(c.map_a(0));
     EXPECT_EQ(id[0], 1.0f);
