@@ -134,6 +134,13 @@ inline const model & tiny_gemma4_model() {
     return *m;
 }
 
+// one loaded tiny qwen35: a gated delta-net layer (no K/V rows, state maps) and an attention one
+inline const model & tiny_hybrid_model() {
+    static std::shared_ptr<model> m =
+        model::load(make_tiny_model("tiny-qwen35.gguf", MODEL_ARCH_QWEN35, GGML_TYPE_F16));
+    return *m;
+}
+
 // an input as a file that lives in memory (a memfd is a regular file)
 class mem_file {
   public:

@@ -73,6 +73,13 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         for (const char * name : {"raw", "cachegen", "turboquant3"})  // rows of 16 and 32 values
             seeds.push_back(
                 chunk_encode(g4, random_chunk(g4, 4, GGML_TYPE_F16, seed++), {}, codec_by_name(name).get()));
+        // qwen35: version 3, the attention layer's rows and the delta-net layer's state maps
+        const model & q35 = fuzz::tiny_hybrid_model();
+        chunk_kv hybrid = random_chunk(q35, 5, GGML_TYPE_F16, seed++);
+        hybrid.n_mapped = 4;
+        hybrid.state_maps.resize((size_t) q35.hparams().state_map_floats());
+        for (size_t i = 0; i < hybrid.state_maps.size(); ++i) hybrid.state_maps[i] = 0.01f * (float) (i % 97);
+        seeds.push_back(chunk_encode(q35, hybrid, {}, nullptr));
         return seeds;
     });
     return 0;
@@ -80,10 +87,13 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (size > (1u << 20)) return -1;
-    // an entry with a table of head sizes (head_dim 0 at byte 56) is read for the gemma4 model
-    uint32_t head_dim = 1;
-    if (size >= 60) std::memcpy(&head_dim, data + 56, 4);
-    const model & m = head_dim == 0 ? fuzz::tiny_gemma4_model() : fuzz::tiny_model();
+    // an entry with a table of head sizes (head_dim 0 at byte 56) is read for the gemma4
+    // model, or for the hybrid one when it holds state maps (version 3 at byte 8)
+    uint32_t head_dim = 1, version = 1;
+    if (size >= 60) std::memcpy(&head_dim, data + 56, 4), std::memcpy(&version, data + 8, 4);
+    const model & m = version == 3    ? fuzz::tiny_hybrid_model()
+                      : head_dim == 0 ? fuzz::tiny_gemma4_model()
+                                      : fuzz::tiny_model();
     std::vector<uint8_t> b(data, data + size);
     (void) chunk_entry_check(b, nullptr);
     (void) chunk_entry_check(b, &m);

@@ -69,14 +69,13 @@ blend_params blend_default_params();
 // budget. throws kvblend::error naming the field and its range. blend() asks
 // it; the server (at start), the C API and the CLI ask it before any work
 void blend_params_check(const blend_params & p, const model_hparams & hp);
-// why documents cannot be fused on this model, "" when they can: not on a
-// hybrid (gated delta-net layers, whose state after a document depends on
-// every token before it) yet; such a model runs prompts whole, with exact
-// prefix reuse. check_fusable throws it as an invalid_argument kvblend::error;
-// every fusion path asks it (collecting a chunk, a blend, rag_fuse) before any
-// work, the self-check and the server (which then run fused prompts whole) read it
-std::string fusion_unsupported_reason(const model & m);
-void check_fusable(const model & m);
+// a hybrid model (gated delta-net layers) fuses through its chunks' state
+// maps (collect, blend): whole on one engine (rag_fuse, the server's
+// preparing thread), never in the serving loop's steps, which select rows
+// per layer; its recompute share is each chunk's tail (hybrid_chunk_tail),
+// the default ratio's on the request path. paths that cannot take one ask this:
+// throws an invalid_argument kvblend::error naming what (calibration, say)
+void refuse_hybrid(const model & m, const char * what);
 // the ranges it applies, which the server's fields and the CLI's flags read
 constexpr setting_range k_recomp_ratio_range{0, 1};
 constexpr setting_range k_dev_mass_range{0, 1};
@@ -122,8 +121,16 @@ struct blend_result {
 // clears) and keep every layer's K/V. with a prefix, the prefix runs first
 // and the chunk sees it (collect_with_prefix); the chunk then starts at
 // position prefix.n_tokens() and only its own rows are kept.
-chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t pos0 = 0);
-chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens);
+// on a hybrid model the chunk also keeps the state maps of its tokens but the
+// last hybrid_chunk_tail(n, hybrid_tail) (chunk_kv::state_maps): the tail a
+// blend recomputes, so a hybrid's recompute share is fixed when its chunk is
+// collected (the blend's ratio of 1 still recomputes every token)
+chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t pos0 = 0,
+                 float hybrid_tail = blend_params{}.recomp_ratio);
+chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens,
+                       float hybrid_tail = blend_params{}.recomp_ratio);
+// tokens of an n-token hybrid chunk after its maps: ceil(n tail_ratio); the ratio in [0, 1]
+int64_t hybrid_chunk_tail(int64_t n_tokens, float tail_ratio);
 // collect, then keep only the positions an eviction policy picks from the
 // chunk's own prefill (kvblend/evict.h): one selection for every layer and
 // head (scores summed over them), so a blend can place the chunk. streaming,
@@ -142,6 +149,9 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
 // modified: the same chunk KVs serve any number of blends. evicted chunks
 // (kept rows only) leave a sparse cache: their evicted positions are not
 // there for any layer, and every step runs on the held rows.
+// on a hybrid model every chunk's rows are placed, then in prompt order each
+// chunk's state maps are applied and its tail is recomputed from that state,
+// then the query runs (the check layer, the budget and the score play no part)
 blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks, const std::vector<llama_token> & query,
                    const blend_params & params);
 

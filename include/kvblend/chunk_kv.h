@@ -37,6 +37,16 @@ struct chunk_kv {
     // chunk holds no host bytes (data is empty), a blend copies its rows on
     // the device
     std::shared_ptr<const chunk_dev> dev;
+    // a hybrid model's chunk (docs/ARCHITECTURE.md, "Hybrid and recurrent
+    // models"; docs/STORE_FORMAT.md, version 3): per gated delta-net layer, in
+    // layer order, the map S -> exp(G) Ã S + B of its first n_mapped tokens
+    // (graph/delta_map.h) as Ã, G and B (F32, Ã and B in the delta state's
+    // layout), then the convolution's last inputs after them
+    // (model_hparams::state_map_floats each). A blend applies the map and
+    // recomputes the tokens after n_mapped, the chunk's tail. empty on a model
+    // without recurrent layers; a hybrid's widths are 0 at its recurrent layers
+    std::vector<float> state_maps;
+    int64_t n_mapped = 0;
 
     bool on_host() const { return !data.empty(); }
 
@@ -47,7 +57,8 @@ struct chunk_kv {
             if (w != widths[0]) return false;
         return true;
     }
-    int64_t values_per_token() const {  // K and V of every layer
+    int64_t n_tail() const { return n_tokens() - n_mapped; }  // a hybrid chunk's tokens after its maps
+    int64_t values_per_token() const {                        // K and V of every layer
         int64_t n = 0;
         for (int64_t w : widths) n += 2 * w;
         return n;

@@ -140,14 +140,21 @@ class kv_cache {
     // while tracking maps, each recurrent layer also keeps the A of the map of
     // the tokens run since begin_map (or clear): the state goes S -> A S + B over
     // them, B being the delta rule's state when begin_map emptied it
-    // (graph/delta_map.h; what fusing a hybrid's chunks composes). off by
-    // default; a tracked map ends where the cache is cut back
+    // (graph/delta_map.h; what fusing a hybrid's chunks composes). A is kept
+    // as its parts, A = exp(G) Ã per value head: map_a holds Ã (F32, shaped as
+    // the delta state), map_log_decay G (F32 [n_v_heads]). off by default; a
+    // tracked map ends where the cache is cut back
     void track_maps(bool on);
     bool tracks_maps() const { return map_buf_ != nullptr; }
     ggml_tensor * map_a(int il) const { return map_a_.empty() ? nullptr : map_a_[il]; }
+    ggml_tensor * map_log_decay(int il) const { return map_g_.empty() ? nullptr : map_g_[il]; }
     // start a new map at n_past: A the identity and the delta rule's state
     // empty; the convolution keeps its last inputs (the next tokens follow them)
     void begin_map();
+    // a hybrid blend wrote the rows of positions [n_past, n) and the recurrent
+    // state after them itself (placed chunk rows, applied maps): the cache has
+    // now seen n positions. dense caches without rings only
+    void set_placed(int64_t n);
     std::vector<int64_t> kv_widths() const;  // of every layer
     // one layer per layer of hp that owns K/V, each as wide as hp's (no allocation: every step checks it)
     bool shaped_for(const model_hparams & hp) const;
@@ -280,8 +287,8 @@ class kv_cache {
     // tracked maps: each recurrent layer's A (nullptr on the others), in a buffer of their own
     ggml_context * map_ctx_ = nullptr;
     ggml_backend_buffer_t map_buf_ = nullptr;
-    std::vector<ggml_tensor *> map_a_;
-    void reset_maps();  // A the identity
+    std::vector<ggml_tensor *> map_a_, map_g_;
+    void reset_maps();  // A the identity (Ã the identity, G 0)
     ggml_context * state_tensors(std::vector<ggml_tensor *> & conv, std::vector<ggml_tensor *> & delta) const;
     void allocate_states();
     std::unique_ptr<state_copy> new_state_copy(int64_t pos) const;

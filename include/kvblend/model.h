@@ -153,6 +153,9 @@ struct model_hparams {
     int64_t conv_state_floats() const { return (ssm_d_conv - 1) * ssm_conv_channels(); }
     int64_t delta_state_floats() const { return ssm_d_state * ssm_d_state * ssm_n_v_heads; }
     size_t recurrent_state_bytes() const;  // of every recurrent layer's state (F32) of one sequence
+    // floats a chunk keeps per recurrent layer for fusion (chunk_kv::state_maps):
+    // its map's Ã, G and B, and the convolution's last inputs
+    int64_t state_map_floats() const { return 2 * delta_state_floats() + ssm_n_v_heads + conv_state_floats(); }
 
     bool has_rope(int64_t il) const {
         return rope && il >= 0 && (no_rope_layer_step == 0 || (il + 1) % no_rope_layer_step != 0);

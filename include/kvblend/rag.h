@@ -48,6 +48,10 @@ struct chunk_fetch_stats {
 // kvblend::error (CHUNK_PUT_REQUIRED). removing an unusable entry is best
 // effort in both (a read-only store still serves its other entries).
 enum chunk_put_mode { CHUNK_PUT_BEST_EFFORT, CHUNK_PUT_REQUIRED };
+// a store codec this model's chunks can take: any for a dense model, raw for a
+// hybrid (its state maps beside the rows). throws an invalid_argument
+// kvblend::error otherwise; chunk_fetch asks it, the server at start
+void chunk_codec_check(const model & m, const std::string & codec);
 // collects a chunk alone at position 0 as collect() does, somewhere else than
 // on the engine (the server: in its serving loop's steps, beside the other
 // slots); it throws kvblend::error as collect() does

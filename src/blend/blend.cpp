@@ -110,6 +110,7 @@ chunk_kv read_chunk(engine & eng, const kv_cache & cache, const std::vector<llam
     c.data.resize(c.bytes());
     forward_driver drv(eng);
     for (int il = 0; il < c.n_layer(); ++il) {
+        if (!cache.k(il)) continue;  // a recurrent layer: no rows
         drv.download_kv_rows(cache.k(il), c.k(il), row0, c.n_tokens());
         drv.download_kv_rows(cache.v(il), c.v(il), row0, c.n_tokens());
     }
@@ -202,21 +203,24 @@ std::vector<int64_t> select_tokens(std::vector<int64_t> cand, const std::vector<
 
 }  // namespace
 
-std::string fusion_unsupported_reason(const model & m) {
+void refuse_hybrid(const model & m, const char * what) {
     const model_hparams & hp = m.hparams();
-    if (!hp.has_recurrent()) return "";
-    return "document fusion is not built for hybrid models yet ('" + hp.arch_name +
-           "' has gated delta-net layers, whose state after a document depends on every token before it): the "
-           "prompt runs whole, reusing an exact cached prefix (docs/ARCHITECTURE.md, \"Hybrid and recurrent models\")";
+    if (hp.has_recurrent())
+        throw error(std::string(what) + " does not take a hybrid model ('" + hp.arch_name +
+                        "': gated delta-net layers), whose recompute share is its chunks' tails "
+                        "(docs/ARCHITECTURE.md, \"Hybrid and recurrent models\")",
+                    error_kind::invalid_argument);
 }
 
-void check_fusable(const model & m) {
-    const std::string why = fusion_unsupported_reason(m);
-    if (!why.empty()) throw error(why, error_kind::invalid_argument);
+int64_t hybrid_chunk_tail(int64_t n_tokens, float tail_ratio) {
+    if (!(tail_ratio >= k_recomp_ratio_range.lo && tail_ratio <= k_recomp_ratio_range.hi))
+        throw error("a hybrid chunk's tail ratio must be in [0, 1], got " + std::to_string(tail_ratio),
+                    error_kind::invalid_argument);
+    // the product rounded to a float first: 0.1f of 40 tokens is 4 (the float is 0.100000001)
+    return std::min<int64_t>(n_tokens, (int64_t) std::ceil(tail_ratio * (float) n_tokens));
 }
 
 void collect_check(const model & m, const kv_cache & cache, const std::vector<llama_token> & tokens) {
-    check_fusable(m);
     if (tokens.empty()) throw error("cannot collect an empty chunk");
     if (cache.type_k() != cache.type_v()) throw error("chunk collection needs the same K and V cache type");
     if ((int64_t) tokens.size() > cache.n_ctx())
@@ -228,29 +232,97 @@ void collect_check(const model & m, const kv_cache & cache, const std::vector<ll
             throw error("token id " + std::to_string(t) + " is outside the vocabulary");
 }
 
-chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t pos0) {
+namespace {
+
+// a hybrid's chunk from the cache's n_past on: its first n - tail tokens run
+// on from the state the cache holds (a prefix's, or an empty one) with their
+// maps tracked, the maps and the convolution's inputs are kept (B: what they
+// leave from an empty state), then the tail runs on
+void run_mapped(engine & eng, const std::vector<llama_token> & tokens, int64_t tail, int64_t pos_shift, chunk_kv & c) {
+    kv_cache & cache = eng.cache();
+    const model_hparams & hp = eng.mdl().hparams();
+    const int64_t n = (int64_t) tokens.size(), n_mapped = n - tail;
+    const int64_t n_delta = hp.delta_state_floats(), H = hp.ssm_n_v_heads, n_conv = hp.conv_state_floats();
+    forward_driver drv(eng);
+    auto delta_states = [&] {  // every recurrent layer's, in layer order
+        std::vector<float> out;
+        for (int il = 0; il < (int) hp.n_layer_kv; ++il) {
+            if (!cache.delta_state(il)) continue;
+            out.resize(out.size() + (size_t) n_delta);
+            drv.download(cache.delta_state(il), out.data() + out.size() - n_delta, 0, (size_t) n_delta * sizeof(float));
+        }
+        return out;
+    };
+    const std::vector<float> start = cache.n_past() > 0 ? delta_states() : std::vector<float>();
+    struct untrack {
+        kv_cache & c;
+        ~untrack() { c.track_maps(false); }
+    } guard{cache};
+    cache.track_maps(true);
+    if (n_mapped > 0) eng.eval(std::vector<llama_token>(tokens.begin(), tokens.begin() + n_mapped), false, pos_shift);
+    c.n_mapped = n_mapped;
+    const std::vector<float> b = start.empty() ? delta_states() : drv.map_b_after(start);
+    int64_t r = 0;
+    for (int il = 0; il < (int) hp.n_layer_kv; ++il) {
+        if (!cache.delta_state(il)) continue;
+        const size_t at = c.state_maps.size();
+        c.state_maps.resize(at + (size_t) hp.state_map_floats());
+        float * dst = c.state_maps.data() + at;
+        drv.download(cache.map_a(il), dst, 0, (size_t) n_delta * sizeof(float));
+        drv.download(cache.map_log_decay(il), dst + n_delta, 0, (size_t) H * sizeof(float));
+        std::copy_n(b.data() + r++ * n_delta, n_delta, dst + n_delta + H);
+        drv.download(cache.conv_state(il), dst + 2 * n_delta + H, 0, (size_t) n_conv * sizeof(float));
+    }
+    cache.track_maps(false);
+    if (tail > 0) eng.eval(std::vector<llama_token>(tokens.end() - tail, tokens.end()), false, pos_shift);
+}
+
+}  // namespace
+
+chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t pos0, float hybrid_tail) {
     if (pos0 < 0) throw error("chunk position must not be negative");
     eng.require_dense_cache("collecting a chunk");
     collect_check(eng.mdl(), eng.cache(), tokens);
+    const bool hybrid = eng.mdl().hparams().has_recurrent();
+    const int64_t tail = hybrid ? hybrid_chunk_tail((int64_t) tokens.size(), hybrid_tail) : 0;
     eng.cache().clear();
-    eng.eval(tokens, false, pos0);
-    return read_chunk(eng, eng.cache(), tokens, 0, pos0);
+    if (!hybrid) {
+        eng.eval(tokens, false, pos0);
+        return read_chunk(eng, eng.cache(), tokens, 0, pos0);
+    }
+    chunk_kv maps;
+    run_mapped(eng, tokens, tail, pos0, maps);
+    chunk_kv c = read_chunk(eng, eng.cache(), tokens, 0, pos0);
+    c.state_maps = std::move(maps.state_maps), c.n_mapped = maps.n_mapped;
+    return c;
 }
 
-chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens) {
+chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens,
+                       float hybrid_tail) {
     eng.require_dense_cache("collecting a chunk");
     collect_check(eng.mdl(), eng.cache(), tokens);
+    const bool hybrid = eng.mdl().hparams().has_recurrent();
+    const int64_t tail = hybrid ? hybrid_chunk_tail((int64_t) tokens.size(), hybrid_tail) : 0;
     eng.cache().clear();
     if (!prefix.empty()) eng.eval(prefix, false);
-    eng.eval(tokens, false);
+    chunk_kv maps;
+    if (hybrid)
+        run_mapped(eng, tokens, tail, 0, maps);
+    else
+        eng.eval(tokens, false);
     const int64_t np = (int64_t) prefix.size();
-    return read_chunk(eng, eng.cache(), tokens, np, np);
+    chunk_kv c = read_chunk(eng, eng.cache(), tokens, np, np);
+    c.state_maps = std::move(maps.state_maps), c.n_mapped = maps.n_mapped;
+    return c;
 }
 
 chunk_kv collect_evicted(engine & eng, const std::vector<llama_token> & tokens, const evict_params & ev) {
     if (ev.policy == EVICT_POLICY_NONE) return collect(eng, tokens);
     if (ev.policy == EVICT_POLICY_PYRAMIDKV)
         throw error("pyramidkv keeps other positions per layer: a stored chunk keeps one set (use snapkv)");
+    if (eng.mdl().hparams().has_recurrent())
+        throw error("a hybrid model's chunk keeps every row: its tail runs on from the state its rows leave",
+                    error_kind::invalid_argument);
     evict_check(ev);
     collect_check(eng.mdl(), eng.cache(), tokens);
     const model_hparams & hp = eng.mdl().hparams();
@@ -346,9 +418,9 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
         int64_t r = 0;
         for (size_t i = 0; i < chunks.size(); ++i) {
             const chunk_kv * c = chunks[i];
-            const bool here =
-                c->dev && c->dev->buf && cache.k(0)->buffer &&
-                ggml_backend_buffer_get_type(c->dev->buf) == ggml_backend_buffer_get_type(cache.k(0)->buffer);
+            const bool here = c->dev && c->dev->buf && cache.k(cache.first_kv_layer())->buffer &&
+                              ggml_backend_buffer_get_type(c->dev->buf) ==
+                                  ggml_backend_buffer_get_type(cache.k(cache.first_kv_layer())->buffer);
             if (here) {
                 on_dev.push_back({c->dev.get(), r});
             } else if (!c->on_host()) {
@@ -363,7 +435,7 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
     for (int il = layer0; il < hp.n_layer_kv; ++il) {
         int64_t r = 0;
         for (size_t i = 0; i < chunks.size(); ++i) {
-            if (host[i]) {
+            if (host[i] && cache.k(il)) {
                 drv.upload_kv_rows(cache.k(il), host[i]->k(il), r, host[i]->n_rows());
                 drv.upload_kv_rows(cache.v(il), host[i]->v(il), r, host[i]->n_rows());
             }
@@ -379,7 +451,7 @@ blend_steps::blend_steps(engine & eng, const std::vector<const chunk_kv *> & chu
                          const std::vector<llama_token> & query, const blend_params & params,
                          const std::function<ggml_tensor *(int64_t)> & hidden_for)
     : m_(eng.mdl()), cache_(&eng.cache()), ub_size_(eng.params().n_ubatch), params_(params) {
-    check_fusable(m_);
+    refuse_hybrid(m_, "a blend in steps");
     eng.require_dense_cache("a blend");
     t_start_ = time_ms();
     // an empty prefix leaves the first document at position 0, where its
@@ -587,8 +659,103 @@ blend_result blend_steps::finish() {
     return std::move(res_);
 }
 
+namespace {
+
+// a hybrid's blend (docs/ARCHITECTURE.md, "Hybrid and recurrent models"):
+// every chunk's rows placed at once; then, chunk by chunk in prompt order, its
+// maps applied to the recurrent state and its tail run on from there
+// (attending over every row placed or run before it), then the query. a ratio
+// of 1 runs every chunk's tokens instead (the maps unused): a full prefill in pieces
+blend_result blend_hybrid(engine & eng, const std::vector<const chunk_kv *> & chunks_in,
+                          const std::vector<llama_token> & query, const blend_params & params) {
+    const double t_start = time_ms();
+    const model_hparams & hp = eng.mdl().hparams();
+    kv_cache & cache = eng.cache();
+    eng.require_dense_cache("a blend");
+    blend_params_check(params, hp);
+    const bool whole = params.recomp_ratio >= 1.0f;
+    int64_t n_rec = 0;
+    for (int64_t il = 0; il < hp.n_layer_kv; ++il) n_rec += hp.is_recurrent(il) ? 1 : 0;
+    std::vector<const chunk_kv *> chunks;
+    int64_t n_pos = (int64_t) query.size();
+    for (const chunk_kv * c : chunks_in) {
+        if (!c) throw error("null chunk");
+        if (c->n_tokens() == 0) continue;
+        if (!c->kept.empty()) throw error("a hybrid model's blend takes whole chunks, not evicted ones");
+        if (!c->on_host())
+            throw error("a hybrid model's blend takes chunks in host memory (the tiers keep no state maps)");
+        if (!whole && ((int64_t) c->state_maps.size() != n_rec * hp.state_map_floats() || c->n_mapped < 0 ||
+                       c->n_mapped > c->n_tokens()))
+            throw error("a chunk without this model's state maps (" + std::to_string(c->state_maps.size()) +
+                        " floats over " + std::to_string(c->n_mapped) + " of " + std::to_string(c->n_tokens()) +
+                        " tokens; " + std::to_string(n_rec * hp.state_map_floats()) +
+                        " expected): collect it on this model");
+        for (const llama_token t : c->tokens)
+            if (t < 0 || t >= hp.n_vocab) throw error("token id " + std::to_string(t) + " is outside the vocabulary");
+        chunks.push_back(c);
+        n_pos += c->n_tokens();
+    }
+    if (chunks.empty()) throw error("blend needs at least one non-empty chunk");
+    if (query.empty()) throw error("blend needs a non-empty query");
+    for (const llama_token t : query)
+        if (t < 0 || t >= hp.n_vocab) throw error("token id " + std::to_string(t) + " is outside the vocabulary");
+    if (n_pos > cache.n_ctx())
+        throw error(
+            "blend of " + std::to_string(n_pos) + " tokens exceeds the context of " + std::to_string(cache.n_ctx()),
+            error_kind::context_overflow);
+
+    blend_result res;
+    blend_stats & st = res.stats;
+    cache.clear();
+    // a step that fails part-way may have written some layers' state: start over
+    struct clear_on_throw {
+        kv_cache & c;
+        bool done = false;
+        ~clear_on_throw() {
+            if (!done) c.clear();
+        }
+    } guard{cache};
+    place(eng, chunks);
+    st.place_ms = time_ms() - t_start;
+    forward_driver drv(eng);
+    int64_t s = 0;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+        const chunk_kv & c = *chunks[i];
+        const int64_t n_mapped = whole ? 0 : c.n_mapped;
+        if (n_mapped > 0) {
+            const double t0 = time_ms();
+            drv.apply_state_maps(c.state_maps, n_mapped);
+            cache.set_placed(s + n_mapped);
+            st.place_ms += time_ms() - t0;
+        }
+        if (n_mapped < c.n_tokens()) {
+            const double t0 = time_ms();
+            eng.eval(std::vector<llama_token>(c.tokens.begin() + n_mapped, c.tokens.end()));
+            st.deep_ms += time_ms() - t0;
+        }
+        for (int64_t p = s + n_mapped; p < s + c.n_tokens(); ++p) res.selected.push_back(p);
+        if (i > 0) st.n_doc_tokens += c.n_tokens();
+        s += c.n_tokens();
+    }
+    const double t0 = time_ms();
+    res.logits = eng.eval(query);
+    guard.done = true;
+    st.deep_ms += time_ms() - t0;
+    for (int64_t p = s; p < n_pos; ++p) res.selected.push_back(p);
+    res.scores.assign(n_pos, 0.0f);
+    st.n_tokens = n_pos;
+    st.n_selected = (int64_t) res.selected.size();
+    st.deep_frac = (double) st.n_selected / (double) n_pos;
+    st.total_ms = time_ms() - t_start;
+    st.outside_ms = st.total_ms - st.early_ms - st.deep_ms;
+    return res;
+}
+
+}  // namespace
+
 blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks, const std::vector<llama_token> & query,
                    const blend_params & params) {
+    if (eng.mdl().hparams().has_recurrent()) return blend_hybrid(eng, chunks, query, params);
     forward_driver drv(eng);
     blend_steps b(eng, chunks, query, params, [&](int64_t n) { return drv.hidden(n); });
     b.run_alone(drv);

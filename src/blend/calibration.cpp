@@ -77,6 +77,7 @@ fused_measure compare_fused(engine & eng, const std::vector<float> & fused, cons
 calibration calibrate(engine & eng, const std::vector<rag_prompt> & prompts, const calibrate_params & p) {
     const model & m = eng.mdl();
     check_params(p, m.hparams());
+    refuse_hybrid(m, "calibration");
     if (prompts.empty()) throw error("calibrate: no prompts", error_kind::invalid_argument);
     for (size_t i = 0; i < prompts.size(); ++i) {
         const int64_t need = (int64_t) prompts[i].all().size() + p.n_tokens;

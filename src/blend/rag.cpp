@@ -59,12 +59,22 @@ std::optional<chunk_kv> chunk_from_store(store & st, engine & eng, const std::st
 
 }  // namespace
 
+void chunk_codec_check(const model & m, const std::string & codec) {
+    const std::string name = codec_by_name(codec)->name();
+    if (m.hparams().has_recurrent() && name != k_codec_raw)
+        throw error("a hybrid model's chunks are stored raw (their state maps beside the rows): codec " + name +
+                        " does not apply",
+                    error_kind::invalid_argument);
+}
+
 chunk_ptr chunk_fetch(store * st, chunk_tiers * tiers, engine & eng, const std::vector<llama_token> & prefix,
                       const std::vector<llama_token> & tokens, chunk_fetch_stats & stats,
                       const std::string & codec_name, const evict_params & ev, chunk_put_mode put,
                       const chunk_collector & collector) {
     const model & m = eng.mdl();
+    chunk_codec_check(m, codec_name);
     const std::unique_ptr<codec> cd = codec_by_name(codec_name);
+    const bool hybrid = m.hparams().has_recurrent();
     if (ev.policy != EVICT_POLICY_NONE) {
         evict_check(ev);
         if (cd->name() != k_codec_raw)
@@ -106,9 +116,10 @@ chunk_ptr chunk_fetch(store * st, chunk_tiers * tiers, engine & eng, const std::
         }
     }
     const double t1 = time_ms();
-    chunk_kv c = !prefix.empty()                               ? collect_after(eng, prefix, tokens)
-                 : collector && ev.policy == EVICT_POLICY_NONE ? collector(tokens)
-                                                               : collect_evicted(eng, tokens, ev);
+    // a collector (the serving loop's steps) tracks no state maps: a hybrid's chunk is collected here
+    chunk_kv c = !prefix.empty()                                          ? collect_after(eng, prefix, tokens)
+                 : collector && ev.policy == EVICT_POLICY_NONE && !hybrid ? collector(tokens)
+                                                                          : collect_evicted(eng, tokens, ev);
     stats.misses++;
     stats.collect_ms += time_ms() - t1;
     std::vector<uint8_t> entry = chunk_encode(m, c, prefix, cd.get());
@@ -138,32 +149,45 @@ chunk_kv chunk_get_or_collect(store * st, engine & eng, const std::vector<llama_
     return std::move(const_cast<chunk_kv &>(*c));
 }
 
-rag_fuse_steps::rag_fuse_steps(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
-                               const std::function<ggml_tensor *(int64_t)> & hidden_for,
-                               const std::vector<const chunk_kv *> & given) {
-    check_fusable(eng.mdl());
-    const energy_mark e_chunks = eng.energy_now();
+namespace {
+
+// each non-empty chunk of rp: given, or from the tiers or the store, or
+// collected (held in `held` until the blend is done)
+std::vector<const chunk_kv *> fetch_chunks(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
+                                           const std::vector<const chunk_kv *> & given, std::vector<chunk_ptr> & held,
+                                           rag_fuse_result & r) {
     std::vector<const chunk_kv *> ptrs;
     bool use_store = p.st != nullptr;
     for (size_t i = 0; i < rp.chunks.size(); ++i) {
         if (rp.chunks[i].empty()) continue;
         if (i < given.size() && given[i]) {
             ptrs.push_back(given[i]);
-            r_.chunk_hit.push_back(true);
+            r.chunk_hit.push_back(true);
             continue;
         }
         // once a store call of this request failed, its other chunks go without the store
-        if (use_store && r_.fetch.store_unreadable) use_store = false;
+        if (use_store && r.fetch.store_unreadable) use_store = false;
         if (use_store && p.store_usable) use_store = p.store_usable();
         const bool behind = p.collect_with_prefix && i > 0 && !rp.chunks[0].empty();
-        const int64_t hits = r_.fetch.hits;
+        const int64_t hits = r.fetch.hits;
         // the prefix chunk (system text, sinks) is kept whole; documents may be evicted
-        fetched_.push_back(chunk_fetch(
-            use_store ? p.st : nullptr, p.tiers, eng, behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i],
-            r_.fetch, p.codec, i > 0 ? p.chunk_evict : evict_params{}, CHUNK_PUT_BEST_EFFORT, p.collector));
-        ptrs.push_back(fetched_.back().get());
-        r_.chunk_hit.push_back(r_.fetch.hits > hits);
+        held.push_back(chunk_fetch(use_store ? p.st : nullptr, p.tiers, eng,
+                                   behind ? rp.chunks[0] : std::vector<llama_token>{}, rp.chunks[i], r.fetch, p.codec,
+                                   i > 0 ? p.chunk_evict : evict_params{}, CHUNK_PUT_BEST_EFFORT, p.collector));
+        ptrs.push_back(held.back().get());
+        r.chunk_hit.push_back(r.fetch.hits > hits);
     }
+    return ptrs;
+}
+
+}  // namespace
+
+rag_fuse_steps::rag_fuse_steps(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
+                               const std::function<ggml_tensor *(int64_t)> & hidden_for,
+                               const std::vector<const chunk_kv *> & given) {
+    refuse_hybrid(eng.mdl(), "a blend in the serving loop's steps");
+    const energy_mark e_chunks = eng.energy_now();
+    const std::vector<const chunk_kv *> ptrs = fetch_chunks(eng, rp, p, given, fetched_, r_);
     r_.chunks_energy = eng.energy_since(e_chunks);
     blend_mark_ = eng.energy_now();
     steps_ = std::make_unique<blend_steps>(eng, ptrs, rp.query, p.blend, hidden_for);
@@ -180,6 +204,21 @@ rag_fuse_result rag_fuse_steps::finish() {
 
 rag_fuse_result rag_fuse(engine & eng, const rag_prompt & rp, const rag_fuse_params & p,
                          const std::vector<const chunk_kv *> & given) {
+    if (eng.mdl().hparams().has_recurrent()) {  // blend_hybrid: the chunks' maps and tails in prompt order
+        rag_fuse_result r;
+        std::vector<chunk_ptr> held;
+        const energy_mark e_chunks = eng.energy_now();
+        const std::vector<const chunk_kv *> ptrs = fetch_chunks(eng, rp, p, given, held, r);
+        r.chunks_energy = eng.energy_since(e_chunks);
+        const energy_mark e_blend = eng.energy_now();
+        blend_result br = blend(eng, ptrs, rp.query, p.blend);
+        r.blend_logits = std::move(br.logits);
+        r.logits = r.blend_logits;
+        r.stats = br.stats;
+        r.selected = std::move(br.selected);
+        r.blend_energy = eng.energy_since(e_blend);
+        return r;
+    }
     forward_driver drv(eng);
     rag_fuse_steps fs(
         eng, rp, p, [&](int64_t n) { return drv.hidden(n); }, given);

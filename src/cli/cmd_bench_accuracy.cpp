@@ -284,6 +284,7 @@ int bench_accuracy(args & a) {
     if (n_max > 0 && (int64_t) prompts.size() > n_max) prompts.resize(n_max);
 
     auto m = model::load(model_path);
+    refuse_hybrid(*m, "bench accuracy");  // its variants are CacheBlend's selections
     const model_hparams & hp = m->hparams();
     const int64_t nv = hp.n_vocab;
     std::vector<variant> vars;

@@ -112,6 +112,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
         rp.n_batch = n_max;
         lr = std::make_unique<ref::llama_ref>(model_path, rp);
     }
+    const bool hybrid = hp.has_recurrent();
     std::mt19937 rng(99);
     std::uniform_int_distribution<int> tok(0, (int) hp.n_vocab - 1);
     auto random_tokens = [&](int64_t n) {
@@ -143,7 +144,7 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
         all.insert(all.end(), query.begin(), query.end());
 
         std::vector<chunk_kv> kv;
-        for (const auto & p : parts) kv.push_back(collect(eng_blend, p));
+        for (const auto & p : parts) kv.push_back(collect(eng_blend, p, 0, ratio));  // a hybrid's tail: the ratio
         std::vector<const chunk_kv *> ptrs;
         for (const auto & c : kv) ptrs.push_back(&c);
 
@@ -172,6 +173,8 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
             energy_add(e0, blend_j);
             t_out.push_back(br.stats.outside_ms);
             // the deep layers' own cost: n_selected tokens appended at depth N - n_selected
+            // (a hybrid's state cannot be cut back there: its bound is the ideal's)
+            if (hybrid) continue;
             eng.cache().set_n_past(N - br.stats.n_selected);
             t0 = time_ms();
             eng.eval(std::vector<llama_token>(all.end() - br.stats.n_selected, all.end()));
@@ -187,17 +190,18 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
             for (const auto & [op, ms] : ops.ms) op_ms[op] = ms;
             op_ms["(blend total)"] = pr.stats.total_ms;
         }
-        size_t chunk_bytes = 0;
-        for (const auto & c : kv) chunk_bytes += c.bytes();
-        const double full_ms = median(t_full), blend_ms = median(t_blend), sel_ms = median(t_sel);
+        size_t chunk_bytes = 0, map_bytes = 0;  // a hybrid's chunks also keep their state maps
+        for (const auto & c : kv) chunk_bytes += c.bytes(), map_bytes += c.state_maps.size() * sizeof(float);
+        const double full_ms = median(t_full), blend_ms = median(t_blend), sel_ms = hybrid ? 0.0 : median(t_sel);
         // the layers every row runs: past the last that owns K/V (gemma4) only
-        // the query's last row goes on, in the full prefill as in the blend
-        const double L = (double) hp.n_layer_kv, early = (double) (check_layer + 1);
+        // the query's last row goes on, in the full prefill as in the blend.
+        // a hybrid's blend runs no layer on every row
+        const double L = (double) hp.n_layer_kv, early = hybrid ? 0.0 : (double) (check_layer + 1);
         // the matmul-only cost model (docs/DESIGN.md, "Cost model") with the measured deep share
         const double ideal = 1.0 / (early / L + (1.0 - early / L) * br.stats.deep_frac);
         // the same model with measured times: early layers cost their share of a
         // full prefill, deep layers cost the selected tokens at their depth
-        const double bound = full_ms / (full_ms * early / L + sel_ms * (L - early) / L);
+        const double bound = hybrid ? ideal : full_ms / (full_ms * early / L + sel_ms * (L - early) / L);
         nlohmann::json row = {{"n_tokens", N},
                               {"full_ms", full_ms},
                               {"blend_ms", blend_ms},
@@ -219,7 +223,8 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
                               {"full_compute_mb", eng.compute_buffer_bytes() / 1048576.0},
                               {"blend_compute_mb", eng_blend.compute_buffer_bytes() / 1048576.0},
                               {"blend_hidden_mb", N * hp.n_embd * 4 / 1048576.0},
-                              {"chunk_kv_mb", chunk_bytes / 1048576.0}};
+                              {"chunk_kv_mb", chunk_bytes / 1048576.0},
+                              {"chunk_maps_mb", map_bytes / 1048576.0}};
         if (profile) row["ops"] = op_ms;
         if (meter) {
             full_j.put(row, "full", N);
@@ -262,12 +267,17 @@ int bench_speed(const std::string & model_path, const std::vector<int64_t> & con
             r["ideal_speedup"].get<double>(), r["bound_speedup"].get<double>(),
             100.0 * r["share_of_bound"].get<double>(), r["deep_token_pct"].get<double>(), r["kl"].get<double>());
     }
-    std::printf("\n| tokens | full prefill compute MB | blend compute MB | blend hidden states MB | chunk KV MB |\n");
-    std::printf("|-------:|------------------------:|-----------------:|-----------------------:|------------:|\n");
-    for (const auto & r : rows)
-        std::printf("| %6lld | %23.1f | %16.1f | %22.1f | %11.1f |\n", (long long) r["n_tokens"].get<int64_t>(),
+    std::printf("\n| tokens | full prefill compute MB | blend compute MB | blend hidden states MB | chunk KV MB |%s\n",
+                hybrid ? " chunk state maps MB |" : "");
+    std::printf("|-------:|------------------------:|-----------------:|-----------------------:|------------:|%s\n",
+                hybrid ? "--------------------:|" : "");
+    for (const auto & r : rows) {
+        std::printf("| %6lld | %23.1f | %16.1f | %22.1f | %11.1f |", (long long) r["n_tokens"].get<int64_t>(),
                     r["full_compute_mb"].get<double>(), r["blend_compute_mb"].get<double>(),
                     r["blend_hidden_mb"].get<double>(), r["chunk_kv_mb"].get<double>());
+        if (hybrid) std::printf(" %19.1f |", r["chunk_maps_mb"].get<double>());
+        std::printf("\n");
+    }
     if (meter) print_blend_energy(rows, *meter);
     for (const auto & r : rows) {
         if (!r.contains("ops")) continue;
@@ -337,13 +347,19 @@ int bench_fidelity(const std::string & model_path, const std::vector<double> & r
         const std::vector<float> full = eng.eval(all);
         const std::vector<llama_token> g_full = eng.generate_from(full, 32, gs).tokens;
 
+        // a hybrid's chunks keep their maps up to a tail of the ratio: collected per ratio
         std::vector<chunk_kv> alone, behind;
-        for (size_t i = 0; i < p.chunks.size(); ++i) {
-            alone.push_back(collect(eng, p.chunks[i]));
-            behind.push_back(i == 0 ? alone.back() : collect_after(eng, p.chunks[0], p.chunks[i]));
-        }
+        auto collect_all = [&](float tail) {
+            alone.clear(), behind.clear();
+            for (size_t i = 0; i < p.chunks.size(); ++i) {
+                alone.push_back(collect(eng, p.chunks[i], 0, tail));
+                behind.push_back(i == 0 ? alone.back() : collect_after(eng, p.chunks[0], p.chunks[i], tail));
+            }
+        };
+        if (!m->hparams().has_recurrent()) collect_all(blend_default_params().recomp_ratio);
         for (size_t vi = 0; vi < variants.size(); ++vi) {
             const variant & v = variants[vi];
+            if (m->hparams().has_recurrent()) collect_all((float) v.ratio);
             std::vector<const chunk_kv *> ptrs;
             for (size_t i = 0; i < p.chunks.size(); ++i) ptrs.push_back(v.with_prefix ? &behind[i] : &alone[i]);
             blend_params bp = blend_default_params();

@@ -195,7 +195,6 @@ int cmd_blend(int argc, char ** argv) {
     const double model_load_ms = time_ms() - t_load;
     bp.recomp_ratio = ratio.resolve(*m, model_path);
     blend_params_check(bp, m->hparams());
-    check_fusable(*m);
     const std::optional<self_check_result> checked = self_check.run(m, bp, ep.n_threads, !verbose);
     if (checked && !checked->ok)
         throw error("fusion refused for this model: " + checked->reason + " (--no-self-check fuses it anyway)");

@@ -295,10 +295,7 @@ int cmd_serve(int argc, char ** argv) {
         bp.recomp_ratio = sp.recomp_ratio;
         bp.check_layer = sp.check_layer;
         sp.self_check = self_check.run(m, bp, sp.n_threads, false);
-        const std::string no_fusion = fusion_unsupported_reason(*m);
-        if (!no_fusion.empty())
-            std::fprintf(stderr, "warning: fusion is off, every prompt is prefilled whole: %s\n", no_fusion.c_str());
-        else if (sp.fusion_refused())
+        if (sp.fusion_refused())
             std::fprintf(stderr, "warning: fusion is off, every prompt is prefilled whole (--no-self-check fuses)\n");
     }
     if (const double state = (double) m->hparams().recurrent_state_bytes(); state > 0) {

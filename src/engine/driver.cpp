@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "engine/engine_impl.h"
+#include "graph/delta_map.h"
 #include "graph/forward.h"
 #include "graph/ubatch.h"
 #include "kv/live_kv.h"
@@ -119,6 +120,7 @@ graph::seq_kv layer_stores(const kv_cache & cache, const model_hparams & hp, int
     graph::seq_kv s;
     if (hp.is_recurrent(il)) {
         s.conv_state = cache.conv_state(il), s.delta_state = cache.delta_state(il), s.map_a = cache.map_a(il);
+        s.map_g = cache.map_log_decay(il);
         return s;
     }
     const int kl = (int) hp.kv_layer(il);
@@ -303,10 +305,11 @@ void forward_driver::copy_dev_rows(const std::vector<dev_rows> & chunks, int l0,
     im_.decode_graph.reset();
     // f16/f32 (token-major): one strided copy per chunk and K or V. quantized
     // (head-major): one per head, contiguous to contiguous
-    const int64_t n_head = cache.k(0)->ne[2];
+    const int64_t n_head = cache.k(cache.first_kv_layer())->ne[2];
     for (const dev_rows & c : chunks)
         for (int il = l0; il < l1; ++il)
             for (auto [src, dst] : {std::pair{c.d->k[il], cache.k(il)}, std::pair{c.d->v[il], cache.v(il)}}) {
+                if (!dst) continue;  // a recurrent layer: no rows
                 const bool shaped = c.d->token_major
                                         ? src->ne[0] == dst->ne[0] * dst->ne[2] && !ggml_is_quantized(src->type)
                                         : src->ne[0] == dst->ne[0] && src->ne[2] == dst->ne[2];
@@ -333,6 +336,7 @@ void forward_driver::copy_dev_rows(const std::vector<dev_rows> & chunks, int l0,
         objects += 4;
     };
     for (int il = l0; il < l1; ++il) {
+        if (!cache.k(il)) continue;  // a recurrent layer: no rows
         for (const dev_rows & ch : chunks) {
             const int64_t need = 2 * 4 * (ch.d->token_major ? 1 : n_head);  // K and V of this chunk and layer
             if (!gf || objects + need > max_objects) {
@@ -378,7 +382,8 @@ graph::ubatch_out forward_driver::run(const graph::ubatch & ub) {
     // no build, no scheduler pass, only the inputs are filled (as libllama does)
     std::vector<int64_t> key;
     if (n_tok == 1 && !ub.tokens.empty() && ub.score_rows.empty() && ub.dev == graph::UBATCH_DEV_NONE &&
-        ub.out_x_rows.empty() && !eng_.live_ && ub.l0 == 0 && ub.logit_rows.size() == 1) {
+        ub.out_x_rows.empty() && !eng_.live_ && ub.l0 == 0 && ub.logit_rows.size() == 1 &&
+        !cache.tracks_maps()) {  // a tracked map's graph writes tensors that come and go
         key = {ub.l1, cache.capacity()};
         const int l_kv = cache.first_kv_layer();
         for (const ggml_tensor * t : {cache.k(l_kv), cache.v(l_kv)})
@@ -971,6 +976,100 @@ ggml_tensor * forward_driver::hidden(int64_t n) {
     return im_.hidden.t;
 }
 
+void forward_driver::apply_state_maps(const std::vector<float> & maps, int64_t n_mapped) {
+    const model_hparams & hp = eng_.mdl().hparams();
+    kv_cache & cache = eng_.cache();
+    const int64_t S = hp.ssm_d_state, H = hp.ssm_n_v_heads, per_layer = hp.state_map_floats();
+    const int64_t n_delta = hp.delta_state_floats(), n_conv = hp.conv_state_floats();
+    int64_t n_rec = 0;
+    for (int64_t il = 0; il < hp.n_layer_kv; ++il) n_rec += cache.delta_state(il) ? 1 : 0;
+    if (n_rec == 0 || (int64_t) maps.size() != n_rec * per_layer)
+        throw error("a chunk's state maps hold " + std::to_string(maps.size()) + " floats where this model's " +
+                    std::to_string(n_rec) + " recurrent layers take " + std::to_string(n_rec * per_layer));
+    im_.decode_graph.reset();
+    ggml_init_params ip = {im_.meta_buf.size(), im_.meta_buf.data(), true};
+    ggml_context_ptr ctx(ggml_init(ip));
+    ggml_context * c = ctx.get();
+    ggml_cgraph * gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
+    struct layer_in {
+        ggml_tensor *a, *g, *b;
+        const float * src;
+    };
+    std::vector<layer_in> ins;
+    const float * src = maps.data();
+    for (int il = 0; il < (int) hp.n_layer_kv; ++il) {
+        ggml_tensor * state = cache.delta_state(il);
+        if (!state) continue;
+        layer_in in{ggml_new_tensor_3d(c, GGML_TYPE_F32, S, S, H), new_input(c, GGML_TYPE_F32, H),
+                    ggml_new_tensor_3d(c, GGML_TYPE_F32, S, S, H), src};
+        ggml_set_input(in.a), ggml_set_input(in.b);
+        ggml_tensor * s = ggml_reshape_3d(c, state, S, S, H);
+        ggml_tensor * next = graph::build_map_apply(c, graph::build_map_decay(c, in.a, in.g), in.b, s);
+        ggml_build_forward_expand(gf, ggml_cpy(c, next, s));
+        ins.push_back(in);
+        src += per_layer;
+    }
+    ggml_backend_sched_t sched = im_.sched.get();
+    ggml_backend_sched_reset(sched);
+    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw error("cannot allocate the compute graph");
+    int64_t r = 0;
+    for (int il = 0; il < (int) hp.n_layer_kv; ++il) {
+        if (!cache.delta_state(il)) continue;
+        const layer_in & in = ins[r++];
+        upload(in.a, in.src, 0, (size_t) n_delta * sizeof(float));
+        upload(in.g, in.src + n_delta, 0, (size_t) H * sizeof(float));
+        upload(in.b, in.src + n_delta + H, 0, (size_t) n_delta * sizeof(float));
+        // per channel the last K - 1 inputs, oldest first: a chunk of fewer
+        // tokens moves the ones before it on by its own
+        const int64_t K1 = hp.ssm_d_conv - 1, keep = std::max<int64_t>(0, K1 - n_mapped);
+        std::vector<float> conv(in.src + 2 * n_delta + H, in.src + 2 * n_delta + H + n_conv);
+        if (keep > 0) {
+            std::vector<float> old((size_t) n_conv);
+            download(cache.conv_state(il), old.data(), 0, (size_t) n_conv * sizeof(float));
+            for (int64_t ch = 0; ch < n_conv / K1; ++ch)
+                for (int64_t t = 0; t < keep; ++t) conv[ch * K1 + t] = old[ch * K1 + t + (K1 - keep)];
+        }
+        upload(cache.conv_state(il), conv.data(), 0, (size_t) n_conv * sizeof(float));
+    }
+    if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
+}
+
+std::vector<float> forward_driver::map_b_after(const std::vector<float> & start) {
+    const model_hparams & hp = eng_.mdl().hparams();
+    kv_cache & cache = eng_.cache();
+    const int64_t S = hp.ssm_d_state, H = hp.ssm_n_v_heads, n_delta = hp.delta_state_floats();
+    im_.decode_graph.reset();
+    ggml_init_params ip = {im_.meta_buf.size(), im_.meta_buf.data(), true};
+    ggml_context_ptr ctx(ggml_init(ip));
+    ggml_context * c = ctx.get();
+    ggml_cgraph * gf = ggml_new_graph_custom(c, graph::k_max_nodes, false);
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> io;  // per recurrent layer: start in, B out
+    for (int il = 0; il < (int) hp.n_layer_kv; ++il) {
+        if (!cache.delta_state(il)) continue;
+        if (!cache.map_a(il)) throw error("internal: the cache tracks no maps");
+        ggml_tensor * s0 = ggml_new_tensor_3d(c, GGML_TYPE_F32, S, S, H);
+        ggml_set_input(s0);
+        ggml_tensor * a =
+            graph::build_map_decay(c, ggml_reshape_3d(c, cache.map_a(il), S, S, H), cache.map_log_decay(il));
+        ggml_tensor * b =
+            ggml_sub(c, ggml_reshape_3d(c, cache.delta_state(il), S, S, H), graph::build_map_mul(c, a, s0));
+        ggml_set_output(b);
+        ggml_build_forward_expand(gf, b);
+        io.push_back({s0, b});
+    }
+    if ((int64_t) start.size() != (int64_t) io.size() * n_delta) throw error("internal: start states of another shape");
+    ggml_backend_sched_t sched = im_.sched.get();
+    ggml_backend_sched_reset(sched);
+    if (!ggml_backend_sched_alloc_graph(sched, gf)) throw error("cannot allocate the compute graph");
+    for (size_t i = 0; i < io.size(); ++i)
+        upload(io[i].first, start.data() + i * (size_t) n_delta, 0, (size_t) n_delta * sizeof(float));
+    if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) throw error("graph compute failed");
+    std::vector<float> b(start.size());
+    for (size_t i = 0; i < io.size(); ++i)
+        download(io[i].second, b.data() + i * (size_t) n_delta, 0, (size_t) n_delta * sizeof(float));
+    return b;
+}
+
 void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1) {
     const model & m = eng_.mdl();
     const model_hparams & hp = m.hparams();
@@ -1004,8 +1103,8 @@ void forward_driver::shift_k(const std::vector<int32_t> & delta, int l0, int l1)
         ggml_tensor * pos = new_input(c, GGML_TYPE_I32, in_place ? (int64_t) run_delta.size() : n);
         ggml_tensor * idx = in_place ? nullptr : new_input(c, GGML_TYPE_I64, n);
         for (int il = la; il < lb; ++il) {
-            if (!hp.has_rope(il)) continue;     // its K hold no position
-            ggml_tensor * store = cache.k(il);  // [head_dim, cap, n_head_kv]
+            ggml_tensor * store = cache.k(il);         // [head_dim, cap, n_head_kv]
+            if (!store || !hp.has_rope(il)) continue;  // no K, or K that hold no position
             if (in_place) {
                 for (size_t r = 0; r < run_delta.size(); ++r) {
                     if (run_delta[r] == 0) continue;

@@ -115,6 +115,15 @@ class forward_driver {
         int64_t r0 = 0;
     };
     void copy_dev_rows(const std::vector<dev_rows> & chunks, int l0, int l1);
+    // a hybrid chunk's maps (chunk_kv::state_maps, over n_mapped tokens) onto
+    // the cache's recurrent state: S -> exp(G) Ã S + B at each gated delta-net
+    // layer (one graph for every layer), and the convolution's last inputs
+    // moved on by the chunk's (all of them once it has as many tokens)
+    void apply_state_maps(const std::vector<float> & maps, int64_t n_mapped);
+    // the B of the maps the cache tracked from the delta states `start` (every
+    // recurrent layer's, in layer order): the state now less exp(G) Ã start,
+    // the state those tokens would leave from an empty one. F32, layer by layer
+    std::vector<float> map_b_after(const std::vector<float> & start);
 
   private:
     void count(const ggml_tensor * t, size_t size, bool to_backend, bool maybe_hidden);

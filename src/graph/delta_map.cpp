@@ -22,7 +22,7 @@ delta_run build_delta_run(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, 
     ggml_tensor *vs = v, *gs = g, *bs = beta, *s0 = as_seq(ctx, s);
     if (a_in) {  // sequence 1: the same keys, gates and betas (q, k broadcast), no values, from a_in
         vs = ggml_concat(ctx, as_seq(ctx, v), ggml_scale(ctx, as_seq(ctx, v), 0.0f), 3);
-        gs = ggml_concat(ctx, as_seq(ctx, g), as_seq(ctx, g), 3);
+        gs = ggml_concat(ctx, as_seq(ctx, g), ggml_scale(ctx, as_seq(ctx, g), 0.0f), 3);
         bs = ggml_concat(ctx, as_seq(ctx, beta), as_seq(ctx, beta), 3);
         s0 = ggml_concat(ctx, s0, as_seq(ctx, a_in), 3);
     }
@@ -38,13 +38,26 @@ delta_run build_delta_run(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, 
     return run;
 }
 
+ggml_tensor * build_log_decay(ggml_context * ctx, ggml_tensor * g) {
+    const int64_t H = g->ne[1];
+    // [n, H]: each head's gates in a row, summed
+    ggml_tensor * rows = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, g, 1, H, g->ne[2]), 2, 1, 0, 3));
+    return ggml_reshape_3d(ctx, ggml_sum_rows(ctx, rows), 1, 1, H);
+}
+
+ggml_tensor * build_map_decay(ggml_context * ctx, ggml_tensor * a_tilde, ggml_tensor * log_decay) {
+    ggml_tensor * g = ggml_reshape_3d(ctx, log_decay, 1, 1, a_tilde->ne[2]);
+    return ggml_mul(ctx, a_tilde, ggml_exp(ctx, g));
+}
+
 ggml_tensor * build_delta_map(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g,
                               ggml_tensor * beta) {
     const int64_t S = v->ne[0], H = v->ne[1];
     ggml_tensor * identity = ggml_diag(ctx, ggml_fill(ctx, ggml_new_tensor_4d(ctx, GGML_TYPE_F32, S, 1, H, 1), 1.0f));
     ggml_tensor * empty = ggml_scale(ctx, identity, 0.0f);
     const delta_run run = build_delta_run(ctx, q, k, v, g, beta, empty, identity);
-    return ggml_concat(ctx, ggml_cont(ctx, run.state), ggml_cont(ctx, run.a), 3);
+    ggml_tensor * a = build_map_decay(ctx, run.a, build_log_decay(ctx, g));
+    return ggml_concat(ctx, ggml_cont(ctx, run.state), a, 3);
 }
 
 ggml_tensor * map_b(ggml_context * ctx, ggml_tensor * map) {

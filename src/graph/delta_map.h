@@ -15,21 +15,32 @@
 
 namespace kvblend::graph {
 
+// A is kept in two parts: A = exp(G) Ã per head, G the sum of the run's gates
+// (its log decay, <= 0) and Ã the product of the tokens' (I - beta k k^T). A
+// itself shrinks towards denormal floats over a long run (exp of sums near
+// -1000), which slow the CPU's op several-fold; Ã does not, and exp(G) is
+// applied where the map is used (build_map_decay).
+//
 // the delta rule over a run of tokens of one sequence (q, k: [S, H_k, n], L2-normed;
 // v: [S, H_v, n]; g, beta: [1, H_v, n]) from the state s ([S, S, H_v]); with
-// a_in ([S, S, H_v], or nullptr) the run's A times a_in beside it (a second
-// sequence of the same op: no values, from a_in)
+// a_in ([S, S, H_v], or nullptr) the run's Ã times a_in beside it (a second
+// sequence of the same op: no values, no gates, from a_in)
 struct delta_run {
     ggml_tensor * out;    // F32 [S, H_v, n]: the outputs
     ggml_tensor * state;  // F32 [S, S, H_v]: the final state
-    ggml_tensor * a;      // F32 [S, S, H_v]: A a_in (nullptr without a_in)
+    ggml_tensor * a;      // F32 [S, S, H_v]: Ã a_in (nullptr without a_in)
 };
 delta_run build_delta_run(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g,
                           ggml_tensor * beta, ggml_tensor * s, ggml_tensor * a_in);
 
+// G of a run's gates g ([1, H, n]): F32 [1, 1, H]
+ggml_tensor * build_log_decay(ggml_context * ctx, ggml_tensor * g);
+// A from its parts: exp(G) Ã, per head (log_decay: [1, 1, H] or [H])
+ggml_tensor * build_map_decay(ggml_context * ctx, ggml_tensor * a_tilde, ggml_tensor * log_decay);
+
 // the map of a run of tokens (inputs as build_delta_run's): F32 [S, S, H_v, 2],
 // B in [:, :, :, 0] and A in [:, :, :, 1]: the run from an empty state, and
-// beside it A times the identity
+// beside it A times the identity (decay applied)
 ggml_tensor * build_delta_map(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g,
                               ggml_tensor * beta);
 ggml_tensor * map_b(ggml_context * ctx, ggml_tensor * map);  // [S, S, H] views

@@ -390,13 +390,17 @@ ggml_tensor * build_delta_rule(ggml_context * ctx, ggml_cgraph * gf, const model
     ggml_tensor * q = ggml_l2_norm(ctx, heads(n_k, 0), hp.rms_eps);
     ggml_tensor * k = ggml_l2_norm(ctx, heads(n_k, es * S * n_k), hp.rms_eps);
     ggml_tensor * v = heads(n_v, es * S * n_k * 2);
-    // with a map tracked (kv_cache::track_maps), the run's A beside it
+    // with a map tracked (kv_cache::track_maps), the run's Ã beside it and its gates summed into G
     ggml_tensor * a_in = sq.map_a ? ggml_reshape_3d(ctx, sq.map_a, S, S, n_v) : nullptr;
-    const delta_run run =
-        build_delta_run(ctx, q, k, v, ggml_reshape_3d(ctx, g, 1, n_v, n), ggml_reshape_3d(ctx, beta, 1, n_v, n),
-                        ggml_reshape_3d(ctx, sq.delta_state, S, S, n_v), a_in);
+    ggml_tensor * g3 = ggml_reshape_3d(ctx, g, 1, n_v, n);
+    const delta_run run = build_delta_run(ctx, q, k, v, g3, ggml_reshape_3d(ctx, beta, 1, n_v, n),
+                                          ggml_reshape_3d(ctx, sq.delta_state, S, S, n_v), a_in);
     ggml_build_forward_expand(gf, ggml_cpy(ctx, run.state, sq.delta_state));
-    if (a_in) ggml_build_forward_expand(gf, ggml_cpy(ctx, run.a, sq.map_a));
+    if (a_in) {
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, run.a, sq.map_a));
+        ggml_tensor * g_sum = ggml_add(ctx, ggml_reshape_3d(ctx, sq.map_g, 1, 1, n_v), build_log_decay(ctx, g3));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, g_sum, sq.map_g));
+    }
     return run.out;
 }
 

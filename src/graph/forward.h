@@ -148,7 +148,8 @@ struct seq_kv {
     ggml_tensor * v_store = nullptr;
     ggml_tensor * conv_state = nullptr;   // F32 [(d_conv - 1) * conv_channels]: the convolution's last inputs
     ggml_tensor * delta_state = nullptr;  // F32 [d_state * d_state * n_v_heads]: the delta rule's state
-    ggml_tensor * map_a = nullptr;        // the same size: the A of the tokens' map, tracked (or nullptr)
+    ggml_tensor * map_a = nullptr;        // the same size: the Ã of the tokens' map, tracked (or nullptr)
+    ggml_tensor * map_g = nullptr;        // F32 [n_v_heads]: its log decay G (graph/delta_map.h)
     attn_inputs in;  // its kv_idx, mask and n_kv (in.pos is unused: the batch's positions rope every token)
     int64_t t0 = 0, n = 0;
     layer_taps * taps = nullptr;  // reads this sequence's attention (nullptr: none)

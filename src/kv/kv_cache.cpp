@@ -102,21 +102,25 @@ void kv_cache::track_maps(bool on) {
         ggml_backend_buffer_free(map_buf_);
         ggml_free(map_ctx_);
         map_buf_ = nullptr, map_ctx_ = nullptr;
-        map_a_.clear();
+        map_a_.clear(), map_g_.clear();
         return;
     }
     const model_hparams & hp = m_->hparams();
-    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (hp.n_layer_kv + 1), nullptr, true};
+    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (2 * hp.n_layer_kv + 1), nullptr, true};
     map_ctx_ = ggml_init(ip);
     map_a_.assign(hp.n_layer_kv, nullptr);
+    map_g_.assign(hp.n_layer_kv, nullptr);
     for (int64_t il = 0; il < hp.n_layer_kv; ++il)
-        if (hp.is_recurrent(il)) map_a_[il] = ggml_dup_tensor(map_ctx_, delta_[il]);
+        if (hp.is_recurrent(il)) {
+            map_a_[il] = ggml_dup_tensor(map_ctx_, delta_[il]);
+            map_g_[il] = ggml_new_tensor_1d(map_ctx_, GGML_TYPE_F32, hp.ssm_n_v_heads);
+        }
     ggml_context * ctx = map_ctx_;
     map_ctx_ = nullptr;  // alloc_state_buffer frees ctx when it fails
     try {
         map_buf_ = alloc_state_buffer(ctx, m_->device());
     } catch (...) {
-        map_a_.clear();
+        map_a_.clear(), map_g_.clear();
         throw;
     }
     map_ctx_ = ctx;
@@ -132,12 +136,23 @@ void kv_cache::reset_maps() {
         for (int64_t i = 0; i < S; ++i) identity[(size_t) ((h * S + i) * S + i)] = 1.0f;
     for (ggml_tensor * a : map_a_)
         if (a) ggml_backend_tensor_set(a, identity.data(), 0, ggml_nbytes(a));
+    for (ggml_tensor * g : map_g_)
+        if (g) ggml_backend_tensor_memset(g, 0, 0, ggml_nbytes(g));
 }
 
 void kv_cache::begin_map() {
     for (ggml_tensor * d : delta_)
         if (d) ggml_backend_tensor_memset(d, 0, 0, ggml_nbytes(d));
     reset_maps();
+}
+
+void kv_cache::set_placed(int64_t n) {
+    if (sparse() || windowed() || !holds_rows_)
+        throw error("only a dense cache without rings takes placed rows and states");
+    if (n < n_past_ || n > n_ctx_)
+        throw error("placed rows end at " + std::to_string(n) + ", outside [" + std::to_string(n_past_) + ", " +
+                    std::to_string(n_ctx_) + "]");
+    n_past_ = n;
 }
 
 void kv_cache::copy_states(const std::vector<ggml_tensor *> & conv, const std::vector<ggml_tensor *> & delta,

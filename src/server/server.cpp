@@ -39,7 +39,6 @@ using json = nlohmann::json;
 struct server::impl {
     std::shared_ptr<const model> m;
     server_params p;
-    std::string no_fusion;           // why this model cannot fuse documents ("": it can; fusion_unsupported_reason)
     std::unique_ptr<soft_store> st;  // shared by the slots: its failures are misses, its breaker spares a dead store
     chunk_tiers tiers;               // hot chunks in front of the store
     std::string model_id;            // the model's id in the API
@@ -78,6 +77,11 @@ struct server::impl {
         } catch (const error & e) {
             throw error(std::string("--check-layer / --recomp-ratio: ") + e.what(), e.kind());
         }
+        try {
+            chunk_codec_check(mm, p.codec);
+        } catch (const error & e) {
+            throw error(std::string("--codec: ") + e.what(), e.kind());
+        }
         return p;
     }
 
@@ -91,7 +95,6 @@ struct server::impl {
     impl(std::shared_ptr<const model> mm, const server_params & pp)
         : m(model::at_context(std::move(mm), pp.n_ctx)),  // the rotation of a slot's context
           p(checked_for(*m, checked(pp))),
-          no_fusion(fusion_unsupported_reason(*m)),
           st(open_store(p)),
           model_id(!p.alias.empty() ? p.alias : m->path().substr(m->path().find_last_of('/') + 1)),
           jobs(m, p, st.get(), &tiers),
@@ -128,15 +131,15 @@ struct server::impl {
     }
 
     // documents are fused: the settings allow it and so does the model
-    bool fuses() const { return p.fuses() && no_fusion.empty(); }
+    bool fuses() const { return p.fuses(); }
 
     // queue a job; false when the queue is full
     static thread_local bool submitted_here;  // the HTTP thread's request became a job (logged when it ends)
     bool submit(const std::shared_ptr<job> & j) {
         submitted_here = true;
-        if (j->fuse && (p.fusion_refused() || !no_fusion.empty())) {  // the whole prompt instead, which it stands for
+        if (j->fuse && p.fusion_refused()) {  // the whole prompt instead, which it stands for
             j->fuse = false;
-            j->fusion_refused = !no_fusion.empty() ? no_fusion : p.self_check->reason;
+            j->fusion_refused = p.self_check->reason;
         }
         return context.submit(j);
     }

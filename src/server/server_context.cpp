@@ -220,7 +220,9 @@ struct server_context::impl {
     // a fused request's collections and blend run in the steps (server_params::blend_in)
     bool blends_in_steps() const {
         using bp = server_params::blend_place;
-        return batched() && (p.blend_in == bp::steps || (p.blend_in == bp::auto_ && m->on_gpu()));
+        // a hybrid's blend runs whole on the preparing thread (rag_fuse): its tails in prompt order
+        return batched() && !m->hparams().has_recurrent() &&
+               (p.blend_in == bp::steps || (p.blend_in == bp::auto_ && m->on_gpu()));
     }
 
     kv_cache & cache_of(slot & s) { return s.own ? s.own->cache() : *s.cache; }
@@ -658,6 +660,7 @@ struct server_context::impl {
 
     // the preparing thread's collection on the steps' engine: it waits meanwhile
     chunk_kv collect_in_steps(kv_cache & cache, const std::vector<llama_token> & tokens) {
+        refuse_hybrid(*m, "a collection in the serving loop's steps");  // the steps track no state maps
         collect_check(*m, cache, tokens);
         collect_job c;
         c.cache = &cache;

@@ -2,6 +2,7 @@
 // and the get-or-collect path every caller of the store uses.
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -21,6 +22,8 @@ namespace {
 constexpr char k_magic[8] = {'K', 'V', 'B', 'C', 'H', 'U', 'N', 'K'};
 constexpr uint32_t k_version = 1;          // every token's rows
 constexpr uint32_t k_version_sparse = 2;   // only the kept tokens' rows (token eviction)
+constexpr uint32_t k_version_hybrid = 3;   // every token's rows of the attention layers, and the state maps
+constexpr size_t k_hybrid_fields = 12;     // version 3: n_mapped, state layers, floats per state layer
 constexpr uint32_t k_pos_k_rope_pos0 = 1;  // K post-RoPE at pos0 + i; V position-free
 constexpr size_t k_fixed_header = 104;
 constexpr size_t k_checksum_bytes = 16;
@@ -52,10 +55,12 @@ std::string hex128(XXH128_hash_t h) {
 struct entry_header {
     std::string fingerprint;
     uint32_t version, n_layer, n_head_kv, head_dim, n_tokens, dtype, convention, n_prefix, n_kept;
+    uint32_t n_mapped = 0, n_state_layers = 0, state_floats = 0;  // version 3
     std::vector<uint32_t> head_dims;  // each layer's: head_dim, or the table an entry with head_dim 0 carries
     std::string codec;
     int64_t pos0;
     size_t header_bytes, payload_bytes;
+    size_t maps_at = 0;  // version 3: where the state maps begin (after the rows)
 };
 
 // structure and checksum; the model is not needed for these
@@ -64,8 +69,8 @@ entry_header parse(const std::vector<uint8_t> & b) {
         throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
     if (std::memcmp(b.data(), k_magic, 8) != 0) throw error("not a kvblend chunk entry (bad magic)");
     const uint32_t version = get_u32(&b[8]);
-    if (version != k_version && version != k_version_sparse)
-        throw error("entry format version " + std::to_string(version) + " is not supported (1 and 2 are)");
+    if (version != k_version && version != k_version_sparse && version != k_version_hybrid)
+        throw error("entry format version " + std::to_string(version) + " is not supported (1, 2 and 3 are)");
     entry_header h;
     h.version = version;
     h.header_bytes = get_u32(&b[12]);
@@ -89,14 +94,19 @@ entry_header parse(const std::vector<uint8_t> & b) {
     // positions are int32 in the graph: the chunk's must all fit
     if (h.pos0 < 0 || h.pos0 > (int64_t) INT32_MAX - h.n_tokens)
         throw error("entry's first position " + std::to_string(h.pos0) + " is out of range");
-    if (version == k_version && h.n_kept != 0) throw error("version 1 entry has a non-zero reserved field");
+    if (version != k_version_sparse && h.n_kept != 0)
+        throw error("version " + std::to_string(version) + " entry has a non-zero reserved field");
+    const bool hybrid = version == k_version_hybrid;
+    if (hybrid && (h.codec != k_codec_raw || h.head_dim != 0))
+        throw error("a version 3 entry is raw and carries its head-size table");
     if (version == k_version_sparse && (h.n_kept == 0 || h.n_kept >= h.n_tokens))
         throw error("entry keeps " + std::to_string(h.n_kept) + " of " + std::to_string(h.n_tokens) + " tokens");
     if (h.n_kept != 0 && h.codec != k_codec_raw) throw error("an entry with evicted tokens must be raw");
     const uint64_t n_rows = h.n_kept ? h.n_kept : h.n_tokens;
     // head_dim 0: a table of each layer's head size follows the kept indices
     const uint64_t n_table = h.head_dim == 0 ? h.n_layer : 0;
-    const uint64_t want_header = k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens + h.n_kept + n_table);
+    const uint64_t want_header = k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens + h.n_kept + n_table) +
+                                 (hybrid ? k_hybrid_fields : 0);
     if (h.header_bytes != want_header) throw error("entry header size is inconsistent");
     if (b.size() < want_header + k_checksum_bytes)
         throw error("entry is truncated (" + std::to_string(b.size()) + " bytes)");
@@ -106,13 +116,25 @@ entry_header parse(const std::vector<uint8_t> & b) {
     if (h.n_layer > h.payload_bytes)
         throw error("entry claims " + std::to_string(h.n_layer) + " layers in " + std::to_string(h.payload_bytes) +
                     " bytes of payload");
-    const size_t table_at = want_header - 4 * n_table;
+    const size_t table_at = want_header - 4 * n_table - (hybrid ? k_hybrid_fields : 0);
     h.head_dims.assign(h.n_layer, h.head_dim);
     for (uint64_t il = 0; il < n_table; ++il) h.head_dims[il] = get_u32(&b[table_at + 4 * il]);
+    if (hybrid) {
+        const size_t at = want_header - k_hybrid_fields;
+        h.n_mapped = get_u32(&b[at]), h.n_state_layers = get_u32(&b[at + 4]), h.state_floats = get_u32(&b[at + 8]);
+        // a state layer is a layer without rows (head size 0), and the others hold rows
+        const uint64_t n_zero = (uint64_t) std::count(h.head_dims.begin(), h.head_dims.end(), 0u);
+        if (h.n_mapped > h.n_tokens || h.n_state_layers == 0 || h.state_floats == 0 || n_zero != h.n_state_layers ||
+            n_zero == h.n_layer)
+            throw error("entry's state maps (" + std::to_string(h.n_state_layers) + " layers over " +
+                        std::to_string(h.n_mapped) + " of " + std::to_string(h.n_tokens) +
+                        " tokens) do not fit its layers");
+    }
     // a row's values, and the rows' bytes, must not overflow: a crafted shape can ask for 2^64 bytes
     uint64_t raw_bytes = 0;
     for (uint32_t head_dim : h.head_dims) {
         uint64_t n_embd_kv = 0, layer = 0;
+        if (head_dim == 0 && hybrid) continue;  // a state layer
         if (head_dim == 0) throw error("entry has an empty shape");
         if (__builtin_mul_overflow((uint64_t) h.n_head_kv, (uint64_t) head_dim, &n_embd_kv) ||
             n_embd_kv > (uint64_t) INT32_MAX)
@@ -123,6 +145,9 @@ entry_header parse(const std::vector<uint8_t> & b) {
             __builtin_add_overflow(raw_bytes, layer, &raw_bytes))
             throw error("entry shape is too large for any entry");
     }
+    h.maps_at = (size_t) (want_header + raw_bytes);
+    if (hybrid && __builtin_add_overflow(raw_bytes, 4ull * h.n_state_layers * h.state_floats, &raw_bytes))
+        throw error("entry shape is too large for any entry");
     if (h.codec == k_codec_raw) {
         uint64_t want = 0;
         if (__builtin_add_overflow(raw_bytes, want_header + k_checksum_bytes, &want))
@@ -165,9 +190,19 @@ void check_against(const entry_header & h, const std::vector<uint8_t> & b, const
     const model_hparams & hp = m.hparams();
     if (h.fingerprint != m.fingerprint())
         throw error("entry belongs to another model (fingerprint " + h.fingerprint + ")");
-    bool same = h.n_layer == hp.n_layer_kv && h.n_head_kv == hp.n_head_kv;
-    for (int64_t il = 0; same && il < hp.n_layer_kv; ++il) same = h.head_dims[il] == hp.head_dim_of(il);
+    // a hybrid's recurrent layers hold no rows (head size 0 in the entry) but state maps
+    const bool hybrid = hp.has_recurrent();
+    bool same = h.n_layer == hp.n_layer_kv && h.n_head_kv == hp.n_head_kv && hybrid == (h.version == k_version_hybrid);
+    for (int64_t il = 0; same && il < hp.n_layer_kv; ++il)
+        same = h.head_dims[il] == (hp.is_recurrent(il) ? 0 : hp.head_dim_of(il));
+    if (same && hybrid) same = h.state_floats == hp.state_map_floats();
     if (!same) throw error("entry shape does not match the model");
+    // the maps feed the state every later token reads: no NaN or infinity
+    for (size_t i = 0; hybrid && i < 4ull * h.n_state_layers * h.state_floats; i += 4) {
+        float f;
+        std::memcpy(&f, &b[h.maps_at + i], 4);
+        if (!std::isfinite(f)) throw error("entry's state maps hold a value that is not finite");
+    }
     const uint64_t n = (uint64_t) h.n_prefix + h.n_tokens;
     for (uint64_t i = 0; i < n; ++i) {
         const int32_t t = (int32_t) get_u32(&b[k_fixed_header + 4 * i]);
@@ -235,11 +270,23 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     const model_hparams & hp = m.hparams();
     if (c.widths != hp.kv_widths() || c.data.size() < c.data_offset + c.bytes())
         throw error("chunk KV does not match the model");
-    // one head size, or 0 and a table of each layer's (gemma4's windowed and global layers differ)
+    // a hybrid's chunk: its attention layers' rows (raw) and its state maps
+    const bool hybrid = hp.has_recurrent();
+    int64_t n_state_layers = 0;
+    for (int64_t il = 0; il < hp.n_layer_kv; ++il) n_state_layers += hp.is_recurrent(il) ? 1 : 0;
+    if (hybrid && ((int64_t) c.state_maps.size() != n_state_layers * hp.state_map_floats() || c.n_mapped < 0 ||
+                   c.n_mapped > c.n_tokens()))
+        throw error("a hybrid model's chunk needs its state maps to be stored");
+    if (!hybrid && !c.state_maps.empty()) throw error("chunk KV does not match the model");
+    if (hybrid && ((cd && cd->name() != k_codec_raw) || !c.kept.empty()))
+        throw error("a hybrid model's chunk is stored raw and whole", error_kind::invalid_argument);
+    // one head size, or 0 and a table of each layer's (gemma4's windowed and
+    // global layers differ; a hybrid's recurrent layers have none)
     std::vector<uint32_t> head_dims;
-    for (int64_t il = 0; il < hp.n_layer_kv; ++il) head_dims.push_back((uint32_t) hp.head_dim_of(il));
+    for (int64_t il = 0; il < hp.n_layer_kv; ++il)
+        head_dims.push_back(hp.is_recurrent(il) ? 0 : (uint32_t) hp.head_dim_of(il));
     const bool one_size =
-        std::all_of(head_dims.begin(), head_dims.end(), [&](uint32_t d) { return d == head_dims[0]; });
+        !hybrid && std::all_of(head_dims.begin(), head_dims.end(), [&](uint32_t d) { return d == head_dims[0]; });
     if (m.fingerprint().size() != 32) throw error("model fingerprint has an unexpected size");
     const bool raw = !cd || cd->name() == k_codec_raw;
     if (!c.kept.empty() && !raw)
@@ -247,13 +294,15 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     const std::vector<uint8_t> coded = raw ? std::vector<uint8_t>() : cd->encode(c);
     const std::string codec_name = raw ? k_codec_raw : cd->entry_name();
     if (codec_name.size() >= 16) throw error("codec name too long: " + codec_name);
-    const size_t payload = raw ? c.bytes() : coded.size();
-    const size_t header =
-        k_fixed_header + 4 * (prefix.size() + c.tokens.size() + c.kept.size() + (one_size ? 0 : head_dims.size()));
+    const size_t maps_bytes = c.state_maps.size() * sizeof(float);
+    const size_t payload = (raw ? c.bytes() : coded.size()) + maps_bytes;
+    const size_t header = k_fixed_header +
+                          4 * (prefix.size() + c.tokens.size() + c.kept.size() + (one_size ? 0 : head_dims.size())) +
+                          (hybrid ? k_hybrid_fields : 0);
     std::vector<uint8_t> b(header + payload + k_checksum_bytes);
     writer w{b.data()};
     w.raw(k_magic, 8);
-    w.u32(c.kept.empty() ? k_version : k_version_sparse);
+    w.u32(hybrid ? k_version_hybrid : c.kept.empty() ? k_version : k_version_sparse);
     w.u32((uint32_t) header);
     w.raw(m.fingerprint().data(), 32);
     w.u32((uint32_t) hp.n_layer_kv);
@@ -272,7 +321,10 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     w.raw(c.tokens.data(), 4 * c.tokens.size());
     w.raw(c.kept.data(), 4 * c.kept.size());
     if (!one_size) w.raw(head_dims.data(), 4 * head_dims.size());
-    w.raw(raw ? c.k(0) : coded.data(), payload);  // raw: the payload layout is the chunk's own
+    if (hybrid) w.u32((uint32_t) c.n_mapped), w.u32((uint32_t) n_state_layers), w.u32((uint32_t) hp.state_map_floats());
+    // raw: the payload layout is the chunk's own (its first layer's K: the first of its bytes)
+    w.raw(raw ? c.data.data() + c.data_offset : coded.data(), payload - maps_bytes);
+    w.raw(c.state_maps.data(), maps_bytes);
     const XXH128_hash_t sum = XXH3_128bits(b.data(), b.size() - k_checksum_bytes);
     const uint64_t words[2] = {sum.low64, sum.high64};
     w.raw(words, 16);
@@ -308,13 +360,18 @@ chunk_kv decode_parsed(const model & m, const entry_header & h, std::vector<uint
     }
     chunk_kv c;
     c.pos0 = h.pos0;
-    for (uint32_t head_dim : h.head_dims) c.widths.push_back((int64_t) h.n_head_kv * head_dim);
+    for (uint32_t head_dim : h.head_dims) c.widths.push_back((int64_t) h.n_head_kv * head_dim);  // 0: a state layer
     c.type = (ggml_type) h.dtype;
     c.tokens.resize(h.n_tokens);
     std::memcpy(c.tokens.data(), &b[k_fixed_header + 4ull * h.n_prefix], 4ull * h.n_tokens);
     c.kept.resize(h.n_kept);
     if (h.n_kept)
         std::memcpy(c.kept.data(), &b[k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens)], 4ull * h.n_kept);
+    if (h.version == k_version_hybrid) {
+        c.n_mapped = h.n_mapped;
+        c.state_maps.resize((size_t) h.n_state_layers * h.state_floats);
+        std::memcpy(c.state_maps.data(), &b[h.maps_at], c.state_maps.size() * sizeof(float));
+    }
     if (h.codec == k_codec_raw) {
         // the payload stays where it was read: no copy of the KV
         c.data = std::move(b);

@@ -26,6 +26,8 @@ std::shared_ptr<chunk_kv> shape_of(const chunk_kv & c) {
     out->widths = c.widths;
     out->type = c.type;
     out->kept = c.kept;
+    out->state_maps = c.state_maps;  // a hybrid's maps stay on the host
+    out->n_mapped = c.n_mapped;
     return out;
 }
 
@@ -93,7 +95,7 @@ chunk_ptr chunk_to_host(const chunk_kv & c) {
 }
 
 size_t chunk_held_bytes(const chunk_kv & c) {
-    return c.dev ? c.dev->bytes() : c.data.size();
+    return (c.dev ? c.dev->bytes() : c.data.size()) + c.state_maps.size() * sizeof(float);
 }
 
 namespace {
@@ -206,7 +208,8 @@ void chunk_tiers::dev_room(size_t bytes) {
 }
 
 bool chunk_tiers::put_dev(const std::string & key, const chunk_ptr & host) {
-    if (dev_.max == 0) return false;
+    // a hybrid's chunk stays on the host: its blend applies its maps there, and its rows are few
+    if (dev_.max == 0 || !host->state_maps.empty()) return false;
     // the device copy's bytes before it is allocated: K and V of every layer
     size_t bytes = 0;
     for (int64_t il = 0; il < host->n_layer(); ++il) bytes += 2 * host->layer_bytes(il);

@@ -1127,12 +1127,40 @@ class redis_store : public store {
         return std::string(r->element[0]->str, r->element[0]->len);
     }
 
-    // every entry with its size and idle time, touching none of them
+    // a node's own word on its role: a map read from a node that has not yet
+    // heard of a failover still names the old primary, now a replica that may
+    // be resyncing (its keys not all there)
+    bool is_primary(redis_node & n) {
+        return at_node(n, [&] {
+            reply_ptr r = n.run(command().arg("ROLE"));
+            if (r->type != REDIS_REPLY_ARRAY || r->elements < 1 || r->element[0]->type != REDIS_REPLY_STRING)
+                throw n.unexpected("ROLE", r.get());
+            return std::string(r->element[0]->str, r->element[0]->len) == "master";
+        });
+    }
+
+    // every entry with its size and idle time, touching none of them. on a
+    // cluster each node listed must say it is a primary: else the map is read
+    // again and the listing starts over (a few times, then an error: a listing
+    // that misses a shard is never returned)
     std::vector<entry_scan> scan() {
+        for (int attempt = 1;; ++attempt) {
+            std::vector<entry_scan> out;
+            if (scan_primaries(out)) return out;
+            if (attempt == 5)
+                throw error("redis cluster at " + uri_ + ": its slot map keeps naming replicas as primaries",
+                            error_kind::store_unavailable);
+            std::this_thread::sleep_for(std::chrono::milliseconds(100 * attempt));
+            load_slots();
+        }
+    }
+
+    // false when a node listed turned out to be a replica
+    bool scan_primaries(std::vector<entry_scan> & out) {
         repair_sizes_hash();
-        std::vector<entry_scan> out;
         const int64_t now = (int64_t) std::time(nullptr);
         for (redis_node * n : listed_nodes()) {
+            if (cluster_ && !is_primary(*n)) return false;
             at_node(*n, [&] {
                 std::vector<entry_scan> mine;
                 std::unordered_set<std::string> seen;  // SCAN may return a key twice
@@ -1150,7 +1178,7 @@ class redis_store : public store {
                 return 0;
             });
         }
-        return out;
+        return true;
     }
 
     // idle times (OBJECT IDLETIME does not touch) and sizes (from their

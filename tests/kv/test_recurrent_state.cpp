@@ -8,6 +8,7 @@
 
 #include "kvblend/blend.h"
 #include "kvblend/engine.h"
+#include "kvblend/rag.h"
 #include "test_util.h"
 
 namespace kvblend {
@@ -140,6 +141,15 @@ std::vector<float> apply_map(const std::vector<float> & a, const std::vector<flo
     return out;
 }
 
+// the map's A from the parts a cache keeps: exp(G) Ã per value head
+std::vector<float> map_a_of(const kv_cache & c, int il, int64_t S) {
+    std::vector<float> a = test::tensor_floats(c.map_a(il));
+    const std::vector<float> g = test::tensor_floats(c.map_log_decay(il));
+    for (size_t h = 0; h < g.size(); ++h)
+        for (int64_t i = 0; i < S * S; ++i) a[h * S * S + i] *= std::exp(g[h]);
+    return a;
+}
+
 double rel_diff(const std::vector<float> & got, const std::vector<float> & want) {
     double d = 0, scale = 1e-30;
     for (size_t i = 0; i < want.size(); ++i) {
@@ -173,13 +183,13 @@ TEST(recurrent_state, tracked_maps_chain_to_the_whole_prompts_state) {
     eng.eval(first);
     std::vector<std::vector<float>> a1, b1;
     for (int il : {0, 1})
-        a1.push_back(test::tensor_floats(c.map_a(il))), b1.push_back(test::tensor_floats(c.delta_state(il)));
+        a1.push_back(map_a_of(c, il, hp.ssm_d_state)), b1.push_back(test::tensor_floats(c.delta_state(il)));
     c.begin_map();
     EXPECT_EQ(test::tensor_floats(c.delta_state(0)), std::vector<float>(b1[0].size(), 0.0f));
     eng.eval(second);
     for (int il : {0, 1}) {
         const std::vector<float> want = test::tensor_floats(whole.cache().delta_state(il));
-        const std::vector<float> b2 = test::tensor_floats(c.delta_state(il)), a2 = test::tensor_floats(c.map_a(il));
+        const std::vector<float> b2 = test::tensor_floats(c.delta_state(il)), a2 = map_a_of(c, il, hp.ssm_d_state);
         const std::vector<float> composed = apply_map(a2, b2, b1[il], hp.ssm_d_state);
         if (il == 0) {
             EXPECT_LT(rel_diff(composed, want), 1e-5) << "layer 0: exact";
@@ -195,13 +205,21 @@ TEST(recurrent_state, tracked_maps_chain_to_the_whole_prompts_state) {
     const std::vector<float> id = test::tensor_floats(c.map_a(0));
     EXPECT_EQ(id[0], 1.0f);
     EXPECT_EQ(id[1], 0.0f);
+    EXPECT_EQ(test::tensor_floats(c.map_log_decay(0))[0], 0.0f);
 }
 
-TEST(recurrent_state, fusion_eviction_and_live_codecs_are_refused_by_name) {
+TEST(recurrent_state, selections_lossy_chunk_codecs_eviction_and_live_codecs_are_refused_by_name) {
     auto m = std::shared_ptr<const model>(model::load(test::make_test_model("tiny-qwen35")));
     engine eng(m, f32_params());
-    const std::string why = test::error_of([&] { collect(eng, test::random_tokens(*m, 8, 1)); });
-    EXPECT_NE(why.find("not built for hybrid models"), std::string::npos) << why;
+    const std::string why = test::error_of([&] { refuse_hybrid(*m, "calibration"); });
+    EXPECT_NE(why.find("calibration does not take a hybrid model"), std::string::npos) << why;
+    EXPECT_NE(test::error_of([&] { chunk_codec_check(*m, "q8_0"); }).find("stored raw"), std::string::npos);
+    chunk_codec_check(*m, "raw");
+    evict_params chunk_ev;
+    chunk_ev.policy = EVICT_POLICY_SNAPKV;
+    chunk_ev.budget_tokens = 4;
+    EXPECT_NE(test::error_of([&] { collect_evicted(eng, test::random_tokens(*m, 8, 1), chunk_ev); }).find("every row"),
+              std::string::npos);
     engine_params ev = f32_params();
     ev.evict.policy = EVICT_POLICY_SNAPKV;
     ev.evict.budget_tokens = 16;

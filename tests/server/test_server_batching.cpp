@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "httplib.h"
+#include "kvblend/self_check.h"
 #include "kvblend/server.h"
 #include "server/running_server.h"
 #include "test_util.h"
@@ -156,10 +157,12 @@ TEST(server_batching, batch_invariant_logprobs_are_the_same_bits_alone_and_toget
 // a hybrid (gated delta-net layers): each stream's recurrent state runs its
 // own delta rule in the batched steps, so its logprobs are the bits it gets
 // alone; a repeated prompt resumes from the state kept at its last token
-// (the cache cannot be cut back otherwise); documents run whole, with the
-// reason, and a later prompt resumes after the documents it shares
-TEST(server_batching, a_hybrid_model_batches_resumes_its_kept_state_and_runs_documents_whole) {
-    running_server s(invariant_params(), test::make_test_model("tiny-qwen35", GGML_TYPE_F16));
+// (the cache cannot be cut back otherwise); documents fuse through their
+// chunks' state maps, and at ratio 1 give the whole prompt's answer. With
+// fusion off, a later prompt resumes after the documents it shares
+TEST(server_batching, a_hybrid_model_batches_resumes_its_kept_state_and_fuses_documents) {
+    const std::string hybrid = test::make_test_model("tiny-qwen35", GGML_TYPE_F16);
+    running_server s(invariant_params(), hybrid);
     std::vector<json> bodies;
     for (int i = 0; i < 4; ++i) {
         std::string prompt = "Once upon a time";
@@ -181,14 +184,33 @@ TEST(server_batching, a_hybrid_model_batches_resumes_its_kept_state_and_runs_doc
     }
     expect_same_bits_together(s, path, bodies, alone);
 
-    auto c = s.client();
-    const json fused = post(c, "/v1/chat/completions",
-                            {{"messages", {{{"role", "user"}, {"content", "Who sat on the tree?"}}}},
-                             {"documents", {"A bird sat on a tree.", "The dog ran home."}},
-                             {"max_tokens", 4}});
-    ASSERT_TRUE(fused.contains("kvblend")) << fused.dump();
-    EXPECT_NE(fused["kvblend"].value("fusion_refused", "").find("hybrid"), std::string::npos) << fused.dump();
-    EXPECT_EQ(fused["kvblend"]["n_fused"].get<int64_t>(), 0);
+    // fusion off (a failed self-check): documents run whole, and the slot
+    // keeps the state at each document's end
+    server_params off = invariant_params();
+    self_check_result failed;
+    failed.ok = false;
+    failed.reason = "a reason the test gives";
+    off.self_check = failed;
+    running_server s2(off, hybrid);
+    auto c = s2.client();
+    {
+        auto cf = s.client();
+        json ask = {{"messages", {{{"role", "user"}, {"content", "Who sat on the tree?"}}}},
+                    {"documents", {"A bird sat on a tree.", "The dog ran home."}},
+                    {"max_tokens", 4},
+                    {"temperature", 0}};
+        const json fused = post(cf, "/v1/chat/completions", ask);
+        ASSERT_TRUE(fused.contains("kvblend")) << fused.dump();
+        EXPECT_FALSE(fused["kvblend"].contains("fusion_refused")) << fused.dump();
+        EXPECT_GT(fused["kvblend"]["n_fused"].get<int64_t>(), 0) << fused.dump();
+        EXPECT_GT(fused["kvblend"]["n_recomputed"].get<int64_t>(), 0) << fused.dump();
+        EXPECT_LT(fused["kvblend"]["n_recomputed"].get<int64_t>(), fused["kvblend"]["n_fused"].get<int64_t>());
+        ask["recomp_ratio"] = 1.0;  // every token recomputed: the whole prompt's answer
+        const json all = post(cf, "/v1/chat/completions", ask), whole = post(c, "/v1/chat/completions", ask);
+        EXPECT_EQ(all["kvblend"]["n_recomputed"], all["kvblend"]["n_fused"]) << all.dump();
+        EXPECT_EQ(whole["kvblend"]["n_fused"], 0) << whole.dump();
+        EXPECT_EQ(all["choices"][0]["message"]["content"], whole["choices"][0]["message"]["content"]);
+    }
 
     // the slot keeps the state at each document's end: a prompt that shares
     // the first document with the last one resumes after it, with the bits
@@ -215,8 +237,9 @@ TEST(server_batching, a_hybrid_model_batches_resumes_its_kept_state_and_runs_doc
     EXPECT_LE(cached, resumed["usage"]["prompt_tokens"].get<int64_t>() - n_tokens(d2));
     json fresh = second;
     fresh["cache_prompt"] = false;
-    EXPECT_EQ(resumed["choices"][0]["logprobs"].dump(), logprobs_of(s, "/v1/chat/completions", fresh))
+    EXPECT_EQ(resumed["choices"][0]["logprobs"].dump(), logprobs_of(s2, "/v1/chat/completions", fresh))
         << "resumed at the document's end";
+    EXPECT_EQ(metric(s2, "kvblend_request_errors_total"), 0);
     EXPECT_EQ(metric(s, "kvblend_request_errors_total"), 0);
 }
 
