@@ -76,9 +76,9 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         // qwen35: version 3, the attention layer's rows and the delta-net layer's state maps
         const model & q35 = fuzz::tiny_hybrid_model();
         chunk_kv hybrid = random_chunk(q35, 5, GGML_TYPE_F16, seed++);
-        hybrid.n_mapped = 4;
+        hybrid.n_head = 1, hybrid.n_mapped = 4;
         hybrid.state_maps.resize((size_t) q35.hparams().state_map_floats());
-        for (size_t i = 0; i < hybrid.state_maps.size(); ++i) hybrid.state_maps[i] = 0.01f * (float) (i % 97);
+        for (size_t i = 0; i < hybrid.state_maps.size(); ++i) hybrid.state_maps[i] = -0.01f * (float) (i % 97);
         seeds.push_back(chunk_encode(q35, hybrid, {}, nullptr));
         return seeds;
     });

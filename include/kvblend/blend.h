@@ -121,16 +121,21 @@ struct blend_result {
 // clears) and keep every layer's K/V. with a prefix, the prefix runs first
 // and the chunk sees it (collect_with_prefix); the chunk then starts at
 // position prefix.n_tokens() and only its own rows are kept.
-// on a hybrid model the chunk also keeps the state maps of its tokens but the
-// last hybrid_chunk_tail(n, hybrid_tail) (chunk_kv::state_maps): the tail a
-// blend recomputes, so a hybrid's recompute share is fixed when its chunk is
-// collected (the blend's ratio of 1 still recomputes every token)
+// on a hybrid model the chunk also keeps the state maps of its tokens but
+// its head (hybrid_chunk_head) and its last hybrid_chunk_tail(n, hybrid_tail)
+// (chunk_kv::state_maps): the tokens a blend recomputes, so a hybrid's
+// recompute share is fixed when its chunk is collected (the blend's ratio of
+// 1 still recomputes every token)
 chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t pos0 = 0,
                  float hybrid_tail = blend_params{}.recomp_ratio);
 chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, const std::vector<llama_token> & tokens,
                        float hybrid_tail = blend_params{}.recomp_ratio);
 // tokens of an n-token hybrid chunk after its maps: ceil(n tail_ratio); the ratio in [0, 1]
 int64_t hybrid_chunk_tail(int64_t n_tokens, float tail_ratio);
+// tokens of an n-token hybrid chunk before its maps, its head, recomputed as
+// a dense blend recomputes a document's first tokens (computed alone, they
+// attend to nothing before them): blend_params' recompute_chunk_head default
+int64_t hybrid_chunk_head(int64_t n_tokens);
 // collect, then keep only the positions an eviction policy picks from the
 // chunk's own prefill (kvblend/evict.h): one selection for every layer and
 // head (scores summed over them), so a blend can place the chunk. streaming,
@@ -150,8 +155,9 @@ int64_t place(engine & eng, const std::vector<const chunk_kv *> & chunks, int la
 // (kept rows only) leave a sparse cache: their evicted positions are not
 // there for any layer, and every step runs on the held rows.
 // on a hybrid model every chunk's rows are placed, then in prompt order each
-// chunk's state maps are applied and its tail is recomputed from that state,
-// then the query runs (the check layer, the budget and the score play no part)
+// chunk's head is recomputed, its state maps applied and its tail recomputed
+// from that state, then the query runs (the check layer, the budget and the
+// score play no part)
 blend_result blend(engine & eng, const std::vector<const chunk_kv *> & chunks, const std::vector<llama_token> & query,
                    const blend_params & params);
 

@@ -39,14 +39,15 @@ struct chunk_kv {
     std::shared_ptr<const chunk_dev> dev;
     // a hybrid model's chunk (docs/ARCHITECTURE.md, "Hybrid and recurrent
     // models"; docs/STORE_FORMAT.md, version 3): per gated delta-net layer, in
-    // layer order, the map S -> exp(G) Ã S + B of its first n_mapped tokens
-    // (graph/delta_map.h) as Ã, G and B (F32, Ã and B in the delta state's
-    // layout), then the convolution's last inputs after them
-    // (model_hparams::state_map_floats each). A blend applies the map and
-    // recomputes the tokens after n_mapped, the chunk's tail. empty on a model
-    // without recurrent layers; a hybrid's widths are 0 at its recurrent layers
+    // layer order, the map S -> exp(G) Ã S + B of its tokens [n_head,
+    // n_mapped) (graph/delta_map.h) as Ã, G and B (F32, Ã and B in the delta
+    // state's layout), then the convolution's last inputs after them
+    // (model_hparams::state_map_floats each). A blend recomputes the tokens
+    // before n_head (the chunk's head), applies the map, and recomputes the
+    // tokens after n_mapped (its tail). empty on a model without recurrent
+    // layers; a hybrid's widths are 0 at its recurrent layers
     std::vector<float> state_maps;
-    int64_t n_mapped = 0;
+    int64_t n_head = 0, n_mapped = 0;
 
     bool on_host() const { return !data.empty(); }
 

@@ -212,6 +212,10 @@ void refuse_hybrid(const model & m, const char * what) {
                     error_kind::invalid_argument);
 }
 
+int64_t hybrid_chunk_head(int64_t n_tokens) {
+    return std::min<int64_t>(n_tokens, blend_params{}.recompute_chunk_head);
+}
+
 int64_t hybrid_chunk_tail(int64_t n_tokens, float tail_ratio) {
     if (!(tail_ratio >= k_recomp_ratio_range.lo && tail_ratio <= k_recomp_ratio_range.hi))
         throw error("a hybrid chunk's tail ratio must be in [0, 1], got " + std::to_string(tail_ratio),
@@ -234,14 +238,16 @@ void collect_check(const model & m, const kv_cache & cache, const std::vector<ll
 
 namespace {
 
-// a hybrid's chunk from the cache's n_past on: its first n - tail tokens run
-// on from the state the cache holds (a prefix's, or an empty one) with their
-// maps tracked, the maps and the convolution's inputs are kept (B: what they
-// leave from an empty state), then the tail runs on
+// a hybrid's chunk from the cache's n_past on: its head runs, then its
+// tokens up to the tail run on from the state the cache holds then (a
+// prefix's, the head's, or an empty one) with their maps tracked, the maps and
+// the convolution's inputs are kept (B: what they leave from an empty state),
+// then the tail runs on
 void run_mapped(engine & eng, const std::vector<llama_token> & tokens, int64_t tail, int64_t pos_shift, chunk_kv & c) {
     kv_cache & cache = eng.cache();
     const model_hparams & hp = eng.mdl().hparams();
-    const int64_t n = (int64_t) tokens.size(), n_mapped = n - tail;
+    const int64_t n = (int64_t) tokens.size(), head = hybrid_chunk_head(n), n_mapped = std::max(head, n - tail);
+    if (head > 0) eng.eval(std::vector<llama_token>(tokens.begin(), tokens.begin() + head), false, pos_shift);
     const int64_t n_delta = hp.delta_state_floats(), H = hp.ssm_n_v_heads, n_conv = hp.conv_state_floats();
     forward_driver drv(eng);
     auto delta_states = [&] {  // every recurrent layer's, in layer order
@@ -259,8 +265,9 @@ void run_mapped(engine & eng, const std::vector<llama_token> & tokens, int64_t t
         ~untrack() { c.track_maps(false); }
     } guard{cache};
     cache.track_maps(true);
-    if (n_mapped > 0) eng.eval(std::vector<llama_token>(tokens.begin(), tokens.begin() + n_mapped), false, pos_shift);
-    c.n_mapped = n_mapped;
+    if (n_mapped > head)
+        eng.eval(std::vector<llama_token>(tokens.begin() + head, tokens.begin() + n_mapped), false, pos_shift);
+    c.n_head = head, c.n_mapped = n_mapped;
     const std::vector<float> b = start.empty() ? delta_states() : drv.map_b_after(start);
     int64_t r = 0;
     for (int il = 0; il < (int) hp.n_layer_kv; ++il) {
@@ -274,7 +281,7 @@ void run_mapped(engine & eng, const std::vector<llama_token> & tokens, int64_t t
         drv.download(cache.conv_state(il), dst + 2 * n_delta + H, 0, (size_t) n_conv * sizeof(float));
     }
     cache.track_maps(false);
-    if (tail > 0) eng.eval(std::vector<llama_token>(tokens.end() - tail, tokens.end()), false, pos_shift);
+    if (n_mapped < n) eng.eval(std::vector<llama_token>(tokens.begin() + n_mapped, tokens.end()), false, pos_shift);
 }
 
 }  // namespace
@@ -293,7 +300,7 @@ chunk_kv collect(engine & eng, const std::vector<llama_token> & tokens, int64_t 
     chunk_kv maps;
     run_mapped(eng, tokens, tail, pos0, maps);
     chunk_kv c = read_chunk(eng, eng.cache(), tokens, 0, pos0);
-    c.state_maps = std::move(maps.state_maps), c.n_mapped = maps.n_mapped;
+    c.state_maps = std::move(maps.state_maps), c.n_head = maps.n_head, c.n_mapped = maps.n_mapped;
     return c;
 }
 
@@ -312,7 +319,7 @@ chunk_kv collect_after(engine & eng, const std::vector<llama_token> & prefix, co
         eng.eval(tokens, false);
     const int64_t np = (int64_t) prefix.size();
     chunk_kv c = read_chunk(eng, eng.cache(), tokens, np, np);
-    c.state_maps = std::move(maps.state_maps), c.n_mapped = maps.n_mapped;
+    c.state_maps = std::move(maps.state_maps), c.n_head = maps.n_head, c.n_mapped = maps.n_mapped;
     return c;
 }
 
@@ -684,12 +691,12 @@ blend_result blend_hybrid(engine & eng, const std::vector<const chunk_kv *> & ch
         if (!c->kept.empty()) throw error("a hybrid model's blend takes whole chunks, not evicted ones");
         if (!c->on_host())
             throw error("a hybrid model's blend takes chunks in host memory (the tiers keep no state maps)");
-        if (!whole && ((int64_t) c->state_maps.size() != n_rec * hp.state_map_floats() || c->n_mapped < 0 ||
-                       c->n_mapped > c->n_tokens()))
+        if (!whole && ((int64_t) c->state_maps.size() != n_rec * hp.state_map_floats() || c->n_head < 0 ||
+                       c->n_mapped < c->n_head || c->n_mapped > c->n_tokens()))
             throw error("a chunk without this model's state maps (" + std::to_string(c->state_maps.size()) +
-                        " floats over " + std::to_string(c->n_mapped) + " of " + std::to_string(c->n_tokens()) +
-                        " tokens; " + std::to_string(n_rec * hp.state_map_floats()) +
-                        " expected): collect it on this model");
+                        " floats over tokens [" + std::to_string(c->n_head) + ", " + std::to_string(c->n_mapped) +
+                        ") of " + std::to_string(c->n_tokens()) + " tokens; " +
+                        std::to_string(n_rec * hp.state_map_floats()) + " expected): collect it on this model");
         for (const llama_token t : c->tokens)
             if (t < 0 || t >= hp.n_vocab) throw error("token id " + std::to_string(t) + " is outside the vocabulary");
         chunks.push_back(c);
@@ -721,10 +728,16 @@ blend_result blend_hybrid(engine & eng, const std::vector<const chunk_kv *> & ch
     int64_t s = 0;
     for (size_t i = 0; i < chunks.size(); ++i) {
         const chunk_kv & c = *chunks[i];
-        const int64_t n_mapped = whole ? 0 : c.n_mapped;
-        if (n_mapped > 0) {
+        // every token (ratio 1), or the head, the map, then the tail
+        const int64_t head = whole ? c.n_tokens() : c.n_head, n_mapped = whole ? c.n_tokens() : c.n_mapped;
+        if (head > 0) {
             const double t0 = time_ms();
-            drv.apply_state_maps(c.state_maps, n_mapped);
+            eng.eval(std::vector<llama_token>(c.tokens.begin(), c.tokens.begin() + head));
+            st.deep_ms += time_ms() - t0;
+        }
+        if (n_mapped > head) {
+            const double t0 = time_ms();
+            drv.apply_state_maps(c.state_maps, n_mapped - head);
             cache.set_placed(s + n_mapped);
             st.place_ms += time_ms() - t0;
         }
@@ -733,6 +746,7 @@ blend_result blend_hybrid(engine & eng, const std::vector<const chunk_kv *> & ch
             eng.eval(std::vector<llama_token>(c.tokens.begin() + n_mapped, c.tokens.end()));
             st.deep_ms += time_ms() - t0;
         }
+        for (int64_t p = s; p < s + head; ++p) res.selected.push_back(p);
         for (int64_t p = s + n_mapped; p < s + c.n_tokens(); ++p) res.selected.push_back(p);
         if (i > 0) st.n_doc_tokens += c.n_tokens();
         s += c.n_tokens();

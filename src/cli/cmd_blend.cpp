@@ -290,8 +290,9 @@ int cmd_blend(int argc, char ** argv) {
         sampler_params greedy;
         greedy.temp = 0;
         std::vector<float> l = logits;
-        if (eng.evicted()) {
-            l = rag_fuse(eng, rp, fp).logits;  // an evicted cache cannot be cut back: fuse (and evict) again
+        if (eng.evicted() || !eng.cache().can_cut_to(N)) {
+            // an evicted cache, or a hybrid's recurrent state, cannot be cut back: fuse (and evict) again
+            l = rag_fuse(eng, rp, fp).logits;
         } else {
             eng.cache().set_n_past(N);  // back to the fused cache: rows past N get rewritten
         }

@@ -23,7 +23,7 @@ constexpr char k_magic[8] = {'K', 'V', 'B', 'C', 'H', 'U', 'N', 'K'};
 constexpr uint32_t k_version = 1;          // every token's rows
 constexpr uint32_t k_version_sparse = 2;   // only the kept tokens' rows (token eviction)
 constexpr uint32_t k_version_hybrid = 3;   // every token's rows of the attention layers, and the state maps
-constexpr size_t k_hybrid_fields = 12;     // version 3: n_mapped, state layers, floats per state layer
+constexpr size_t k_hybrid_fields = 16;     // version 3: n_head, n_mapped, state layers, floats per state layer
 constexpr uint32_t k_pos_k_rope_pos0 = 1;  // K post-RoPE at pos0 + i; V position-free
 constexpr size_t k_fixed_header = 104;
 constexpr size_t k_checksum_bytes = 16;
@@ -55,7 +55,7 @@ std::string hex128(XXH128_hash_t h) {
 struct entry_header {
     std::string fingerprint;
     uint32_t version, n_layer, n_head_kv, head_dim, n_tokens, dtype, convention, n_prefix, n_kept;
-    uint32_t n_mapped = 0, n_state_layers = 0, state_floats = 0;  // version 3
+    uint32_t n_head = 0, n_mapped = 0, n_state_layers = 0, state_floats = 0;  // version 3
     std::vector<uint32_t> head_dims;  // each layer's: head_dim, or the table an entry with head_dim 0 carries
     std::string codec;
     int64_t pos0;
@@ -121,14 +121,15 @@ entry_header parse(const std::vector<uint8_t> & b) {
     for (uint64_t il = 0; il < n_table; ++il) h.head_dims[il] = get_u32(&b[table_at + 4 * il]);
     if (hybrid) {
         const size_t at = want_header - k_hybrid_fields;
-        h.n_mapped = get_u32(&b[at]), h.n_state_layers = get_u32(&b[at + 4]), h.state_floats = get_u32(&b[at + 8]);
+        h.n_head = get_u32(&b[at]), h.n_mapped = get_u32(&b[at + 4]);
+        h.n_state_layers = get_u32(&b[at + 8]), h.state_floats = get_u32(&b[at + 12]);
         // a state layer is a layer without rows (head size 0), and the others hold rows
         const uint64_t n_zero = (uint64_t) std::count(h.head_dims.begin(), h.head_dims.end(), 0u);
-        if (h.n_mapped > h.n_tokens || h.n_state_layers == 0 || h.state_floats == 0 || n_zero != h.n_state_layers ||
-            n_zero == h.n_layer)
-            throw error("entry's state maps (" + std::to_string(h.n_state_layers) + " layers over " +
-                        std::to_string(h.n_mapped) + " of " + std::to_string(h.n_tokens) +
-                        " tokens) do not fit its layers");
+        if (h.n_head > h.n_mapped || h.n_mapped > h.n_tokens || h.n_state_layers == 0 || h.state_floats == 0 ||
+            n_zero != h.n_state_layers || n_zero == h.n_layer)
+            throw error("entry's state maps (" + std::to_string(h.n_state_layers) + " layers over tokens [" +
+                        std::to_string(h.n_head) + ", " + std::to_string(h.n_mapped) + ") of " +
+                        std::to_string(h.n_tokens) + ") do not fit its layers");
     }
     // a row's values, and the rows' bytes, must not overflow: a crafted shape can ask for 2^64 bytes
     uint64_t raw_bytes = 0;
@@ -197,11 +198,16 @@ void check_against(const entry_header & h, const std::vector<uint8_t> & b, const
         same = h.head_dims[il] == (hp.is_recurrent(il) ? 0 : hp.head_dim_of(il));
     if (same && hybrid) same = h.state_floats == hp.state_map_floats();
     if (!same) throw error("entry shape does not match the model");
-    // the maps feed the state every later token reads: no NaN or infinity
-    for (size_t i = 0; hybrid && i < 4ull * h.n_state_layers * h.state_floats; i += 4) {
+    // the maps feed the state every later token reads: finite, G (the sum of
+    // gates <= 0) not positive, and Ã (a product of (I - beta k k^T), beta in
+    // (0, 1), |k| <= 1) no entry past 1 but for rounding
+    const uint64_t n_a = hp.delta_state_floats(), n_g = hp.ssm_n_v_heads;
+    for (uint64_t i = 0; hybrid && i < (uint64_t) h.n_state_layers * h.state_floats; ++i) {
         float f;
-        std::memcpy(&f, &b[h.maps_at + i], 4);
-        if (!std::isfinite(f)) throw error("entry's state maps hold a value that is not finite");
+        std::memcpy(&f, &b[h.maps_at + 4 * i], 4);
+        const uint64_t at = i % h.state_floats;
+        if (!std::isfinite(f) || (at < n_a && std::fabs(f) > 1.001f) || (at >= n_a && at < n_a + n_g && f > 0))
+            throw error("entry's state maps hold a value no map can (" + std::to_string(f) + ")");
     }
     const uint64_t n = (uint64_t) h.n_prefix + h.n_tokens;
     for (uint64_t i = 0; i < n; ++i) {
@@ -274,8 +280,8 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     const bool hybrid = hp.has_recurrent();
     int64_t n_state_layers = 0;
     for (int64_t il = 0; il < hp.n_layer_kv; ++il) n_state_layers += hp.is_recurrent(il) ? 1 : 0;
-    if (hybrid && ((int64_t) c.state_maps.size() != n_state_layers * hp.state_map_floats() || c.n_mapped < 0 ||
-                   c.n_mapped > c.n_tokens()))
+    if (hybrid && ((int64_t) c.state_maps.size() != n_state_layers * hp.state_map_floats() || c.n_head < 0 ||
+                   c.n_mapped < c.n_head || c.n_mapped > c.n_tokens()))
         throw error("a hybrid model's chunk needs its state maps to be stored");
     if (!hybrid && !c.state_maps.empty()) throw error("chunk KV does not match the model");
     if (hybrid && ((cd && cd->name() != k_codec_raw) || !c.kept.empty()))
@@ -321,7 +327,10 @@ std::vector<uint8_t> chunk_encode(const model & m, const chunk_kv & c, const std
     w.raw(c.tokens.data(), 4 * c.tokens.size());
     w.raw(c.kept.data(), 4 * c.kept.size());
     if (!one_size) w.raw(head_dims.data(), 4 * head_dims.size());
-    if (hybrid) w.u32((uint32_t) c.n_mapped), w.u32((uint32_t) n_state_layers), w.u32((uint32_t) hp.state_map_floats());
+    if (hybrid) {
+        w.u32((uint32_t) c.n_head), w.u32((uint32_t) c.n_mapped);
+        w.u32((uint32_t) n_state_layers), w.u32((uint32_t) hp.state_map_floats());
+    }
     // raw: the payload layout is the chunk's own (its first layer's K: the first of its bytes)
     w.raw(raw ? c.data.data() + c.data_offset : coded.data(), payload - maps_bytes);
     w.raw(c.state_maps.data(), maps_bytes);
@@ -368,7 +377,7 @@ chunk_kv decode_parsed(const model & m, const entry_header & h, std::vector<uint
     if (h.n_kept)
         std::memcpy(c.kept.data(), &b[k_fixed_header + 4ull * (h.n_prefix + (uint64_t) h.n_tokens)], 4ull * h.n_kept);
     if (h.version == k_version_hybrid) {
-        c.n_mapped = h.n_mapped;
+        c.n_head = h.n_head, c.n_mapped = h.n_mapped;
         c.state_maps.resize((size_t) h.n_state_layers * h.state_floats);
         std::memcpy(c.state_maps.data(), &b[h.maps_at], c.state_maps.size() * sizeof(float));
     }

@@ -27,7 +27,7 @@ std::shared_ptr<chunk_kv> shape_of(const chunk_kv & c) {
     out->type = c.type;
     out->kept = c.kept;
     out->state_maps = c.state_maps;  // a hybrid's maps stay on the host
-    out->n_mapped = c.n_mapped;
+    out->n_head = c.n_head, out->n_mapped = c.n_mapped;
     return out;
 }
 

@@ -157,6 +157,8 @@ TEST(blend_hybrid, each_chunk_recomputes_its_tail_and_its_maps_carry_the_rest) {
         for (const chunk_kv & c : kv) {
             EXPECT_EQ(c.n_tail(), hybrid_chunk_tail(c.n_tokens(), 0.1f));
             EXPECT_EQ(c.n_tail(), (int64_t) std::ceil(0.1 * (double) c.n_tokens()));
+            EXPECT_EQ(c.n_head, 1);  // the first token, as a dense blend recomputes it
+            for (int64_t t = 0; t < c.n_head; ++t) want_selected.push_back(s + t);
             for (int64_t t = c.n_mapped; t < c.n_tokens(); ++t) want_selected.push_back(s + t);
             s += c.n_tokens();
         }
@@ -200,6 +202,9 @@ TEST(blend_hybrid, chunks_without_this_models_maps_are_refused) {
     bad[3].n_mapped = bad[3].n_tokens() + 1;
     EXPECT_NE(refused(bad).find("without this model's state maps"), std::string::npos);
     bad = kv;
+    bad[3].n_head = bad[3].n_mapped + 1;
+    EXPECT_NE(refused(bad).find("without this model's state maps"), std::string::npos);
+    bad = kv;
     bad[1].tokens[0] = (llama_token) p.m->hparams().n_vocab;
     EXPECT_NE(refused(bad).find("outside the vocabulary"), std::string::npos);
     std::vector<llama_token> bad_query = p.query;
@@ -228,6 +233,7 @@ TEST(blend_hybrid, a_stored_chunk_keeps_its_maps_and_a_forged_one_is_refused) {
         back.push_back(chunk_decode(*p.m, entry));
         EXPECT_EQ(back.back().state_maps, kv.back().state_maps);
         EXPECT_EQ(back.back().n_mapped, kv.back().n_mapped);
+        EXPECT_EQ(back.back().n_head, kv.back().n_head);
         ASSERT_EQ(back.back().bytes(), kv.back().bytes());
         EXPECT_EQ(std::memcmp(back.back().data.data() + back.back().data_offset,
                               kv.back().data.data() + kv.back().data_offset, kv.back().bytes()),
@@ -253,19 +259,25 @@ TEST(blend_hybrid, a_stored_chunk_keeps_its_maps_and_a_forged_one_is_refused) {
     b[b.size() - 100] ^= 0x10;  // inside the maps
     refused(b, "checksum");
     const size_t maps_at = good.size() - 16 - kv[1].state_maps.size() * sizeof(float);
-    b = good;
-    const float nan = NAN;
-    std::memcpy(&b[maps_at + 40], &nan, 4);
-    refused(reseal(b), "not finite");
-    // the fields after the head-size table: n_mapped, state layers, floats per layer
+    // values no map holds: NaN, Ã past 1, a positive G (the sum of gates <= 0)
+    const int64_t n_a = p.m->hparams().delta_state_floats();
+    for (const auto & [at, v] : {std::pair<int64_t, float>{40, NAN}, {7, 3.0f}, {n_a, 0.5f}}) {
+        b = good;
+        std::memcpy(&b[maps_at + 4 * at], &v, 4);
+        refused(reseal(b), "no map can");
+    }
+    // the fields after the head-size table: n_head, n_mapped, state layers, floats per layer
     const size_t fields = 104 + 4 * (kv[1].tokens.size() + p.m->hparams().n_layer_kv);
     b = good;
     const uint32_t too_many = (uint32_t) kv[1].n_tokens() + 1;
-    std::memcpy(&b[fields], &too_many, 4);
+    std::memcpy(&b[fields + 4], &too_many, 4);
+    refused(reseal(b), "do not fit");
+    b = good;
+    std::memcpy(&b[fields], &too_many, 4);  // a head past the map
     refused(reseal(b), "do not fit");
     b = good;
     const uint32_t other_floats = (uint32_t) p.m->hparams().state_map_floats() - 1;
-    std::memcpy(&b[fields + 8], &other_floats, 4);
+    std::memcpy(&b[fields + 12], &other_floats, 4);
     refused(reseal(b), "trailing bytes");  // the size no longer adds up
     // a dense model's entries are not a hybrid's, nor the other way round
     auto dense = model::load(test::make_test_model("tiny"));
@@ -297,9 +309,12 @@ TEST(blend_hybrid, rag_fuse_collects_stores_and_reads_back_a_hybrids_chunks) {
     EXPECT_EQ(again.fetch.hits, (int64_t) p.chunks.size());
     EXPECT_EQ(again.logits, first.logits);
     EXPECT_LT(kl(full, first.logits), 0.05);
-    int64_t tails = (int64_t) p.query.size();
-    for (const auto & c : p.chunks) tails += hybrid_chunk_tail((int64_t) c.size(), blend_params{}.recomp_ratio);
-    EXPECT_EQ(first.stats.n_selected, tails);
+    int64_t recomputed = (int64_t) p.query.size();  // each chunk's head and tail, and the query
+    for (const auto & c : p.chunks)
+        recomputed += std::min<int64_t>(
+            (int64_t) c.size(),
+            hybrid_chunk_head((int64_t) c.size()) + hybrid_chunk_tail((int64_t) c.size(), blend_params{}.recomp_ratio));
+    EXPECT_EQ(first.stats.n_selected, recomputed);
     fp.codec = "q8_0";
     EXPECT_NE(test::error_of([&] { rag_fuse(eng, rp, fp); }).find("stored raw"), std::string::npos);
 }
