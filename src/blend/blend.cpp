@@ -670,8 +670,8 @@ namespace {
 
 // a hybrid's blend (docs/ARCHITECTURE.md, "Hybrid and recurrent models"):
 // every chunk's rows placed at once; then, chunk by chunk in prompt order, its
-// maps applied to the recurrent state and its tail run on from there
-// (attending over every row placed or run before it), then the query. a ratio
+// head recomputed, its maps applied to the recurrent state and its tail run on
+// from there (attending over every row placed or run before it), then the query. a ratio
 // of 1 runs every chunk's tokens instead (the maps unused): a full prefill in pieces
 blend_result blend_hybrid(engine & eng, const std::vector<const chunk_kv *> & chunks_in,
                           const std::vector<llama_token> & query, const blend_params & params) {
@@ -690,7 +690,7 @@ blend_result blend_hybrid(engine & eng, const std::vector<const chunk_kv *> & ch
         if (c->n_tokens() == 0) continue;
         if (!c->kept.empty()) throw error("a hybrid model's blend takes whole chunks, not evicted ones");
         if (!c->on_host())
-            throw error("a hybrid model's blend takes chunks in host memory (the tiers keep no state maps)");
+            throw error("a hybrid model's blend takes chunks in host memory (the device tier keeps none of them)");
         if (!whole && ((int64_t) c->state_maps.size() != n_rec * hp.state_map_floats() || c->n_head < 0 ||
                        c->n_mapped < c->n_head || c->n_mapped > c->n_tokens()))
             throw error("a chunk without this model's state maps (" + std::to_string(c->state_maps.size()) +
